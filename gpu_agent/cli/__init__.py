@@ -1,0 +1,74 @@
+"""The gpu-agent command line. One module per subcommand; each imports its heavy parts (aiohttp,
+pynvml, the daemon) inside its main(), so `gpu-agent status` starts fast."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from gpu_agent import __version__
+from gpu_agent.errors import EXIT_ERROR, AgentError
+
+_SUBCOMMANDS = {
+    "run": "run the daemon (what systemd starts)",
+    "apply": "reconcile every stage once and exit",
+    "status": "show the running daemon's status",
+    "check": "preflight: report what is wrong or would change; changes nothing",
+    "sim": "inspect and rehearse failures on a simulated node",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpu-agent",
+        description="Make this machine's NVIDIA GPUs ready for Kubernetes and containers, and keep them that way.",
+        epilog="Exit codes: 0 ok, 1 error, 2 degraded or not ready.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpu-agent {__version__}")
+    parser.add_argument("--config", default=os.environ.get("GPU_AGENT_CONFIG"), metavar="PATH",
+                        help="config file (env GPU_AGENT_CONFIG; default /etc/gpu-agent/config.yaml under --root, "
+                             "built-in defaults when that file is missing)")
+    parser.add_argument("--root", default=os.environ.get("GPU_AGENT_ROOT", "/"), metavar="DIR",
+                        help="resolve every host path under DIR (env GPU_AGENT_ROOT; default /)")
+    parser.add_argument("--simulate", default=os.environ.get("GPU_AGENT_SIMULATE") or None, metavar="PROFILE|FILE",
+                        help="simulated hardware: dgx-a100, dgx-h100, a30, t4, none, or a machine YAML file "
+                             "(env GPU_AGENT_SIMULATE)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, help_text in _SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"gpu_agent.cli.{name}").add_arguments(sub)
+    return parser
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):
+        # journald reads the <N> prefix as the syslog priority and adds its own timestamps.
+        handler.setFormatter(_JournalFormatter("%(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+
+
+class _JournalFormatter(logging.Formatter):
+    _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self._PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    module = importlib.import_module(f"gpu_agent.cli.{args.command}")
+    try:
+        return int(module.main(args))
+    except AgentError as exc:
+        print(f"gpu-agent: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_ERROR

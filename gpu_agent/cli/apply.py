@@ -1,0 +1,47 @@
+"""gpu-agent apply --once [--dry-run]: one reconcile pass in this process, then exit."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from gpu_agent.cli.common import config_of, root_of
+from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--once", action="store_true", required=True,
+                        help="run every stage once and exit (the daemon is `gpu-agent run`)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print every change (file diffs included) and change nothing")
+
+
+def main(args: argparse.Namespace) -> int:
+    from gpu_agent.daemon.app import Runtime, take_lock
+
+    root = root_of(args)
+    loaded = config_of(args)
+    lock = None if args.dry_run else take_lock(root)
+    try:
+        runtime = Runtime.build(root, loaded, args.simulate)
+        try:
+            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=args.dry_run))
+        finally:
+            runtime.nvml.close()
+    finally:
+        if lock is not None:
+            lock.close()
+    converged = True
+    for run in runs:
+        mark = "+" if run.state == "ok" else "-"
+        print(f"[{mark}] {run.stage}: {run.state}: {run.message}")
+        for action in run.planned:
+            verb = "would" if args.dry_run else "did"
+            print(f"    {verb}: {action.summary}")
+            if args.dry_run and action.diff:
+                sys.stdout.write("".join(f"    {line}\n" for line in action.diff.splitlines()))
+        converged = converged and run.state == "ok" and not (args.dry_run and run.planned)
+    if args.dry_run:
+        changes = sum(len(run.planned) for run in runs)
+        print(f"dry run: {changes} change(s) planned, nothing changed")
+    return EXIT_OK if converged else EXIT_NOT_READY if runs else EXIT_ERROR

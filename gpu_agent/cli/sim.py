@@ -1,0 +1,121 @@
+"""gpu-agent sim: look at a simulated node and rehearse failures on it; a running daemon sees them within a second."""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from typing import Any
+
+from gpu_agent.cli.common import root_of
+from gpu_agent.errors import EXIT_OK, AgentError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="sim_command", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="the simulated machine: GPUs, MIG, processes, faults")
+    show.add_argument("--json", action="store_true")
+    xid = actions.add_parser("inject-xid", help="raise an XID event on a GPU")
+    xid.add_argument("--gpu", type=int, required=True, metavar="N")
+    xid.add_argument("--xid", type=int, required=True, metavar="X")
+    fail = actions.add_parser("fail", help="make an NVML call fail (or hang) like a real driver")
+    fail.add_argument("call", metavar="CALL", help="NVML function name, e.g. nvmlDeviceGetTemperature")
+    fail.add_argument("--gpu", type=int, metavar="N", help="only on this GPU (default: every GPU)")
+    fail.add_argument("--times", type=int, metavar="K", help="fail K times, then work again (default: until clear)")
+    fail.add_argument("--error", default="Unknown", metavar="NAME",
+                      help="NVMLError to raise: GpuIsLost, Unknown, Timeout, DriverNotLoaded, ... or 'hang'")
+    process = actions.add_parser("add-process", help="run a (pretend) compute process on a GPU")
+    process.add_argument("--gpu", type=int, required=True, metavar="N")
+    process.add_argument("--pid", type=int, required=True, metavar="P")
+    process.add_argument("--name", required=True)
+    process.add_argument("--memory-mib", type=int, default=1024, metavar="MIB")
+    actions.add_parser("clear", help="remove injected faults, XID events and processes")
+
+
+def main(args: argparse.Namespace) -> int:
+    from gpu_agent.nvml.sim.machine import MachineState
+
+    machine = MachineState(root_of(args))
+    if args.simulate:
+        machine.ensure(args.simulate)
+    handler = {"show": _show, "inject-xid": _inject_xid, "fail": _fail, "add-process": _add_process,
+               "clear": _clear}[args.sim_command]
+    handler(machine, args)
+    return EXIT_OK
+
+
+def _gpu_index(state: dict[str, Any], index: int) -> int:
+    count = len(state["gpus"])
+    if not 0 <= index < count:
+        raise AgentError(f"--gpu {index}: the simulated machine has {count} GPU(s) (0..{count - 1})")
+    return index
+
+
+def _show(machine: Any, args: argparse.Namespace) -> None:
+    state = machine.read()
+    if args.json:
+        print(json.dumps(state, indent=2))
+        return
+    driver = state["driver_version"] or "none (no NVIDIA driver installed)"
+    print(f"machine {state['machine']} ({state['source']}), driver {driver}")
+    for index, gpu in enumerate(state["gpus"]):
+        mig = gpu["mig"]
+        instances = ", ".join(f"gi{i['gi_id']}@{i['start']}" for i in mig["instances"]) or "none"
+        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} "
+              f"mig={'on' if mig['current'] else 'off'} instances={instances}")
+        for p in gpu["processes"]:
+            print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
+    for fault in state["faults"]:
+        scope = f"GPU {fault['gpu']}" if fault.get("gpu") is not None else "every GPU"
+        times = "until cleared" if fault.get("times") is None else f"{fault['times']} more time(s)"
+        print(f"  fault: {fault['call']} on {scope} -> {fault['error']}, {times}")
+    for xid in state["xids"]:
+        print(f"  xid {xid['xid']} on GPU {xid['gpu']} at {time.strftime('%H:%M:%S', time.localtime(xid['at']))}")
+
+
+def _inject_xid(machine: Any, args: argparse.Namespace) -> None:
+    with machine.edit() as state:
+        gpu = _gpu_index(state, args.gpu)
+        state["xids"].append({"seq": state["next_seq"], "gpu": gpu, "xid": args.xid, "at": time.time()})
+        state["next_seq"] += 1
+    print(f"XID {args.xid} raised on GPU {args.gpu}")
+
+
+def _fail(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.nvml.sim.fake import HANG, FakeNvml, error_class, error_names
+
+    if not args.call.startswith("nvml") or not callable(FakeNvml.__dict__.get(args.call)):
+        simulated = sorted(name for name in FakeNvml.__dict__ if name.startswith("nvml"))
+        raise AgentError(f"{args.call}: not an NVML call the simulator implements; one of: {', '.join(simulated)}")
+    if args.error != HANG:
+        try:
+            error_class(args.error)
+        except ValueError:
+            raise AgentError(f"--error {args.error}: unknown; one of hang, {', '.join(error_names())}") from None
+    if args.times is not None and args.times < 1:
+        raise AgentError("--times must be at least 1")
+    with machine.edit() as state:
+        gpu = None if args.gpu is None else _gpu_index(state, args.gpu)
+        state["faults"].append({"call": args.call, "gpu": gpu, "times": args.times, "error": args.error})
+    print(f"{args.call} will fail with {args.error}")
+
+
+def _add_process(machine: Any, args: argparse.Namespace) -> None:
+    with machine.edit() as state:
+        gpu = _gpu_index(state, args.gpu)
+        state["gpus"][gpu]["processes"].append({"pid": args.pid, "name": args.name, "used_mib": args.memory_mib})
+    comm = machine.root(f"/proc/{args.pid}/comm")
+    comm.parent.mkdir(parents=True, exist_ok=True)
+    comm.write_text(args.name[:15] + "\n")  # the kernel keeps 15 characters of a command name
+    print(f"process {args.pid} ({args.name}) running on GPU {args.gpu}")
+
+
+def _clear(machine: Any, args: argparse.Namespace) -> None:
+    with machine.edit() as state:
+        pids = [p["pid"] for gpu in state["gpus"] for p in gpu["processes"]]
+        for gpu in state["gpus"]:
+            gpu["processes"] = []
+        state["faults"], state["xids"] = [], []
+    for pid in pids:
+        shutil.rmtree(machine.root(f"/proc/{pid}"), ignore_errors=True)
+    print("faults, XID events and processes cleared")

@@ -1,0 +1,104 @@
+"""gpu-agent status: ask the running daemon (unix socket, then TCP) and print a compact table."""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+from gpu_agent.cli.common import config_of, root_of
+from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
+
+_POLL_S = 0.5
+_REQUEST_TIMEOUT_S = 5.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the daemon's /status document")
+    parser.add_argument("--wait", action="store_true", help="wait until the agent is ready")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="with --wait: give up after S seconds (exit 2, or 1 if the daemon never answered)")
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
+def fetch_status(args: argparse.Namespace) -> tuple[Optional[dict[str, Any]], str]:
+    """The daemon's /status, or None and why it could not be read."""
+    http_config = config_of(args).config.http
+    endpoints: list[tuple[str, http.client.HTTPConnection]] = []
+    if http_config.socket:
+        path = str(root_of(args)(http_config.socket))
+        endpoints.append((path, _UnixConnection(path, _REQUEST_TIMEOUT_S)))
+    if http_config.listen:
+        endpoints.append((http_config.listen, http.client.HTTPConnection(
+            http_config.host, http_config.port, timeout=_REQUEST_TIMEOUT_S)))
+    errors = []
+    for where, connection in endpoints:
+        try:
+            connection.request("GET", "/status")
+            response = connection.getresponse()
+            return json.loads(response.read()), where
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            errors.append(f"{where}: {exc}")
+        finally:
+            connection.close()
+    return None, "; ".join(errors) or "http.listen and http.socket are both off"
+
+
+def main(args: argparse.Namespace) -> int:
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    while True:
+        status, where = fetch_status(args)
+        done = status is not None and (status["ready"] or not args.wait)
+        if done or not args.wait or (deadline is not None and time.monotonic() >= deadline):
+            break
+        time.sleep(_POLL_S)
+    if status is None:
+        print(f"gpu-agent is not running or not answering ({where}); see `systemctl status gpu-agent`",
+              file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print_table(status)
+    return EXIT_OK if status["ready"] and not status["degraded"] else EXIT_NOT_READY
+
+
+def print_table(status: dict[str, Any]) -> None:
+    print(f"gpu-agent {status['version']}: {status['summary']}")
+    config = status["config"]
+    print(f"config: {config['source']} ({config['digest'][:19]})")
+    if config["reload_error"]:
+        print(f"config reload rejected: {config['reload_error']}")
+    rows = [("STAGE", "STATE", "MESSAGE")]
+    rows += [(s["name"], s["state"], s["message"]) for s in status["stages"]]
+    _table(rows)
+    if status["gpus"]:
+        print()
+        rows = [("GPU", "UUID", "PCI", "PRODUCT", "MEMORY", "HEALTH", "MIG")]
+        for gpu in status["gpus"]:
+            mig = gpu["mig"]
+            mig_text = "n/a" if not mig["capable"] else (
+                f"on ({len(mig['instances'])} instances)" if mig["mode"] == "enabled" else "off")
+            health = gpu["health"] if not gpu["health_reason"] else f"{gpu['health']}: {gpu['health_reason']}"
+            rows.append((str(gpu["index"]), gpu["uuid"], gpu["pci_bus_id"], gpu["product"],
+                         f"{gpu['memory_mib']} MiB", health, mig_text))
+        _table(rows)
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])

@@ -1,0 +1,1 @@
+"""The long-running agent: composition root, reconcile engine, systemd notify, HTTP."""

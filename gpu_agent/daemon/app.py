@@ -1,0 +1,278 @@
+"""Composition root: builds the NVML client, state, stages and outputs, and runs the daemon loop."""
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Optional
+
+from gpu_agent import __version__
+from gpu_agent.config import AgentConfig, LoadedConfig, load_config
+from gpu_agent.daemon.engine import Engine
+from gpu_agent.errors import AgentError
+from gpu_agent.host.paths import Root
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.stages.base import Stage
+from gpu_agent.stages.discovery import Discovery
+from gpu_agent.state import AgentState
+
+log = logging.getLogger(__name__)
+
+LOCK_PATH = "/run/gpu-agent/agent.lock"
+_SIM_POLL_S = 0.25
+_STOP_BUDGET_S = 4.0
+
+
+def open_nvml(root: Root, simulate: Optional[str], call_timeout: float) -> Nvml:
+    """The real pynvml, or the simulator's fake of it on a machine kept under `root`."""
+    if simulate:
+        from gpu_agent.nvml.sim.fake import FakeNvml
+        from gpu_agent.nvml.sim.machine import MachineState
+
+        machine = MachineState(root)
+        machine.ensure(simulate)
+        return Nvml(FakeNvml(machine), call_timeout)
+    import pynvml
+
+    return Nvml(pynvml, call_timeout)
+
+
+def build_stages(config: AgentConfig, nvml: Nvml, state: AgentState) -> list[Stage]:
+    return [Discovery(nvml, state, config.discovery)]
+
+
+@dataclass
+class Runtime:
+    """What one-shot commands and the daemon share: NVML, the state model and the engine."""
+
+    root: Root
+    nvml: Nvml
+    state: AgentState
+    engine: Engine
+
+    @classmethod
+    def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
+        config = loaded.config
+        nvml = open_nvml(root, simulate, config.nvml.call_timeout_seconds)
+        state = AgentState(loaded, simulated=simulate)
+        engine = Engine(build_stages(config, nvml, state), state, config.reconcile)
+        return cls(root, nvml, state, engine)
+
+
+def take_lock(root: Root) -> IO[str]:
+    """One agent per root: the daemon and `apply` hold this lock while they may change the host."""
+    path = root(LOCK_PATH)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise AgentError(
+            f"another gpu-agent (pid {holder}) is running on root {root.path} and holds {path}; "
+            "to make it re-apply now use `systemctl reload gpu-agent`"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+class Daemon:
+    def __init__(self, runtime: Runtime, config_path: Path, config_required: bool) -> None:
+        from gpu_agent.daemon.health import XidWatcher
+        from gpu_agent.daemon.http import HttpServer, build_app
+        from gpu_agent.daemon.metrics import AgentCollector, make_registry
+        from gpu_agent.daemon.notify import Notifier
+        from gpu_agent.daemon.sampler import Sampler
+
+        self.runtime = runtime
+        self.state = runtime.state
+        self.config_path = config_path
+        self.config_required = config_required
+        self.notifier = Notifier()
+        self.sampler = Sampler(runtime.nvml, self.state, runtime.root)
+        self.collector = AgentCollector(self.state, lambda: runtime.nvml.timeouts,
+                                        self.config.metrics.hostname)
+        self.http = HttpServer(build_app(self.state, make_registry(self.collector), self._loop_alive),
+                               runtime.root)
+        self.xids = XidWatcher(runtime.nvml, self.state, self._threadsafe_publish)
+        self._wake = asyncio.Event()
+        self._force = False
+        self._stopping = asyncio.Event()
+        self._reload_requested = False
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._main: Optional[asyncio.Task[Any]] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    @property
+    def config(self) -> AgentConfig:
+        return self.state.config.config
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(signum, self._stopping.set)
+        self._loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+        await self.http.start(self.config.http)
+        self._main = asyncio.current_task()
+        self.xids.start()
+        self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler")]
+        interval = self.notifier.watchdog_interval()
+        if interval:
+            self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
+        if self.state.simulated:
+            self._tasks.append(asyncio.create_task(self._watch_simulator(), name="simulator"))
+        reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
+        self._tasks.append(reconciler)
+        await self._stopping.wait()
+        return await self._shutdown()
+
+    async def _shutdown(self) -> int:
+        log.info("stopping")
+        self.notifier.stopping()
+        self.xids.stop()
+        for task in self._tasks:
+            task.cancel()
+        done, pending = await asyncio.wait(self._tasks, timeout=_STOP_BUDGET_S / 2)
+        if pending:
+            log.warning("stopping without waiting for %s", ", ".join(t.get_name() for t in pending))
+        await self.http.stop()
+        await asyncio.to_thread(self.runtime.nvml.close)
+        log.info("stopped")
+        return 0
+
+    def _loop_alive(self) -> bool:
+        return any(t.get_name() == "reconcile" and not t.done() for t in self._tasks)
+
+    # --- reconcile -------------------------------------------------------------------------------
+
+    def trigger(self, force: bool = False) -> None:
+        self._force = self._force or force
+        self._wake.set()
+
+    def _request_reload(self) -> None:
+        self._reload_requested = True
+        self.trigger(force=True)
+
+    async def _reconcile_loop(self) -> None:
+        first = True
+        while True:
+            if self._reload_requested:
+                self._reload_requested = False
+                await self._reload()
+            force, self._force = self._force, False
+            self._wake.clear()
+            started = time.monotonic()
+            await self.runtime.engine.reconcile(force=force or first)
+            if first:
+                await asyncio.to_thread(self.sampler.sample)
+                self.state.first_reconcile_done = True
+                self.notifier.ready(self.state.summary_line())
+                log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
+                first = False
+            self.publish()
+            await self._sleep_until_next()
+
+    async def _sleep_until_next(self) -> None:
+        now = time.time()
+        deadline = now + self.config.reconcile.interval_seconds
+        retry = self.runtime.engine.next_retry()
+        if retry is not None:
+            deadline = min(deadline, retry)
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, deadline - now))
+        except asyncio.TimeoutError:
+            pass
+
+    async def _reload(self) -> None:
+        self.notifier.reloading()
+        log.info("reloading configuration from %s", self.config_path)
+        try:
+            loaded = await asyncio.to_thread(load_config, self.config_path, self.config_required)
+            await self.http.restart(loaded.config.http)
+        except AgentError as exc:
+            self.state.config_error = str(exc)
+            log.error("configuration reload rejected, still running the previous one: %s", exc)
+        else:
+            self._apply_config(loaded)
+        self.notifier.ready(self.state.summary_line())
+
+    def _apply_config(self, loaded: LoadedConfig) -> None:
+        config = loaded.config
+        runtime = self.runtime
+        self.state.config, self.state.config_error = loaded, None
+        self.state.config_loaded_at = time.time()
+        runtime.nvml.call_timeout = config.nvml.call_timeout_seconds
+        runtime.engine.settings = config.reconcile
+        runtime.engine.stages = build_stages(config, runtime.nvml, self.state)
+        self.collector.hostname = config.metrics.hostname or self.collector.hostname
+        logging.getLogger().setLevel(config.log_level.upper())
+        log.info("configuration %s loaded from %s", loaded.digest[:19], loaded.source)
+
+    # --- outputs and watchers --------------------------------------------------------------------
+
+    def publish(self) -> None:
+        if self.state.first_reconcile_done:
+            self.notifier.status(self.state.summary_line())
+
+    def _threadsafe_publish(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.publish)
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.metrics.sample_interval_seconds)
+            await asyncio.to_thread(self.sampler.sample)
+            self.publish()
+
+    async def _watchdog_loop(self, interval: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    async def _watch_simulator(self) -> None:
+        """A change to the simulated machine is like a hardware event: resample and reconcile now."""
+        from gpu_agent.nvml.sim.machine import MachineState
+
+        path = MachineState(self.runtime.root).path
+        last = None
+        while True:
+            try:
+                st = path.stat()
+                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            except FileNotFoundError:
+                stamp = None
+            if last is not None and stamp != last:
+                await asyncio.to_thread(self.sampler.sample)
+                self.trigger(force=True)
+                self.publish()
+            last = stamp
+            await asyncio.sleep(_SIM_POLL_S)
+
+
+def run_daemon(root: Root, loaded: LoadedConfig, config_path: Path, config_required: bool,
+               simulate: Optional[str]) -> int:
+    lock = take_lock(root)
+    try:
+        log.info("gpu-agent %s starting: root=%s config=%s%s", __version__, root.path, loaded.source,
+                 f" simulate={simulate}" if simulate else "")
+        runtime = Runtime.build(root, loaded, simulate)
+
+        async def main() -> int:
+            # Built inside the running loop: asyncio objects must belong to it (Python 3.9).
+            return await Daemon(runtime, config_path, config_required).run()
+
+        return asyncio.run(main())
+    finally:
+        lock.close()

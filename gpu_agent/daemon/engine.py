@@ -1,0 +1,109 @@
+"""The reconcile engine: runs stages in order, records each outcome, and backs off failing stages."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from gpu_agent.config.schema import ReconcileConfig
+from gpu_agent.errors import AgentError
+from gpu_agent.stages.base import Action, Stage
+from gpu_agent.state import FAILED, OK, WAITING, AgentState, StageStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageRun:
+    """What one stage did in one reconcile."""
+
+    stage: str
+    state: str
+    message: str
+    planned: list[Action] = field(default_factory=list)
+    applied: bool = False
+    skipped: bool = False  # still backing off from an earlier failure
+
+
+class Engine:
+    def __init__(self, stages: Sequence[Stage], state: AgentState, settings: ReconcileConfig) -> None:
+        self.stages = list(stages)
+        self.state = state
+        self.settings = settings
+        for stage in self.stages:
+            state.stages.setdefault(stage.name, StageStatus(stage.name))
+
+    async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
+        """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything."""
+        runs = []
+        for stage in self.stages:
+            status = self.state.stages[stage.name]
+            now = time.time()
+            if not force and not dry_run and status.next_retry is not None and now < status.next_retry:
+                runs.append(StageRun(stage.name, status.state, status.message, skipped=True))
+                continue
+            blocked = [name for name in stage.requires if self.state.stages[name].state != OK]
+            if blocked:
+                message = f"waiting for {', '.join(blocked)}"
+                status.record(WAITING, message, None, now)
+                status.next_retry = None
+                runs.append(StageRun(stage.name, WAITING, message))
+                continue
+            run = await asyncio.to_thread(self._run_stage, stage, dry_run)
+            if not dry_run:
+                self._record(stage, status, run, started=now)
+            runs.append(run)
+        if not dry_run:
+            self.state.reconciles += 1
+        return runs
+
+    def _run_stage(self, stage: Stage, dry_run: bool) -> StageRun:
+        try:
+            observed = stage.observe()
+            actions = stage.plan(observed)
+            if dry_run:
+                if actions:
+                    return StageRun(stage.name, "pending", f"would make {len(actions)} change(s)", planned=actions)
+                return StageRun(stage.name, OK, stage.verify(observed))
+            if actions:
+                for action in actions:
+                    log.info("%s: %s", stage.name, action.summary)
+                stage.apply(actions)
+                observed = stage.observe()
+            return StageRun(stage.name, OK, stage.verify(observed), planned=actions, applied=bool(actions))
+        except AgentError as exc:
+            return StageRun(stage.name, FAILED, str(exc))
+        except Exception as exc:  # a bug: keep the daemon alive, say where it is
+            log.exception("stage %s crashed; this is a gpu-agent bug", stage.name)
+            return StageRun(stage.name, FAILED, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _record(self, stage: Stage, status: StageStatus, run: StageRun, started: float) -> None:
+        now = time.time()
+        previous = status.state
+        status.duration_seconds = now - started
+        if run.state == OK:
+            status.record(OK, run.message, None, now)
+            status.failures, status.next_retry = 0, None
+            if run.applied:
+                status.changes_applied += len(run.planned)
+                status.last_change = now
+            if previous != OK:
+                log.info("%s: ok: %s", stage.name, run.message)
+            return
+        status.failures += 1
+        delay = self.backoff(status.failures)
+        status.record(FAILED, run.message, run.message, now)
+        status.next_retry = now + delay
+        if previous != FAILED or status.failures in (1, 2) or status.failures % 10 == 0:
+            log.error("%s failed: %s (retry %d in %.0f s)", stage.name, run.message, status.failures, delay)
+
+    def backoff(self, failures: int) -> float:
+        base = self.settings.backoff_initial_seconds * 2 ** min(failures - 1, 30)
+        return min(base, self.settings.backoff_max_seconds) * random.uniform(0.9, 1.0)
+
+    def next_retry(self) -> Optional[float]:
+        retries = [s.next_retry for s in self.state.stages.values() if s.next_retry is not None]
+        return min(retries) if retries else None

@@ -1,0 +1,1 @@
+"""Everything that touches the host: paths under --root, file writes, subprocesses."""

@@ -1,0 +1,326 @@
+"""The one narrow way into NVML.
+
+`lib` is the pynvml module or the simulator's fake of it: same function names, same NVMLError
+classes, so this code runs unchanged in tests. NVML is initialised once per process, and every
+call runs on a worker thread with a timeout so a hung driver cannot hang the agent.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Optional
+
+from gpu_agent.errors import AgentError
+from gpu_agent.nvml.model import Gpu, GpuSample, Inventory, MigDevice, MigProfile, MigState, XidEvent
+
+log = logging.getLogger(__name__)
+
+# NVML_GPU_INSTANCE_PROFILE_* constants worth asking about, in the order nvidia-smi lists them.
+_GI_PROFILE_CONSTANTS = (
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE",
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1",
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1",
+    "NVML_GPU_INSTANCE_PROFILE_3_SLICE",
+    "NVML_GPU_INSTANCE_PROFILE_4_SLICE",
+    "NVML_GPU_INSTANCE_PROFILE_6_SLICE",
+    "NVML_GPU_INSTANCE_PROFILE_7_SLICE",
+    "NVML_GPU_INSTANCE_PROFILE_8_SLICE",
+)
+
+_INIT_REMEDIES = {
+    "NVMLError_LibraryNotFound": "NVML library (libnvidia-ml.so.1) not found: the NVIDIA driver is not installed",
+    "NVMLError_DriverNotLoaded": "the NVIDIA kernel driver is not loaded (modprobe nvidia, or check dmesg)",
+    "NVMLError_NoPermission": "no permission to open /dev/nvidiactl: run the agent as root",
+    "NVMLError_LibRmVersionMismatch": (
+        "NVML library and kernel module versions differ (half-finished driver upgrade): "
+        "reload the nvidia modules or reboot"
+    ),
+}
+
+
+class NvmlUnavailable(AgentError):
+    """NVML cannot be initialised: no driver, driver not loaded, version mismatch."""
+
+    def __init__(self, message: str, no_driver: bool = False) -> None:
+        super().__init__(message)
+        self.no_driver = no_driver
+
+
+class NvmlHung(AgentError):
+    """An NVML call did not return in time; the driver is presumed hung."""
+
+
+class _TimedCalls:
+    """Runs calls on worker threads; a call past its timeout marks NVML hung until it returns."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nvml")
+        self._lock = threading.Lock()
+        self._stuck: dict[Future[Any], tuple[str, float]] = {}
+        self.timeouts = 0
+
+    def __call__(self, name: str, fn: Callable[..., Any], *args: Any, extra_timeout: float = 0.0) -> Any:
+        with self._lock:
+            if self._stuck:
+                stuck_name, since = next(iter(self._stuck.values()))
+                raise NvmlHung(
+                    f"NVML call {stuck_name} has not returned for {time.monotonic() - since:.0f} s "
+                    f"(the driver looks hung); {name} not attempted"
+                )
+        started = time.monotonic()
+        future = self._pool.submit(fn, *args)
+        try:
+            return future.result(timeout=self.timeout + extra_timeout)
+        except FutureTimeout:
+            with self._lock:
+                self.timeouts += 1
+                self._stuck[future] = (name, started)
+            future.add_done_callback(self._unstick)
+            raise NvmlHung(
+                f"NVML call {name} did not return within {self.timeout + extra_timeout:g} s (the driver looks hung)"
+            ) from None
+
+    def _unstick(self, future: Future[Any]) -> None:
+        with self._lock:
+            name, since = self._stuck.pop(future, ("?", 0.0))
+        log.warning("NVML call %s returned after %.0f s; NVML is usable again", name, time.monotonic() - since)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Nvml:
+    def __init__(self, lib: Any, call_timeout: float = 5.0) -> None:
+        self.lib = lib
+        self._call = _TimedCalls(call_timeout)
+        self._init_lock = threading.Lock()
+        self._initialised = False
+        self._static: dict[str, tuple[MigProfile, ...]] = {}  # MIG profile tables by GPU UUID
+
+    @property
+    def call_timeout(self) -> float:
+        return self._call.timeout
+
+    @call_timeout.setter
+    def call_timeout(self, seconds: float) -> None:
+        self._call.timeout = seconds
+
+    @property
+    def timeouts(self) -> int:
+        return self._call.timeouts
+
+    def _nvml(self, name: str, *args: Any, extra_timeout: float = 0.0) -> Any:
+        try:
+            return self._call(name, getattr(self.lib, name), *args, extra_timeout=extra_timeout)
+        except self.lib.NVMLError as exc:
+            exc.call = name  # so a message can say which query failed
+            raise
+
+    def init(self) -> None:
+        """Initialise NVML once per process; later calls are free. Raises NvmlUnavailable."""
+        with self._init_lock:
+            if self._initialised:
+                return
+            try:
+                self._nvml("nvmlInit")
+            except self.lib.NVMLError as exc:
+                kind = type(exc).__name__
+                reason = _INIT_REMEDIES.get(kind, f"NVML initialisation failed: {exc}")
+                raise NvmlUnavailable(reason, no_driver=kind == "NVMLError_LibraryNotFound") from None
+            self._initialised = True
+
+    def close(self) -> None:
+        with self._init_lock:
+            if self._initialised:
+                try:
+                    self._nvml("nvmlShutdown")
+                except (self.lib.NVMLError, NvmlHung) as exc:
+                    log.debug("nvmlShutdown: %s", exc)
+                self._initialised = False
+        self._call.close()
+
+    # --- inventory ---------------------------------------------------------------------------
+
+    def inventory(self) -> Inventory:
+        self.init()
+        driver = self._nvml("nvmlSystemGetDriverVersion")
+        cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
+        count = self._nvml("nvmlDeviceGetCount")
+        gpus = tuple(self._gpu(index) for index in range(count))
+        return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus)
+
+    def _gpu(self, index: int) -> Gpu:
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        uuid = self._nvml("nvmlDeviceGetUUID", handle)
+        pci = self._nvml("nvmlDeviceGetPciInfo", handle)
+        memory = self._nvml("nvmlDeviceGetMemoryInfo", handle)
+        major, minor = self._nvml("nvmlDeviceGetCudaComputeCapability", handle)
+        return Gpu(
+            index=index,
+            uuid=uuid,
+            pci_bus_id=_short_bus_id(pci.busId),
+            product=self._nvml("nvmlDeviceGetName", handle),
+            memory_mib=memory.total // (1024 * 1024),
+            compute_capability=(major, minor),
+            minor_number=self._nvml("nvmlDeviceGetMinorNumber", handle),
+            mig=self._mig(handle, uuid),
+        )
+
+    def _mig(self, handle: Any, uuid: str) -> MigState:
+        try:
+            current, pending = self._nvml("nvmlDeviceGetMigMode", handle)
+        except self.lib.NVMLError_NotSupported:
+            return MigState(capable=False)
+        enabled = current == self.lib.NVML_DEVICE_MIG_ENABLE
+        if uuid not in self._static:
+            self._static[uuid] = self._mig_profiles(handle)
+        return MigState(
+            capable=True,
+            enabled=enabled,
+            pending_enabled=pending == self.lib.NVML_DEVICE_MIG_ENABLE,
+            devices=self._mig_devices(handle) if enabled else (),
+            profiles=self._static[uuid],
+        )
+
+    def _mig_profiles(self, handle: Any) -> tuple[MigProfile, ...]:
+        profiles = []
+        for constant in _GI_PROFILE_CONSTANTS:
+            if not hasattr(self.lib, constant):
+                continue
+            try:
+                info = self._nvml("nvmlDeviceGetGpuInstanceProfileInfo", handle, getattr(self.lib, constant))
+            except (self.lib.NVMLError_NotSupported, self.lib.NVMLError_InvalidArgument):
+                continue
+            profiles.append(
+                MigProfile(
+                    name=_profile_name(info.name),
+                    id=info.id,
+                    slices=info.sliceCount,
+                    instances=info.instanceCount,
+                    multiprocessors=info.multiprocessorCount,
+                    memory_mib=info.memorySizeMB,
+                    copy_engines=info.copyEngineCount,
+                    decoders=info.decoderCount,
+                    encoders=info.encoderCount,
+                    jpeg_engines=info.jpegCount,
+                    ofa_engines=info.ofaCount,
+                    placements=self._placements(handle, info.id, info.instanceCount),
+                )
+            )
+        return tuple(profiles)
+
+    def _placements(self, handle: Any, profile_id: int, max_count: int) -> tuple[tuple[int, int], ...]:
+        import ctypes
+
+        placements = (self.lib.c_nvmlGpuInstancePlacement_t * max(max_count, 8))()
+        count = ctypes.c_uint(len(placements))
+        self._nvml("nvmlDeviceGetGpuInstancePossiblePlacements", handle, profile_id, placements, ctypes.byref(count))
+        return tuple((placements[i].start, placements[i].size) for i in range(count.value))
+
+    def _mig_devices(self, handle: Any) -> tuple[MigDevice, ...]:
+        devices = []
+        for slot in range(self._nvml("nvmlDeviceGetMaxMigDeviceCount", handle)):
+            try:
+                mig = self._nvml("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
+            except self.lib.NVMLError_NotFound:
+                continue
+            gi_id = self._nvml("nvmlDeviceGetGpuInstanceId", mig)
+            attributes = self._nvml("nvmlDeviceGetAttributes", mig)
+            gpu_instance = self._nvml("nvmlDeviceGetGpuInstanceById", handle, gi_id)
+            placement = self._nvml("nvmlGpuInstanceGetInfo", gpu_instance).placement
+            devices.append(
+                MigDevice(
+                    uuid=self._nvml("nvmlDeviceGetUUID", mig),
+                    gpu_instance_id=gi_id,
+                    compute_instance_id=self._nvml("nvmlDeviceGetComputeInstanceId", mig),
+                    profile=_mig_profile_of(attributes),
+                    memory_mib=attributes.memorySizeMB,
+                    multiprocessors=attributes.multiprocessorCount,
+                    placement=(placement.start, placement.size),
+                )
+            )
+        return tuple(devices)
+
+    # --- metrics and events --------------------------------------------------------------------
+
+    def sample(self, index: int) -> GpuSample:
+        """One GPU's metrics; a metric the GPU does not support is left out, not faked."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        values: dict[str, float] = {}
+
+        def read(key: str, call: str, *args: Any, convert: Callable[[Any], float]) -> None:
+            try:
+                values[key] = convert(self._nvml(call, handle, *args))
+            except self.lib.NVMLError_NotSupported:
+                pass
+
+        read("utilization_percent", "nvmlDeviceGetUtilizationRates", convert=lambda u: float(u.gpu))
+        read("temperature_c", "nvmlDeviceGetTemperature", self.lib.NVML_TEMPERATURE_GPU, convert=float)
+        read("power_w", "nvmlDeviceGetPowerUsage", convert=lambda mw: mw / 1000.0)
+        try:
+            memory = self._nvml("nvmlDeviceGetMemoryInfo", handle)
+            values["memory_used_mib"] = memory.used / (1024 * 1024)
+            values["memory_free_mib"] = memory.free / (1024 * 1024)
+        except self.lib.NVMLError_NotSupported:
+            pass
+        return GpuSample(**values)
+
+    def processes(self, index: int) -> list[tuple[int, float]]:
+        """(pid, MiB of GPU memory used) of each compute process on the GPU."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        found = self._nvml("nvmlDeviceGetComputeRunningProcesses", handle)
+        return [(p.pid, (p.usedGpuMemory or 0) / (1024 * 1024)) for p in found]
+
+    def watch_xids(self) -> Callable[[int], Optional[XidEvent]]:
+        """Register every GPU for XID events; returns wait(timeout_ms) -> event or None."""
+        self.init()
+        event_set = self._nvml("nvmlEventSetCreate")
+        for index in range(self._nvml("nvmlDeviceGetCount")):
+            handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+            try:
+                self._nvml("nvmlDeviceRegisterEvents", handle, self.lib.nvmlEventTypeXidCriticalError, event_set)
+            except self.lib.NVMLError_NotSupported:
+                log.warning("GPU %d does not report XID events; its health is not watched", index)
+
+        def wait(timeout_ms: int) -> Optional[XidEvent]:
+            try:
+                data = self._nvml("nvmlEventSetWait_v2", event_set, timeout_ms, extra_timeout=timeout_ms / 1000)
+            except self.lib.NVMLError_Timeout:
+                return None
+            if data.eventType != self.lib.nvmlEventTypeXidCriticalError:
+                return None
+            return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time())
+
+        return wait
+
+
+def describe(exc: Exception) -> str:
+    """An NVMLError as `nvmlDeviceGetUUID: GPU is lost`."""
+    call = getattr(exc, "call", None)
+    return f"{call}: {exc}" if call else str(exc)
+
+
+def _short_bus_id(bus_id: str) -> str:
+    """NVML's 00000000:18:00.0 as the kernel and nvidia-smi write it: 0000:18:00.0."""
+    domain, _, rest = bus_id.partition(":")
+    return f"{domain[-4:]}:{rest}".lower() if rest else bus_id.lower()
+
+
+def _profile_name(nvml_name: str) -> str:
+    """NVML names profiles "MIG 1g.10gb"; everyone else says "1g.10gb"."""
+    return nvml_name.removeprefix("MIG ").strip()
+
+
+def _mig_profile_of(attributes: Any) -> str:
+    """The profile name of a MIG device from its attributes, the way GFD and nvidia-smi name it."""
+    gb = (attributes.memorySizeMB + 1023) // 1024
+    gi, ci = attributes.gpuInstanceSliceCount, attributes.computeInstanceSliceCount
+    return f"{gi}g.{gb}gb" if gi == ci else f"{ci}c.{gi}g.{gb}gb"

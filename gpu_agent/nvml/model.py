@@ -1,0 +1,114 @@
+"""What the agent knows about GPUs, as plain data that every output reads."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class MigProfile:
+    """One GPU instance profile a MIG-capable GPU supports, with its possible placements."""
+
+    name: str  # e.g. "1g.10gb"
+    id: int  # the id NVML creation calls take
+    slices: int
+    instances: int
+    multiprocessors: int
+    memory_mib: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+    placements: tuple[tuple[int, int], ...]  # (start, size)
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    profile: str  # e.g. "3g.40gb"
+    memory_mib: int
+    multiprocessors: int
+    placement: Optional[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class MigState:
+    capable: bool
+    enabled: bool = False
+    pending_enabled: bool = False
+    devices: tuple[MigDevice, ...] = ()
+    profiles: tuple[MigProfile, ...] = ()
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    pci_bus_id: str
+    product: str
+    memory_mib: int
+    compute_capability: tuple[int, int]
+    minor_number: int
+    mig: MigState
+
+    @property
+    def device_node(self) -> str:
+        return f"nvidia{self.minor_number}"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    driver_version: str
+    cuda_version: str  # "12.4"
+    gpus: tuple[Gpu, ...] = ()
+
+    def summary(self) -> str:
+        """`8x H100 80GB HBM3, driver 550.90.07`, the way an operator names a node."""
+        products: dict[str, int] = {}
+        for gpu in self.gpus:
+            name = gpu.product.removeprefix("NVIDIA ")
+            products[name] = products.get(name, 0) + 1
+        kinds = " + ".join(f"{count}x {name}" for name, count in products.items())
+        return f"{kinds}, driver {self.driver_version}"
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """Metrics of one GPU, taken in the background so that a scrape never calls NVML."""
+
+    utilization_percent: Optional[float] = None
+    memory_used_mib: Optional[float] = None
+    memory_free_mib: Optional[float] = None
+    temperature_c: Optional[float] = None
+    power_w: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    gpu_uuid: str
+    xid: int
+    at: float  # unix time
+
+
+@dataclass
+class GpuHealth:
+    xid_reason: str = ""  # a critical XID was seen; stays until the agent restarts (after a GPU reset)
+    query_error: str = ""  # NVML queries on this GPU fail; clears when they answer again
+    last_xid: Optional[int] = None
+    xid_counts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return not (self.xid_reason or self.query_error)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(r for r in (self.xid_reason, self.query_error) if r)
+
+
+def to_json(value: Any) -> Any:
+    """Dataclasses to JSON-ready dicts (tuples become lists)."""
+    return asdict(value)

@@ -1,0 +1,202 @@
+"""The simulated machine's state, kept under --root so CLI calls and a running daemon share one machine.
+
+The state is a JSON document under <root>/var/lib/gpu-agent-sim/. Readers reload it when its
+mtime changes; writers take an flock, edit, and replace it atomically.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import uuid as uuidlib
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpu_agent.errors import AgentError
+from gpu_agent.host.files import atomic_write
+from gpu_agent.host.paths import Root
+from gpu_agent.nvml.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
+
+STATE_DIR = "/var/lib/gpu-agent-sim"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MigSpec(_Spec):
+    enabled: bool = False
+    devices: list[str] = Field(default_factory=list, description="profile names, placed first-fit")
+
+
+class GpuSpec(_Spec):
+    model: str
+    count: int = Field(1, ge=1)
+    pci_bus_ids: Optional[list[str]] = None
+    mig: MigSpec = MigSpec()
+
+
+class MachineSpec(_Spec):
+    name: str = "custom"
+    driver_version: Optional[str] = "550.90.07"
+    cuda_version: str = "12.4"
+    gpus: list[GpuSpec] = Field(default_factory=list)
+
+
+def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
+    """A custom machine from YAML; errors name the file, the key and the reason."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        spec = MachineSpec.model_validate(data)
+    except OSError as exc:
+        raise AgentError(f"{path}: cannot read simulated machine: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise AgentError(f"{path}: not valid YAML: {exc}") from None
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}"
+            for err in exc.errors()
+        )
+        raise AgentError(f"{path}: {problems}") from None
+    gpus: list[tuple[GpuModel, str]] = []
+    mig: dict[int, MigSpec] = {}
+    for n, gpu in enumerate(spec.gpus):
+        model = MODELS.get(gpu.model)
+        if model is None:
+            raise AgentError(f"{path}: gpus.{n}.model: unknown model {gpu.model!r}; known: {', '.join(MODELS)}")
+        if gpu.pci_bus_ids is not None and len(gpu.pci_bus_ids) != gpu.count:
+            raise AgentError(f"{path}: gpus.{n}.pci_bus_ids: {gpu.count} GPUs need {gpu.count} bus ids")
+        for i in range(gpu.count):
+            bus = gpu.pci_bus_ids[i] if gpu.pci_bus_ids else f"{0x10 + len(gpus) * 0x10:02X}:00.0"
+            if gpu.mig.enabled or gpu.mig.devices:
+                if not model.mig_capable:
+                    raise AgentError(f"{path}: gpus.{n}.mig: {model.name} is not MIG-capable")
+                mig[len(gpus)] = gpu.mig
+            gpus.append((model, _nvml_bus_id(bus)))
+    major, _, minor = spec.cuda_version.partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        raise AgentError(f"{path}: cuda_version: expected MAJOR.MINOR such as 12.4, got {spec.cuda_version!r}")
+    return Machine(spec.name, spec.driver_version, int(major) * 1000 + int(minor) * 10, tuple(gpus)), mig
+
+
+def _nvml_bus_id(bus: str) -> str:
+    """Any of 18:00.0, 0000:18:00.0, 00000000:18:00.0 as NVML writes it: 00000000:18:00.0."""
+    parts = bus.upper().split(":")
+    domain = parts[0] if len(parts) == 3 else "0"
+    return f"{int(domain, 16):08X}:{parts[-2]}:{parts[-1]}"
+
+
+def _gpu_uuid(machine: str, index: int, bus: str) -> str:
+    return "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"gpu-agent-sim/{machine}/{index}/{bus}"))
+
+
+def mig_uuid(gpu_uuid: str, gi_id: int, ci_id: int) -> str:
+    return "MIG-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"{gpu_uuid}/{gi_id}/{ci_id}"))
+
+
+def place(model: GpuModel, profile_name: str, instances: list[dict[str, Any]]) -> dict[str, Any]:
+    """A new GPU instance of `profile_name` at its first free placement, as nvmlDeviceCreateGpuInstance does."""
+    profile = next((p for p in model.mig_profiles if p.name == f"MIG {profile_name}"), None)
+    if profile is None:
+        known = ", ".join(p.name.removeprefix("MIG ") for p in model.mig_profiles)
+        raise AgentError(f"{model.name} has no MIG profile {profile_name!r}; it has {known}")
+    used = {slot for inst in instances for slot in range(inst["start"], inst["start"] + inst["size"])}
+    same = sum(1 for inst in instances if inst["profile_id"] == profile.id)
+    for start in profile.starts:
+        if same < profile.instances and not used & set(range(start, start + profile.size)):
+            taken = {inst["gi_id"] for inst in instances}
+            gi_id = 0 if profile.slices == 7 else min(i for i in range(1, 15) if i not in taken)
+            return {"gi_id": gi_id, "ci_id": 0, "profile_id": profile.id, "start": start, "size": profile.size}
+    raise AgentError(f"no free placement for {profile_name} on {model.name}")
+
+
+def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[str, Any]:
+    gpus = []
+    for index, (model, bus) in enumerate(machine.gpus):
+        uuid = _gpu_uuid(machine.name, index, bus)
+        spec = mig.get(index, MigSpec())
+        instances: list[dict[str, Any]] = []
+        for profile in spec.devices:
+            instance = place(model, profile, instances)
+            instance["uuid"] = mig_uuid(uuid, instance["gi_id"], instance["ci_id"])
+            instances.append(instance)
+        enabled = int(spec.enabled or bool(spec.devices))
+        gpus.append({
+            "model": model.key, "pci_bus_id": bus, "uuid": uuid, "minor": index,
+            "mig": {"current": enabled, "pending": enabled, "instances": instances},
+            "processes": [],
+        })
+    return {
+        "source": source, "machine": machine.name, "driver_version": machine.driver_version,
+        "cuda_version": machine.cuda_version, "gpus": gpus, "faults": [], "xids": [], "next_seq": 1,
+    }
+
+
+class MachineState:
+    """The persisted state of one simulated machine under a root."""
+
+    def __init__(self, root: Root) -> None:
+        self.root = root
+        self.dir = root(STATE_DIR)
+        self.path = self.dir / "machine.json"
+        self._cache: Optional[dict[str, Any]] = None
+        self._cache_key: Optional[tuple[int, int, int]] = None
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def ensure(self, spec: str) -> None:
+        """Create the machine for `spec` (a built-in name or a YAML file) unless it already runs here."""
+        source = spec if spec in BUILT_IN else str(Path(spec).resolve())
+        with self._locked():
+            if self.path.exists() and json.loads(self.path.read_text()).get("source") == source:
+                return
+            if spec in BUILT_IN:
+                machine, mig = BUILT_IN[spec], {}
+            elif Path(spec).is_file():
+                machine, mig = load_machine_file(Path(spec))
+            else:
+                raise AgentError(
+                    f"--simulate {spec}: neither a built-in profile ({', '.join(BUILT_IN)}) nor a machine file"
+                )
+            self._write(new_state(source, machine, mig))
+
+    def read(self) -> dict[str, Any]:
+        """The current state; cheap when nothing changed (one stat)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise AgentError(
+                f"no simulated machine under {self.root.path}: start the agent with --simulate PROFILE"
+            ) from None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._cache is None or key != self._cache_key:
+            self._cache = json.loads(self.path.read_text())
+            self._cache_key = key
+        return self._cache
+
+    @contextlib.contextmanager
+    def edit(self) -> Iterator[dict[str, Any]]:
+        """Read, let the caller change, and write back, holding the lock throughout."""
+        with self._locked():
+            state = json.loads(self.path.read_text())
+            yield state
+            self._write(state)
+
+    def _write(self, state: dict[str, Any]) -> None:
+        atomic_write(self.path, json.dumps(state, indent=1, sort_keys=True) + "\n")
+        self._cache = None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / "machine.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)

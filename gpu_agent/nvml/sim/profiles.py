@@ -1,0 +1,127 @@
+"""GPU models and the built-in machines the simulator can be.
+
+Numbers are those NVML reports on real hardware with a 550-series driver (`nvidia-smi -q`,
+`nvidia-smi mig -lgip` and `-lgipp`); MIG memory sizes are the profiles' memorySizeMB.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class GiProfile:
+    constant: str  # the NVML_GPU_INSTANCE_PROFILE_* it answers to
+    id: int
+    name: str
+    slices: int
+    instances: int
+    multiprocessors: int
+    memory_mib: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg: int
+    ofa: int
+    starts: tuple[int, ...]
+    size: int
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    key: str
+    name: str  # what nvmlDeviceGetName returns
+    memory_mib: int
+    compute_capability: tuple[int, int]
+    pci_device_id: int
+    idle_temp_c: int
+    idle_power_w: int
+    max_power_w: int
+    mig_profiles: tuple[GiProfile, ...] = ()
+
+    @property
+    def mig_capable(self) -> bool:
+        return bool(self.mig_profiles)
+
+
+def _p(constant: str, id: int, name: str, slices: int, instances: int, sms: int, mem: int,
+       ce: int, dec: int, enc: int, jpeg: int, ofa: int, starts: tuple[int, ...], size: int) -> GiProfile:
+    return GiProfile(f"NVML_GPU_INSTANCE_PROFILE_{constant}", id, f"MIG {name}", slices, instances, sms, mem,
+                     ce, dec, enc, jpeg, ofa, starts, size)
+
+
+_SEVEN = (0, 1, 2, 3, 4, 5, 6)
+
+A100_SXM4_40GB = GpuModel(
+    key="A100-SXM4-40GB", name="NVIDIA A100-SXM4-40GB", memory_mib=40960, compute_capability=(8, 0),
+    pci_device_id=0x20B010DE, idle_temp_c=31, idle_power_w=54, max_power_w=400,
+    mig_profiles=(
+        _p("1_SLICE", 19, "1g.5gb", 1, 7, 14, 4864, 1, 0, 0, 0, 0, _SEVEN, 1),
+        _p("1_SLICE_REV1", 20, "1g.5gb+me", 1, 1, 14, 4864, 1, 1, 0, 1, 1, _SEVEN, 1),
+        _p("1_SLICE_REV2", 15, "1g.10gb", 1, 4, 14, 9856, 1, 1, 0, 0, 0, (0, 2, 4, 6), 2),
+        _p("2_SLICE", 14, "2g.10gb", 2, 3, 28, 9856, 2, 1, 0, 0, 0, (0, 2, 4), 2),
+        _p("3_SLICE", 9, "3g.20gb", 3, 2, 42, 19968, 3, 2, 0, 0, 0, (0, 4), 4),
+        _p("4_SLICE", 5, "4g.20gb", 4, 1, 56, 19968, 4, 2, 0, 0, 0, (0,), 4),
+        _p("7_SLICE", 0, "7g.40gb", 7, 1, 98, 40192, 7, 5, 0, 1, 1, (0,), 8),
+    ),
+)
+
+H100_80GB_HBM3 = GpuModel(
+    key="H100-80GB-HBM3", name="NVIDIA H100 80GB HBM3", memory_mib=81559, compute_capability=(9, 0),
+    pci_device_id=0x233010DE, idle_temp_c=29, idle_power_w=70, max_power_w=700,
+    mig_profiles=(
+        _p("1_SLICE", 19, "1g.10gb", 1, 7, 16, 9984, 1, 1, 0, 1, 0, _SEVEN, 1),
+        _p("1_SLICE_REV1", 20, "1g.10gb+me", 1, 1, 16, 9984, 1, 1, 0, 1, 1, _SEVEN, 1),
+        _p("1_SLICE_REV2", 15, "1g.20gb", 1, 4, 26, 20096, 1, 1, 0, 1, 0, (0, 2, 4, 6), 2),
+        _p("2_SLICE", 14, "2g.20gb", 2, 3, 32, 20096, 2, 2, 0, 2, 0, (0, 2, 4), 2),
+        _p("3_SLICE", 9, "3g.40gb", 3, 2, 60, 40448, 3, 3, 0, 3, 0, (0, 4), 4),
+        _p("4_SLICE", 5, "4g.40gb", 4, 1, 64, 40448, 4, 4, 0, 4, 0, (0,), 4),
+        _p("7_SLICE", 0, "7g.80gb", 7, 1, 132, 81152, 8, 7, 0, 7, 1, (0,), 8),
+    ),
+)
+
+A30 = GpuModel(
+    key="A30", name="NVIDIA A30", memory_mib=24576, compute_capability=(8, 0),
+    pci_device_id=0x20B710DE, idle_temp_c=33, idle_power_w=32, max_power_w=165,
+    mig_profiles=(
+        _p("1_SLICE", 14, "1g.6gb", 1, 4, 14, 5952, 1, 1, 0, 0, 0, (0, 1, 2, 3), 1),
+        _p("1_SLICE_REV1", 21, "1g.6gb+me", 1, 1, 14, 5952, 1, 1, 0, 1, 1, (0, 1, 2, 3), 1),
+        _p("2_SLICE", 5, "2g.12gb", 2, 2, 28, 12032, 2, 2, 0, 0, 0, (0, 2), 2),
+        _p("2_SLICE_REV1", 6, "2g.12gb+me", 2, 1, 28, 12032, 2, 2, 0, 1, 1, (0, 2), 2),
+        _p("4_SLICE", 0, "4g.24gb", 4, 1, 56, 24192, 4, 4, 0, 1, 1, (0,), 4),
+    ),
+)
+
+T4 = GpuModel(
+    key="T4", name="Tesla T4", memory_mib=15360, compute_capability=(7, 5),
+    pci_device_id=0x1EB810DE, idle_temp_c=38, idle_power_w=10, max_power_w=70,
+)
+
+MODELS = {model.key: model for model in (A100_SXM4_40GB, H100_80GB_HBM3, A30, T4)}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A simulated node: its driver and its GPUs, in PCI order."""
+
+    name: str
+    driver_version: Optional[str]  # None: no NVIDIA driver installed
+    cuda_version: int  # as nvmlSystemGetCudaDriverVersion returns it: 12040 for 12.4
+    gpus: tuple[tuple[GpuModel, str], ...]  # (model, PCI bus id as NVML writes it)
+
+
+_DGX_A100_BUSES = ("07", "0F", "47", "4E", "87", "90", "B7", "BD")
+_DGX_H100_BUSES = ("18", "2A", "3A", "5D", "9A", "AB", "BA", "DB")
+
+
+def _buses(model: GpuModel, buses: tuple[str, ...]) -> tuple[tuple[GpuModel, str], ...]:
+    return tuple((model, f"00000000:{bus}:00.0") for bus in buses)
+
+
+BUILT_IN = {
+    "dgx-a100": Machine("dgx-a100", "550.90.07", 12040, _buses(A100_SXM4_40GB, _DGX_A100_BUSES)),
+    "dgx-h100": Machine("dgx-h100", "550.90.07", 12040, _buses(H100_80GB_HBM3, _DGX_H100_BUSES)),
+    "a30": Machine("a30", "550.90.07", 12040, _buses(A30, ("3B",))),
+    "t4": Machine("t4", "550.90.07", 12040, ((T4, "00000000:00:1E.0"),)),
+    "none": Machine("none", None, 0, ()),
+}

@@ -1,0 +1,42 @@
+"""What a stage is: observe the host, plan changes as data, apply them, verify the result."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+@dataclass(frozen=True)
+class Action:
+    """One change a stage would make; `--dry-run` prints it, apply runs it."""
+
+    summary: str  # e.g. "write /etc/containerd/conf.d/99-nvidia.toml"
+    execute: Callable[[], None]
+    diff: str = ""  # unified diff, for file changes
+
+
+class Stage(ABC):
+    """Stages are idempotent: with nothing to change, plan() returns no action and nothing is touched.
+
+    Every method runs on a worker thread, never on the event loop. A failure a user can fix is
+    raised as StageError (or another AgentError) with a message that says what to do.
+    """
+
+    name: str
+    requires: Sequence[str] = ()  # stages that must be ok before this one runs
+
+    @abstractmethod
+    def observe(self) -> Any:
+        """Read the current state of what this stage manages. Changes nothing."""
+
+    def plan(self, observed: Any) -> list[Action]:
+        """The changes needed to converge; empty when the host already is as configured."""
+        return []
+
+    def apply(self, actions: Sequence[Action]) -> None:
+        for action in actions:
+            action.execute()
+
+    @abstractmethod
+    def verify(self, observed: Any) -> str:
+        """Check the converged state; return a one-line ok message or raise StageError."""

@@ -1,0 +1,46 @@
+"""GPU discovery: what NVML sees, published for every other stage and output. Changes nothing."""
+from __future__ import annotations
+
+from gpu_agent.config.schema import DiscoveryConfig
+from gpu_agent.errors import StageError
+from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.nvml.model import Inventory
+from gpu_agent.stages.base import Stage
+from gpu_agent.state import AgentState
+
+
+class Discovery(Stage):
+    name = "discovery"
+
+    def __init__(self, nvml: Nvml, state: AgentState, settings: DiscoveryConfig) -> None:
+        self.nvml = nvml
+        self.state = state
+        self.settings = settings
+
+    def observe(self) -> Inventory:
+        try:
+            inventory = self.nvml.inventory()
+        except NvmlUnavailable as exc:
+            self.state.inventory = None
+            if exc.no_driver:
+                raise StageError(f"no NVIDIA GPU was found: {exc}") from None
+            raise StageError(str(exc)) from None
+        except self.nvml.lib.NVMLError as exc:
+            raise StageError(f"NVML query failed: {describe(exc)}") from None
+        self.state.inventory = inventory
+        return inventory
+
+    def verify(self, inventory: Inventory) -> str:
+        found = len(inventory.gpus)
+        if found == 0:
+            raise StageError(
+                f"no NVIDIA GPU was found: driver {inventory.driver_version} is loaded but NVML reports no GPU"
+            )
+        expected = self.settings.expected_gpus
+        if expected is not None and found != expected:
+            seen = ", ".join(gpu.pci_bus_id for gpu in inventory.gpus)
+            raise StageError(
+                f"expected {expected} GPUs (discovery.expected_gpus) but NVML reports {found}: {seen}; "
+                "a missing GPU has usually fallen off the bus (check dmesg for XID 79)"
+            )
+        return inventory.summary()

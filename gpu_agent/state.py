@@ -1,0 +1,151 @@
+"""The one model of what the agent knows. Stages and watchers write it; every output reads it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from gpu_agent import __version__
+from gpu_agent.config import LoadedConfig
+from gpu_agent.nvml.model import GpuHealth, GpuSample, Inventory, to_json
+
+PENDING, OK, FAILED, WAITING = "pending", "ok", "failed", "waiting"
+
+
+@dataclass
+class StageStatus:
+    name: str
+    state: str = PENDING
+    message: str = "not run yet"
+    last_error: Optional[str] = None
+    last_change: Optional[float] = None  # when the outcome last changed, or the stage last changed the host
+    last_run: Optional[float] = None
+    duration_seconds: float = 0.0
+    failures: int = 0  # consecutive
+    next_retry: Optional[float] = None
+    changes_applied: int = 0
+
+    def record(self, state: str, message: str, error: Optional[str], now: float) -> None:
+        if (state, message) != (self.state, self.message):
+            self.last_change = now
+        self.state, self.message, self.last_run = state, message, now
+        if error is not None:
+            self.last_error = error
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    name: str
+    used_mib: float
+
+
+@dataclass
+class AgentState:
+    config: LoadedConfig
+    simulated: Optional[str] = None
+    started_at: float = field(default_factory=time.time)
+    config_loaded_at: float = field(default_factory=time.time)
+    config_error: Optional[str] = None  # the last rejected reload
+    stages: dict[str, StageStatus] = field(default_factory=dict)
+    inventory: Optional[Inventory] = None
+    health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
+    samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
+    processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
+    nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
+    reconciles: int = 0
+    first_reconcile_done: bool = False
+
+    # --- readiness -----------------------------------------------------------------------------
+
+    def checks(self) -> list[Check]:
+        checks = [Check(s.name, s.state == OK, s.message) for s in self.stages.values()]
+        checks.append(self._gpu_health_check())
+        return checks
+
+    def _gpu_health_check(self) -> Check:
+        if self.nvml_error:
+            return Check("gpu-health", False, self.nvml_error)
+        if self.inventory is None:
+            return Check("gpu-health", False, "no GPU inventory yet")
+        sick = [
+            f"GPU {gpu.index} ({gpu.uuid}): {self.health[gpu.uuid].reason}"
+            for gpu in self.inventory.gpus
+            if gpu.uuid in self.health and not self.health[gpu.uuid].healthy
+        ]
+        if sick:
+            return Check("gpu-health", False, "; ".join(sick))
+        return Check("gpu-health", True, f"{len(self.inventory.gpus)} GPUs healthy")
+
+    @property
+    def ready(self) -> bool:
+        return self.first_reconcile_done and all(check.ok for check in self.checks())
+
+    @property
+    def degraded(self) -> bool:
+        return self.config_error is not None
+
+    def summary_line(self) -> str:
+        """One line for `systemctl status` (sd_notify STATUS=) and `gpu-agent status`."""
+        if not self.first_reconcile_done:
+            return "starting: first reconcile in progress"
+        if self.ready:
+            line = f"ready: {self.inventory.summary()}" if self.inventory else "ready"
+            return line + (" (config reload rejected, see /status)" if self.degraded else "")
+        failing = next(check for check in self.checks() if not check.ok)
+        return f"not ready: {failing.name}: {failing.reason}"
+
+    # --- /status ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        inventory = self.inventory
+        return {
+            "version": __version__,
+            "ready": self.ready,
+            "degraded": self.degraded,
+            "summary": self.summary_line(),
+            "simulated": self.simulated,
+            "started_at": self.started_at,
+            "reconciles": self.reconciles,
+            "config": {
+                "source": self.config.source,
+                "digest": self.config.digest,
+                "loaded_at": self.config_loaded_at,
+                "reload_error": self.config_error,
+            },
+            "driver": (
+                {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else None
+            ),
+            "stages": [to_json(stage) for stage in self.stages.values()],
+            "checks": [to_json(check) for check in self.checks()],
+            "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
+        }
+
+    def _gpu_json(self, gpu: Any) -> dict[str, Any]:
+        health = self.health.get(gpu.uuid, GpuHealth())
+        return {
+            "index": gpu.index,
+            "uuid": gpu.uuid,
+            "pci_bus_id": gpu.pci_bus_id,
+            "product": gpu.product,
+            "memory_mib": gpu.memory_mib,
+            "compute_capability": "%d.%d" % gpu.compute_capability,
+            "health": "healthy" if health.healthy else "unhealthy",
+            "health_reason": health.reason or None,
+            "xid_counts": {str(xid): count for xid, count in sorted(health.xid_counts.items())},
+            "mig": {
+                "capable": gpu.mig.capable,
+                "mode": "enabled" if gpu.mig.enabled else "disabled",
+                "pending_mode": "enabled" if gpu.mig.pending_enabled else "disabled",
+                "instances": [to_json(device) for device in gpu.mig.devices],
+            },
+            "processes": [to_json(process) for process in self.processes.get(gpu.uuid, ())],
+            "metrics": to_json(self.samples[gpu.uuid]) if gpu.uuid in self.samples else None,
+        }
