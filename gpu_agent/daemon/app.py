@@ -110,7 +110,6 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._reload_requested = False
         self._tasks: list[asyncio.Task[Any]] = []
-        self._main: Optional[asyncio.Task[Any]] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     @property
@@ -125,8 +124,6 @@ class Daemon:
             self._loop.add_signal_handler(signum, self._stopping.set)
         self._loop.add_signal_handler(signal.SIGHUP, self._request_reload)
         await self.http.start(self.config.http)
-        self._main = asyncio.current_task()
-        self.xids.start()
         self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler")]
         interval = self.notifier.watchdog_interval()
         if interval:
@@ -177,6 +174,7 @@ class Daemon:
             await self.runtime.engine.reconcile(force=force or first)
             if first:
                 await asyncio.to_thread(self.sampler.sample)
+                await asyncio.to_thread(self.xids.start)
                 self.state.first_reconcile_done = True
                 self.notifier.ready(self.state.summary_line())
                 log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())

@@ -46,30 +46,46 @@ class XidWatcher:
         self.on_change = on_change
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="xid-watcher", daemon=True)
+        self._lock = threading.Lock()
+        self._watched: Optional[tuple[str, ...]] = None
+        self._wait: Optional[Callable[[int], Optional[XidEvent]]] = None
 
     def start(self) -> None:
+        """Register for events now (blocking, so none is missed after READY), then watch on a thread."""
+        try:
+            self._register()
+        except (AgentError, self.nvml.lib.NVMLError) as exc:
+            self._unavailable(exc)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
 
+    def _register(self) -> Optional[Callable[[int], Optional[XidEvent]]]:
+        """The event wait for the GPUs in the inventory, registered again when they change."""
+        inventory = self.state.inventory
+        uuids = tuple(gpu.uuid for gpu in inventory.gpus) if inventory else ()
+        with self._lock:
+            if uuids and (self._wait is None or uuids != self._watched):
+                self._wait, self._watched = self.nvml.watch_xids(), uuids
+            return self._wait if uuids else None
+
+    def _unavailable(self, exc: Exception) -> None:
+        message = describe(exc) if isinstance(exc, self.nvml.lib.NVMLError) else str(exc)
+        log.warning("XID events unavailable (%s); retrying in %.0f s", message, _RETRY_S)
+        with self._lock:
+            self._wait = None
+
     def _run(self) -> None:
-        watched: Optional[tuple[str, ...]] = None
-        wait: Optional[Callable[[int], Optional[XidEvent]]] = None
         while not self._stop.is_set():
-            inventory = self.state.inventory
-            if inventory is None or not inventory.gpus:
-                self._stop.wait(1.0)
-                continue
-            uuids = tuple(gpu.uuid for gpu in inventory.gpus)
             try:
-                if wait is None or uuids != watched:
-                    wait, watched = self.nvml.watch_xids(), uuids
+                wait = self._register()
+                if wait is None:
+                    self._stop.wait(_WAIT_MS / 1000)
+                    continue
                 event = wait(_WAIT_MS)
             except (AgentError, self.nvml.lib.NVMLError) as exc:
-                message = describe(exc) if isinstance(exc, self.nvml.lib.NVMLError) else str(exc)
-                log.warning("XID events unavailable (%s); retrying in %.0f s", message, _RETRY_S)
-                wait = None
+                self._unavailable(exc)
                 self._stop.wait(_RETRY_S)
                 continue
             if event is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
@@ -16,9 +17,18 @@ class Sampler:
         self.nvml = nvml
         self.state = state
         self.root = root
+        self._running = threading.Lock()
 
     def sample(self) -> None:
-        """Read every known GPU once; runs on a worker thread."""
+        """Read every known GPU once; runs on a worker thread. A sample already in progress wins."""
+        if not self._running.acquire(blocking=False):
+            return
+        try:
+            self._sample()
+        finally:
+            self._running.release()
+
+    def _sample(self) -> None:
         inventory = self.state.inventory
         if inventory is None:
             return

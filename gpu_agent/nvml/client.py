@@ -89,7 +89,7 @@ class _TimedCalls:
     def _unstick(self, future: Future[Any]) -> None:
         with self._lock:
             name, since = self._stuck.pop(future, ("?", 0.0))
-        log.warning("NVML call %s returned after %.0f s; NVML is usable again", name, time.monotonic() - since)
+        log.warning("NVML call %s returned after %.1f s; NVML is usable again", name, time.monotonic() - since)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,167 @@
+"""Fixtures that run the real agent as a subprocess against a sandbox root, with its own NOTIFY_SOCKET."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import pytest
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, root: Path, config: Optional[Path] = None, timeout: float = 30,
+        env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess[str]:
+    """Run `gpu-agent ARGS` the way a user would."""
+    argv = [sys.executable, "-m", "gpu_agent", "--root", str(root)]
+    if config is not None:
+        argv += ["--config", str(config)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_AGENT_", "NOTIFY_SOCKET", "WATCHDOG_"))}
+    return subprocess.run(argv + list(args), capture_output=True, text=True, timeout=timeout,
+                          env={**clean, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+class AgentProcess:
+    """`gpu-agent run` in a subprocess, with the notify messages it sends to its own socket."""
+
+    def __init__(self, root: Path, config: Path, port: int, notify_path: Path) -> None:
+        self.root, self.config, self.port = root, config, port
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(notify_path))
+        self.notify.settimeout(0.1)
+        self.notify_path = notify_path
+        self.messages: list[str] = []
+        self.proc: Optional[subprocess.Popen[str]] = None
+        self.started_at = 0.0
+
+    def start(self, *args: str, env: Optional[dict[str, str]] = None) -> "AgentProcess":
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_AGENT_", "WATCHDOG_"))}
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpu_agent", "--root", str(self.root), "--config", str(self.config), *args, "run"],
+            env={**clean, "NOTIFY_SOCKET": str(self.notify_path), **(env or {})},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        return self
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self.messages.append(self.notify.recv(65536).decode())
+            except socket.timeout:
+                return
+
+    def wait_message(self, predicate: Callable[[str], bool], timeout: float = 15.0) -> str:
+        """The first message (seen so far or arriving within `timeout`) that satisfies predicate."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            for message in self.messages[seen:]:
+                if predicate(message):
+                    return message
+            seen = len(self.messages)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no such notify message within {timeout} s; got {self.messages}\n{self.output()}")
+            if self.proc is not None and self.proc.poll() is not None:
+                self._drain()
+                if len(self.messages) == seen:
+                    raise AssertionError(f"agent exited with {self.proc.returncode}:\n{self.output()}")
+            self._drain()
+
+    def wait_ready(self) -> str:
+        return self.wait_message(lambda m: "READY=1" in m.splitlines())
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def wait_http(self, path: str, predicate: Callable[[int, str], bool], timeout: float = 10.0) -> tuple[int, str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            status, body = self.get(path)
+            if predicate(status, body):
+                return status, body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{path}: still {status} after {timeout} s:\n{body}")
+            time.sleep(0.05)
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        self._drain()
+        return code
+
+    def output(self) -> str:
+        if self.proc is None or self.proc.poll() is None:
+            return "(still running)"
+        return self.proc.stdout.read() if self.proc.stdout else ""
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.notify.close()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    path = tmp_path / "root"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def write_config(tmp_path: Path) -> Callable[..., Path]:
+    """Write a config file; returns its path. Keys given are merged over a base with a free port."""
+    port = free_port()
+
+    def write(settings: Optional[dict] = None, text: Optional[str] = None) -> Path:
+        path = tmp_path / "config.yaml"
+        if text is None:
+            document = {"version": "v1", "http": {"listen": f"127.0.0.1:{port}"}}
+            for key, value in (settings or {}).items():
+                document[key] = {**document.get(key, {}), **value} if isinstance(value, dict) else value
+            text = yaml.safe_dump(document)
+        path.write_text(text)
+        return path
+
+    write.port = port  # type: ignore[attr-defined]
+    return write
+
+
+@pytest.fixture
+def agent(root: Path, write_config: Callable[..., Path], tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    """Start the daemon: agent(simulate="dgx-h100", settings={...})."""
+    started: list[AgentProcess] = []
+
+    def start(simulate: str = "dgx-h100", settings: Optional[dict] = None,
+              env: Optional[dict[str, str]] = None) -> AgentProcess:
+        config = write_config(settings)
+        process = AgentProcess(root, config, write_config.port, tmp_path / f"notify{len(started)}.sock")
+        started.append(process)
+        return process.start("--simulate", simulate, env=env)
+
+    yield start
+    for process in started:
+        process.close()

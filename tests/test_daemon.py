@@ -1,0 +1,193 @@
+"""The daemon's contract, checked on the real process: notify messages, endpoints, signals, exit codes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+from conftest import cli
+
+
+def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Path) -> None:
+    daemon = agent("dgx-h100")
+    ready = daemon.wait_ready()
+    assert "STATUS=ready: 8x H100 80GB HBM3, driver 550.90.07" in ready.splitlines()
+
+    assert daemon.get("/healthz") == (200, "ok\n")
+    assert daemon.get("/readyz")[0] == 200
+    status, body = daemon.get("/readyz?verbose")
+    assert status == 200 and "[+]discovery ok" in body and "[+]gpu-health ok" in body
+
+    document = json.loads(daemon.get("/status")[1])
+    assert document["ready"] is True
+    assert [stage["name"] for stage in document["stages"]] == ["discovery"]
+    gpus = document["gpus"]
+    assert len(gpus) == 8 and len({gpu["uuid"] for gpu in gpus}) == 8
+    assert {gpu["product"] for gpu in gpus} == {"NVIDIA H100 80GB HBM3"}
+    assert gpus[0]["pci_bus_id"] == "0000:18:00.0" and gpus[0]["memory_mib"] == 81559
+    assert gpus[0]["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": []}
+    assert document["config"]["digest"].startswith("sha256:")
+
+    metrics = daemon.get("/metrics")[1]
+    temps = [line for line in metrics.splitlines() if line.startswith("DCGM_FI_DEV_GPU_TEMP{")]
+    assert len(temps) == 8
+    assert 'gpu="0"' in temps[0] and 'device="nvidia0"' in temps[0] and 'modelName="NVIDIA H100 80GB HBM3"' in temps[0]
+    assert 'gpu_agent_stage_ok{stage="discovery"} 1.0' in metrics
+
+    sock = root / "run/gpu-agent/agent.sock"
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o660
+
+    assert daemon.stop(timeout=5) == 0
+    assert any("STOPPING=1" in m.splitlines() for m in daemon.messages)
+    assert not sock.exists()
+
+
+def test_invalid_config_exits_1_naming_the_key_and_touches_nothing(root: Path, write_config) -> None:
+    config = write_config(text="version: v1\nhttp:\n  lissten: 127.0.0.1:1\n")
+    result = cli("--simulate", "dgx-h100", "run", root=root, config=config)
+    assert result.returncode == 1
+    assert f"{config}:3: http.lissten: unknown key" in result.stderr
+    assert list(root.iterdir()) == []
+
+
+def test_no_gpu_is_alive_but_not_ready_with_a_reason(agent) -> None:
+    daemon = agent("none")
+    ready = daemon.wait_ready()
+    assert "STATUS=not ready: discovery: no NVIDIA GPU was found" in ready
+    assert daemon.get("/healthz")[0] == 200
+    status, body = daemon.get("/readyz?verbose")
+    assert status == 503
+    assert "[-]discovery failed: no NVIDIA GPU was found" in body and body.endswith("readyz check failed\n")
+    assert daemon.get("/readyz")[0] == 503
+
+
+def test_sighup_reloads_and_an_invalid_reload_keeps_the_running_config(agent) -> None:
+    daemon = agent("dgx-h100")
+    daemon.wait_ready()
+    digest = json.loads(daemon.get("/status")[1])["config"]["digest"]
+
+    daemon.config.write_text(daemon.config.read_text() + "bogus: 1\n")
+    daemon.messages.clear()
+    daemon.signal(signal.SIGHUP)
+    daemon.wait_message(lambda m: "RELOADING=1" in m.splitlines())
+    daemon.wait_message(lambda m: "READY=1" in m.splitlines())
+    document = json.loads(daemon.get("/status")[1])
+    assert "bogus: unknown key" in document["config"]["reload_error"]
+    assert document["config"]["digest"] == digest
+    assert daemon.get("/readyz")[0] == 200
+
+    text = daemon.config.read_text().replace("bogus: 1\n", "discovery:\n  expected_gpus: 7\n")
+    daemon.config.write_text(text)
+    daemon.signal(signal.SIGHUP)
+    _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503)
+    assert "expected 7 GPUs (discovery.expected_gpus) but NVML reports 8" in body
+    document = json.loads(daemon.get("/status")[1])
+    assert document["config"]["reload_error"] is None and document["config"]["digest"] != digest
+    assert daemon.proc.poll() is None
+
+
+def test_simulated_faults_reach_the_running_daemon_within_a_second(agent, root: Path) -> None:
+    daemon = agent("dgx-h100")
+    daemon.wait_ready()
+    assert cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root).returncode == 0
+    _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503, timeout=1.0)
+    assert "[-]gpu-health failed: GPU 3" in body and "XID 79 (GPU has fallen off the bus)" in body
+    daemon.wait_message(lambda m: m.startswith("STATUS=not ready: gpu-health: GPU 3"), timeout=1.0)
+    metrics = daemon.get("/metrics")[1]
+    assert any(line.startswith("DCGM_FI_DEV_XID_ERRORS{") and 'gpu="3"' in line and line.endswith(" 79.0")
+               for line in metrics.splitlines())
+
+    assert cli("sim", "add-process", "--gpu", "1", "--pid", "4242", "--name", "python3", root=root).returncode == 0
+    _, body = daemon.wait_http("/status", lambda _, b: bool(json.loads(b)["gpus"][1]["processes"]), timeout=1.0)
+    gpu = json.loads(body)["gpus"][1]
+    assert gpu["processes"] == [{"pid": 4242, "name": "python3", "used_mib": 1024.0}]
+    assert gpu["metrics"]["memory_used_mib"] > 1024
+
+
+def test_application_xids_do_not_make_a_gpu_unhealthy(agent, root: Path) -> None:
+    daemon = agent("dgx-a100")
+    daemon.wait_ready()
+    cli("sim", "inject-xid", "--gpu", "0", "--xid", "13", root=root)
+    daemon.wait_http("/status", lambda _, b: json.loads(b)["gpus"][0]["xid_counts"] == {"13": 1})
+    assert daemon.get("/readyz")[0] == 200
+
+
+def test_a_failing_stage_is_retried_with_backoff_and_recovers(agent, root: Path) -> None:
+    cli("--simulate", "dgx-h100", "sim", "fail", "nvmlDeviceGetCount", "--times", "2", "--error", "Unknown",
+        root=root)
+    daemon = agent("dgx-h100", settings={"reconcile": {"backoff_initial_seconds": 0.2}})
+    assert "STATUS=not ready: discovery: NVML query failed: nvmlDeviceGetCount: Unknown Error" in daemon.wait_ready()
+    daemon.wait_http("/readyz", lambda status, _: status == 200, timeout=10)
+    stage = json.loads(daemon.get("/status")[1])["stages"][0]
+    assert stage["state"] == "ok" and stage["last_error"].endswith("Unknown Error")
+
+
+def test_a_hung_driver_fails_readiness_but_not_the_daemon(agent, root: Path) -> None:
+    daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 0.3},
+                                         "metrics": {"sample_interval_seconds": 0.2}})
+    daemon.wait_ready()
+    cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
+    _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503)
+    assert "nvmlDeviceGetTemperature did not return within 0.3 s" in body
+    assert daemon.get("/healthz")[0] == 200
+    cli("sim", "clear", root=root)
+    daemon.wait_http("/readyz", lambda status, _: status == 200)
+    assert "gpu_agent_nvml_call_timeouts_total 1.0" in daemon.get("/metrics")[1]
+
+
+def test_watchdog_pings_at_half_the_interval(agent) -> None:
+    daemon = agent("t4", env={"WATCHDOG_USEC": "400000"})
+    daemon.wait_ready()
+    daemon.messages.clear()
+    daemon.wait_message(lambda m: m == "WATCHDOG=1", timeout=2)
+    daemon.messages.clear()
+    daemon.wait_message(lambda m: m == "WATCHDOG=1", timeout=2)
+
+
+def test_status_command_reads_the_daemon_over_its_unix_socket(agent, root: Path) -> None:
+    daemon = agent("a30", settings={"http": {"listen": ""}})
+    daemon.wait_ready()
+    result = cli("status", root=root, config=daemon.config)
+    assert result.returncode == 0, result.stderr
+    assert "ready: 1x A30, driver 550.90.07" in result.stdout and "discovery  ok" in result.stdout
+    as_json = cli("status", "--json", root=root, config=daemon.config)
+    assert json.loads(as_json.stdout)["gpus"][0]["product"] == "NVIDIA A30"
+    daemon.stop()
+    gone = cli("status", root=root, config=daemon.config)
+    assert gone.returncode == 1 and "not running" in gone.stderr
+
+
+def test_status_wait_times_out_with_exit_2_when_not_ready(agent, root: Path) -> None:
+    daemon = agent("none")
+    daemon.wait_ready()
+    result = cli("status", "--wait", "--timeout", "1", root=root, config=daemon.config)
+    assert result.returncode == 2 and "not ready: discovery: no NVIDIA GPU was found" in result.stdout
+
+
+def test_apply_once_runs_one_pass_and_refuses_to_race_the_daemon(agent, root: Path, write_config) -> None:
+    once = cli("--simulate", "dgx-a100", "apply", "--once", root=root)
+    assert once.returncode == 0 and "[+] discovery: ok: 8x A100-SXM4-40GB, driver 550.90.07" in once.stdout
+    daemon = agent("dgx-a100")
+    daemon.wait_ready()
+    racing = cli("--simulate", "dgx-a100", "apply", "--once", root=root)
+    assert racing.returncode == 1 and f"another gpu-agent (pid {daemon.proc.pid})" in racing.stderr
+    dry = cli("--simulate", "dgx-a100", "apply", "--once", "--dry-run", root=root)
+    assert dry.returncode == 0 and "dry run: 0 change(s) planned, nothing changed" in dry.stdout
+
+
+def test_check_reports_and_exits_2_without_a_gpu(root: Path) -> None:
+    result = cli("--simulate", "none", "check", root=root)
+    assert result.returncode == 2
+    assert "[-] discovery: no NVIDIA GPU was found" in result.stdout
+    ok = cli("--simulate", "t4", "check", root=root)
+    assert ok.returncode == 0 and "[+] discovery: 1x Tesla T4, driver 550.90.07" in ok.stdout
+
+
+def test_environment_variables_stand_in_for_flags(root: Path, write_config) -> None:
+    config = write_config()
+    result = cli("check", root=root, env={"GPU_AGENT_SIMULATE": "a30", "GPU_AGENT_CONFIG": str(config),
+                                          "GPU_AGENT_ROOT": str(root)})
+    assert result.returncode == 0 and str(config) in result.stdout and "1x A30" in result.stdout

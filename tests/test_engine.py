@@ -1,0 +1,196 @@
+"""gpu_agent.daemon.engine.Engine with small fake stages: order, failures, backoff, dry-run, idempotence."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pytest
+
+from gpu_agent.config import load_config
+from gpu_agent.config.schema import ReconcileConfig
+from gpu_agent.daemon.engine import Engine, StageRun
+from gpu_agent.errors import StageError
+from gpu_agent.stages.base import Action, Stage
+from gpu_agent.state import FAILED, OK, PENDING, WAITING, AgentState
+
+SETTINGS = ReconcileConfig(backoff_initial_seconds=5, backoff_max_seconds=30)
+
+
+class FakeStage(Stage):
+    """Manages one value in `host`: plans a change when it differs from `want`, verifies it matches."""
+
+    def __init__(self, name: str, log: list[str], want: int = 0, requires: Sequence[str] = (),
+                 fail: Optional[BaseException] = None) -> None:
+        self.name, self.log, self.want, self.requires, self.fail = name, log, want, tuple(requires), fail
+        self.host = {"value": 0}
+        self.executed = 0
+        self.verified: list[Any] = []
+
+    def observe(self) -> Any:
+        self.log.append(self.name)
+        if self.fail is not None:
+            raise self.fail
+        return dict(self.host)
+
+    def plan(self, observed: Any) -> list[Action]:
+        if observed["value"] == self.want:
+            return []
+        return [Action(f"set {self.name} to {self.want}", self._set)]
+
+    def _set(self) -> None:
+        self.executed += 1
+        self.host["value"] = self.want
+
+    def verify(self, observed: Any) -> str:
+        self.verified.append(observed)
+        if observed["value"] != self.want:
+            raise StageError(f"{self.name} is {observed['value']}, wanted {self.want}")
+        return f"{self.name} is {self.want}"
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> AgentState:
+    return AgentState(load_config(tmp_path / "missing.yaml", required=False))
+
+
+def reconcile(engine: Engine, **kwargs: Any) -> list[StageRun]:
+    return asyncio.run(engine.reconcile(**kwargs))
+
+
+def test_stages_run_in_order(state: AgentState) -> None:
+    log: list[str] = []
+    engine = Engine([FakeStage(n, log) for n in ("c", "a", "b")], state, SETTINGS)
+    runs = reconcile(engine)
+    assert log == ["c", "a", "b"]
+    assert [(r.stage, r.state) for r in runs] == [("c", OK), ("a", OK), ("b", OK)]
+    assert state.stages["a"].message == "a is 0"
+    assert state.reconciles == 1
+
+
+def test_stage_error_is_recorded_and_does_not_stop_later_stages(state: AgentState) -> None:
+    log: list[str] = []
+    bad = FakeStage("bad", log, fail=StageError("driver not loaded: run modprobe nvidia"))
+    engine = Engine([bad, FakeStage("next", log)], state, SETTINGS)
+    before = time.time()
+    runs = reconcile(engine)
+    assert [(r.stage, r.state) for r in runs] == [("bad", FAILED), ("next", OK)]
+    status = state.stages["bad"]
+    assert (status.state, status.message) == (FAILED, "driver not loaded: run modprobe nvidia")
+    assert status.last_error == "driver not loaded: run modprobe nvidia"
+    assert status.failures == 1
+    assert status.next_retry is not None and before + 4.5 <= status.next_retry <= time.time() + 5
+
+
+def test_unexpected_exception_is_an_internal_error(state: AgentState) -> None:
+    engine = Engine([FakeStage("buggy", [], fail=KeyError("gpus"))], state, SETTINGS)
+    (run,) = reconcile(engine)
+    assert run.state == FAILED
+    assert run.message.startswith("internal error: KeyError")
+    assert "gpus" in run.message
+    assert state.stages["buggy"].state == FAILED
+
+
+@pytest.mark.parametrize("failures, low, high", [(1, 4.5, 5), (2, 9, 10), (3, 18, 20), (4, 27, 30), (50, 27, 30)])
+def test_backoff_doubles_and_caps(state: AgentState, failures: int, low: float, high: float) -> None:
+    engine = Engine([], state, SETTINGS)
+    for _ in range(20):
+        assert low <= engine.backoff(failures) <= high
+
+
+def test_recorded_retry_delay_grows_with_consecutive_failures(state: AgentState) -> None:
+    engine = Engine([FakeStage("bad", [], fail=StageError("no"))], state, SETTINGS)
+    delays = []
+    for _ in range(4):
+        reconcile(engine, force=True)
+        status = state.stages["bad"]
+        delays.append(status.next_retry - status.last_run)
+    assert state.stages["bad"].failures == 4
+    assert 4.5 <= delays[0] <= 5 and 9 <= delays[1] <= 10 and 18 <= delays[2] <= 20 and 27 <= delays[3] <= 30
+    assert engine.next_retry() == state.stages["bad"].next_retry
+
+
+def test_stage_in_backoff_is_skipped_unless_forced(state: AgentState) -> None:
+    log: list[str] = []
+    stage = FakeStage("bad", log, fail=StageError("still broken"))
+    engine = Engine([stage], state, SETTINGS)
+    reconcile(engine)
+    (run,) = reconcile(engine)
+    assert run.skipped and run.state == FAILED and run.message == "still broken"
+    assert log == ["bad"]
+    assert state.stages["bad"].failures == 1
+
+    stage.fail = None
+    (run,) = reconcile(engine, force=True)
+    assert not run.skipped and run.state == OK
+    assert log == ["bad", "bad"]
+    status = state.stages["bad"]
+    assert (status.state, status.failures, status.next_retry) == (OK, 0, None)
+    assert status.last_error == "still broken"
+
+
+def test_stage_whose_requirement_is_not_ok_waits(state: AgentState) -> None:
+    log: list[str] = []
+    driver = FakeStage("driver", log, fail=StageError("no driver"))
+    toolkit = FakeStage("toolkit", log, requires=["driver"])
+    engine = Engine([driver, toolkit], state, SETTINGS)
+    runs = reconcile(engine)
+    assert (runs[1].state, runs[1].message) == (WAITING, "waiting for driver")
+    assert log == ["driver"]
+    assert (state.stages["toolkit"].state, state.stages["toolkit"].failures) == (WAITING, 0)
+
+    driver.fail = None
+    runs = reconcile(engine, force=True)
+    assert [r.state for r in runs] == [OK, OK]
+    assert log == ["driver", "driver", "toolkit"]
+
+
+def test_dry_run_plans_without_executing_or_recording(state: AgentState) -> None:
+    log: list[str] = []
+    change, same = FakeStage("change", log, want=1), FakeStage("same", log)
+    engine = Engine([change, same], state, SETTINGS)
+    runs = reconcile(engine, dry_run=True)
+    assert [a.summary for a in runs[0].planned] == ["set change to 1"]
+    assert (runs[0].state, runs[0].message, runs[0].applied) == ("pending", "would make 1 change(s)", False)
+    assert (runs[1].state, runs[1].planned) == (OK, [])
+    assert change.executed == 0 and change.host == {"value": 0}
+    assert all(s.state == PENDING and s.message == "not run yet" and s.last_run is None
+               for s in state.stages.values())
+    assert state.reconciles == 0
+
+
+def test_apply_runs_actions_once_and_verifies_the_reobserved_state(state: AgentState) -> None:
+    stage = FakeStage("mig", [], want=3)
+    engine = Engine([stage], state, SETTINGS)
+    (run,) = reconcile(engine)
+    assert run.state == OK and run.applied
+    assert [a.summary for a in run.planned] == ["set mig to 3"]
+    assert stage.executed == 1
+    assert stage.verified == [{"value": 3}]
+    status = state.stages["mig"]
+    assert (status.state, status.message, status.changes_applied) == (OK, "mig is 3", 1)
+    assert status.last_change is not None
+
+
+def test_second_reconcile_with_nothing_to_change_runs_no_action(state: AgentState) -> None:
+    stage = FakeStage("mig", [], want=3)
+    engine = Engine([stage], state, SETTINGS)
+    reconcile(engine)
+    (run,) = reconcile(engine)
+    assert run.state == OK and not run.applied and run.planned == []
+    assert stage.executed == 1
+    assert state.stages["mig"].changes_applied == 1
+    assert state.reconciles == 2
+
+
+def test_failed_verify_after_apply_is_a_failure(state: AgentState) -> None:
+    class Stubborn(FakeStage):
+        def _set(self) -> None:
+            self.executed += 1  # the change does not stick
+
+    stage = Stubborn("labels", [], want=1)
+    (run,) = reconcile(Engine([stage], state, SETTINGS))
+    assert (run.state, run.message) == (FAILED, "labels is 0, wanted 1")
+    assert stage.executed == 1
+    assert state.stages["labels"].changes_applied == 0

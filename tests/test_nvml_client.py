@@ -1,0 +1,232 @@
+"""gpu_agent.nvml.client.Nvml over the simulator: inventory, MIG placements, faults, hangs, XIDs."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pynvml
+import pytest
+
+from gpu_agent.errors import AgentError
+from gpu_agent.host.paths import Root
+from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
+from gpu_agent.nvml.sim.fake import FakeNvml
+from gpu_agent.nvml.sim.machine import MachineState
+
+H100_PLACEMENTS = {
+    "1g.10gb": ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)),
+    "1g.20gb": ((0, 2), (2, 2), (4, 2), (6, 2)),
+    "2g.20gb": ((0, 2), (2, 2), (4, 2)),
+    "3g.40gb": ((0, 4), (4, 4)),
+    "4g.40gb": ((0, 4),),
+    "7g.80gb": ((0, 8),),
+}
+A100_PLACEMENTS = {
+    "1g.5gb": H100_PLACEMENTS["1g.10gb"],
+    "1g.10gb": H100_PLACEMENTS["1g.20gb"],
+    "2g.10gb": H100_PLACEMENTS["2g.20gb"],
+    "3g.20gb": H100_PLACEMENTS["3g.40gb"],
+    "4g.20gb": H100_PLACEMENTS["4g.40gb"],
+    "7g.40gb": H100_PLACEMENTS["7g.80gb"],
+}
+A30_PLACEMENTS = {"1g.6gb": ((0, 1), (1, 1), (2, 1), (3, 1)), "2g.12gb": ((0, 2), (2, 2)), "4g.24gb": ((0, 4),)}
+
+
+@pytest.fixture
+def machine(tmp_path: Path) -> Iterator[Any]:
+    """Builds a simulated machine and an Nvml over it; clears faults at the end so no worker hangs on."""
+    made: list[tuple[MachineState, Nvml]] = []
+
+    def make(spec: str, call_timeout: float = 2.0) -> tuple[MachineState, Nvml]:
+        state = MachineState(Root(tmp_path))
+        state.ensure(spec)
+        nvml = Nvml(FakeNvml(state), call_timeout=call_timeout)
+        made.append((state, nvml))
+        return state, nvml
+
+    yield make
+    for state, nvml in made:
+        if state.exists():
+            with state.edit() as doc:
+                doc["faults"].clear()
+        nvml.close()
+
+
+def add_fault(state: MachineState, call: str, error: str, times: Any = None) -> None:
+    with state.edit() as doc:
+        doc["faults"].append({"call": call, "gpu": None, "times": times, "error": error})
+
+
+@pytest.mark.parametrize(
+    "profile, count, product, bus0",
+    [
+        ("dgx-a100", 8, "NVIDIA A100-SXM4-40GB", "0000:07:00.0"),
+        ("dgx-h100", 8, "NVIDIA H100 80GB HBM3", "0000:18:00.0"),
+        ("a30", 1, "NVIDIA A30", "0000:3b:00.0"),
+        ("t4", 1, "Tesla T4", "0000:00:1e.0"),
+    ],
+)
+def test_inventory_of_builtin_profiles(machine: Any, profile: str, count: int, product: str, bus0: str) -> None:
+    _, nvml = machine(profile)
+    inventory = nvml.inventory()
+    assert inventory.cuda_version == "12.4"
+    assert inventory.driver_version == "550.90.07"
+    assert len(inventory.gpus) == count
+    assert [gpu.index for gpu in inventory.gpus] == list(range(count))
+    assert {gpu.product for gpu in inventory.gpus} == {product}
+    assert len({gpu.uuid for gpu in inventory.gpus}) == count
+    assert all(gpu.uuid.startswith("GPU-") for gpu in inventory.gpus)
+    assert inventory.gpus[0].pci_bus_id == bus0
+    assert len({gpu.pci_bus_id for gpu in inventory.gpus}) == count
+    assert all(not gpu.mig.enabled and gpu.mig.devices == () for gpu in inventory.gpus)
+
+
+def test_dgx_h100_bus_ids_and_summary(machine: Any) -> None:
+    _, nvml = machine("dgx-h100")
+    inventory = nvml.inventory()
+    assert [g.pci_bus_id for g in inventory.gpus][:3] == ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0"]
+    assert inventory.summary() == "8x H100 80GB HBM3, driver 550.90.07"
+    assert inventory.gpus[0].compute_capability == (9, 0)
+    assert inventory.gpus[0].memory_mib == 81559
+
+
+def test_no_driver_is_unavailable(machine: Any) -> None:
+    _, nvml = machine("none")
+    with pytest.raises(NvmlUnavailable, match="not installed") as info:
+        nvml.inventory()
+    assert info.value.no_driver is True
+
+
+def test_t4_is_not_mig_capable(machine: Any) -> None:
+    _, nvml = machine("t4")
+    mig = nvml.inventory().gpus[0].mig
+    assert mig.capable is False
+    assert mig.profiles == ()
+
+
+@pytest.mark.parametrize(
+    "profile, expected", [("dgx-a100", A100_PLACEMENTS), ("dgx-h100", H100_PLACEMENTS), ("a30", A30_PLACEMENTS)]
+)
+def test_mig_profile_placements(machine: Any, profile: str, expected: dict[str, Any]) -> None:
+    _, nvml = machine(profile)
+    for gpu in nvml.inventory().gpus:
+        assert gpu.mig.capable
+        placements = {p.name: p.placements for p in gpu.mig.profiles}
+        for name, wanted in expected.items():
+            assert placements[name] == wanted, name
+        by_name = {p.name: p for p in gpu.mig.profiles}
+        for name, wanted in expected.items():
+            assert by_name[name].instances == len(wanted), name
+
+
+def test_a30_has_four_slices(machine: Any) -> None:
+    _, nvml = machine("a30")
+    profiles = {p.name: p for p in nvml.inventory().gpus[0].mig.profiles}
+    assert profiles["1g.6gb"].instances == 4
+    assert profiles["2g.12gb"].instances == 2
+    assert profiles["4g.24gb"].instances == 1
+    assert max(start + size for p in profiles.values() for start, size in p.placements) == 4
+
+
+def test_hung_call_times_out_then_fails_fast_then_recovers(machine: Any) -> None:
+    state, nvml = machine("dgx-h100", call_timeout=0.3)
+    nvml.inventory()
+    add_fault(state, "nvmlDeviceGetTemperature", "hang")
+    started = time.monotonic()
+    with pytest.raises(NvmlHung, match="nvmlDeviceGetTemperature"):
+        nvml.sample(0)
+    assert time.monotonic() - started < 1.0
+    assert nvml.timeouts == 1
+
+    started = time.monotonic()
+    with pytest.raises(NvmlHung, match="nvmlDeviceGetTemperature") as info:
+        nvml.inventory()
+    assert time.monotonic() - started < 0.2
+    assert "not attempted" in str(info.value)
+
+    with state.edit() as doc:
+        doc["faults"].clear()
+    deadline = time.monotonic() + 3.0
+    while True:
+        try:
+            sample = nvml.sample(0)
+            break
+        except NvmlHung:
+            assert time.monotonic() < deadline, "NVML still reported hung after the stuck call returned"
+            time.sleep(0.05)
+    assert sample.temperature_c is not None
+    assert len(nvml.inventory().gpus) == 8
+
+
+def test_injected_error_fires_once(machine: Any) -> None:
+    state, nvml = machine("dgx-a100")
+    nvml.init()
+    add_fault(state, "nvmlDeviceGetUUID", "GpuIsLost", times=1)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost) as info:
+        nvml.inventory()
+    assert describe(info.value) == "nvmlDeviceGetUUID: GPU is lost"
+    assert len(nvml.inventory().gpus) == 8
+    assert state.read()["faults"] == []
+
+
+def test_describe_without_call_is_the_message() -> None:
+    assert describe(ValueError("plain")) == "plain"
+
+
+def test_xid_event_names_the_gpu(machine: Any) -> None:
+    state, nvml = machine("dgx-h100")
+    uuids = [gpu.uuid for gpu in nvml.inventory().gpus]
+    wait = nvml.watch_xids()
+    with state.edit() as doc:
+        doc["xids"].append({"seq": doc["next_seq"], "gpu": 2, "xid": 79, "at": 0.0})
+        doc["next_seq"] += 1
+    event = wait(2000)
+    assert event is not None
+    assert event.gpu_uuid == uuids[2]
+    assert event.xid == 79
+    assert wait(100) is None  # consumed once
+
+
+def test_xid_wait_times_out_with_none(machine: Any) -> None:
+    _, nvml = machine("dgx-h100")
+    wait = nvml.watch_xids()
+    started = time.monotonic()
+    assert wait(200) is None
+    assert 0.15 <= time.monotonic() - started < 1.5
+
+
+def write_machine(tmp_path: Path, gpus: str) -> str:
+    path = tmp_path / "machine.yaml"
+    path.write_text("name: lab\ngpus:\n" + gpus)
+    return str(path)
+
+
+def test_custom_machine_with_mig_devices(machine: Any, tmp_path: Path) -> None:
+    spec = write_machine(tmp_path, "  - model: H100-80GB-HBM3\n    mig:\n      enabled: true\n"
+                                   "      devices: [3g.40gb, 3g.40gb]\n")
+    _, nvml = machine(spec)
+    (gpu,) = nvml.inventory().gpus
+    assert gpu.mig.enabled and gpu.mig.pending_enabled
+    devices = gpu.mig.devices
+    assert [d.placement for d in devices] == [(0, 4), (4, 4)]
+    assert [d.profile for d in devices] == ["3g.40gb", "3g.40gb"]
+    assert len({d.uuid for d in devices}) == 2
+    assert all(d.uuid.startswith("MIG-") for d in devices)
+    assert len({d.gpu_instance_id for d in devices}) == 2
+
+
+def test_custom_machine_unknown_model(tmp_path: Path) -> None:
+    spec = write_machine(tmp_path, "  - model: B200\n")
+    with pytest.raises(AgentError) as info:
+        MachineState(Root(tmp_path / "root")).ensure(spec)
+    assert spec in str(info.value)
+    assert "gpus.0.model" in str(info.value) and "B200" in str(info.value)
+
+
+def test_custom_machine_unknown_key(tmp_path: Path) -> None:
+    spec = write_machine(tmp_path, "  - model: H100-80GB-HBM3\n    colour: green\n")
+    with pytest.raises(AgentError) as info:
+        MachineState(Root(tmp_path / "root")).ensure(spec)
+    assert spec in str(info.value)
+    assert "gpus.0.colour: unknown key" in str(info.value)
