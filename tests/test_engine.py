@@ -194,3 +194,24 @@ def test_failed_verify_after_apply_is_a_failure(state: AgentState) -> None:
     assert (run.state, run.message) == (FAILED, "labels is 0, wanted 1")
     assert stage.executed == 1
     assert state.stages["labels"].changes_applied == 0
+
+
+def test_dry_run_records_nothing_for_a_waiting_stage(state: AgentState) -> None:
+    log: list[str] = []
+    engine = Engine([FakeStage("driver", log, fail=StageError("no driver")),
+                     FakeStage("toolkit", log, requires=["driver"])], state, SETTINGS)
+    runs = reconcile(engine, dry_run=True)
+    assert runs[1].state == WAITING
+    assert (state.stages["toolkit"].state, state.stages["toolkit"].last_run) == (PENDING, None)
+
+
+def test_a_requirement_on_an_unknown_stage_is_refused_when_the_engine_is_built(state: AgentState) -> None:
+    with pytest.raises(ValueError, match="toolkit requires unknown stage"):
+        Engine([FakeStage("toolkit", [], requires=["drvier"])], state, SETTINGS)
+
+
+def test_dry_run_judges_requirements_by_this_pass(state: AgentState) -> None:
+    log: list[str] = []
+    engine = Engine([FakeStage("driver", log), FakeStage("toolkit", log, requires=["driver"])], state, SETTINGS)
+    runs = reconcile(engine, dry_run=True)
+    assert [run.state for run in runs] == [OK, OK] and log == ["driver", "toolkit"]

@@ -55,7 +55,8 @@ def machine(tmp_path: Path) -> Iterator[Any]:
 
 def add_fault(state: MachineState, call: str, error: str, times: Any = None) -> None:
     with state.edit() as doc:
-        doc["faults"].append({"call": call, "gpu": None, "times": times, "error": error})
+        fault_id = max((f["id"] for f in doc["faults"]), default=0) + 1
+        doc["faults"].append({"id": fault_id, "call": call, "gpu": None, "times": times, "error": error})
 
 
 @pytest.mark.parametrize(
@@ -230,3 +231,22 @@ def test_custom_machine_unknown_key(tmp_path: Path) -> None:
         MachineState(Root(tmp_path / "root")).ensure(spec)
     assert spec in str(info.value)
     assert "gpus.0.colour: unknown key" in str(info.value)
+
+
+def test_a_counted_hang_holds_its_calls_until_cleared_and_spares_later_ones(machine: Any) -> None:
+    state, nvml = machine("dgx-h100", call_timeout=0.3)
+    nvml.inventory()
+    add_fault(state, "nvmlDeviceGetTemperature", "hang", times=1)
+    with pytest.raises(NvmlHung):
+        nvml.sample(0)
+    assert [f["times"] for f in state.read()["faults"]] == [0]  # spent, but still holding its call
+    with state.edit() as doc:
+        doc["faults"].clear()
+    deadline = time.monotonic() + 3.0
+    while True:
+        try:
+            assert nvml.sample(0).temperature_c is not None
+            break
+        except NvmlHung:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)

@@ -67,7 +67,7 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
     for fault in state["faults"]:
         scope = f"GPU {fault['gpu']}" if fault.get("gpu") is not None else "every GPU"
-        times = "until cleared" if fault.get("times") is None else f"{fault['times']} more time(s)"
+        times = "until cleared" if fault.get("times") is None else f"{fault['times']} more call(s)"
         print(f"  fault: {fault['call']} on {scope} -> {fault['error']}, {times}")
     for xid in state["xids"]:
         print(f"  xid {xid['xid']} on GPU {xid['gpu']} at {time.strftime('%H:%M:%S', time.localtime(xid['at']))}")
@@ -96,7 +96,9 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
         raise AgentError("--times must be at least 1")
     with machine.edit() as state:
         gpu = None if args.gpu is None else _gpu_index(state, args.gpu)
-        state["faults"].append({"call": args.call, "gpu": gpu, "times": args.times, "error": args.error})
+        fault_id = max((f["id"] for f in state["faults"]), default=0) + 1
+        state["faults"].append({"id": fault_id, "call": args.call, "gpu": gpu, "times": args.times,
+                                "error": args.error})
     print(f"{args.call} will fail with {args.error}")
 
 

@@ -31,6 +31,11 @@ class StageRun:
 class Engine:
     def __init__(self, stages: Sequence[Stage], state: AgentState, settings: ReconcileConfig) -> None:
         self.stages = list(stages)
+        known = {stage.name for stage in self.stages}
+        for stage in self.stages:
+            unknown = set(stage.requires) - known
+            if unknown:
+                raise ValueError(f"stage {stage.name} requires unknown stage(s) {sorted(unknown)}")
         self.state = state
         self.settings = settings
         for stage in self.stages:
@@ -38,18 +43,21 @@ class Engine:
 
     async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
         """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything."""
-        runs = []
+        runs: list[StageRun] = []
         for stage in self.stages:
             status = self.state.stages[stage.name]
             now = time.time()
             if not force and not dry_run and status.next_retry is not None and now < status.next_retry:
                 runs.append(StageRun(stage.name, status.state, status.message, skipped=True))
                 continue
-            blocked = [name for name in stage.requires if self.state.stages[name].state != OK]
+            this_pass = {run.stage: run.state for run in runs}
+            blocked = [name for name in stage.requires
+                       if this_pass.get(name, self.state.stages[name].state) != OK]
             if blocked:
                 message = f"waiting for {', '.join(blocked)}"
-                status.record(WAITING, message, None, now)
-                status.next_retry = None
+                if not dry_run:
+                    status.record(WAITING, message, None, now)
+                    status.next_retry = None
                 runs.append(StageRun(stage.name, WAITING, message))
                 continue
             run = await asyncio.to_thread(self._run_stage, stage, dry_run)

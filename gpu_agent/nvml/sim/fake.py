@@ -114,21 +114,20 @@ class FakeNvml:
                 return
             if fault.get("times") is not None:
                 fault["times"] -= 1
-                if fault["times"] <= 0:
+                # A spent hang stays listed (matching nothing) so the calls it holds wait for `sim clear`.
+                if fault["times"] <= 0 and fault["error"] != HANG:
                     state["faults"].remove(fault)
-            error = fault["error"]
-        if error == HANG:
+        if fault["error"] == HANG:
             deadline = time.monotonic() + _HANG_LIMIT_S
-            while time.monotonic() < deadline and any(
-                f["call"] == call and f["error"] == HANG for f in self._state.read()["faults"]
-            ):
+            while time.monotonic() < deadline and any(f["id"] == fault["id"] for f in self._state.read()["faults"]):
                 time.sleep(_POLL_S)
             return
-        raise error_class(error)()
+        raise error_class(fault["error"])()
 
     @staticmethod
     def _matches(fault: dict[str, Any], call: str, gpu: Optional[int]) -> bool:
-        return fault["call"] == call and (fault.get("gpu") is None or fault["gpu"] == gpu)
+        return (fault["call"] == call and (fault.get("gpu") is None or fault["gpu"] == gpu)
+                and (fault.get("times") is None or fault["times"] > 0))
 
     # --- helpers ---------------------------------------------------------------------------
 

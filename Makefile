@@ -1,0 +1,40 @@
+# gpu-agent: `make run` starts the agent on a simulated DGX H100; `make test` runs the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+RUN_ROOT ?= .run/root
+SIMULATE ?= dgx-h100
+BIN := $(VENV)/bin
+
+.PHONY: run test bench clean
+
+$(BIN)/gpu-agent: pyproject.toml
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing python3-venv (Debian splits venv out of python3)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv; \
+	  else echo "python3 cannot create virtual environments: install python3-venv" >&2; exit 1; fi; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $@
+
+run: $(BIN)/gpu-agent
+	@mkdir -p $(RUN_ROOT)
+	@echo "gpu-agent on a simulated $(SIMULATE) node, sandbox root $(RUN_ROOT); in another terminal:"
+	@echo "  curl -s 127.0.0.1:9445/readyz?verbose"
+	@echo "  curl -s 127.0.0.1:9445/status"
+	@echo "  curl -s 127.0.0.1:9445/metrics"
+	@echo "  $(BIN)/gpu-agent --root $(RUN_ROOT) status"
+	@echo "  $(BIN)/gpu-agent --root $(RUN_ROOT) sim inject-xid --gpu 3 --xid 79"
+	@echo "Ctrl-C stops it."
+	$(BIN)/gpu-agent --root $(RUN_ROOT) --simulate $(SIMULATE) run
+
+test: $(BIN)/gpu-agent
+	$(BIN)/python -m pytest -q
+
+bench: $(BIN)/gpu-agent
+	$(BIN)/python bench/startup.py
+
+clean:
+	rm -rf $(VENV) .run build dist *.egg-info
