@@ -191,3 +191,13 @@ def test_environment_variables_stand_in_for_flags(root: Path, write_config) -> N
     result = cli("check", root=root, env={"GPU_AGENT_SIMULATE": "a30", "GPU_AGENT_CONFIG": str(config),
                                           "GPU_AGENT_ROOT": str(root)})
     assert result.returncode == 0 and str(config) in result.stdout and "1x A30" in result.stdout
+
+
+def test_a_port_in_use_is_a_clear_start_up_error(agent, root: Path, tmp_path: Path) -> None:
+    first = agent("t4")
+    first.wait_ready()
+    other_root = tmp_path / "other"
+    other_root.mkdir()
+    second = cli("--simulate", "t4", "run", root=other_root, config=first.config)
+    assert second.returncode == 1
+    assert f"cannot serve HTTP on 127.0.0.1:{first.port} (http.listen)" in second.stderr
