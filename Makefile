@@ -5,7 +5,7 @@ RUN_ROOT ?= .run/root
 SIMULATE ?= dgx-h100
 BIN := $(VENV)/bin
 
-.PHONY: run test bench clean
+.PHONY: run test bench package e2e clean
 
 $(BIN)/gpu-agent: pyproject.toml
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
@@ -16,7 +16,7 @@ $(BIN)/gpu-agent: pyproject.toml
 	  else echo "python3 cannot create virtual environments: install python3-venv" >&2; exit 1; fi; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,package]'
 	@touch $@
 
 run: $(BIN)/gpu-agent
@@ -32,6 +32,9 @@ run: $(BIN)/gpu-agent
 
 test: $(BIN)/gpu-agent
 	$(BIN)/python -m pytest -q
+
+package: $(BIN)/gpu-agent
+	$(BIN)/python packaging/build.py --out dist
 
 bench: $(BIN)/gpu-agent
 	$(BIN)/python bench/startup.py

@@ -81,7 +81,7 @@ class HealthConfig(Section):
 
 class AgentConfig(Section):
     version: Literal["v1"] = "v1"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error.")
     reconcile: ReconcileConfig = ReconcileConfig()
     http: HttpConfig = HttpConfig()
     nvml: NvmlConfig = NvmlConfig()

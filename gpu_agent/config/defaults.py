@@ -1,0 +1,48 @@
+"""The shipped /etc/gpu-agent/config.yaml: every setting at its default, commented out, with its meaning."""
+from __future__ import annotations
+
+import json
+import textwrap
+from typing import Any
+
+from pydantic import BaseModel
+
+from gpu_agent.config.schema import AgentConfig
+
+HEADER = """\
+# gpu-agent configuration. Every setting below is shown at its built-in default, commented out:
+# uncomment and change what you need, then `systemctl reload gpu-agent`. An invalid file is
+# rejected with the line and key at fault, and the agent keeps running its previous settings.
+version: v1
+"""
+
+
+def render_defaults() -> str:
+    lines = [HEADER.rstrip("\n")]
+    for name, field in AgentConfig.model_fields.items():
+        if name == "version":
+            continue
+        value = getattr(AgentConfig(), name)
+        lines.append("")
+        if isinstance(value, BaseModel):
+            lines.append(f"#{name}:")
+            for key, sub in type(value).model_fields.items():
+                lines += _setting(key, getattr(value, key), sub.description, indent="#  ")
+        else:
+            lines += _setting(name, value, field.description, indent="#")
+    return "\n".join(lines) + "\n"
+
+
+def _setting(key: str, value: Any, description: str | None, indent: str) -> list[str]:
+    comment = [f"{indent}# {line}" for line in textwrap.wrap(description or "", 92)]
+    return comment + [f"{indent}{key}: {_yaml(value)}"]
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return json.dumps(value) if isinstance(value, (str, list)) else str(value)
