@@ -88,6 +88,11 @@ class AgentState:
     def ready(self) -> bool:
         return self.first_reconcile_done and all(check.ok for check in self.checks())
 
+    def _ready_and_failing(self) -> tuple[bool, Optional[Check]]:
+        """One consistent reading: watcher threads may change health between two calls of checks()."""
+        failing = next((check for check in self.checks() if not check.ok), None)
+        return self.first_reconcile_done and failing is None, failing
+
     @property
     def degraded(self) -> bool:
         return self.config_error is not None
@@ -96,10 +101,11 @@ class AgentState:
         """One line for `systemctl status` (sd_notify STATUS=) and `gpu-agent status`."""
         if not self.first_reconcile_done:
             return "starting: first reconcile in progress"
-        if self.ready:
-            line = f"ready: {self.inventory.summary()}" if self.inventory else "ready"
+        ready, failing = self._ready_and_failing()
+        if ready or failing is None:
+            inventory = self.inventory
+            line = f"ready: {inventory.summary()}" if inventory else "ready"
             return line + (" (config reload rejected, see /status)" if self.degraded else "")
-        failing = next(check for check in self.checks() if not check.ok)
         return f"not ready: {failing.name}: {failing.reason}"
 
     # --- /status ---------------------------------------------------------------------------------

@@ -201,3 +201,40 @@ def test_a_port_in_use_is_a_clear_start_up_error(agent, root: Path, tmp_path: Pa
     second = cli("--simulate", "t4", "run", root=other_root, config=first.config)
     assert second.returncode == 1
     assert f"cannot serve HTTP on 127.0.0.1:{first.port} (http.listen)" in second.stderr
+
+
+def test_sigterm_exits_promptly_even_with_an_nvml_call_hung(agent, root: Path) -> None:
+    daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 0.3},
+                                         "metrics": {"sample_interval_seconds": 0.2}})
+    daemon.wait_ready()
+    cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
+    daemon.wait_http("/readyz", lambda status, _: status == 503)
+    started = time.monotonic()
+    assert daemon.stop(timeout=10) == 0
+    assert time.monotonic() - started < 5
+
+
+def test_an_unreadable_config_on_reload_keeps_the_loop_alive(agent) -> None:
+    daemon = agent("t4")
+    daemon.wait_ready()
+    daemon.config.write_bytes(b"version: v1\n\xff\xfe\n")
+    daemon.messages.clear()
+    daemon.signal(signal.SIGHUP)
+    daemon.wait_message(lambda m: "READY=1" in m.splitlines())
+    document = json.loads(daemon.get("/status")[1])
+    assert "not UTF-8 text" in document["config"]["reload_error"]
+    assert daemon.get("/healthz")[0] == 200
+
+
+def test_the_daemons_own_use_of_a_counted_fault_does_not_skip_backoff(agent, root: Path) -> None:
+    cli("--simulate", "t4", "sim", "fail", "nvmlSystemGetDriverVersion", "--times", "5", root=root)
+    daemon = agent("t4", settings={"reconcile": {"backoff_initial_seconds": 3}})
+    daemon.wait_ready()
+    time.sleep(1.5)
+    stage = json.loads(daemon.get("/status")[1])["stages"][0]
+    assert (stage["state"], stage["failures"]) == ("failed", 1)
+
+
+def test_usage_errors_exit_1_not_2(root: Path) -> None:
+    assert cli("status", "--bogus", root=root).returncode == 1
+    assert cli("apply", root=root).returncode == 1

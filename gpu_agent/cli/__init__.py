@@ -7,7 +7,7 @@ import importlib
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from gpu_agent import __version__
 from gpu_agent.errors import EXIT_ERROR, AgentError
@@ -21,8 +21,16 @@ _SUBCOMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors exit 1 (error): exit 2 means degraded or not ready everywhere in gpu-agent."""
+
+    def error(self, message: str) -> "NoReturn":
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gpu-agent",
         description="Make this machine's NVIDIA GPUs ready for Kubernetes and containers, and keep them that way.",
         epilog="Exit codes: 0 ok, 1 error, 2 degraded or not ready.",

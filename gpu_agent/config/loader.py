@@ -33,6 +33,8 @@ def load_config(path: Path, required: bool) -> LoadedConfig:
         return _loaded(AgentConfig(), "built-in defaults")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); is this the right file?") from None
     return _loaded(parse_config(text, str(path)), str(path))
 
 

@@ -67,7 +67,7 @@ class Runtime:
 def take_lock(root: Root) -> IO[str]:
     """One agent per root: the daemon and `apply` hold this lock while they may change the host."""
     path = root(LOCK_PATH)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
     handle = open(path, "a+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -165,22 +165,32 @@ class Daemon:
     async def _reconcile_loop(self) -> None:
         first = True
         while True:
-            if self._reload_requested:
-                self._reload_requested = False
-                await self._reload()
-            force, self._force = self._force, False
-            self._wake.clear()
-            started = time.monotonic()
-            await self.runtime.engine.reconcile(force=force or first)
-            if first:
-                await asyncio.to_thread(self.sampler.sample)
-                await asyncio.to_thread(self.xids.start)
-                self.state.first_reconcile_done = True
-                self.notifier.ready(self.state.summary_line())
-                log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
+            try:
+                await self._reconcile_once(first)
                 first = False
-            self.publish()
+            except Exception:  # a bug: log it and keep the loop (and so the watchdog) alive
+                log.exception("reconcile loop iteration failed; this is a gpu-agent bug")
+                await asyncio.sleep(self.config.reconcile.backoff_initial_seconds)
+                continue
             await self._sleep_until_next()
+
+    async def _reconcile_once(self, first: bool) -> None:
+        reloading = self._reload_requested
+        if reloading:
+            self._reload_requested = False
+            await self._reload()
+        force, self._force = self._force, False
+        self._wake.clear()
+        started = time.monotonic()
+        await self.runtime.engine.reconcile(force=force or first)
+        if first:
+            await asyncio.to_thread(self.sampler.sample)
+            await asyncio.to_thread(self.xids.start)
+            self.state.first_reconcile_done = True
+            log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
+        if first or reloading:
+            self.notifier.ready(self.state.summary_line())
+        self.publish()
 
     async def _sleep_until_next(self) -> None:
         now = time.time()
@@ -204,7 +214,6 @@ class Daemon:
             log.error("configuration reload rejected, still running the previous one: %s", exc)
         else:
             self._apply_config(loaded)
-        self.notifier.ready(self.state.summary_line())
 
     def _apply_config(self, loaded: LoadedConfig) -> None:
         config = loaded.config
@@ -231,32 +240,34 @@ class Daemon:
     async def _sample_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.metrics.sample_interval_seconds)
+            await self._sample()
+
+    async def _sample(self) -> None:
+        try:
             await asyncio.to_thread(self.sampler.sample)
-            self.publish()
+        except Exception:  # a bug: log it, keep sampling
+            log.exception("sampling GPU metrics failed; this is a gpu-agent bug")
+        self.publish()
 
     async def _watchdog_loop(self, interval: float) -> None:
-        while True:
+        """Pings only while the reconcile loop lives, so systemd restarts an agent whose loop died."""
+        while self._loop_alive():
             self.notifier.watchdog()
             await asyncio.sleep(interval)
+        log.error("reconcile loop stopped; no more watchdog pings, systemd will restart the agent")
 
     async def _watch_simulator(self) -> None:
-        """A change to the simulated machine is like a hardware event: resample and reconcile now."""
-        from gpu_agent.nvml.sim.machine import MachineState
-
-        path = MachineState(self.runtime.root).path
-        last = None
+        """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
+        hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
+        machine = self.runtime.nvml.lib.machine
+        last = machine.stamp()
         while True:
-            try:
-                st = path.stat()
-                stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-            except FileNotFoundError:
-                stamp = None
-            if last is not None and stamp != last:
-                await asyncio.to_thread(self.sampler.sample)
-                self.trigger(force=True)
-                self.publish()
-            last = stamp
             await asyncio.sleep(_SIM_POLL_S)
+            stamp = machine.stamp()
+            if stamp != last and not machine.wrote(stamp):
+                await self._sample()
+                self.trigger(force=True)
+            last = stamp
 
 
 def run_daemon(root: Root, loaded: LoadedConfig, config_path: Path, config_required: bool,

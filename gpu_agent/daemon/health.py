@@ -7,7 +7,7 @@ import time
 from typing import Callable, Optional
 
 from gpu_agent.errors import AgentError
-from gpu_agent.nvml.client import Nvml, describe
+from gpu_agent.nvml.client import Nvml, XidWait, describe
 from gpu_agent.nvml.model import GpuHealth, XidEvent
 from gpu_agent.state import AgentState
 
@@ -48,7 +48,7 @@ class XidWatcher:
         self._thread = threading.Thread(target=self._run, name="xid-watcher", daemon=True)
         self._lock = threading.Lock()
         self._watched: Optional[tuple[str, ...]] = None
-        self._wait: Optional[Callable[[int], Optional[XidEvent]]] = None
+        self._wait: Optional[XidWait] = None
 
     def start(self) -> None:
         """Register for events now (blocking, so none is missed after READY), then watch on a thread."""
@@ -61,12 +61,14 @@ class XidWatcher:
     def stop(self) -> None:
         self._stop.set()
 
-    def _register(self) -> Optional[Callable[[int], Optional[XidEvent]]]:
+    def _register(self) -> Optional[XidWait]:
         """The event wait for the GPUs in the inventory, registered again when they change."""
         inventory = self.state.inventory
         uuids = tuple(gpu.uuid for gpu in inventory.gpus) if inventory else ()
         with self._lock:
             if uuids and (self._wait is None or uuids != self._watched):
+                if self._wait is not None:
+                    self._wait.free()
                 self._wait, self._watched = self.nvml.watch_xids(), uuids
             return self._wait if uuids else None
 
@@ -86,6 +88,10 @@ class XidWatcher:
                 event = wait(_WAIT_MS)
             except (AgentError, self.nvml.lib.NVMLError) as exc:
                 self._unavailable(exc)
+                self._stop.wait(_RETRY_S)
+                continue
+            except Exception:  # a bug: log it, keep watching
+                log.exception("XID watcher failed; this is a gpu-agent bug")
                 self._stop.wait(_RETRY_S)
                 continue
             if event is not None:

@@ -81,7 +81,7 @@ class HttpServer:
             if settings.socket:
                 path = self.root(settings.socket)
                 _remove_stale_socket(path)
-                path.parent.mkdir(parents=True, exist_ok=True)
+                path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
                 sites.append(await self._serve(web.UnixSite(self._runner, str(path)), f"{path} (http.socket)"))
                 os.chmod(path, 0o660)
         except AgentError:

@@ -7,9 +7,10 @@ call runs on a worker thread with a timeout so a hung driver cannot hang the age
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
@@ -56,11 +57,19 @@ class NvmlHung(AgentError):
 
 
 class _TimedCalls:
-    """Runs calls on worker threads; a call past its timeout marks NVML hung until it returns."""
+    """Runs calls on worker threads; a call past its timeout marks NVML hung until it returns.
+
+    The workers are daemon threads: one stuck in a hung driver must not keep the process from
+    exiting on SIGTERM (a ThreadPoolExecutor's workers are joined at exit).
+    """
+
+    _WORKERS = 4
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="nvml")
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for n in range(self._WORKERS):
+            threading.Thread(target=self._work, name=f"nvml-{n}", daemon=True).start()
         self._lock = threading.Lock()
         self._stuck: dict[Future[Any], tuple[str, float]] = {}
         self.timeouts = 0
@@ -74,7 +83,8 @@ class _TimedCalls:
                     f"(the driver looks hung); {name} not attempted"
                 )
         started = time.monotonic()
-        future = self._pool.submit(fn, *args)
+        future: Future[Any] = Future()
+        self._queue.put((future, fn, args))
         try:
             return future.result(timeout=self.timeout + extra_timeout)
         except FutureTimeout:
@@ -91,8 +101,22 @@ class _TimedCalls:
             name, since = self._stuck.pop(future, ("?", 0.0))
         log.warning("NVML call %s returned after %.1f s; NVML is usable again", name, time.monotonic() - since)
 
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the caller, who decides
+                future.set_exception(exc)
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in range(self._WORKERS):
+            self._queue.put(None)
 
 
 class Nvml:
@@ -279,7 +303,7 @@ class Nvml:
         found = self._nvml("nvmlDeviceGetComputeRunningProcesses", handle)
         return [(p.pid, (p.usedGpuMemory or 0) / (1024 * 1024)) for p in found]
 
-    def watch_xids(self) -> Callable[[int], Optional[XidEvent]]:
+    def watch_xids(self) -> "XidWait":
         """Register every GPU for XID events; returns wait(timeout_ms) -> event or None."""
         self.init()
         event_set = self._nvml("nvmlEventSetCreate")
@@ -290,16 +314,31 @@ class Nvml:
             except self.lib.NVMLError_NotSupported:
                 log.warning("GPU %d does not report XID events; its health is not watched", index)
 
-        def wait(timeout_ms: int) -> Optional[XidEvent]:
-            try:
-                data = self._nvml("nvmlEventSetWait_v2", event_set, timeout_ms, extra_timeout=timeout_ms / 1000)
-            except self.lib.NVMLError_Timeout:
-                return None
-            if data.eventType != self.lib.nvmlEventTypeXidCriticalError:
-                return None
-            return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time())
+        return XidWait(self, event_set)
 
-        return wait
+
+class XidWait:
+    """A registered NVML event set: wait(timeout_ms) returns the next XID event or None."""
+
+    def __init__(self, nvml: Nvml, event_set: Any) -> None:
+        self._nvml = nvml._nvml
+        self._lib = nvml.lib
+        self._event_set = event_set
+
+    def __call__(self, timeout_ms: int) -> Optional[XidEvent]:
+        try:
+            data = self._nvml("nvmlEventSetWait_v2", self._event_set, timeout_ms, extra_timeout=timeout_ms / 1000)
+        except self._lib.NVMLError_Timeout:
+            return None
+        if data.eventType != self._lib.nvmlEventTypeXidCriticalError:
+            return None
+        return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time())
+
+    def free(self) -> None:
+        try:
+            self._nvml("nvmlEventSetFree", self._event_set)
+        except (self._lib.NVMLError, NvmlHung) as exc:
+            log.debug("nvmlEventSetFree: %s", exc)
 
 
 def describe(exc: Exception) -> str:

@@ -91,6 +91,7 @@ class FakeNvml:
 
     def __init__(self, state: MachineState) -> None:
         self._state = state
+        self.machine = state  # the simulator's own handle, not part of pynvml's surface
         self._init_count = 0
         self._lock = threading.Lock()
 
@@ -233,7 +234,11 @@ class FakeNvml:
 
     @_nvml
     def nvmlDeviceGetName(self, handle: SimHandle) -> str:
-        return self._model(self._gpu(handle)).name
+        model = self._model(self._gpu(handle))
+        if handle.mig is None:
+            return model.name
+        profile = self._profile_by_id(model, self._mig_instance(handle)["profile_id"])
+        return f"{model.name} {profile.name}"  # e.g. "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
 
     @_nvml
     def nvmlDeviceGetMinorNumber(self, handle: SimHandle) -> int:

@@ -1,6 +1,6 @@
 """The simulated machine's state, kept under --root so CLI calls and a running daemon share one machine.
 
-The state is a JSON document under <root>/var/lib/gpu-agent-sim/. Readers reload it when its
+The state is a JSON document under <root>/var/lib/gpu-agent/sim/. Readers reload it when its
 mtime changes; writers take an flock, edit, and replace it atomically.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
 
-STATE_DIR = "/var/lib/gpu-agent-sim"
+STATE_DIR = "/var/lib/gpu-agent/sim"
 
 
 class _Spec(BaseModel):
@@ -145,6 +145,7 @@ class MachineState:
         self.path = self.dir / "machine.json"
         self._cache: Optional[dict[str, Any]] = None
         self._cache_key: Optional[tuple[int, int, int]] = None
+        self._own_writes: set[tuple[int, int, int]] = set()
 
     def exists(self) -> bool:
         return self.path.exists()
@@ -167,13 +168,11 @@ class MachineState:
 
     def read(self) -> dict[str, Any]:
         """The current state; cheap when nothing changed (one stat)."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
+        key = self.stamp()
+        if key is None:
             raise AgentError(
                 f"no simulated machine under {self.root.path}: start the agent with --simulate PROFILE"
-            ) from None
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            )
         if self._cache is None or key != self._cache_key:
             self._cache = json.loads(self.path.read_text())
             self._cache_key = key
@@ -190,6 +189,21 @@ class MachineState:
     def _write(self, state: dict[str, Any]) -> None:
         atomic_write(self.path, json.dumps(state, indent=1, sort_keys=True) + "\n")
         self._cache = None
+        stamp = self.stamp()
+        if stamp is not None:
+            self._own_writes = {stamp}
+
+    def stamp(self) -> Optional[tuple[int, int, int]]:
+        """Identity of the current state file; changes with every write."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def wrote(self, stamp: Optional[tuple[int, int, int]]) -> bool:
+        """Whether this process wrote the state file as it is now."""
+        return stamp in self._own_writes
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
