@@ -31,7 +31,11 @@ run: $(BIN)/gpu-agent
 	$(BIN)/gpu-agent --root $(RUN_ROOT) --simulate $(SIMULATE) run
 
 test: $(BIN)/gpu-agent
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/e2e
+
+# The packages installed and run under a booted Debian 12 (root; debootstrap, systemd-nspawn, lintian, rpm).
+e2e: $(BIN)/gpu-agent
+	$(BIN)/python -m pytest -q tests/e2e
 
 package: $(BIN)/gpu-agent
 	$(BIN)/python packaging/build.py --out dist

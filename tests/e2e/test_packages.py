@@ -1,0 +1,103 @@
+"""The .deb installed and run under a real, booted systemd; the .rpm checked with rpm itself."""
+from __future__ import annotations
+
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+from conftest import Container, run
+
+DROP_IN = "/etc/systemd/system/gpu-agent.service.d/simulate.conf"
+
+
+def test_deb_is_lintian_clean(packages: dict[str, Path]) -> None:
+    result = run(["lintian", "--no-tag-display-limit", str(packages["deb"])], check=False, timeout=600)
+    errors = [line for line in result.stdout.splitlines() if line.startswith("E:")]
+    assert errors == [], "\n".join(errors)
+
+
+def test_install_enables_per_preset_but_does_not_start(container: Container) -> None:
+    container.exec("dpkg", "-i", "/root/gpu-agent.deb")
+    assert container.exec("systemctl", "is-enabled", "gpu-agent").stdout.strip() == "enabled"
+    assert container.exec("systemctl", "is-active", "gpu-agent", check=False).stdout.strip() == "inactive"
+    assert container.exec("systemd-analyze", "verify", "gpu-agent.service").returncode == 0
+    conffiles = container.exec("cat", "/var/lib/dpkg/info/gpu-agent.conffiles").stdout.split()
+    assert conffiles == ["/etc/gpu-agent/config.yaml"]
+
+
+def test_without_a_gpu_the_unit_is_active_alive_and_not_ready(container: Container) -> None:
+    container.exec("systemctl", "start", "gpu-agent")
+    assert container.exec("systemctl", "is-active", "gpu-agent").stdout.strip() == "active"
+    assert container.exec("curl", "-fsS", "127.0.0.1:9445/healthz").stdout == "ok\n"
+    readyz = container.exec("curl", "-sS", "-w", "%{http_code}", "127.0.0.1:9445/readyz?verbose").stdout
+    assert readyz.endswith("503")
+    assert "[-]discovery failed: no NVIDIA GPU was found" in readyz
+    status = container.exec("systemctl", "status", "gpu-agent", "--no-pager", check=False).stdout
+    assert 'Status: "not ready: discovery: no NVIDIA GPU was found' in status
+
+
+def test_with_simulated_gpus_it_is_ready_and_says_so(container: Container) -> None:
+    container.sh(f"mkdir -p {Path(DROP_IN).parent} && "
+                 f"printf '[Service]\\nEnvironment=GPU_AGENT_SIMULATE=dgx-h100\\n' > {DROP_IN}")
+    container.exec("systemctl", "daemon-reload")
+    container.exec("systemctl", "restart", "gpu-agent")
+    assert container.exec("systemctl", "is-active", "gpu-agent").stdout.strip() == "active"
+    status = container.exec("systemctl", "status", "gpu-agent", "--no-pager").stdout
+    assert 'Status: "ready: 8x H100 80GB HBM3, driver 550.90.07"' in status
+    assert container.exec("curl", "-fsS", "127.0.0.1:9445/readyz").stdout == "ok\n"
+    cli = container.exec("gpu-agent", "status")
+    assert "ready: 8x H100 80GB HBM3" in cli.stdout
+
+
+def test_reload_keeps_it_active(container: Container) -> None:
+    pid = container.exec("systemctl", "show", "-p", "MainPID", "--value", "gpu-agent").stdout.strip()
+    container.exec("systemctl", "reload", "gpu-agent")
+    assert container.exec("systemctl", "is-active", "gpu-agent").stdout.strip() == "active"
+    assert container.exec("systemctl", "show", "-p", "MainPID", "--value", "gpu-agent").stdout.strip() == pid
+    journal = container.exec("journalctl", "-u", "gpu-agent", "--no-pager", "-o", "cat").stdout
+    assert "reloading configuration from /etc/gpu-agent/config.yaml" in journal
+
+
+def test_stop_is_clean_and_the_journal_has_the_start_line(container: Container) -> None:
+    container.exec("systemctl", "stop", "gpu-agent")
+    assert container.exec("systemctl", "is-active", "gpu-agent", check=False).stdout.strip() == "inactive"
+    result = container.exec("systemctl", "show", "-p", "Result", "--value", "gpu-agent").stdout.strip()
+    assert result == "success"
+    journal = container.exec("journalctl", "-u", "gpu-agent", "--no-pager", "-o", "cat").stdout
+    assert re.search(r"gpu-agent \S+ starting: root=/ config=/etc/gpu-agent/config.yaml", journal)
+    assert "stopped" in journal
+
+
+def test_purge_removes_the_unit_and_the_files(container: Container) -> None:
+    container.exec("dpkg", "--purge", "gpu-agent")
+    for path in ("/usr/lib/systemd/system/gpu-agent.service", "/usr/bin/gpu-agent", "/usr/lib/gpu-agent",
+                 "/etc/gpu-agent", "/var/lib/gpu-agent"):
+        assert container.exec("test", "-e", path, check=False).returncode == 1, path
+    assert "gpu-agent.service" not in container.exec("systemctl", "list-unit-files", "--no-pager").stdout
+
+
+def test_rpm_lists_the_files_and_scriptlets(packages: dict[str, Path], tmp_path: Path) -> None:
+    rpm = str(packages["rpm"])
+    files = run(["rpm", "-qlp", rpm]).stdout.split()
+    for path in ("/usr/bin/gpu-agent", "/usr/lib/systemd/system/gpu-agent.service",
+                 "/usr/lib/systemd/system-preset/90-gpu-agent.preset", "/usr/lib/tmpfiles.d/gpu-agent.conf",
+                 "/etc/gpu-agent/config.yaml"):
+        assert path in files
+    assert "/etc/gpu-agent/config.yaml" in run(["rpm", "-qcp", rpm]).stdout.split()
+    for tag in ("POSTIN", "PREUN", "POSTUN"):
+        body = run(["rpm", "-qp", "--queryformat", f"%{{{tag}}}", rpm]).stdout
+        assert "gpu-agent.service" in body, tag
+        check = subprocess.run(["sh", "-n"], input=body, capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0, f"{tag}: {check.stderr}"
+
+    root = tmp_path / "rpmroot"
+    run(["rpm", "--root", str(root), "--initdb"])
+    run(["rpm", "--root", str(root), "-i", "--nodeps", "--noscripts", rpm], timeout=300)
+    launcher = root / "usr/bin/gpu-agent"
+    assert stat.S_IMODE(launcher.stat().st_mode) == 0o755
+    assert launcher.read_text().startswith("#!/usr/bin/python3")
+    assert stat.S_IMODE((root / "usr/lib/systemd/system/gpu-agent.service").stat().st_mode) == 0o644
+    assert (root / "etc/gpu-agent/config.yaml").read_text().startswith("# gpu-agent configuration")
+    for abi in ("39", "310", "311", "312"):
+        assert (root / f"usr/lib/gpu-agent/site-cp{abi}").is_dir()
