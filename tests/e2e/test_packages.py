@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import re
+import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 from conftest import Container, run
@@ -101,3 +103,28 @@ def test_rpm_lists_the_files_and_scriptlets(packages: dict[str, Path], tmp_path:
     assert (root / "etc/gpu-agent/config.yaml").read_text().startswith("# gpu-agent configuration")
     for abi in ("39", "310", "311", "312"):
         assert (root / f"usr/lib/gpu-agent/site-cp{abi}").is_dir()
+
+
+def test_each_abi_directory_runs_the_agent_on_its_python(packages: dict[str, Path], tmp_path: Path) -> None:
+    """The launcher on every Python this machine has of 3.9-3.12 (the one running the tests at least)."""
+    root = tmp_path / "rpmroot"
+    run(["rpm", "--root", str(root), "--initdb"])
+    run(["rpm", "--root", str(root), "-i", "--nodeps", "--noscripts", str(packages["rpm"])], timeout=300)
+    launcher = (root / "usr/bin/gpu-agent").read_text().replace('LIB = "/usr/lib/gpu-agent"',
+                                                                  f'LIB = "{root}/usr/lib/gpu-agent"')
+    interpreters = {f"{sys.version_info[0]}.{sys.version_info[1]}": sys.executable}
+    for abi in ("3.9", "3.10", "3.11", "3.12"):
+        # On PATH, or installed by pyenv (as on the CI machines) without being on PATH.
+        pyenv = Path.home().glob(f".pyenv/versions/{abi}.*/bin/python{abi}")
+        candidates = [shutil.which(f"python{abi}"), *map(str, pyenv)]
+        for found in filter(None, candidates):
+            if subprocess.run([found, "-c", "pass"], capture_output=True, timeout=30).returncode == 0:
+                interpreters.setdefault(abi, found)
+    for abi, python in sorted(interpreters.items()):
+        sandbox = tmp_path / f"node-{abi}"
+        sandbox.mkdir()
+        result = subprocess.run([python, "-I", "-c", launcher, "--root", str(sandbox), "--simulate", "a30", "check"],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"python {abi}: {result.stdout}{result.stderr}"
+        assert "[+] discovery: 1x A30, driver 550.90.07" in result.stdout, abi
+    print("launcher ran on Python", ", ".join(sorted(interpreters)))
