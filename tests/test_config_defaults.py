@@ -33,4 +33,4 @@ def test_every_setting_is_in_the_file() -> None:
         assert f"{name}:" in text
         value = AgentConfig().__getattribute__(name)
         for key in getattr(type(value), "model_fields", {}):
-            assert f"#  {key}: " in text, key
+            assert f"#  {key}:" in text, key

@@ -19,11 +19,11 @@ def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Pat
     assert daemon.get("/healthz") == (200, "ok\n")
     assert daemon.get("/readyz")[0] == 200
     status, body = daemon.get("/readyz?verbose")
-    assert status == 200 and "[+]discovery ok" in body and "[+]gpu-health ok" in body
+    assert status == 200 and "[+]driver ok\n[+]discovery ok\n[+]gpu-health ok" in body
 
     document = json.loads(daemon.get("/status")[1])
     assert document["ready"] is True
-    assert [stage["name"] for stage in document["stages"]] == ["discovery"]
+    assert [stage["name"] for stage in document["stages"]] == ["driver", "discovery"]
     gpus = document["gpus"]
     assert len(gpus) == 8 and len({gpu["uuid"] for gpu in gpus}) == 8
     assert {gpu["product"] for gpu in gpus} == {"NVIDIA H100 80GB HBM3"}
@@ -56,11 +56,12 @@ def test_invalid_config_exits_1_naming_the_key_and_touches_nothing(root: Path, w
 def test_no_gpu_is_alive_but_not_ready_with_a_reason(agent) -> None:
     daemon = agent("none")
     ready = daemon.wait_ready()
-    assert "STATUS=not ready: discovery: no NVIDIA GPU was found" in ready
+    assert "STATUS=not ready: driver: no NVIDIA GPU was found on the PCI bus" in ready
     assert daemon.get("/healthz")[0] == 200
     status, body = daemon.get("/readyz?verbose")
     assert status == 503
-    assert "[-]discovery failed: no NVIDIA GPU was found" in body and body.endswith("readyz check failed\n")
+    assert "[-]driver failed: no NVIDIA GPU was found" in body and "[-]discovery failed: waiting for driver" in body
+    assert body.endswith("readyz check failed\n")
     assert daemon.get("/readyz")[0] == 503
 
 
@@ -119,10 +120,10 @@ def test_a_failing_stage_is_retried_with_backoff_and_recovers(agent, root: Path)
     cli("--simulate", "dgx-h100", "sim", "fail", "nvmlDeviceGetCount", "--times", "2", "--error", "Unknown",
         root=root)
     daemon = agent("dgx-h100", settings={"reconcile": {"backoff_initial_seconds": 0.2}})
-    assert "STATUS=not ready: discovery: NVML query failed: nvmlDeviceGetCount: Unknown Error" in daemon.wait_ready()
+    assert "NVML query failed: nvmlDeviceGetCount: Unknown Error" in daemon.wait_ready()
     daemon.wait_http("/readyz", lambda status, _: status == 200, timeout=10)
     stage = json.loads(daemon.get("/status")[1])["stages"][0]
-    assert stage["state"] == "ok" and stage["last_error"].endswith("Unknown Error")
+    assert stage["name"] == "driver" and stage["state"] == "ok" and stage["last_error"].endswith("Unknown Error")
 
 
 def test_a_hung_driver_fails_readiness_but_not_the_daemon(agent, root: Path) -> None:
@@ -164,7 +165,7 @@ def test_status_wait_times_out_with_exit_2_when_not_ready(agent, root: Path) -> 
     daemon = agent("none")
     daemon.wait_ready()
     result = cli("status", "--wait", "--timeout", "1", root=root, config=daemon.config)
-    assert result.returncode == 2 and "not ready: discovery: no NVIDIA GPU was found" in result.stdout
+    assert result.returncode == 2 and "not ready: driver: no NVIDIA GPU was found" in result.stdout
 
 
 def test_apply_once_runs_one_pass_and_refuses_to_race_the_daemon(agent, root: Path, write_config) -> None:
@@ -181,13 +182,15 @@ def test_apply_once_runs_one_pass_and_refuses_to_race_the_daemon(agent, root: Pa
 def test_check_reports_and_exits_2_without_a_gpu(root: Path) -> None:
     result = cli("--simulate", "none", "check", root=root)
     assert result.returncode == 2
-    assert "[-] discovery: no NVIDIA GPU was found" in result.stdout
+    assert "[-] driver: no NVIDIA GPU was found on the PCI bus" in result.stdout
+    assert cli("--simulate", "t4", "apply", "--once", root=root).returncode == 0
     ok = cli("--simulate", "t4", "check", root=root)
     assert ok.returncode == 0 and "[+] discovery: 1x Tesla T4, driver 550.90.07" in ok.stdout
 
 
 def test_environment_variables_stand_in_for_flags(root: Path, write_config) -> None:
     config = write_config()
+    assert cli("--simulate", "a30", "apply", "--once", root=root).returncode == 0
     result = cli("check", root=root, env={"GPU_AGENT_SIMULATE": "a30", "GPU_AGENT_CONFIG": str(config),
                                           "GPU_AGENT_ROOT": str(root)})
     assert result.returncode == 0 and str(config) in result.stdout and "1x A30" in result.stdout

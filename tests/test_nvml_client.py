@@ -12,6 +12,7 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
 from gpu_agent.nvml.sim.fake import FakeNvml
+from gpu_agent.nvml.sim.kernel import SimModprobe
 from gpu_agent.nvml.sim.machine import MachineState
 
 H100_PLACEMENTS = {
@@ -41,6 +42,8 @@ def machine(tmp_path: Path) -> Iterator[Any]:
     def make(spec: str, call_timeout: float = 2.0) -> tuple[MachineState, Nvml]:
         state = MachineState(Root(tmp_path))
         state.ensure(spec)
+        if state.read()["driver_version"]:
+            SimModprobe(state, Root(tmp_path)).load("nvidia")  # NVML needs the kernel module, as on a real node
         nvml = Nvml(FakeNvml(state), call_timeout=call_timeout)
         made.append((state, nvml))
         return state, nvml

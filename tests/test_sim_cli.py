@@ -17,14 +17,15 @@ def test_sim_commands_change_the_shared_machine(root: Path) -> None:
     assert state["faults"] == [{"id": 1, "call": "nvmlDeviceGetPowerUsage", "gpu": 2, "times": 3,
                                 "error": "GpuIsLost"}]
     assert state["gpus"][0]["processes"] == [{"pid": 77, "name": "a-very-long-process-name", "used_mib": 1024}]
-    assert (root / "proc/77/comm").read_text() == "a-very-long-pro\n"  # the kernel keeps 15 characters
+    comm = root / "var/lib/gpu-agent/sim/kernel/proc/77/comm"  # the simulated kernel's /proc
+    assert comm.read_text() == "a-very-long-pro\n"  # the kernel keeps 15 characters
     shown = cli("sim", "show", root=root).stdout
     assert "fault: nvmlDeviceGetPowerUsage on GPU 2 -> GpuIsLost, 3 more call(s)" in shown
 
     assert cli("sim", "clear", root=root).returncode == 0
     state = json.loads(cli("sim", "show", "--json", root=root).stdout)
     assert state["faults"] == [] and state["gpus"][0]["processes"] == []
-    assert not (root / "proc/77").exists()
+    assert not comm.exists()
 
 
 def test_sim_rejects_what_it_cannot_simulate(root: Path) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from typing import Any
 
@@ -18,12 +17,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     xid = actions.add_parser("inject-xid", help="raise an XID event on a GPU")
     xid.add_argument("--gpu", type=int, required=True, metavar="N")
     xid.add_argument("--xid", type=int, required=True, metavar="X")
-    fail = actions.add_parser("fail", help="make an NVML call fail (or hang) like a real driver")
-    fail.add_argument("call", metavar="CALL", help="NVML function name, e.g. nvmlDeviceGetTemperature")
-    fail.add_argument("--gpu", type=int, metavar="N", help="only on this GPU (default: every GPU)")
+    fail = actions.add_parser(
+        "fail", help="make an NVML call or modprobe fail like a real driver or kernel",
+        description="CALL is an NVML function (nvmlDeviceGetTemperature, ...) or modprobe. NVML calls raise "
+                    "the named NVMLError (GpuIsLost, Unknown, Timeout, ...) or hang. modprobe fails with "
+                    "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
+                    "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
+                    "library (a half-finished upgrade).")
+    fail.add_argument("call", metavar="CALL", help="NVML function name, or modprobe")
+    fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
+    fail.add_argument("--module", metavar="M", help="modprobe: only for this module (default: any)")
     fail.add_argument("--times", type=int, metavar="K", help="fail K times, then work again (default: until clear)")
-    fail.add_argument("--error", default="Unknown", metavar="NAME",
-                      help="NVMLError to raise: GpuIsLost, Unknown, Timeout, DriverNotLoaded, ... or 'hang'")
+    fail.add_argument("--error", default=None, metavar="NAME",
+                      help="NVML: an NVMLError name or 'hang' (default Unknown); "
+                           "modprobe: not-found, key-rejected, nouveau, version-mismatch (default not-found)")
     process = actions.add_parser("add-process", help="run a (pretend) compute process on a GPU")
     process.add_argument("--gpu", type=int, required=True, metavar="N")
     process.add_argument("--pid", type=int, required=True, metavar="P")
@@ -65,8 +72,12 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
               f"mig={'on' if mig['current'] else 'off'} instances={instances}")
         for p in gpu["processes"]:
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
+    print(f"  kernel {state['kernel']['release']}: loaded {', '.join(m['name'] for m in state['kernel']['loaded']) or 'nothing'}")
     for fault in state["faults"]:
-        scope = f"GPU {fault['gpu']}" if fault.get("gpu") is not None else "every GPU"
+        if fault["call"] == "modprobe":
+            scope = f"module {fault['module']}" if fault.get("module") else "any module"
+        else:
+            scope = f"GPU {fault['gpu']}" if fault.get("gpu") is not None else "every GPU"
         times = "until cleared" if fault.get("times") is None else f"{fault['times']} more call(s)"
         print(f"  fault: {fault['call']} on {scope} -> {fault['error']}, {times}")
     for xid in state["xids"]:
@@ -82,42 +93,61 @@ def _inject_xid(machine: Any, args: argparse.Namespace) -> None:
 
 
 def _fail(machine: Any, args: argparse.Namespace) -> None:
+    if args.call == "modprobe":
+        _fail_modprobe(machine, args)
+        return
     from gpu_agent.nvml.sim.fake import HANG, FakeNvml, error_class, error_names
 
+    error = args.error or "Unknown"
     if not args.call.startswith("nvml") or not callable(FakeNvml.__dict__.get(args.call)):
         simulated = sorted(name for name in FakeNvml.__dict__ if name.startswith("nvml"))
-        raise AgentError(f"{args.call}: not an NVML call the simulator implements; one of: {', '.join(simulated)}")
-    if args.error != HANG:
+        raise AgentError(f"{args.call}: not modprobe nor an NVML call the simulator implements; one of: "
+                         f"{', '.join(simulated)}")
+    if error != HANG:
         try:
-            error_class(args.error)
+            error_class(error)
         except ValueError:
-            raise AgentError(f"--error {args.error}: unknown; one of hang, {', '.join(error_names())}") from None
+            raise AgentError(f"--error {error}: unknown; one of hang, {', '.join(error_names())}") from None
+    _add_fault(machine, args, {"call": args.call, "gpu": args.gpu, "error": error}, gpu=args.gpu)
+    print(f"{args.call} will fail with {error}")
+
+
+def _fail_modprobe(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.nvml.sim.kernel import KERNEL_STATE_ERRORS, MODPROBE_ERRORS, break_kernel
+
+    error = args.error or "not-found"
+    if error in KERNEL_STATE_ERRORS:
+        with machine.edit() as state:
+            break_kernel(state, error)
+        print({"nouveau": "nouveau is loaded", "version-mismatch": "the nvidia modules are now older than NVML"}[error])
+        return
+    if error not in MODPROBE_ERRORS:
+        raise AgentError(f"--error {error}: unknown for modprobe; one of "
+                         f"{', '.join(MODPROBE_ERRORS + KERNEL_STATE_ERRORS)}")
+    _add_fault(machine, args, {"call": "modprobe", "module": args.module, "error": error})
+    print(f"modprobe {args.module or '(any module)'} will fail with {error}")
+
+
+def _add_fault(machine: Any, args: argparse.Namespace, fault: dict[str, Any], gpu: Any = None) -> None:
     if args.times is not None and args.times < 1:
         raise AgentError("--times must be at least 1")
     with machine.edit() as state:
-        gpu = None if args.gpu is None else _gpu_index(state, args.gpu)
+        if gpu is not None:
+            _gpu_index(state, gpu)
         fault_id = max((f["id"] for f in state["faults"]), default=0) + 1
-        state["faults"].append({"id": fault_id, "call": args.call, "gpu": gpu, "times": args.times,
-                                "error": args.error})
-    print(f"{args.call} will fail with {args.error}")
+        state["faults"].append({"id": fault_id, **fault, "times": args.times})
 
 
 def _add_process(machine: Any, args: argparse.Namespace) -> None:
     with machine.edit() as state:
         gpu = _gpu_index(state, args.gpu)
         state["gpus"][gpu]["processes"].append({"pid": args.pid, "name": args.name, "used_mib": args.memory_mib})
-    comm = machine.root(f"/proc/{args.pid}/comm")
-    comm.parent.mkdir(parents=True, exist_ok=True)
-    comm.write_text(args.name[:15] + "\n")  # the kernel keeps 15 characters of a command name
     print(f"process {args.pid} ({args.name}) running on GPU {args.gpu}")
 
 
 def _clear(machine: Any, args: argparse.Namespace) -> None:
     with machine.edit() as state:
-        pids = [p["pid"] for gpu in state["gpus"] for p in gpu["processes"]]
         for gpu in state["gpus"]:
             gpu["processes"] = []
         state["faults"], state["xids"] = [], []
-    for pid in pids:
-        shutil.rmtree(machine.root(f"/proc/{pid}"), ignore_errors=True)
     print("faults, XID events and processes cleared")

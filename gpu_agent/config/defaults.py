@@ -19,23 +19,25 @@ version: v1
 
 def render_defaults() -> str:
     lines = [HEADER.rstrip("\n")]
+    defaults = AgentConfig()
     for name, field in AgentConfig.model_fields.items():
-        if name == "version":
-            continue
-        value = getattr(AgentConfig(), name)
-        lines.append("")
-        if isinstance(value, BaseModel):
-            lines.append(f"#{name}:")
-            for key, sub in type(value).model_fields.items():
-                lines += _setting(key, getattr(value, key), sub.description, indent="#  ")
-        else:
-            lines += _setting(name, value, field.description, indent="#")
+        if name != "version":
+            lines.append("")
+            lines += _setting(name, getattr(defaults, name), field.description, depth=0)
     return "\n".join(lines) + "\n"
 
 
-def _setting(key: str, value: Any, description: str | None, indent: str) -> list[str]:
-    comment = [f"{indent}# {line}" for line in textwrap.wrap(description or "", 92)]
-    return comment + [f"{indent}{key}: {_yaml(value)}"]
+def _setting(key: str, value: Any, description: str | None, depth: int) -> list[str]:
+    """`#` then the YAML line at its depth; descriptions as comments inside the commented block."""
+    indent = "#" + "  " * depth
+    lines = [f"{indent}# {line}" for line in textwrap.wrap(description or "", 92)]
+    if isinstance(value, BaseModel):
+        lines.append(f"{indent}{key}:")
+        for sub, field in type(value).model_fields.items():
+            lines += _setting(sub, getattr(value, sub), field.description, depth + 1)
+    else:
+        lines.append(f"{indent}{key}: {_yaml(value)}")
+    return lines
 
 
 def _yaml(value: Any) -> str:
@@ -43,6 +45,8 @@ def _yaml(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, dict):
+        return json.dumps(value)
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return json.dumps(value) if isinstance(value, (str, list)) else str(value)

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from gpu_agent.config.driver import DriverConfig
+from gpu_agent.config.section import Section
 
 
 class ReconcileConfig(Section):
@@ -86,5 +85,6 @@ class AgentConfig(Section):
     http: HttpConfig = HttpConfig()
     nvml: NvmlConfig = NvmlConfig()
     metrics: MetricsConfig = MetricsConfig()
+    driver: DriverConfig = DriverConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     health: HealthConfig = HealthConfig()

@@ -15,10 +15,12 @@ from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig, load_config
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.errors import AgentError
+from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
+from gpu_agent.stages.driver import Driver
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -28,40 +30,49 @@ _SIM_POLL_S = 0.25
 _STOP_BUDGET_S = 4.0
 
 
-def open_nvml(root: Root, simulate: Optional[str], call_timeout: float) -> Nvml:
-    """The real pynvml, or the simulator's fake of it on a machine kept under `root`."""
-    if simulate:
-        from gpu_agent.nvml.sim.fake import FakeNvml
-        from gpu_agent.nvml.sim.machine import MachineState
-
-        machine = MachineState(root)
-        machine.ensure(simulate)
-        return Nvml(FakeNvml(machine), call_timeout)
-    import pynvml
-
-    return Nvml(pynvml, call_timeout)
-
-
-def build_stages(config: AgentConfig, nvml: Nvml, state: AgentState) -> list[Stage]:
-    return [Discovery(nvml, state, config.discovery)]
-
-
 @dataclass
 class Runtime:
-    """What one-shot commands and the daemon share: NVML, the state model and the engine."""
+    """What one-shot commands and the daemon share: the host, NVML, the state model and the engine."""
 
     root: Root
     nvml: Nvml
+    loader: ModuleLoader
     state: AgentState
     engine: Engine
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
+        """The real host (pynvml, modprobe), or a simulated machine kept under `root`."""
         config = loaded.config
-        nvml = open_nvml(root, simulate, config.nvml.call_timeout_seconds)
+        loader: ModuleLoader
+        if simulate:
+            from gpu_agent.nvml.sim.fake import FakeNvml
+            from gpu_agent.nvml.sim.kernel import SimModprobe
+            from gpu_agent.nvml.sim.machine import MachineState
+
+            machine = MachineState(root)
+            machine.ensure(simulate)
+            root = root.with_kernel(machine.kernel_dir)
+            nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
+            loader = SimModprobe(machine, root)
+        else:
+            import pynvml
+
+            nvml = Nvml(pynvml, config.nvml.call_timeout_seconds)
+            loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
         state = AgentState(loaded, simulated=simulate)
-        engine = Engine(build_stages(config, nvml, state), state, config.reconcile)
-        return cls(root, nvml, state, engine)
+        runtime = cls(root, nvml, loader, state, Engine([], state, config.reconcile))
+        runtime.engine.set_stages(runtime.stages(config))
+        return runtime
+
+    def stages(self, config: AgentConfig) -> list[Stage]:
+        """The enabled stages, in the order they run."""
+        stages: list[Stage] = []
+        if config.driver.enabled:
+            stages.append(Driver(self.root, self.nvml, self.loader, config.driver))
+        stages.append(Discovery(self.nvml, self.state, config.discovery,
+                                requires=("driver",) if config.driver.enabled else ()))
+        return stages
 
 
 def take_lock(root: Root) -> IO[str]:
@@ -222,7 +233,7 @@ class Daemon:
         self.state.config_loaded_at = time.time()
         runtime.nvml.call_timeout = config.nvml.call_timeout_seconds
         runtime.engine.settings = config.reconcile
-        runtime.engine.stages = build_stages(config, runtime.nvml, self.state)
+        runtime.engine.set_stages(runtime.stages(config))
         self.collector.hostname = config.metrics.hostname or self.collector.hostname
         logging.getLogger().setLevel(config.log_level.upper())
         log.info("configuration %s loaded from %s", loaded.digest[:19], loaded.source)

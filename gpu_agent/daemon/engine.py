@@ -15,6 +15,8 @@ from gpu_agent.state import FAILED, OK, WAITING, AgentState, StageStatus
 
 log = logging.getLogger(__name__)
 
+_APPLY_ROUNDS = 3
+
 
 @dataclass
 class StageRun:
@@ -30,16 +32,21 @@ class StageRun:
 
 class Engine:
     def __init__(self, stages: Sequence[Stage], state: AgentState, settings: ReconcileConfig) -> None:
-        self.stages = list(stages)
-        known = {stage.name for stage in self.stages}
-        for stage in self.stages:
+        self.state = state
+        self.settings = settings
+        self.stages: list[Stage] = []
+        self.set_stages(stages)
+
+    def set_stages(self, stages: Sequence[Stage]) -> None:
+        """Run these from now on; a stage no longer enabled leaves /status and /readyz."""
+        known = {stage.name for stage in stages}
+        for stage in stages:
             unknown = set(stage.requires) - known
             if unknown:
                 raise ValueError(f"stage {stage.name} requires unknown stage(s) {sorted(unknown)}")
-        self.state = state
-        self.settings = settings
-        for stage in self.stages:
-            state.stages.setdefault(stage.name, StageStatus(stage.name))
+        self.stages = list(stages)
+        statuses = self.state.stages
+        self.state.stages = {s.name: statuses.get(s.name) or StageStatus(s.name) for s in stages}
 
     async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
         """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything."""
@@ -76,12 +83,22 @@ class Engine:
                 if actions:
                     return StageRun(stage.name, "pending", f"would make {len(actions)} change(s)", planned=actions)
                 return StageRun(stage.name, OK, stage.verify(observed))
-            if actions:
+            applied: list[Action] = []
+            # A change can reveal the next one (device nodes exist only once their module is loaded),
+            # so apply and observe again while new changes appear, a few rounds at most. A change that
+            # did not take is never repeated in the same reconcile: verify() reports it.
+            for _ in range(_APPLY_ROUNDS):
+                done = {action.summary for action in applied}
+                actions = [action for action in actions if action.summary not in done]
+                if not actions:
+                    break
                 for action in actions:
                     log.info("%s: %s", stage.name, action.summary)
                 stage.apply(actions)
+                applied += actions
                 observed = stage.observe()
-            return StageRun(stage.name, OK, stage.verify(observed), planned=actions, applied=bool(actions))
+                actions = stage.plan(observed)
+            return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied))
         except AgentError as exc:
             return StageRun(stage.name, FAILED, str(exc))
         except Exception as exc:  # a bug: keep the daemon alive, say where it is

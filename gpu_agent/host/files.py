@@ -1,9 +1,17 @@
 """Atomic file writes: temp file, fsync, rename, fsync of the directory."""
 from __future__ import annotations
 
+import difflib
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
+from typing import Optional
+
+from gpu_agent.host.paths import Root
+
+BACKUP_DIR = "/var/lib/gpu-agent/backups"
 
 
 def atomic_write(path: Path, data: bytes | str, mode: int = 0o644) -> None:
@@ -34,3 +42,29 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_text(path: Path) -> Optional[str]:
+    try:
+        return path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def unified_diff(host_path: str, current: Optional[str], desired: str) -> str:
+    return "".join(difflib.unified_diff(
+        (current or "").splitlines(keepends=True), desired.splitlines(keepends=True),
+        fromfile=host_path if current is not None else "/dev/null", tofile=host_path,
+    ))
+
+
+def backup(root: Root, host_path: str) -> Optional[Path]:
+    """Copy a file someone else owns to /var/lib/gpu-agent/backups before it is replaced."""
+    source = root(host_path)
+    if not source.exists():
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    target = root(BACKUP_DIR) / f"{host_path.strip('/').replace('/', '_')}.{stamp}"
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    shutil.copy2(source, target)
+    return target

@@ -3,25 +3,33 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
+
+# The kernel's own file systems. Under simulation they come from the simulated kernel instead, so a
+# simulated node never touches the real /proc, /sys or /dev, even with --root /.
+KERNEL_TREES = ("/proc", "/sys", "/dev")
 
 
 class Root:
     """The directory every host path is resolved under; "/" on a real node."""
 
-    def __init__(self, path: str | os.PathLike[str] = "/") -> None:
+    def __init__(self, path: str | os.PathLike[str] = "/", kernel: Optional[Path] = None) -> None:
         self.path = Path(path).resolve()
+        self.kernel = kernel  # holds proc/, sys/ and dev/ of a simulated kernel
 
     def __call__(self, host_path: str | os.PathLike[str]) -> Path:
         """Map an absolute host path such as /etc/gpu-agent/config.yaml to its place under the root."""
         host_path = str(host_path)
         if not host_path.startswith("/"):
             raise ValueError(f"host path must be absolute: {host_path!r}")
-        relative = os.path.normpath(host_path).lstrip("/")
+        normal = os.path.normpath(host_path)
+        if self.kernel is not None and any(normal == t or normal.startswith(t + "/") for t in KERNEL_TREES):
+            return self.kernel / normal.lstrip("/")
+        relative = normal.lstrip("/")
         return self.path / relative if relative else self.path
 
-    @property
-    def is_host(self) -> bool:
-        return self.path == Path("/")
+    def with_kernel(self, kernel: Path) -> "Root":
+        return Root(self.path, kernel)
 
     def __repr__(self) -> str:
-        return f"Root({str(self.path)!r})"
+        return f"Root({str(self.path)!r}{f', kernel={str(self.kernel)!r}' if self.kernel else ''})"

@@ -296,6 +296,21 @@ class Nvml:
             pass
         return GpuSample(**values)
 
+    def driver_version(self) -> str:
+        self.init()
+        return self._nvml("nvmlSystemGetDriverVersion")
+
+    def persistence_modes(self) -> list[bool]:
+        """Persistence mode of each GPU, by index."""
+        self.init()
+        handles = [self._nvml("nvmlDeviceGetHandleByIndex", i) for i in range(self._nvml("nvmlDeviceGetCount"))]
+        return [self._nvml("nvmlDeviceGetPersistenceMode", h) == self.lib.NVML_FEATURE_ENABLED for h in handles]
+
+    def enable_persistence(self, index: int) -> None:
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        self._nvml("nvmlDeviceSetPersistenceMode", handle, self.lib.NVML_FEATURE_ENABLED)
+
     def processes(self, index: int) -> list[tuple[int, float]]:
         """(pid, MiB of GPU memory used) of each compute process on the GPU."""
         self.init()

@@ -34,9 +34,9 @@ def test_without_a_gpu_the_unit_is_active_alive_and_not_ready(container: Contain
     assert container.exec("curl", "-fsS", "127.0.0.1:9445/healthz").stdout == "ok\n"
     readyz = container.exec("curl", "-sS", "-w", "%{http_code}", "127.0.0.1:9445/readyz?verbose").stdout
     assert readyz.endswith("503")
-    assert "[-]discovery failed: no NVIDIA GPU was found" in readyz
+    assert "[-]driver failed: no NVIDIA GPU was found on the PCI bus" in readyz
     status = container.exec("systemctl", "status", "gpu-agent", "--no-pager", check=False).stdout
-    assert 'Status: "not ready: discovery: no NVIDIA GPU was found' in status
+    assert 'Status: "not ready: driver: no NVIDIA GPU was found on the PCI bus' in status
 
 
 def test_with_simulated_gpus_it_is_ready_and_says_so(container: Container) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import pynvml
 
+from gpu_agent.nvml.sim.kernel import loaded_version
 from gpu_agent.nvml.sim.machine import MachineState
 from gpu_agent.nvml.sim.profiles import MODELS, GpuModel
 
@@ -177,6 +178,11 @@ class FakeNvml:
         state = self._state.read()
         if state["driver_version"] is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        module = loaded_version(state, "nvidia")
+        if module is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        if module != state["driver_version"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
         self._fault("nvmlInit", None)
         with self._lock:
             self._init_count += 1
@@ -255,6 +261,18 @@ class FakeNvml:
         info.domain, info.bus, info.device = int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
         info.pciDeviceId = self._model(gpu).pci_device_id
         return info
+
+    @_nvml
+    def nvmlDeviceGetPersistenceMode(self, handle: SimHandle) -> int:
+        return self._whole_gpu(handle).get("persistence", pynvml.NVML_FEATURE_DISABLED)
+
+    @_nvml
+    def nvmlDeviceSetPersistenceMode(self, handle: SimHandle, mode: int) -> None:
+        self._whole_gpu(handle)
+        if mode not in (pynvml.NVML_FEATURE_DISABLED, pynvml.NVML_FEATURE_ENABLED):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._state.edit() as state:
+            state["gpus"][handle.gpu]["persistence"] = mode
 
     @_nvml
     def nvmlDeviceGetCudaComputeCapability(self, handle: SimHandle) -> tuple[int, int]:

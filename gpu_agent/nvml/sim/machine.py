@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import uuid as uuidlib
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
+from gpu_agent.nvml.sim.kernel import initial_kernel, render
 from gpu_agent.nvml.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
 
 STATE_DIR = "/var/lib/gpu-agent/sim"
@@ -45,6 +47,9 @@ class MachineSpec(_Spec):
     driver_version: Optional[str] = "550.90.07"
     cuda_version: str = "12.4"
     gpus: list[GpuSpec] = Field(default_factory=list)
+    nvswitches: int = Field(0, ge=0)
+    mellanox_nics: int = Field(0, ge=0, description="ConnectX NICs, for GPUDirect RDMA (nvidia_peermem)")
+    nouveau: bool = Field(False, description="the distribution loaded nouveau at boot")
 
 
 def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
@@ -80,7 +85,11 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
     major, _, minor = spec.cuda_version.partition(".")
     if not (major.isdigit() and minor.isdigit()):
         raise AgentError(f"{path}: cuda_version: expected MAJOR.MINOR such as 12.4, got {spec.cuda_version!r}")
-    return Machine(spec.name, spec.driver_version, int(major) * 1000 + int(minor) * 10, tuple(gpus)), mig
+    machine = Machine(spec.name, spec.driver_version, int(major) * 1000 + int(minor) * 10, tuple(gpus),
+                      nvswitches=tuple(f"0000:{0xc0 + n:02x}:00.0" for n in range(spec.nvswitches)),
+                      mellanox_nics=tuple(f"0000:{0xe0 + n:02x}:00.0" for n in range(spec.mellanox_nics)),
+                      nouveau=spec.nouveau)
+    return machine, mig
 
 
 def _nvml_bus_id(bus: str) -> str:
@@ -133,6 +142,8 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
     return {
         "source": source, "machine": machine.name, "driver_version": machine.driver_version,
         "cuda_version": machine.cuda_version, "gpus": gpus, "faults": [], "xids": [], "next_seq": 1,
+        "pci": {"nvswitches": list(machine.nvswitches), "mellanox_nics": list(machine.mellanox_nics)},
+        "kernel": initial_kernel(machine.driver_version, bool(machine.mellanox_nics), machine.nouveau),
     }
 
 
@@ -143,6 +154,7 @@ class MachineState:
         self.root = root
         self.dir = root(STATE_DIR)
         self.path = self.dir / "machine.json"
+        self.kernel_dir = self.dir / "kernel"  # proc/, sys/ and dev/ of the simulated kernel
         self._cache: Optional[dict[str, Any]] = None
         self._cache_key: Optional[tuple[int, int, int]] = None
         self._own_writes: set[tuple[int, int, int]] = set()
@@ -156,6 +168,7 @@ class MachineState:
         with self._locked():
             if self.path.exists() and json.loads(self.path.read_text()).get("source") == source:
                 return
+            shutil.rmtree(self.kernel_dir, ignore_errors=True)  # a new machine boots a fresh kernel
             if spec in BUILT_IN:
                 machine, mig = BUILT_IN[spec], {}
             elif Path(spec).is_file():
@@ -187,6 +200,7 @@ class MachineState:
             self._write(state)
 
     def _write(self, state: dict[str, Any]) -> None:
+        render(self.kernel_dir, state)
         atomic_write(self.path, json.dumps(state, indent=1, sort_keys=True) + "\n")
         self._cache = None
         stamp = self.stamp()

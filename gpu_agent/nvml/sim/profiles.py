@@ -108,6 +108,9 @@ class Machine:
     driver_version: Optional[str]  # None: no NVIDIA driver installed
     cuda_version: int  # as nvmlSystemGetCudaDriverVersion returns it: 12040 for 12.4
     gpus: tuple[tuple[GpuModel, str], ...]  # (model, PCI bus id as NVML writes it)
+    nvswitches: tuple[str, ...] = ()  # PCI addresses, 0000:c4:00.0
+    mellanox_nics: tuple[str, ...] = ()  # PCI addresses of ConnectX NICs (GPUDirect RDMA)
+    nouveau: bool = False  # the distribution loaded nouveau at boot
 
 
 _DGX_A100_BUSES = ("07", "0F", "47", "4E", "87", "90", "B7", "BD")
@@ -118,9 +121,17 @@ def _buses(model: GpuModel, buses: tuple[str, ...]) -> tuple[tuple[GpuModel, str
     return tuple((model, f"00000000:{bus}:00.0") for bus in buses)
 
 
+def _addresses(*buses: str) -> tuple[str, ...]:
+    return tuple(f"0000:{bus}:00.0" for bus in buses)
+
+
 BUILT_IN = {
-    "dgx-a100": Machine("dgx-a100", "550.90.07", 12040, _buses(A100_SXM4_40GB, _DGX_A100_BUSES)),
-    "dgx-h100": Machine("dgx-h100", "550.90.07", 12040, _buses(H100_80GB_HBM3, _DGX_H100_BUSES)),
+    "dgx-a100": Machine("dgx-a100", "550.90.07", 12040, _buses(A100_SXM4_40GB, _DGX_A100_BUSES),
+                        nvswitches=_addresses("c4", "c5", "c6", "c7", "c8", "c9"),
+                        mellanox_nics=_addresses("0c", "12", "54", "5a", "8d", "94", "ba", "cc")),
+    "dgx-h100": Machine("dgx-h100", "550.90.07", 12040, _buses(H100_80GB_HBM3, _DGX_H100_BUSES),
+                        nvswitches=_addresses("05", "06", "07", "08"),
+                        mellanox_nics=_addresses("1a", "3c", "4d", "5e", "9c", "bc", "cc", "dc")),
     "a30": Machine("a30", "550.90.07", 12040, _buses(A30, ("3B",))),
     "t4": Machine("t4", "550.90.07", 12040, ((T4, "00000000:00:1E.0"),)),
     "none": Machine("none", None, 0, ()),

@@ -1,0 +1,49 @@
+"""The driver section of the config: which NVIDIA modules to load, with which options."""
+from __future__ import annotations
+
+import re
+from typing import Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from gpu_agent.config.section import Section
+
+KNOWN_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_peermem", "nvidia_fs", "gdrdrv", "nvidia_drm")
+_PARAMETER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_VALUE = re.compile(r"^[^\s#]+$")
+
+
+class DriverModules(Section):
+    nvidia_peermem: Union[bool, Literal["auto"]] = Field(
+        "auto", description="GPUDirect RDMA; auto: only when a Mellanox (0x15b3) NIC is present.")
+    nvidia_fs: bool = Field(False, description="GPUDirect Storage.")
+    gdrdrv: bool = Field(False, description="GDRCopy.")
+    nvidia_drm: bool = Field(False, description="Off by default: it blocks the GPU resets MIG changes need.")
+
+
+class DriverConfig(Section):
+    enabled: bool = Field(True, description="Load, verify and repair the NVIDIA kernel driver.")
+    version: Optional[str] = Field(None, description='Pin, e.g. "550.90.07": any other loaded version fails.')
+    blacklist_nouveau: bool = Field(False, description="Write /etc/modprobe.d/blacklist-nouveau.conf.")
+    modules: DriverModules = DriverModules()
+    parameters: dict[str, dict[str, Union[str, int]]] = Field(
+        default_factory=dict,
+        description="Module options written to /etc/modprobe.d/gpu-agent-<module>.conf, "
+        "e.g. {nvidia: {NVreg_EnableGpuFirmware: 0}}.")
+    persistence: bool = Field(False, description="Require nvidia-persistenced or persistence mode; "
+                                                 "turn persistence mode on when neither.")
+    validate_cuda: bool = Field(False, description="Create a CUDA context and allocate memory on each GPU.")
+    modprobe_timeout_seconds: float = Field(60, gt=0)
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict[str, dict[str, Union[str, int]]]) -> dict[str, dict[str, Union[str, int]]]:
+        for module, options in value.items():
+            if module not in KNOWN_MODULES:
+                raise ValueError(f"unknown module {module!r}; one of {', '.join(KNOWN_MODULES)}")
+            for name, setting in options.items():
+                if not _PARAMETER.match(name):
+                    raise ValueError(f"{module}: {name!r} is not a module parameter name")
+                if not _VALUE.match(str(setting)):
+                    raise ValueError(f"{module}.{name}: {setting!r} cannot be written to modprobe.d")
+        return value

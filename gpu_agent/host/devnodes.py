@@ -1,0 +1,112 @@
+"""NVIDIA device nodes, checked and created the way nvidia-modprobe does, with /dev/char links.
+
+Without the /dev/char/MAJ:MIN links, a `systemctl daemon-reload` makes systemd re-apply device
+cgroup rules it cannot resolve, and running containers lose access to their GPUs (NVML errors).
+"""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import Optional
+
+from gpu_agent.host.paths import Root
+
+NVIDIA_MAJOR_NAMES = ("nvidia", "nvidia-frontend")
+CTL_MINOR = 255
+MODESET_MINOR = 254
+DEFAULT_MODE = 0o666
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    path: str  # /dev/nvidia0
+    major: int
+    minor: int
+    mode: int
+
+    @property
+    def char_link(self) -> str:
+        return f"/dev/char/{self.major}:{self.minor}"
+
+    def describe(self) -> str:
+        return f"{self.path} ({self.major}:{self.minor}, {self.mode:04o})"
+
+
+def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules: set[str]) -> list[DeviceNode]:
+    """The nodes the loaded modules should have, from /proc/devices and /proc/driver/nvidia."""
+    nodes: list[DeviceNode] = []
+    nvidia = next((majors[name] for name in NVIDIA_MAJOR_NAMES if name in majors), None)
+    if "nvidia" in modules and nvidia is not None:
+        nodes.append(DeviceNode("/dev/nvidiactl", nvidia, CTL_MINOR, DEFAULT_MODE))
+        nodes += [DeviceNode(f"/dev/nvidia{minor}", nvidia, minor, DEFAULT_MODE) for minor in sorted(gpu_minors)]
+    if "nvidia_modeset" in modules and nvidia is not None:
+        nodes.append(DeviceNode("/dev/nvidia-modeset", nvidia, MODESET_MINOR, DEFAULT_MODE))
+    if "nvidia_uvm" in modules and "nvidia-uvm" in majors:
+        nodes.append(DeviceNode("/dev/nvidia-uvm", majors["nvidia-uvm"], 0, DEFAULT_MODE))
+        nodes.append(DeviceNode("/dev/nvidia-uvm-tools", majors["nvidia-uvm"], 1, DEFAULT_MODE))
+    if "nvidia-caps" in majors:
+        for cap in ("config", "monitor"):
+            info = _key_values(root(f"/proc/driver/nvidia/capabilities/mig/{cap}"))
+            if "DeviceFileMinor" in info:
+                minor = int(info["DeviceFileMinor"])
+                mode = int(info.get("DeviceFileMode", "256"))
+                nodes.append(DeviceNode(f"/dev/nvidia-caps/nvidia-cap{minor}", majors["nvidia-caps"], minor, mode))
+    return nodes
+
+
+def gpu_minors(root: Root) -> dict[str, int]:
+    """Device minor of each GPU by PCI address, from /proc/driver/nvidia/gpus/*/information."""
+    gpus = root("/proc/driver/nvidia/gpus")
+    minors = {}
+    for entry in sorted(gpus.iterdir()) if gpus.is_dir() else ():
+        info = _key_values(entry / "information")
+        if "Device Minor" in info:
+            minors[entry.name.lower()] = int(info["Device Minor"])
+    return minors
+
+
+def problem(root: Root, node: DeviceNode) -> Optional[str]:
+    """What is wrong with the node (and its /dev/char link), or None."""
+    path = root(node.path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return f"{node.path} is missing"
+    if not stat.S_ISCHR(st.st_mode):
+        return f"{node.path} is not a character device"
+    if (os.major(st.st_rdev), os.minor(st.st_rdev)) != (node.major, node.minor):
+        return f"{node.path} is {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, the driver says {node.major}:{node.minor}"
+    link = root(node.char_link)
+    if not link.is_symlink() or os.path.realpath(link) != os.path.realpath(path):
+        return f"{node.char_link} does not point to {node.path}"
+    return None
+
+
+def create(root: Root, node: DeviceNode) -> None:
+    """mknod (atomically replacing a wrong node) and the /dev/char link, as nvidia-modprobe does."""
+    path = root(node.path)
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.gpu-agent")
+    if temporary.exists() or temporary.is_symlink():
+        temporary.unlink()
+    os.mknod(temporary, stat.S_IFCHR | node.mode, os.makedev(node.major, node.minor))
+    os.chmod(temporary, node.mode)  # mknod's mode is filtered by the umask
+    os.rename(temporary, path)
+    link = root(node.char_link)
+    link.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    target = os.path.relpath(node.path, os.path.dirname(node.char_link))
+    if link.is_symlink() or link.exists():
+        if os.readlink(link) == target:
+            return
+        link.unlink()
+    os.symlink(target, link)
+
+
+def _key_values(path: object) -> dict[str, str]:
+    try:
+        text = path.read_text()  # type: ignore[attr-defined]
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {key.strip(): value.strip() for key, value in pairs}

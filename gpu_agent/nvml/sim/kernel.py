@@ -1,0 +1,221 @@
+"""The simulated kernel: PCI sysfs, /proc/modules, /sys/module, /proc/devices and /proc/driver/nvidia,
+rendered from the machine state, and a module loader that behaves like modprobe on a real kernel.
+
+The files live in the machine's kernel directory (proc/, sys/, dev/), which the agent's Root maps
+/proc, /sys and /dev to when simulating.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from gpu_agent.host.files import atomic_write
+from gpu_agent.host.modules import ModuleLoadError
+from gpu_agent.host.paths import Root
+
+RELEASE = "6.1.0-18-amd64"
+NVIDIA_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_drm", "nvidia_peermem")
+DEPENDS = {
+    "nvidia_uvm": ("nvidia",),
+    "nvidia_modeset": ("nvidia",),
+    "nvidia_drm": ("nvidia_modeset", "drm_kms_helper"),
+    "drm_kms_helper": ("drm",),
+    "nvidia_peermem": ("nvidia", "ib_core"),
+    "mlx5_ib": ("ib_core",),
+}
+SIZES = {"nvidia": 56807424, "nvidia_uvm": 4890624, "nvidia_modeset": 1355776, "nvidia_drm": 77824,
+         "nvidia_peermem": 16384, "nouveau": 2433024, "drm": 614400, "drm_kms_helper": 204800,
+         "ib_core": 454656, "mlx5_ib": 446464}
+CHAR_MAJORS = {"nvidia": (195, "nvidia-frontend"), "nvidia_uvm": (510, "nvidia-uvm"),
+               "nvidia_caps": (237, "nvidia-caps")}
+BASE_CHAR_DEVICES = ((1, "mem"), (4, "/dev/vc/0"), (4, "tty"), (5, "/dev/tty"), (5, "/dev/console"),
+                     (10, "misc"), (13, "input"), (136, "pts"), (226, "drm"))
+OLD_VERSION = "550.54.15"  # what a half-finished upgrade leaves loaded
+MODPROBE_ERRORS = ("not-found", "key-rejected")
+KERNEL_STATE_ERRORS = ("nouveau", "version-mismatch")  # change the kernel's state at once
+
+
+def initial_kernel(driver_version: Optional[str], nics: bool, nouveau: bool) -> dict[str, Any]:
+    installed: dict[str, Optional[str]] = {"nouveau": None, "drm": None, "drm_kms_helper": None}
+    if driver_version:
+        installed.update({module: driver_version for module in NVIDIA_MODULES})
+    loaded = []
+    if nics:
+        installed.update({"ib_core": None, "mlx5_ib": None})
+        loaded += [{"name": "ib_core", "version": None, "params": {}},
+                   {"name": "mlx5_ib", "version": None, "params": {}}]
+    if nouveau:
+        loaded += [{"name": n, "version": None, "params": {}} for n in ("drm", "drm_kms_helper", "nouveau")]
+    return {"release": RELEASE, "installed": installed, "loaded": loaded}
+
+
+def loaded_names(state: dict[str, Any]) -> list[str]:
+    return [module["name"] for module in state["kernel"]["loaded"]]
+
+
+def loaded_version(state: dict[str, Any], name: str) -> Optional[str]:
+    return next((m["version"] for m in state["kernel"]["loaded"] if m["name"] == name), None)
+
+
+def break_kernel(state: dict[str, Any], how: str) -> None:
+    """`sim fail modprobe --error nouveau|version-mismatch`: put the kernel in that state now."""
+    kernel = state["kernel"]
+    if how == "nouveau":
+        for name in ("drm", "drm_kms_helper", "nouveau"):
+            if name not in loaded_names(state):
+                kernel["loaded"].append({"name": name, "version": None, "params": {}})
+    elif how == "version-mismatch":
+        # The userspace (NVML) was upgraded; the module files on disk and in the kernel are older.
+        for name in NVIDIA_MODULES:
+            if name in kernel["installed"]:
+                kernel["installed"][name] = OLD_VERSION
+        for module in kernel["loaded"]:
+            if module["name"] in NVIDIA_MODULES:
+                module["version"] = OLD_VERSION
+
+
+class SimModprobe:
+    """modprobe against the simulated kernel: dependencies first, options from /etc/modprobe.d."""
+
+    def __init__(self, machine: Any, root: Root) -> None:
+        self.machine = machine
+        self.root = root
+
+    def load(self, module: str) -> None:
+        with self.machine.edit() as state:
+            fault = next((f for f in state["faults"] if f["call"] == "modprobe"
+                          and f.get("module") in (None, module) and (f.get("times") is None or f["times"] > 0)), None)
+            if fault is not None:
+                if fault.get("times") is not None:
+                    fault["times"] -= 1
+                    if fault["times"] <= 0:
+                        state["faults"].remove(fault)
+            error = self._insert(state, module, fault["error"] if fault else None)
+        if error:
+            raise ModuleLoadError(module, error)
+
+    def _insert(self, state: dict[str, Any], module: str, fault: Optional[str]) -> Optional[str]:
+        kernel = state["kernel"]
+        if module in loaded_names(state):
+            return None
+        if fault == "not-found" or module not in kernel["installed"]:
+            return f"modprobe: FATAL: Module {module} not found in directory /lib/modules/{kernel['release']}"
+        if fault == "key-rejected":
+            return f"modprobe: ERROR: could not insert '{module}': Key was rejected by service"
+        for dependency in DEPENDS.get(module, ()):
+            error = self._insert(state, dependency, None)
+            if error:
+                return f"modprobe: ERROR: could not insert '{module}': Unknown symbol in module, or unknown parameter"
+        if module == "nvidia" and "nouveau" in loaded_names(state):
+            return "modprobe: ERROR: could not insert 'nvidia': No such device"
+        kernel["loaded"].append({"name": module, "version": kernel["installed"][module],
+                                 "params": self._options(module)})
+        return None
+
+    def _options(self, module: str) -> dict[str, str]:
+        """`options MODULE key=value ...` lines of /etc/modprobe.d/*.conf, as modprobe reads them."""
+        options: dict[str, str] = {}
+        directory = self.root("/etc/modprobe.d")
+        for conf in sorted(directory.glob("*.conf")) if directory.is_dir() else ():
+            for line in conf.read_text().splitlines():
+                words = line.split("#", 1)[0].split()
+                if len(words) >= 3 and words[0] == "options" and words[1].replace("-", "_") == module:
+                    options.update(word.split("=", 1) for word in words[2:] if "=" in word)
+        return options
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+def render(kernel_dir: Path, state: dict[str, Any]) -> None:
+    """Write the kernel's files for `state`; /dev is left alone (device nodes are userspace's job)."""
+    files: dict[str, str] = {}
+    _pci(files, state)
+    for gpu in state["gpus"]:
+        for process in gpu["processes"]:
+            files[f"proc/{process['pid']}/comm"] = process["name"][:15] + "\n"  # the kernel keeps 15 characters
+    loaded = state["kernel"]["loaded"]
+    names = [m["name"] for m in loaded]
+    holders = {name: [m["name"] for m in loaded if name in DEPENDS.get(m["name"], ())] for name in names}
+    lines = []
+    for module in reversed(loaded):  # the kernel lists the newest first
+        name = module["name"]
+        users = ",".join(holders[name]) + "," if holders[name] else "-"
+        lines.append(f"{name} {SIZES.get(name, 65536)} {len(holders[name])} {users} Live 0x0000000000000000")
+        base = f"sys/module/{name}"
+        files[f"{base}/refcnt"] = f"{len(holders[name])}\n"
+        files[f"{base}/initstate"] = "live\n"
+        for holder in holders[name]:
+            files[f"{base}/holders/{holder}"] = ""
+        if module["version"]:
+            files[f"{base}/version"] = f"{module['version']}\n"
+        for key, value in module["params"].items():
+            files[f"{base}/parameters/{key}"] = f"{value}\n"
+    files["proc/modules"] = "".join(line + "\n" for line in lines)
+    char = list(BASE_CHAR_DEVICES)
+    if "nvidia" in names:
+        char += [CHAR_MAJORS["nvidia"], CHAR_MAJORS["nvidia_caps"]]
+        _proc_driver(files, state, next(m for m in loaded if m["name"] == "nvidia")["version"])
+    if "nvidia_uvm" in names:
+        char.append(CHAR_MAJORS["nvidia_uvm"])
+    files["proc/devices"] = "Character devices:\n" + "".join(
+        f"{major:3d} {name}\n" for major, name in sorted(char)) + "\nBlock devices:\n  8 sd\n259 blkext\n"
+    _replace_tree(kernel_dir / "proc", {k[5:]: v for k, v in files.items() if k.startswith("proc/")})
+    _replace_tree(kernel_dir / "sys", {k[4:]: v for k, v in files.items() if k.startswith("sys/")})
+
+
+def _pci(files: dict[str, str], state: dict[str, Any]) -> None:
+    from gpu_agent.nvml.sim.profiles import MODELS
+
+    devices = [(gpu["pci_bus_id"], 0x10DE, MODELS[gpu["model"]].pci_device_id >> 16, 0x030200)
+               for gpu in state["gpus"]]
+    devices += [(address, 0x10DE, 0x22A3, 0x068000) for address in state["pci"]["nvswitches"]]
+    devices += [(address, 0x15B3, 0x1021, 0x020700) for address in state["pci"]["mellanox_nics"]]
+    for address, vendor, device, pci_class in devices:
+        base = f"sys/bus/pci/devices/{_sysfs_address(address)}"
+        files[f"{base}/vendor"] = f"0x{vendor:04x}\n"
+        files[f"{base}/device"] = f"0x{device:04x}\n"
+        files[f"{base}/class"] = f"0x{pci_class:06x}\n"
+
+
+def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> None:
+    from gpu_agent.nvml.sim.profiles import MODELS
+
+    files["proc/driver/nvidia/version"] = (
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Fri May 31 09:35:42 UTC 2024\n"
+        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+    for gpu in state["gpus"]:
+        files[f"proc/driver/nvidia/gpus/{_sysfs_address(gpu['pci_bus_id'])}/information"] = (
+            f"Model: \t\t {MODELS[gpu['model']].name}\nIRQ:   \t\t 0\nGPU UUID: \t {gpu['uuid']}\n"
+            f"Video BIOS: \t ??.??.??.??.??\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"
+            f"Device Minor: \t {gpu['minor']}\nGPU Excluded:\t No\n")
+    for minor, cap in ((1, "config"), (2, "monitor")):
+        files[f"proc/driver/nvidia/capabilities/mig/{cap}"] = (
+            f"DeviceFileMinor: {minor}\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
+
+
+def _sysfs_address(nvml_bus_id: str) -> str:
+    """00000000:18:00.0 (NVML) or 0000:18:00.0 to sysfs' 0000:18:00.0."""
+    domain, rest = nvml_bus_id.split(":", 1)
+    return f"{domain[-4:]}:{rest}".lower()
+
+
+def _replace_tree(directory: Path, files: dict[str, str]) -> None:
+    """Make `directory` hold exactly `files`, each written atomically; unchanged files are not rewritten."""
+    for relative, content in files.items():
+        path = directory / relative
+        try:
+            if path.read_text() == content:
+                continue
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        atomic_write(path, content)
+    wanted = {directory / relative for relative in files}
+    wanted_dirs = {parent for path in wanted for parent in path.parents}
+    for path in sorted(directory.rglob("*"), reverse=True) if directory.exists() else ():
+        if path.is_dir() and not path.is_symlink():
+            if path not in wanted_dirs:
+                shutil.rmtree(path, ignore_errors=True)
+        elif path not in wanted:
+            path.unlink()

@@ -1,0 +1,67 @@
+"""Host-native CUDA validation (the GPU Operator's vectorAdd check): through ctypes on libcuda.so.1,
+cuInit, count the devices, and on each create a context and allocate and free memory.
+
+It runs in a child process with a timeout: a CUDA call can hang on a sick GPU, and a context left
+in the daemon would hold GPU memory for as long as the agent runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+from typing import Optional
+
+from gpu_agent.errors import StageError
+from gpu_agent.host import proc
+from gpu_agent.host.paths import Root
+
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu", "/lib64")
+TIMEOUT_S = 120.0
+ALLOCATION = 1 << 20
+
+
+def find_libcuda(root: Root) -> Optional[Path]:
+    return next((root(f"{d}/libcuda.so.1") for d in LIB_DIRS if root(f"{d}/libcuda.so.1").exists()), None)
+
+
+def run(root: Root, expected_gpus: Optional[int] = None) -> str:
+    """A note for the stage's message; raises StageError when CUDA cannot use a GPU."""
+    library = find_libcuda(root)
+    if library is None:
+        return f"CUDA validation skipped: libcuda.so.1 not found under {root.path} (driver.validate_cuda)"
+    code = (f"import sys; sys.path[:0] = {sys.path!r}; "
+            f"from gpu_agent.stages.cuda_check import main; sys.exit(main({str(library)!r}))")
+    done = proc.run([sys.executable, "-I", "-c", code], timeout=TIMEOUT_S)
+    if done.returncode != 0:
+        raise StageError(f"CUDA validation failed: {done.output or f'exit status {done.returncode}'}")
+    count = int(done.stdout.split()[0])
+    if expected_gpus is not None and count < expected_gpus:
+        raise StageError(f"CUDA validation: CUDA sees {count} devices, {expected_gpus} GPUs are present")
+    return f"CUDA validated on {count} device{'s' if count != 1 else ''}"
+
+
+def main(library: str) -> int:
+    """In the child: exit 0 and print the device count, or print the failing call and exit 1."""
+    cuda = ctypes.CDLL(library)
+
+    def check(call: str, result: int) -> None:
+        if result != 0:
+            name = ctypes.c_char_p()
+            cuda.cuGetErrorName(result, ctypes.byref(name))
+            print(f"{call} returned {(name.value or b'?').decode()} ({result})", file=sys.stderr)
+            raise SystemExit(1)
+
+    check("cuInit", cuda.cuInit(0))
+    count = ctypes.c_int()
+    check("cuDeviceGetCount", cuda.cuDeviceGetCount(ctypes.byref(count)))
+    for ordinal in range(count.value):
+        device = ctypes.c_int()
+        check(f"cuDeviceGet({ordinal})", cuda.cuDeviceGet(ctypes.byref(device), ordinal))
+        context = ctypes.c_void_p()
+        check(f"cuCtxCreate on device {ordinal}", cuda.cuCtxCreate_v2(ctypes.byref(context), 0, device))
+        pointer = ctypes.c_uint64()
+        check(f"cuMemAlloc on device {ordinal}", cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(ALLOCATION)))
+        check(f"cuMemFree on device {ordinal}", cuda.cuMemFree_v2(pointer))
+        check(f"cuCtxDestroy on device {ordinal}", cuda.cuCtxDestroy_v2(context))
+    print(count.value)
+    return 0

@@ -1,0 +1,227 @@
+"""Driver stage: load, verify and repair the NVIDIA kernel driver, as the GPU Operator's driver
+container and validator do, natively on the host and with a diagnosis for every failure."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gpu_agent.config.driver import DriverConfig
+from gpu_agent.errors import StageError
+from gpu_agent.host import devnodes, pci
+from gpu_agent.host.files import atomic_write, backup, read_text, unified_diff
+from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
+from gpu_agent.host.paths import Root
+from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.stages.base import Action, Stage
+from gpu_agent.stages import cuda_check
+
+BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
+BLACKLIST_CONTENT = (
+    "# Written by gpu-agent (driver.blacklist_nouveau): nouveau must not claim the NVIDIA GPUs.\n"
+    "blacklist nouveau\noptions nouveau modeset=0\n"
+)
+BASE_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset")
+
+
+@dataclass
+class DriverState:
+    """What the stage saw; plan() and verify() work from this alone."""
+
+    pci: pci.PciInventory
+    loaded: dict[str, LoadedModule]
+    wanted: list[str]
+    files: dict[str, tuple[Optional[str], str]]  # host path -> (current, desired)
+    nodes: list[devnodes.DeviceNode] = field(default_factory=list)
+    node_problems: dict[str, str] = field(default_factory=dict)
+    module_version: Optional[str] = None
+    nvml_version: Optional[str] = None
+    nvml_error: Optional[str] = None
+    nvml_bus_ids: list[str] = field(default_factory=list)
+    persistence: Optional[list[bool]] = None
+    persistenced: bool = False
+
+    @property
+    def nouveau(self) -> bool:
+        return "nouveau" in self.loaded
+
+
+class Driver(Stage):
+    name = "driver"
+
+    def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig) -> None:
+        self.root = root
+        self.nvml = nvml
+        self.loader = loader
+        self.settings = settings
+        self.kernel = KernelModules(root)
+
+    # --- observe ---------------------------------------------------------------------------------
+
+    def observe(self) -> DriverState:
+        inventory = pci.scan(self.root)
+        state = DriverState(inventory, self.kernel.loaded(), self._wanted(inventory), self._files())
+        if "nvidia" not in state.loaded:
+            return state
+        majors = self.kernel.char_majors()
+        minors = list(devnodes.gpu_minors(self.root).values())
+        state.nodes = devnodes.expected(self.root, majors, minors, set(state.loaded))
+        state.node_problems = {n.path: p for n in state.nodes if (p := devnodes.problem(self.root, n))}
+        state.module_version = self.kernel.version("nvidia")
+        try:
+            inventory_nvml = self.nvml.inventory()
+            state.nvml_version = inventory_nvml.driver_version
+            state.nvml_bus_ids = [gpu.pci_bus_id for gpu in inventory_nvml.gpus]
+            if self.settings.persistence:
+                state.persistence = self.nvml.persistence_modes()
+                state.persistenced = self._persistenced_running()
+        except NvmlUnavailable as exc:
+            state.nvml_error = str(exc)
+        except self.nvml.lib.NVMLError as exc:
+            state.nvml_error = f"NVML query failed: {describe(exc)}"
+        return state
+
+    def _wanted(self, inventory: pci.PciInventory) -> list[str]:
+        modules = self.settings.modules
+        wanted = list(BASE_MODULES)
+        if modules.nvidia_peermem is True or (modules.nvidia_peermem == "auto" and inventory.mellanox_nics):
+            wanted.append("nvidia_peermem")
+        wanted += [name for name in ("nvidia_fs", "gdrdrv", "nvidia_drm") if getattr(modules, name)]
+        return wanted
+
+    def _files(self) -> dict[str, tuple[Optional[str], str]]:
+        desired = {}
+        if self.settings.blacklist_nouveau:
+            desired[BLACKLIST_NOUVEAU] = BLACKLIST_CONTENT
+        for module, options in sorted(self.settings.parameters.items()):
+            line = " ".join(f"{key}={value}" for key, value in sorted(options.items()))
+            desired[f"/etc/modprobe.d/gpu-agent-{module}.conf"] = (
+                f"# Written by gpu-agent from driver.parameters.{module}; edit the agent's config, not this file.\n"
+                f"options {module} {line}\n")
+        return {path: (read_text(self.root(path)), content) for path, content in desired.items()}
+
+    def _persistenced_running(self) -> bool:
+        proc = self.root("/proc")
+        for entry in proc.iterdir() if proc.is_dir() else ():
+            if entry.name.isdigit() and read_text(entry / "comm") == "nvidia-persistenced\n":
+                return True
+        return False
+
+    # --- plan and apply --------------------------------------------------------------------------
+
+    def plan(self, state: DriverState) -> list[Action]:
+        actions = [self._write(path, current, desired)
+                   for path, (current, desired) in state.files.items() if current != desired]
+        if not state.pci.gpus or state.nouveau:
+            return actions  # nothing to load: verify() says why
+        actions += [Action(f"modprobe {module}", lambda m=module: self._load(m))
+                    for module in state.wanted if module not in state.loaded]
+        nodes = {node.path: node for node in state.nodes}
+        actions += [Action(f"mknod {nodes[path].describe()}: {problem}",
+                           lambda n=nodes[path]: devnodes.create(self.root, n))
+                    for path, problem in state.node_problems.items()]
+        if state.persistence is not None and not state.persistenced:
+            actions += [Action(f"enable persistence mode on GPU {index}", lambda i=index: self.nvml.enable_persistence(i))
+                        for index, enabled in enumerate(state.persistence) if not enabled]
+        return actions
+
+    def _write(self, path: str, current: Optional[str], desired: str) -> Action:
+        def write() -> None:
+            if current is not None and not os.path.basename(path).startswith("gpu-agent-"):
+                backup(self.root, path)  # someone else's file
+            atomic_write(self.root(path), desired)
+
+        return Action(f"write {path}", write, diff=unified_diff(path, current, desired))
+
+    def _load(self, module: str) -> None:
+        try:
+            self.loader.load(module)
+        except ModuleLoadError as exc:
+            raise StageError(diagnose(exc)) from None
+
+    # --- verify ----------------------------------------------------------------------------------
+
+    def verify(self, state: DriverState) -> str:
+        if not state.pci.gpus:
+            raise StageError("no NVIDIA GPU was found on the PCI bus (no vendor 0x10de display device "
+                             "under /sys/bus/pci/devices)")
+        if state.nouveau:
+            fix = (f"{BLACKLIST_NOUVEAU} is written: reboot (after updating the initramfs) to finish"
+                   if self.settings.blacklist_nouveau and BLACKLIST_NOUVEAU in state.files else
+                   "set driver.blacklist_nouveau: true (or blacklist nouveau yourself) and reboot")
+            raise StageError(f"the nouveau driver is loaded and holds the GPUs, so nvidia cannot load: {fix}")
+        missing = [m for m in state.wanted if m not in state.loaded or not self.kernel.present(m)]
+        if missing:
+            raise StageError(f"modules not loaded: {', '.join(missing)}")
+        self._verify_versions(state)
+        self._verify_gpus(state)
+        if state.node_problems:
+            raise StageError("device nodes: " + "; ".join(state.node_problems.values()))
+        if state.persistence is not None and not state.persistenced and not all(state.persistence):
+            off = [str(i) for i, on in enumerate(state.persistence) if not on]
+            raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
+        notes = self._reload_required(state)
+        if self.settings.validate_cuda:
+            notes.append(cuda_check.run(self.root, expected_gpus=len(state.pci.gpus)))
+        gpus = len(state.pci.gpus)
+        message = f"driver {state.module_version}, {gpus} GPU{'s' if gpus != 1 else ''}, {', '.join(state.wanted)} loaded"
+        if state.pci.nvswitches:
+            message += f", {len(state.pci.nvswitches)} NVSwitches (fabric manager needed)"
+        return "; ".join([message, *notes])
+
+    def _verify_versions(self, state: DriverState) -> None:
+        pin = self.settings.version
+        if pin and state.module_version != pin:
+            raise StageError(f"driver version pin (driver.version) is {pin} but the loaded kernel module "
+                             f"is {state.module_version}")
+        if state.nvml_error:
+            raise StageError(f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}")
+        if state.nvml_version != state.module_version:
+            raise StageError(f"kernel module is {state.module_version} but the NVML library is {state.nvml_version} "
+                             "(half-finished driver upgrade): reload the nvidia modules or reboot")
+
+    def _verify_gpus(self, state: DriverState) -> None:
+        on_bus = {device.address for device in state.pci.gpus}
+        in_nvml = set(state.nvml_bus_ids)
+        if on_bus != in_nvml:
+            lost = ", ".join(sorted(on_bus - in_nvml)) or "none"
+            extra = ", ".join(sorted(in_nvml - on_bus)) or "none"
+            raise StageError(f"{len(on_bus)} GPUs on the PCI bus but {len(in_nvml)} in NVML; missing from NVML: "
+                             f"{lost}; unknown to PCI: {extra} (check dmesg for NVRM errors)")
+
+    def _reload_required(self, state: DriverState) -> list[str]:
+        notes = []
+        for module, options in sorted(self.settings.parameters.items()):
+            if module not in state.loaded:
+                continue
+            drift = [f"{key} is {self.kernel.parameter(module, key)}, configured {value}"
+                     for key, value in sorted(options.items())
+                     if self.kernel.parameter(module, key) not in (str(value), None)]
+            if drift:
+                used = state.loaded[module]
+                holders = f", used by {', '.join(used.holders)}" if used.holders else ""
+                notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {used.refcnt}{holders}; "
+                             "the agent never unloads a module: drain the node and reboot or reload it)")
+        return notes
+
+
+def diagnose(error: ModuleLoadError) -> str:
+    """The kernel's words, with what they mean and what to do."""
+    text = error.output
+    module = error.module
+    if "not found in directory" in text:
+        remedy = (f"no {module} module for the running kernel: install the NVIDIA driver for this kernel "
+                  "(its DKMS build may have failed) or boot the kernel it was built for")
+    elif "Key was rejected by service" in text:
+        remedy = (f"Secure Boot rejected the unsigned {module} module: sign it and enroll the key "
+                  "(mokutil --import), or disable Secure Boot")
+    elif "No such device" in text:
+        remedy = f"{module} found no GPU it can drive: is nouveau or vfio-pci bound to the GPUs?"
+    elif "Unknown symbol" in text:
+        remedy = f"{module} does not match the running kernel or a module it needs is missing: see dmesg"
+    elif "Invalid argument" in text:
+        remedy = f"{module} rejected its options: check /etc/modprobe.d and dmesg"
+    else:
+        remedy = "see dmesg"
+    return f"{remedy} ({text})"
+
