@@ -74,7 +74,7 @@ class AgentState:
         if self.nvml_error:
             return Check("gpu-health", False, self.nvml_error)
         if self.inventory is None:
-            return Check("gpu-health", False, "no GPU inventory yet")
+            return Check("gpu-health", False, "no GPU discovered")
         sick = [
             f"GPU {gpu.index} ({gpu.uuid}): {self.health[gpu.uuid].reason}"
             for gpu in self.inventory.gpus

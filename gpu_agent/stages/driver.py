@@ -117,8 +117,7 @@ class Driver(Stage):
         actions += [Action(f"modprobe {module}", lambda m=module: self._load(m))
                     for module in state.wanted if module not in state.loaded]
         nodes = {node.path: node for node in state.nodes}
-        actions += [Action(f"mknod {nodes[path].describe()}: {problem}",
-                           lambda n=nodes[path]: devnodes.create(self.root, n))
+        actions += [Action(f"mknod {nodes[path].describe()}: {problem}", lambda n=nodes[path]: self._mknod(n))
                     for path, problem in state.node_problems.items()]
         if state.persistence is not None and not state.persistenced:
             actions += [Action(f"enable persistence mode on GPU {index}", lambda i=index: self.nvml.enable_persistence(i))
@@ -132,6 +131,13 @@ class Driver(Stage):
             atomic_write(self.root(path), desired)
 
         return Action(f"write {path}", write, diff=unified_diff(path, current, desired))
+
+    def _mknod(self, node: devnodes.DeviceNode) -> None:
+        try:
+            devnodes.create(self.root, node)
+        except OSError as exc:
+            raise StageError(f"cannot create {node.describe()}: {exc.strerror} "
+                             "(the agent needs root with CAP_MKNOD)") from None
 
     def _load(self, module: str) -> None:
         try:
