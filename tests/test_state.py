@@ -37,7 +37,7 @@ def test_not_started(fresh: AgentState) -> None:
     assert fresh.ready is False
     assert fresh.degraded is False
     checks = fresh.checks()
-    assert [(c.name, c.ok, c.reason) for c in checks] == [("gpu-health", False, "no GPU inventory yet")]
+    assert [(c.name, c.ok, c.reason) for c in checks] == [("gpu-health", False, "no GPU discovered")]
     doc = fresh.to_json()
     assert doc["ready"] is False
     assert doc["summary"] == "starting: first reconcile in progress"
