@@ -48,7 +48,7 @@ def test_cold_dgx_a100_is_loaded_in_order_with_device_nodes(agent, root: Path) -
 
 def test_second_pass_runs_no_modprobe_and_no_mknod(root: Path) -> None:
     first = cli("--simulate", "dgx-h100", "apply", "--once", root=root)
-    assert "did: modprobe nvidia\n" in first.stdout and "did: mknod /dev/nvidia0 (195:0, 0666)" in first.stdout
+    assert "did: modprobe nvidia\n" in first.stdout and "did: mknod /dev/nvidia0 (195:0, 0666, 0:0)" in first.stdout
     inode = node(root, "/dev/nvidia0").st_ino
     second = cli("--simulate", "dgx-h100", "apply", "--once", root=root)
     assert second.returncode == 0 and "did:" not in second.stdout, second.stdout
@@ -81,7 +81,9 @@ def test_blacklisting_nouveau_writes_the_file_and_asks_for_a_reboot(root: Path, 
     result = cli("--simulate", "t4", "apply", "--once", root=root, config=config)
     assert result.returncode == 2
     assert "blacklist-nouveau.conf is written: reboot" in result.stdout
-    assert "blacklist nouveau\n" in (root / "etc/modprobe.d/blacklist-nouveau.conf").read_text()
+    # /etc/modprobe.d configures the (simulated) kernel, so it is simulated too
+    assert "blacklist nouveau\n" in (root / KERNEL / "etc/modprobe.d/blacklist-nouveau.conf").read_text()
+    assert not (root / "etc/modprobe.d").exists()
 
 
 @pytest.mark.parametrize("error, words", [
@@ -127,18 +129,27 @@ def test_a_removed_or_wrong_device_node_is_repaired(root: Path) -> None:
     (root / KERNEL / "dev/nvidia0").unlink()
     (root / KERNEL / "dev/char/195:255").unlink()
     check = cli("--simulate", "t4", "check", root=root)
-    assert "needs: mknod /dev/nvidia0 (195:0, 0666): /dev/nvidia0 is missing" in check.stdout
-    assert "needs: mknod /dev/nvidiactl (195:255, 0666): /dev/char/195:255 does not point to /dev/nvidiactl" \
+    assert "needs: mknod /dev/nvidia0 (195:0, 0666, 0:0): /dev/nvidia0 is missing" in check.stdout
+    assert "needs: link /dev/char/195:255 -> /dev/nvidiactl: /dev/char/195:255 does not point to /dev/nvidiactl" \
         in check.stdout
+    ctl = node(root, "/dev/nvidiactl").st_ino
     result = cli("--simulate", "t4", "apply", "--once", root=root)
     assert result.returncode == 0 and stat.S_ISCHR(node(root, "/dev/nvidia0").st_mode)
+    assert node(root, "/dev/nvidiactl").st_ino == ctl  # only its link was wrong: the node is kept
+    os.chmod(root / KERNEL / "dev/nvidia0", 0o600)
+    os.chown(root / KERNEL / "dev/nvidia0", 1000, 1000)
+    check = cli("--simulate", "t4", "check", root=root)
+    assert "/dev/nvidia0 is 0600 1000:1000, the driver says 0666 0:0" in check.stdout
+    assert cli("--simulate", "t4", "apply", "--once", root=root).returncode == 0
+    st = node(root, "/dev/nvidia0")
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o666, 0, 0)
 
 
 def test_module_options_are_written_and_a_change_on_a_loaded_module_asks_for_a_reload(root: Path, write_config) -> None:
     config = write_config({"driver": {"parameters": {"nvidia": {"NVreg_EnableGpuFirmware": 0}}}})
     first = cli("--simulate", "t4", "apply", "--once", root=root, config=config)
     assert first.returncode == 0
-    conf = (root / "etc/modprobe.d/gpu-agent-nvidia.conf").read_text()
+    conf = (root / KERNEL / "etc/modprobe.d/gpu-agent-nvidia.conf").read_text()
     assert "options nvidia NVreg_EnableGpuFirmware=0\n" in conf
     assert next(m for m in modules(root) if m["name"] == "nvidia")["params"] == {"NVreg_EnableGpuFirmware": "0"}
 
@@ -161,7 +172,7 @@ def test_dry_run_prints_the_modprobe_d_diff(root: Path, write_config) -> None:
     config = write_config({"driver": {"blacklist_nouveau": True}})
     result = cli("--simulate", "t4", "apply", "--once", "--dry-run", root=root, config=config)
     assert "    +++ /etc/modprobe.d/blacklist-nouveau.conf" in result.stdout and "    +blacklist nouveau" in result.stdout
-    assert not (root / "etc/modprobe.d").exists()
+    assert not (root / "etc/modprobe.d").exists() and not (root / KERNEL / "etc/modprobe.d").exists()
 
 
 FAKE_LIBCUDA = r"""
@@ -206,3 +217,34 @@ def test_cuda_validation_runs_through_libcuda(root: Path, write_config, libcuda:
     assert "CUDA validation failed: cuMemAlloc on device 0 returned CUDA_ERROR_OUT_OF_MEMORY (2)" in failing.stdout
     none = cli("--simulate", "t4", "apply", "--once", root=root, config=config, env={"FAKE_CUDA_DEVICES": "0"})
     assert "CUDA sees 0 devices, 1 GPUs are present" in none.stdout
+
+
+def test_nvidia_persistenced_counts_as_persistence(root: Path, write_config) -> None:
+    config = write_config({"driver": {"persistence": True}})
+    cli("--simulate", "t4", "sim", "add-process", "--gpu", "0", "--pid", "900", "--name", "nvidia-persistenced",
+        root=root)
+    result = cli("--simulate", "t4", "apply", "--once", root=root, config=config)
+    assert result.returncode == 0 and "did: enable persistence" not in result.stdout
+
+
+def test_a_persistence_failure_is_a_clear_stage_error(root: Path, write_config) -> None:
+    config = write_config({"driver": {"persistence": True}})
+    cli("--simulate", "t4", "sim", "fail", "nvmlDeviceSetPersistenceMode", "--error", "NoPermission", root=root)
+    result = cli("--simulate", "t4", "apply", "--once", root=root, config=config)
+    assert result.returncode == 2
+    assert "cannot enable persistence mode on GPU 0: nvmlDeviceSetPersistenceMode: Insufficient Permissions" \
+        in result.stdout
+
+
+def test_check_shows_the_nouveau_finding_even_with_a_file_to_write(root: Path, write_config) -> None:
+    cli("--simulate", "t4", "sim", "fail", "modprobe", "--error", "nouveau", root=root)
+    config = write_config({"driver": {"blacklist_nouveau": True}})
+    result = cli("--simulate", "t4", "check", root=root, config=config)
+    assert "needs: write /etc/modprobe.d/blacklist-nouveau.conf" in result.stdout
+    assert "now: the nouveau driver is loaded and holds the GPUs" in result.stdout
+
+
+def test_nouveau_loaded_after_nvidia_holds_the_gpus_is_harmless(root: Path) -> None:
+    assert cli("--simulate", "t4", "apply", "--once", root=root).returncode == 0
+    cli("sim", "fail", "modprobe", "--error", "nouveau", root=root)
+    assert cli("--simulate", "t4", "check", root=root).returncode == 0

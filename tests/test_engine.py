@@ -152,7 +152,8 @@ def test_dry_run_plans_without_executing_or_recording(state: AgentState) -> None
     engine = Engine([change, same], state, SETTINGS)
     runs = reconcile(engine, dry_run=True)
     assert [a.summary for a in runs[0].planned] == ["set change to 1"]
-    assert (runs[0].state, runs[0].message, runs[0].applied) == ("pending", "would make 1 change(s)", False)
+    assert (runs[0].state, runs[0].message, runs[0].applied) == (
+        "pending", "would make 1 change(s); now: change is 0, wanted 1", False)
     assert (runs[1].state, runs[1].planned) == (OK, [])
     assert change.executed == 0 and change.host == {"value": 0}
     assert all(s.state == PENDING and s.message == "not run yet" and s.last_run is None

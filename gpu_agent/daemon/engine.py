@@ -81,7 +81,7 @@ class Engine:
             actions = stage.plan(observed)
             if dry_run:
                 if actions:
-                    return StageRun(stage.name, "pending", f"would make {len(actions)} change(s)", planned=actions)
+                    return StageRun(stage.name, "pending", self._pending(stage, observed, actions), planned=actions)
                 return StageRun(stage.name, OK, stage.verify(observed))
             applied: list[Action] = []
             # A change can reveal the next one (device nodes exist only once their module is loaded),
@@ -104,6 +104,16 @@ class Engine:
         except Exception as exc:  # a bug: keep the daemon alive, say where it is
             log.exception("stage %s crashed; this is a gpu-agent bug", stage.name)
             return StageRun(stage.name, FAILED, f"internal error: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _pending(stage: Stage, observed: object, actions: list[Action]) -> str:
+        """What a dry run says: the changes, and what is wrong now that they would not fix by themselves."""
+        message = f"would make {len(actions)} change(s)"
+        try:
+            stage.verify(observed)
+        except AgentError as exc:
+            message += f"; now: {exc}"
+        return message
 
     def _record(self, stage: Stage, status: StageStatus, run: StageRun, started: float) -> None:
         now = time.time()

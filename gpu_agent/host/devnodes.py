@@ -24,27 +24,36 @@ class DeviceNode:
     major: int
     minor: int
     mode: int
+    uid: int = 0
+    gid: int = 0
 
     @property
     def char_link(self) -> str:
         return f"/dev/char/{self.major}:{self.minor}"
 
     def describe(self) -> str:
-        return f"{self.path} ({self.major}:{self.minor}, {self.mode:04o})"
+        return f"{self.path} ({self.major}:{self.minor}, {self.mode:04o}, {self.uid}:{self.gid})"
 
 
 def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules: set[str]) -> list[DeviceNode]:
-    """The nodes the loaded modules should have, from /proc/devices and /proc/driver/nvidia."""
+    """The nodes the loaded modules should have, from /proc/devices and /proc/driver/nvidia.
+
+    Owner and mode of the nvidia nodes follow the driver's DeviceFileUID/GID/Mode parameters
+    (/proc/driver/nvidia/params), as nvidia-modprobe does.
+    """
     nodes: list[DeviceNode] = []
+    params = _key_values(root("/proc/driver/nvidia/params"))
+    mode = int(params.get("DeviceFileMode", DEFAULT_MODE))
+    owner = {"uid": int(params.get("DeviceFileUID", 0)), "gid": int(params.get("DeviceFileGID", 0))}
     nvidia = next((majors[name] for name in NVIDIA_MAJOR_NAMES if name in majors), None)
     if "nvidia" in modules and nvidia is not None:
-        nodes.append(DeviceNode("/dev/nvidiactl", nvidia, CTL_MINOR, DEFAULT_MODE))
-        nodes += [DeviceNode(f"/dev/nvidia{minor}", nvidia, minor, DEFAULT_MODE) for minor in sorted(gpu_minors)]
+        nodes.append(DeviceNode("/dev/nvidiactl", nvidia, CTL_MINOR, mode, **owner))
+        nodes += [DeviceNode(f"/dev/nvidia{minor}", nvidia, minor, mode, **owner) for minor in sorted(gpu_minors)]
     if "nvidia_modeset" in modules and nvidia is not None:
-        nodes.append(DeviceNode("/dev/nvidia-modeset", nvidia, MODESET_MINOR, DEFAULT_MODE))
+        nodes.append(DeviceNode("/dev/nvidia-modeset", nvidia, MODESET_MINOR, mode, **owner))
     if "nvidia_uvm" in modules and "nvidia-uvm" in majors:
-        nodes.append(DeviceNode("/dev/nvidia-uvm", majors["nvidia-uvm"], 0, DEFAULT_MODE))
-        nodes.append(DeviceNode("/dev/nvidia-uvm-tools", majors["nvidia-uvm"], 1, DEFAULT_MODE))
+        nodes.append(DeviceNode("/dev/nvidia-uvm", majors["nvidia-uvm"], 0, mode, **owner))
+        nodes.append(DeviceNode("/dev/nvidia-uvm-tools", majors["nvidia-uvm"], 1, mode, **owner))
     if "nvidia-caps" in majors:
         for cap in ("config", "monitor"):
             info = _key_values(root(f"/proc/driver/nvidia/capabilities/mig/{cap}"))
@@ -66,8 +75,8 @@ def gpu_minors(root: Root) -> dict[str, int]:
     return minors
 
 
-def problem(root: Root, node: DeviceNode) -> Optional[str]:
-    """What is wrong with the node (and its /dev/char link), or None."""
+def node_problem(root: Root, node: DeviceNode) -> Optional[str]:
+    """What is wrong with the node itself, or None."""
     path = root(node.path)
     try:
         st = os.lstat(path)
@@ -77,29 +86,42 @@ def problem(root: Root, node: DeviceNode) -> Optional[str]:
         return f"{node.path} is not a character device"
     if (os.major(st.st_rdev), os.minor(st.st_rdev)) != (node.major, node.minor):
         return f"{node.path} is {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, the driver says {node.major}:{node.minor}"
+    if stat.S_IMODE(st.st_mode) != node.mode or (st.st_uid, st.st_gid) != (node.uid, node.gid):
+        return (f"{node.path} is {stat.S_IMODE(st.st_mode):04o} {st.st_uid}:{st.st_gid}, "
+                f"the driver says {node.mode:04o} {node.uid}:{node.gid}")
+    return None
+
+
+def link_problem(root: Root, node: DeviceNode) -> Optional[str]:
+    """What is wrong with the node's /dev/char link, or None."""
     link = root(node.char_link)
-    if not link.is_symlink() or os.path.realpath(link) != os.path.realpath(path):
+    if not link.is_symlink() or os.path.realpath(link) != os.path.realpath(root(node.path)):
         return f"{node.char_link} does not point to {node.path}"
     return None
 
 
-def create(root: Root, node: DeviceNode) -> None:
-    """mknod (atomically replacing a wrong node) and the /dev/char link, as nvidia-modprobe does."""
+def create_node(root: Root, node: DeviceNode) -> None:
+    """mknod, atomically replacing a wrong node, with the driver's owner and mode."""
     path = root(node.path)
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.gpu-agent")
     if temporary.exists() or temporary.is_symlink():
         temporary.unlink()
     os.mknod(temporary, stat.S_IFCHR | node.mode, os.makedev(node.major, node.minor))
+    os.chown(temporary, node.uid, node.gid)
     os.chmod(temporary, node.mode)  # mknod's mode is filtered by the umask
     os.rename(temporary, path)
+
+
+def create_link(root: Root, node: DeviceNode) -> None:
+    """/dev/char/MAJ:MIN -> ../<node>, replacing whatever file or link is there."""
     link = root(node.char_link)
     link.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     target = os.path.relpath(node.path, os.path.dirname(node.char_link))
-    if link.is_symlink() or link.exists():
-        if os.readlink(link) == target:
-            return
+    if link.is_symlink() or link.is_file():
         link.unlink()
+    elif link.exists():
+        raise OSError(f"{node.char_link} is a directory, not a link; remove it")
     os.symlink(target, link)
 
 

@@ -80,7 +80,7 @@ class Modprobe:
         self.timeout = timeout
 
     def load(self, module: str) -> None:
-        if str(self.root.path) != "/":
+        if not self.root.is_running_system:
             raise AgentError(
                 f"refusing to load {module} into the running kernel while --root is {self.root.path}: "
                 "use --simulate to rehearse against a sandbox root"

@@ -5,9 +5,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-# The kernel's own file systems. Under simulation they come from the simulated kernel instead, so a
-# simulated node never touches the real /proc, /sys or /dev, even with --root /.
-KERNEL_TREES = ("/proc", "/sys", "/dev")
+# The kernel's own file systems, and the kernel's configuration. Under simulation they come from the
+# simulated kernel instead, so a simulated node never touches the real ones, even with --root /.
+KERNEL_TREES = ("/proc", "/sys", "/dev", "/etc/modprobe.d", "/run/nvidia-persistenced")
 
 
 class Root:
@@ -30,6 +30,15 @@ class Root:
 
     def with_kernel(self, kernel: Path) -> "Root":
         return Root(self.path, kernel)
+
+    @property
+    def simulated(self) -> bool:
+        return self.kernel is not None
+
+    @property
+    def is_running_system(self) -> bool:
+        """Whether the hardware and kernel behind this root are the machine this process runs on."""
+        return str(self.path) == "/" and not self.simulated
 
     def __repr__(self) -> str:
         return f"Root({str(self.path)!r}{f', kernel={str(self.kernel)!r}' if self.kernel else ''})"

@@ -2,7 +2,9 @@
 driver is diagnosed as such and never mistaken for "no GPU"."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Optional
 
 from gpu_agent.host.paths import Root
 
@@ -19,6 +21,7 @@ class PciDevice:
     vendor: int
     device: int
     pci_class: int  # base class and subclass, e.g. 0x0302
+    driver: Optional[str] = None  # the kernel driver bound to it: nvidia, nouveau, vfio-pci
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,9 @@ def scan(root: Root) -> PciInventory:
             pci_class = int((entry / "class").read_text(), 16) >> 8
         except (OSError, ValueError):
             continue  # a device that vanished or is not readable is not ours to judge
-        found.append(PciDevice(entry.name.lower(), vendor, device, pci_class))
+        bound = entry / "driver"
+        driver = os.path.basename(os.readlink(bound)) if bound.is_symlink() else None
+        found.append(PciDevice(entry.name.lower(), vendor, device, pci_class, driver))
     return PciInventory(
         gpus=tuple(d for d in found if d.vendor == NVIDIA and d.pci_class in GPU_CLASSES),
         nvswitches=tuple(d for d in found if d.vendor == NVIDIA and d.pci_class == BRIDGE_CLASS),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.errors import StageError
@@ -33,7 +33,8 @@ class DriverState:
     wanted: list[str]
     files: dict[str, tuple[Optional[str], str]]  # host path -> (current, desired)
     nodes: list[devnodes.DeviceNode] = field(default_factory=list)
-    node_problems: dict[str, str] = field(default_factory=dict)
+    node_problems: dict[str, str] = field(default_factory=dict)  # by node path
+    link_problems: dict[str, str] = field(default_factory=dict)  # by node path
     module_version: Optional[str] = None
     nvml_version: Optional[str] = None
     nvml_error: Optional[str] = None
@@ -42,8 +43,15 @@ class DriverState:
     persistenced: bool = False
 
     @property
+    def managed_gpus(self) -> tuple[pci.PciDevice, ...]:
+        """GPUs passed through to VMs (bound to vfio-pci) are not the host driver's to manage."""
+        return tuple(gpu for gpu in self.pci.gpus if gpu.driver != "vfio-pci")
+
+    @property
     def nouveau(self) -> bool:
-        return "nouveau" in self.loaded
+        """nouveau holds a GPU, or is loaded where nvidia is not and will take the GPUs first."""
+        bound = any(gpu.driver == "nouveau" for gpu in self.pci.gpus)
+        return bound or ("nouveau" in self.loaded and "nvidia" not in self.loaded)
 
 
 class Driver(Stage):
@@ -66,7 +74,8 @@ class Driver(Stage):
         majors = self.kernel.char_majors()
         minors = list(devnodes.gpu_minors(self.root).values())
         state.nodes = devnodes.expected(self.root, majors, minors, set(state.loaded))
-        state.node_problems = {n.path: p for n in state.nodes if (p := devnodes.problem(self.root, n))}
+        state.node_problems = {n.path: p for n in state.nodes if (p := devnodes.node_problem(self.root, n))}
+        state.link_problems = {n.path: p for n in state.nodes if (p := devnodes.link_problem(self.root, n))}
         state.module_version = self.kernel.version("nvidia")
         try:
             inventory_nvml = self.nvml.inventory()
@@ -101,10 +110,13 @@ class Driver(Stage):
         return {path: (read_text(self.root(path)), content) for path, content in desired.items()}
 
     def _persistenced_running(self) -> bool:
+        """By program name: /proc/PID/comm keeps only 15 characters, cmdline has the path."""
         proc = self.root("/proc")
         for entry in proc.iterdir() if proc.is_dir() else ():
-            if entry.name.isdigit() and read_text(entry / "comm") == "nvidia-persistenced\n":
-                return True
+            if entry.name.isdigit():
+                argv0 = (read_text(entry / "cmdline") or "").split("\0", 1)[0]
+                if os.path.basename(argv0) == "nvidia-persistenced":
+                    return True
         return False
 
     # --- plan and apply --------------------------------------------------------------------------
@@ -112,15 +124,19 @@ class Driver(Stage):
     def plan(self, state: DriverState) -> list[Action]:
         actions = [self._write(path, current, desired)
                    for path, (current, desired) in state.files.items() if current != desired]
-        if not state.pci.gpus or state.nouveau:
+        if not state.managed_gpus or state.nouveau:
             return actions  # nothing to load: verify() says why
         actions += [Action(f"modprobe {module}", lambda m=module: self._load(m))
                     for module in state.wanted if module not in state.loaded]
         nodes = {node.path: node for node in state.nodes}
-        actions += [Action(f"mknod {nodes[path].describe()}: {problem}", lambda n=nodes[path]: self._mknod(n))
+        actions += [Action(f"mknod {nodes[path].describe()}: {problem}",
+                           lambda n=nodes[path]: self._device_file(devnodes.create_node, n))
                     for path, problem in state.node_problems.items()]
+        actions += [Action(f"link {nodes[path].char_link} -> {path}: {problem}",
+                           lambda n=nodes[path]: self._device_file(devnodes.create_link, n))
+                    for path, problem in state.link_problems.items()]
         if state.persistence is not None and not state.persistenced:
-            actions += [Action(f"enable persistence mode on GPU {index}", lambda i=index: self.nvml.enable_persistence(i))
+            actions += [Action(f"enable persistence mode on GPU {index}", lambda i=index: self._persist(i))
                         for index, enabled in enumerate(state.persistence) if not enabled]
         return actions
 
@@ -132,12 +148,23 @@ class Driver(Stage):
 
         return Action(f"write {path}", write, diff=unified_diff(path, current, desired))
 
-    def _mknod(self, node: devnodes.DeviceNode) -> None:
+    def _device_file(self, create: Callable[[Root, devnodes.DeviceNode], None], node: devnodes.DeviceNode) -> None:
         try:
-            devnodes.create(self.root, node)
-        except OSError as exc:
+            create(self.root, node)
+        except PermissionError as exc:
             raise StageError(f"cannot create {node.describe()}: {exc.strerror} "
-                             "(the agent needs root with CAP_MKNOD)") from None
+                             "(the agent needs root with CAP_MKNOD and CAP_CHOWN)") from None
+        except OSError as exc:
+            raise StageError(f"cannot create {node.describe()}: {exc.strerror or exc}") from None
+
+    def _persist(self, index: int) -> None:
+        if not (self.root.is_running_system or self.root.simulated):
+            raise StageError(f"refusing to change the real GPUs' persistence mode while --root is {self.root.path}")
+        try:
+            self.nvml.enable_persistence(index)
+        except self.nvml.lib.NVMLError as exc:
+            raise StageError(f"cannot enable persistence mode on GPU {index}: {describe(exc)}; "
+                             "start nvidia-persistenced instead") from None
 
     def _load(self, module: str) -> None:
         try:
@@ -151,6 +178,8 @@ class Driver(Stage):
         if not state.pci.gpus:
             raise StageError("no NVIDIA GPU was found on the PCI bus (no vendor 0x10de display device "
                              "under /sys/bus/pci/devices)")
+        if not state.managed_gpus:
+            raise StageError(f"all {len(state.pci.gpus)} NVIDIA GPUs are bound to vfio-pci (passed through to VMs)")
         if state.nouveau:
             fix = (f"{BLACKLIST_NOUVEAU} is written: reboot (after updating the initramfs) to finish"
                    if self.settings.blacklist_nouveau and BLACKLIST_NOUVEAU in state.files else
@@ -161,15 +190,15 @@ class Driver(Stage):
             raise StageError(f"modules not loaded: {', '.join(missing)}")
         self._verify_versions(state)
         self._verify_gpus(state)
-        if state.node_problems:
-            raise StageError("device nodes: " + "; ".join(state.node_problems.values()))
+        if state.node_problems or state.link_problems:
+            raise StageError("device nodes: " + "; ".join([*state.node_problems.values(), *state.link_problems.values()]))
         if state.persistence is not None and not state.persistenced and not all(state.persistence):
             off = [str(i) for i, on in enumerate(state.persistence) if not on]
             raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
         notes = self._reload_required(state)
         if self.settings.validate_cuda:
             notes.append(cuda_check.run(self.root, expected_gpus=len(state.pci.gpus)))
-        gpus = len(state.pci.gpus)
+        gpus = len(state.managed_gpus)
         message = f"driver {state.module_version}, {gpus} GPU{'s' if gpus != 1 else ''}, {', '.join(state.wanted)} loaded"
         if state.pci.nvswitches:
             message += f", {len(state.pci.nvswitches)} NVSwitches (fabric manager needed)"
@@ -181,13 +210,15 @@ class Driver(Stage):
             raise StageError(f"driver version pin (driver.version) is {pin} but the loaded kernel module "
                              f"is {state.module_version}")
         if state.nvml_error:
-            raise StageError(f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}")
+            library = nvml_library_version(self.root)
+            named = f"; the NVML library on disk is {library}" if library else ""
+            raise StageError(f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}{named}")
         if state.nvml_version != state.module_version:
             raise StageError(f"kernel module is {state.module_version} but the NVML library is {state.nvml_version} "
                              "(half-finished driver upgrade): reload the nvidia modules or reboot")
 
     def _verify_gpus(self, state: DriverState) -> None:
-        on_bus = {device.address for device in state.pci.gpus}
+        on_bus = {device.address for device in state.managed_gpus}
         in_nvml = set(state.nvml_bus_ids)
         if on_bus != in_nvml:
             lost = ", ".join(sorted(on_bus - in_nvml)) or "none"
@@ -200,15 +231,45 @@ class Driver(Stage):
         for module, options in sorted(self.settings.parameters.items()):
             if module not in state.loaded:
                 continue
-            drift = [f"{key} is {self.kernel.parameter(module, key)}, configured {value}"
-                     for key, value in sorted(options.items())
-                     if self.kernel.parameter(module, key) not in (str(value), None)]
+            drift = [f"{key} is {current}, configured {value}" for key, value in sorted(options.items())
+                     if (current := self._parameter(module, key)) is not None and not _same_value(current, value)]
             if drift:
                 used = state.loaded[module]
                 holders = f", used by {', '.join(used.holders)}" if used.holders else ""
                 notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {used.refcnt}{holders}; "
                              "the agent never unloads a module: drain the node and reboot or reload it)")
         return notes
+
+
+    def _parameter(self, module: str, key: str) -> Optional[str]:
+        """A loaded module's parameter. The nvidia module keeps its NVreg_ ones out of sysfs: their
+        live values are in /proc/driver/nvidia/params, without the prefix."""
+        if module == "nvidia" and key.startswith("NVreg_"):
+            for line in (read_text(self.root("/proc/driver/nvidia/params")) or "").splitlines():
+                name, _, value = line.partition(":")
+                if name.strip() == key[len("NVreg_"):]:
+                    return value.strip()
+            return None
+        return self.kernel.parameter(module, key)
+
+
+def _same_value(current: str, configured: object) -> bool:
+    """1 and Y and 0x1 are the same to the kernel."""
+    def normal(value: str) -> str:
+        value = {"y": "1", "n": "0"}.get(value.lower(), value)
+        try:
+            return str(int(value, 0))
+        except ValueError:
+            return value
+    return normal(current) == normal(str(configured))
+
+
+def nvml_library_version(root: Root) -> Optional[str]:
+    """The version in libnvidia-ml.so.<version>'s name, from the usual library directories."""
+    for directory in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        for library in sorted(root(directory).glob("libnvidia-ml.so.*.*")):
+            return library.name[len("libnvidia-ml.so."):]
+    return None
 
 
 def diagnose(error: ModuleLoadError) -> str:
@@ -218,11 +279,17 @@ def diagnose(error: ModuleLoadError) -> str:
     if "not found in directory" in text:
         remedy = (f"no {module} module for the running kernel: install the NVIDIA driver for this kernel "
                   "(its DKMS build may have failed) or boot the kernel it was built for")
-    elif "Key was rejected by service" in text:
+    elif "Key was rejected by service" in text or "Required key not available" in text:
         remedy = (f"Secure Boot rejected the unsigned {module} module: sign it and enroll the key "
                   "(mokutil --import), or disable Secure Boot")
+    elif "Operation not permitted" in text:
+        remedy = (f"the kernel refused to load {module}: kernel lockdown (Secure Boot) or a missing "
+                  "CAP_SYS_MODULE")
     elif "No such device" in text:
-        remedy = f"{module} found no GPU it can drive: is nouveau or vfio-pci bound to the GPUs?"
+        remedy = (f"{module} found no GPU it can drive: is nouveau or vfio-pci bound to the GPUs, or are "
+                  "they older than the driver supports (open kernel modules need Turing or newer)?")
+    elif "Exec format error" in text:
+        remedy = f"{module} was built for another kernel: rebuild it (DKMS) for the running kernel"
     elif "Unknown symbol" in text:
         remedy = f"{module} does not match the running kernel or a module it needs is missing: see dmesg"
     elif "Invalid argument" in text:

@@ -6,6 +6,7 @@ The files live in the machine's kernel directory (proc/, sys/, dev/), which the 
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -27,7 +28,7 @@ DEPENDS = {
 SIZES = {"nvidia": 56807424, "nvidia_uvm": 4890624, "nvidia_modeset": 1355776, "nvidia_drm": 77824,
          "nvidia_peermem": 16384, "nouveau": 2433024, "drm": 614400, "drm_kms_helper": 204800,
          "ib_core": 454656, "mlx5_ib": 446464}
-CHAR_MAJORS = {"nvidia": (195, "nvidia-frontend"), "nvidia_uvm": (510, "nvidia-uvm"),
+CHAR_MAJORS = {"nvidia": (195, "nvidia"), "nvidia_uvm": (510, "nvidia-uvm"),
                "nvidia_caps": (237, "nvidia-caps")}
 BASE_CHAR_DEVICES = ((1, "mem"), (4, "/dev/vc/0"), (4, "tty"), (5, "/dev/tty"), (5, "/dev/console"),
                      (10, "misc"), (13, "input"), (136, "pts"), (226, "drm"))
@@ -131,10 +132,12 @@ class SimModprobe:
 def render(kernel_dir: Path, state: dict[str, Any]) -> None:
     """Write the kernel's files for `state`; /dev is left alone (device nodes are userspace's job)."""
     files: dict[str, str] = {}
-    _pci(files, state)
+    links: dict[str, str] = {}
+    _pci(files, links, state)
     for gpu in state["gpus"]:
         for process in gpu["processes"]:
             files[f"proc/{process['pid']}/comm"] = process["name"][:15] + "\n"  # the kernel keeps 15 characters
+            files[f"proc/{process['pid']}/cmdline"] = f"/usr/bin/{process['name']}\0"
     loaded = state["kernel"]["loaded"]
     names = [m["name"] for m in loaded]
     holders = {name: [m["name"] for m in loaded if name in DEPENDS.get(m["name"], ())] for name in names}
@@ -142,7 +145,8 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
     for module in reversed(loaded):  # the kernel lists the newest first
         name = module["name"]
         users = ",".join(holders[name]) + "," if holders[name] else "-"
-        lines.append(f"{name} {SIZES.get(name, 65536)} {len(holders[name])} {users} Live 0x0000000000000000")
+        taint = " (POE)" if name in NVIDIA_MODULES else ""
+        lines.append(f"{name} {SIZES.get(name, 65536)} {len(holders[name])} {users} Live 0x0000000000000000{taint}")
         base = f"sys/module/{name}"
         files[f"{base}/refcnt"] = f"{len(holders[name])}\n"
         files[f"{base}/initstate"] = "live\n"
@@ -151,7 +155,8 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
         if module["version"]:
             files[f"{base}/version"] = f"{module['version']}\n"
         for key, value in module["params"].items():
-            files[f"{base}/parameters/{key}"] = f"{value}\n"
+            if not key.startswith("NVreg_"):  # the nvidia module keeps those out of sysfs (mode 0)
+                files[f"{base}/parameters/{key}"] = f"{value}\n"
     files["proc/modules"] = "".join(line + "\n" for line in lines)
     char = list(BASE_CHAR_DEVICES)
     if "nvidia" in names:
@@ -161,13 +166,20 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
         char.append(CHAR_MAJORS["nvidia_uvm"])
     files["proc/devices"] = "Character devices:\n" + "".join(
         f"{major:3d} {name}\n" for major, name in sorted(char)) + "\nBlock devices:\n  8 sd\n259 blkext\n"
-    _replace_tree(kernel_dir / "proc", {k[5:]: v for k, v in files.items() if k.startswith("proc/")})
-    _replace_tree(kernel_dir / "sys", {k[4:]: v for k, v in files.items() if k.startswith("sys/")})
+    for tree in ("proc", "sys"):
+        _replace_tree(kernel_dir / tree, {k[len(tree) + 1:]: v for k, v in files.items() if k.startswith(tree + "/")},
+                      {k[len(tree) + 1:]: v for k, v in links.items() if k.startswith(tree + "/")})
 
 
-def _pci(files: dict[str, str], state: dict[str, Any]) -> None:
+def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) -> None:
     from gpu_agent.nvml.sim.profiles import MODELS
 
+    names = loaded_names(state)
+    gpu_driver = "nvidia" if "nvidia" in names else "nouveau" if "nouveau" in names else None
+    if gpu_driver:  # the driver that probed first holds the GPUs
+        for gpu in state["gpus"]:
+            links[f"sys/bus/pci/devices/{_sysfs_address(gpu['pci_bus_id'])}/driver"] = \
+                f"../../../bus/pci/drivers/{gpu_driver}"
     devices = [(gpu["pci_bus_id"], 0x10DE, MODELS[gpu["model"]].pci_device_id >> 16, 0x030200)
                for gpu in state["gpus"]]
     devices += [(address, 0x10DE, 0x22A3, 0x068000) for address in state["pci"]["nvswitches"]]
@@ -182,6 +194,11 @@ def _pci(files: dict[str, str], state: dict[str, Any]) -> None:
 def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> None:
     from gpu_agent.nvml.sim.profiles import MODELS
 
+    params = next(m for m in state["kernel"]["loaded"] if m["name"] == "nvidia")["params"]
+    values = {"ResmanDebugLevel": "4294967295", "DeviceFileUID": "0", "DeviceFileGID": "0", "DeviceFileMode": "438",
+              "ModifyDeviceFiles": "1", "EnableGpuFirmware": "18"}
+    values.update({key[len("NVreg_"):]: str(value) for key, value in params.items() if key.startswith("NVreg_")})
+    files["proc/driver/nvidia/params"] = "".join(f"{key}: {value}\n" for key, value in values.items())
     files["proc/driver/nvidia/version"] = (
         f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Fri May 31 09:35:42 UTC 2024\n"
         "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
@@ -201,8 +218,8 @@ def _sysfs_address(nvml_bus_id: str) -> str:
     return f"{domain[-4:]}:{rest}".lower()
 
 
-def _replace_tree(directory: Path, files: dict[str, str]) -> None:
-    """Make `directory` hold exactly `files`, each written atomically; unchanged files are not rewritten."""
+def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str]) -> None:
+    """Make `directory` hold exactly `files` and `links`; unchanged entries are not rewritten."""
     for relative, content in files.items():
         path = directory / relative
         try:
@@ -211,11 +228,19 @@ def _replace_tree(directory: Path, files: dict[str, str]) -> None:
         except (FileNotFoundError, NotADirectoryError):
             pass
         atomic_write(path, content)
-    wanted = {directory / relative for relative in files}
+    for relative, target in links.items():
+        path = directory / relative
+        if path.is_symlink() and os.readlink(path) == target:
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink():
+            path.unlink()
+        os.symlink(target, path)
+    wanted = {directory / relative for relative in [*files, *links]}
     wanted_dirs = {parent for path in wanted for parent in path.parents}
     for path in sorted(directory.rglob("*"), reverse=True) if directory.exists() else ():
-        if path.is_dir() and not path.is_symlink():
-            if path not in wanted_dirs:
-                shutil.rmtree(path, ignore_errors=True)
-        elif path not in wanted:
-            path.unlink()
+        if path.is_symlink() or not path.is_dir():
+            if path not in wanted:
+                path.unlink()
+        elif path not in wanted_dirs:
+            shutil.rmtree(path, ignore_errors=True)
