@@ -60,6 +60,7 @@ class AgentState:
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
+    runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     reconciles: int = 0
     first_reconcile_done: bool = False
 
@@ -130,6 +131,7 @@ class AgentState:
                 {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else None
             ),
             "stages": [to_json(stage) for stage in self.stages.values()],
+            "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
         }

@@ -23,10 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "the named NVMLError (GpuIsLost, Unknown, Timeout, ...) or hang. modprobe fails with "
                     "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
                     "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
-                    "library (a half-finished upgrade).")
-    fail.add_argument("call", metavar="CALL", help="NVML function name, or modprobe")
+                    "library (a half-finished upgrade). restart makes a container runtime's restart fail "
+                    "(--error failed) or its socket never answer (--error not-ready).")
+    fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, or restart (a runtime's unit)")
     fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
     fail.add_argument("--module", metavar="M", help="modprobe: only for this module (default: any)")
+    fail.add_argument("--unit", metavar="U", help="restart: only for this systemd unit (default: any)")
     fail.add_argument("--times", type=int, metavar="K", help="fail K times, then work again (default: until clear)")
     fail.add_argument("--error", default=None, metavar="NAME",
                       help="NVML: an NVMLError name or 'hang' (default Unknown); "
@@ -76,6 +78,8 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
     for fault in state["faults"]:
         if fault["call"] == "modprobe":
             scope = f"module {fault['module']}" if fault.get("module") else "any module"
+        elif fault["call"] == "restart":
+            scope = f"unit {fault['unit']}" if fault.get("unit") else "any unit"
         else:
             scope = f"GPU {fault['gpu']}" if fault.get("gpu") is not None else "every GPU"
         times = "until cleared" if fault.get("times") is None else f"{fault['times']} more call(s)"
@@ -95,6 +99,13 @@ def _inject_xid(machine: Any, args: argparse.Namespace) -> None:
 def _fail(machine: Any, args: argparse.Namespace) -> None:
     if args.call == "modprobe":
         _fail_modprobe(machine, args)
+        return
+    if args.call == "restart":
+        error = args.error or "failed"
+        if error not in ("failed", "not-ready"):
+            raise AgentError(f"--error {error}: unknown for restart; one of failed, not-ready")
+        _add_fault(machine, args, {"call": "restart", "unit": args.unit, "error": error})
+        print(f"restarting {args.unit or '(any unit)'} will leave it {error}")
         return
     from gpu_agent.nvml.sim.fake import HANG, FakeNvml, error_class, error_names
 

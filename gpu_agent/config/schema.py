@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.config.section import Section
+from gpu_agent.config.toolkit import ToolkitConfig
 
 
 class ReconcileConfig(Section):
@@ -86,5 +87,6 @@ class AgentConfig(Section):
     nvml: NvmlConfig = NvmlConfig()
     metrics: MetricsConfig = MetricsConfig()
     driver: DriverConfig = DriverConfig()
+    toolkit: ToolkitConfig = ToolkitConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     health: HealthConfig = HealthConfig()

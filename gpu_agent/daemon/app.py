@@ -21,12 +21,15 @@ from gpu_agent.nvml.client import Nvml
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
+from gpu_agent.stages.toolkit import Toolkit
+from gpu_agent.toolkit.services import ServiceControl, SimServices, Systemd
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
 LOCK_PATH = "/run/gpu-agent/agent.lock"
 _SIM_POLL_S = 0.25
+_DRIFT_POLL_S = 1.0
 _STOP_BUDGET_S = 4.0
 
 
@@ -37,6 +40,7 @@ class Runtime:
     root: Root
     nvml: Nvml
     loader: ModuleLoader
+    services: ServiceControl
     state: AgentState
     engine: Engine
 
@@ -45,6 +49,7 @@ class Runtime:
         """The real host (pynvml, modprobe), or a simulated machine kept under `root`."""
         config = loaded.config
         loader: ModuleLoader
+        services: ServiceControl
         if simulate:
             from gpu_agent.nvml.sim.fake import FakeNvml
             from gpu_agent.nvml.sim.kernel import SimModprobe
@@ -55,13 +60,15 @@ class Runtime:
             root = root.with_kernel(machine.kernel_dir)
             nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
+            services = SimServices(machine)
         else:
             import pynvml
 
             nvml = Nvml(pynvml, config.nvml.call_timeout_seconds)
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
+            services = Systemd(root, config.toolkit.restart_timeout_seconds)
         state = AgentState(loaded, simulated=simulate)
-        runtime = cls(root, nvml, loader, state, Engine([], state, config.reconcile))
+        runtime = cls(root, nvml, loader, services, state, Engine([], state, config.reconcile))
         runtime.engine.set_stages(runtime.stages(config))
         return runtime
 
@@ -72,6 +79,8 @@ class Runtime:
             stages.append(Driver(self.root, self.nvml, self.loader, config.driver))
         stages.append(Discovery(self.nvml, self.state, config.discovery,
                                 requires=("driver",) if config.driver.enabled else ()))
+        if config.toolkit.enabled:
+            stages.append(Toolkit(self.root, self.services, self.state, config.toolkit))
         return stages
 
 
@@ -141,6 +150,7 @@ class Daemon:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
         if self.state.simulated:
             self._tasks.append(asyncio.create_task(self._watch_simulator(), name="simulator"))
+        self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._tasks.append(reconciler)
         await self._stopping.wait()
@@ -266,6 +276,29 @@ class Daemon:
             self.notifier.watchdog()
             await asyncio.sleep(interval)
         log.error("reconcile loop stopped; no more watchdog pings, systemd will restart the agent")
+
+    async def _watch_files(self) -> None:
+        """Files the stages manage, rewritten by someone else: reconcile within seconds, not minutes."""
+        def stamps() -> dict[str, Optional[tuple[int, int, int]]]:
+            found: dict[str, Optional[tuple[int, int, int]]] = {}
+            for stage in self.runtime.engine.stages:
+                for path in stage.watched():
+                    try:
+                        st = self.runtime.root(path).stat()
+                        found[path] = (st.st_ino, st.st_mtime_ns, st.st_size)
+                    except OSError:
+                        found[path] = None
+            return found
+
+        last = stamps()
+        while True:
+            await asyncio.sleep(_DRIFT_POLL_S)
+            now = stamps()
+            changed = sorted(p for p in now if now[p] != last.get(p, now[p]))
+            if changed:
+                log.info("%s changed on disk; reconciling", ", ".join(changed))
+                self.trigger(force=True)
+            last = now
 
     async def _watch_simulator(self) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a

@@ -51,6 +51,11 @@ class AgentCollector:
                                   value=self.nvml_timeouts())
         yield GaugeMetricFamily("gpu_agent_gpus", "GPUs visible through NVML.",
                                 value=len(state.inventory.gpus) if state.inventory else 0)
+        restarts = CounterMetricFamily("gpu_agent_runtime_restarts", "Container runtime restarts by the agent.",
+                                       labels=["runtime"])
+        for runtime, count in sorted(state.runtime_restarts.items()):
+            restarts.add_metric([runtime], count)
+        yield restarts
 
     def _stages(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("gpu_agent_stage_ok", "1 when the stage converged on its last run.", labels=["stage"])

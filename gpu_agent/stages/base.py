@@ -40,3 +40,7 @@ class Stage(ABC):
     @abstractmethod
     def verify(self, observed: Any) -> str:
         """Check the converged state; return a one-line ok message or raise StageError."""
+
+    def watched(self) -> list[str]:
+        """Host paths whose change (another tool rewriting a file) should trigger a reconcile now."""
+        return []
