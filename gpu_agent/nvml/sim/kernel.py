@@ -210,6 +210,27 @@ def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> 
     for minor, cap in ((1, "config"), (2, "monitor")):
         files[f"proc/driver/nvidia/capabilities/mig/{cap}"] = (
             f"DeviceFileMinor: {minor}\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
+    for gpu in state["gpus"]:
+        for instance in gpu["mig"]["instances"]:
+            gi, ci = instance["gi_id"], instance["ci_id"]
+            base = f"proc/driver/nvidia/capabilities/gpu{gpu['minor']}/mig/gi{gi}"
+            for path, minor in ((f"{base}/access", mig_cap_minor(gpu["minor"], gi)),
+                                (f"{base}/ci{ci}/access", mig_cap_minor(gpu["minor"], gi, ci))):
+                files[path] = f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+
+
+# nv-caps.c numbers its capabilities once, in table order: nvlink fabric-mgmt 0, mig/config 1,
+# mig/monitor 2, then for each GPU minor 0-31 and each GPU instance gi0-gi14: gi<G>/access followed by
+# gi<G>/ci0-ci7/access. So gpu0/gi1/access is 12 and gpu0/gi1/ci0/access 13, as on a real node.
+MIG_CAP_FIRST = 3
+MIG_CIS_PER_GI = 8
+MIG_GIS_PER_GPU = 15
+
+
+def mig_cap_minor(gpu_minor: int, gi: int, ci: Optional[int] = None) -> int:
+    """The /dev/nvidia-caps minor of a GPU instance's access capability, or of one of its compute instances'."""
+    per_gi = 1 + MIG_CIS_PER_GI
+    return MIG_CAP_FIRST + gpu_minor * MIG_GIS_PER_GPU * per_gi + gi * per_gi + (0 if ci is None else 1 + ci)
 
 
 def _sysfs_address(nvml_bus_id: str) -> str:

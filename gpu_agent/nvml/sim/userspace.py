@@ -1,0 +1,87 @@
+"""The driver's userspace on a simulated node: placeholder libraries, binaries and GSP firmware laid out
+as the driver packages install them, and an /etc/ld.so.cache that lists the libraries as ldconfig would.
+
+Only for sandbox roots: it writes real files under the root it is given.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import posixpath
+import shutil
+from pathlib import Path
+
+from gpu_agent.host import ldcache
+from gpu_agent.host.files import atomic_write
+
+# Library name -> soname suffix ("" means the soname is the versioned file itself), as the 550 driver ships them.
+LIBRARIES = {
+    "libcuda": "1", "libcudadebugger": "1", "libnvidia-ml": "1", "libnvidia-ptxjitcompiler": "1",
+    "libnvidia-nvvm": "4", "libnvidia-cfg": "1", "libnvidia-opencl": "1", "libnvidia-allocator": "1",
+    "libnvidia-gpucomp": "", "libnvidia-pkcs11": "", "libnvidia-pkcs11-openssl3": "",
+}
+LIBRARIES_32 = ("libcuda", "libnvidia-ml")  # multiarch installs also carry i386 copies, which CDI leaves out
+BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
+            "nvidia-cuda-mps-server")
+FIRMWARE = ("gsp_ga10x.bin", "gsp_tu10x.bin")
+_TRIPLETS = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc64le": "powerpc64le-linux-gnu"}
+
+
+def lib_dir() -> str:
+    return f"/usr/lib/{_TRIPLETS.get(platform.machine(), 'x86_64-linux-gnu')}"
+
+
+def install_driver_userspace(root_path: Path, version: str) -> list[str]:
+    """Install driver `version`'s userspace under the sandbox `root_path`, replacing any other version's;
+    returns the host paths of the files written. Refuses the real root."""
+    root_path = Path(root_path).resolve()
+    if root_path == Path("/"):
+        raise ValueError("install_driver_userspace writes placeholder driver files: never under /")
+    written: list[str] = []
+    entries: list[ldcache.CacheEntry] = []
+    for directory, names, flags in ((lib_dir(), list(LIBRARIES), ldcache.native_flags()),
+                                    ("/usr/lib/i386-linux-gnu", list(LIBRARIES_32), ldcache.FLAG_ELF_LIBC6)):
+        for name in names:
+            _remove_other_versions(root_path / directory.lstrip("/"), name, version)
+            real = f"{directory}/{name}.so.{version}"
+            _write(root_path, real, f"placeholder {name} {version}\n", 0o644)
+            written.append(real)
+            file_name = posixpath.basename(real)
+            soname = f"{name}.so.{LIBRARIES[name]}" if LIBRARIES[name] else file_name
+            if soname != file_name:
+                _symlink(root_path, f"{directory}/{soname}", file_name)
+            entries.append(ldcache.CacheEntry(soname, f"{directory}/{soname}", flags))
+    for name in BINARIES:
+        path = f"/usr/bin/{name}"
+        _write(root_path, path, f"#!/bin/sh\necho '{name} {version} (simulated placeholder)'\n", 0o755)
+        written.append(path)
+    firmware_root = root_path / "lib/firmware/nvidia"
+    for old in firmware_root.iterdir() if firmware_root.is_dir() else ():
+        if old.name != version:
+            shutil.rmtree(old)
+    for name in FIRMWARE:
+        path = f"/lib/firmware/nvidia/{version}/{name}"
+        _write(root_path, path, f"placeholder GSP firmware {version}\n", 0o644)
+        written.append(path)
+    ldcache.write_cache(root_path / ldcache.PATH.lstrip("/"), entries)
+    written.append(ldcache.PATH)
+    return written
+
+
+def _write(root_path: Path, host_path: str, content: str, mode: int) -> None:
+    atomic_write(root_path / host_path.lstrip("/"), content, mode)
+
+
+def _symlink(root_path: Path, host_path: str, target: str) -> None:
+    link = root_path / host_path.lstrip("/")
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(target, link)
+
+
+def _remove_other_versions(directory: Path, name: str, version: str) -> None:
+    """An upgrade replaces the previous version's files (a name such as libnvidia-pkcs11-openssl3 is left to its own)."""
+    for old in directory.glob(f"{name}.so.*") if directory.is_dir() else ():
+        suffix = old.name[len(name) + len(".so."):]
+        if suffix != version and suffix[:1].isdigit() and "." in suffix:
+            old.unlink()

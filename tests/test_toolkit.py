@@ -1,0 +1,239 @@
+"""The toolkit stage against hand-written runtime configs, checked with Debian's real containerd."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import tomlkit
+
+from conftest import cli
+
+BINARY = "/usr/bin/nvidia-container-runtime"
+CONTAINERD_V2 = """\
+# Hand-written containerd config: keep me.
+version = 2
+root = "/var/lib/containerd"   # state lives here
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "registry.k8s.io/pause:3.9"
+
+  # our pull-through cache
+  [plugins."io.containerd.grpc.v1.cri".registry.mirrors."docker.io"]
+    endpoint = ["https://mirror.example.internal"]
+
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      SystemdCgroup = true
+"""
+CONTAINERD_V3 = """\
+version = 3  # containerd 2.x
+
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+  SystemdCgroup = true
+"""
+DROP_IN = "etc/containerd/conf.d/99-nvidia.toml"
+
+needs_containerd = pytest.mark.skipif(shutil.which("containerd") is None and not os.environ.get("CI"),
+                                      reason="containerd missing: .ci/run installs Debian's containerd")
+
+
+@pytest.fixture
+def node(root: Path) -> Path:
+    """A sandbox root with the NVIDIA Container Toolkit 1.17.8 installed."""
+    for binary in (BINARY, "/usr/bin/nvidia-container-runtime-hook", "/usr/bin/nvidia-ctk"):
+        (root / binary.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (root / binary.lstrip("/")).write_text("#!/bin/sh\n")
+    status = root / "var/lib/dpkg/status"
+    status.parent.mkdir(parents=True)
+    status.write_text("Package: nvidia-container-toolkit\nStatus: install ok installed\nVersion: 1.17.8-1\n\n")
+    return root
+
+
+def containerd_config(root: Path, text: str) -> Path:
+    path = root / "etc/containerd/config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def apply(root: Path, *extra: str, config: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return cli("--simulate", "dgx-h100", "apply", "--once", *extra, root=root, config=config)
+
+
+def restarts(root: Path, unit: str = "containerd.service") -> int:
+    state = json.loads(cli("sim", "show", "--json", root=root).stdout)
+    return state.get("services", {}).get(unit, {}).get("restarts", 0)
+
+
+def effective(root: Path, tmp_path: Path) -> dict:
+    """`containerd config dump` of the sandbox's files, the imports pointed into the sandbox."""
+    document = tomlkit.parse((root / "etc/containerd/config.toml").read_text())
+    document["imports"] = [str(root / p.lstrip("/")) for p in document["imports"]]
+    copy = tmp_path / "effective.toml"
+    copy.write_text(tomlkit.dumps(document))
+    done = subprocess.run(["containerd", "--config", str(copy), "config", "dump"], capture_output=True, text=True,
+                          timeout=60, check=True)
+    return tomlkit.parse(done.stdout).unwrap()
+
+
+@needs_containerd
+def test_containerd_v2_gets_the_runtime_and_keeps_every_byte(node: Path, tmp_path: Path) -> None:
+    path = containerd_config(node, CONTAINERD_V2)
+    result = apply(node)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "did: containerd: write /etc/containerd/config.toml, /etc/containerd/conf.d/99-nvidia.toml, " \
+           "restart containerd.service" in result.stdout
+    after = path.read_text()
+    added = 'imports = ["/etc/containerd/conf.d/*.toml"]  # added by gpu-agent\n'
+    assert after.replace(added, "") == CONTAINERD_V2 and after.index(added) + len(added) == after.index("root =")
+    cri = effective(node, tmp_path)["plugins"]["io.containerd.grpc.v1.cri"]
+    nvidia = cri["containerd"]["runtimes"]["nvidia"]
+    assert nvidia["runtime_type"] == "io.containerd.runc.v2"
+    assert nvidia["options"]["BinaryName"] == BINARY and nvidia["options"]["SystemdCgroup"] is True
+    assert cri["containerd"]["runtimes"]["runc"]["options"]["SystemdCgroup"] is True
+    assert cri["sandbox_image"] == "registry.k8s.io/pause:3.9"
+    assert cri["registry"]["mirrors"]["docker.io"]["endpoint"] == ["https://mirror.example.internal"]
+    assert cri["containerd"]["default_runtime_name"] == "runc"
+    # Debian 12's containerd 1.6 predates enable_cdi (1.7) and drops it from the dump; it is in the drop-in.
+    assert tomlkit.parse((node / DROP_IN).read_text())["plugins"]["io.containerd.grpc.v1.cri"]["enable_cdi"] is True
+    assert restarts(node) == 1
+    assert list((node / "var/lib/gpu-agent/backups").iterdir())[0].read_text() == CONTAINERD_V2
+
+
+@needs_containerd
+def test_a_second_run_changes_no_file_and_restarts_nothing(node: Path) -> None:
+    containerd_config(node, CONTAINERD_V2)
+    apply(node)
+    stamps = {p: (os.stat(node / p).st_ino, os.stat(node / p).st_mtime_ns) for p in ("etc/containerd/config.toml", DROP_IN)}
+    again = apply(node)
+    assert again.returncode == 0 and "did:" not in again.stdout
+    assert stamps == {p: (os.stat(node / p).st_ino, os.stat(node / p).st_mtime_ns) for p in stamps}
+    assert restarts(node) == 1
+
+
+def test_containerd_v3_and_v1_drop_ins_keep_their_versions(node: Path) -> None:
+    containerd_config(node, CONTAINERD_V3)
+    assert apply(node).returncode == 0
+    drop_in = tomlkit.parse((node / DROP_IN).read_text()).unwrap()
+    assert drop_in["version"] == 3
+    runtime = drop_in["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
+    assert runtime["options"] == {"SystemdCgroup": True, "BinaryName": BINARY}
+
+    containerd_config(node, '[plugins.cri.containerd.runtimes.runc]\n  runtime_type = "io.containerd.runc.v2"\n')
+    assert apply(node).returncode == 0
+    drop_in = tomlkit.parse((node / DROP_IN).read_text()).unwrap()
+    assert "version" not in drop_in and "nvidia" in drop_in["plugins"]["cri"]["containerd"]["runtimes"]
+
+
+def test_a_broken_root_config_fails_naming_file_and_line_and_writes_nothing(node: Path) -> None:
+    broken = CONTAINERD_V2.replace('sandbox_image = "registry.k8s.io/pause:3.9"', "sandbox_image = ")
+    path = containerd_config(node, broken)
+    result = apply(node)
+    assert result.returncode == 2
+    assert "[-] toolkit: failed: /etc/containerd/config.toml:6:" in result.stdout and "nothing was changed" in result.stdout
+    assert path.read_text() == broken and not (node / DROP_IN).exists()
+
+
+@pytest.mark.parametrize("error, words", [("failed", "systemctl restart containerd.service failed"),
+                                          ("not-ready", "no answer on /run/containerd/containerd.sock")])
+def test_a_runtime_that_does_not_come_back_gets_its_files_back(node: Path, error: str, words: str) -> None:
+    path = containerd_config(node, CONTAINERD_V2)
+    cli("--simulate", "dgx-h100", "sim", "fail", "restart", "--unit", "containerd.service", "--error", error,
+        "--times", "1", root=node)
+    result = apply(node)
+    assert result.returncode == 2
+    assert f"containerd: {words}" in result.stdout and "the previous files are restored" in result.stdout
+    assert path.read_text() == CONTAINERD_V2 and not (node / DROP_IN).exists()
+    assert restarts(node) == 2  # the failed one, and one on the restored files
+
+
+def test_docker_daemon_json_is_merged_keeping_every_other_key(node: Path) -> None:
+    daemon = node / "etc/docker/daemon.json"
+    daemon.parent.mkdir(parents=True)
+    daemon.write_text(json.dumps({"log-driver": "journald", "features": {"buildkit": True},
+                                  "runtimes": {"kata": {"path": "/usr/bin/kata-runtime"}}}))
+    assert apply(node).returncode == 0
+    merged = json.loads(daemon.read_text())
+    assert merged["log-driver"] == "journald" and merged["runtimes"]["kata"] == {"path": "/usr/bin/kata-runtime"}
+    assert merged["features"] == {"buildkit": True, "cdi": True}
+    assert merged["runtimes"]["nvidia"] == {"path": BINARY, "args": []} and "default-runtime" not in merged
+    assert restarts(node, "docker.service") == 1
+
+
+def test_docker_default_runtime_only_when_asked(node: Path, write_config) -> None:
+    daemon = node / "etc/docker/daemon.json"
+    daemon.parent.mkdir(parents=True)
+    daemon.write_text("{}\n")
+    config = write_config({"toolkit": {"set_as_default": True, "cdi": {"enabled": False}}})
+    assert apply(node, config=config).returncode == 0
+    merged = json.loads(daemon.read_text())
+    assert merged["default-runtime"] == "nvidia" and "features" not in merged
+
+
+def test_crio_drop_in_inherits_the_default_runtime(node: Path) -> None:
+    conf = node / "etc/crio/crio.conf"
+    conf.parent.mkdir(parents=True)
+    conf.write_text('[crio.runtime]\ndefault_runtime = "crun"\n[crio.runtime.runtimes.crun]\n'
+                    'runtime_path = "/usr/bin/crun"\nmonitor_path = "/usr/libexec/crio/conmon"\n')
+    assert apply(node).returncode == 0
+    drop_in = tomlkit.parse((node / "etc/crio/crio.conf.d/99-nvidia.conf").read_text()).unwrap()
+    assert drop_in == {"crio": {"runtime": {"runtimes": {"nvidia": {
+        "runtime_path": BINARY, "runtime_type": "oci", "monitor_path": "/usr/libexec/crio/conmon"}}}}}
+    assert restarts(node, "crio.service") == 1
+
+
+def test_no_runtime_means_nothing_to_do(root: Path) -> None:
+    result = cli("--simulate", "t4", "apply", "--once", root=root)
+    assert "[+] toolkit: ok: no container runtime found (containerd, Docker, CRI-O): nothing to configure" in result.stdout
+
+
+def test_a_missing_or_vulnerable_toolkit_is_refused(root: Path, node: Path) -> None:
+    containerd_config(node, CONTAINERD_V2)
+    (node / BINARY.lstrip("/")).unlink()
+    missing = apply(node)
+    assert "the NVIDIA Container Toolkit is not installed (/usr/bin/nvidia-container-runtime missing)" in missing.stdout
+    (node / BINARY.lstrip("/")).write_text("#!/bin/sh\n")
+    (node / "var/lib/dpkg/status").write_text("Package: nvidia-container-toolkit\nVersion: 1.16.2-1\n\n")
+    old = apply(node)
+    assert old.returncode == 2 and "1.16.2 is older than 1.17.8" in old.stdout and "CVE-2025-23266" in old.stdout
+    assert not (node / DROP_IN).exists()
+
+
+def test_dry_run_prints_the_diffs_and_the_restart_and_changes_nothing(node: Path, write_config) -> None:
+    path = containerd_config(node, CONTAINERD_V2)
+    apply(node, config=write_config({"toolkit": {"enabled": False}}))  # the driver up, the runtimes untouched
+    result = apply(node, "--dry-run", config=write_config({"toolkit": {"enabled": True}}))
+    assert "would: containerd: write /etc/containerd/config.toml, /etc/containerd/conf.d/99-nvidia.toml, " \
+           "restart containerd.service" in result.stdout
+    assert '    +imports = ["/etc/containerd/conf.d/*.toml"]  # added by gpu-agent' in result.stdout
+    assert "    +++ /etc/containerd/conf.d/99-nvidia.toml" in result.stdout
+    assert path.read_text() == CONTAINERD_V2 and not (node / DROP_IN).exists() and restarts(node) == 0
+
+
+def test_runtime_config_keys_are_set_and_the_rest_kept(node: Path, write_config) -> None:
+    containerd_config(node, CONTAINERD_V2)
+    toml = node / "etc/nvidia-container-runtime/config.toml"
+    toml.parent.mkdir(parents=True)
+    toml.write_text('# shipped by the toolkit\n[nvidia-container-runtime]\nlog-level = "info"  # keep\n')
+    config = write_config({"toolkit": {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}})
+    assert apply(node, config=config).returncode == 0
+    assert toml.read_text() == ('# shipped by the toolkit\n[nvidia-container-runtime]\nlog-level = "info"  # keep\n'
+                                'mode = "cdi"\n')
+
+
+def test_drift_is_repaired_by_the_running_daemon_within_seconds(agent, node: Path) -> None:
+    path = containerd_config(node, CONTAINERD_V2)
+    daemon = agent("dgx-h100")
+    daemon.wait_ready()
+    assert "imports" in path.read_text()
+    path.write_text(CONTAINERD_V2)  # another tool rewrote the file
+    deadline = time.monotonic() + 5
+    while "imports" not in path.read_text():
+        assert time.monotonic() < deadline, "the import line was not restored within 5 s"
+        time.sleep(0.1)
