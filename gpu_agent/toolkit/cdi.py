@@ -85,6 +85,8 @@ def discover(root: Root, driver_version: str) -> DriverFiles:
 
 def build_spec(inventory: Inventory, root: Root, files: DriverFiles, hook: str = HOOK) -> dict[str, Any]:
     """The spec as a dict (cdiVersion set to the lowest version whose features it uses)."""
+    if not inventory.gpus:
+        raise AgentError("no GPUs: a CDI spec needs at least one device (an \"all\" without nodes is invalid)")
     devices: list[dict[str, Any]] = []
     for gpu in inventory.gpus:
         gpu_node = f"/dev/{gpu.device_node}"
@@ -155,7 +157,7 @@ def _common_edits(root: Root, files: DriverFiles, hook: str) -> dict[str, Any]:
         hooks.append(_hook(hook, "update-ldcache", *(arg for d in files.library_dirs for arg in ("--folder", d))))
     edits = {
         "env": ["NVIDIA_VISIBLE_DEVICES=void"],
-        "deviceNodes": _sorted_nodes([node for node in map(lambda p: _node(root, p), COMMON_NODES) if "major" in node]),
+        "deviceNodes": _sorted_nodes([node for node in (_node(root, p) for p in COMMON_NODES) if "major" in node]),
         "mounts": sorted(mounts, key=lambda mount: _depth_order(mount["containerPath"])),
         "hooks": hooks,
     }

@@ -80,7 +80,7 @@ def _symlink(root_path: Path, host_path: str, target: str) -> None:
 
 
 def _remove_other_versions(directory: Path, name: str, version: str) -> None:
-    """An upgrade replaces the previous version's files (a name such as libnvidia-pkcs11-openssl3 is left to its own)."""
+    """An upgrade replaces the previous version's files; <name>.so.<soname number> links are rewritten instead."""
     for old in directory.glob(f"{name}.so.*") if directory.is_dir() else ():
         suffix = old.name[len(name) + len(".so."):]
         if suffix != version and suffix[:1].isdigit() and "." in suffix:
