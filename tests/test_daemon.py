@@ -123,7 +123,7 @@ def test_a_failing_stage_is_retried_with_backoff_and_recovers(agent, root: Path)
     assert "NVML query failed: nvmlDeviceGetCount: Unknown Error" in daemon.wait_ready()
     daemon.wait_http("/readyz", lambda status, _: status == 200, timeout=10)
     stage = json.loads(daemon.get("/status")[1])["stages"][0]
-    assert stage["name"] == "driver" and stage["state"] == "ok" and stage["last_error"].endswith("Unknown Error")
+    assert stage["name"] == "driver" and stage["state"] == "ok" and "nvmlDeviceGetCount: Unknown Error" in stage["last_error"]
 
 
 def test_a_hung_driver_fails_readiness_but_not_the_daemon(agent, root: Path) -> None:

@@ -122,6 +122,7 @@ def test_a_half_finished_upgrade_is_named(root: Path) -> None:
     assert result.returncode == 2
     assert "kernel module 550.54.15 is loaded but NVML fails: NVML library and kernel module versions differ" \
         in result.stdout
+    assert "the NVML library on disk is 550.90.07" in result.stdout
 
 
 def test_a_removed_or_wrong_device_node_is_repaired(root: Path) -> None:
@@ -193,16 +194,21 @@ CUresult cuGetErrorName(CUresult r, const char **s) { *s = names[r < 3 ? r : 1];
 
 @pytest.fixture
 def libcuda(root: Path, tmp_path: Path) -> Path:
-    """A stand-in libcuda.so.1 built from C, so the real ctypes code path runs without a GPU."""
+    """A stand-in libcuda.so.1 built from C, so the real ctypes code path runs without a GPU; it
+    replaces the simulator's placeholder (which, like any non-library, fails to load)."""
+    cli("--simulate", "t4", "sim", "show", root=root)  # the simulated driver's userspace is installed
     source = tmp_path / "libcuda.c"
     source.write_text(FAKE_LIBCUDA)
     target = root / "usr/lib/x86_64-linux-gnu/libcuda.so.1"
-    target.parent.mkdir(parents=True)
+    target.unlink()
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(target), str(source)], check=True, timeout=60)
     return target
 
 
 def test_cuda_validation_is_skipped_with_a_note_without_libcuda(root: Path, write_config) -> None:
+    cli("--simulate", "t4", "sim", "show", root=root)
+    for library in (root / "usr/lib/x86_64-linux-gnu").glob("libcuda.so*"):
+        library.unlink()
     config = write_config({"driver": {"validate_cuda": True}})
     result = cli("--simulate", "t4", "apply", "--once", root=root, config=config)
     assert result.returncode == 0 and "CUDA validation skipped: libcuda.so.1 not found under" in result.stdout

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import tomlkit
+import yaml
 
 from conftest import cli
 
@@ -46,7 +47,7 @@ needs_containerd = pytest.mark.skipif(shutil.which("containerd") is None and not
 @pytest.fixture
 def node(root: Path) -> Path:
     """A sandbox root with the NVIDIA Container Toolkit 1.17.8 installed."""
-    for binary in (BINARY, "/usr/bin/nvidia-container-runtime-hook", "/usr/bin/nvidia-ctk"):
+    for binary in (BINARY, "/usr/bin/nvidia-container-runtime-hook", "/usr/bin/nvidia-ctk", "/usr/bin/nvidia-cdi-hook"):
         (root / binary.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
         (root / binary.lstrip("/")).write_text("#!/bin/sh\n")
     status = root / "var/lib/dpkg/status"
@@ -237,3 +238,32 @@ def test_drift_is_repaired_by_the_running_daemon_within_seconds(agent, node: Pat
     while "imports" not in path.read_text():
         assert time.monotonic() < deadline, "the import line was not restored within 5 s"
         time.sleep(0.1)
+
+
+def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) -> None:
+    from test_cdi import schema_validator
+
+    from gpu_agent.host.paths import Root
+    from gpu_agent.nvml.sim.machine import MachineState, mig_uuid, place
+    from gpu_agent.nvml.sim.profiles import H100_80GB_HBM3
+
+    containerd_config(node, CONTAINERD_V2)
+    assert apply(node).returncode == 0
+    spec_path = node / "var/run/cdi/nvidia.yaml"
+    spec = yaml.safe_load(spec_path.read_text())
+    schema_validator().validate(spec)
+    assert {"0", "7", "all"} <= {device["name"] for device in spec["devices"]}
+    stamp = (spec_path.stat().st_ino, spec_path.stat().st_mtime_ns)
+    assert "did:" not in apply(node).stdout
+    assert (spec_path.stat().st_ino, spec_path.stat().st_mtime_ns) == stamp
+
+    with MachineState(Root(node)).edit() as state:  # mig-parted (or an admin) repartitioned GPU 0
+        gpu = state["gpus"][0]
+        instance = place(H100_80GB_HBM3, "3g.40gb", [])
+        instance["uuid"] = mig_uuid(gpu["uuid"], instance["gi_id"], instance["ci_id"])
+        gpu["mig"] = {"current": 1, "pending": 1, "instances": [instance]}
+    result = apply(node)
+    assert "did: cdi: write /var/run/cdi/nvidia.yaml" in result.stdout
+    spec = yaml.safe_load(spec_path.read_text())
+    schema_validator().validate(spec)
+    assert {"0:0", instance["uuid"]} <= {device["name"] for device in spec["devices"]}

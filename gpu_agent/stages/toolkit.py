@@ -14,7 +14,8 @@ from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
-from gpu_agent.toolkit import containerd, crio, docker, runtime_config, transaction
+from gpu_agent.errors import AgentError
+from gpu_agent.toolkit import cdi, containerd, crio, docker, runtime_config, transaction
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
 
@@ -41,6 +42,7 @@ RUNTIMES = {
 @dataclass
 class ToolkitState:
     runtimes: list[str]
+    real_root_under_simulation: bool = False
     missing: list[str] = field(default_factory=list)
     version: Optional[str] = None
     changes: list[RuntimeChange] = field(default_factory=list)
@@ -59,18 +61,40 @@ class Toolkit(Stage):
     # --- observe ---------------------------------------------------------------------------------
 
     def observe(self) -> ToolkitState:
+        if self.root.simulated and str(self.root.path) == "/":
+            return ToolkitState([], real_root_under_simulation=True)
         runtimes = self._runtimes()
         state = ToolkitState(runtimes)
         if not runtimes:
             return state
-        state.missing = [b for b in (self.settings.runtime_binary, HOOK) if not self.root(b).exists()]
+        binaries = [self.settings.runtime_binary, HOOK] + ([cdi.HOOK] if self._cdi() else [])
+        state.missing = [b for b in binaries if not self.root(b).exists()]
         state.version = self._version()
         if state.missing or self._too_old(state.version):
             return state
         builders = {"containerd": self._containerd, "docker": self._docker, "crio": self._crio}
         state.changes = [builders[name]() for name in runtimes]
         state.changes += self._own_files()
+        if self._cdi():
+            state.changes.append(self._cdi_spec())
         return state
+
+    def _cdi_spec(self) -> RuntimeChange:
+        """The CDI spec for the GPUs discovery found; rewritten only when its content changes
+        (a driver update, a MIG change, device majors after a driver reload)."""
+        inventory = self.agent.inventory
+        if inventory is None:
+            raise StageError("no GPU inventory for the CDI spec")
+        try:
+            files = cdi.discover(self.root, inventory.driver_version)
+            if files.missing:
+                raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the ld.so "
+                                 f"cache ({', '.join(files.missing)}): reinstall the driver's userspace, or run ldconfig")
+            spec = cdi.render(cdi.build_spec(inventory, self.root, files))
+        except AgentError as exc:
+            raise StageError(f"CDI spec: {exc}") from None
+        path = self.settings.cdi.path
+        return RuntimeChange("cdi", None, None, [FileChange(path, read_text(self.root(path)), spec, foreign=False)])
 
     def _runtimes(self) -> list[str]:
         if self.settings.runtimes != "auto":
@@ -160,6 +184,8 @@ class Toolkit(Stage):
                 self.agent.runtime_restarts[change.runtime] = self.agent.runtime_restarts.get(change.runtime, 0) + 1
 
     def verify(self, state: ToolkitState) -> str:
+        if state.real_root_under_simulation:
+            return "simulated GPUs on the real root /: the real container runtimes are left alone"
         if not state.runtimes:
             return "no container runtime found (containerd, Docker, CRI-O): nothing to configure"
         if state.missing:
@@ -176,4 +202,5 @@ class Toolkit(Stage):
 
     def watched(self) -> list[str]:
         """Files someone else may rewrite: a change is reconciled within seconds."""
-        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH]
+        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
+                self.settings.cdi.path]

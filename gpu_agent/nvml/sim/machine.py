@@ -21,6 +21,7 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.sim.kernel import initial_kernel, render
+from gpu_agent.nvml.sim.userspace import install_driver_userspace
 from gpu_agent.nvml.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
 
 STATE_DIR = "/var/lib/gpu-agent/sim"
@@ -178,6 +179,10 @@ class MachineState:
                     f"--simulate {spec}: neither a built-in profile ({', '.join(BUILT_IN)}) nor a machine file"
                 )
             self._write(new_state(source, machine, mig))
+            if machine.driver_version and str(self.root.path) != "/":
+                # The driver's userspace (libraries, nvidia-smi, firmware, ld.so cache) on a sandbox
+                # root; on / the OS's files are real and stay as they are.
+                install_driver_userspace(self.root.path, machine.driver_version)
 
     def read(self) -> dict[str, Any]:
         """The current state; cheap when nothing changed (one stat)."""
