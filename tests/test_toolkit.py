@@ -267,3 +267,16 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
     spec = yaml.safe_load(spec_path.read_text())
     schema_validator().validate(spec)
     assert {"0:0", instance["uuid"]} <= {device["name"] for device in spec["devices"]}
+
+
+def test_a_missing_toolkit_is_installed_when_asked(root: Path, write_config) -> None:
+    containerd_config(root, CONTAINERD_V2)
+    config = write_config({"toolkit": {"install": True}})
+    cli("--simulate", "dgx-h100", "sim", "fail", "install", "--times", "1", root=root)
+    failed = apply(root, config=config)
+    assert failed.returncode == 2 and "E: Unable to locate package nvidia-container-toolkit" in failed.stdout
+    result = apply(root, config=config)
+    assert result.returncode == 0, result.stdout
+    assert "did: install nvidia-container-toolkit" in result.stdout
+    assert "did: containerd: write /etc/containerd/config.toml" in result.stdout
+    assert "nvidia runtime configured for containerd; toolkit 1.17.8" in result.stdout

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
                     "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
                     "library (a half-finished upgrade). restart makes a container runtime's restart fail "
-                    "(--error failed) or its socket never answer (--error not-ready).")
+                    "(--error failed) or its socket never answer (--error not-ready). install makes installing "
+                    "the container toolkit fail as apt-get does without NVIDIA's repository.")
     fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, or restart (a runtime's unit)")
     fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
     fail.add_argument("--module", metavar="M", help="modprobe: only for this module (default: any)")
@@ -99,6 +100,10 @@ def _inject_xid(machine: Any, args: argparse.Namespace) -> None:
 def _fail(machine: Any, args: argparse.Namespace) -> None:
     if args.call == "modprobe":
         _fail_modprobe(machine, args)
+        return
+    if args.call == "install":
+        _add_fault(machine, args, {"call": "install", "error": "not-found"})
+        print("installing packages will fail: E: Unable to locate package")
         return
     if args.call == "restart":
         error = args.error or "failed"

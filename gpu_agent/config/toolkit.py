@@ -25,6 +25,7 @@ class ToolkitConfig(Section):
     runtime_config: dict[str, Any] = Field(
         default_factory=dict,
         description='Keys to set in /etc/nvidia-container-runtime/config.toml, e.g. {"nvidia-container-runtime.mode": "cdi"}.')
+    install: bool = Field(False, description="Install nvidia-container-toolkit with apt-get or dnf when it is missing.")
     allow_vulnerable_toolkit: bool = Field(
         False, description="Accept a toolkit older than 1.17.8 (CVE-2025-23266).")
     restart_timeout_seconds: float = Field(60, gt=0, description="How long a restarted runtime has to answer.")

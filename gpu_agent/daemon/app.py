@@ -22,6 +22,7 @@ from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.toolkit import Toolkit
+from gpu_agent.toolkit.packages import PackageInstaller, SimPackages, SystemPackages
 from gpu_agent.toolkit.services import ServiceControl, SimServices, Systemd
 from gpu_agent.state import AgentState
 
@@ -41,6 +42,7 @@ class Runtime:
     nvml: Nvml
     loader: ModuleLoader
     services: ServiceControl
+    packages: PackageInstaller
     state: AgentState
     engine: Engine
 
@@ -50,6 +52,7 @@ class Runtime:
         config = loaded.config
         loader: ModuleLoader
         services: ServiceControl
+        packages: PackageInstaller
         if simulate:
             from gpu_agent.nvml.sim.fake import FakeNvml
             from gpu_agent.nvml.sim.kernel import SimModprobe
@@ -61,14 +64,16 @@ class Runtime:
             nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
             services = SimServices(machine)
+            packages = SimPackages(machine, root)
         else:
             import pynvml
 
             nvml = Nvml(pynvml, config.nvml.call_timeout_seconds)
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
+            packages = SystemPackages(root)
         state = AgentState(loaded, simulated=simulate)
-        runtime = cls(root, nvml, loader, services, state, Engine([], state, config.reconcile))
+        runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile))
         runtime.engine.set_stages(runtime.stages(config))
         return runtime
 
@@ -80,7 +85,7 @@ class Runtime:
         stages.append(Discovery(self.nvml, self.state, config.discovery,
                                 requires=("driver",) if config.driver.enabled else ()))
         if config.toolkit.enabled:
-            stages.append(Toolkit(self.root, self.services, self.state, config.toolkit))
+            stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
         return stages
 
 

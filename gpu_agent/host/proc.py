@@ -1,9 +1,10 @@
 """Subprocesses: always an argv list, always a timeout, never a shell."""
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 from gpu_agent.errors import AgentError
 
@@ -21,12 +22,13 @@ class Completed:
         return " ".join(part.strip() for part in (self.stderr, self.stdout) if part.strip())
 
 
-def run(argv: Sequence[str], timeout: float) -> Completed:
-    """Run `argv`; a missing program or a timeout raises AgentError, a non-zero exit is returned."""
+def run(argv: Sequence[str], timeout: float, env: Optional[Mapping[str, str]] = None) -> Completed:
+    """Run `argv`; a missing program or a timeout raises AgentError, a non-zero exit is returned.
+    `env` adds to this process's environment."""
     argv = tuple(argv)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, env={**os.environ, **env} if env else None)
     except FileNotFoundError:
         raise AgentError(f"cannot run {argv[0]}: not installed or not on PATH") from None
     except subprocess.TimeoutExpired:

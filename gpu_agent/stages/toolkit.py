@@ -16,6 +16,7 @@ from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 from gpu_agent.errors import AgentError
 from gpu_agent.toolkit import cdi, containerd, crio, docker, runtime_config, transaction
+from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
 
@@ -52,9 +53,11 @@ class Toolkit(Stage):
     name = "toolkit"
     requires = ("discovery",)
 
-    def __init__(self, root: Root, services: ServiceControl, state: AgentState, settings: ToolkitConfig) -> None:
+    def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller, state: AgentState,
+                 settings: ToolkitConfig) -> None:
         self.root = root
         self.services = services
+        self.packages = packages
         self.agent = state
         self.settings = settings
 
@@ -172,9 +175,17 @@ class Toolkit(Stage):
     # --- plan, apply, verify ---------------------------------------------------------------------
 
     def plan(self, state: ToolkitState) -> list[Action]:
+        if state.missing and self.settings.install:
+            return [Action(f"install {PACKAGE} ({', '.join(state.missing)} missing)", self._install)]
         return [Action(change.summary(), lambda c=change: self._apply(c),
                        diff="".join(item.diff() for item in change.needed))
                 for change in state.changes if change.needed]
+
+    def _install(self) -> None:
+        try:
+            self.packages.install(PACKAGE)
+        except AgentError as exc:
+            raise StageError(str(exc)) from None
 
     def _apply(self, change: RuntimeChange) -> None:
         try:
@@ -190,7 +201,7 @@ class Toolkit(Stage):
             return "no container runtime found (containerd, Docker, CRI-O): nothing to configure"
         if state.missing:
             raise StageError(f"the NVIDIA Container Toolkit is not installed ({', '.join(state.missing)} missing): "
-                             "install nvidia-container-toolkit 1.17.8 or newer")
+                             "install nvidia-container-toolkit 1.17.8 or newer, or set toolkit.install: true")
         if self._too_old(state.version):
             raise StageError(f"nvidia-container-toolkit {state.version} is older than 1.17.8 and open to "
                              "CVE-2025-23266 (container escape): upgrade it, or set toolkit.allow_vulnerable_toolkit")
