@@ -280,3 +280,67 @@ def test_a_missing_toolkit_is_installed_when_asked(root: Path, write_config) -> 
     assert "did: install nvidia-container-toolkit" in result.stdout
     assert "did: containerd: write /etc/containerd/config.toml" in result.stdout
     assert "nvidia runtime configured for containerd; toolkit 1.17.8" in result.stdout
+
+
+def test_a_root_file_without_runc_keeps_runc_through_the_drop_in(node: Path, tmp_path: Path) -> None:
+    containerd_config(node, 'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  sandbox_image = "x/pause:1"\n')
+    assert apply(node).returncode == 0
+    drop_in = tomlkit.parse((node / DROP_IN).read_text()).unwrap()["plugins"]["io.containerd.grpc.v1.cri"]
+    assert drop_in["containerd"]["runtimes"]["runc"] == {"runtime_type": "io.containerd.runc.v2"}
+    if shutil.which("containerd"):
+        runtimes = effective(node, tmp_path)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+        assert {"runc", "nvidia"} <= set(runtimes)
+
+
+def test_dormant_conf_d_files_are_not_switched_on(node: Path) -> None:
+    path = containerd_config(node, CONTAINERD_V2)
+    dormant = node / "etc/containerd/conf.d/50-mirrors.toml"
+    dormant.parent.mkdir(parents=True)
+    dormant.write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  sandbox_image = "other"\n')
+    result = apply(node)
+    assert result.returncode == 2 and "would also switch on /etc/containerd/conf.d/50-mirrors.toml" in result.stdout
+    assert path.read_text() == CONTAINERD_V2 and not (node / DROP_IN).exists() and restarts(node) == 0
+
+
+def test_v3_imports_merge_key_by_key(node: Path) -> None:
+    containerd_config(node, 'version = 3\nimports = ["/etc/containerd/extra/*.toml"]\n'
+                            '[plugins."io.containerd.cri.v1.runtime".containerd]\n  default_runtime_name = "crun"\n'
+                            '[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.crun.options]\n'
+                            '  SystemdCgroup = true\n')
+    extra = node / "etc/containerd/extra/10-site.toml"
+    extra.parent.mkdir(parents=True)
+    extra.write_text('version = 3\n[plugins."io.containerd.cri.v1.runtime"]\n  enable_selinux = true\n')
+    assert apply(node).returncode == 0
+    cri = tomlkit.parse((node / DROP_IN).read_text()).unwrap()["plugins"]["io.containerd.cri.v1.runtime"]
+    assert cri["containerd"]["runtimes"]["nvidia"]["options"] == {"SystemdCgroup": True, "BinaryName": BINARY}
+    assert cri["enable_selinux"] is True
+
+
+def test_file_modes_and_owners_are_kept(node: Path) -> None:
+    path = containerd_config(node, CONTAINERD_V2)
+    path.chmod(0o600)
+    os.chown(path, 0, 4)
+    assert apply(node).returncode == 0
+    assert (path.stat().st_mode & 0o777, path.stat().st_gid) == (0o600, 4)
+    assert (node / DROP_IN).stat().st_mode & 0o777 == 0o600  # it copies the CRI table, credentials included
+
+
+def test_a_write_that_fails_midway_restores_what_was_written(node: Path) -> None:
+    path = containerd_config(node, CONTAINERD_V2)
+    (node / "etc/containerd/conf.d").write_text("not a directory")
+    result = apply(node)
+    assert result.returncode == 2 and "containerd: cannot write" in result.stdout
+    assert "the previous files are restored" in result.stdout and path.read_text() == CONTAINERD_V2
+
+
+def test_docker_odd_json_is_a_clear_error_and_our_default_is_undone(node: Path, write_config) -> None:
+    daemon = node / "etc/docker/daemon.json"
+    daemon.parent.mkdir(parents=True)
+    daemon.write_text('{"features": ["cdi"]}')
+    odd = apply(node)
+    assert odd.returncode == 2 and "/etc/docker/daemon.json: features: expected an object" in odd.stdout
+    daemon.write_text("{}")
+    apply(node, config=write_config({"toolkit": {"set_as_default": True}}))
+    assert json.loads(daemon.read_text())["default-runtime"] == "nvidia"
+    apply(node, config=write_config({"toolkit": {"set_as_default": False}}))
+    assert "default-runtime" not in json.loads(daemon.read_text())

@@ -77,6 +77,7 @@ class Engine:
 
     def _run_stage(self, stage: Stage, dry_run: bool) -> StageRun:
         try:
+            stage.start_pass()
             observed = stage.observe()
             actions = stage.plan(observed)
             if dry_run:

@@ -14,17 +14,28 @@ from gpu_agent.host.paths import Root
 BACKUP_DIR = "/var/lib/gpu-agent/backups"
 
 
-def atomic_write(path: Path, data: bytes | str, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so a reader sees either the old or the new content, never a mix."""
+def atomic_write(path: Path, data: bytes | str, mode: Optional[int] = None) -> None:
+    """Replace `path` with `data` so a reader sees either the old or the new content, never a mix.
+
+    The new file keeps the replaced file's mode and owner (a 0600 config with credentials stays
+    0600); a new file gets `mode`, 0644 unless given.
+    """
     if isinstance(data, str):
         data = data.encode()
+    try:
+        existing: Optional[os.stat_result] = os.stat(path)
+    except FileNotFoundError:
+        existing = None
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fchmod(f.fileno(), mode)
+            if existing is not None:
+                os.fchown(f.fileno(), existing.st_uid, existing.st_gid)
+            os.fchmod(f.fileno(), existing.st_mode & 0o7777 if existing is not None and mode is None
+                      else 0o644 if mode is None else mode)
             os.fsync(f.fileno())
         os.rename(tmp, path)
     except BaseException:

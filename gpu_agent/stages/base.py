@@ -41,6 +41,9 @@ class Stage(ABC):
     def verify(self, observed: Any) -> str:
         """Check the converged state; return a one-line ok message or raise StageError."""
 
+    def start_pass(self) -> None:
+        """Called once at the start of each reconcile of this stage (before the first observe)."""
+
     def watched(self) -> list[str]:
         """Host paths whose change (another tool rewriting a file) should trigger a reconcile now."""
         return []

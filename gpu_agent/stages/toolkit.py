@@ -3,6 +3,7 @@ transactions (backup, atomic write, one restart, check, or everything restored).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -19,6 +20,8 @@ from gpu_agent.toolkit import cdi, containerd, crio, docker, runtime_config, tra
 from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
+
+log = logging.getLogger(__name__)
 
 MINIMUM_VERSION = (1, 17, 8)  # fixes CVE-2025-23266
 HOOK = "/usr/bin/nvidia-container-runtime-hook"
@@ -60,6 +63,7 @@ class Toolkit(Stage):
         self.packages = packages
         self.agent = state
         self.settings = settings
+        self._restarted: set[str] = set()  # runtimes restarted in the current pass: one restart each
 
     # --- observe ---------------------------------------------------------------------------------
 
@@ -125,7 +129,10 @@ class Toolkit(Stage):
 
     def _containerd(self) -> RuntimeChange:
         files = containerd.plan(self.root, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default)
-        changes = [FileChange(containerd.DROP_IN, files.drop_in_current, files.drop_in_desired, foreign=False)]
+        # The drop-in copies the CRI table, registry credentials included: it gets the root file's mode.
+        root_mode = self.root(containerd.ROOT_CONFIG).stat().st_mode & 0o777 if files.root_current is not None else None
+        changes = [FileChange(containerd.DROP_IN, files.drop_in_current, files.drop_in_desired, foreign=False,
+                              mode=root_mode)]
         if files.root_desired is not None:
             changes.insert(0, FileChange(containerd.ROOT_CONFIG, files.root_current, files.root_desired, foreign=True))
         change = RuntimeChange("containerd", RUNTIMES["containerd"].unit, RUNTIMES["containerd"].socket, changes)
@@ -133,13 +140,18 @@ class Toolkit(Stage):
             self._validate_containerd(files)
         return change
 
+    def start_pass(self) -> None:
+        self._restarted: set[str] = set()
+
     def _validate_containerd(self, files: containerd.ContainerdFiles) -> None:
         try:
             problem = containerd.validate(self.root, files, self.settings.runtime_binary)
         except containerd.Skipped:
             return
         if problem:
-            raise StageError(f"{containerd.ROOT_CONFIG}: {problem}; nothing was changed")
+            hiding = containerd.hidden_by(self.root, files.version)
+            culprit = f" ({', '.join(hiding)} sorts after {containerd.DROP_IN} and replaces its CRI table)" if hiding else ""
+            raise StageError(f"{containerd.ROOT_CONFIG}: {problem}{culprit}; nothing was changed")
 
     def _docker(self) -> RuntimeChange:
         current = read_text(self.root(docker.DAEMON_JSON))
@@ -188,9 +200,14 @@ class Toolkit(Stage):
             raise StageError(str(exc)) from None
 
     def _apply(self, change: RuntimeChange) -> None:
+        if change.unit is not None and change.runtime in self._restarted:
+            log.warning("%s was restarted in this pass already; its next change waits for the next pass", change.runtime)
+            return
         try:
             transaction.apply(self.root, change, self.services, self.settings.restart_timeout_seconds)
         finally:
+            if change.restarts:
+                self._restarted.add(change.runtime)
             for _ in change.restarts:
                 self.agent.runtime_restarts[change.runtime] = self.agent.runtime_restarts.get(change.runtime, 0) + 1
 

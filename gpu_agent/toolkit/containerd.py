@@ -1,9 +1,11 @@
 """containerd: an `nvidia` runtime in a drop-in, imported by the root config, every other byte kept.
 
-containerd 1.x merges an imported file by replacing each plugin's whole table, so a drop-in that
-only added runtimes.nvidia would silently drop the CRI plugin's mirrors, sandbox image and runc
-options. The drop-in therefore carries the CRI plugin table as the root config (and the drop-ins
-before ours) define it, plus the nvidia runtime; it is regenerated whenever those change.
+containerd 1.x (config versions 1 and 2) merges an imported file by replacing each plugin's whole
+table, and a runtimes map replaces the built-in one (runc included), so a drop-in that only added
+runtimes.nvidia would silently drop the CRI plugin's mirrors, sandbox image and runc. The drop-in
+therefore carries the CRI plugin table as the files before it define it, plus the default runtime
+and the nvidia runtime; it is regenerated whenever those change. containerd 2.x (version 3) merges
+imported files key by key; the same drop-in is right there too.
 """
 from __future__ import annotations
 
@@ -64,30 +66,66 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
     root_text = _read(root, ROOT_CONFIG)
     document = parse(root_text, ROOT_CONFIG) if root_text is not None else {"version": 2}
     version = config_version(document, ROOT_CONFIG)
-    cri = _effective_cri(root, document, version)
+    _refuse_dormant_files(root, document)
+    root_desired = with_import(root_text) if root_text is not None else _minimal_root(version)
+    # The imports as they will be once the root file is written: conf.d files count from the start.
+    cri = _effective_cri(root, {**document, "imports": parse(root_desired, ROOT_CONFIG).get("imports", [])}, version)
     drop_in = _drop_in(cri, version, binary, enable_cdi, set_as_default)
     return ContainerdFiles(
         root_current=root_text,
-        root_desired=with_import(root_text) if root_text is not None else _minimal_root(version),
+        root_desired=root_desired,
         drop_in_current=_read(root, DROP_IN),
         drop_in_desired=drop_in,
         version=version,
     )
 
 
+def _refuse_dormant_files(root: Root, document: dict[str, Any]) -> None:
+    """Files in conf.d that containerd does not import yet would take effect with our import line."""
+    if IMPORT_GLOB in document.get("imports", []):
+        return
+    imported = set(_imported(root, document))
+    directory = root(DROP_IN_DIR)
+    dormant = [f"{DROP_IN_DIR}/{p.name}" for p in sorted(directory.glob("*.toml")) if directory.is_dir()
+               and p.name != Path(DROP_IN).name and f"{DROP_IN_DIR}/{p.name}" not in imported]
+    if dormant:
+        raise StageError(f"{ROOT_CONFIG} does not import {IMPORT_GLOB} yet, and adding it would also switch on "
+                         f"{', '.join(dormant)}: import the glob yourself or move those files; nothing was changed")
+
+
 def _effective_cri(root: Root, document: dict[str, Any], version: int) -> dict[str, Any]:
-    """The CRI plugin table as containerd would see it without our drop-in: the last file that
-    defines the plugin wins, in import order (the root file first)."""
+    """The CRI plugin table as containerd would see it without our drop-in, the files in import
+    order (the root file first): with containerd 1.x the last file that defines the plugin wins
+    whole; with 2.x (version 3) each file's keys are merged in."""
     plugin = CRI_PLUGIN[version]
-    cri = document.get("plugins", {}).get(plugin, {})
+    cri = copy.deepcopy(document.get("plugins", {}).get(plugin, {}))
     for path in _imported(root, document):
         if path == DROP_IN:
             continue
-        text = _read(root, path) or ""
-        imported = parse(text, path).get("plugins", {})
+        imported = parse(_read(root, path) or "", path).get("plugins", {})
         if plugin in imported:
-            cri = imported[plugin]
-    return copy.deepcopy(cri)
+            if version >= 3:
+                _deep_merge(cri, imported[plugin])
+            else:
+                cri = copy.deepcopy(imported[plugin])
+    return cri
+
+
+def _deep_merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = copy.deepcopy(value)
+
+
+def hidden_by(root: Root, version: int) -> list[str]:
+    """conf.d files that sort after ours and define the CRI plugin: with containerd 1.x they replace
+    the table our drop-in writes, nvidia runtime included."""
+    directory = root(DROP_IN_DIR)
+    ours = Path(DROP_IN).name
+    return [f"{DROP_IN_DIR}/{p.name}" for p in sorted(directory.glob("*.toml")) if directory.is_dir()
+            and p.name > ours and CRI_PLUGIN[version] in parse(p.read_text(), f"{DROP_IN_DIR}/{p.name}").get("plugins", {})]
 
 
 def _imported(root: Root, document: dict[str, Any]) -> list[str]:
@@ -105,6 +143,8 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
     containerd = cri.setdefault("containerd", {})
     runtimes = containerd.setdefault("runtimes", {})
     default_name = containerd.get("default_runtime_name", "runc")
+    # Our runtimes map replaces containerd's built-in one: keep the default runtime in it.
+    runtimes.setdefault(default_name, {"runtime_type": "io.containerd.runc.v2"})
     base = copy.deepcopy(runtimes.get(default_name) or runtimes.get("runc") or {})
     base["runtime_type"] = "io.containerd.runc.v2"
     base.setdefault("options", {})["BinaryName"] = binary
@@ -174,8 +214,9 @@ def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 3
         config = Path(scratch) / "config.toml"
         config.write_text(tomlkit.dumps(document))
         done = proc.run([containerd, "--config", str(config), "config", "dump"], timeout=timeout)
+        output = done.output.replace(str(conf_d), DROP_IN_DIR).replace(str(config), ROOT_CONFIG)
     if done.returncode != 0:
-        return f"containerd rejects the result: {done.output}"
+        return f"containerd rejects the result: {output}"
     effective = tomlkit.parse(done.stdout).unwrap()
     cri = effective.get("plugins", {}).get(CRI_PLUGIN[max(files.version, 2)], {})
     runtimes = cri.get("containerd", {}).get("runtimes", {})

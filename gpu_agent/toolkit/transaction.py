@@ -19,6 +19,7 @@ class FileChange:
     current: Optional[str]  # None: the file does not exist
     desired: str
     foreign: bool  # someone else's file: keep a timestamped backup before replacing it
+    mode: Optional[int] = None  # for a new file (an existing one keeps its own); None: 0644
 
     @property
     def needed(self) -> bool:
@@ -49,27 +50,44 @@ class RuntimeChange:
 def apply(root: Root, change: RuntimeChange, services: ServiceControl, wait_timeout: float) -> None:
     """Make the change or leave the runtime as it was; raises StageError with the reason."""
     needed = change.needed
-    for item in needed:
-        if item.current is not None and item.foreign:
-            backup(root, item.path)
-    for item in needed:
-        atomic_write(root(item.path), item.desired)
+    created = [d for d in {root(item.path).parent for item in needed} if not d.exists()]
+    written: list[FileChange] = []
+    try:
+        for item in needed:
+            if item.current is not None and item.foreign:
+                backup(root, item.path)
+        for item in needed:
+            atomic_write(root(item.path), item.desired, item.mode)
+            written.append(item)
+    except OSError as exc:
+        _restore(root, written, created)
+        raise StageError(f"{change.runtime}: cannot write {getattr(exc, 'filename', '') or 'a file'}: "
+                         f"{exc.strerror or exc}; the previous files are restored") from None
     restart = change.unit is not None and services.active(change.unit)
     problem = _restart(change, services, wait_timeout) if restart else None
     problem = problem or change.check()
     if problem is None:
         return
     log.error("%s: %s; restoring the previous files", change.runtime, problem)
-    for item in needed:
-        if item.current is None:
-            root(item.path).unlink(missing_ok=True)
-        else:
-            atomic_write(root(item.path), item.current)
+    _restore(root, written, created)
     note = ""
     if restart:
         again = _restart(change, services, wait_timeout)
         note = f"; restarted {change.unit} on the restored files" + (f", but: {again}" if again else "")
     raise StageError(f"{change.runtime}: {problem}; the previous files are restored{note}")
+
+
+def _restore(root: Root, written: list[FileChange], created: list) -> None:
+    for item in written:
+        if item.current is None:
+            root(item.path).unlink(missing_ok=True)
+        else:
+            atomic_write(root(item.path), item.current)
+    for directory in sorted(created, key=lambda d: len(str(d)), reverse=True):
+        try:
+            directory.rmdir()  # only if it is still empty
+        except OSError:
+            pass
 
 
 def _restart(change: RuntimeChange, services: ServiceControl, wait_timeout: float) -> Optional[str]:
