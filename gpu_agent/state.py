@@ -24,6 +24,7 @@ class StageStatus:
     failures: int = 0  # consecutive
     next_retry: Optional[float] = None
     changes_applied: int = 0
+    gates_readiness: bool = True
 
     def record(self, state: str, message: str, error: Optional[str], now: float) -> None:
         if (state, message) != (self.state, self.message):
@@ -85,28 +86,35 @@ class AgentState:
             return Check("gpu-health", False, "; ".join(sick))
         return Check("gpu-health", True, f"{len(self.inventory.gpus)} GPUs healthy")
 
-    @property
-    def ready(self) -> bool:
-        return self.first_reconcile_done and all(check.ok for check in self.checks())
-
-    def _ready_and_failing(self) -> tuple[bool, Optional[Check]]:
-        """One consistent reading: watcher threads may change health between two calls of checks()."""
-        failing = next((check for check in self.checks() if not check.ok), None)
+    def readiness(self) -> tuple[bool, Optional[Check]]:
+        """(ready, the first failing check that gates readiness): one consistent reading, as watcher
+        threads may change health between two calls of checks()."""
+        sinks = {s.name for s in self.stages.values() if not s.gates_readiness}
+        failing = next((check for check in self.checks() if not check.ok and check.name not in sinks), None)
         return self.first_reconcile_done and failing is None, failing
 
     @property
+    def ready(self) -> bool:
+        return self.readiness()[0]
+
+    @property
     def degraded(self) -> bool:
-        return self.config_error is not None
+        """Ready or not, something is wrong that is not about the GPUs: a rejected reload, a failing sink."""
+        sinks_failing = any(s.state == FAILED for s in self.stages.values() if not s.gates_readiness)
+        return self.config_error is not None or sinks_failing
 
     def summary_line(self) -> str:
         """One line for `systemctl status` (sd_notify STATUS=) and `gpu-agent status`."""
         if not self.first_reconcile_done:
             return "starting: first reconcile in progress"
-        ready, failing = self._ready_and_failing()
+        ready, failing = self.readiness()
         if ready or failing is None:
             inventory = self.inventory
             line = f"ready: {inventory.summary()}" if inventory else "ready"
-            return line + (" (config reload rejected, see /status)" if self.degraded else "")
+            if self.config_error is not None:
+                line += " (config reload rejected, see /status)"
+            sink = next((s for s in self.stages.values() if not s.gates_readiness and s.state == FAILED), None)
+            return line + (f" (degraded: {sink.name}: {sink.message})" if sink else "")
         return f"not ready: {failing.name}: {failing.reason}"
 
     # --- /status ---------------------------------------------------------------------------------

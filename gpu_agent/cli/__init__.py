@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "apply": "reconcile every stage once and exit",
     "status": "show the running daemon's status",
     "check": "preflight: report what is wrong or would change; changes nothing",
+    "labels": "print the Kubernetes node labels the agent would set",
     "sim": "inspect and rehearse failures on a simulated node",
 }
 

@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.config.section import Section
+from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.toolkit import ToolkitConfig
 
 
@@ -88,5 +89,6 @@ class AgentConfig(Section):
     metrics: MetricsConfig = MetricsConfig()
     driver: DriverConfig = DriverConfig()
     toolkit: ToolkitConfig = ToolkitConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     health: HealthConfig = HealthConfig()

@@ -86,6 +86,11 @@ class Runtime:
                                 requires=("driver",) if config.driver.enabled else ()))
         if config.toolkit.enabled:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+        kube = config.kubernetes
+        if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
+            from gpu_agent.kube.sink import KubeSink
+
+            stages.append(KubeSink(self.root, self.state, kube))
         return stages
 
 
@@ -134,6 +139,7 @@ class Daemon:
         self._force = False
         self._stopping = asyncio.Event()
         self._reload_requested = False
+        self._last_ready: Optional[bool] = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -256,8 +262,13 @@ class Daemon:
     # --- outputs and watchers --------------------------------------------------------------------
 
     def publish(self) -> None:
-        if self.state.first_reconcile_done:
-            self.notifier.status(self.state.summary_line())
+        if not self.state.first_reconcile_done:
+            return
+        self.notifier.status(self.state.summary_line())
+        ready = self.state.ready
+        if ready != self._last_ready:
+            self._last_ready = ready
+            self.trigger()  # the sinks tell Kubernetes within seconds
 
     def _threadsafe_publish(self) -> None:
         if self._loop is not None:

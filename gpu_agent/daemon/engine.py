@@ -47,6 +47,8 @@ class Engine:
         self.stages = list(stages)
         statuses = self.state.stages
         self.state.stages = {s.name: statuses.get(s.name) or StageStatus(s.name) for s in stages}
+        for stage in stages:
+            self.state.stages[stage.name].gates_readiness = stage.gates_readiness
 
     async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
         """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything."""

@@ -24,6 +24,7 @@ class Stage(ABC):
 
     name: str
     requires: Sequence[str] = ()  # stages that must be ok before this one runs
+    gates_readiness = True  # False for sinks: their failure degrades the agent, the GPUs stay usable
 
     @abstractmethod
     def observe(self) -> Any:

@@ -134,6 +134,7 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
     files: dict[str, str] = {}
     links: dict[str, str] = {}
     _pci(files, links, state)
+    files["sys/class/dmi/id/product_name"] = state.get("product_name", "Standard PC") + "\n"
     for gpu in state["gpus"]:
         for process in gpu["processes"]:
             files[f"proc/{process['pid']}/comm"] = process["name"][:15] + "\n"  # the kernel keeps 15 characters

@@ -51,6 +51,7 @@ class MachineSpec(_Spec):
     nvswitches: int = Field(0, ge=0)
     mellanox_nics: int = Field(0, ge=0, description="ConnectX NICs, for GPUDirect RDMA (nvidia_peermem)")
     nouveau: bool = Field(False, description="the distribution loaded nouveau at boot")
+    product_name: str = Field("Standard PC", description="DMI product name (the gpu.machine label)")
 
 
 def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
@@ -89,7 +90,7 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
     machine = Machine(spec.name, spec.driver_version, int(major) * 1000 + int(minor) * 10, tuple(gpus),
                       nvswitches=tuple(f"0000:{0xc0 + n:02x}:00.0" for n in range(spec.nvswitches)),
                       mellanox_nics=tuple(f"0000:{0xe0 + n:02x}:00.0" for n in range(spec.mellanox_nics)),
-                      nouveau=spec.nouveau)
+                      nouveau=spec.nouveau, product_name=spec.product_name)
     return machine, mig
 
 
@@ -144,6 +145,7 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
         "source": source, "machine": machine.name, "driver_version": machine.driver_version,
         "cuda_version": machine.cuda_version, "gpus": gpus, "faults": [], "xids": [], "next_seq": 1,
         "pci": {"nvswitches": list(machine.nvswitches), "mellanox_nics": list(machine.mellanox_nics)},
+        "product_name": machine.product_name,
         "kernel": initial_kernel(machine.driver_version, bool(machine.mellanox_nics), machine.nouveau),
     }
 

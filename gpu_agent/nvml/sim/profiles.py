@@ -111,6 +111,7 @@ class Machine:
     nvswitches: tuple[str, ...] = ()  # PCI addresses, 0000:c4:00.0
     mellanox_nics: tuple[str, ...] = ()  # PCI addresses of ConnectX NICs (GPUDirect RDMA)
     nouveau: bool = False  # the distribution loaded nouveau at boot
+    product_name: str = "Standard PC"  # DMI /sys/class/dmi/id/product_name
 
 
 _DGX_A100_BUSES = ("07", "0F", "47", "4E", "87", "90", "B7", "BD")
@@ -128,11 +129,13 @@ def _addresses(*buses: str) -> tuple[str, ...]:
 BUILT_IN = {
     "dgx-a100": Machine("dgx-a100", "550.90.07", 12040, _buses(A100_SXM4_40GB, _DGX_A100_BUSES),
                         nvswitches=_addresses("c4", "c5", "c6", "c7", "c8", "c9"),
-                        mellanox_nics=_addresses("0c", "12", "54", "5a", "8d", "94", "ba", "cc")),
+                        mellanox_nics=_addresses("0c", "12", "54", "5a", "8d", "94", "ba", "cc"),
+                        product_name="DGXA100 920-23687-2530-000"),
     "dgx-h100": Machine("dgx-h100", "550.90.07", 12040, _buses(H100_80GB_HBM3, _DGX_H100_BUSES),
                         nvswitches=_addresses("05", "06", "07", "08"),
-                        mellanox_nics=_addresses("1a", "3c", "4d", "5e", "9c", "bc", "cc", "dc")),
-    "a30": Machine("a30", "550.90.07", 12040, _buses(A30, ("3B",))),
-    "t4": Machine("t4", "550.90.07", 12040, ((T4, "00000000:00:1E.0"),)),
+                        mellanox_nics=_addresses("1a", "3c", "4d", "5e", "9c", "bc", "cc", "dc"),
+                        product_name="DGXH100"),
+    "a30": Machine("a30", "550.90.07", 12040, _buses(A30, ("3B",)), product_name="PowerEdge R750xa"),
+    "t4": Machine("t4", "550.90.07", 12040, ((T4, "00000000:00:1E.0"),), product_name="g4dn.xlarge"),
     "none": Machine("none", None, 0, ()),
 }

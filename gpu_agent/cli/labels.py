@@ -1,0 +1,33 @@
+"""gpu-agent labels: the node labels the agent would set, computed here, without an API server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from gpu_agent.cli.common import config_of, root_of
+from gpu_agent.errors import EXIT_OK
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of key=value lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    from gpu_agent.daemon.app import Runtime
+    from gpu_agent.kube.labels import compute
+    from gpu_agent.kube.sink import machine_name
+
+    loaded = config_of(args)
+    runtime = Runtime.build(root_of(args), loaded, args.simulate)
+    try:
+        runs = asyncio.run(runtime.engine.reconcile(dry_run=True))
+    finally:
+        runtime.nvml.close()
+    ready = all(run.state == "ok" for run in runs if run.stage != "labels")
+    labels = compute(runtime.state.inventory, ready, loaded.config.kubernetes.mig_strategy, machine_name(runtime.root))
+    if args.json:
+        print(json.dumps(labels, indent=2, sort_keys=True))
+    else:
+        print("".join(f"{key}={value}\n" for key, value in sorted(labels.items())), end="")
+    return EXIT_OK

@@ -1,0 +1,1 @@
+"""Kubernetes sinks: GFD-compatible node labels, the GPUAgentReady condition, the NFD feature file."""

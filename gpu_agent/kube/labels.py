@@ -1,0 +1,135 @@
+"""Node labels with GPU Feature Discovery's keys and value formats, so existing nodeSelectors keep
+working, computed from the state model alone."""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from gpu_agent.nvml.model import Gpu, Inventory, MigProfile
+
+PREFIX = "nvidia.com/"
+_INVALID = re.compile(r"[^A-Za-z0-9_.-]")
+_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+MAX = 63
+
+
+def sanitise(value: str) -> str:
+    """A label value: spaces and other characters Kubernetes refuses become '-', at most 63
+    characters, starting and ending with a letter or digit."""
+    value = _INVALID.sub("-", value.strip())[:MAX]
+    return value.strip("-_.")
+
+
+def valid_key(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    return bool(name) and len(name) <= MAX and bool(_NAME.match(name)) and len(prefix) <= 253
+
+
+def valid_value(value: str) -> bool:
+    return value == "" or (len(value) <= MAX and bool(_NAME.match(value)))
+
+
+def family(major: int, minor: int) -> str:
+    """The architecture by compute capability, as GFD names it."""
+    if major == 7:
+        return "volta" if minor < 5 else "turing"
+    if major == 8:
+        return "ampere" if minor < 9 else "ada-lovelace"
+    return {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 9: "hopper",
+            10: "blackwell", 12: "blackwell"}.get(major, "undefined")
+
+
+def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine: Optional[str]) -> dict[str, str]:
+    """Every label the agent owns, keys with the nvidia.com/ prefix."""
+    labels = {"gpu-agent.ready": str(ready).lower()}
+    if inventory is None or not inventory.gpus:
+        return _prefixed(labels)
+    first = inventory.gpus[0]  # as GFD does: a node's GPUs are one model
+    product = sanitise(first.product)
+    labels.update(_versions(inventory))
+    labels.update({
+        "gpu.present": "true",
+        "gpu.family": family(*first.compute_capability),
+        "gpu.compute.major": str(first.compute_capability[0]),
+        "gpu.compute.minor": str(first.compute_capability[1]),
+        "gpu.machine": sanitise(machine or "unknown") or "unknown",
+        "gpu.mode": "compute",
+        "gpu.replicas": "1",
+        "gpu.sharing-strategy": "none",
+        "mig.capable": str(first.mig.capable).lower(),
+        "mig.strategy": strategy,
+    })
+    full = [gpu for gpu in inventory.gpus if not gpu.mig.enabled]
+    labels.update({"gpu.product": product, "gpu.count": str(len(inventory.gpus)), "gpu.memory": str(first.memory_mib)})
+    if strategy == "mixed":
+        labels["gpu.count"] = str(len(full))
+        labels.update(_mixed(inventory.gpus, product))
+    elif strategy == "single" and any(gpu.mig.enabled for gpu in inventory.gpus):
+        labels.update(_single(inventory.gpus, product))
+    return _prefixed(labels)
+
+
+def _versions(inventory: Inventory) -> dict[str, str]:
+    driver = inventory.driver_version.split(".")
+    major, minor, revision = (driver + ["", "", ""])[:3]
+    cuda_major, _, cuda_minor = inventory.cuda_version.partition(".")
+    return {
+        "cuda.driver-version.major": major, "cuda.driver-version.minor": minor,
+        "cuda.driver-version.revision": revision, "cuda.driver-version.full": inventory.driver_version,
+        "cuda.driver.major": major, "cuda.driver.minor": minor, "cuda.driver.rev": revision,
+        "cuda.runtime-version.major": cuda_major, "cuda.runtime-version.minor": cuda_minor,
+        "cuda.runtime-version.full": inventory.cuda_version,
+        "cuda.runtime.major": cuda_major, "cuda.runtime.minor": cuda_minor,
+    }
+
+
+def _profile(gpu: Gpu, name: str) -> Optional[MigProfile]:
+    return next((p for p in gpu.mig.profiles if p.name == name), None)
+
+
+def _mig_attributes(profile: MigProfile, memory_mib: int) -> dict[str, str]:
+    return {
+        "memory": str(memory_mib), "multiprocessors": str(profile.multiprocessors),
+        "slices.gi": str(profile.slices), "slices.ci": str(profile.slices),
+        "engines.copy": str(profile.copy_engines), "engines.decoder": str(profile.decoders),
+        "engines.encoder": str(profile.encoders), "engines.jpeg": str(profile.jpeg_engines),
+        "engines.ofa": str(profile.ofa_engines),
+    }
+
+
+def _mixed(gpus: tuple[Gpu, ...], product: str) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for gpu in gpus:
+        for device in gpu.mig.devices if gpu.mig.enabled else ():
+            counts[device.profile] = counts.get(device.profile, 0) + 1
+            profile = _profile(gpu, device.profile)
+            if profile is None:
+                continue
+            key = f"mig-{device.profile}"
+            labels.update({f"{key}.{name}": value for name, value in _mig_attributes(profile, device.memory_mib).items()})
+            labels.update({f"{key}.product": sanitise(f"{product}-MIG-{device.profile}"),
+                           f"{key}.replicas": "1", f"{key}.sharing-strategy": "none"})
+    labels.update({f"mig-{name}.count": str(count) for name, count in counts.items()})
+    return labels
+
+
+def _single(gpus: tuple[Gpu, ...], product: str) -> dict[str, str]:
+    """Every GPU in MIG mode with one profile throughout: the MIG devices stand in for GPUs.
+    Anything else cannot be expressed with one resource: GFD's -MIG-INVALID, count 0."""
+    devices = [(gpu, device) for gpu in gpus for device in (gpu.mig.devices if gpu.mig.enabled else ())]
+    profiles = {device.profile for _, device in devices}
+    if not devices or len(profiles) != 1 or not all(gpu.mig.enabled for gpu in gpus):
+        return {"gpu.product": sanitise(f"{product}-MIG-INVALID"), "gpu.count": "0", "gpu.memory": "0",
+                "gpu.multiprocessors": "0", "gpu.slices.gi": "0", "gpu.slices.ci": "0", "gpu.engines.copy": "0",
+                "gpu.engines.decoder": "0", "gpu.engines.encoder": "0", "gpu.engines.jpeg": "0", "gpu.engines.ofa": "0"}
+    gpu, device = devices[0]
+    labels = {"gpu.product": sanitise(f"{product}-MIG-{device.profile}"), "gpu.count": str(len(devices))}
+    profile = _profile(gpu, device.profile)
+    if profile is not None:
+        labels.update({f"gpu.{name}": value for name, value in _mig_attributes(profile, device.memory_mib).items()})
+    return labels
+
+
+def _prefixed(labels: dict[str, str]) -> dict[str, str]:
+    return {PREFIX + key: value for key, value in sorted(labels.items())}

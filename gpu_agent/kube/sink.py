@@ -1,0 +1,137 @@
+"""The labels stage: node labels, the GPUAgentReady condition and the NFD feature file.
+
+Labels go as a JSON merge patch of metadata: it sets our keys, deletes stale ones with null and
+cannot touch anyone else's, without a resourceVersion precondition (there is no read-modify-write
+to protect: the set of keys we own travels in our own annotation). The condition goes as a
+strategic merge patch of status, which merges conditions by type, as node-problem-detector does,
+so the kubelet's own conditions stay.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from gpu_agent.config.kubernetes import KubernetesConfig
+from gpu_agent.errors import StageError
+from gpu_agent.host.files import atomic_write, read_text
+from gpu_agent.host.paths import Root
+from gpu_agent.kube import labels as gfd
+from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
+from gpu_agent.stages.base import Action, Stage
+from gpu_agent.state import AgentState
+
+MANAGED = "nvidia.com/gpu-agent.managed-labels"
+CONDITION = "GPUAgentReady"
+NFD_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
+NODE_REFRESH_S = 300.0  # GET the node at most this often (and after a 409)
+
+
+def machine_name(root: Root) -> Optional[str]:
+    name = read_text(root("/sys/class/dmi/id/product_name"))
+    return name.strip() if name else None
+
+
+@dataclass
+class SinkState:
+    labels: dict[str, str]
+    condition: dict[str, str]  # status, reason, message
+    node: Optional[dict[str, Any]]
+
+
+class KubeSink(Stage):
+    name = "labels"
+    gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
+
+    def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig) -> None:
+        self.root = root
+        self.agent = state
+        self.settings = settings
+        self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds)
+        self.node_name = settings.node_name or socket.gethostname()
+        self._node: Optional[dict[str, Any]] = None
+        self._node_read = 0.0
+
+    # --- observe ---------------------------------------------------------------------------------
+
+    def observe(self) -> SinkState:
+        ready, failing = self.agent.readiness()
+        wanted = gfd.compute(self.agent.inventory, ready, self.settings.mig_strategy, machine_name(self.root))
+        condition = ({"status": "True", "reason": "GPUsReady", "message": self.agent.summary_line()} if ready else
+                     {"status": "False", "reason": _reason(failing.name if failing else "startup"),
+                      "message": self.agent.summary_line()})
+        return SinkState(wanted, condition, self._current_node())
+
+    def _current_node(self, force: bool = False) -> dict[str, Any]:
+        if force or self._node is None or time.monotonic() - self._node_read > NODE_REFRESH_S:
+            try:
+                self._node = self.client.get_node(self.node_name)
+            except ApiError as exc:
+                raise StageError(f"node {self.node_name}: {exc}") from None
+            self._node_read = time.monotonic()
+        return self._node
+
+    # --- plan and apply --------------------------------------------------------------------------
+
+    def plan(self, state: SinkState) -> list[Action]:
+        actions = []
+        patch = self._labels_patch(state)
+        if patch:
+            changed = sorted(patch["metadata"]["labels"])
+            actions.append(Action(f"patch node {self.node_name} labels: {', '.join(changed)}",
+                                  lambda: self._patch(patch, status=False)))
+        condition = self._condition_patch(state)
+        if condition:
+            new = condition["status"]["conditions"][0]
+            actions.append(Action(f"patch node {self.node_name} condition {CONDITION}={new['status']} ({new['reason']})",
+                                  lambda: self._patch(condition, status=True)))
+        if self.settings.nfd_feature_file:
+            text = "".join(f"{key}={value}\n" for key, value in sorted(state.labels.items()))
+            if read_text(self.root(NFD_FILE)) != text:
+                actions.append(Action(f"write {NFD_FILE}", lambda: atomic_write(self.root(NFD_FILE), text)))
+        return actions
+
+    def _labels_patch(self, state: SinkState) -> Optional[dict[str, Any]]:
+        metadata = (state.node or {}).get("metadata", {})
+        current = metadata.get("labels") or {}
+        owned = {key for key in (metadata.get("annotations") or {}).get(MANAGED, "").split(",") if key}
+        changes: dict[str, Optional[str]] = {k: v for k, v in state.labels.items() if current.get(k) != v}
+        changes.update({key: None for key in owned - set(state.labels) if key in current})
+        managed = ",".join(sorted(state.labels))
+        if not changes and (metadata.get("annotations") or {}).get(MANAGED) == managed:
+            return None
+        return {"metadata": {"labels": changes, "annotations": {MANAGED: managed}}}
+
+    def _condition_patch(self, state: SinkState) -> Optional[dict[str, Any]]:
+        conditions = ((state.node or {}).get("status") or {}).get("conditions") or []
+        current = next((c for c in conditions if c.get("type") == CONDITION), None)
+        wanted = state.condition
+        if current and all(current.get(key) == value for key, value in wanted.items()):
+            return None
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        transition = now if not current or current.get("status") != wanted["status"] else current["lastTransitionTime"]
+        entry = {"type": CONDITION, **wanted, "lastHeartbeatTime": now, "lastTransitionTime": transition}
+        return {"status": {"conditions": [entry]}}
+
+    def _patch(self, patch: dict[str, Any], status: bool) -> None:
+        try:
+            self._node = self.client.patch_node(self.node_name, patch, status=status,
+                                                content_type=STRATEGIC_MERGE_PATCH if status else "application/merge-patch+json")
+            self._node_read = time.monotonic()
+        except ApiError as exc:
+            self._node = None  # after any failure (a 409 above all) the node is read again
+            raise StageError(f"node {self.node_name}: {exc}") from None
+
+    # --- verify ----------------------------------------------------------------------------------
+
+    def verify(self, state: SinkState) -> str:
+        if self._labels_patch(state) or self._condition_patch(state):
+            raise StageError(f"node {self.node_name} does not show the labels and condition just written")
+        return f"node {self.node_name}: {len(state.labels)} labels, {CONDITION}={state.condition['status']}"
+
+
+def _reason(check: str) -> str:
+    """CamelCase condition reason from a check name: driver -> DriverFailed, gpu-health -> GpuHealthFailed."""
+    return "".join(part.capitalize() for part in check.replace("_", "-").split("-")) + "Failed"
+

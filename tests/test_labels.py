@@ -1,0 +1,88 @@
+"""GFD-compatible labels from the state model, and `gpu-agent labels`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import cli
+
+from gpu_agent.kube.labels import compute, family, sanitise, valid_key, valid_value
+from gpu_agent.nvml.model import Gpu, Inventory, MigDevice, MigProfile, MigState
+
+DGX_A100 = {
+    "nvidia.com/cuda.driver-version.full": "550.90.07", "nvidia.com/cuda.driver-version.major": "550",
+    "nvidia.com/cuda.driver-version.minor": "90", "nvidia.com/cuda.driver-version.revision": "07",
+    "nvidia.com/cuda.driver.major": "550", "nvidia.com/cuda.driver.minor": "90", "nvidia.com/cuda.driver.rev": "07",
+    "nvidia.com/cuda.runtime-version.full": "12.4", "nvidia.com/cuda.runtime-version.major": "12",
+    "nvidia.com/cuda.runtime-version.minor": "4", "nvidia.com/cuda.runtime.major": "12",
+    "nvidia.com/cuda.runtime.minor": "4", "nvidia.com/gpu-agent.ready": "true",
+    "nvidia.com/gpu.compute.major": "8", "nvidia.com/gpu.compute.minor": "0", "nvidia.com/gpu.count": "8",
+    "nvidia.com/gpu.family": "ampere", "nvidia.com/gpu.machine": "DGXA100-920-23687-2530-000",
+    "nvidia.com/gpu.memory": "40960", "nvidia.com/gpu.mode": "compute", "nvidia.com/gpu.present": "true",
+    "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/gpu.replicas": "1",
+    "nvidia.com/gpu.sharing-strategy": "none", "nvidia.com/mig.capable": "true", "nvidia.com/mig.strategy": "none",
+}
+
+
+def test_dgx_a100_labels_are_exact(root: Path) -> None:
+    assert cli("--simulate", "dgx-a100", "apply", "--once", root=root).returncode == 0
+    result = cli("--simulate", "dgx-a100", "labels", "--json", root=root)
+    assert json.loads(result.stdout) == DGX_A100
+    plain = cli("--simulate", "dgx-a100", "labels", root=root).stdout
+    assert "nvidia.com/gpu.product=NVIDIA-A100-SXM4-40GB\n" in plain
+
+
+def test_without_gpus_only_the_readiness_label_remains(root: Path) -> None:
+    result = cli("--simulate", "none", "labels", "--json", root=root)
+    assert json.loads(result.stdout) == {"nvidia.com/gpu-agent.ready": "false"}
+
+
+def test_families_follow_compute_capability() -> None:
+    assert [family(*cc) for cc in ((7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))] == [
+        "volta", "turing", "ampere", "ampere", "ada-lovelace", "hopper", "blackwell", "blackwell"]
+
+
+def test_values_and_keys_follow_kubernetes_syntax() -> None:
+    assert sanitise("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert sanitise(" Super/Server (X) ") == "Super-Server--X"
+    assert len(sanitise("x" * 80)) == 63 and valid_value(sanitise("x" * 80))
+    assert valid_key("nvidia.com/mig-1g.10gb.engines.copy") and not valid_key("nvidia.com/-bad")
+
+
+def _h100(mig: MigState, index: int = 0) -> Gpu:
+    return Gpu(index, f"GPU-{index}", f"0000:{index:02x}:00.0", "NVIDIA H100 80GB HBM3", 81559, (9, 0), index, mig)
+
+
+PROFILES = (MigProfile("1g.10gb", 19, 1, 7, 16, 9984, 1, 1, 0, 1, 0, ()),
+            MigProfile("3g.40gb", 9, 3, 2, 60, 40448, 3, 3, 0, 3, 0, ()))
+
+
+def _mig(*profiles: str) -> MigState:
+    devices = tuple(MigDevice(f"MIG-{i}-{p}", i + 1, 0, p, 40448 if p == "3g.40gb" else 9984,
+                              60 if p == "3g.40gb" else 16, None) for i, p in enumerate(profiles))
+    return MigState(True, True, True, devices, PROFILES)
+
+
+def test_mixed_strategy_labels_each_profile() -> None:
+    inventory = Inventory("550.90.07", "12.4", (_h100(_mig("3g.40gb", "3g.40gb", "1g.10gb")),
+                                               _h100(MigState(True, profiles=PROFILES), 1)))
+    labels = compute(inventory, True, "mixed", "DGXH100")
+    assert labels["nvidia.com/gpu.count"] == "1"
+    assert labels["nvidia.com/mig-3g.40gb.count"] == "2" and labels["nvidia.com/mig-1g.10gb.count"] == "1"
+    assert labels["nvidia.com/mig-3g.40gb.memory"] == "40448"
+    assert labels["nvidia.com/mig-3g.40gb.multiprocessors"] == "60"
+    assert labels["nvidia.com/mig-3g.40gb.slices.gi"] == "3" and labels["nvidia.com/mig-3g.40gb.engines.decoder"] == "3"
+    assert labels["nvidia.com/mig-3g.40gb.product"] == "NVIDIA-H100-80GB-HBM3-MIG-3g.40gb"
+    assert labels["nvidia.com/mig.strategy"] == "mixed"
+    assert all(valid_key(k) and valid_value(v) for k, v in labels.items())
+
+
+def test_single_strategy_uses_the_mig_devices_or_says_invalid() -> None:
+    uniform = Inventory("550.90.07", "12.4", (_h100(_mig("3g.40gb", "3g.40gb")), _h100(_mig("3g.40gb", "3g.40gb"), 1)))
+    labels = compute(uniform, True, "single", None)
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3-MIG-3g.40gb"
+    assert labels["nvidia.com/gpu.count"] == "4" and labels["nvidia.com/gpu.memory"] == "40448"
+    mixed = Inventory("550.90.07", "12.4", (_h100(_mig("3g.40gb", "1g.10gb")),))
+    invalid = compute(mixed, True, "single", None)
+    assert invalid["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3-MIG-INVALID"
+    assert invalid["nvidia.com/gpu.count"] == "0"
