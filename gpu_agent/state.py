@@ -86,12 +86,13 @@ class AgentState:
             return Check("gpu-health", False, "; ".join(sick))
         return Check("gpu-health", True, f"{len(self.inventory.gpus)} GPUs healthy")
 
-    def readiness(self) -> tuple[bool, Optional[Check]]:
+    def readiness(self, within_pass: bool = False) -> tuple[bool, Optional[Check]]:
         """(ready, the first failing check that gates readiness): one consistent reading, as watcher
-        threads may change health between two calls of checks()."""
+        threads may change health between two calls of checks(). `within_pass`: for a sink running
+        after the other stages of a pass, which may be the first."""
         sinks = {s.name for s in self.stages.values() if not s.gates_readiness}
         failing = next((check for check in self.checks() if not check.ok and check.name not in sinks), None)
-        return self.first_reconcile_done and failing is None, failing
+        return (within_pass or self.first_reconcile_done) and failing is None, failing
 
     @property
     def ready(self) -> bool:

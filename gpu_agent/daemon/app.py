@@ -74,7 +74,12 @@ class Runtime:
             packages = SystemPackages(root)
         state = AgentState(loaded, simulated=simulate)
         runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile))
-        runtime.engine.set_stages(runtime.stages(config))
+        # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
+        kept = {stage.name: stage for stage in runtime.engine.stages}
+        runtime.engine.set_stages([
+            kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
+            for new in runtime.stages(config)
+        ])
         return runtime
 
     def stages(self, config: AgentConfig) -> list[Stage]:
@@ -254,7 +259,12 @@ class Daemon:
         self.state.config_loaded_at = time.time()
         runtime.nvml.call_timeout = config.nvml.call_timeout_seconds
         runtime.engine.settings = config.reconcile
-        runtime.engine.set_stages(runtime.stages(config))
+        # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
+        kept = {stage.name: stage for stage in runtime.engine.stages}
+        runtime.engine.set_stages([
+            kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
+            for new in runtime.stages(config)
+        ])
         self.collector.hostname = config.metrics.hostname or self.collector.hostname
         logging.getLogger().setLevel(config.log_level.upper())
         log.info("configuration %s loaded from %s", loaded.digest[:19], loaded.source)
@@ -328,6 +338,10 @@ class Daemon:
                 await self._sample()
                 self.trigger(force=True)
             last = stamp
+
+
+def _same_stage(old: Stage, new: Stage) -> bool:
+    return getattr(old, "settings", None) == getattr(new, "settings", new) and tuple(old.requires) == tuple(new.requires)
 
 
 def run_daemon(root: Root, loaded: LoadedConfig, config_path: Path, config_required: bool,

@@ -56,7 +56,7 @@ class KubeSink(Stage):
     # --- observe ---------------------------------------------------------------------------------
 
     def observe(self) -> SinkState:
-        ready, failing = self.agent.readiness()
+        ready, failing = self.agent.readiness(within_pass=True)
         wanted = gfd.compute(self.agent.inventory, ready, self.settings.mig_strategy, machine_name(self.root))
         condition = ({"status": "True", "reason": "GPUsReady", "message": self.agent.summary_line()} if ready else
                      {"status": "False", "reason": _reason(failing.name if failing else "startup"),

@@ -1,0 +1,128 @@
+"""The labels stage against the Kubernetes API emulator, over TLS with the node's client certificate."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import cli
+from kube_emulator import KubeEmulator
+from test_labels import DGX_A100
+
+NODE = "gpu-node-1"
+KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure"}
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[KubeEmulator]:
+    emulator = KubeEmulator(tmp_path / "pki", nodes=(NODE, "gpu-node-2")).start()
+    yield emulator
+    emulator.close()
+
+
+@pytest.fixture
+def kube_root(root: Path, api: KubeEmulator) -> Path:
+    """A sandbox root whose kubelet.conf is the node's own identity (system:node:gpu-node-1)."""
+    api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", mode="cert-data")
+    return root
+
+
+def settings(**kubernetes: object) -> dict:
+    return {"kubernetes": {"node_name": NODE, **kubernetes},
+            "reconcile": {"backoff_initial_seconds": 0.2}}
+
+
+def test_dgx_a100_labels_and_condition_reach_the_node(api: KubeEmulator, kube_root: Path, write_config) -> None:
+    api.set_labels({"team": "ml", "nvidia.com/someone-elses": "keep"})
+    result = cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=write_config(settings()))
+    assert result.returncode == 0, result.stdout + result.stderr
+    labels = api.labels()
+    assert {k: v for k, v in labels.items() if k in DGX_A100 or k.startswith("nvidia.com/gpu")} == DGX_A100
+    assert labels["team"] == "ml" and labels["nvidia.com/someone-elses"] == "keep"
+    assert api.annotations()["nvidia.com/gpu-agent.managed-labels"] == ",".join(sorted(DGX_A100))
+    condition = api.condition("GPUAgentReady")
+    assert (condition["status"], condition["reason"]) == ("True", "GPUsReady")
+    types = {c["type"] for c in api.get_node()["status"]["conditions"]}
+    assert KUBELET_CONDITIONS | {"GPUAgentReady"} <= types
+    users = {r.user for r in api.requests}
+    assert users == {"system:node:gpu-node-1"}
+
+
+def test_stale_labels_go_and_others_stay(api: KubeEmulator, kube_root: Path, write_config) -> None:
+    api.set_labels({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/old.feature": "true",
+                    "nvidia.com/not-ours": "x"})
+    api.set_annotations({"nvidia.com/gpu-agent.managed-labels": "nvidia.com/gpu.product,nvidia.com/old.feature"})
+    cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=write_config(settings()))
+    labels = api.labels()
+    assert "nvidia.com/old.feature" not in labels and labels["nvidia.com/not-ours"] == "x"
+
+
+def test_a_noop_reconcile_sends_no_request(agent, api: KubeEmulator, kube_root: Path) -> None:
+    daemon = agent("dgx-a100", settings=settings())
+    daemon.wait_ready()
+    api.wait_for_requests(2, method="PATCH")
+    daemon.wait_http("/status", lambda _, b: json.loads(b)["stages"][-1]["state"] == "ok")
+    api.clear_requests()
+    daemon.signal(__import__("signal").SIGHUP)  # a full, forced reconcile
+    daemon.wait_message(lambda m: "READY=1" in m.splitlines() and "RELOADING" not in m)
+    time.sleep(0.5)
+    assert api.requests == []
+
+
+def test_a_fault_storm_is_survived_at_a_bounded_rate(agent, api: KubeEmulator, kube_root: Path, root: Path) -> None:
+    api.fail_next("*", 500, count=None)
+    daemon = agent("dgx-a100", settings=settings())
+    daemon.wait_ready()
+    _, body = daemon.wait_http("/readyz?verbose", lambda _, b: "[-]labels failed" in b)
+    assert daemon.get("/readyz")[0] == 200  # the GPUs are fine: the sink only degrades the agent
+    status = cli("status", root=root, config=daemon.config)
+    assert status.returncode == 2 and "degraded: labels" in status.stdout
+    time.sleep(4)
+    assert 0 < api.max_requests_in_window(60) <= 12
+    api.clear_faults()
+    daemon.signal(__import__("signal").SIGHUP)
+    daemon.wait_http("/readyz?verbose", lambda _, b: "[+]labels ok" in b, timeout=15)
+    assert api.labels()["nvidia.com/gpu.count"] == "8"
+
+
+def test_a_conflict_is_followed_by_a_fresh_read(api: KubeEmulator, kube_root: Path, write_config) -> None:
+    api.fail_next("/api/v1/nodes/gpu-node-1", 409, method="PATCH")
+    config = write_config(settings())
+    first = cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=config)
+    assert first.returncode == 2 and "409" in first.stdout
+    second = cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=config)
+    assert second.returncode == 0 and api.labels()["nvidia.com/gpu.count"] == "8"
+
+
+def test_the_condition_turns_false_within_two_seconds_of_readyz(agent, api: KubeEmulator, kube_root: Path,
+                                                               root: Path) -> None:
+    daemon = agent("dgx-a100", settings=settings())
+    daemon.wait_ready()
+    daemon.wait_http("/status", lambda _, b: json.loads(b)["stages"][-1]["state"] == "ok")
+    api.kubelet_heartbeat()
+    cli("sim", "inject-xid", "--gpu", "2", "--xid", "79", root=root)
+    daemon.wait_http("/readyz", lambda status, _: status == 503)
+    turned = time.monotonic()
+    while (api.condition("GPUAgentReady") or {}).get("status") != "False":
+        assert time.monotonic() - turned < 2, "GPUAgentReady is still True 2 s after /readyz turned 503"
+        time.sleep(0.05)
+    condition = api.condition("GPUAgentReady")
+    assert condition["reason"] == "GpuHealthFailed" and "XID 79" in condition["message"]
+    assert KUBELET_CONDITIONS <= {c["type"] for c in api.get_node()["status"]["conditions"]}
+    assert api.labels()["nvidia.com/gpu-agent.ready"] == "false"
+
+
+def test_forbidden_names_the_identity(api: KubeEmulator, root: Path, write_config) -> None:
+    api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", user="system:node:gpu-node-2", mode="cert-data")
+    result = cli("--simulate", "t4", "apply", "--once", root=root, config=write_config(settings()))
+    assert result.returncode == 2
+    assert "403 Forbidden" in result.stdout and "user 'system:node:gpu-node-2'" in result.stdout
+
+
+def test_nfd_feature_file_is_written(api: KubeEmulator, kube_root: Path, write_config) -> None:
+    cli("--simulate", "t4", "apply", "--once", root=kube_root, config=write_config(settings(nfd_feature_file=True)))
+    text = (kube_root / "etc/kubernetes/node-feature-discovery/features.d/gpu-agent").read_text()
+    assert "nvidia.com/gpu.product=Tesla-T4\n" in text and "nvidia.com/gpu-agent.ready=true\n" in text
