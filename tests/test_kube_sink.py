@@ -126,3 +126,41 @@ def test_nfd_feature_file_is_written(api: KubeEmulator, kube_root: Path, write_c
     cli("--simulate", "t4", "apply", "--once", root=kube_root, config=write_config(settings(nfd_feature_file=True)))
     text = (kube_root / "etc/kubernetes/node-feature-discovery/features.d/gpu-agent").read_text()
     assert "nvidia.com/gpu.product=Tesla-T4\n" in text and "nvidia.com/gpu-agent.ready=true\n" in text
+
+
+def test_a_token_file_identity_works(api: KubeEmulator, root: Path, write_config) -> None:
+    api.add_token("s3cr3t-node-token", "system:node:gpu-node-1", ["system:nodes"])
+    (root / "var/lib/kubelet").mkdir(parents=True)
+    (root / "var/lib/kubelet/token").write_text("s3cr3t-node-token\n")
+    config = api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", mode="token", token="unused")
+    text = config.read_text().replace("token: unused", "tokenFile: /var/lib/kubelet/token")
+    config.write_text(text)
+    result = cli("--simulate", "t4", "apply", "--once", root=root, config=write_config(settings()))
+    assert result.returncode == 0, result.stdout
+    assert {r.user for r in api.requests} == {"system:node:gpu-node-1"}
+
+
+def test_a_rotated_client_certificate_is_used_from_the_next_request(agent, api: KubeEmulator, root: Path) -> None:
+    ours = api.node_credentials("gpu-node-1")
+    pki = root / "var/lib/kubelet/pki"
+    pki.mkdir(parents=True)
+    current = pki / "kubelet-client-current.pem"
+    current.write_bytes(ours.cert_pem + ours.key_pem)
+    config = api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", mode="cert-files", combined_pem=True)
+    text = config.read_text()
+    (pki / "ca.crt").write_bytes(api.ca_pem)
+    paths = {"client-certificate:": "/var/lib/kubelet/pki/kubelet-client-current.pem",
+             "client-key:": "/var/lib/kubelet/pki/kubelet-client-current.pem",
+             "certificate-authority:": "/var/lib/kubelet/pki/ca.crt"}  # host paths, under the agent's root
+    text = "\n".join(next((line.split(":")[0] + ": " + path for key, path in paths.items()
+                           if line.strip().startswith(key)), line) for line in text.splitlines()) + "\n"
+    config.write_text(text)
+    daemon = agent("t4", settings=settings())
+    daemon.wait_ready()
+    daemon.wait_http("/status", lambda _, b: json.loads(b)["stages"][-1]["state"] == "ok")
+    other = api.node_credentials("gpu-node-2")  # the kubelet rotated to a certificate of another name
+    current.write_bytes(other.cert_pem + other.key_pem)
+    cli("sim", "inject-xid", "--gpu", "0", "--xid", "48", root=root)  # something to tell the API
+    _, body = daemon.wait_http("/readyz?verbose", lambda _, b: "[-]labels failed" in b)
+    assert "403" in body and "/var/lib/kubelet/pki/kubelet-client-current.pem" in body
+    assert api.requests[-1].user == "system:node:gpu-node-2"

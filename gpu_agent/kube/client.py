@@ -128,7 +128,11 @@ class KubeClient:
         files = [f for f in (credentials.ca_file, credentials.cert_file, credentials.key_file) if f]
         key = tuple(_stamp(self.root, f) for f in files)
         if self._context is None or key != self._context_key:
-            self._context = self._build_ssl(credentials)
+            try:
+                self._context = self._build_ssl(credentials)
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                raise ApiError(f"cannot load the TLS files of {credentials.identity()} "
+                               f"(kubeconfig {self.kubeconfig}): {exc}") from None
             self._context_key = key
         return self._context
 
