@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import tomlkit
-from tomlkit.exceptions import ParseError
 
 from gpu_agent.errors import StageError
 from gpu_agent.host import proc
+from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
+from gpu_agent.toolkit.tomldoc import deep_merge, parse
 
 ROOT_CONFIG = "/etc/containerd/config.toml"
 DROP_IN_DIR = "/etc/containerd/conf.d"
@@ -43,18 +44,6 @@ class ContainerdFiles:
     version: int
 
 
-def parse(text: str, name: str) -> dict[str, Any]:
-    """TOML to plain data; a syntax error names the file, line and column."""
-    try:
-        return tomlkit.parse(text).unwrap()
-    except ParseError as exc:
-        raise StageError(f"{name}:{exc.line}:{exc.col}: not valid TOML: {_reason(exc)}; nothing was changed") from None
-
-
-def _reason(exc: ParseError) -> str:
-    return re.sub(r" at line \d+ col \d+$", "", str(exc))
-
-
 def config_version(document: dict[str, Any], name: str) -> int:
     version = document.get("version", 1)
     if version not in CRI_PLUGIN:
@@ -63,7 +52,7 @@ def config_version(document: dict[str, Any], name: str) -> int:
 
 
 def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> ContainerdFiles:
-    root_text = _read(root, ROOT_CONFIG)
+    root_text = read_text(root(ROOT_CONFIG))
     document = parse(root_text, ROOT_CONFIG) if root_text is not None else {"version": 2}
     version = config_version(document, ROOT_CONFIG)
     _refuse_dormant_files(root, document)
@@ -74,7 +63,7 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
     return ContainerdFiles(
         root_current=root_text,
         root_desired=root_desired,
-        drop_in_current=_read(root, DROP_IN),
+        drop_in_current=read_text(root(DROP_IN)),
         drop_in_desired=drop_in,
         version=version,
     )
@@ -102,21 +91,13 @@ def _effective_cri(root: Root, document: dict[str, Any], version: int) -> dict[s
     for path in _imported(root, document):
         if path == DROP_IN:
             continue
-        imported = parse(_read(root, path) or "", path).get("plugins", {})
+        imported = parse(read_text(root(path)) or "", path).get("plugins", {})
         if plugin in imported:
             if version >= 3:
-                _deep_merge(cri, imported[plugin])
+                deep_merge(cri, imported[plugin])
             else:
                 cri = copy.deepcopy(imported[plugin])
     return cri
-
-
-def _deep_merge(into: dict[str, Any], update: dict[str, Any]) -> None:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _deep_merge(into[key], value)
-        else:
-            into[key] = copy.deepcopy(value)
 
 
 def hidden_by(root: Root, version: int) -> list[str]:
@@ -181,13 +162,6 @@ def _top_level(text: str, offset: int) -> bool:
 def _minimal_root(version: int) -> str:
     prefix = "" if version == 1 else f"version = {version}\n"
     return prefix + f'imports = ["{IMPORT_GLOB}"]  # added by gpu-agent\n'
-
-
-def _read(root: Root, path: str) -> Optional[str]:
-    try:
-        return root(path).read_text()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
 
 
 def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 30.0) -> Optional[str]:

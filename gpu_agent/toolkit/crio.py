@@ -3,12 +3,13 @@ runtime's settings. CRI-O merges drop-ins key by key, so the drop-in holds only 
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import tomlkit
 
+from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
-from gpu_agent.toolkit.containerd import parse
+from gpu_agent.toolkit.tomldoc import deep_merge, parse
 
 MAIN = "/etc/crio/crio.conf"
 DROP_IN_DIR = "/etc/crio/crio.conf.d"
@@ -36,22 +37,7 @@ def _effective(root: Root) -> dict[str, Any]:
     paths = [MAIN] + [f"{DROP_IN_DIR}/{p.name}" for p in sorted(root(DROP_IN_DIR).glob("*.conf"))
                       if f"{DROP_IN_DIR}/{p.name}" != DROP_IN] if root(DROP_IN_DIR).is_dir() else [MAIN]
     for path in paths:
-        text = _read(root, path)
+        text = read_text(root(path))
         if text is not None:
-            _merge(merged, parse(text, path).get("crio", {}).get("runtime", {}))
+            deep_merge(merged, parse(text, path).get("crio", {}).get("runtime", {}))
     return merged
-
-
-def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = copy.deepcopy(value)
-
-
-def _read(root: Root, path: str) -> Optional[str]:
-    try:
-        return root(path).read_text()
-    except (FileNotFoundError, NotADirectoryError):
-        return None

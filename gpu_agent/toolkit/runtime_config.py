@@ -6,7 +6,7 @@ from typing import Any, Optional
 import tomlkit
 
 from gpu_agent.errors import StageError
-from gpu_agent.toolkit.containerd import parse
+from gpu_agent.toolkit.tomldoc import parse
 
 PATH = "/etc/nvidia-container-runtime/config.toml"
 
