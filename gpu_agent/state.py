@@ -57,6 +57,8 @@ class AgentState:
     config_error: Optional[str] = None  # the last rejected reload
     stages: dict[str, StageStatus] = field(default_factory=dict)
     inventory: Optional[Inventory] = None
+    last_inventory: Optional[Inventory] = None  # the last good one: labels outlive a failing discovery
+    pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID

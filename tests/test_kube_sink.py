@@ -164,3 +164,16 @@ def test_a_rotated_client_certificate_is_used_from_the_next_request(agent, api: 
     _, body = daemon.wait_http("/readyz?verbose", lambda _, b: "[-]labels failed" in b)
     assert "403" in body and "/var/lib/kubelet/pki/kubelet-client-current.pem" in body
     assert api.requests[-1].user == "system:node:gpu-node-2"
+
+
+def test_an_nvml_hiccup_keeps_the_gpu_labels(api: KubeEmulator, kube_root: Path, write_config) -> None:
+    config = write_config(settings())
+    cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=config)
+    assert api.labels()["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB"
+    cli("sim", "fail", "nvmlDeviceGetCount", "--times", "5", root=kube_root)
+    failing = cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=config)
+    assert failing.returncode == 2
+    labels = api.labels()
+    assert labels["nvidia.com/gpu-agent.ready"] == "false"
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB"  # nodeSelectors keep matching
+    assert api.condition("GPUAgentReady")["status"] == "False"

@@ -20,7 +20,7 @@ DGX_A100 = {
     "nvidia.com/gpu.family": "ampere", "nvidia.com/gpu.machine": "DGXA100-920-23687-2530-000",
     "nvidia.com/gpu.memory": "40960", "nvidia.com/gpu.mode": "compute", "nvidia.com/gpu.present": "true",
     "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/gpu.replicas": "1",
-    "nvidia.com/gpu.sharing-strategy": "none", "nvidia.com/mig.capable": "true", "nvidia.com/mig.strategy": "none",
+    "nvidia.com/gpu.sharing-strategy": "none", "nvidia.com/mig.capable": "true",
 }
 
 
@@ -44,7 +44,8 @@ def test_families_follow_compute_capability() -> None:
 
 def test_values_and_keys_follow_kubernetes_syntax() -> None:
     assert sanitise("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
-    assert sanitise(" Super/Server (X) ") == "Super-Server--X"
+    assert sanitise(" Super/Server  (X) ") == "SuperServer-X"  # as GFD: dropped, not replaced
+    assert sanitise("NVIDIA  A100 (PCIe) 40GB") == "NVIDIA-A100-PCIe-40GB" and sanitise("1g.10gb+me") == "1g.10gbme"
     assert len(sanitise("x" * 80)) == 63 and valid_value(sanitise("x" * 80))
     assert valid_key("nvidia.com/mig-1g.10gb.engines.copy") and not valid_key("nvidia.com/-bad")
 
@@ -67,7 +68,7 @@ def test_mixed_strategy_labels_each_profile() -> None:
     inventory = Inventory("550.90.07", "12.4", (_h100(_mig("3g.40gb", "3g.40gb", "1g.10gb")),
                                                _h100(MigState(True, profiles=PROFILES), 1)))
     labels = compute(inventory, True, "mixed", "DGXH100")
-    assert labels["nvidia.com/gpu.count"] == "1"
+    assert labels["nvidia.com/gpu.count"] == "2"  # every GPU of the model, as GFD counts
     assert labels["nvidia.com/mig-3g.40gb.count"] == "2" and labels["nvidia.com/mig-1g.10gb.count"] == "1"
     assert labels["nvidia.com/mig-3g.40gb.memory"] == "40448"
     assert labels["nvidia.com/mig-3g.40gb.multiprocessors"] == "60"
@@ -86,3 +87,18 @@ def test_single_strategy_uses_the_mig_devices_or_says_invalid() -> None:
     invalid = compute(mixed, True, "single", None)
     assert invalid["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3-MIG-INVALID"
     assert invalid["nvidia.com/gpu.count"] == "0"
+
+
+def test_odd_profile_names_give_valid_keys() -> None:
+    profiles = PROFILES + (MigProfile("1g.10gb+me", 20, 1, 1, 16, 9984, 1, 1, 0, 1, 1, ()),)
+    device = MigDevice("MIG-x", 1, 0, "1g.10gb+me", 9984, 16, None)
+    gpu = _h100(MigState(True, True, True, (device,), profiles))
+    labels = compute(Inventory("550.90.07", "12.4", (gpu,)), True, "mixed", None)
+    assert labels["nvidia.com/mig-1g.10gbme.count"] == "1"
+    assert all(valid_key(k) and valid_value(v) for k, v in labels.items())
+
+
+def test_a_mig_gpu_without_devices_is_invalid_under_single() -> None:
+    inventory = Inventory("550.90.07", "12.4", (_h100(_mig("3g.40gb", "3g.40gb")), _h100(_mig(), 1)))
+    labels = compute(inventory, True, "single", None)
+    assert labels["nvidia.com/gpu.product"].endswith("-MIG-INVALID") and labels["nvidia.com/gpu.replicas"] == "0"

@@ -86,7 +86,7 @@ class Runtime:
         """The enabled stages, in the order they run."""
         stages: list[Stage] = []
         if config.driver.enabled:
-            stages.append(Driver(self.root, self.nvml, self.loader, config.driver))
+            stages.append(Driver(self.root, self.nvml, self.loader, config.driver, self.state))
         stages.append(Discovery(self.nvml, self.state, config.discovery,
                                 requires=("driver",) if config.driver.enabled else ()))
         if config.toolkit.enabled:

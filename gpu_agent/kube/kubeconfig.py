@@ -45,12 +45,14 @@ def load(root: Root, path: str) -> Credentials:
         config = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise AgentError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(config, dict):
+        raise AgentError(f"{path}: not a kubeconfig (expected a mapping at the top level)")
     context_name = config.get("current-context")
     context = _named(config, "contexts", context_name, path).get("context", {}) if context_name else \
         (config.get("contexts") or [{}])[0].get("context", {})
-    cluster = _named(config, "clusters", context.get("cluster"), path).get("cluster", {})
+    cluster = _named(config, "clusters", context.get("cluster"), path).get("cluster") or {}
     user_name = context.get("user")
-    user = _named(config, "users", user_name, path).get("user", {})
+    user = _named(config, "users", user_name, path).get("user") or {}
     if not cluster.get("server"):
         raise AgentError(f"{path}: cluster {context.get('cluster')!r} has no server")
     base = str(PurePosixPath(path).parent)

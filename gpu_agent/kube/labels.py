@@ -2,21 +2,24 @@
 working, computed from the state model alone."""
 from __future__ import annotations
 
+import logging
 import re
 from typing import Optional
 
 from gpu_agent.nvml.model import Gpu, Inventory, MigProfile
 
+log = logging.getLogger(__name__)
+
 PREFIX = "nvidia.com/"
-_INVALID = re.compile(r"[^A-Za-z0-9_.-]")
+_INVALID = re.compile(r"[^A-Za-z0-9_. -]")
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 MAX = 63
 
 
 def sanitise(value: str) -> str:
-    """A label value: spaces and other characters Kubernetes refuses become '-', at most 63
-    characters, starting and ending with a letter or digit."""
-    value = _INVALID.sub("-", value.strip())[:MAX]
+    """As GFD does: characters Kubernetes refuses are dropped, runs of spaces become one '-';
+    then at most 63 characters, starting and ending with a letter or digit."""
+    value = "-".join(_INVALID.sub("", value).split())[:MAX]
     return value.strip("-_.")
 
 
@@ -56,13 +59,12 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
         "gpu.mode": "compute",
         "gpu.replicas": "1",
         "gpu.sharing-strategy": "none",
-        "mig.capable": str(first.mig.capable).lower(),
-        "mig.strategy": strategy,
+        "mig.capable": str(any(gpu.mig.capable for gpu in inventory.gpus)).lower(),
     })
-    full = [gpu for gpu in inventory.gpus if not gpu.mig.enabled]
+    if strategy != "none":
+        labels["mig.strategy"] = strategy
     labels.update({"gpu.product": product, "gpu.count": str(len(inventory.gpus)), "gpu.memory": str(first.memory_mib)})
     if strategy == "mixed":
-        labels["gpu.count"] = str(len(full))
         labels.update(_mixed(inventory.gpus, product))
     elif strategy == "single" and any(gpu.mig.enabled for gpu in inventory.gpus):
         labels.update(_single(inventory.gpus, product))
@@ -106,11 +108,11 @@ def _mixed(gpus: tuple[Gpu, ...], product: str) -> dict[str, str]:
             profile = _profile(gpu, device.profile)
             if profile is None:
                 continue
-            key = f"mig-{device.profile}"
+            key = f"mig-{sanitise(device.profile)}"
             labels.update({f"{key}.{name}": value for name, value in _mig_attributes(profile, device.memory_mib).items()})
             labels.update({f"{key}.product": sanitise(f"{product}-MIG-{device.profile}"),
                            f"{key}.replicas": "1", f"{key}.sharing-strategy": "none"})
-    labels.update({f"mig-{name}.count": str(count) for name, count in counts.items()})
+    labels.update({f"mig-{sanitise(name)}.count": str(count) for name, count in counts.items()})
     return labels
 
 
@@ -119,10 +121,10 @@ def _single(gpus: tuple[Gpu, ...], product: str) -> dict[str, str]:
     Anything else cannot be expressed with one resource: GFD's -MIG-INVALID, count 0."""
     devices = [(gpu, device) for gpu in gpus for device in (gpu.mig.devices if gpu.mig.enabled else ())]
     profiles = {device.profile for _, device in devices}
-    if not devices or len(profiles) != 1 or not all(gpu.mig.enabled for gpu in gpus):
+    uniform = all(gpu.mig.enabled and gpu.mig.devices for gpu in gpus) and len(profiles) == 1
+    if not uniform:
         return {"gpu.product": sanitise(f"{product}-MIG-INVALID"), "gpu.count": "0", "gpu.memory": "0",
-                "gpu.multiprocessors": "0", "gpu.slices.gi": "0", "gpu.slices.ci": "0", "gpu.engines.copy": "0",
-                "gpu.engines.decoder": "0", "gpu.engines.encoder": "0", "gpu.engines.jpeg": "0", "gpu.engines.ofa": "0"}
+                "gpu.replicas": "0"}
     gpu, device = devices[0]
     labels = {"gpu.product": sanitise(f"{product}-MIG-{device.profile}"), "gpu.count": str(len(devices))}
     profile = _profile(gpu, device.profile)
@@ -132,4 +134,12 @@ def _single(gpus: tuple[Gpu, ...], product: str) -> dict[str, str]:
 
 
 def _prefixed(labels: dict[str, str]) -> dict[str, str]:
-    return {PREFIX + key: value for key, value in sorted(labels.items())}
+    """With the prefix; a key or value Kubernetes would refuse is left out (and logged), so one odd
+    name cannot make the API reject the whole patch."""
+    result = {}
+    for key, value in sorted(labels.items()):
+        if valid_key(PREFIX + key) and valid_value(value):
+            result[PREFIX + key] = value
+        else:
+            log.warning("label %s%s=%r is not valid in Kubernetes; left out", PREFIX, key, value)
+    return result

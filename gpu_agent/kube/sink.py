@@ -57,11 +57,20 @@ class KubeSink(Stage):
 
     def observe(self) -> SinkState:
         ready, failing = self.agent.readiness(within_pass=True)
-        wanted = gfd.compute(self.agent.inventory, ready, self.settings.mig_strategy, machine_name(self.root))
-        condition = ({"status": "True", "reason": "GPUsReady", "message": self.agent.summary_line()} if ready else
-                     {"status": "False", "reason": _reason(failing.name if failing else "startup"),
-                      "message": self.agent.summary_line()})
-        return SinkState(wanted, condition, self._current_node())
+        # A failing discovery (an NVML hiccup) must not strip the GPU labels nodeSelectors match on:
+        # they stay as last seen, with gpu-agent.ready=false, until the GPUs are seen again.
+        inventory = self.agent.inventory or self.agent.last_inventory
+        node = self._current_node()
+        wanted = gfd.compute(inventory, ready, self.settings.mig_strategy, machine_name(self.root))
+        if inventory is None and self.agent.pci_gpus != 0:
+            wanted = {**_owned_labels(node), **wanted}  # GPUs on the bus, not seen yet: keep what the node has
+        if ready:
+            condition = {"status": "True", "reason": "GPUsReady",
+                         "message": inventory.summary() if inventory else "ready"}
+        else:
+            condition = {"status": "False", "reason": _reason(failing.name if failing else "startup"),
+                         "message": f"{failing.name}: {failing.reason}" if failing else "first reconcile in progress"}
+        return SinkState(wanted, condition, node)
 
     def _current_node(self, force: bool = False) -> dict[str, Any]:
         if force or self._node is None or time.monotonic() - self._node_read > NODE_REFRESH_S:
@@ -110,7 +119,8 @@ class KubeSink(Stage):
         if current and all(current.get(key) == value for key, value in wanted.items()):
             return None
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        transition = now if not current or current.get("status") != wanted["status"] else current["lastTransitionTime"]
+        previous = (current or {}).get("lastTransitionTime")
+        transition = previous if current and current.get("status") == wanted["status"] and previous else now
         entry = {"type": CONDITION, **wanted, "lastHeartbeatTime": now, "lastTransitionTime": transition}
         return {"status": {"conditions": [entry]}}
 
@@ -129,6 +139,12 @@ class KubeSink(Stage):
         if self._labels_patch(state) or self._condition_patch(state):
             raise StageError(f"node {self.node_name} does not show the labels and condition just written")
         return f"node {self.node_name}: {len(state.labels)} labels, {CONDITION}={state.condition['status']}"
+
+
+def _owned_labels(node: dict[str, Any]) -> dict[str, str]:
+    metadata = node.get("metadata", {})
+    owned = set((metadata.get("annotations") or {}).get(MANAGED, "").split(","))
+    return {key: value for key, value in (metadata.get("labels") or {}).items() if key in owned}
 
 
 def _reason(check: str) -> str:

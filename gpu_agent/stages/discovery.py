@@ -31,7 +31,7 @@ class Discovery(Stage):
             raise StageError(str(exc)) from None
         except self.nvml.lib.NVMLError as exc:
             raise StageError(f"NVML query failed: {describe(exc)}") from None
-        self.state.inventory = inventory
+        self.state.inventory = self.state.last_inventory = inventory
         return inventory
 
     def verify(self, inventory: Inventory) -> str:

@@ -15,6 +15,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
+from gpu_agent.state import AgentState
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
 BLACKLIST_CONTENT = (
@@ -57,8 +58,10 @@ class DriverState:
 class Driver(Stage):
     name = "driver"
 
-    def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig) -> None:
+    def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig,
+                 state: Optional[AgentState] = None) -> None:
         self.root = root
+        self.agent = state
         self.nvml = nvml
         self.loader = loader
         self.settings = settings
@@ -68,6 +71,8 @@ class Driver(Stage):
 
     def observe(self) -> DriverState:
         inventory = pci.scan(self.root)
+        if self.agent is not None:
+            self.agent.pci_gpus = len(inventory.gpus)
         state = DriverState(inventory, self.kernel.loaded(), self._wanted(inventory), self._files())
         if "nvidia" not in state.loaded:
             return state
