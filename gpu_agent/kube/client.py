@@ -42,6 +42,7 @@ class KubeClient:
         self.kubeconfig = kubeconfig
         self.timeout = timeout
         self._credentials: Optional[Credentials] = None
+        self._kubeconfig_stamp: Optional[tuple[int, int]] = None
         self._context: Optional[ssl.SSLContext] = None
         self._context_key: Optional[tuple[Any, ...]] = None
         self._sent: deque[float] = deque()
@@ -50,8 +51,12 @@ class KubeClient:
 
     @property
     def credentials(self) -> Credentials:
-        if self._credentials is None:
+        """The kubeconfig's, read again whenever the file changes (a new server, CA or user)."""
+        stamp = _stamp(self.root, self.kubeconfig)
+        if self._credentials is None or stamp != self._kubeconfig_stamp:
             self._credentials = load(self.root, self.kubeconfig)
+            self._kubeconfig_stamp = stamp
+            self._context = None
         return self._credentials
 
     def get_node(self, name: str) -> dict[str, Any]:
