@@ -300,6 +300,12 @@ class Nvml:
         self.init()
         return self._nvml("nvmlSystemGetDriverVersion")
 
+    def bus_ids(self) -> list[str]:
+        """PCI bus id of every GPU NVML sees: a few calls, where inventory() makes dozens."""
+        self.init()
+        handles = [self._nvml("nvmlDeviceGetHandleByIndex", i) for i in range(self._nvml("nvmlDeviceGetCount"))]
+        return [_short_bus_id(self._nvml("nvmlDeviceGetPciInfo", handle).busId) for handle in handles]
+
     def persistence_modes(self) -> list[bool]:
         """Persistence mode of each GPU, by index."""
         self.init()

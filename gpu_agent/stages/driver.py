@@ -83,9 +83,8 @@ class Driver(Stage):
         state.link_problems = {n.path: p for n in state.nodes if (p := devnodes.link_problem(self.root, n))}
         state.module_version = self.kernel.version("nvidia")
         try:
-            inventory_nvml = self.nvml.inventory()
-            state.nvml_version = inventory_nvml.driver_version
-            state.nvml_bus_ids = [gpu.pci_bus_id for gpu in inventory_nvml.gpus]
+            state.nvml_version = self.nvml.driver_version()
+            state.nvml_bus_ids = self.nvml.bus_ids()
             if self.settings.persistence:
                 state.persistence = self.nvml.persistence_modes()
                 state.persistenced = self._persistenced_running()
