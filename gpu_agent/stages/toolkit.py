@@ -64,6 +64,7 @@ class Toolkit(Stage):
         self.agent = state
         self.settings = settings
         self._restarted: set[str] = set()  # runtimes restarted in the current pass: one restart each
+        self._ctk_version: Optional[tuple[tuple[int, int], Optional[str]]] = None
 
     # --- observe ---------------------------------------------------------------------------------
 
@@ -114,10 +115,14 @@ class Toolkit(Stage):
         match = re.search(r"^Package: nvidia-container-toolkit\n(?:[^\n]+\n)*?Version: ([^\s-]+)", status, re.MULTILINE)
         if match:
             return match.group(1)
-        if self.root.is_running_system and self.root("/usr/bin/nvidia-ctk").exists():
-            done = proc.run(["/usr/bin/nvidia-ctk", "--version"], timeout=30)
-            found = re.search(r"version (\d+\.\d+\.\d+)", done.stdout)
-            return found.group(1) if found else None
+        ctk = self.root("/usr/bin/nvidia-ctk")
+        if self.root.is_running_system and ctk.exists():
+            stamp = (ctk.stat().st_ino, ctk.stat().st_mtime_ns)
+            if self._ctk_version is None or self._ctk_version[0] != stamp:  # run it again only after an upgrade
+                done = proc.run([str(ctk), "--version"], timeout=30)
+                found = re.search(r"version (\d+\.\d+\.\d+)", done.stdout)
+                self._ctk_version = (stamp, found.group(1) if found else None)
+            return self._ctk_version[1]
         return None
 
     def _too_old(self, version: Optional[str]) -> bool:
