@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Protocol
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import proc
+from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
 
 
@@ -46,14 +48,14 @@ class KernelModules:
         return self.root(f"/sys/module/{module}").is_dir()
 
     def version(self, module: str) -> Optional[str]:
-        return _read(self.root(f"/sys/module/{module}/version"))
+        return _stripped(self.root(f"/sys/module/{module}/version"))
 
     def parameter(self, module: str, name: str) -> Optional[str]:
-        return _read(self.root(f"/sys/module/{module}/parameters/{name}"))
+        return _stripped(self.root(f"/sys/module/{module}/parameters/{name}"))
 
     def char_majors(self) -> dict[str, int]:
         """Character device majors by driver name, from /proc/devices."""
-        text = _read(self.root("/proc/devices")) or ""
+        text = read_text(self.root("/proc/devices")) or ""
         majors: dict[str, int] = {}
         in_char = False
         for line in text.splitlines():
@@ -90,8 +92,6 @@ class Modprobe:
             raise ModuleLoadError(module, done.output or f"exit status {done.returncode}")
 
 
-def _read(path: object) -> Optional[str]:
-    try:
-        return path.read_text().strip()  # type: ignore[attr-defined]
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+def _stripped(path: Path) -> Optional[str]:
+    text = read_text(path)
+    return text.strip() if text is not None else None

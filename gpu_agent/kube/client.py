@@ -31,10 +31,6 @@ class ApiError(AgentError):
         self.status = status
         self.reason = reason
 
-    @property
-    def retryable(self) -> bool:
-        return self.status == 0 or self.status >= 500 or self.status in (409, 429)
-
 
 class KubeClient:
     def __init__(self, root: Root, kubeconfig: str, timeout: float) -> None:
@@ -47,7 +43,6 @@ class KubeClient:
         self._context_key: Optional[tuple[Any, ...]] = None
         self._sent: deque[float] = deque()
         self._lock = threading.Lock()
-        self.requests = 0
 
     @property
     def credentials(self) -> Credentials:
@@ -109,7 +104,6 @@ class KubeClient:
             if len(self._sent) >= RATE:
                 raise ApiError(f"{method} {path} not sent: {RATE} requests in the last minute already")
             self._sent.append(now)
-            self.requests += 1
 
     @staticmethod
     def _error(method: str, path: str, status: int, document: dict[str, Any], credentials: Credentials) -> ApiError:
