@@ -16,10 +16,10 @@ from gpu_agent.host.modules import KernelModules
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.nvml.model import Inventory
-from gpu_agent.nvml.sim.fake import FakeNvml
-from gpu_agent.nvml.sim.kernel import SimModprobe, mig_cap_minor
-from gpu_agent.nvml.sim.machine import MachineState
-from gpu_agent.nvml.sim.userspace import install_driver_userspace, lib_dir
+from gpu_agent.sim.fake import FakeNvml
+from gpu_agent.sim.kernel import SimModprobe, mig_cap_minor
+from gpu_agent.sim.machine import MachineState
+from gpu_agent.sim.userspace import install_driver_userspace, lib_dir
 from gpu_agent.toolkit import cdi
 
 VERSION = "550.90.07"

@@ -11,9 +11,9 @@ import pytest
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
-from gpu_agent.nvml.sim.fake import FakeNvml
-from gpu_agent.nvml.sim.kernel import SimModprobe
-from gpu_agent.nvml.sim.machine import MachineState
+from gpu_agent.sim.fake import FakeNvml
+from gpu_agent.sim.kernel import SimModprobe
+from gpu_agent.sim.machine import MachineState
 
 H100_PLACEMENTS = {
     "1g.10gb": ((0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1)),

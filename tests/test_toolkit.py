@@ -244,8 +244,8 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
     from test_cdi import schema_validator
 
     from gpu_agent.host.paths import Root
-    from gpu_agent.nvml.sim.machine import MachineState, mig_uuid, place
-    from gpu_agent.nvml.sim.profiles import H100_80GB_HBM3
+    from gpu_agent.sim.machine import MachineState, mig_uuid, place
+    from gpu_agent.sim.profiles import H100_80GB_HBM3
 
     containerd_config(node, CONTAINERD_V2)
     assert apply(node).returncode == 0

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpu_agent.nvml.sim.machine import MachineState
+    from gpu_agent.sim.machine import MachineState
 
     machine = MachineState(root_of(args))
     if args.simulate:
@@ -112,7 +112,7 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
         _add_fault(machine, args, {"call": "restart", "unit": args.unit, "error": error})
         print(f"restarting {args.unit or '(any unit)'} will leave it {error}")
         return
-    from gpu_agent.nvml.sim.fake import HANG, FakeNvml, error_class, error_names
+    from gpu_agent.sim.fake import HANG, FakeNvml, error_class, error_names
 
     error = args.error or "Unknown"
     if not args.call.startswith("nvml") or not callable(FakeNvml.__dict__.get(args.call)):
@@ -129,7 +129,7 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
 
 
 def _fail_modprobe(machine: Any, args: argparse.Namespace) -> None:
-    from gpu_agent.nvml.sim.kernel import KERNEL_STATE_ERRORS, MODPROBE_ERRORS, break_kernel
+    from gpu_agent.sim.kernel import KERNEL_STATE_ERRORS, MODPROBE_ERRORS, break_kernel
 
     error = args.error or "not-found"
     if error in KERNEL_STATE_ERRORS:

@@ -22,8 +22,8 @@ from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.toolkit import Toolkit
-from gpu_agent.toolkit.packages import PackageInstaller, SimPackages, SystemPackages
-from gpu_agent.toolkit.services import ServiceControl, SimServices, Systemd
+from gpu_agent.toolkit.packages import PackageInstaller, SystemPackages
+from gpu_agent.toolkit.services import ServiceControl, Systemd
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,11 @@ class Runtime:
         services: ServiceControl
         packages: PackageInstaller
         if simulate:
-            from gpu_agent.nvml.sim.fake import FakeNvml
-            from gpu_agent.nvml.sim.kernel import SimModprobe
-            from gpu_agent.nvml.sim.machine import MachineState
+            from gpu_agent.sim.fake import FakeNvml
+            from gpu_agent.sim.kernel import SimModprobe
+            from gpu_agent.sim.machine import MachineState
+            from gpu_agent.sim.packages import SimPackages
+            from gpu_agent.sim.services import SimServices
 
             machine = MachineState(root)
             machine.ensure(simulate)

@@ -173,7 +173,7 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
 
 
 def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) -> None:
-    from gpu_agent.nvml.sim.profiles import MODELS
+    from gpu_agent.sim.profiles import MODELS
 
     names = loaded_names(state)
     gpu_driver = "nvidia" if "nvidia" in names else "nouveau" if "nouveau" in names else None
@@ -193,7 +193,7 @@ def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) ->
 
 
 def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> None:
-    from gpu_agent.nvml.sim.profiles import MODELS
+    from gpu_agent.sim.profiles import MODELS
 
     params = next(m for m in state["kernel"]["loaded"] if m["name"] == "nvidia")["params"]
     values = {"ResmanDebugLevel": "4294967295", "DeviceFileUID": "0", "DeviceFileGID": "0", "DeviceFileMode": "438",

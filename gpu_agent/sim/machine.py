@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
-from gpu_agent.nvml.sim.kernel import initial_kernel, render
-from gpu_agent.nvml.sim.userspace import install_driver_userspace
-from gpu_agent.nvml.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
+from gpu_agent.sim.kernel import initial_kernel, render
+from gpu_agent.sim.userspace import install_driver_userspace
+from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
 
 STATE_DIR = "/var/lib/gpu-agent/sim"
 

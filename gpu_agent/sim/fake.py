@@ -14,9 +14,9 @@ from typing import Any, Callable, Optional
 
 import pynvml
 
-from gpu_agent.nvml.sim.kernel import loaded_version
-from gpu_agent.nvml.sim.machine import MachineState
-from gpu_agent.nvml.sim.profiles import MODELS, GpuModel
+from gpu_agent.sim.kernel import loaded_version
+from gpu_agent.sim.machine import MachineState
+from gpu_agent.sim.profiles import MODELS, GpuModel
 
 HANG = "hang"  # a fault that blocks the call until the fault is cleared
 _HANG_LIMIT_S = 3600.0
