@@ -7,20 +7,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import stat
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gpu_agent.config.schema import HttpConfig
+from gpu_agent.daemon.listener import Listener, connection_limit, handling_request
 from gpu_agent.daemon.metrics import render
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
+
+_BACKLOG = 1024
+_SHUTDOWN_TIMEOUT_S = 0.5  # for a request being answered at SIGTERM
 
 
 def build_app(state: AgentState, registry: CollectorRegistry, loop_alive: Callable[[], bool]) -> web.Application:
@@ -61,52 +66,59 @@ def build_app(state: AgentState, registry: CollectorRegistry, loop_alive: Callab
 
 
 class HttpServer:
+    """The endpoint on its listeners; each caps its connections and times out idle ones (listener.py)."""
+
     def __init__(self, app: web.Application, root: Root) -> None:
         self.root = root
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        self._sites: list[web.BaseSite] = []
+        app.middlewares.append(_mark_busy)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+        self._listeners: list[Listener] = []
         self.settings: Optional[HttpConfig] = None
+
+    @property
+    def listeners(self) -> list[Listener]:
+        return list(self._listeners)
 
     async def start(self, settings: HttpConfig) -> None:
         """Serve on the configured TCP address and unix socket; a bind failure raises AgentError."""
         if not self._runner.server:
             await self._runner.setup()
-        sites: list[web.BaseSite] = []
+        server = self._runner.server
+        assert server is not None
+        wanted = int(bool(settings.listen)) + int(bool(settings.socket))
+        limit = connection_limit(wanted)
+        listeners: list[Listener] = []
         try:
             if settings.listen:
-                sites.append(await self._serve(
-                    web.TCPSite(self._runner, settings.host, settings.port, reuse_address=True),
-                    f"{settings.listen} (http.listen)",
-                ))
+                where = f"{settings.listen} (http.listen)"
+                for sock in _bind(where, lambda: _tcp_sockets(settings.host, settings.port)):
+                    listeners.append(Listener(sock, server, settings.listen, limit))
             if settings.socket:
                 path = self.root(settings.socket)
                 _remove_stale_socket(path)
                 path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-                sites.append(await self._serve(web.UnixSite(self._runner, str(path)), f"{path} (http.socket)"))
+                for sock in _bind(f"{path} (http.socket)", lambda: [_unix_socket(path)]):
+                    listeners.append(Listener(sock, server, str(path), limit))
                 os.chmod(path, 0o660)
         except AgentError:
-            for site in sites:
-                await site.stop()
+            for listener in listeners:
+                listener.close()
             raise
-        self._sites, self.settings = sites, settings
-        log.info("serving /healthz /readyz /status /metrics on %s",
-                 ", ".join(site.name for site in sites) or "nothing (http.listen and http.socket are off)")
-
-    @staticmethod
-    async def _serve(site: web.BaseSite, where: str) -> web.BaseSite:
-        try:
-            await site.start()
-        except OSError as exc:
-            raise AgentError(f"cannot serve HTTP on {where}: {exc.strerror or exc}") from None
-        return site
+        for listener in listeners:
+            listener.start()
+        self._listeners, self.settings = listeners, settings
+        log.info("serving /healthz /readyz /status /metrics on %s (at most %d connections each)",
+                 ", ".join(listener.name for listener in listeners)
+                 or "nothing (http.listen and http.socket are off)", limit)
 
     async def restart(self, settings: HttpConfig) -> None:
         """Move to new addresses; on failure keep serving on the old ones and raise."""
         if settings == self.settings:
             return
-        old, old_settings = self._sites, self.settings
-        for site in old:
-            await site.stop()
+        old_settings = self.settings
+        for listener in self._listeners:
+            listener.close()
         try:
             await self.start(settings)
         except AgentError:
@@ -115,9 +127,60 @@ class HttpServer:
             raise
 
     async def stop(self) -> None:
+        for listener in self._listeners:
+            listener.close()
         await self._runner.cleanup()
         if self.settings and self.settings.socket:
             _remove_stale_socket(self.root(self.settings.socket))
+
+
+@web.middleware
+async def _mark_busy(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                     ) -> web.StreamResponse:
+    with handling_request(request.transport):
+        return await handler(request)
+
+
+def _bind(where: str, make: Callable[[], list[socket.socket]]) -> list[socket.socket]:
+    try:
+        return make()
+    except OSError as exc:
+        raise AgentError(f"cannot serve HTTP on {where}: {exc.strerror or exc}") from None
+
+
+def _tcp_sockets(host: str, port: int) -> list[socket.socket]:
+    """A listening socket on each address `host` resolves to, as asyncio's create_server binds them."""
+    sockets: list[socket.socket] = []
+    try:
+        for family, type_, proto, _, address in socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, type_, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(_BACKLOG)
+    except socket.gaierror as exc:
+        for sock in sockets:
+            sock.close()
+        raise OSError(exc.errno, f"cannot resolve {host!r}: {exc.strerror}") from None
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        sock.listen(_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _remove_stale_socket(path: Path) -> None:

@@ -1,0 +1,307 @@
+"""A hostile local user against the HTTP endpoint: connection floods, slowloris, descriptor exhaustion.
+
+The listener's behaviour is tested in-process (fast, exact); the daemon's, as a subprocess started
+with a low descriptor limit so that a flood really would exhaust it without the connection cap.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import resource
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from gpu_agent.daemon import listener as listener_module
+from gpu_agent.daemon.listener import Listener, OncePer, connection_limit, handling_request
+
+# --- the connection limit ------------------------------------------------------------------------
+
+
+def test_the_connection_limit_leaves_half_the_descriptors_to_the_stages() -> None:
+    assert connection_limit(2, soft_limit=128) == 16
+    assert connection_limit(1, soft_limit=128) == 32
+    assert connection_limit(2, soft_limit=1024) == 64  # systemd's default soft limit
+    assert connection_limit(2, soft_limit=4096) == 64  # the unit's LimitNOFILE: capped
+    assert connection_limit(2, soft_limit=resource.RLIM_INFINITY) == 64
+    assert connection_limit(2, soft_limit=4) == 1
+    # Each listener may hold twice its limit for a moment (a batch accepted before the idle
+    # connections it replaces are closed): still half of the soft limit at most.
+    for soft in (64, 128, 1000, 1024, 4096):
+        assert 2 * 2 * connection_limit(2, soft_limit=soft) <= soft // 2
+
+
+def test_the_unit_sets_a_descriptor_limit_the_cap_fits_in() -> None:
+    unit = (Path(__file__).resolve().parent.parent / "systemd/gpu-agent.service").read_text().splitlines()
+    limits = [line.split("=", 1)[1] for line in unit if line.startswith("LimitNOFILE=")]
+    assert len(limits) == 1 and limits[0].isdigit()
+    nofile = int(limits[0])
+    assert nofile > 1024  # more than systemd's default soft limit, for NVML on big nodes
+    assert 2 * 2 * connection_limit(2, soft_limit=nofile) <= nofile // 8
+
+
+def test_once_per_minute_logs_once_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    once = OncePer(60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger=listener_module.__name__):
+        for _ in range(1000):
+            once(logging.ERROR, "out of %s", "descriptors")
+            now[0] += 0.01
+        assert [r.getMessage() for r in caplog.records] == ["out of descriptors"]
+        now[0] += 60
+        once(logging.ERROR, "out of %s", "descriptors")
+    assert caplog.records[-1].getMessage() == "out of descriptors (999 more like this since the last one)"
+
+
+# --- the listener, in-process ----------------------------------------------------------------------
+
+
+class _Echo(asyncio.Protocol):
+    """A stand-in for aiohttp's protocol: answers each line; a line "busy" keeps a request open."""
+
+    def __init__(self, busy: asyncio.Event) -> None:
+        self.busy = busy
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        if data.startswith(b"busy"):
+            asyncio.get_running_loop().create_task(self._serve_slowly(self.transport))
+        elif data.endswith(b"\n"):
+            with handling_request(self.transport):
+                self.transport.write(b"ok\n")
+
+    async def _serve_slowly(self, transport: asyncio.Transport) -> None:
+        with handling_request(transport):
+            await self.busy.wait()
+            transport.write(b"done\n")
+
+
+@contextmanager
+def _serving(limit: int, idle_timeout: float = 30.0, sock: socket.socket | None = None) -> Iterator[Listener]:
+    sock = sock or socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    busy = asyncio.Event()
+    listener = Listener(sock, lambda: _Echo(busy), "test", limit, idle_timeout=idle_timeout)
+    listener.busy = busy  # type: ignore[attr-defined]
+    listener.start()
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
+async def _connect(listener: Listener) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(*listener.sock.getsockname())
+
+
+async def _closed(reader: asyncio.StreamReader, timeout: float = 5.0) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(100), timeout) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
+def test_a_full_listener_closes_the_longest_idle_connection_for_a_new_one() -> None:
+    async def scenario() -> None:
+        with _serving(limit=4) as listener:
+            clients = []
+            for _ in range(4):
+                clients.append(await _connect(listener))
+                await _settle()
+            clients[0][1].write(b"hello\n")  # the oldest becomes the most recently active
+            assert await clients[0][0].readline() == b"ok\n"
+            newcomer = await _connect(listener)
+            await _settle()
+            assert listener.connections == 4 and listener.evicted == 1
+            assert await _closed(clients[1][0])  # the longest idle one went
+            for reader, writer in (clients[0], clients[2], clients[3], newcomer):
+                writer.write(b"ping\n")
+                assert await asyncio.wait_for(reader.readline(), 5) == b"ok\n"
+
+    asyncio.run(scenario())
+
+
+def test_connections_busy_with_a_request_are_never_closed_and_new_ones_wait() -> None:
+    async def scenario() -> None:
+        with _serving(limit=2) as listener:
+            first, second = await _connect(listener), await _connect(listener)
+            for _, writer in (first, second):
+                writer.write(b"busy\n")
+            await _settle()
+            waiting = await _connect(listener)  # the kernel queues it: nothing may be evicted
+            waiting[1].write(b"ping\n")
+            await _settle()
+            assert listener.connections == 2 and listener.evicted == 0
+            listener.busy.set()  # type: ignore[attr-defined]
+            for reader, _ in (first, second):
+                assert await asyncio.wait_for(reader.readline(), 5) == b"done\n"
+            assert await asyncio.wait_for(waiting[0].readline(), 5) == b"ok\n"
+
+    asyncio.run(scenario())
+
+
+def test_a_client_trickling_an_unfinished_request_is_closed_after_the_idle_timeout() -> None:
+    async def scenario() -> None:
+        with _serving(limit=8, idle_timeout=0.3) as listener:
+            reader, writer = await _connect(listener)
+            writer.write(b"ping\n")
+            assert await reader.readline() == b"ok\n"
+            slow_reader, slow_writer = await _connect(listener)
+            started = asyncio.get_running_loop().time()
+            while not slow_reader.at_eof() and asyncio.get_running_loop().time() - started < 5:
+                slow_writer.write(b"X")  # never a whole line: never a request
+                try:
+                    await asyncio.wait_for(slow_reader.read(1), 0.05)
+                except asyncio.TimeoutError:
+                    pass
+                except ConnectionResetError:
+                    break
+            assert asyncio.get_running_loop().time() - started < 5
+            assert await _closed(reader)  # idle since its answer: closed too
+            assert listener.timed_out == 2 and listener.connections == 0
+
+    asyncio.run(scenario())
+
+
+class _ExhaustedSocket(socket.socket):
+    """A listening socket whose accept() fails as it does when the process is out of descriptors."""
+
+    failures = 0
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.failures > 0:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+def test_out_of_descriptors_pauses_accepting_and_logs_once(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(listener_module, "_ACCEPT_RETRY_S", 0.02)
+
+    async def scenario() -> None:
+        sock = _ExhaustedSocket()
+        sock.failures = 30
+        with _serving(limit=8, sock=sock) as listener:
+            reader, writer = await _connect(listener)
+            writer.write(b"ping\n")
+            assert await asyncio.wait_for(reader.readline(), 10) == b"ok\n"  # served once it recovered
+            assert sock.failures == 0 and listener.connections == 1
+
+    with caplog.at_level(logging.WARNING, logger=listener_module.__name__):
+        asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "cannot accept connections: Too many open files" in lines[0] and "LimitNOFILE" in lines[0]
+
+
+# --- the daemon under a flood ----------------------------------------------------------------------
+
+CHILD_NOFILE = 128  # a flood of a few hundred connections would exhaust it without the cap
+
+
+@contextmanager
+def _soft_nofile(soft: int) -> Iterator[None]:
+    """Children started inside inherit this soft descriptor limit (the hard one is left alone)."""
+    old_soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (old_soft, hard))
+
+
+def _room_for(descriptors: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < descriptors + 100:
+        if hard != resource.RLIM_INFINITY and hard < descriptors + 100:
+            pytest.skip(f"the test opens {descriptors} sockets; the hard descriptor limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors + 100, hard))
+
+
+def _open_idle(address: object, family: int, count: int) -> list[socket.socket]:
+    sockets = []
+    for _ in range(count):
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.settimeout(None if family == socket.AF_UNIX else 10)  # a full unix backlog is EAGAIN, not a wait
+        s.connect(address)
+        sockets.append(s)
+    return sockets
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_connection_flood_at_the_descriptor_limit_leaves_readyz_and_the_stages_working(
+        agent, root: Path) -> None:
+    idle_tcp, idle_unix, slowloris = 2000, 300, 100
+    _room_for(idle_tcp + idle_unix + slowloris)
+    with _soft_nofile(CHILD_NOFILE):
+        daemon = agent("dgx-h100")
+    daemon.wait_ready()
+    unix_path = str(root / "run/gpu-agent/agent.sock")
+    flood_started = time.time()
+    sockets = _open_idle(("127.0.0.1", daemon.port), socket.AF_INET, idle_tcp)
+    sockets += _open_idle(unix_path, socket.AF_UNIX, idle_unix)
+    slow = _open_idle(("127.0.0.1", daemon.port), socket.AF_INET, slowloris)
+    try:
+        for s in slow:
+            s.sendall(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\n")
+        assert daemon.get("/readyz") == (200, "ok\n")
+
+        # A reconcile pass during the flood: its file and NVML I/O still has descriptors.
+        daemon.messages.clear()
+        daemon.signal(signal.SIGHUP)
+        daemon.wait_message(lambda m: "READY=1" in m.splitlines())
+        stages = {s["name"]: s for s in json.loads(daemon.get("/status")[1])["stages"]}
+        for name in ("driver", "discovery", "toolkit"):
+            assert stages[name]["state"] == "ok", stages[name]
+            assert stages[name]["last_run"] > flood_started
+
+        # Slowloris clients keep sending header bytes; they are closed anyway, as are idle ones.
+        deadline = time.monotonic() + 30
+        while slow and time.monotonic() < deadline:
+            for s in slow:
+                try:
+                    s.send(b"X-Slow: 1\r\n")
+                except OSError:
+                    pass
+            slow = [s for s in slow if not _closed_by_server(s)]
+            time.sleep(0.5)
+        assert slow == [], f"{len(slow)} slowloris connections still open after 30 s"
+        still_open = [s for s in sockets if not _closed_by_server(s)]
+        assert still_open == [], f"{len(still_open)} idle connections still open"
+        assert daemon.get("/readyz") == (200, "ok\n")
+    finally:
+        for s in sockets + slow:
+            s.close()
+
+    assert daemon.stop() == 0
+    log = daemon.output()
+    assert "Too many open files" not in log and "Traceback" not in log, log[-3000:]
+    alarms = [line for line in log.splitlines() if "gpu_agent.daemon.listener" in line]
+    assert 1 <= len(alarms) <= 4, alarms  # once a minute per listener and kind of alarm
