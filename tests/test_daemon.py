@@ -240,3 +240,39 @@ def test_the_daemons_own_use_of_a_counted_fault_does_not_skip_backoff(agent, roo
 def test_usage_errors_exit_1_not_2(root: Path) -> None:
     assert cli("status", "--bogus", root=root).returncode == 1
     assert cli("apply", root=root).returncode == 1
+
+
+def _hung_calls(root: Path) -> int:
+    """Calls now held by hang faults set with --times 1: a spent hang stays listed with times 0."""
+    faults = json.loads(cli("sim", "show", "--json", root=root).stdout)["faults"]
+    return sum(1 for fault in faults if fault["error"] == "hang" and fault.get("times") == 0)
+
+
+def test_sigterm_stops_within_seconds_while_a_stage_is_blocked_in_nvml(agent, root: Path) -> None:
+    daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 120}})
+    daemon.wait_ready()
+    # The driver stage's next pass (the simulator's change wakes it) hangs in the driver for 120 s.
+    cli("sim", "fail", "nvmlSystemGetDriverVersion", "--error", "hang", "--times", "1", root=root)
+    deadline = time.monotonic() + 10
+    while _hung_calls(root) == 0:
+        assert time.monotonic() < deadline, "no stage reached the hung call"
+        time.sleep(0.1)
+    try:
+        assert daemon.stop(timeout=10) == 0  # the stage's worker thread is abandoned, not joined
+    finally:
+        cli("sim", "clear", root=root)
+    assert any("STOPPING=1" in m.splitlines() for m in daemon.messages)
+
+
+def test_sigterm_stops_within_seconds_while_an_api_request_hangs(agent, root: Path, tmp_path: Path) -> None:
+    from kube_emulator import KubeEmulator
+
+    api = KubeEmulator(tmp_path / "pki", nodes=("gpu-node-1",), hang_seconds=120).start()
+    try:
+        api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", mode="cert-data")
+        api.hang_next("*")
+        daemon = agent("t4", settings={"kubernetes": {"node_name": "gpu-node-1", "request_timeout_seconds": 120}})
+        api.wait_for_requests(1, completed=False, timeout=15)
+        assert daemon.stop(timeout=10) == 0
+    finally:
+        api.close()
