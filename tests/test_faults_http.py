@@ -9,9 +9,11 @@ import asyncio
 import errno
 import json
 import logging
+import os
 import resource
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +22,12 @@ from pathlib import Path
 import pytest
 
 from gpu_agent.daemon import listener as listener_module
-from gpu_agent.daemon.listener import Listener, OncePer, connection_limit, handling_request
+from gpu_agent.daemon.listener import (
+    Listener,
+    OncePer,
+    connection_limit,
+    handling_request,
+)
 
 # --- the connection limit ------------------------------------------------------------------------
 
@@ -64,7 +71,8 @@ def test_once_per_minute_logs_once_and_counts_the_rest(caplog: pytest.LogCapture
 
 
 class _Echo(asyncio.Protocol):
-    """A stand-in for aiohttp's protocol: answers each line; a line "busy" keeps a request open."""
+    """A stand-in for aiohttp's protocol: answers each line at once; "busy" is answered when the
+    test says so; a request ending in a blank line is answered 0.3 s later, as by a backed-up loop."""
 
     def __init__(self, busy: asyncio.Event) -> None:
         self.busy = busy
@@ -77,9 +85,16 @@ class _Echo(asyncio.Protocol):
         assert self.transport is not None
         if data.startswith(b"busy"):
             asyncio.get_running_loop().create_task(self._serve_slowly(self.transport))
+        elif data.endswith(b"\r\n\r\n"):
+            asyncio.get_running_loop().create_task(self._serve_late(self.transport))
         elif data.endswith(b"\n"):
             with handling_request(self.transport):
                 self.transport.write(b"ok\n")
+
+    async def _serve_late(self, transport: asyncio.Transport) -> None:
+        await asyncio.sleep(0.3)
+        with handling_request(transport):
+            transport.write(b"late\n")
 
     async def _serve_slowly(self, transport: asyncio.Transport) -> None:
         with handling_request(transport):
@@ -88,9 +103,15 @@ class _Echo(asyncio.Protocol):
 
 
 @contextmanager
-def _serving(limit: int, idle_timeout: float = 30.0, sock: socket.socket | None = None) -> Iterator[Listener]:
-    sock = sock or socket.socket()
-    sock.bind(("127.0.0.1", 0))
+def _serving(limit: int, idle_timeout: float = 30.0, sock: socket.socket | None = None,
+             tcp: bool = False) -> Iterator[Listener]:
+    """A listener on a unix socket (TCP defers idle connections, see the TCP test) or on TCP."""
+    if sock is None:
+        sock = socket.socket(socket.AF_INET if tcp else socket.AF_UNIX)
+    if sock.family == socket.AF_UNIX:
+        sock.bind(os.path.join(tempfile.mkdtemp(), "agent.sock"))
+    else:
+        sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     busy = asyncio.Event()
     listener = Listener(sock, lambda: _Echo(busy), "test", limit, idle_timeout=idle_timeout)
@@ -103,6 +124,8 @@ def _serving(limit: int, idle_timeout: float = 30.0, sock: socket.socket | None 
 
 
 async def _connect(listener: Listener) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    if listener.sock.family == socket.AF_UNIX:
+        return await asyncio.open_unix_connection(listener.sock.getsockname())
     return await asyncio.open_connection(*listener.sock.getsockname())
 
 
@@ -157,6 +180,37 @@ def test_connections_busy_with_a_request_are_never_closed_and_new_ones_wait() ->
     asyncio.run(scenario())
 
 
+def test_a_burst_of_whole_requests_waits_its_turn_instead_of_evicting_itself() -> None:
+    async def scenario() -> None:
+        with _serving(limit=2) as listener:
+            clients = []
+            for _ in range(8):  # each sends its request at once, before the listener reads any
+                clients.append(await _connect(listener))
+                clients[-1][1].write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+            for reader, _ in clients:  # only connections already answered made room
+                assert await asyncio.wait_for(reader.readline(), 10) == b"late\n"
+
+    asyncio.run(scenario())
+
+
+def test_blank_lines_are_not_a_request_and_do_not_protect_from_eviction() -> None:
+    async def scenario() -> None:
+        with _serving(limit=2) as listener:
+            first, second = await _connect(listener), await _connect(listener)
+            first[1].write(b"\r\n\r\n\r\n\r\n")  # aiohttp skips blank lines before a request
+            second[1].write(b"GET /readyz HTTP/1.1\r\n")
+            second[1].write(b"Host: x\r\n\r\n")
+            await _settle()
+            newcomer = await _connect(listener)
+            await _settle()
+            assert listener.evicted == 1 and await _closed(first[0])
+            assert await asyncio.wait_for(second[0].readline(), 5) == b"late\n"
+            newcomer[1].write(b"ping\n")
+            assert await asyncio.wait_for(newcomer[0].readline(), 5) == b"ok\n"
+
+    asyncio.run(scenario())
+
+
 def test_a_client_trickling_an_unfinished_request_is_closed_after_the_idle_timeout() -> None:
     async def scenario() -> None:
         with _serving(limit=8, idle_timeout=0.3) as listener:
@@ -180,6 +234,21 @@ def test_a_client_trickling_an_unfinished_request_is_closed_after_the_idle_timeo
     asyncio.run(scenario())
 
 
+def test_tcp_connections_that_send_nothing_never_reach_the_daemon_and_are_closed() -> None:
+    async def scenario() -> None:
+        with _serving(limit=4, idle_timeout=1.0, tcp=True) as listener:
+            idle = [await _connect(listener) for _ in range(20)]  # more than the limit
+            await asyncio.sleep(0.3)
+            assert listener.connections == 0  # the kernel holds them (TCP_DEFER_ACCEPT)
+            reader, writer = await _connect(listener)
+            writer.write(b"ping\n")
+            assert await asyncio.wait_for(reader.readline(), 5) == b"ok\n"
+            for idle_reader, _ in idle:  # let through after about a second, then closed
+                assert await _closed(idle_reader, timeout=10)
+
+    asyncio.run(scenario())
+
+
 class _ExhaustedSocket(socket.socket):
     """A listening socket whose accept() fails as it does when the process is out of descriptors."""
 
@@ -197,7 +266,7 @@ def test_out_of_descriptors_pauses_accepting_and_logs_once(monkeypatch: pytest.M
     monkeypatch.setattr(listener_module, "_ACCEPT_RETRY_S", 0.02)
 
     async def scenario() -> None:
-        sock = _ExhaustedSocket()
+        sock = _ExhaustedSocket(socket.AF_UNIX)
         sock.failures = 30
         with _serving(limit=8, sock=sock) as listener:
             reader, writer = await _connect(listener)
@@ -256,6 +325,10 @@ def _closed_by_server(s: socket.socket) -> bool:
         return True
 
 
+def _descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def test_a_connection_flood_at_the_descriptor_limit_leaves_readyz_and_the_stages_working(
         agent, root: Path) -> None:
     idle_tcp, idle_unix, slowloris = 2000, 300, 100
@@ -263,15 +336,19 @@ def test_a_connection_flood_at_the_descriptor_limit_leaves_readyz_and_the_stages
     with _soft_nofile(CHILD_NOFILE):
         daemon = agent("dgx-h100")
     daemon.wait_ready()
-    unix_path = str(root / "run/gpu-agent/agent.sock")
+    assert daemon.proc is not None
+    before = _descriptors(daemon.proc.pid)
     flood_started = time.time()
-    sockets = _open_idle(("127.0.0.1", daemon.port), socket.AF_INET, idle_tcp)
-    sockets += _open_idle(unix_path, socket.AF_UNIX, idle_unix)
+    tcp_idle = _open_idle(("127.0.0.1", daemon.port), socket.AF_INET, idle_tcp)
+    unix_idle = _open_idle(str(root / "run/gpu-agent/agent.sock"), socket.AF_UNIX, idle_unix)
     slow = _open_idle(("127.0.0.1", daemon.port), socket.AF_INET, slowloris)
+    opened = tcp_idle + unix_idle + slow
     try:
         for s in slow:
             s.sendall(b"GET /readyz HTTP/1.1\r\nHost: localhost\r\n")
         assert daemon.get("/readyz") == (200, "ok\n")
+        # Two listeners of 16 connections (128 // 8), each holding up to twice that for a moment.
+        assert _descriptors(daemon.proc.pid) <= before + 2 * 2 * 16
 
         # A reconcile pass during the flood: its file and NVML I/O still has descriptors.
         daemon.messages.clear()
@@ -282,22 +359,22 @@ def test_a_connection_flood_at_the_descriptor_limit_leaves_readyz_and_the_stages
             assert stages[name]["state"] == "ok", stages[name]
             assert stages[name]["last_run"] > flood_started
 
-        # Slowloris clients keep sending header bytes; they are closed anyway, as are idle ones.
+        # Slowloris clients keep sending header bytes: closed anyway, as are the idle unix clients.
+        # (Idle TCP clients wait in the kernel until they send something, see the in-process test.)
         deadline = time.monotonic() + 30
-        while slow and time.monotonic() < deadline:
+        waiting = slow + unix_idle
+        while waiting and time.monotonic() < deadline:
             for s in slow:
                 try:
                     s.send(b"X-Slow: 1\r\n")
                 except OSError:
                     pass
-            slow = [s for s in slow if not _closed_by_server(s)]
+            waiting = [s for s in waiting if not _closed_by_server(s)]
             time.sleep(0.5)
-        assert slow == [], f"{len(slow)} slowloris connections still open after 30 s"
-        still_open = [s for s in sockets if not _closed_by_server(s)]
-        assert still_open == [], f"{len(still_open)} idle connections still open"
+        assert waiting == [], f"{len(waiting)} slowloris or idle connections still open after 30 s"
         assert daemon.get("/readyz") == (200, "ok\n")
     finally:
-        for s in sockets + slow:
+        for s in opened:
             s.close()
 
     assert daemon.stop() == 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -235,6 +236,9 @@ class Daemon:
             await asyncio.to_thread(self.sampler.sample)
             await asyncio.to_thread(self.xids.start)
             self.state.first_reconcile_done = True
+            # What start-up built (modules, config models, stages) lives as long as the process: keep
+            # it out of every garbage collection, so that a full one takes a millisecond, not 50.
+            gc.freeze()
             log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
         if first or reloading:
             self.notifier.ready(self.state.summary_line())

@@ -4,10 +4,13 @@ asyncio's own accept loop caps nothing, never times out a client that does not f
 and on running out of descriptors logs a traceback per accept attempt (and, in 3.9-3.12, schedules a
 retry per attempt). A `Listener` owns one listening socket instead:
 
-- it holds at most `limit` connections; a new one closes the longest-idle connection to make room,
-  or waits in the kernel's backlog while every connection is busy with a request;
-- a connection that has not sent a complete request within `idle_timeout` of connecting or of its
-  previous request is closed (slowloris, forgotten keep-alives);
+- it holds at most `limit` connections; a new one closes the longest-idle connection (one that has
+  not sent a whole request) to make room, or waits in the kernel's backlog while every connection
+  has a request being answered or waiting to be;
+- a connection that has not sent a whole request within `idle_timeout` of connecting or of its
+  previous answer is closed (slowloris, forgotten keep-alives); on TCP the kernel keeps connections
+  that send nothing out of the accept queue for that long (TCP_DEFER_ACCEPT), so a flood of idle
+  connections never stands between a probe and its answer;
 - out of descriptors, it stops accepting for a second and says so once a minute.
 
 The limit is computed from RLIMIT_NOFILE so that the listeners never take more than half of the
@@ -17,11 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import gc
 import logging
+import math
 import os
 import resource
 import socket
+import struct
+import termios
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +40,7 @@ IDLE_TIMEOUT_S = 5.0  # to send a complete request, after connecting or after th
 MAX_CONNECTIONS = 64  # per listener, however high the descriptor limit
 _ACCEPT_BATCH = 16  # accepts per wake-up, before the connections they replace are closed
 _ACCEPT_RETRY_S = 1.0
+_EVICT_AFTER_S = 0.1  # a client sends its request right after connecting: do not evict it before
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -83,13 +91,21 @@ class Listener:
         self._exhausted_log = OncePer()
         self._loop = asyncio.get_running_loop()
         self._open: set[_Connection] = set()
-        self._idle: dict[_Connection, None] = {}  # not handling a request, longest idle first
+        # Connections without a whole request, longest idle first, and when they became idle; those
+        # accepted without a byte after TCP_DEFER_ACCEPT's wait are kept apart: they go first.
+        self._idle: dict[_Connection, float] = {}
+        self._stale: dict[_Connection, None] = {}
         self._attaching: set[asyncio.Task[Any]] = set()
         self._retry: Optional[asyncio.TimerHandle] = None
+        self._recheck: Optional[asyncio.TimerHandle] = None
         self._watching = False
+        self._garbage = _GarbageAfterChurn(self._loop)
         self.evicted = 0
         self.timed_out = 0
         sock.setblocking(False)
+        self._deferred = sock.family in (socket.AF_INET, socket.AF_INET6) and hasattr(socket, "TCP_DEFER_ACCEPT")
+        if self._deferred:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, max(1, math.ceil(idle_timeout)))
 
     @property
     def connections(self) -> int:
@@ -100,8 +116,10 @@ class Listener:
 
     def close(self) -> None:
         """Stop accepting and close every connection; aiohttp cancels what they were doing."""
-        if self._retry is not None:
-            self._retry.cancel()
+        for timer in (self._retry, self._recheck):
+            if timer is not None:
+                timer.cancel()
+        self._garbage.cancel()
         self._watch(False)
         self.sock.close()
         for task in list(self._attaching):
@@ -123,10 +141,11 @@ class Listener:
 
     def _accept(self) -> None:
         for _ in range(min(_ACCEPT_BATCH, self.limit)):
-            if self.connections >= self.limit and not self._idle:
-                self._watch(False)  # until a request finishes (_room_freed)
-                self._full_log(logging.WARNING, "%s: all %d connections are busy with a request (the limit); "
-                               "new ones wait", self.name, self.limit)
+            evict = self._evictable() if self.connections >= self.limit else None
+            if self.connections >= self.limit and evict is None:
+                self._watch(False)  # until a connection closes, or turns out to be idle (_room_freed)
+                self._full_log(logging.WARNING, "%s: all %d connections have a request being answered or "
+                               "on its way (the limit); new ones wait", self.name, self.limit)
                 return
             try:
                 conn, _ = self.sock.accept()
@@ -137,16 +156,22 @@ class Listener:
             except OSError as exc:
                 self._pause(exc)
                 return
-            if self.connections >= self.limit:
-                self._evict_longest_idle()
+            if evict is not None:
+                self.evicted += 1
+                self._drop(evict)
+                self._full_log(logging.WARNING, "%s: %d connections open (the limit); closing the longest idle "
+                               "ones to make room", self.name, self.limit)
+            # Nothing sent yet although TCP_DEFER_ACCEPT held it back for idle_timeout: first to go
+            # (unless its bytes turn up first: under a flood, SYN cookies let connections through early).
+            stale = self._deferred and not _unread_bytes(conn)
             conn.setblocking(False)
-            task = self._loop.create_task(self._attach(conn))
+            task = self._loop.create_task(self._attach(conn, stale))
             self._attaching.add(task)
             task.add_done_callback(self._attached)
 
-    async def _attach(self, conn: socket.socket) -> None:
+    async def _attach(self, conn: socket.socket, stale: bool) -> None:
         try:
-            await self._loop.connect_accepted_socket(lambda: _Connection(self, self._factory()), conn)
+            await self._loop.connect_accepted_socket(lambda: _Connection(self, self._factory(), stale), conn)
         except (OSError, ValueError) as exc:  # the client left already
             log.debug("%s: dropping a connection before it started: %s", self.name, exc)
             conn.close()
@@ -155,11 +180,27 @@ class Listener:
         self._attaching.discard(task)
         self._room_freed()
 
-    def _evict_longest_idle(self) -> None:
-        self.evicted += 1
-        self._drop(next(iter(self._idle)))
-        self._full_log(logging.WARNING, "%s: %d connections open (the limit); closing the longest idle "
-                       "ones to make room", self.name, self.limit)
+    def _evictable(self) -> Optional[_Connection]:
+        """The longest idle connection, if idle for _EVICT_AFTER_S at least (a client sends its request
+        right after connecting), skipping any whose bytes the loop has not read yet (likely a request:
+        a burst of connections can arrive faster than the loop reads them)."""
+        stale = next(iter(self._stale), None)
+        if stale is not None:
+            return stale
+        now = self._loop.time()
+        for connection, since in self._idle.items():
+            if now - since < _EVICT_AFTER_S:
+                if self._recheck is None:
+                    self._recheck = self._loop.call_at(since + _EVICT_AFTER_S, self._rechecked)
+                return None
+            sock = connection.transport.get_extra_info("socket") if connection.transport else None
+            if sock is None or not _unread_bytes(sock):
+                return connection
+        return None
+
+    def _rechecked(self) -> None:
+        self._recheck = None
+        self._room_freed()
 
     def _pause(self, exc: OSError) -> None:
         """Out of descriptors (or another accept failure): try again in a second, say so once a minute."""
@@ -186,22 +227,47 @@ class Listener:
 
     def _opened(self, connection: _Connection) -> None:
         self._open.add(connection)
-        self._set_idle(connection)
+        self._start_timer(connection)
+        if connection.stale:
+            self._stale[connection] = None
+            self._room_freed()
+        else:
+            self._set_idle(connection)
 
     def _set_idle(self, connection: _Connection) -> None:
-        self._idle[connection] = None
-        connection.timer = self._loop.call_later(self.idle_timeout, self._expire, connection)
+        self._idle[connection] = self._loop.time()
         self._room_freed()
 
-    def _set_busy(self, connection: _Connection) -> None:
+    def _not_idle(self, connection: _Connection) -> None:
         self._idle.pop(connection, None)
+        self._stale.pop(connection, None)
+
+    def _request_arrived(self, connection: _Connection) -> None:
+        self._not_idle(connection)
+
+    def _request_started(self, connection: _Connection) -> None:
+        self._not_idle(connection)
+        self._stop_timer(connection)
+
+    def _request_done(self, connection: _Connection) -> None:
+        if connection in self._open:
+            self._start_timer(connection)
+            if not connection.arrived:
+                self._set_idle(connection)
+
+    def _start_timer(self, connection: _Connection) -> None:
+        """The next request must have arrived and started within idle_timeout (slowloris)."""
+        self._stop_timer(connection)
+        connection.timer = self._loop.call_later(self.idle_timeout, self._expire, connection)
+
+    def _stop_timer(self, connection: _Connection) -> None:
         if connection.timer is not None:
             connection.timer.cancel()
             connection.timer = None
 
     def _expire(self, connection: _Connection) -> None:
         connection.timer = None
-        if connection in self._idle:
+        if connection in self._open and not connection.handling:
             self.timed_out += 1
             self._drop(connection)
 
@@ -211,11 +277,12 @@ class Listener:
             connection.transport.abort()
 
     def _forget(self, connection: _Connection) -> None:
-        self._set_busy(connection)
+        self._not_idle(connection)
+        self._stop_timer(connection)
         if connection in self._open:
             self._open.discard(connection)
             self._room_freed()
-            _garbage.closed()
+            self._garbage.closed()
 
 
 class _GarbageAfterChurn:
@@ -225,10 +292,12 @@ class _GarbageAfterChurn:
     reference cycle, and one that lived a few seconds (idle, slowloris) sits in the oldest
     generation until a full collection, which a big heap makes rare. A burst of those grows the
     heap for good (memory the allocator cannot return), so collect after every `every` closures,
-    at most once per `spacing` seconds.
+    at most once per `spacing` seconds. (The daemon freezes its start-up objects, so a full
+    collection only walks what was allocated since: about a millisecond.)
     """
 
-    def __init__(self, every: int = 64, spacing: float = 5.0) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, every: int = 32, spacing: float = 1.0) -> None:
+        self._loop = loop
         self.every = every
         self.spacing = spacing
         self._closed = 0
@@ -237,29 +306,38 @@ class _GarbageAfterChurn:
 
     def closed(self) -> None:
         self._closed += 1
-        if self._closed < self.every or self._pending is not None:
-            return
-        loop = asyncio.get_running_loop()
-        self._pending = loop.call_at(max(loop.time(), self._last + self.spacing), self._collect)
+        if self._closed >= self.every and self._pending is None:
+            self._pending = self._loop.call_at(max(self._loop.time(), self._last + self.spacing), self._collect)
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
 
     def _collect(self) -> None:
         self._pending, self._closed = None, 0
-        self._last = asyncio.get_running_loop().time()
+        self._last = self._loop.time()
         gc.collect()
 
 
-_garbage = _GarbageAfterChurn()
-
-
 class _Connection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, seen by the listener: when it opens, works, idles, ends."""
+    """aiohttp's protocol for one connection, seen by the listener: when it opens, works, idles, ends.
 
-    def __init__(self, listener: Listener, inner: asyncio.Protocol) -> None:
+    A connection is idle, and evictable, until a whole request has arrived (the end of its headers):
+    one whose request waits for a busy event loop is kept, so a burst of real requests is served
+    in turn instead of evicting itself. The idle timer stops only while a request is handled.
+    """
+
+    def __init__(self, listener: Listener, inner: asyncio.Protocol, stale: bool = False) -> None:
         self.listener = listener
         self.inner = inner
+        self.stale = stale  # accepted without a byte after TCP_DEFER_ACCEPT's wait, none since
         self.transport: Optional[asyncio.Transport] = None
         self.timer: Optional[asyncio.TimerHandle] = None
-        self.requests = 0  # being handled now
+        self.arrived = 0  # requests whose headers have arrived, not yet handled
+        self.handling = 0  # requests being handled
+        self._tail = b""  # the last bytes received: a header end may straddle two reads
+        self._started = False  # a request line has begun since the last header end
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -267,7 +345,30 @@ class _Connection(asyncio.Protocol):
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        arrived = self._requests_ended_by(data)
+        if arrived:
+            self.arrived += arrived
+            self.stale = False
+            self.listener._request_arrived(self)
+        else:
+            self.listener._room_freed()  # read, and still idle: evictable again
         self.inner.data_received(data)
+
+    def _requests_ended_by(self, data: bytes) -> int:
+        """Header ends in `data` that close a request; blank lines alone (which aiohttp skips) do not."""
+        seen, ended, start = self._tail + data, 0, 0
+        while True:
+            end = seen.find(_HEADERS_END, start)
+            if end < 0:
+                break
+            if self._started or seen[start:end].strip(b"\r\n"):
+                ended += 1
+            self._started = False
+            start = end + len(_HEADERS_END)
+        rest = seen[start:]
+        self._started = self._started or bool(rest.strip(b"\r\n"))
+        self._tail = rest[-(len(_HEADERS_END) - 1):]
+        return ended
 
     def eof_received(self) -> Optional[bool]:
         return self.inner.eof_received()
@@ -280,23 +381,35 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self.listener._forget(self)
+        self.transport = None
         self.inner.connection_lost(exc)
+
+
+_HEADERS_END = b"\r\n\r\n"
+
+
+def _unread_bytes(sock: Any) -> int:
+    """Bytes received by the kernel that nobody has read yet (a socket or asyncio's wrapper of one)."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0])
+    except OSError:
+        return 0
 
 
 @contextmanager
 def handling_request(transport: Optional[asyncio.BaseTransport]) -> Iterator[None]:
-    """Marks the connection busy while its request is handled: not idle, so neither timed out nor evicted."""
+    """Wraps the handling of one request (an aiohttp middleware): the connection is busy meanwhile."""
     connection = transport.get_protocol() if transport is not None else None
     if not isinstance(connection, _Connection):
         yield
         return
     listener = connection.listener
-    connection.requests += 1
-    listener._set_busy(connection)
+    connection.arrived = max(0, connection.arrived - 1)
+    connection.handling += 1
+    listener._request_started(connection)
     try:
         yield
     finally:
-        connection.requests -= 1
-        if connection.requests == 0 and connection in listener._open:
-            listener._set_idle(connection)
-
+        connection.handling -= 1
+        if not connection.handling:
+            listener._request_done(connection)
