@@ -6,7 +6,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.errors import AgentError
@@ -28,6 +28,7 @@ class StageRun:
     planned: list[Action] = field(default_factory=list)
     applied: bool = False
     skipped: bool = False  # still backing off from an earlier failure
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -78,6 +79,7 @@ class Engine:
         return runs
 
     def _run_stage(self, stage: Stage, dry_run: bool) -> StageRun:
+        observed: Any = None
         try:
             stage.start_pass()
             observed = stage.observe()
@@ -101,9 +103,10 @@ class Engine:
                 applied += actions
                 observed = stage.observe()
                 actions = stage.plan(observed)
-            return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied))
+            facts = stage.facts(observed)
+            return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied), facts=facts)
         except AgentError as exc:
-            return StageRun(stage.name, FAILED, str(exc))
+            return StageRun(stage.name, FAILED, str(exc), facts=_facts(stage, observed))
         except Exception as exc:  # a bug: keep the daemon alive, say where it is
             log.exception("stage %s crashed; this is a gpu-agent bug", stage.name)
             return StageRun(stage.name, FAILED, f"internal error: {type(exc).__name__}: {exc}")
@@ -122,6 +125,7 @@ class Engine:
         now = time.time()
         previous = status.state
         status.duration_seconds = now - started
+        status.facts = run.facts
         if run.state == OK:
             status.record(OK, run.message, None, now)
             status.failures, status.next_retry = 0, None
@@ -145,3 +149,14 @@ class Engine:
     def next_retry(self) -> Optional[float]:
         retries = [s.next_retry for s in self.state.stages.values() if s.next_retry is not None]
         return min(retries) if retries else None
+
+
+def _facts(stage: Stage, observed: Any) -> dict[str, Any]:
+    """A failed stage's facts, when it got as far as observing."""
+    if observed is None:
+        return {}
+    try:
+        return stage.facts(observed)
+    except Exception:  # facts are extra information: never let them hide the stage's own error
+        log.debug("facts of %s", stage.name, exc_info=True)
+        return {}

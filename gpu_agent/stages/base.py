@@ -42,6 +42,10 @@ class Stage(ABC):
     def verify(self, observed: Any) -> str:
         """Check the converged state; return a one-line ok message or raise StageError."""
 
+    def facts(self, observed: Any) -> dict[str, Any]:
+        """What the stage knows that /status should show beside its message (e.g. who loaded the driver)."""
+        return {}
+
     def start_pass(self) -> None:
         """Called once at the start of each reconcile of this stage (before the first observe)."""
 
