@@ -55,18 +55,20 @@ class Runtime:
         services: ServiceControl
         packages: PackageInstaller
         if simulate:
+            from gpu_agent.sim.crash import arm_from_environment
             from gpu_agent.sim.fake import FakeNvml
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
             from gpu_agent.sim.packages import SimPackages
             from gpu_agent.sim.services import SimServices
 
+            arm_from_environment()  # kill -9 trials
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
             nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
-            services = SimServices(machine)
+            services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
         else:
             import pynvml
