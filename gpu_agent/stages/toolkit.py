@@ -7,7 +7,6 @@ import json
 import logging
 import posixpath
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -251,10 +250,6 @@ class Toolkit(Stage):
                     for change in owed_first if change.pending and state.plannable(change)]
         return actions
 
-    def apply(self, actions: Sequence[Action]) -> None:
-        for action in actions:
-            action.execute()  # a change that fails is recorded, the next one still runs; verify reports
-
     @staticmethod
     def _remove(strays: list[Path]) -> None:
         for path in strays:
@@ -271,6 +266,7 @@ class Toolkit(Stage):
             raise StageError(str(exc)) from None
 
     def _apply(self, change: RuntimeChange) -> None:
+        """One runtime's transaction; a failure is recorded for verify() and the next change still runs."""
         if change.restarts_unit and change.runtime in self._restarted:
             log.warning("%s was restarted in this pass already; its next change waits for the next pass", change.runtime)
             return

@@ -52,10 +52,12 @@ class RuntimeChange:
 
     @property
     def restarts_unit(self) -> bool:
-        """Whether the change restarts the unit: one that runs or should (failed, in transition). One an
-        administrator stopped is left stopped: it reads the new files when it is started."""
+        """Whether the change restarts the unit: one that should be running (running, failed, in
+        transition, or owed a restart). One an administrator stopped, and owed nothing, is left
+        stopped: it reads the new files when it is started."""
         state = self.unit_state
-        return self.unit is not None and state is not None and state.exists and not state.stopped
+        return (self.unit is not None and state is not None and state.exists
+                and (not state.stopped or self.restart_owed))
 
     @property
     def pending(self) -> bool:
@@ -68,9 +70,10 @@ class RuntimeChange:
         return state is not None and state.running and self.answer is None
 
     def down(self) -> Optional[str]:
-        """Why a unit that should be running is not: failed, stuck in transition, or owed a restart and silent."""
+        """Why a unit that should be running is not: failed, stuck in transition, or owed a restart and
+        stopped or silent."""
         state = self.unit_state
-        if state is None or not state.exists or state.stopped:
+        if state is None or not self.restarts_unit:
             return None
         if not state.running:
             return f"{state.describe()}; see journalctl -u {self.unit}"
@@ -81,7 +84,7 @@ class RuntimeChange:
     def summary(self) -> str:
         parts = [f"write {', '.join(change.path for change in self.needed)}"] if self.needed else []
         if self.restarts_unit and (self.needed or self.restart_owed):
-            parts.append(f"restart {self.unit}" + ("" if self.needed else " (owed by an interrupted pass)"))
+            parts.append(f"restart {self.unit}" + ("" if self.needed else " (owed by an earlier pass)"))
         elif self.restart_owed:
             parts.append(f"forget the owed restart of {self.unit} ({self._state_words()})")
         return f"{self.runtime}: {', '.join(parts)}"
@@ -102,7 +105,7 @@ def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: L
             if restart:
                 ledger.add_pending_restart(unit)
             elif change.restart_owed:
-                ledger.clear_pending_restart(unit)  # a stopped unit reads its files when it starts
+                ledger.clear_pending_restart(unit)  # no such unit, or no service manager: nothing to restart
         except AgentError as exc:
             raise StageError(f"{change.runtime}: {exc}") from None
     written, created = _write(root, change, ledger)
