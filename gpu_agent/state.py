@@ -26,6 +26,8 @@ class StageStatus:
     changes_applied: int = 0
     gates_readiness: bool = True
     facts: dict[str, Any] = field(default_factory=dict)
+    last_plan: list[dict[str, Any]] = field(default_factory=list)  # the typed changes the stage last made
+    last_plan_at: Optional[float] = None
 
     def record(self, state: str, message: str, error: Optional[str], now: float) -> None:
         if (state, message) != (self.state, self.message):

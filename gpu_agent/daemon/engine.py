@@ -93,8 +93,8 @@ class Engine:
             # so apply and observe again while new changes appear, a few rounds at most. A change that
             # did not take is never repeated in the same reconcile: verify() reports it.
             for _ in range(_APPLY_ROUNDS):
-                done = {action.summary for action in applied}
-                actions = [action for action in actions if action.summary not in done]
+                done = {action.changes for action in applied}
+                actions = [action for action in actions if action.changes not in done]
                 if not actions:
                     break
                 for action in actions:
@@ -132,6 +132,8 @@ class Engine:
             if run.applied:
                 status.changes_applied += len(run.planned)
                 status.last_change = now
+                status.last_plan = [change for action in run.planned for change in action.to_json()]
+                status.last_plan_at = now
             if previous != OK:
                 log.info("%s: ok: %s", stage.name, run.message)
             return

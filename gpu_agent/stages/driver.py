@@ -13,6 +13,7 @@ from gpu_agent.host.files import atomic_write, backup, read_text, unified_diff
 from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
 from gpu_agent.state import AgentState
@@ -135,17 +136,18 @@ class Driver(Stage):
                    for path, (current, desired) in state.files.items() if current != desired]
         if not state.managed_gpus or state.nouveau:
             return actions  # nothing to load: verify() says why
-        actions += [Action(f"modprobe {module}", lambda m=module: self._load(m))
+        actions += [Action.of(LoadModule(module), lambda m=module: self._load(m))
                     for module in state.wanted if module not in state.loaded]
         nodes = {node.path: node for node in state.nodes}
-        actions += [Action(f"mknod {nodes[path].describe()}: {problem}",
-                           lambda n=nodes[path]: self._device_file(devnodes.create_node, n))
+        actions += [Action.of(CreateDeviceNode(path, nodes[path].major, nodes[path].minor, nodes[path].mode,
+                                               nodes[path].uid, nodes[path].gid, problem),
+                              lambda n=nodes[path]: self._device_file(devnodes.create_node, n))
                     for path, problem in state.node_problems.items()]
-        actions += [Action(f"link {nodes[path].char_link} -> {path}: {problem}",
-                           lambda n=nodes[path]: self._device_file(devnodes.create_link, n))
+        actions += [Action.of(CreateLink(nodes[path].char_link, path, problem),
+                              lambda n=nodes[path]: self._device_file(devnodes.create_link, n))
                     for path, problem in state.link_problems.items()]
         if state.persistence is not None and not state.persistenced:
-            actions += [Action(f"enable persistence mode on GPU {index}", lambda i=index: self._persist(i))
+            actions += [Action.of(SetPersistenceMode(index, True), lambda i=index: self._persist(i))
                         for index, enabled in enumerate(state.persistence) if not enabled]
         return actions
 
@@ -155,7 +157,7 @@ class Driver(Stage):
                 backup(self.root, path)  # someone else's file
             atomic_write(self.root(path), desired)
 
-        return Action(f"write {path}", write, diff=unified_diff(path, current, desired))
+        return Action.of(WriteFile.of(path, desired, current), write, diff=unified_diff(path, current, desired))
 
     def _device_file(self, create: Callable[[Root, devnodes.DeviceNode], None], node: devnodes.DeviceNode) -> None:
         try:
