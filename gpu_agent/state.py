@@ -70,6 +70,22 @@ class AgentState:
     reconciles: int = 0
     first_reconcile_done: bool = False
 
+    # --- stage results (written by the engine only) ----------------------------------------------
+
+    def output(self, name: str) -> Any:
+        """A stage result as last recorded: inventory (discovery), pci_gpus (driver)."""
+        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus}[name]
+
+    def record_output(self, name: str, value: Any) -> None:
+        if name == "inventory":
+            self.inventory = value
+            if value is not None:
+                self.last_inventory = value
+        elif name == "pci_gpus":
+            self.pci_gpus = value
+        else:
+            raise ValueError(f"no stage result called {name!r}")
+
     # --- readiness -----------------------------------------------------------------------------
 
     def checks(self) -> list[Check]:

@@ -96,9 +96,9 @@ class Runtime:
         """
         stages: list[Stage] = []
         if config.driver.enabled:
-            stages.append(Driver(self.root, self.nvml, self.loader, config.driver, self.state))
+            stages.append(Driver(self.root, self.nvml, self.loader, config.driver))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
-        stages.append(Discovery(self.nvml, self.state, config.discovery))
+        stages.append(Discovery(self.nvml, config.discovery))
         if config.toolkit.enabled:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
         kube = config.kubernetes
