@@ -103,7 +103,7 @@ class Runtime:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
         kube = config.kubernetes
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
-            from gpu_agent.kube.sink import KubeSink
+            from gpu_agent.stages.labels import KubeSink
 
             stages.append(KubeSink(self.root, self.state, kube))
         return stages
@@ -133,11 +133,11 @@ def take_lock(root: Root) -> IO[str]:
 
 class Daemon:
     def __init__(self, runtime: Runtime, config_path: Path, config_required: bool) -> None:
-        from gpu_agent.daemon.health import XidWatcher
+        from gpu_agent.health.xid import XidWatcher
         from gpu_agent.daemon.http import HttpServer, build_app
-        from gpu_agent.daemon.metrics import AgentCollector, make_registry
+        from gpu_agent.metrics.exporter import AgentCollector, make_registry
         from gpu_agent.daemon.notify import Notifier
-        from gpu_agent.daemon.sampler import Sampler
+        from gpu_agent.metrics.sampler import Sampler
 
         self.runtime = runtime
         self.state = runtime.state
