@@ -11,6 +11,9 @@ import pytest
 
 from conftest import cli
 
+# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
+pytestmark = pytest.mark.subprocess
+
 KERNEL = "var/lib/gpu-agent/sim/kernel"
 
 
@@ -252,6 +255,9 @@ def test_check_shows_the_nouveau_finding_even_with_a_file_to_write(root: Path, w
     config = write_config({"driver": {"blacklist_nouveau": True}})
     result = cli("--simulate", "t4", "check", root=root, config=config)
     assert "needs: write /etc/modprobe.d/blacklist-nouveau.conf" in result.stdout
+    planned = json.loads(cli("--simulate", "t4", "check", "--json", root=root, config=config).stdout)["stages"][0]
+    assert planned["changes"][0]["kind"] == "WriteFile" and planned["changes"][0]["replaces"] is None
+    assert planned["changes"][0]["path"] == "/etc/modprobe.d/blacklist-nouveau.conf"
     assert "now: the nouveau driver is loaded and holds the GPUs" in result.stdout
 
 

@@ -49,6 +49,9 @@ DOWN = {  # what /readyz says of a runtime whose restart never works
     "hangs": "{unit} is activating (start, since ",
 }
 LEDGER = "/var/lib/gpu-agent/ledger.json"
+# The stage checks containerd configs with the containerd installed here (`containerd config dump`).
+RUNS_CONTAINERD = pytest.mark.subprocess
+RUNTIMES = [pytest.param("containerd", marks=RUNS_CONTAINERD), "docker", "crio"]
 LONG = bool(os.environ.get("GPU_AGENT_TEST_ALL"))  # `make test-all`
 TRIALS = 200 if LONG else 20
 
@@ -108,7 +111,7 @@ def owed(root: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("error", ["failed", "not-ready", "hangs"])
-@pytest.mark.parametrize("runtime", ["containerd", "docker", "crio"])
+@pytest.mark.parametrize("runtime", RUNTIMES)
 def test_a_runtime_that_does_not_come_back(root: Path, tmp_path: Path, runtime: str, error: str) -> None:
     """Not ready naming the unit, files restored, one restart a pass after the first, converges after."""
     install_toolkit(root, (runtime,))
@@ -139,8 +142,8 @@ def test_a_runtime_that_does_not_come_back(root: Path, tmp_path: Path, runtime: 
     assert owed(root) == {} and "nvidia" in (node.text(OURS[runtime]) or "")
 
 
-@pytest.mark.parametrize("runtime, error", [("containerd", "failed"), ("docker", "failed"), ("crio", "failed"),
-                                            ("docker", "not-ready")])
+@pytest.mark.parametrize("runtime, error", [pytest.param("containerd", "failed", marks=RUNS_CONTAINERD),
+                                            ("docker", "failed"), ("crio", "failed"), ("docker", "not-ready")])
 def test_no_restart_storm_with_a_drift_trigger_every_second(root: Path, tmp_path: Path, monkeypatch,
                                                              runtime: str, error: str) -> None:
     """60 s of a runtime that never comes back, with the default backoff and a drift trigger every second
@@ -158,6 +161,7 @@ def test_no_restart_storm_with_a_drift_trigger_every_second(root: Path, tmp_path
     assert DOWN[error].format(unit=unit) in node.not_ready_because()
 
 
+@RUNS_CONTAINERD
 def test_one_broken_runtime_blocks_neither_the_others_nor_the_cdi_spec(root: Path, tmp_path: Path) -> None:
     install_toolkit(root, ("containerd", "docker", "crio"))
     (root / "etc/docker/daemon.json").write_text('{"features": ["cdi"]}')  # someone else's odd JSON
@@ -173,7 +177,7 @@ def test_one_broken_runtime_blocks_neither_the_others_nor_the_cdi_spec(root: Pat
 
 
 def test_a_restart_owed_by_a_crashed_pass_is_done_first(root: Path, tmp_path: Path) -> None:
-    install_toolkit(root, ("containerd", "docker"))
+    install_toolkit(root, ("crio", "docker"))
     node = Node(root, tmp_path, {})
     node.reconcile()
     assert owed(root) == {} and node.service("docker.service")["restarts"] == 1
@@ -181,7 +185,7 @@ def test_a_restart_owed_by_a_crashed_pass_is_done_first(root: Path, tmp_path: Pa
     (root / "var/lib/gpu-agent/ledger.json").write_text(json.dumps(
         {"version": 1, "pending_restarts": {"docker.service": {"since": "2025-01-06T10:00:00Z"}}}))
     node.reconcile()
-    assert node.service("docker.service")["restarts"] == 2 and node.service("containerd.service")["restarts"] == 1
+    assert node.service("docker.service")["restarts"] == 2 and node.service("crio.service")["restarts"] == 1
     assert owed(root) == {} and node.runtime.state.ready
 
 
@@ -196,16 +200,16 @@ def test_a_stopped_unit_is_left_stopped_and_owes_nothing(root: Path, tmp_path: P
 
 
 def test_a_broken_ledger_is_a_clear_error_and_blocks_only_the_restarts(root: Path, tmp_path: Path) -> None:
-    install_toolkit(root, ("containerd",))
+    install_toolkit(root, ("crio",))
     ledger = root / "var/lib/gpu-agent/ledger.json"
     ledger.parent.mkdir(parents=True)
-    ledger.write_text('{"version": 1, "pending_restarts": ["containerd.service"]}')
+    ledger.write_text('{"version": 1, "pending_restarts": ["crio.service"]}')
     node = Node(root, tmp_path, {})
     node.reconcile()
     reason = node.not_ready_because()
     assert reason.startswith("/var/lib/gpu-agent/ledger.json: pending_restarts: expected an object"), reason
-    assert node.text("/etc/containerd/conf.d/99-nvidia.toml") is None and node.text("/var/run/cdi/nvidia.yaml")
-    assert node.service("containerd.service")["restarts"] == 0
+    assert node.text(OURS["crio"]) is None and node.text("/var/run/cdi/nvidia.yaml")
+    assert node.service("crio.service")["restarts"] == 0
 
 
 def test_stray_temp_files_of_a_crash_are_removed_and_backups_written_once(root: Path, tmp_path: Path) -> None:
@@ -287,6 +291,7 @@ def _trials() -> list[tuple[str, float]]:
     return [(scenario, (n + rng.random()) / slices) for n in range(slices) for scenario in ("fresh", "configured")]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("scenario, where", _trials(), ids=lambda v: f"{v:.3f}" if isinstance(v, float) else v)
 def test_kill_9_at_any_point_of_a_pass_loses_no_restart_and_tears_no_file(
         templates, tmp_path: Path, scenario: str, where: float) -> None:
@@ -323,6 +328,7 @@ def test_kill_9_at_any_point_of_a_pass_loses_no_restart_and_tears_no_file(
     assert strays == [], strays
 
 
+@pytest.mark.subprocess
 def test_the_daemon_ignores_its_own_restores_and_drift_waits_for_the_backoff(agent, root: Path) -> None:
     install_toolkit(root, ("docker",))
     cli("--simulate", "dgx-h100", "sim", "fail", "restart", "--unit", "docker.service", root=root)  # until cleared
@@ -354,6 +360,7 @@ def test_the_daemon_ignores_its_own_restores_and_drift_waits_for_the_backoff(age
     assert len(drift) == 1 and "/etc/docker/daemon.json changed on disk" in drift[0], drift
 
 
+@RUNS_CONTAINERD
 def test_not_ready_while_containerd_is_down_also_after_a_drift_pass_rewrote_the_drop_in(root: Path,
                                                                                          tmp_path: Path) -> None:
     install_toolkit(root, ("containerd",))
@@ -372,6 +379,7 @@ def test_not_ready_while_containerd_is_down_also_after_a_drift_pass_rewrote_the_
     assert node.runtime.state.ready and "enable_selinux = true" in (node.text(OURS["containerd"]) or "")
 
 
+@RUNS_CONTAINERD
 def test_a_runtime_that_failed_on_its_own_is_reported_not_restarted(root: Path, tmp_path: Path) -> None:
     install_toolkit(root, ("containerd",))
     node = Node(root, tmp_path, {})

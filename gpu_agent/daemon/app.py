@@ -47,6 +47,8 @@ class Runtime:
     packages: PackageInstaller
     state: AgentState
     engine: Engine
+    machine: Optional[Any] = None  # the simulated machine, when there is one
+    real_root_simulated: bool = False  # simulated GPUs over the real / : its runtimes and CUDA are real
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
@@ -55,6 +57,8 @@ class Runtime:
         loader: ModuleLoader
         services: ServiceControl
         packages: PackageInstaller
+        machine = None
+        real_root = root.is_running_system
         if simulate:
             from gpu_agent.sim.crash import arm_from_environment
             from gpu_agent.sim.fake import FakeNvml
@@ -78,8 +82,12 @@ class Runtime:
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
             packages = SystemPackages(root)
-        state = AgentState(loaded, simulated=simulate)
-        runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile))
+        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real")
+        runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
+                      real_root_simulated=bool(simulate) and real_root)
+        if runtime.real_root_simulated:
+            log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
+                        "so the real container runtimes and CUDA library are left alone")
         # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
         kept = {stage.name: stage for stage in runtime.engine.stages}
         runtime.engine.set_stages([
@@ -99,14 +107,18 @@ class Runtime:
         """
         stages: list[Stage] = []
         if config.driver.enabled:
-            stages.append(Driver(self.root, self.nvml, self.loader, config.driver, self.state))
+            driver = config.driver
+            if self.real_root_simulated:
+                driver = driver.model_copy(update={"validate_cuda": False})
+            may_change_gpus = self.root.is_running_system or self.machine is not None
+            stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
-        stages.append(Discovery(self.nvml, self.state, config.discovery))
-        if config.toolkit.enabled:
+        stages.append(Discovery(self.nvml, config.discovery))
+        if config.toolkit.enabled and not self.real_root_simulated:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
         kube = config.kubernetes
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
-            from gpu_agent.kube.sink import KubeSink
+            from gpu_agent.stages.labels import KubeSink
 
             stages.append(KubeSink(self.root, self.state, kube))
         return stages
@@ -136,11 +148,11 @@ def take_lock(root: Root) -> IO[str]:
 
 class Daemon:
     def __init__(self, runtime: Runtime, config_path: Path, config_required: bool) -> None:
-        from gpu_agent.daemon.health import XidWatcher
+        from gpu_agent.health.xid import XidWatcher
         from gpu_agent.daemon.http import HttpServer, build_app
-        from gpu_agent.daemon.metrics import AgentCollector, make_registry
+        from gpu_agent.metrics.exporter import AgentCollector, make_registry
         from gpu_agent.daemon.notify import Notifier
-        from gpu_agent.daemon.sampler import Sampler
+        from gpu_agent.metrics.sampler import Sampler
 
         self.runtime = runtime
         self.state = runtime.state
@@ -177,7 +189,7 @@ class Daemon:
         interval = self.notifier.watchdog_interval()
         if interval:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
-        if self.state.simulated:
+        if self.runtime.machine is not None:
             self._tasks.append(asyncio.create_task(self._watch_simulator(), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
@@ -254,30 +266,42 @@ class Daemon:
             pass
 
     async def _reload(self) -> None:
+        """Load the config file again and switch to it; any failure keeps the running config and is
+        shown as the reload error in /status, never a crash of the loop."""
         self.notifier.reloading()
         log.info("reloading configuration from %s", self.config_path)
         try:
             loaded = await asyncio.to_thread(load_config, self.config_path, self.config_required)
+            stages = self._stages_for(loaded.config)
             await self.http.restart(loaded.config.http)
         except AgentError as exc:
-            self.state.config_error = str(exc)
-            log.error("configuration reload rejected, still running the previous one: %s", exc)
+            self._reject_reload(str(exc))
+        except Exception as exc:  # a gpu-agent bug; the previous config is still whole, so keep it
+            log.exception("configuration reload failed; this is a gpu-agent bug")
+            self._reject_reload(f"{self.config_path}: reload failed with an internal error "
+                                f"({type(exc).__name__}); see the agent's log")
         else:
-            self._apply_config(loaded)
+            self._apply_config(loaded, stages)
 
-    def _apply_config(self, loaded: LoadedConfig) -> None:
+    def _reject_reload(self, reason: str) -> None:
+        self.state.config_error = reason
+        log.error("configuration reload rejected, still running the previous one: %s", reason)
+
+    def _stages_for(self, config: AgentConfig) -> list[Stage]:
+        """The stages `config` asks for; one whose settings did not change is kept, with what it knows
+        (the sink's cached Node)."""
+        kept = {stage.name: stage for stage in self.runtime.engine.stages}
+        return [kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
+                for new in self.runtime.stages(config)]
+
+    def _apply_config(self, loaded: LoadedConfig, stages: list[Stage]) -> None:
         config = loaded.config
         runtime = self.runtime
         self.state.config, self.state.config_error = loaded, None
         self.state.config_loaded_at = time.time()
         runtime.nvml.call_timeout = config.nvml.call_timeout_seconds
         runtime.engine.settings = config.reconcile
-        # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
-        kept = {stage.name: stage for stage in runtime.engine.stages}
-        runtime.engine.set_stages([
-            kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
-            for new in runtime.stages(config)
-        ])
+        runtime.engine.set_stages(stages)
         self.collector.hostname = config.metrics.hostname or self.collector.hostname
         logging.getLogger().setLevel(config.log_level.upper())
         log.info("configuration %s loaded from %s", loaded.digest[:19], loaded.source)
@@ -340,7 +364,7 @@ class Daemon:
     async def _watch_simulator(self) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
         hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
-        machine = self.runtime.nvml.lib.machine
+        machine = self.runtime.machine
         last = machine.stamp()
         while True:
             await asyncio.sleep(_SIM_POLL_S)

@@ -13,9 +13,9 @@ from gpu_agent.host.files import atomic_write, backup, read_text, unified_diff
 from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
-from gpu_agent.state import AgentState
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
 BLACKLIST_CONTENT = (
@@ -63,11 +63,12 @@ class DriverState:
 
 class Driver(Stage):
     name = "driver"
+    produces = ("pci_gpus",)
 
     def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig,
-                 state: Optional[AgentState] = None) -> None:
+                 may_change_gpus: bool = True) -> None:
         self.root = root
-        self.agent = state
+        self.may_change_gpus = may_change_gpus  # False when NVML's GPUs are not the ones behind the root
         self.nvml = nvml
         self.loader = loader
         self.settings = settings
@@ -78,8 +79,6 @@ class Driver(Stage):
 
     def observe(self) -> DriverState:
         inventory = pci.scan(self.root)
-        if self.agent is not None:
-            self.agent.pci_gpus = len(inventory.gpus)
         state = DriverState(inventory, self.kernel.loaded(), list(CORE_MODULES), self._files())
         if "nvidia" not in state.loaded:
             return state
@@ -135,17 +134,18 @@ class Driver(Stage):
                    for path, (current, desired) in state.files.items() if current != desired]
         if not state.managed_gpus or state.nouveau:
             return actions  # nothing to load: verify() says why
-        actions += [Action(f"modprobe {module}", lambda m=module: self._load(m))
+        actions += [Action.of(LoadModule(module), lambda m=module: self._load(m))
                     for module in state.wanted if module not in state.loaded]
         nodes = {node.path: node for node in state.nodes}
-        actions += [Action(f"mknod {nodes[path].describe()}: {problem}",
-                           lambda n=nodes[path]: self._device_file(devnodes.create_node, n))
+        actions += [Action.of(CreateDeviceNode(path, nodes[path].major, nodes[path].minor, nodes[path].mode,
+                                               nodes[path].uid, nodes[path].gid, problem),
+                              lambda n=nodes[path]: self._device_file(devnodes.create_node, n))
                     for path, problem in state.node_problems.items()]
-        actions += [Action(f"link {nodes[path].char_link} -> {path}: {problem}",
-                           lambda n=nodes[path]: self._device_file(devnodes.create_link, n))
+        actions += [Action.of(CreateLink(nodes[path].char_link, path, problem),
+                              lambda n=nodes[path]: self._device_file(devnodes.create_link, n))
                     for path, problem in state.link_problems.items()]
         if state.persistence is not None and not state.persistenced:
-            actions += [Action(f"enable persistence mode on GPU {index}", lambda i=index: self._persist(i))
+            actions += [Action.of(SetPersistenceMode(index, True), lambda i=index: self._persist(i))
                         for index, enabled in enumerate(state.persistence) if not enabled]
         return actions
 
@@ -155,7 +155,7 @@ class Driver(Stage):
                 backup(self.root, path)  # someone else's file
             atomic_write(self.root(path), desired)
 
-        return Action(f"write {path}", write, diff=unified_diff(path, current, desired))
+        return Action.of(WriteFile.of(path, desired, current), write, diff=unified_diff(path, current, desired))
 
     def _device_file(self, create: Callable[[Root, devnodes.DeviceNode], None], node: devnodes.DeviceNode) -> None:
         try:
@@ -167,7 +167,7 @@ class Driver(Stage):
             raise StageError(f"cannot create {node.describe()}: {exc.strerror or exc}") from None
 
     def _persist(self, index: int) -> None:
-        if not (self.root.is_running_system or self.root.simulated):
+        if not self.may_change_gpus:
             raise StageError(f"refusing to change the real GPUs' persistence mode while --root is {self.root.path}")
         try:
             self.nvml.enable_persistence(index)
@@ -213,6 +213,9 @@ class Driver(Stage):
         if state.pci.nvswitches:
             message += f", {len(state.pci.nvswitches)} NVSwitches (fabric manager needed)"
         return "; ".join([message, *notes])
+
+    def outputs(self, state: DriverState) -> dict[str, object]:
+        return {"pci_gpus": len(state.pci.gpus)}
 
     def facts(self, state: DriverState) -> dict[str, object]:
         return {

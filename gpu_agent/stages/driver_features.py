@@ -11,6 +11,7 @@ from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host import pci
 from gpu_agent.host.modules import KernelModules, ModuleLoader
 from gpu_agent.host.paths import Root
+from gpu_agent.plan import LoadModule
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages.driver import load_module
 
@@ -59,7 +60,7 @@ class DriverFeatures(Stage):
         return tuple(module for module in FEATURES if wanted[module])
 
     def plan(self, observed: FeatureState) -> list[Action]:
-        return [Action(f"modprobe {module}", lambda m=module: self._load(m))
+        return [Action.of(LoadModule(module), lambda m=module: self._load(m))
                 for module in observed.missing if module not in self._failures]
 
     def apply(self, actions: Sequence[Action]) -> None:

@@ -8,7 +8,6 @@ import logging
 import posixpath
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from gpu_agent.config.toolkit import ToolkitConfig
@@ -18,6 +17,7 @@ from gpu_agent.host import proc
 from gpu_agent.host.files import BACKUP_DIR, read_text, remove, stray_temps
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
+from gpu_agent.plan import InstallPackage, RemoveFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 from gpu_agent.errors import AgentError
@@ -52,12 +52,11 @@ RUNTIMES = {
 @dataclass
 class ToolkitState:
     runtimes: list[str]
-    real_root_under_simulation: bool = False
     missing: list[str] = field(default_factory=list)
     version: Optional[str] = None
     changes: list[RuntimeChange] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # by runtime (or "ledger"): what blocks its change
-    strays: list[Path] = field(default_factory=list)  # temp files of writes a crash interrupted
+    strays: list[str] = field(default_factory=list)  # temp files of writes a crash interrupted
 
     def plannable(self, change: RuntimeChange) -> bool:
         return change.runtime not in self.errors and not (change.unit is not None and "ledger" in self.errors)
@@ -66,6 +65,7 @@ class ToolkitState:
 class Toolkit(Stage):
     name = "toolkit"
     requires = ("discovery",)
+    consumes = ("inventory",)
 
     def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller, state: AgentState,
                  settings: ToolkitConfig) -> None:
@@ -82,8 +82,6 @@ class Toolkit(Stage):
     # --- observe ---------------------------------------------------------------------------------
 
     def observe(self) -> ToolkitState:
-        if self.root.simulated and str(self.root.path) == "/":
-            return ToolkitState([], real_root_under_simulation=True)
         runtimes = self._runtimes()
         state = ToolkitState(runtimes)
         if not runtimes:
@@ -127,17 +125,19 @@ class Toolkit(Stage):
         return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
                 OCI_HOOK, self.settings.cdi.path, ledger_file.PATH]
 
-    def _strays(self) -> list[Path]:
-        by_directory: dict[str, list[str]] = {}
+    def _strays(self) -> list[str]:
+        """Host paths of the temp files atomic_write left beside the files the stage writes, and in the
+        backups directory, when a crash interrupted it."""
+        by_directory: dict[str, list[str]] = {d: [] for d in (BACKUP_DIR,)}
         for path in self._managed():
             by_directory.setdefault(posixpath.dirname(path), []).append(posixpath.basename(path))
-        found = [p for d, names in by_directory.items() for p in stray_temps(self.root(d), names)]
-        return found + stray_temps(self.root(BACKUP_DIR))
+        return [posixpath.join(directory, found.name) for directory, names in by_directory.items()
+                for found in stray_temps(self.root(directory), names or None)]
 
     def _cdi_spec(self) -> RuntimeChange:
         """The CDI spec for the GPUs discovery found; rewritten only when its content changes
         (a driver update, a MIG change, device majors after a driver reload)."""
-        inventory = self.agent.inventory
+        inventory = self.inputs.get("inventory")
         if inventory is None:
             raise StageError("no GPU inventory for the CDI spec")
         try:
@@ -238,24 +238,22 @@ class Toolkit(Stage):
 
     def plan(self, state: ToolkitState) -> list[Action]:
         if state.missing and self.settings.install:
-            return [Action(f"install {PACKAGE} ({', '.join(state.missing)} missing)", self._install)]
+            return [Action.of(InstallPackage(PACKAGE, f"{', '.join(state.missing)} missing"), self._install)]
         actions = []
-        if state.strays:
-            actions.append(Action(f"remove {', '.join(str(p) for p in state.strays)}: temp files of interrupted writes",
-                                  lambda: self._remove(state.strays)))
-        # Restarts owed by an interrupted pass first; each change alone: one failing stops no other.
+        if state.strays:  # temp files of writes a crash interrupted
+            actions.append(Action(tuple(RemoveFile(path) for path in state.strays), lambda: self._remove(state.strays)))
+        # Restarts owed by an earlier pass first; each change alone: one failing stops no other.
         owed_first = sorted(state.changes, key=lambda change: not change.restart_owed)
-        actions += [Action(change.summary(), lambda c=change: self._apply(c),
+        actions += [Action(change.planned(), lambda c=change: self._apply(c),
                            diff="".join(item.diff() for item in change.needed))
                     for change in owed_first if change.pending and state.plannable(change)]
         return actions
 
-    @staticmethod
-    def _remove(strays: list[Path]) -> None:
+    def _remove(self, strays: list[str]) -> None:
         for path in strays:
             log.info("removing %s, left by a write that a crash interrupted", path)
             try:
-                remove(path)
+                remove(self.root(path))
             except OSError as exc:
                 log.warning("cannot remove %s: %s", path, exc.strerror or exc)
 
@@ -281,8 +279,6 @@ class Toolkit(Stage):
                 self.agent.runtime_restarts[change.runtime] = self.agent.runtime_restarts.get(change.runtime, 0) + 1
 
     def verify(self, state: ToolkitState) -> str:
-        if state.real_root_under_simulation:
-            return "simulated GPUs on the real root /: the real container runtimes are left alone"
         if not state.runtimes:
             return "no container runtime found (containerd, Docker, CRI-O): nothing to configure"
         if state.missing:

@@ -11,6 +11,7 @@ from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host.files import BACKUP_DIR, atomic_write, backup, remove, unified_diff
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
+from gpu_agent.plan import Change, RestartService, WriteFile
 from gpu_agent.toolkit.services import ServiceControl, UnitState
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ class RuntimeChange:
 
     @property
     def pending(self) -> bool:
-        return bool(self.needed) or self.restart_owed
+        """Files to write, or a restart owed that can be done now (one owed to a unit that is gone, or
+        on a root no service manager runs, stays in the ledger until it can)."""
+        return bool(self.needed) or (self.restart_owed and self.restarts_unit)
 
     @property
     def was_up(self) -> bool:
@@ -81,16 +84,13 @@ class RuntimeChange:
             return f"{state.describe()} but {self.answer}"
         return None
 
-    def summary(self) -> str:
-        parts = [f"write {', '.join(change.path for change in self.needed)}"] if self.needed else []
-        if self.restarts_unit and (self.needed or self.restart_owed):
-            parts.append(f"restart {self.unit}" + ("" if self.needed else " (owed by an earlier pass)"))
-        elif self.restart_owed:
-            parts.append(f"forget the owed restart of {self.unit} ({self._state_words()})")
-        return f"{self.runtime}: {', '.join(parts)}"
+    def planned(self) -> tuple[Change, ...]:
+        """The files to write and the restart, as one transaction."""
+        writes = tuple(WriteFile.of(item.path, item.desired, item.current, item.mode) for item in self.needed)
+        return writes + ((RestartService(self.unit),) if self.unit is not None and self.restarts_unit else ())
 
-    def _state_words(self) -> str:
-        return self.unit_state.describe() if self.unit_state is not None else "no service manager runs it here"
+    def summary(self) -> str:
+        return f"{self.runtime}: " + "; ".join(change.describe() for change in self.planned())
 
 
 def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: Ledger, wait_timeout: float) -> None:
@@ -100,12 +100,10 @@ def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: L
     the ledger says so durably: a pass that starts after a crash performs it."""
     restart = change.restarts_unit
     unit = change.unit
-    if unit is not None:
+    if restart:
+        assert unit is not None
         try:
-            if restart:
-                ledger.add_pending_restart(unit)
-            elif change.restart_owed:
-                ledger.clear_pending_restart(unit)  # no such unit, or no service manager: nothing to restart
+            ledger.add_pending_restart(unit)
         except AgentError as exc:
             raise StageError(f"{change.runtime}: {exc}") from None
     written, created = _write(root, change, ledger)
