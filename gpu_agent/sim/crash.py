@@ -27,8 +27,8 @@ def arm_from_environment() -> None:
         return
     _armed = True
     points = _Points(int(kill_at) if kill_at else None, log_path)
-    os.fsync = points.wrap("fsync", os.fsync)  # type: ignore[assignment]
-    os.rename = points.wrap("rename", os.rename)  # type: ignore[assignment]
+    os.fsync = points.wrap("fsync", os.fsync)
+    os.rename = points.wrap("rename", os.rename)
 
 
 class _Points:
