@@ -32,7 +32,7 @@ from gpu_agent.daemon.engine import Engine
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.budget import RequestBudget
-from gpu_agent.kube.sink import KubeSink
+from gpu_agent.stages.labels import KubeSink
 from gpu_agent.state import AgentState
 
 NODE = "gpu-node-1"
@@ -376,7 +376,8 @@ def test_no_canary_from_the_daemon_or_the_commands(agent, api: KubeEmulator, roo
             seen.append(("/readyz?verbose", body))
             for path in ("/status", "/metrics", "/"):
                 seen.append((path, daemon.get(path)[1]))
-            for command in (("status",), ("--simulate", "t4", "check"), ("--simulate", "t4", "labels")):
+            for command in (("status",), ("status", "--json"), ("--simulate", "t4", "check"),
+                            ("--simulate", "t4", "check", "--json"), ("--simulate", "t4", "labels")):
                 result = cli(*command, root=root, config=daemon.config)
                 seen.append((" ".join(command), result.stdout + result.stderr))
     finally:
@@ -387,9 +388,10 @@ def test_no_canary_from_the_daemon_or_the_commands(agent, api: KubeEmulator, roo
     seen.append(("the daemon's log", log))
     for setup, expected in variants:
         setup(env)
-        result = cli("--simulate", "t4", "apply", "--once", root=root, config=daemon.config)
-        assert result.returncode == 2 and expected in result.stdout, result.stdout + result.stderr
-        seen.append(("apply --once", result.stdout + result.stderr))
+        for json_flag in ((), ("--json",)):
+            result = cli("--simulate", "t4", "apply", "--once", *json_flag, root=root, config=daemon.config)
+            assert result.returncode == 2 and expected in result.stdout, result.stdout + result.stderr
+            seen.append(("apply --once", result.stdout + result.stderr))
         api.clear_faults()
     for where, text in seen:
         assert not leaks(env, text), f"a secret shows in {where}:\n{text[:2000]}"

@@ -76,6 +76,12 @@ def test_a_server_url_that_cannot_be_used_is_refused(root: Path, server: str, re
     assert "hunter2" not in message and "admin" not in message
 
 
+def test_a_path_with_a_nul_is_refused_naming_the_key(root: Path) -> None:
+    text = BASE.format(server="https://10.0.0.1:6443", cluster="") + '    tokenFile: "/var/lib/\\0token"\n'
+    assert error(write(root, text=text)) == (f"kubeconfig {PATH}: users[0].user.tokenFile: a path cannot hold a "
+                                             "NUL character")
+
+
 def test_a_fifo_is_refused_without_waiting_for_a_writer(root: Path) -> None:
     path = root / PATH.lstrip("/")
     path.parent.mkdir(parents=True)
@@ -94,3 +100,13 @@ def test_requests_go_under_the_servers_path(root: Path) -> None:
         with pytest.raises(ApiError, match="404"):
             KubeClient(Root(root), PATH, 5, RequestBudget()).get_node("gpu-node-1")
         assert [r.path for r in api.requests] == ["/k8s/clusters/c1/api/v1/nodes/gpu-node-1"]
+
+
+def test_a_request_that_cannot_be_formed_spends_none_of_the_budget(root: Path) -> None:
+    text = BASE.format(server="https://10.0.0.1:6443", cluster="") + "    tokenFile: /var/lib/kubelet/token\n"
+    budget = RequestBudget(per_minute=1)
+    client = KubeClient(write(root, text=text), PATH, 5, budget)
+    for _ in range(3):
+        with pytest.raises(AgentError, match="token file /var/lib/kubelet/token not found"):
+            client.get_node("gpu-node-1")
+    assert budget.take() and not budget.take()

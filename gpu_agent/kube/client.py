@@ -65,13 +65,14 @@ class KubeClient:
 
     def _request(self, method: str, path: str, body: Optional[bytes] = None,
                  content_type: Optional[str] = None) -> dict[str, Any]:
-        credentials = self.credentials
+        credentials = self.credentials  # everything a request needs is read before the budget is spent
         token = read_token(self.root, credentials)
+        context = self._ssl(credentials) if credentials.server.startswith("https:") else None
         if not self.budget.take():
             raise ApiError(f"{method} {path} not sent: {self.budget.per_minute} requests to the API server "
                            "in the last minute already (the agent's limit)")
         try:
-            status, payload = self._send(credentials, token, method, path, body, content_type)
+            status, payload = self._send(credentials, token, context, method, path, body, content_type)
         except ApiError as exc:  # whatever the server sent back, the token it was sent never shows
             raise ApiError(_without(str(exc), token), exc.status, _without(exc.reason, token)) from None
         try:
@@ -85,8 +86,8 @@ class KubeClient:
                            "object; is the kubeconfig's server a Kubernetes API server?", status)
         return document
 
-    def _send(self, credentials: Credentials, token: Optional[str], method: str, path: str,
-              body: Optional[bytes], content_type: Optional[str]) -> tuple[int, bytes]:
+    def _send(self, credentials: Credentials, token: Optional[str], context: Optional[ssl.SSLContext], method: str,
+              path: str, body: Optional[bytes], content_type: Optional[str]) -> tuple[int, bytes]:
         url = urlsplit(credentials.server)
         headers = {"Accept": "application/json", "User-Agent": "gpu-agent"}
         if content_type:
@@ -94,9 +95,9 @@ class KubeClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         where = f"{method} {credentials.server}{path}"
-        if url.scheme == "https":
+        if context is not None:
             connection: http.client.HTTPConnection = http.client.HTTPSConnection(
-                url.hostname or "", url.port or 443, timeout=self.timeout, context=self._ssl(credentials))
+                url.hostname or "", url.port or 443, timeout=self.timeout, context=context)
         else:
             connection = http.client.HTTPConnection(url.hostname or "", url.port or 80, timeout=self.timeout)
         try:
@@ -122,7 +123,7 @@ class KubeClient:
         else:
             message, reason = payload.decode(errors="replace"), ""
         message = _without(" ".join(message.split()), token)[:MAX_MESSAGE_CHARS]
-        reason = _without(reason, token)[:MAX_MESSAGE_CHARS]
+        reason = _without(" ".join(reason.split()), token)[:MAX_MESSAGE_CHARS]
         if status in (401, 403):
             return ApiError(f"{method} {path}: {status} {reason or 'Forbidden'}: {message} (as "
                             f"{credentials.identity()} from the kubeconfig)", status, reason)

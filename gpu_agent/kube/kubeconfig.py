@@ -102,15 +102,15 @@ def load(root: Root, path: str) -> Credentials:
     base = str(PurePosixPath(path).parent)
     return Credentials(
         server=fields.server(server, f"{where}.server"),
-        ca_file=_path(base, fields.get(cluster, "certificate-authority", str, where)),
+        ca_file=fields.path(cluster, "certificate-authority", where, base),
         ca_data=fields.base64(cluster, "certificate-authority-data", where),
         insecure=bool(fields.get(cluster, "insecure-skip-tls-verify", bool, where)),
-        cert_file=_path(base, fields.get(user, "client-certificate", str, user_where)),
-        key_file=_path(base, fields.get(user, "client-key", str, user_where)),
+        cert_file=fields.path(user, "client-certificate", user_where, base),
+        key_file=fields.path(user, "client-key", user_where, base),
         cert_data=fields.base64(user, "client-certificate-data", user_where),
         key_data=fields.base64(user, "client-key-data", user_where),
         token=token or None,
-        token_file=_path(base, fields.get(user, "tokenFile", str, user_where)),
+        token_file=fields.path(user, "tokenFile", user_where, base),
         user=user_name or "(none)",
     )
 
@@ -140,10 +140,10 @@ class _Fields:
     """Typed reads from the parsed kubeconfig. Errors name the file and the key path, never a value."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
+        self.file = path
 
     def error(self, where: str, reason: str) -> AgentError:
-        return AgentError(f"kubeconfig {self.path}: {where}: {reason}")
+        return AgentError(f"kubeconfig {self.file}: {where}: {reason}")
 
     def get(self, mapping: dict[Any, Any], key: str, kind: type, where: str) -> Any:
         value = mapping.get(key)
@@ -165,6 +165,15 @@ class _Fields:
             if entry.get("name") == name:
                 return f"{section}[{index}]", entry
         raise self.error(section, f"no entry named {name!r}")
+
+    def path(self, mapping: dict[Any, Any], key: str, where: str, base: str) -> Optional[str]:
+        """A host path; a relative one is relative to the kubeconfig's directory, as for kubectl."""
+        value = self.get(mapping, key, str, where)
+        if not value:
+            return None
+        if "\0" in value:
+            raise self.error(f"{where}.{key}", "a path cannot hold a NUL character")
+        return value if value.startswith("/") else f"{base}/{value}"
 
     def base64(self, mapping: dict[Any, Any], key: str, where: str) -> Optional[bytes]:
         value = self.get(mapping, key, str, where)
@@ -210,12 +219,6 @@ def _kind(value: Any) -> str:
     return names.get(type(value), f"a {type(value).__name__}")
 
 
-def _path(base: str, value: Optional[str]) -> Optional[str]:
-    if not value:
-        return None
-    return value if value.startswith("/") else f"{base}/{value}"
-
-
 def _parse(data: bytes, path: str) -> Any:
     try:
         text = data.decode()
@@ -247,6 +250,8 @@ def _read(root: Root, path: str, what: str, limit: int) -> bytes:
         raise AgentError(f"{what} {path} not found") from None
     except OSError as exc:
         raise AgentError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except ValueError:  # a NUL in the path
+        raise AgentError(f"cannot read {what} {path!r}: not a valid path") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise AgentError(f"{what} {path} is not a regular file")
