@@ -17,6 +17,9 @@ from gpu_agent.host.paths import Root
 from kube_emulator import KubeEmulator
 from test_labels import DGX_A100
 
+# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
+pytestmark = pytest.mark.subprocess
+
 NODE = "gpu-node-1"
 KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure"}
 
