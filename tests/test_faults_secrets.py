@@ -351,6 +351,7 @@ def test_no_canary_in_any_output(name: str, setup: Callable[[Env], None], expect
 
 # --- the processes ---------------------------------------------------------------------------------
 
+@pytest.mark.subprocess
 def test_no_canary_from_the_daemon_or_the_commands(agent, api: KubeEmulator, root: Path, write_config) -> None:
     """The daemon serves and logs, `check`, `labels`, `status` and `apply --once` print, while the
     kubeconfig goes through a token-line YAML error, a password in the URL and an echoing server."""
