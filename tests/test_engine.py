@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
 
 import pytest
 
@@ -12,8 +13,19 @@ from gpu_agent.config import load_config
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.daemon.engine import Engine, StageRun
 from gpu_agent.errors import StageError
+from gpu_agent.plan import Change
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import FAILED, OK, PENDING, WAITING, AgentState
+
+@dataclass(frozen=True)
+class SetValue(Change):
+    kind: ClassVar[str] = "SetValue"
+    stage: str
+    value: int
+
+    def describe(self) -> str:
+        return f"set {self.stage} to {self.value}"
+
 
 SETTINGS = ReconcileConfig(backoff_initial_seconds=5, backoff_max_seconds=30)
 
@@ -37,7 +49,7 @@ class FakeStage(Stage):
     def plan(self, observed: Any) -> list[Action]:
         if observed["value"] == self.want:
             return []
-        return [Action(f"set {self.name} to {self.want}", self._set)]
+        return [Action.of(SetValue(self.name, self.want), self._set)]
 
     def _set(self) -> None:
         self.executed += 1

@@ -6,7 +6,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.errors import AgentError
@@ -28,6 +28,7 @@ class StageRun:
     planned: list[Action] = field(default_factory=list)
     applied: bool = False
     skipped: bool = False  # still backing off from an earlier failure
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -78,6 +79,7 @@ class Engine:
         return runs
 
     def _run_stage(self, stage: Stage, dry_run: bool) -> StageRun:
+        observed: Any = None
         try:
             stage.start_pass()
             observed = stage.observe()
@@ -91,8 +93,8 @@ class Engine:
             # so apply and observe again while new changes appear, a few rounds at most. A change that
             # did not take is never repeated in the same reconcile: verify() reports it.
             for _ in range(_APPLY_ROUNDS):
-                done = {action.summary for action in applied}
-                actions = [action for action in actions if action.summary not in done]
+                done = {action.changes for action in applied}
+                actions = [action for action in actions if action.changes not in done]
                 if not actions:
                     break
                 for action in actions:
@@ -101,9 +103,10 @@ class Engine:
                 applied += actions
                 observed = stage.observe()
                 actions = stage.plan(observed)
-            return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied))
+            facts = stage.facts(observed)
+            return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied), facts=facts)
         except AgentError as exc:
-            return StageRun(stage.name, FAILED, str(exc))
+            return StageRun(stage.name, FAILED, str(exc), facts=_facts(stage, observed))
         except Exception as exc:  # a bug: keep the daemon alive, say where it is
             log.exception("stage %s crashed; this is a gpu-agent bug", stage.name)
             return StageRun(stage.name, FAILED, f"internal error: {type(exc).__name__}: {exc}")
@@ -122,12 +125,15 @@ class Engine:
         now = time.time()
         previous = status.state
         status.duration_seconds = now - started
+        status.facts = run.facts
         if run.state == OK:
             status.record(OK, run.message, None, now)
             status.failures, status.next_retry = 0, None
             if run.applied:
                 status.changes_applied += len(run.planned)
                 status.last_change = now
+                status.last_plan = [change for action in run.planned for change in action.to_json()]
+                status.last_plan_at = now
             if previous != OK:
                 log.info("%s: ok: %s", stage.name, run.message)
             return
@@ -145,3 +151,14 @@ class Engine:
     def next_retry(self) -> Optional[float]:
         retries = [s.next_retry for s in self.state.stages.values() if s.next_retry is not None]
         return min(retries) if retries else None
+
+
+def _facts(stage: Stage, observed: Any) -> dict[str, Any]:
+    """A failed stage's facts, when it got as far as observing."""
+    if observed is None:
+        return {}
+    try:
+        return stage.facts(observed)
+    except Exception:  # facts are extra information: never let them hide the stage's own error
+        log.debug("facts of %s", stage.name, exc_info=True)
+        return {}

@@ -5,14 +5,28 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from gpu_agent.plan import Change
+
 
 @dataclass(frozen=True)
 class Action:
-    """One change a stage would make; `--dry-run` prints it, apply runs it."""
+    """One step a stage would take: its changes as data, and how to carry them out. Several changes make
+    one action where they succeed or fail together (a runtime's config files and its restart)."""
 
-    summary: str  # e.g. "write /etc/containerd/conf.d/99-nvidia.toml"
+    changes: tuple[Change, ...]
     execute: Callable[[], None]
     diff: str = ""  # unified diff, for file changes
+
+    @classmethod
+    def of(cls, change: Change, execute: Callable[[], None], diff: str = "") -> "Action":
+        return cls((change,), execute, diff)
+
+    @property
+    def summary(self) -> str:
+        return "; ".join(change.describe() for change in self.changes)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [change.to_json() for change in self.changes]
 
 
 class Stage(ABC):
@@ -41,6 +55,10 @@ class Stage(ABC):
     @abstractmethod
     def verify(self, observed: Any) -> str:
         """Check the converged state; return a one-line ok message or raise StageError."""
+
+    def facts(self, observed: Any) -> dict[str, Any]:
+        """What the stage knows that /status should show beside its message (e.g. who loaded the driver)."""
+        return {}
 
     def start_pass(self) -> None:
         """Called once at the start of each reconcile of this stage (before the first observe)."""

@@ -1,8 +1,6 @@
 """GPU discovery: what NVML sees, published for every other stage and output. Changes nothing."""
 from __future__ import annotations
 
-from typing import Sequence
-
 from gpu_agent.config.schema import DiscoveryConfig
 from gpu_agent.errors import StageError
 from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
@@ -14,9 +12,7 @@ from gpu_agent.state import AgentState
 class Discovery(Stage):
     name = "discovery"
 
-    def __init__(self, nvml: Nvml, state: AgentState, settings: DiscoveryConfig,
-                 requires: Sequence[str] = ()) -> None:
-        self.requires = tuple(requires)
+    def __init__(self, nvml: Nvml, state: AgentState, settings: DiscoveryConfig) -> None:
         self.nvml = nvml
         self.state = state
         self.settings = settings

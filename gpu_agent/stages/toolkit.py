@@ -13,6 +13,7 @@ from gpu_agent.errors import StageError
 from gpu_agent.host import proc
 from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
+from gpu_agent.plan import InstallPackage
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 from gpu_agent.errors import AgentError
@@ -193,8 +194,8 @@ class Toolkit(Stage):
 
     def plan(self, state: ToolkitState) -> list[Action]:
         if state.missing and self.settings.install:
-            return [Action(f"install {PACKAGE} ({', '.join(state.missing)} missing)", self._install)]
-        return [Action(change.summary(), lambda c=change: self._apply(c),
+            return [Action.of(InstallPackage(PACKAGE, f"{', '.join(state.missing)} missing"), self._install)]
+        return [Action(change.planned(), lambda c=change: self._apply(c),
                        diff="".join(item.diff() for item in change.needed))
                 for change in state.changes if change.needed]
 
