@@ -39,12 +39,24 @@ class ConfigFile:
 
 
 def describe(path: str, target: str) -> str:
-    return path if path == target else f"{path} (a link to {target})"
+    return printable(path) if path == target else f"{printable(path)} (a link to {printable(target)})"
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
+
+
+def printable(path: str) -> str:
+    """A path fit for a message and a log line: control characters (a newline in a file name could
+    forge a log line) and bytes that are not UTF-8 are shown escaped."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1] if m.group() < "\ud800"
+                            else "\\x%02x" % (ord(m.group()) - 0xDC00), path)
 
 
 def resolve(root: Root, host_path: str) -> str:
     """`host_path` with every symbolic link in it followed, the Root acting as `/` (as in a chroot).
     A part that does not exist ends the walk; the rest is joined as written."""
+    if "\0" in host_path:
+        raise StageError(f"{printable(host_path)}: a path cannot hold a NUL character; {_UNCHANGED}")
     pending = [part for part in host_path.split("/") if part]
     pending.reverse()  # a stack: the next part on top
     resolved = "/"
@@ -63,17 +75,18 @@ def resolve(root: Root, host_path: str) -> str:
             rest = list(reversed(pending))
             return posixpath.normpath(posixpath.join(candidate, *rest))
         except OSError as exc:
-            raise StageError(f"{host_path}: cannot look up {candidate}: {exc.strerror or exc}; {_UNCHANGED}") from None
+            raise StageError(f"{printable(host_path)}: cannot look up {printable(candidate)}: {exc.strerror or exc}; "
+                             f"{_UNCHANGED}") from None
         if not stat.S_ISLNK(info.st_mode):
             resolved = candidate
             continue
         links += 1
         if links > _MAX_LINKS:
-            raise StageError(f"{host_path}: too many levels of symbolic links (a loop?); {_UNCHANGED}")
+            raise StageError(f"{printable(host_path)}: too many levels of symbolic links (a loop?); {_UNCHANGED}")
         try:
             target = os.readlink(root(candidate))
         except OSError as exc:
-            raise StageError(f"{host_path}: cannot read the link {candidate}: {exc.strerror or exc}; "
+            raise StageError(f"{printable(host_path)}: cannot read the link {printable(candidate)}: {exc.strerror or exc}; "
                              f"{_UNCHANGED}") from None
         if target.startswith("/"):
             resolved = "/"
@@ -204,10 +217,13 @@ def walk(root: Root, directory: str) -> list[str]:
     try:
         names = sorted(os.listdir(real))
     except OSError as exc:
-        raise StageError(f"{directory}: cannot be listed: {exc.strerror or exc}; {_UNCHANGED}") from None
+        raise StageError(f"{printable(directory)}: cannot be listed: {exc.strerror or exc}; {_UNCHANGED}") from None
     for name in names:
         path = posixpath.join(directory, name)
-        info = os.lstat(real / name)
+        try:
+            info = os.lstat(real / name)
+        except OSError:
+            continue  # gone since the listing
         if stat.S_ISDIR(info.st_mode):
             files += walk(root, path)
         else:
@@ -216,28 +232,34 @@ def walk(root: Root, directory: str) -> list[str]:
 
 
 def _go_pattern(pattern: str) -> re.Pattern[str]:
-    """Go's filepath.Match syntax as a regular expression for one path element."""
-    out = []
+    """Go's filepath.Match syntax as a regular expression for one path element. Like Python's
+    fnmatch, each stretch between stars is matched atomically (a lookahead and a backreference),
+    so a pattern with many stars cannot make matching take exponential time."""
+    pieces: list[list[str]] = [[]]  # the pattern's parts between stars, as regular expressions
     i = 0
     while i < len(pattern):
         char = pattern[i]
         if char == "*":
-            out.append("[^/]*")
+            pieces.append([])
         elif char == "?":
-            out.append("[^/]")
+            pieces[-1].append("[^/]")
         elif char == "\\":
             i += 1
             if i >= len(pattern):
                 raise BadPattern(pattern)
-            out.append(re.escape(pattern[i]))
+            pieces[-1].append(re.escape(pattern[i]))
         elif char == "[":
             i, cls = _go_class(pattern, i + 1)
-            out.append(cls)
+            pieces[-1].append(cls)
             continue
         else:
-            out.append(re.escape(char))
+            pieces[-1].append(re.escape(char))
         i += 1
-    return re.compile("".join(out), re.DOTALL)
+    parts = ["".join(piece) for piece in pieces]
+    if len(parts) == 1:
+        return re.compile(parts[0] + r"\Z", re.DOTALL)
+    middle = "".join(f"(?=(?P<g{n}>[^/]*?{part}))(?P=g{n})" for n, part in enumerate(parts[1:-1]) if part)
+    return re.compile(f"{parts[0]}{middle}[^/]*{parts[-1]}\\Z", re.DOTALL)
 
 
 def _go_class(pattern: str, i: int) -> tuple[int, str]:

@@ -29,6 +29,7 @@ from gpu_agent.errors import StageError
 from gpu_agent.host import proc
 from gpu_agent.host.paths import Root
 from gpu_agent.toolkit import configfile
+from gpu_agent.toolkit.configfile import printable
 from gpu_agent.toolkit.document import BOOLEAN, INTEGER, STRING, STRINGS, TABLE, Document
 from gpu_agent.toolkit.tomldoc import deep_merge, load, parse
 
@@ -89,11 +90,13 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
     _check_cri(document, version)
     files = _Imports(root, version, _relative_globs_allowed(document))
     before = files.load(document)
-    if root_file.text is not None:
-        root_desired = with_import(root_file.text, IMPORT_GLOB in _patterns(document, ROOT_CONFIG))
-    else:
+    imported = IMPORT_GLOB in _patterns(document, ROOT_CONFIG)
+    if root_file.text is None:
         root_desired = _minimal_root(version)
-    after = files.load(load(root_desired, root_file.shown))
+    else:
+        root_desired = root_file.text if imported else with_import(root_file.text, "imports" in document.data)
+    imports = document.strings("imports") + ([] if imported else [IMPORT_GLOB])
+    after = files.load(Document({**document.data, "imports": imports}, root_file.shown))
     dormant = [path for path in after if path not in before and path != DROP_IN]
     if dormant:
         raise StageError(f"{ROOT_CONFIG} does not import {IMPORT_GLOB} yet, and adding it would also switch on "
@@ -169,7 +172,8 @@ class _Imports:
         if path not in self.cache:
             imported = configfile.read(self.root, path)
             if imported.text is None:
-                raise StageError(f"{parent}: imports {path}, which does not exist (containerd would not start); "
+                raise StageError(f"{printable(parent)}: imports {printable(path)}, which does not exist "
+                                 "(containerd would not start); "
                                  f"{_UNCHANGED}")
             document = load(imported.text, imported.shown)
             document.check(FILE_SCHEMA)
@@ -182,17 +186,19 @@ class _Imports:
         for written, path in zip(document.strings("imports"), _patterns(document, parent)):
             if not written:
                 raise document.error(("imports",), "an empty path (containerd would read the directory as a file)")
+            if "\0" in written:
+                raise document.error(("imports",), "a path cannot hold a NUL character")
             if "*" not in written:
                 paths.append(path)
                 continue
             if not written.startswith("/") and not self.relative_globs:
-                raise document.error(("imports",), f'the relative pattern "{written}" is read against containerd\'s '
+                raise document.error(("imports",), f'the relative pattern "{printable(written)}" is read against containerd\'s '
                                      "working directory by the installed containerd 1.x (against the file's "
-                                     f"directory from 2.0): write it as an absolute path, e.g. {path}")
+                                     f"directory from 2.0): write it as an absolute path, e.g. {printable(path)}")
             try:
                 paths += configfile.glob(self.root, path, assume=(DROP_IN,))
             except configfile.BadPattern:
-                raise document.error(("imports",), f'"{written}" is not a valid glob pattern') from None
+                raise document.error(("imports",), f'"{printable(written)}" is not a valid glob pattern') from None
         return paths
 
 
@@ -239,15 +245,11 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
     return HEADER + tomlkit.dumps(document)
 
 
-def with_import(text: str, imported: bool) -> str:
-    """The root config with the conf.d glob in `imports` (unless `imported` already); every other
-    byte as it was."""
-    if imported:
-        return text
-    document = tomlkit.parse(text)
-    imports = document.get("imports")
-    if imports is not None:
-        imports.append(IMPORT_GLOB)
+def with_import(text: str, has_imports: bool) -> str:
+    """The root config with the conf.d glob added to `imports`; every other byte as it was."""
+    if has_imports:
+        document = tomlkit.parse(text)
+        document["imports"].append(IMPORT_GLOB)
         return tomlkit.dumps(document)
     line = f'imports = ["{IMPORT_GLOB}"]  # added by gpu-agent\n'
     match = re.search(r"^version\s*=.*\n", text, flags=re.MULTILINE)
@@ -319,20 +321,28 @@ def _imports_under(text: str, tree: str) -> str:
     return tomlkit.dumps(document)
 
 
-# containerd's messages quote the values it cannot convert; only these words of them are shown.
-_CONTAINERD_REASONS = (("Can't convert", "a value of the wrong type"), ("cannot decode", "a value of the wrong type"),
-                       ("no such file", "a file it imports does not exist"),
-                       ("unsupported config version", "a config version it does not know"),
-                       ("permission denied", "a file it cannot read"))
+# containerd's messages quote the values they cannot convert: only these words of ours are shown, and
+# the file named only where containerd names the right one (its final check names the last file read).
+_CONTAINERD_REASONS = (
+    ("Can't convert", "a value of the wrong type", False),
+    ("cannot decode", "a value of the wrong type", False),
+    ("plugin key URI", "a plugin name that is not a URI like io.containerd.grpc.v1.cri", False),
+    ("plugin URI", "a plugin name that is not a URI like io.containerd.grpc.v1.cri", False),
+    ("no such file", "a file it imports does not exist", True),
+    ("permission denied", "a file it cannot read", True),
+    ("unsupported config version", "a config version it does not know", False),
+)
 
 
 def _what_containerd_says(output: str, paths: list[str]) -> str:
-    reason = next((words for marker, words in _CONTAINERD_REASONS if marker in output), "it cannot load the files")
+    reason, names_file = next(((words, named) for marker, words, named in _CONTAINERD_REASONS if marker in output),
+                              ("it cannot load the files", False))
     position = re.search(r"\((\d+), (\d+)\)", output)
-    where = f" at line {position.group(1)}, column {position.group(2)}" if position else ""
-    named = [path for path in paths if path in output]
-    return (f"{reason}{where}" + (f" in {', '.join(named)}" if named else "")
-            + f" (see `containerd --config {ROOT_CONFIG} config dump`)")
+    where = (f" at line {position.group(1)}, column {position.group(2)} of one of the files as they would be written"
+             if position else "")
+    named = [path for path in paths if path in output] if names_file else []
+    return (f"{reason}{where}" + (f" ({', '.join(named)})" if named else "")
+            + f"; `containerd --config {ROOT_CONFIG} config dump` shows what it makes of the files as they are")
 
 
 class Skipped(Exception):

@@ -22,6 +22,7 @@ SCHEMA = (
     (("runtimes", "nvidia"), TABLE),
     (("runtimes", "nvidia", "path"), STRING),
     (("runtimes", "nvidia", "args"), STRINGS),
+    (("runtimes", "nvidia", "runtimeArgs"), STRINGS),
     (("default-runtime",), STRING),
     (("features",), TABLE),
     (("features", "cdi"), BOOLEAN),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import tomlkit
 from tomlkit import exceptions
@@ -39,6 +39,10 @@ def parse(text: str, name: str) -> dict[str, Any]:
         data = tomlkit.parse(text).unwrap()
     except exceptions.ParseError as exc:
         raise StageError(f"{name}:{exc.line}:{exc.col}: not valid TOML: {_reason(exc)}; nothing was changed") from None
+    except exceptions.KeyAlreadyPresent:  # raised by tomlkit without a position
+        line = _redefined_line(text)
+        raise StageError(f"{name}{f':{line}' if line else ''}: not valid TOML: a key or table defined twice; "
+                         "nothing was changed") from None
     except RecursionError:
         raise StageError(f"{name}: not valid TOML: nested more than {MAX_DEPTH} levels deep; "
                          "nothing was changed") from None
@@ -63,6 +67,7 @@ def _reason(exc: exceptions.ParseError) -> str:
     return next((reason for words, reason in _MESSAGES if words in message), "a syntax error")
 
 
+_LONGEST_LINE = 4096
 _HEADER = re.compile(r"\s*\[\[?(.+?)\]\]?\s*(?:#.*)?")
 _ASSIGNMENT = re.compile(r"\s*([^\s=#\[][^=]*?)\s*=")
 
@@ -71,29 +76,53 @@ def line_of(text: str, path: Sequence[str]) -> Optional[int]:
     """The line defining the key at `path` (a table header or an assignment), or the line of the
     assignment whose inline value holds it; None when it cannot be told."""
     wanted = tuple(path)
-    table: tuple[str, ...] = ()
     enclosing = None
-    for number, line in enumerate(text.splitlines(), start=1):
-        header = _HEADER.fullmatch(line)
-        if header:
-            table = _key(header.group(1)) or table
-            if table == wanted:
-                return number
-            continue
-        assignment = _ASSIGNMENT.match(line)
-        key = _key(assignment.group(1)) if assignment else None
-        if key is None:
-            continue
-        full = table + key
+    for number, full, kind in _definitions(text):
         if full == wanted:
             return number
-        if wanted[: len(full)] == full:
+        if kind == "=" and wanted[: len(full)] == full:
             enclosing = number
     return enclosing
 
 
+def _redefined_line(text: str) -> Optional[int]:
+    """The first line that defines a key (or a table) a line before it defined already."""
+    seen: set[tuple[str, ...]] = set()
+    for number, full, kind in _definitions(text):
+        if kind == "[[":
+            continue  # an array of tables grows by repeating its header
+        if full in seen:
+            return number
+        seen.add(full)
+    return None
+
+
+def _definitions(text: str) -> Iterator[tuple[int, tuple[str, ...], str]]:
+    """(line, full key path, "[" or "[[" or "=") of every table header and assignment, read line by
+    line (a multi-line string can fool this: it only points at lines)."""
+    table: tuple[str, ...] = ()
+    for number, line in enumerate(text.split("\n"), start=1):
+        if len(line) > _LONGEST_LINE:
+            continue  # no key line is this long; the patterns below would be slow on it
+        header = _HEADER.fullmatch(line)
+        if header:
+            table = _key(header.group(1)) or table
+            yield number, table, "[[" if line.lstrip().startswith("[[") else "["
+            continue
+        assignment = _ASSIGNMENT.match(line)
+        key = _key(assignment.group(1)) if assignment else None
+        if key is not None:
+            yield number, table + key, "="
+
+
+_SIMPLE_PART = re.compile(r'\s*(?:([A-Za-z0-9_-]+)|"([^"\\]*)"|\'([^\']*)\')\s*')
+
+
 def _key(text: str) -> Optional[tuple[str, ...]]:
     """A TOML key (dotted, quoted) as its parts; None when it is not one."""
+    parts = [_SIMPLE_PART.fullmatch(part) for part in text.split(".")]
+    if all(parts):  # the common case, without a parser (no escapes, no dots inside quotes)
+        return tuple(next(group for group in match.groups() if group is not None) for match in parts if match)
     try:
         data: Any = tomlkit.parse(f"{text} = 0\n").unwrap()
     except Exception:
