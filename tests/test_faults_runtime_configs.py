@@ -13,7 +13,7 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import pytest
 
@@ -65,10 +65,10 @@ class Row:
     says: tuple[str, ...]  # every one of these is in the stage's message
     runtimes: tuple[str, ...] = ("containerd",)
     settings: dict[str, Any] = field(default_factory=dict)
-    unreadable: Optional[str] = None  # this host path cannot be opened (EACCES): root reads any mode
+    unreadable: str | None = None  # this host path cannot be opened (EACCES): root reads any mode
 
 
-def containerd(body: str, *, head: str = V2, extra: Optional[dict[str, Content]] = None) -> dict[str, Content]:
+def containerd(body: str, *, head: str = V2, extra: dict[str, Content] | None = None) -> dict[str, Content]:
     return {CONTAINERD: head + body + AUTH, **(extra or {})}
 
 
@@ -249,7 +249,7 @@ class RecordingServices:
     def restart(self, unit: str) -> None:
         self.restarts.append(unit)
 
-    def wait_ready(self, unit: str, socket_path: str, timeout: float) -> Optional[str]:
+    def wait_ready(self, unit: str, socket_path: str, timeout: float) -> str | None:
         return None
 
 
@@ -310,7 +310,7 @@ def run_stage(root: Path, tmp_path: Path, runtimes: tuple[str, ...], settings: d
     services = RecordingServices()
     config = ToolkitConfig(**{"runtimes": list(runtimes), "cdi": {"enabled": False}, **settings})
     stage = Toolkit(Root(root), services, NoPackages(), agent, config)
-    stage.requires = ()  # run alone: discovery is not part of this test
+    stage.requires = ()  # type: ignore[assignment]  # run alone: discovery is not part of this test
     engine = Engine([stage], agent, agent.config.config.reconcile)
     run = asyncio.run(engine.reconcile(force=True))[0]
     return Outcome(run.state, run.message, services, agent)
@@ -490,7 +490,14 @@ def test_a_relative_glob_is_read_from_the_config_directory_by_containerd_2(
     assert 'sandbox_image = "glob/pause:1"' in (root / CONF_D / "99-nvidia.toml").read_text()
 
 
-def test_a_relative_glob_is_refused_with_containerd_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("files, where, absolute", [
+    ({CONTAINERD: V2 + 'imports = ["conf.d/*.toml"]\n'}, f"/{CONTAINERD}:2", "/etc/containerd/conf.d/*.toml"),
+    ({CONTAINERD: V2 + 'imports = ["/etc/containerd/conf.d/*.toml"]\n',
+      f"{CONF_D}/10-site.toml": 'imports = ["more/*.toml"]\n'}, f"/{CONF_D}/10-site.toml:1",
+     "/etc/containerd/conf.d/more/*.toml"),
+], ids=["root", "nested"])
+def test_a_relative_glob_is_refused_with_containerd_1(
+        files: dict[str, Content], where: str, absolute: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """containerd 1.x globs a relative pattern against its working directory: say so, change nothing."""
     from gpu_agent.toolkit import containerd
 
@@ -499,13 +506,13 @@ def test_a_relative_glob_is_refused_with_containerd_1(tmp_path: Path, monkeypatc
     root = tmp_path / "root"
     root.mkdir()
     make_node(root)
-    place(root, {CONTAINERD: V2 + 'imports = ["conf.d/*.toml"]\n'})
+    place(root, files)
     before = snapshot(root)
     outcome = run_stage(root, tmp_path, ("containerd",), {})
     assert outcome.state == FAILED
-    assert (f'/{CONTAINERD}:2: imports: the relative pattern "conf.d/*.toml" is read against containerd\'s working '
-            "directory by the installed containerd 1.x") in outcome.message
-    assert "write it as an absolute path, e.g. /etc/containerd/conf.d/*.toml" in outcome.message
+    assert f"{where}: imports: the relative pattern" in outcome.message, outcome.message
+    assert "is read against containerd's working directory by the installed containerd 1.x" in outcome.message
+    assert f"write it as an absolute path, e.g. {absolute}" in outcome.message
     assert snapshot(root) == before
 
 
@@ -525,3 +532,28 @@ def test_validation_sees_the_files_containerd_sees(tmp_path: Path) -> None:
     assert "containerd's effective config has no nvidia runtime" in outcome.message
     assert f"/{CONF_D}/late/cri.toml loads after /{CONF_D}/99-nvidia.toml and replaces its CRI table" in outcome.message
     assert snapshot(root) == before
+
+
+# --- Go's glob, as containerd runs it ---------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern, matches", [
+    ("/d/*.toml", ["/d/.hidden.toml", "/d/a.toml", "/d/b.toml", "/d/sub.toml"]),  # dot files too, sorted
+    ("/d/?.toml", ["/d/a.toml", "/d/b.toml"]),
+    ("/d/[a-b].toml", ["/d/a.toml", "/d/b.toml"]),
+    ("/d/[^a].toml", ["/d/b.toml"]),
+    ("/d/\\*.toml", []),
+    ("/*/a.toml", ["/d/a.toml", "/e/a.toml"]),
+    ("/d/sub.toml/*", ["/d/sub.toml/x"]),  # directories match like files
+    ("/d/*a*a*a*a*a*a*a*a*a*a*a*a*b", []),  # many stars over a long name: no exponential matching
+    ("/d/a*a*a", ["/d/" + "a" * 200]),
+])
+def test_import_globs_match_as_go_does(tmp_path: Path, pattern: str, matches: list[str]) -> None:
+    place(tmp_path, {"d/a.toml": "", "d/b.toml": "", "d/.hidden.toml": "", "d/c.conf": "", "d/sub.toml/x": "",
+                     "e/a.toml": "", "d/" + "a" * 200: ""})
+    assert configfile.glob(Root(tmp_path), pattern) == matches
+
+
+@pytest.mark.parametrize("pattern", ["/d/[", "/d/[]a]", "/d/a\\", "/d/[z-a]", "/[/*.toml"])
+def test_a_glob_go_rejects_is_refused(tmp_path: Path, pattern: str) -> None:
+    with pytest.raises(configfile.BadPattern):
+        configfile.glob(Root(tmp_path), pattern)

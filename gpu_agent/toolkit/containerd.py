@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import tomlkit
 
@@ -30,7 +30,14 @@ from gpu_agent.host import proc
 from gpu_agent.host.paths import Root
 from gpu_agent.toolkit import configfile
 from gpu_agent.toolkit.configfile import printable
-from gpu_agent.toolkit.document import BOOLEAN, INTEGER, STRING, STRINGS, TABLE, Document
+from gpu_agent.toolkit.document import (
+    BOOLEAN,
+    INTEGER,
+    STRING,
+    STRINGS,
+    TABLE,
+    Document,
+)
 from gpu_agent.toolkit.tomldoc import deep_merge, load, parse
 
 ROOT_CONFIG = "/etc/containerd/config.toml"
@@ -58,14 +65,14 @@ CRI_SCHEMA = (
 
 @dataclass(frozen=True)
 class ContainerdFiles:
-    root_current: Optional[str]
-    root_desired: Optional[str]  # None: the root file does not exist and is not ours to create
-    drop_in_current: Optional[str]
+    root_current: str | None
+    root_desired: str | None  # None: the root file does not exist and is not ours to create
+    drop_in_current: str | None
     drop_in_desired: str
     version: int
     root_target: str = ROOT_CONFIG  # where the root config really is (a link is written through)
     drop_in_target: str = DROP_IN
-    root_mode: Optional[int] = None
+    root_mode: int | None = None
     imported: tuple[tuple[str, str], ...] = ()  # (path, text) of every other file containerd will load
     hiding: tuple[str, ...] = ()  # files loaded after the drop-in that replace its CRI table (1.x)
 
@@ -88,7 +95,7 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
         document = Document({"version": 2}, ROOT_CONFIG)
     version = config_version(document)
     _check_cri(document, version)
-    files = _Imports(root, version, _relative_globs_allowed(document))
+    files = _Imports(root, version)
     before = files.load(document)
     imported = IMPORT_GLOB in _patterns(document, ROOT_CONFIG)
     if root_file.text is None:
@@ -100,7 +107,7 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
     dormant = [path for path in after if path not in before and path != DROP_IN]
     if dormant:
         raise StageError(f"{ROOT_CONFIG} does not import {IMPORT_GLOB} yet, and adding it would also switch on "
-                         f"{', '.join(dormant)}: import the glob yourself or move those files; {_UNCHANGED}")
+                         f"{', '.join(map(printable, dormant))}: import the glob yourself or move those files; {_UNCHANGED}")
     drop_in = configfile.read(root, DROP_IN)
     order = list(after)
     plugin = CRI_PLUGIN[version]
@@ -148,10 +155,10 @@ class _Imports:
     """The files containerd loads besides the root config, found as containerd finds them; each
     file is read once however often it is asked for."""
 
-    def __init__(self, root: Root, version: int, relative_globs: bool) -> None:
+    def __init__(self, root: Root, version: int) -> None:
         self.root = root
         self.version = version
-        self.relative_globs = relative_globs
+        self.relative_globs: bool | None = None  # whether they mean what they say: asked when first met
         self.cache: dict[str, _File] = {DROP_IN: _File("", Document({}, DROP_IN))}  # ours: rewritten anyway
 
     def load(self, document: Document) -> dict[str, _File]:
@@ -191,23 +198,22 @@ class _Imports:
             if "*" not in written:
                 paths.append(path)
                 continue
-            if not written.startswith("/") and not self.relative_globs:
-                raise document.error(("imports",), f'the relative pattern "{printable(written)}" is read against containerd\'s '
-                                     "working directory by the installed containerd 1.x (against the file's "
-                                     f"directory from 2.0): write it as an absolute path, e.g. {printable(path)}")
+            if not written.startswith("/") and not self._relative_globs_allowed():
+                raise document.error(("imports",), f'the relative pattern "{printable(written)}" is read against '
+                                     "containerd's working directory by the installed containerd 1.x (against the "
+                                     f"file's directory from 2.0): write it as an absolute path, e.g. {printable(path)}")
             try:
                 paths += configfile.glob(self.root, path, assume=(DROP_IN,))
             except configfile.BadPattern:
                 raise document.error(("imports",), f'"{printable(written)}" is not a valid glob pattern') from None
         return paths
 
-
-def _relative_globs_allowed(document: Document) -> bool:
-    """Whether relative glob imports mean what they say: not with the installed containerd 1.x."""
-    if not any("*" in item and not item.startswith("/") for item in document.strings("imports")):
-        return True
-    containerd = shutil.which("containerd")
-    return containerd is None or _major_version(containerd, 30.0) >= 2
+    def _relative_globs_allowed(self) -> bool:
+        """Whether a relative glob is read against its file's directory: not by containerd 1.x."""
+        if self.relative_globs is None:
+            containerd = shutil.which("containerd")
+            self.relative_globs = containerd is None or _major_version(containerd, 30.0) >= 2
+        return self.relative_globs
 
 
 def _effective_cri(document: Document, imported: dict[str, _File], version: int) -> dict[str, Any]:
@@ -267,7 +273,7 @@ def _minimal_root(version: int) -> str:
     return prefix + f'imports = ["{IMPORT_GLOB}"]  # added by gpu-agent\n'
 
 
-def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 30.0) -> Optional[str]:
+def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 30.0) -> str | None:
     """Ask the installed containerd what it makes of the desired files (`config dump`): None when the
     nvidia runtime is there with its BinaryName and the default runtime's options, else the problem.
     The files are copied to a scratch tree at their host paths, absolute imports pointed into it, so

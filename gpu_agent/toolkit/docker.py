@@ -14,7 +14,14 @@ import re
 from typing import Any
 
 from gpu_agent.errors import StageError
-from gpu_agent.toolkit.document import BOOLEAN, MAX_DEPTH, STRING, STRINGS, TABLE, Document
+from gpu_agent.toolkit.document import (
+    BOOLEAN,
+    MAX_DEPTH,
+    STRING,
+    STRINGS,
+    TABLE,
+    Document,
+)
 
 DAEMON_JSON = "/etc/docker/daemon.json"
 SCHEMA = (

@@ -6,7 +6,8 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from gpu_agent.errors import StageError
 
@@ -22,7 +23,7 @@ Schema = Sequence[tuple[Sequence[str], str]]  # key paths ("*": every key of a t
 
 
 class Document:
-    def __init__(self, data: Any, name: str, line_of: Callable[[Sequence[str]], Optional[int]] = lambda path: None,
+    def __init__(self, data: Any, name: str, line_of: Callable[[Sequence[str]], int | None] = lambda path: None,
                  json_terms: bool = False) -> None:
         self.data = data
         self.name = name
@@ -49,7 +50,7 @@ class Document:
     def table(self, *path: str) -> dict[str, Any]:
         return self.get(path, TABLE) or {}
 
-    def string(self, *path: str) -> Optional[str]:
+    def string(self, *path: str) -> str | None:
         return self.get(path, STRING)
 
     def strings(self, *path: str) -> list[str]:
