@@ -228,3 +228,39 @@ def test_dry_run_judges_requirements_by_this_pass(state: AgentState) -> None:
     engine = Engine([FakeStage("driver", log), FakeStage("toolkit", log, requires=["driver"])], state, SETTINGS)
     runs = reconcile(engine, dry_run=True)
     assert [run.state for run in runs] == [OK, OK] and log == ["driver", "toolkit"]
+
+
+class Producer(FakeStage):
+    produces = ("inventory",)
+
+    def outputs(self, observed: Any) -> dict[str, Any]:
+        return {"inventory": f"seen {observed['value']}"}
+
+
+class Consumer(FakeStage):
+    consumes = ("inventory",)
+
+    def observe(self) -> Any:
+        self.log.append(f"{self.name} got {self.inputs.get('inventory')}")
+        return dict(self.host)
+
+
+def test_results_flow_from_producer_to_consumer_which_runs_after_it(state: AgentState) -> None:
+    log: list[str] = []
+    engine = Engine([Consumer("toolkit", log), Producer("discovery", log)], state, SETTINGS)
+    assert [stage.name for stage in engine.stages] == ["discovery", "toolkit"]
+    reconcile(engine, dry_run=True)
+    assert log == ["discovery", "toolkit got seen 0"]
+    assert state.inventory is None  # a dry run records nothing in the state model
+    reconcile(engine)
+    assert state.inventory == "seen 0" and state.last_inventory == "seen 0"
+
+
+def test_a_failed_producer_hands_none_not_a_stale_result(state: AgentState) -> None:
+    log: list[str] = []
+    producer = Producer("discovery", log)
+    engine = Engine([producer, Consumer("toolkit", log)], state, SETTINGS)
+    reconcile(engine)
+    producer.fail = StageError("NVML is gone")
+    reconcile(engine, force=True)
+    assert log[-1] == "toolkit got None" and state.inventory is None and state.last_inventory == "seen 0"

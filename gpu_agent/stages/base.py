@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gpu_agent.plan import Change
 
@@ -38,7 +38,16 @@ class Stage(ABC):
 
     name: str
     requires: Sequence[str] = ()  # stages that must be ok before this one runs
+    produces: Sequence[str] = ()  # named results other stages consume (see outputs())
+    consumes: Sequence[str] = ()  # named results of other stages, handed in as self.inputs
     gates_readiness = True  # False for sinks: their failure degrades the agent, the GPUs stay usable
+    inputs: Mapping[str, Any] = {}  # set by the engine before each run: this pass's results, else the last
+
+    def outputs(self, observed: Any) -> dict[str, Any]:
+        """This stage's results for the names in `produces`, from what it observed. The engine records
+        them in the state model and hands them to the stages that consume them; a stage never writes
+        the state model itself."""
+        return {}
 
     @abstractmethod
     def observe(self) -> Any:

@@ -16,7 +16,6 @@ from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
 from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
-from gpu_agent.state import AgentState
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
 BLACKLIST_CONTENT = (
@@ -64,11 +63,10 @@ class DriverState:
 
 class Driver(Stage):
     name = "driver"
+    produces = ("pci_gpus",)
 
-    def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig,
-                 state: Optional[AgentState] = None) -> None:
+    def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig) -> None:
         self.root = root
-        self.agent = state
         self.nvml = nvml
         self.loader = loader
         self.settings = settings
@@ -79,8 +77,6 @@ class Driver(Stage):
 
     def observe(self) -> DriverState:
         inventory = pci.scan(self.root)
-        if self.agent is not None:
-            self.agent.pci_gpus = len(inventory.gpus)
         state = DriverState(inventory, self.kernel.loaded(), list(CORE_MODULES), self._files())
         if "nvidia" not in state.loaded:
             return state
@@ -215,6 +211,9 @@ class Driver(Stage):
         if state.pci.nvswitches:
             message += f", {len(state.pci.nvswitches)} NVSwitches (fabric manager needed)"
         return "; ".join([message, *notes])
+
+    def outputs(self, state: DriverState) -> dict[str, object]:
+        return {"pci_gpus": len(state.pci.gpus)}
 
     def facts(self, state: DriverState) -> dict[str, object]:
         return {

@@ -56,6 +56,7 @@ class ToolkitState:
 class Toolkit(Stage):
     name = "toolkit"
     requires = ("discovery",)
+    consumes = ("inventory",)
 
     def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller, state: AgentState,
                  settings: ToolkitConfig) -> None:
@@ -91,7 +92,7 @@ class Toolkit(Stage):
     def _cdi_spec(self) -> RuntimeChange:
         """The CDI spec for the GPUs discovery found; rewritten only when its content changes
         (a driver update, a MIG change, device majors after a driver reload)."""
-        inventory = self.agent.inventory
+        inventory = self.inputs.get("inventory")
         if inventory is None:
             raise StageError("no GPU inventory for the CDI spec")
         try:

@@ -43,6 +43,7 @@ class SinkState:
 
 class KubeSink(Stage):
     name = "labels"
+    consumes = ("inventory", "pci_gpus")
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
     def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig) -> None:
@@ -60,10 +61,10 @@ class KubeSink(Stage):
         ready, failing = self.agent.readiness(within_pass=True)
         # A failing discovery (an NVML hiccup) must not strip the GPU labels nodeSelectors match on:
         # they stay as last seen, with gpu-agent.ready=false, until the GPUs are seen again.
-        inventory = self.agent.inventory or self.agent.last_inventory
+        inventory = self.inputs.get("inventory") or self.agent.last_inventory
         node = self._current_node()
         wanted = gfd.compute(inventory, ready, self.settings.mig_strategy, machine_name(self.root))
-        if inventory is None and self.agent.pci_gpus != 0:
+        if inventory is None and self.inputs.get("pci_gpus") != 0:
             wanted = {**_owned_labels(node), **wanted}  # GPUs on the bus, not seen yet: keep what the node has
         if ready:
             condition = {"status": "True", "reason": "GPUsReady",
