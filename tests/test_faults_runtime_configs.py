@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,11 @@ def directory(path: Path) -> None:
 
 def fifo(path: Path) -> None:
     os.mkfifo(path)
+
+
+def unix_socket(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(path))
 
 
 def link(target: str) -> Callable[[Path], None]:
@@ -118,6 +124,7 @@ ROWS = [
     Row("non-utf8", {CONTAINERD: (V2 + AUTH).encode() + b"# caf\xe9\n"}, (f"/{CONTAINERD}:6:", "not UTF-8")),
     Row("directory", {CONTAINERD: directory}, (f"/{CONTAINERD}: is a directory",)),
     Row("fifo", {CONTAINERD: fifo}, (f"/{CONTAINERD}: is a FIFO",)),
+    Row("socket", {CONTAINERD: unix_socket}, (f"/{CONTAINERD}: is a socket",)),
     Row("unreadable", containerd(""), (f"/{CONTAINERD}: cannot be read: Permission denied",),
         unreadable=f"/{CONTAINERD}"),
     Row("too-large", {CONTAINERD: V2 + AUTH + "#" * configfile.MAX_BYTES + "\n"}, (f"/{CONTAINERD}: is ", "bytes")),
@@ -140,7 +147,7 @@ ROWS = [
         (f"/{CONTAINERD}: imports /etc/containerd/site.toml, which does not exist",)),
     Row("import-directory", containerd('imports = ["/etc/containerd/site"]\n',
                                        extra={"etc/containerd/site": directory}),
-        ("/etc/containerd/site: is a directory",)),
+        ("/etc/containerd/site (imported by /etc/containerd/config.toml): is a directory",)),
     Row("import-wrong-type", containerd('imports = ["/etc/containerd/conf.d/*.toml"]\n',
                                         extra={f"{CONF_D}/10-site.toml": f"version = 2\n[{CRI}]\ncontainerd = 5\n"}),
         (f"/{CONF_D}/10-site.toml:3: {CRI}.containerd: expected a table",)),
@@ -157,10 +164,14 @@ ROWS = [
         (f"/{CONF_D}/10-site.toml:1:3: not UTF-8",)),
     Row("import-fifo", containerd('imports = ["/etc/containerd/conf.d/*.toml"]\n',
                                   extra={f"{CONF_D}/10-site.toml": fifo}),
-        (f"/{CONF_D}/10-site.toml: is a FIFO",)),
+        (f"/{CONF_D}/10-site.toml (imported by /{CONTAINERD}): is a FIFO",)),
     Row("import-syntax", containerd('imports = ["/etc/containerd/conf.d/*.toml"]\n',
                                     extra={f"{CONF_D}/10-site.toml": f'password = "{CANARY}'}),
         (f"/{CONF_D}/10-site.toml:1:", "not valid TOML")),
+    Row("import-glob-matches-a-directory", containerd('imports = ["/etc/containerd/*"]\n', extra={CONF_D: directory}),
+        (f"/etc/containerd/conf.d (imported by /{CONTAINERD}): is a directory",)),
+    Row("import-glob-matches-our-directory-to-be", containerd('imports = ["/etc/containerd/*"]\n'),
+        (f"/{CONTAINERD}: imports /etc/containerd/conf.d, the directory the agent's",)),
     Row("our-drop-in-is-a-directory", containerd('imports = ["/etc/containerd/conf.d/*.toml"]\n',
                                                  extra={f"{CONF_D}/99-nvidia.toml": directory}),
         (f"/{CONF_D}/99-nvidia.toml: is a directory",)),
@@ -219,6 +230,10 @@ ROWS = [
     Row("crio-drop-in-fifo", {CRIO: CRIO_OK, f"{CRIO_D}/10-site.conf": fifo}, (f"/{CRIO_D}/10-site.conf: is a FIFO",),
         ("crio",)),
     Row("crio-non-utf8", {CRIO: CRIO_OK.encode() + b"\xc3\x28\n"}, (f"/{CRIO}:6:1: not UTF-8",), ("crio",)),
+    Row("crio-drop-in-directory-loop", {CRIO: CRIO_OK, CRIO_D: link("crio.conf.d")},
+        (f"/{CRIO_D}: too many levels of symbolic links",), ("crio",)),
+    Row("crio-drop-in-forged-log-line", {CRIO: CRIO_OK, f"{CRIO_D}/a\nERROR forged": f"x = {CANARY}\n"},
+        (f"/{CRIO_D}/a\\nERROR forged:1:", "not valid TOML"), ("crio",)),
     Row("crio-our-drop-in-is-a-directory", {CRIO: CRIO_OK, f"{CRIO_D}/99-nvidia.conf": directory},
         (f"/{CRIO_D}/99-nvidia.conf: is a directory",), ("crio",)),
     # --- nvidia-container-runtime's config.toml ---------------------------------------------------

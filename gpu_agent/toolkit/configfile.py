@@ -94,11 +94,13 @@ def resolve(root: Root, host_path: str) -> str:
     return resolved
 
 
-def read(root: Root, host_path: str) -> ConfigFile:
+def read(root: Root, host_path: str, why: str = "") -> ConfigFile:
     """The file's text, or None for a file that does not exist; a StageError for anything else
-    that is not a readable UTF-8 text file of at most MAX_BYTES."""
+    that is not a readable UTF-8 text file of at most MAX_BYTES. `why` (such as "imported by
+    /etc/containerd/config.toml") follows the file's name in messages."""
     target = resolve(root, host_path)
-    shown = describe(host_path, target)
+    name = describe(host_path, target)
+    shown = name + (f" ({why})" if why else "")
     try:
         fd = os.open(root(target), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -108,6 +110,12 @@ def read(root: Root, host_path: str) -> ConfigFile:
         return ConfigFile(host_path, target, None)
     except OSError as exc:
         reason = "a symbolic link changed while it was read" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        try:
+            mode = os.stat(root(target)).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):  # a socket, say, cannot even be opened
+            raise StageError(f"{shown}: is {_kind(mode)}, not a file; {_UNCHANGED}") from None
         raise StageError(f"{shown}: cannot be read: {reason}; {_UNCHANGED}") from None
     try:
         info = os.fstat(fd)
@@ -121,7 +129,7 @@ def read(root: Root, host_path: str) -> ConfigFile:
         os.close(fd)
     if len(data) > MAX_BYTES:
         raise StageError(f"{shown}: is more than the {MAX_BYTES} bytes a runtime config may have; {_UNCHANGED}")
-    return ConfigFile(host_path, target, decode(data, shown), stat.S_IMODE(info.st_mode))
+    return ConfigFile(host_path, target, decode(data, name), stat.S_IMODE(info.st_mode))
 
 
 def _read_at_most(fd: int, limit: int, shown: str) -> bytes:
@@ -190,7 +198,8 @@ def glob(root: Root, pattern: str, assume: Sequence[str] = ()) -> list[str]:
 
 def _glob_in(root: Root, directory: str, matcher: re.Pattern[str], assume: Sequence[str]) -> list[str]:
     real = root(resolve(root, directory))
-    names = {posixpath.basename(path) for path in assume if posixpath.dirname(path) == directory}
+    prefix = directory.rstrip("/") + "/"
+    names = {path[len(prefix):].split("/")[0] for path in assume if path.startswith(prefix)}  # and their directories
     try:
         names.update(os.listdir(real) if real.is_dir() else ())
     except OSError:

@@ -177,7 +177,10 @@ class _Imports:
 
     def _read(self, parent: str, path: str) -> _File:
         if path not in self.cache:
-            imported = configfile.read(self.root, path)
+            imported = configfile.read(self.root, path, f"imported by {printable(parent)}")
+            if imported.text is None and DROP_IN.startswith(path + "/"):
+                raise StageError(f"{printable(parent)}: imports {printable(path)}, the directory the agent's "
+                                 f"{DROP_IN} goes in: containerd would read a directory as a file; {_UNCHANGED}")
             if imported.text is None:
                 raise StageError(f"{printable(parent)}: imports {printable(path)}, which does not exist "
                                  "(containerd would not start); "
