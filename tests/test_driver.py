@@ -11,6 +11,9 @@ import pytest
 
 from conftest import cli
 
+# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
+pytestmark = pytest.mark.subprocess
+
 KERNEL = "var/lib/gpu-agent/sim/kernel"
 
 
