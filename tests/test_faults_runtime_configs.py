@@ -14,7 +14,7 @@ import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import pytest
 
@@ -44,6 +44,7 @@ V2 = "version = 2\n"
 DOCKER_OK = json.dumps({"runtimes": {"nvidia": {"path": BINARY, "args": []}}}) + "\n"
 CRIO_OK = f'[crio.runtime]\ndefault_runtime = "crun"\n[crio.runtime.runtimes.crun]\nruntime_path = "/usr/bin/crun"\n' \
           f'# registry password: {CANARY}\n'
+MODE_CDI = {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}
 Content = Union[str, bytes, Callable[[Path], None]]  # text, bytes, or something made at the path
 
 
@@ -71,10 +72,10 @@ class Row:
     says: tuple[str, ...]  # every one of these is in the stage's message
     runtimes: tuple[str, ...] = ("containerd",)
     settings: dict[str, Any] = field(default_factory=dict)
-    unreadable: str | None = None  # this host path cannot be opened (EACCES): root reads any mode
+    unreadable: Optional[str] = None  # this host path cannot be opened (EACCES): root reads any mode
 
 
-def containerd(body: str, *, head: str = V2, extra: dict[str, Content] | None = None) -> dict[str, Content]:
+def containerd(body: str, *, head: str = V2, extra: Optional[dict[str, Content]] = None) -> dict[str, Content]:
     return {CONTAINERD: head + body + AUTH, **(extra or {})}
 
 
@@ -239,16 +240,16 @@ ROWS = [
     # --- nvidia-container-runtime's config.toml ---------------------------------------------------
     Row("nvidia-toml-parent-string", {DAEMON_JSON: DOCKER_OK, NVIDIA_TOML: f'nvidia-container-runtime = "{CANARY}"\n'},
         (f"/{NVIDIA_TOML}:1: nvidia-container-runtime: expected a table, found a string",), ("docker",),
-        {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}),
+        MODE_CDI),
     Row("nvidia-toml-parent-array-of-tables", {DAEMON_JSON: DOCKER_OK, NVIDIA_TOML: "[[nvidia-container-runtime]]\n"},
         (f"/{NVIDIA_TOML}:1: nvidia-container-runtime: expected a table, found an array",), ("docker",),
-        {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}),
+        MODE_CDI),
     Row("nvidia-toml-syntax", {DAEMON_JSON: DOCKER_OK, NVIDIA_TOML: f'[nvidia-container-runtime\nx = "{CANARY}"\n'},
-        (f"/{NVIDIA_TOML}:1:", "not valid TOML"), ("docker",), {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}),
+        (f"/{NVIDIA_TOML}:1:", "not valid TOML"), ("docker",), MODE_CDI),
     Row("nvidia-toml-non-utf8", {DAEMON_JSON: DOCKER_OK, NVIDIA_TOML: b"# \xff\n"}, (f"/{NVIDIA_TOML}:1:3: not UTF-8",),
-        ("docker",), {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}),
+        ("docker",), MODE_CDI),
     Row("nvidia-toml-directory", {DAEMON_JSON: DOCKER_OK, NVIDIA_TOML: directory},
-        (f"/{NVIDIA_TOML}: is a directory",), ("docker",), {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}),
+        (f"/{NVIDIA_TOML}: is a directory",), ("docker",), MODE_CDI),
 ]
 
 
@@ -264,7 +265,7 @@ class RecordingServices:
     def restart(self, unit: str) -> None:
         self.restarts.append(unit)
 
-    def wait_ready(self, unit: str, socket_path: str, timeout: float) -> str | None:
+    def wait_ready(self, unit: str, socket_path: str, timeout: float) -> Optional[str]:
         return None
 
 
@@ -379,6 +380,7 @@ def test_the_table_covers_every_reader() -> None:
         assert any(path.startswith(prefix) for path in touched), prefix
 
 
+@pytest.mark.subprocess  # the real containerd validates
 @pytest.mark.skipif(shutil.which("containerd") is None, reason="needs the real containerd to validate with")
 @pytest.mark.parametrize("body", [f'oom_score = "{CANARY}"\n', f'[{CRI}]\nsandbox_image = ["{CANARY}"]\n',
                                   f'[{CRI}.registry.configs."r".auth]\npassword = ["{CANARY}"]\n'],
@@ -415,6 +417,7 @@ def test_a_healthy_node_still_converges(tmp_path: Path, caplog: pytest.LogCaptur
 
 # --- symbolic links are written through, never replaced, never followed out of the root ------------
 
+@pytest.mark.subprocess  # the real containerd validates, where installed
 def test_a_linked_containerd_config_is_written_through_to_its_target(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
@@ -462,6 +465,7 @@ def test_a_link_never_leads_out_of_the_root(tmp_path: Path) -> None:
 
 # --- containerd imports are resolved as containerd resolves them -----------------------------------
 
+@pytest.mark.subprocess  # the real containerd validates, where installed
 def test_a_relative_import_is_read_from_the_config_directory(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
@@ -475,6 +479,7 @@ def test_a_relative_import_is_read_from_the_config_directory(tmp_path: Path) -> 
     assert 'imports = ["site/registry.toml", "/etc/containerd/conf.d/*.toml"]' in (root / CONTAINERD).read_text()
 
 
+@pytest.mark.subprocess  # the real containerd validates, where installed
 def test_dot_files_matched_by_an_import_glob_count(tmp_path: Path) -> None:
     """Go's glob matches dot files (containerd 1.6 loads conf.d/.x.toml): the drop-in inherits it."""
     root = tmp_path / "root"
@@ -531,6 +536,7 @@ def test_a_relative_glob_is_refused_with_containerd_1(
     assert snapshot(root) == before
 
 
+@pytest.mark.subprocess  # the real containerd validates
 @pytest.mark.skipif(shutil.which("containerd") is None, reason="needs the real containerd")
 def test_validation_sees_the_files_containerd_sees(tmp_path: Path) -> None:
     """A nested relative import that replaces the CRI table after our drop-in is caught by the real

@@ -14,8 +14,8 @@ import os
 import posixpath
 import re
 import stat
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from gpu_agent.errors import StageError
 from gpu_agent.host.paths import Root
@@ -29,8 +29,8 @@ _UNCHANGED = "nothing was changed"
 class ConfigFile:
     path: str  # the host path as the runtime names it
     target: str  # where it really is: links followed under the Root (== path when no link is involved)
-    text: str | None  # None: the file does not exist
-    mode: int | None = None  # permission bits of an existing file
+    text: Optional[str]  # None: the file does not exist
+    mode: Optional[int] = None  # permission bits of an existing file
 
     @property
     def shown(self) -> str:

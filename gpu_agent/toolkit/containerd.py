@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import tomlkit
 
@@ -65,14 +65,14 @@ CRI_SCHEMA = (
 
 @dataclass(frozen=True)
 class ContainerdFiles:
-    root_current: str | None
-    root_desired: str | None  # None: the root file does not exist and is not ours to create
-    drop_in_current: str | None
+    root_current: Optional[str]
+    root_desired: Optional[str]  # None: the root file does not exist and is not ours to create
+    drop_in_current: Optional[str]
     drop_in_desired: str
     version: int
     root_target: str = ROOT_CONFIG  # where the root config really is (a link is written through)
     drop_in_target: str = DROP_IN
-    root_mode: int | None = None
+    root_mode: Optional[int] = None
     imported: tuple[tuple[str, str], ...] = ()  # (path, text) of every other file containerd will load
     hiding: tuple[str, ...] = ()  # files loaded after the drop-in that replace its CRI table (1.x)
 
@@ -107,7 +107,8 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
     dormant = [path for path in after if path not in before and path != DROP_IN]
     if dormant:
         raise StageError(f"{ROOT_CONFIG} does not import {IMPORT_GLOB} yet, and adding it would also switch on "
-                         f"{', '.join(map(printable, dormant))}: import the glob yourself or move those files; {_UNCHANGED}")
+                         f"{', '.join(map(printable, dormant))}: import the glob yourself or move those files; "
+                         f"{_UNCHANGED}")
     drop_in = configfile.read(root, DROP_IN)
     order = list(after)
     plugin = CRI_PLUGIN[version]
@@ -158,7 +159,7 @@ class _Imports:
     def __init__(self, root: Root, version: int) -> None:
         self.root = root
         self.version = version
-        self.relative_globs: bool | None = None  # whether they mean what they say: asked when first met
+        self.relative_globs: Optional[bool] = None  # whether they mean what they say: asked when first met
         self.cache: dict[str, _File] = {DROP_IN: _File("", Document({}, DROP_IN))}  # ours: rewritten anyway
 
     def load(self, document: Document) -> dict[str, _File]:
@@ -204,7 +205,8 @@ class _Imports:
             if not written.startswith("/") and not self._relative_globs_allowed():
                 raise document.error(("imports",), f'the relative pattern "{printable(written)}" is read against '
                                      "containerd's working directory by the installed containerd 1.x (against the "
-                                     f"file's directory from 2.0): write it as an absolute path, e.g. {printable(path)}")
+                                     "file's directory from 2.0): write it as an absolute path, e.g. "
+                                     f"{printable(path)}")
             try:
                 paths += configfile.glob(self.root, path, assume=(DROP_IN,))
             except configfile.BadPattern:
@@ -276,7 +278,7 @@ def _minimal_root(version: int) -> str:
     return prefix + f'imports = ["{IMPORT_GLOB}"]  # added by gpu-agent\n'
 
 
-def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 30.0) -> str | None:
+def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 30.0) -> Optional[str]:
     """Ask the installed containerd what it makes of the desired files (`config dump`): None when the
     nvidia runtime is there with its BinaryName and the default runtime's options, else the problem.
     The files are copied to a scratch tree at their host paths, absolute imports pointed into it, so
@@ -297,7 +299,8 @@ def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 3
             copy_path = tree / path.lstrip("/")
             copy_path.parent.mkdir(parents=True, exist_ok=True)
             copy_path.write_text(_imports_under(text, str(tree)))
-        done = proc.run([containerd, "--config", str(tree / ROOT_CONFIG.lstrip("/")), "config", "dump"], timeout=timeout)
+        config = str(tree / ROOT_CONFIG.lstrip("/"))
+        done = proc.run([containerd, "--config", config, "config", "dump"], timeout=timeout)
         said = done.output.replace(str(tree), "")
     if done.returncode != 0:
         return f"containerd rejects the result: {_what_containerd_says(said, list(contents))}"

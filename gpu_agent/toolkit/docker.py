@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Optional
 
 from gpu_agent.errors import StageError
 from gpu_agent.toolkit.document import (
@@ -37,7 +37,8 @@ SCHEMA = (
 _UNCHANGED = "nothing was changed"
 
 
-def desired(current: str | None, binary: str, enable_cdi: bool, set_as_default: bool, name: str = DAEMON_JSON) -> str:
+def desired(current: Optional[str], binary: str, enable_cdi: bool, set_as_default: bool,
+            name: str = DAEMON_JSON) -> str:
     """The file with the nvidia runtime; `current` itself when nothing needs to change."""
     document = parse(current, name) if current is not None else Document({}, name, json_terms=True)
     document.check(SCHEMA)
@@ -108,7 +109,7 @@ _STRING_OR_BRACKET = re.compile(_STRING + r"|[\[\]{}]", re.DOTALL)
 _STRING_OR_CONSTANT = re.compile(_STRING + r"|NaN|-?Infinity", re.DOTALL)
 
 
-def _nesting(text: str) -> int | None:
+def _nesting(text: str) -> Optional[int]:
     """The offset where arrays and objects nest more than MAX_DEPTH deep, if they do (json's own
     parser would hit Python's recursion limit on deep enough input)."""
     depth = 0
@@ -123,7 +124,7 @@ def _nesting(text: str) -> int | None:
     return None
 
 
-def _first_constant(text: str) -> str | None:
+def _first_constant(text: str) -> Optional[str]:
     for match in _STRING_OR_CONSTANT.finditer(text):
         if not match.group().startswith('"'):
             return _position(text, match.start())

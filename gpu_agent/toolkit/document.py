@@ -6,8 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from gpu_agent.errors import StageError
 
@@ -23,7 +22,7 @@ Schema = Sequence[tuple[Sequence[str], str]]  # key paths ("*": every key of a t
 
 
 class Document:
-    def __init__(self, data: Any, name: str, line_of: Callable[[Sequence[str]], int | None] = lambda path: None,
+    def __init__(self, data: Any, name: str, line_of: Callable[[Sequence[str]], Optional[int]] = lambda path: None,
                  json_terms: bool = False) -> None:
         self.data = data
         self.name = name
@@ -50,7 +49,7 @@ class Document:
     def table(self, *path: str) -> dict[str, Any]:
         return self.get(path, TABLE) or {}
 
-    def string(self, *path: str) -> str | None:
+    def string(self, *path: str) -> Optional[str]:
         return self.get(path, STRING)
 
     def strings(self, *path: str) -> list[str]:

@@ -1,7 +1,7 @@
 """/etc/nvidia-container-runtime/config.toml: only the keys the agent's config asks for, the rest kept."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import tomlkit
 from tomlkit.exceptions import ConvertError
@@ -13,7 +13,7 @@ from gpu_agent.toolkit.tomldoc import load
 PATH = "/etc/nvidia-container-runtime/config.toml"
 
 
-def desired(current: str | None, settings: dict[str, Any], name: str = PATH) -> str | None:
+def desired(current: Optional[str], settings: dict[str, Any], name: str = PATH) -> Optional[str]:
     """`settings` maps dotted keys (nvidia-container-runtime.mode) to values; None when there is nothing to set."""
     if not settings:
         return None

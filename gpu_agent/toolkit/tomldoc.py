@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Iterator, Optional, Sequence
 
 import tomlkit
 from tomlkit import exceptions
@@ -47,7 +46,7 @@ def parse(text: str, name: str) -> dict[str, Any]:
     except RecursionError:
         raise StageError(f"{name}: not valid TOML: nested more than {MAX_DEPTH} levels deep; "
                          "nothing was changed") from None
-    except Exception as exc:  # noqa: BLE001  # the parser failed on input it did not foresee: the file is at fault
+    except Exception as exc:  # the parser failed on input it did not foresee: the file is at fault
         raise StageError(f"{name}: not valid TOML (the parser gave up: {type(exc).__name__}); "
                          "nothing was changed") from None
     if too_deep(data):
@@ -73,7 +72,7 @@ _HEADER = re.compile(r"\s*\[\[?(.+?)\]\]?\s*(?:#.*)?")
 _ASSIGNMENT = re.compile(r"\s*([^\s=#\[][^=]*?)\s*=")
 
 
-def line_of(text: str, path: Sequence[str]) -> int | None:
+def line_of(text: str, path: Sequence[str]) -> Optional[int]:
     """The line defining the key at `path` (a table header or an assignment), or the line of the
     assignment whose inline value holds it; None when it cannot be told."""
     wanted = tuple(path)
@@ -86,7 +85,7 @@ def line_of(text: str, path: Sequence[str]) -> int | None:
     return enclosing
 
 
-def _redefined_line(text: str) -> int | None:
+def _redefined_line(text: str) -> Optional[int]:
     """The first line that defines a key (or a table) a line before it defined already."""
     seen: set[tuple[str, ...]] = set()
     for number, full, kind in _definitions(text):
@@ -119,14 +118,14 @@ def _definitions(text: str) -> Iterator[tuple[int, tuple[str, ...], str]]:
 _SIMPLE_PART = re.compile(r'\s*(?:([A-Za-z0-9_-]+)|"([^"\\]*)"|\'([^\']*)\')\s*')
 
 
-def _key(text: str) -> tuple[str, ...] | None:
+def _key(text: str) -> Optional[tuple[str, ...]]:
     """A TOML key (dotted, quoted) as its parts; None when it is not one."""
     simple = [_SIMPLE_PART.fullmatch(part) for part in text.split(".")]
     if all(simple):  # the common case, without a parser (no escapes, no dots inside quotes)
         return tuple(next(group for group in match.groups() if group is not None) for match in simple if match)
     try:
         data: Any = tomlkit.parse(f"{text} = 0\n").unwrap()
-    except Exception:  # noqa: BLE001  # not a key, whatever the parser makes of it
+    except Exception:  # not a key, whatever the parser makes of it
         return None
     parts = []
     while isinstance(data, dict) and len(data) == 1:
