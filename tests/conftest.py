@@ -50,7 +50,6 @@ class _Guard:
         if not cls.active:
             return
         if event in _SUBPROCESS_EVENTS and not cls.subprocess:
-            cls.active = False  # let pytest report it
             raise RuntimeError(f"this test started a real process ({event} {args[:2]!r}); mark it "
                                "@pytest.mark.subprocess if it tests the process contract, or test in-process")
         index = _PATH_EVENTS.get(event)
@@ -63,7 +62,6 @@ class _Guard:
             return  # a file descriptor, or relative to one the test already opened
         real = os.path.realpath(os.fspath(path))
         if not any(real == allowed or real.startswith(allowed.rstrip("/") + "/") for allowed in _ALWAYS):
-            cls.active = False
             raise RuntimeError(f"this test touched the host path {real} ({event}); use a tmp root, or mark "
                                "it @pytest.mark.host_paths")
 
