@@ -475,3 +475,18 @@ def test_backups_are_whole_keep_the_mode_and_are_not_repeated(root: Path) -> Non
     assert (first.read_text(), second.read_text()) == ("a = 1\n", "a = 2\n")
     assert first.stat().st_mode & 0o777 == 0o600
     assert backup(Root(root), "/etc/containerd/missing.toml") is None
+
+
+def test_the_agents_own_writes_are_known_through_symlinks(root: Path) -> None:
+    from gpu_agent.host.files import atomic_write, remove, stamp_of, written_by_us
+
+    target = root / "srv/config/daemon.json"
+    link = root / "etc/docker/daemon.json"
+    link.parent.mkdir(parents=True)
+    atomic_write(target, "{}\n")
+    link.symlink_to(target)
+    assert written_by_us(link, stamp_of(link)) and written_by_us(target, stamp_of(target))
+    target.write_text('{"debug": true}\n')  # someone else's write
+    assert not written_by_us(link, stamp_of(link))
+    remove(target)
+    assert written_by_us(link, stamp_of(link))  # gone, and the agent removed it

@@ -23,7 +23,8 @@ Stamp = tuple[int, int, int]  # inode, mtime in ns, size: changes with every wri
 
 class _OwnWrites:
     """The stamps of the files this process last wrote or removed, so that watchers can tell the
-    agent's own writes from someone else's. Bounded: the oldest paths are forgotten first."""
+    agent's own writes from someone else's. Keyed by the real path: a watcher looking through a
+    symlink finds the target the agent wrote. Bounded: the oldest paths are forgotten first."""
 
     def __init__(self, capacity: int = 1024) -> None:
         self._stamps: OrderedDict[str, Optional[Stamp]] = OrderedDict()
@@ -31,15 +32,17 @@ class _OwnWrites:
         self._lock = threading.Lock()
 
     def record(self, path: Path, stamp: Optional[Stamp]) -> None:
+        key = os.path.join(os.path.realpath(path.parent), path.name)  # the file itself, not where a link led
         with self._lock:
-            self._stamps[str(path)] = stamp
-            self._stamps.move_to_end(str(path))
+            self._stamps[key] = stamp
+            self._stamps.move_to_end(key)
             while len(self._stamps) > self._capacity:
                 self._stamps.popitem(last=False)
 
     def ours(self, path: Path, stamp: Optional[Stamp]) -> bool:
+        key = os.path.realpath(path)
         with self._lock:
-            return str(path) in self._stamps and self._stamps[str(path)] == stamp
+            return key in self._stamps and self._stamps[key] == stamp
 
 
 _own_writes = _OwnWrites()

@@ -21,7 +21,7 @@ from gpu_agent.plan import InstallPackage, RemoveFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 from gpu_agent.errors import AgentError
-from gpu_agent.toolkit import cdi, containerd, crio, docker, runtime_config, transaction
+from gpu_agent.toolkit import cdi, configfile, containerd, crio, docker, runtime_config, transaction
 from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
@@ -91,7 +91,6 @@ class Toolkit(Stage):
         state.version = self._version()
         if state.missing or self._too_old(state.version):
             return state
-        state.strays = self._strays()
         try:
             owed = self.ledger.pending_restarts()
         except AgentError as exc:
@@ -103,6 +102,7 @@ class Toolkit(Stage):
                 state.changes.append(self._cdi_spec())
             except AgentError as exc:
                 state.errors["cdi"] = str(exc)
+        state.strays = self._strays([item.path for change in state.changes for item in change.files])
         return state
 
     def _runtime(self, name: str, owed: set[str], errors: dict[str, str]) -> RuntimeChange:
@@ -120,16 +120,13 @@ class Toolkit(Stage):
             errors[name] = str(exc)
         return change
 
-    def _managed(self) -> list[str]:
-        """Every file the stage writes."""
-        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
-                OCI_HOOK, self.settings.cdi.path, ledger_file.PATH]
-
-    def _strays(self) -> list[str]:
-        """Host paths of the temp files atomic_write left beside the files the stage writes, and in the
-        backups directory, when a crash interrupted it."""
-        by_directory: dict[str, list[str]] = {d: [] for d in (BACKUP_DIR,)}
-        for path in self._managed():
+    def _strays(self, targets: list[str]) -> list[str]:
+        """Host paths of the temp files atomic_write left, when a crash interrupted it, beside the files
+        the stage writes (`targets`: where their symlinks lead) and in the backups directory."""
+        managed = [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
+                   OCI_HOOK, self.settings.cdi.path, ledger_file.PATH]
+        by_directory: dict[str, list[str]] = {BACKUP_DIR: []}
+        for path in dict.fromkeys(managed + targets):
             by_directory.setdefault(posixpath.dirname(path), []).append(posixpath.basename(path))
         return [posixpath.join(directory, found.name) for directory, names in by_directory.items()
                 for found in stray_temps(self.root(directory), names or None)]
@@ -148,8 +145,8 @@ class Toolkit(Stage):
             spec = cdi.render(cdi.build_spec(inventory, self.root, files))
         except AgentError as exc:
             raise StageError(f"CDI spec: {exc}") from None
-        path = self.settings.cdi.path
-        return RuntimeChange("cdi", None, None, [FileChange(path, read_text(self.root(path)), spec, foreign=False)])
+        current = configfile.read(self.root, self.settings.cdi.path)
+        return RuntimeChange("cdi", None, None, [FileChange(current.target, current.text, spec, foreign=False)])
 
     def _runtimes(self) -> list[str]:
         if self.settings.runtimes != "auto":
@@ -182,11 +179,10 @@ class Toolkit(Stage):
     def _containerd(self) -> list[FileChange]:
         files = containerd.plan(self.root, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default)
         # The drop-in copies the CRI table, registry credentials included: it gets the root file's mode.
-        root_mode = self.root(containerd.ROOT_CONFIG).stat().st_mode & 0o777 if files.root_current is not None else None
-        changes = [FileChange(containerd.DROP_IN, files.drop_in_current, files.drop_in_desired, foreign=False,
-                              mode=root_mode)]
+        changes = [FileChange(files.drop_in_target, files.drop_in_current, files.drop_in_desired, foreign=False,
+                              mode=files.root_mode)]
         if files.root_desired is not None:
-            changes.insert(0, FileChange(containerd.ROOT_CONFIG, files.root_current, files.root_desired, foreign=True))
+            changes.insert(0, FileChange(files.root_target, files.root_current, files.root_desired, foreign=True))
         if any(change.needed for change in changes):
             self._validate_containerd(files)
         return changes
@@ -201,27 +197,27 @@ class Toolkit(Stage):
         except containerd.Skipped:
             return
         if problem:
-            hiding = containerd.hidden_by(self.root, files.version)
-            culprit = f" ({', '.join(hiding)} sorts after {containerd.DROP_IN} and replaces its CRI table)" if hiding else ""
-            raise StageError(f"{containerd.ROOT_CONFIG}: {problem}{culprit}; nothing was changed")
+            raise StageError(f"{containerd.ROOT_CONFIG}: {problem}; nothing was changed")
 
     def _docker(self) -> list[FileChange]:
-        current = read_text(self.root(docker.DAEMON_JSON))
-        wanted = docker.desired(current, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default)
-        return [FileChange(docker.DAEMON_JSON, current, wanted, foreign=True)]
+        current = configfile.read(self.root, docker.DAEMON_JSON)
+        wanted = docker.desired(current.text, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default,
+                                current.shown)
+        return [FileChange(current.target, current.text, wanted, foreign=True)]
 
     def _crio(self) -> list[FileChange]:
         wanted = crio.desired(self.root, self.settings.runtime_binary, self.settings.set_as_default)
-        return [FileChange(crio.DROP_IN, read_text(self.root(crio.DROP_IN)), wanted, foreign=False)]
+        current = configfile.read(self.root, crio.DROP_IN)
+        return [FileChange(current.target, current.text, wanted, foreign=False)]
 
     def _own_files(self) -> list[RuntimeChange]:
         """Files read by the toolkit itself at each container start: no restart needed."""
         changes = []
-        current = read_text(self.root(runtime_config.PATH))
-        wanted = runtime_config.desired(current, self.settings.runtime_config)
+        current = configfile.read(self.root, runtime_config.PATH)
+        wanted = runtime_config.desired(current.text, self.settings.runtime_config, current.shown)
         if wanted is not None:
             changes.append(RuntimeChange("nvidia-container-runtime", None, None,
-                                         [FileChange(runtime_config.PATH, current, wanted, foreign=True)]))
+                                         [FileChange(current.target, current.text, wanted, foreign=True)]))
         if self.settings.oci_hook:
             hook = json.dumps({
                 "version": "1.0.0",
@@ -230,8 +226,9 @@ class Toolkit(Stage):
                 "when": {"always": True, "commands": [".*"]},
                 "stages": ["prestart"],
             }, indent=2) + "\n"
+            current = configfile.read(self.root, OCI_HOOK)
             changes.append(RuntimeChange("oci-hook", None, None,
-                                         [FileChange(OCI_HOOK, read_text(self.root(OCI_HOOK)), hook, foreign=False)]))
+                                         [FileChange(current.target, current.text, hook, foreign=False)]))
         return changes
 
     # --- plan, apply, verify ---------------------------------------------------------------------
