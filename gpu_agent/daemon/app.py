@@ -54,16 +54,16 @@ class Runtime:
         services: ServiceControl
         packages: PackageInstaller
         if simulate:
-            from gpu_agent.sim.fake import FakeNvml
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
             from gpu_agent.sim.packages import SimPackages
+            from gpu_agent.sim.replay import simulated_nvml
             from gpu_agent.sim.services import SimServices
 
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
-            nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
+            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
             services = SimServices(machine)
             packages = SimPackages(machine, root)
