@@ -25,6 +25,9 @@ class StageStatus:
     next_retry: Optional[float] = None
     changes_applied: int = 0
     gates_readiness: bool = True
+    facts: dict[str, Any] = field(default_factory=dict)
+    last_plan: list[dict[str, Any]] = field(default_factory=list)  # the typed changes the stage last made
+    last_plan_at: Optional[float] = None
 
     def record(self, state: str, message: str, error: Optional[str], now: float) -> None:
         if (state, message) != (self.state, self.message):
@@ -66,6 +69,22 @@ class AgentState:
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     reconciles: int = 0
     first_reconcile_done: bool = False
+
+    # --- stage results (written by the engine only) ----------------------------------------------
+
+    def output(self, name: str) -> Any:
+        """A stage result as last recorded: inventory (discovery), pci_gpus (driver)."""
+        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus}[name]
+
+    def record_output(self, name: str, value: Any) -> None:
+        if name == "inventory":
+            self.inventory = value
+            if value is not None:
+                self.last_inventory = value
+        elif name == "pci_gpus":
+            self.pci_gpus = value
+        else:
+            raise ValueError(f"no stage result called {name!r}")
 
     # --- readiness -----------------------------------------------------------------------------
 
@@ -138,14 +157,22 @@ class AgentState:
                 "loaded_at": self.config_loaded_at,
                 "reload_error": self.config_error,
             },
-            "driver": (
-                {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else None
-            ),
+            "driver": self._driver_json(),
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
         }
+
+    def _driver_json(self) -> Optional[dict[str, Any]]:
+        """What NVML says of the driver, and what the driver stage saw of its kernel module."""
+        inventory = self.inventory
+        stage = self.stages.get("driver")
+        facts = stage.facts if stage is not None else {}
+        if inventory is None and not facts:
+            return None
+        versions = {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else {}
+        return {**versions, **{key: value for key, value in facts.items() if key != "module_version"}}
 
     def _gpu_json(self, gpu: Any) -> dict[str, Any]:
         health = self.health.get(gpu.uuid, GpuHealth())

@@ -30,10 +30,12 @@ def test_cold_dgx_a100_is_loaded_in_order_with_device_nodes(agent, root: Path) -
     daemon = agent("dgx-a100")
     assert "STATUS=ready: 8x A100-SXM4-40GB, driver 550.90.07" in daemon.wait_ready()
     assert daemon.get("/readyz")[0] == 200
-    # Mellanox NICs are present, so nvidia_peermem (auto) is loaded too, after ib_core was already there.
-    assert loaded_names(root) == ["ib_core", "mlx5_ib", "nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_peermem"]
+    # Mellanox NICs are present, so nvidia_peermem (auto) is loaded too, after ib_core was already there;
+    # nvidia_modeset (auto) only comes with nvidia_drm, which is off.
+    assert loaded_names(root) == ["ib_core", "mlx5_ib", "nvidia", "nvidia_uvm", "nvidia_peermem"]
+    assert not (root / KERNEL / "dev/nvidia-modeset").exists()
     for path, major, minor in (("/dev/nvidiactl", 195, 255), ("/dev/nvidia0", 195, 0), ("/dev/nvidia7", 195, 7),
-                               ("/dev/nvidia-modeset", 195, 254), ("/dev/nvidia-uvm", 510, 0),
+                               ("/dev/nvidia-uvm", 510, 0),
                                ("/dev/nvidia-uvm-tools", 510, 1), ("/dev/nvidia-caps/nvidia-cap1", 237, 1)):
         st = node(root, path)
         assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (major, minor), path
@@ -41,9 +43,12 @@ def test_cold_dgx_a100_is_loaded_in_order_with_device_nodes(agent, root: Path) -
         assert os.path.realpath(link) == os.path.realpath(root / KERNEL / path.lstrip("/")), link
     assert stat.S_IMODE(node(root, "/dev/nvidia0").st_mode) == 0o666
     assert stat.S_IMODE(node(root, "/dev/nvidia-caps/nvidia-cap1").st_mode) == 0o400
-    stage = json.loads(daemon.get("/status")[1])["stages"][0]
+    status = json.loads(daemon.get("/status")[1])
+    stage, features = status["stages"][:2]
     assert stage["name"] == "driver" and stage["state"] == "ok"
     assert "6 NVSwitches (fabric manager needed)" in stage["message"]
+    assert stage["facts"]["loaded_by"] == "gpu-agent" and status["driver"]["loaded_by"] == "gpu-agent"
+    assert features == {**features, "name": "driver-features", "state": "ok", "message": "nvidia_peermem loaded"}
 
 
 def test_second_pass_runs_no_modprobe_and_no_mknod(root: Path) -> None:
@@ -58,8 +63,8 @@ def test_second_pass_runs_no_modprobe_and_no_mknod(root: Path) -> None:
 def test_check_reports_what_apply_would_do_and_changes_nothing(root: Path) -> None:
     result = cli("--simulate", "dgx-h100", "check", root=root)
     assert result.returncode == 2
-    assert "    needs: modprobe nvidia\n    needs: modprobe nvidia_uvm\n    needs: modprobe nvidia_modeset\n" \
-           "    needs: modprobe nvidia_peermem\n" in result.stdout
+    assert "    needs: modprobe nvidia\n    needs: modprobe nvidia_uvm\n" in result.stdout
+    assert "[-] driver-features: waiting for driver" in result.stdout
     assert "nvidia" not in loaded_names(root)
     assert not (root / KERNEL / "dev").exists()
 
@@ -205,13 +210,13 @@ def libcuda(root: Path, tmp_path: Path) -> Path:
     return target
 
 
-def test_cuda_validation_is_skipped_with_a_note_without_libcuda(root: Path, write_config) -> None:
+def test_cuda_validation_fails_clearly_without_libcuda(root: Path, write_config) -> None:
     cli("--simulate", "t4", "sim", "show", root=root)
     for library in (root / "usr/lib/x86_64-linux-gnu").glob("libcuda.so*"):
         library.unlink()
     config = write_config({"driver": {"validate_cuda": True}})
     result = cli("--simulate", "t4", "apply", "--once", root=root, config=config)
-    assert result.returncode == 0 and "CUDA validation skipped: libcuda.so.1 not found under" in result.stdout
+    assert result.returncode == 2 and "leads to no libcuda.so.1" in result.stdout
 
 
 def test_cuda_validation_runs_through_libcuda(root: Path, write_config, libcuda: Path) -> None:
@@ -247,6 +252,9 @@ def test_check_shows_the_nouveau_finding_even_with_a_file_to_write(root: Path, w
     config = write_config({"driver": {"blacklist_nouveau": True}})
     result = cli("--simulate", "t4", "check", root=root, config=config)
     assert "needs: write /etc/modprobe.d/blacklist-nouveau.conf" in result.stdout
+    planned = json.loads(cli("--simulate", "t4", "check", "--json", root=root, config=config).stdout)["stages"][0]
+    assert planned["changes"][0]["kind"] == "WriteFile" and planned["changes"][0]["replaces"] is None
+    assert planned["changes"][0]["path"] == "/etc/modprobe.d/blacklist-nouveau.conf"
     assert "now: the nouveau driver is loaded and holds the GPUs" in result.stdout
 
 

@@ -24,7 +24,8 @@ def main(args: argparse.Namespace) -> int:
         runs = asyncio.run(runtime.engine.reconcile(dry_run=True))
     finally:
         runtime.nvml.close()
-    ready = all(run.state == "ok" for run in runs if run.stage != "labels")
+    runtime.engine.record_dry_run(runs)
+    ready, _ = runtime.state.readiness(within_pass=True)
     labels = compute(runtime.state.inventory, ready, loaded.config.kubernetes.mig_strategy, machine_name(runtime.root))
     if args.json:
         print(json.dumps(labels, indent=2, sort_keys=True))

@@ -14,6 +14,11 @@ _VALUE = re.compile(r"^[^\s#]+$")
 
 
 class DriverModules(Section):
+    """Feature modules beyond nvidia and nvidia_uvm, which every GPU node needs. A feature module that
+    cannot be loaded degrades the agent; it does not make the GPUs unready."""
+
+    nvidia_modeset: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Display mode setting; auto: only when nvidia_drm is on (it needs it).")
     nvidia_peermem: Union[bool, Literal["auto"]] = Field(
         "auto", description="GPUDirect RDMA; auto: only when a Mellanox (0x15b3) NIC is present.")
     nvidia_fs: bool = Field(False, description="GPUDirect Storage.")

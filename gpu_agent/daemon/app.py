@@ -21,6 +21,7 @@ from gpu_agent.nvml.client import Nvml
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
+from gpu_agent.stages.driver_features import DriverFeatures
 from gpu_agent.stages.toolkit import Toolkit
 from gpu_agent.toolkit.packages import PackageInstaller, SystemPackages
 from gpu_agent.toolkit.services import ServiceControl, Systemd
@@ -85,12 +86,19 @@ class Runtime:
         return runtime
 
     def stages(self, config: AgentConfig) -> list[Stage]:
-        """The enabled stages, in the order they run."""
+        """The enabled stages, in the order they run.
+
+        The dependency rule: a stage requires another only when it cannot do its own work without that
+        stage's result, never to wait for "the node to be ready". Discovery needs NVML to answer, not
+        the driver stage to be ok: on a node whose driver works but whose driver stage fails (a missing
+        /dev/char link, a feature module), /status and /metrics still show every GPU NVML sees, and
+        /readyz names the failing stage. A stage that waits for a failed one reports `waiting`, never ok.
+        """
         stages: list[Stage] = []
         if config.driver.enabled:
-            stages.append(Driver(self.root, self.nvml, self.loader, config.driver, self.state))
-        stages.append(Discovery(self.nvml, self.state, config.discovery,
-                                requires=("driver",) if config.driver.enabled else ()))
+            stages.append(Driver(self.root, self.nvml, self.loader, config.driver))
+            stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
+        stages.append(Discovery(self.nvml, config.discovery))
         if config.toolkit.enabled:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
         kube = config.kubernetes

@@ -21,6 +21,7 @@ _DCGM_FIELDS = (
     ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "utilization_percent"),
     ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "memory_used_mib"),
     ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", "memory_free_mib"),
+    ("DCGM_FI_DEV_FB_RESERVED", "Framebuffer memory reserved (in MiB).", "memory_reserved_mib"),
     ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "temperature_c"),
     ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "power_w"),
 )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 from pathlib import Path
 from typing import Optional
 
@@ -28,7 +29,7 @@ class Root:
         relative = normal.lstrip("/")
         return self.path / relative if relative else self.path
 
-    def with_kernel(self, kernel: Path) -> "Root":
+    def with_kernel(self, kernel: Path) -> Root:
         return Root(self.path, kernel)
 
     @property
@@ -42,3 +43,28 @@ class Root:
 
     def __repr__(self) -> str:
         return f"Root({str(self.path)!r}{f', kernel={str(self.kernel)!r}' if self.kernel else ''})"
+
+
+def resolve(root: Root, path: str, hops: int = 40) -> Optional[str]:
+    """The host path `path` leads to, following symlinks (absolute ones under `root`); None if nothing is there."""
+    pending = [part for part in path.split("/") if part]
+    done = "/"
+    while pending:
+        part = pending.pop(0)
+        if part in (".", ".."):
+            done = posixpath.dirname(done) if part == ".." else done
+            continue
+        candidate = posixpath.join(done, part)
+        local = root(candidate)
+        if local.is_symlink():
+            hops -= 1
+            if hops < 0:
+                return None
+            target = os.readlink(local)
+            done = "/" if target.startswith("/") else done
+            pending = [p for p in target.split("/") if p] + pending
+        elif os.path.lexists(local):
+            done = candidate
+        else:
+            return None
+    return done

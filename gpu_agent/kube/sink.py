@@ -19,6 +19,7 @@ from gpu_agent.host.files import atomic_write, read_text
 from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
+from gpu_agent.plan import PatchNode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 
@@ -42,6 +43,7 @@ class SinkState:
 
 class KubeSink(Stage):
     name = "labels"
+    consumes = ("inventory", "pci_gpus")
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
     def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig) -> None:
@@ -59,10 +61,10 @@ class KubeSink(Stage):
         ready, failing = self.agent.readiness(within_pass=True)
         # A failing discovery (an NVML hiccup) must not strip the GPU labels nodeSelectors match on:
         # they stay as last seen, with gpu-agent.ready=false, until the GPUs are seen again.
-        inventory = self.agent.inventory or self.agent.last_inventory
+        inventory = self.inputs.get("inventory") or self.agent.last_inventory
         node = self._current_node()
         wanted = gfd.compute(inventory, ready, self.settings.mig_strategy, machine_name(self.root))
-        if inventory is None and self.agent.pci_gpus != 0:
+        if inventory is None and self.inputs.get("pci_gpus") != 0:
             wanted = {**_owned_labels(node), **wanted}  # GPUs on the bus, not seen yet: keep what the node has
         if ready:
             condition = {"status": "True", "reason": "GPUsReady",
@@ -88,17 +90,19 @@ class KubeSink(Stage):
         patch = self._labels_patch(state)
         if patch:
             changed = sorted(patch["metadata"]["labels"])
-            actions.append(Action(f"patch node {self.node_name} labels: {', '.join(changed)}",
-                                  lambda: self._patch(patch, status=False)))
+            actions.append(Action.of(PatchNode(self.node_name, "labels", ", ".join(changed)),
+                                     lambda: self._patch(patch, status=False)))
         condition = self._condition_patch(state)
         if condition:
             new = condition["status"]["conditions"][0]
-            actions.append(Action(f"patch node {self.node_name} condition {CONDITION}={new['status']} ({new['reason']})",
-                                  lambda: self._patch(condition, status=True)))
+            actions.append(Action.of(PatchNode(self.node_name, "condition", f"{CONDITION}={new['status']} ({new['reason']})"),
+                                     lambda: self._patch(condition, status=True)))
         if self.settings.nfd_feature_file:
             text = "".join(f"{key}={value}\n" for key, value in sorted(state.labels.items()))
-            if read_text(self.root(NFD_FILE)) != text:
-                actions.append(Action(f"write {NFD_FILE}", lambda: atomic_write(self.root(NFD_FILE), text)))
+            current = read_text(self.root(NFD_FILE))
+            if current != text:
+                actions.append(Action.of(WriteFile.of(NFD_FILE, text, current),
+                                         lambda: atomic_write(self.root(NFD_FILE), text)))
         return actions
 
     def _labels_patch(self, state: SinkState) -> Optional[dict[str, Any]]:

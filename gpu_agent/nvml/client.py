@@ -19,6 +19,8 @@ from gpu_agent.nvml.model import Gpu, GpuSample, Inventory, MigDevice, MigProfil
 
 log = logging.getLogger(__name__)
 
+MIB = 1024 * 1024
+
 # NVML_GPU_INSTANCE_PROFILE_* constants worth asking about, in the order nvidia-smi lists them.
 _GI_PROFILE_CONSTANTS = (
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE",
@@ -126,6 +128,7 @@ class Nvml:
         self._init_lock = threading.Lock()
         self._initialised = False
         self._static: dict[str, tuple[MigProfile, ...]] = {}  # MIG profile tables by GPU UUID
+        self._memory_v2: Optional[bool] = None  # whether the driver has NVML's v2 memory info
 
     @property
     def call_timeout(self) -> float:
@@ -289,12 +292,29 @@ class Nvml:
         read("temperature_c", "nvmlDeviceGetTemperature", self.lib.NVML_TEMPERATURE_GPU, convert=float)
         read("power_w", "nvmlDeviceGetPowerUsage", convert=lambda mw: mw / 1000.0)
         try:
-            memory = self._nvml("nvmlDeviceGetMemoryInfo", handle)
-            values["memory_used_mib"] = memory.used / (1024 * 1024)
-            values["memory_free_mib"] = memory.free / (1024 * 1024)
+            memory = self._memory(handle)
         except self.lib.NVMLError_NotSupported:
             pass
+        else:
+            values["memory_used_mib"] = memory.used / MIB
+            values["memory_free_mib"] = memory.free / MIB
+            if hasattr(memory, "reserved"):
+                values["memory_reserved_mib"] = memory.reserved / MIB
         return GpuSample(**values)
+
+    def _memory(self, handle: Any) -> Any:
+        """NVML's v2 memory info, which reports the driver's reserved memory apart from `used` (v1
+        counts it as used: 480 MiB on an idle H100), or v1 where the driver has no v2."""
+        if self._memory_v2 is not False:
+            try:
+                memory = self._nvml("nvmlDeviceGetMemoryInfo", handle, self.lib.nvmlMemory_v2)
+            except (self.lib.NVMLError_FunctionNotFound, self.lib.NVMLError_ArgumentVersionMismatch,
+                    self.lib.NVMLError_NotSupported):
+                self._memory_v2 = False
+            else:
+                self._memory_v2 = True
+                return memory
+        return self._nvml("nvmlDeviceGetMemoryInfo", handle)
 
     def driver_version(self) -> str:
         self.init()

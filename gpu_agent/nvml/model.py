@@ -82,6 +82,7 @@ class GpuSample:
     utilization_percent: Optional[float] = None
     memory_used_mib: Optional[float] = None
     memory_free_mib: Optional[float] = None
+    memory_reserved_mib: Optional[float] = None  # None where the driver has no NVML v2 memory info
     temperature_c: Optional[float] = None
     power_w: Optional[float] = None
 

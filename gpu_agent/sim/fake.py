@@ -280,9 +280,10 @@ class FakeNvml:
 
     @_nvml
     def nvmlDeviceGetMemoryInfo(self, handle: SimHandle, version: Any = None) -> Any:
+        """v1 counts the driver's reserved memory as used; v2 (pynvml.nvmlMemory_v2) reports it apart."""
         gpu = self._gpu(handle)
-        memory = pynvml.c_nvmlMemory_t()
         mib = 1024 * 1024
+        reserved = 0
         if handle.mig is not None:
             instance = self._mig_instance(handle)
             profile = self._profile_by_id(self._model(gpu), instance["profile_id"])
@@ -290,9 +291,19 @@ class FakeNvml:
             used = sum(p["used_mib"] for p in gpu["processes"] if p.get("gpu_instance_id") == instance["gi_id"])
         else:
             total = self._model(gpu).memory_mib
-            used = 4 + sum(p["used_mib"] for p in gpu["processes"])
-        used = min(used, total)
-        memory.total, memory.used, memory.free = total * mib, used * mib, (total - used) * mib
+            reserved = self._model(gpu).reserved_mib
+            used = sum(p["used_mib"] for p in gpu["processes"])
+        used = min(used, total - reserved)
+        free = total - reserved - used
+        if version:
+            if version != pynvml.nvmlMemory_v2:
+                raise error_class("ArgumentVersionMismatch")()
+            memory = pynvml.c_nvmlMemory_v2_t()
+            memory.version, memory.reserved = version, reserved * mib
+        else:
+            memory = pynvml.c_nvmlMemory_t()
+            used += reserved
+        memory.total, memory.used, memory.free = total * mib, used * mib, free * mib
         return memory
 
     @_nvml

@@ -38,6 +38,7 @@ class GpuModel:
     idle_power_w: int
     max_power_w: int
     mig_profiles: tuple[GiProfile, ...] = ()
+    reserved_mib: int = 0  # the driver's own memory, which NVML's v1 memory info counts as used
 
     @property
     def mig_capable(self) -> bool:
@@ -68,6 +69,7 @@ A100_SXM4_40GB = GpuModel(
 
 H100_80GB_HBM3 = GpuModel(
     key="H100-80GB-HBM3", name="NVIDIA H100 80GB HBM3", memory_mib=81559, compute_capability=(9, 0),
+    reserved_mib=480,  # an idle H100 with driver 580 (../shared/hardware/h100-580-vm, NVML memory v2)
     pci_device_id=0x233010DE, idle_temp_c=29, idle_power_w=70, max_power_w=700,
     mig_profiles=(
         _p("1_SLICE", 19, "1g.10gb", 1, 7, 16, 9984, 1, 1, 0, 1, 0, _SEVEN, 1),

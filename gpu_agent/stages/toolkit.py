@@ -13,6 +13,7 @@ from gpu_agent.errors import StageError
 from gpu_agent.host import proc
 from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
+from gpu_agent.plan import InstallPackage
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 from gpu_agent.errors import AgentError
@@ -55,6 +56,7 @@ class ToolkitState:
 class Toolkit(Stage):
     name = "toolkit"
     requires = ("discovery",)
+    consumes = ("inventory",)
 
     def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller, state: AgentState,
                  settings: ToolkitConfig) -> None:
@@ -90,7 +92,7 @@ class Toolkit(Stage):
     def _cdi_spec(self) -> RuntimeChange:
         """The CDI spec for the GPUs discovery found; rewritten only when its content changes
         (a driver update, a MIG change, device majors after a driver reload)."""
-        inventory = self.agent.inventory
+        inventory = self.inputs.get("inventory")
         if inventory is None:
             raise StageError("no GPU inventory for the CDI spec")
         try:
@@ -193,8 +195,8 @@ class Toolkit(Stage):
 
     def plan(self, state: ToolkitState) -> list[Action]:
         if state.missing and self.settings.install:
-            return [Action(f"install {PACKAGE} ({', '.join(state.missing)} missing)", self._install)]
-        return [Action(change.summary(), lambda c=change: self._apply(c),
+            return [Action.of(InstallPackage(PACKAGE, f"{', '.join(state.missing)} missing"), self._install)]
+        return [Action(change.planned(), lambda c=change: self._apply(c),
                        diff="".join(item.diff() for item in change.needed))
                 for change in state.changes if change.needed]
 

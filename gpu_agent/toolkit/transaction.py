@@ -8,6 +8,7 @@ from typing import Callable, Optional
 from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host.files import atomic_write, backup, unified_diff
 from gpu_agent.host.paths import Root
+from gpu_agent.plan import Change, RestartService, WriteFile
 from gpu_agent.toolkit.services import ServiceControl
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,11 @@ class RuntimeChange:
     @property
     def needed(self) -> list[FileChange]:
         return [change for change in self.files if change.needed]
+
+    def planned(self) -> tuple[Change, ...]:
+        """The files to write and the restart, as one transaction."""
+        writes = tuple(WriteFile.of(item.path, item.desired, item.current, item.mode) for item in self.needed)
+        return writes + ((RestartService(self.unit),) if self.unit else ())
 
     def summary(self) -> str:
         paths = ", ".join(change.path for change in self.needed)

@@ -1,0 +1,136 @@
+"""A plan is data: each change a stage would make is a small typed value, so it can be shown (as a
+table or JSON), compared, counted by kind and asserted on, instead of an English string.
+
+A change names its target and everything that makes it that change; it carries no behaviour. The
+stage that plans it also says how to carry it out (stages.base.Action).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Optional
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: ClassVar[str]
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, **{f.name: _plain(getattr(self, f.name)) for f in fields(self)}}
+
+
+@dataclass(frozen=True)
+class WriteFile(Change):
+    kind: ClassVar[str] = "WriteFile"
+    path: str
+    sha256: str  # of the new content
+    size: int
+    replaces: Optional[str] = None  # sha256 of the content replaced; None for a new file
+    mode: Optional[int] = None  # for a new file; an existing one keeps its own
+
+    @classmethod
+    def of(cls, path: str, content: str, current: Optional[str], mode: Optional[int] = None) -> "WriteFile":
+        return cls(path, digest(content), len(content.encode()), digest(current) if current is not None else None,
+                   mode)
+
+    def describe(self) -> str:
+        return f"write {self.path}"
+
+
+@dataclass(frozen=True)
+class RemoveFile(Change):
+    kind: ClassVar[str] = "RemoveFile"
+    path: str
+
+    def describe(self) -> str:
+        return f"remove {self.path}"
+
+
+@dataclass(frozen=True)
+class LoadModule(Change):
+    kind: ClassVar[str] = "LoadModule"
+    module: str
+
+    def describe(self) -> str:
+        return f"modprobe {self.module}"
+
+
+@dataclass(frozen=True)
+class CreateDeviceNode(Change):
+    kind: ClassVar[str] = "CreateDeviceNode"
+    path: str
+    major: int
+    minor: int
+    mode: int
+    uid: int
+    gid: int
+    reason: str
+
+    def describe(self) -> str:
+        return f"mknod {self.path} ({self.major}:{self.minor}, {self.mode:04o}, {self.uid}:{self.gid}): {self.reason}"
+
+
+@dataclass(frozen=True)
+class CreateLink(Change):
+    kind: ClassVar[str] = "CreateLink"
+    path: str
+    target: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"link {self.path} -> {self.target}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class SetPersistenceMode(Change):
+    kind: ClassVar[str] = "SetPersistenceMode"
+    gpu: int
+    enabled: bool
+
+    def describe(self) -> str:
+        return f"{'enable' if self.enabled else 'disable'} persistence mode on GPU {self.gpu}"
+
+
+@dataclass(frozen=True)
+class InstallPackage(Change):
+    kind: ClassVar[str] = "InstallPackage"
+    package: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"install {self.package} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class RestartService(Change):
+    kind: ClassVar[str] = "RestartService"
+    unit: str
+
+    def describe(self) -> str:
+        return f"restart {self.unit}"
+
+
+@dataclass(frozen=True)
+class PatchNode(Change):
+    kind: ClassVar[str] = "PatchNode"
+    node: str
+    part: str  # "labels" or "condition"
+    summary: str  # the keys changed, or the condition's new status
+
+    def describe(self) -> str:
+        return f"patch node {self.node} {self.part}: {self.summary}"
+
+
+def digest(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    return value
