@@ -1,15 +1,17 @@
 """The one model of what the agent knows. Stages and watchers write it; every output reads it."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import LoadedConfig
 from gpu_agent.nvml.model import GpuHealth, GpuSample, Inventory, to_json
 
 PENDING, OK, FAILED, WAITING = "pending", "ok", "failed", "waiting"
+_PUBLISH = threading.Lock()  # the watcher threads' updates of the model, one at a time
 
 
 @dataclass
@@ -69,6 +71,16 @@ class AgentState:
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     reconciles: int = 0
     first_reconcile_done: bool = False
+
+    # --- what the watcher threads publish ------------------------------------------------------
+
+    def update_health(self, uuid: str, change: Callable[[GpuHealth], GpuHealth]) -> GpuHealth:
+        """Publish a GPU's new health: the dict and the record are replaced, never changed in place,
+        so a reader on another thread sees the old model or the new one."""
+        with _PUBLISH:
+            new = change(self.health.get(uuid, GpuHealth()))
+            self.health = {**self.health, uuid: new}
+            return new
 
     # --- stage results (written by the engine only) ----------------------------------------------
 
@@ -185,7 +197,7 @@ class AgentState:
             "compute_capability": "%d.%d" % gpu.compute_capability,
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
-            "xid_counts": {str(xid): count for xid, count in sorted(health.xid_counts.items())},
+            "xid_counts": {str(xid): count for xid, count in health.xid_counts},
             "mig": {
                 "capable": gpu.mig.capable,
                 "mode": "enabled" if gpu.mig.enabled else "disabled",

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_agent.config import load_config
 from gpu_agent.daemon.app import Runtime
-from gpu_agent.daemon.metrics import AgentCollector, make_registry, render
+from gpu_agent.metrics.exporter import AgentCollector, make_registry, render
 from gpu_agent.host.paths import Root
 from gpu_agent.sim.kernel import SimModprobe
 

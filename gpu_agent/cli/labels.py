@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from gpu_agent.daemon.app import Runtime
     from gpu_agent.kube.labels import compute
-    from gpu_agent.kube.sink import machine_name
+    from gpu_agent.stages.labels import machine_name
 
     loaded = config_of(args)
     runtime = Runtime.build(root_of(args), loaded, args.simulate)

@@ -103,7 +103,7 @@ class Runtime:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
         kube = config.kubernetes
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
-            from gpu_agent.kube.sink import KubeSink
+            from gpu_agent.stages.labels import KubeSink
 
             stages.append(KubeSink(self.root, self.state, kube))
         return stages
@@ -133,11 +133,11 @@ def take_lock(root: Root) -> IO[str]:
 
 class Daemon:
     def __init__(self, runtime: Runtime, config_path: Path, config_required: bool) -> None:
-        from gpu_agent.daemon.health import XidWatcher
+        from gpu_agent.health.xid import XidWatcher
         from gpu_agent.daemon.http import HttpServer, build_app
-        from gpu_agent.daemon.metrics import AgentCollector, make_registry
+        from gpu_agent.metrics.exporter import AgentCollector, make_registry
         from gpu_agent.daemon.notify import Notifier
-        from gpu_agent.daemon.sampler import Sampler
+        from gpu_agent.metrics.sampler import Sampler
 
         self.runtime = runtime
         self.state = runtime.state
@@ -251,30 +251,42 @@ class Daemon:
             pass
 
     async def _reload(self) -> None:
+        """Load the config file again and switch to it; any failure keeps the running config and is
+        shown as the reload error in /status, never a crash of the loop."""
         self.notifier.reloading()
         log.info("reloading configuration from %s", self.config_path)
         try:
             loaded = await asyncio.to_thread(load_config, self.config_path, self.config_required)
+            stages = self._stages_for(loaded.config)
             await self.http.restart(loaded.config.http)
         except AgentError as exc:
-            self.state.config_error = str(exc)
-            log.error("configuration reload rejected, still running the previous one: %s", exc)
+            self._reject_reload(str(exc))
+        except Exception as exc:  # a gpu-agent bug; the previous config is still whole, so keep it
+            log.exception("configuration reload failed; this is a gpu-agent bug")
+            self._reject_reload(f"{self.config_path}: reload failed with an internal error "
+                                f"({type(exc).__name__}); see the agent's log")
         else:
-            self._apply_config(loaded)
+            self._apply_config(loaded, stages)
 
-    def _apply_config(self, loaded: LoadedConfig) -> None:
+    def _reject_reload(self, reason: str) -> None:
+        self.state.config_error = reason
+        log.error("configuration reload rejected, still running the previous one: %s", reason)
+
+    def _stages_for(self, config: AgentConfig) -> list[Stage]:
+        """The stages `config` asks for; one whose settings did not change is kept, with what it knows
+        (the sink's cached Node)."""
+        kept = {stage.name: stage for stage in self.runtime.engine.stages}
+        return [kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
+                for new in self.runtime.stages(config)]
+
+    def _apply_config(self, loaded: LoadedConfig, stages: list[Stage]) -> None:
         config = loaded.config
         runtime = self.runtime
         self.state.config, self.state.config_error = loaded, None
         self.state.config_loaded_at = time.time()
         runtime.nvml.call_timeout = config.nvml.call_timeout_seconds
         runtime.engine.settings = config.reconcile
-        # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
-        kept = {stage.name: stage for stage in runtime.engine.stages}
-        runtime.engine.set_stages([
-            kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
-            for new in runtime.stages(config)
-        ])
+        runtime.engine.set_stages(stages)
         self.collector.hostname = config.metrics.hostname or self.collector.hostname
         logging.getLogger().setLevel(config.log_level.upper())
         log.info("configuration %s loaded from %s", loaded.digest[:19], loaded.source)

@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gpu_agent.config.schema import HttpConfig
-from gpu_agent.daemon.metrics import render
+from gpu_agent.metrics.exporter import render
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.state import AgentState

@@ -1,7 +1,7 @@
 """What the agent knows about GPUs, as plain data that every output reads."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 
@@ -94,12 +94,14 @@ class XidEvent:
     at: float  # unix time
 
 
-@dataclass
+@dataclass(frozen=True)
 class GpuHealth:
+    """Replaced, never changed: the watcher threads publish a new one, HTTP handlers read the old."""
+
     xid_reason: str = ""  # a critical XID was seen; stays until the agent restarts (after a GPU reset)
     query_error: str = ""  # NVML queries on this GPU fail; clears when they answer again
     last_xid: Optional[int] = None
-    xid_counts: dict[int, int] = field(default_factory=dict)
+    xid_counts: tuple[tuple[int, int], ...] = ()  # (xid, count), sorted
 
     @property
     def healthy(self) -> bool:

@@ -98,7 +98,7 @@ class AgentCollector:
             health = self.state.health.get(gpu.uuid)
             xid.add_metric(labels, health.last_xid if health and health.last_xid is not None else 0)
             healthy.add_metric(labels, int(health.healthy) if health else 1)
-            for code, count in sorted(health.xid_counts.items()) if health else ():
+            for code, count in health.xid_counts if health else ():
                 xid_total.add_metric([str(gpu.index), gpu.uuid, str(code)], count)
         yield from families.values()
         yield from (xid, xid_total, healthy)
