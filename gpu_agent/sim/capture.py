@@ -30,7 +30,7 @@ from gpu_agent import __version__
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
 from gpu_agent.host.files import atomic_write
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, resolve
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
 from gpu_agent.sim import answers
 
@@ -109,6 +109,7 @@ class RecordingNvml:
     def __init__(self, lib: Any) -> None:
         self._lib = lib
         self.calls: dict[str, dict[str, Any]] = {}  # by call key, in call order
+        self.problems: list[str] = []  # answers that could not be written down
         self._refs: dict[Any, str] = {}  # handle identity -> reference
 
     def __getattr__(self, name: str) -> Any:
@@ -134,7 +135,11 @@ class RecordingNvml:
             elif name == "nvmlShutdown":
                 return result
             else:
-                answer = answers.encode(result, self.ref_of)
+                try:
+                    answer = answers.encode(result, self.ref_of)
+                except TypeError as exc:
+                    self.problems.append(f"{name}: {exc}")
+                    return result
             self._record(name, args, kwargs, {"ok": answer})
             return result
 
@@ -144,7 +149,11 @@ class RecordingNvml:
         return self._refs.get(_identity(value))
 
     def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], answer: dict[str, Any]) -> None:
-        key = answers.call_key(name, args, kwargs, self.ref_of)
+        try:
+            key = answers.call_key(name, args, kwargs, self.ref_of)
+        except TypeError as exc:
+            self.problems.append(f"{name}: {exc}")
+            return
         self.calls.pop(key, None)  # the latest answer, in the order calls were last made
         self.calls[key] = answer
 
@@ -213,9 +222,9 @@ def drive_nvml(nvml: CapturingNvml) -> list[str]:
     except NvmlUnavailable as exc:
         return [f"nvmlInit: {exc}"]
 
-    def attempt(what: str, read: Callable[[], Any]) -> Any:
+    def attempt(what: str, read: Callable[..., Any], *args: Any) -> Any:
         try:
-            return read()
+            return read(*args)
         except (NvmlHung, NvmlUnavailable) as exc:
             problems.append(f"{what}: {exc}")
         except nvml.lib.NVMLError as exc:
@@ -227,11 +236,11 @@ def drive_nvml(nvml: CapturingNvml) -> list[str]:
     attempt("bus ids", nvml.bus_ids)
     attempt("persistence modes", nvml.persistence_modes)
     for name in SYSTEM_QUERIES:
-        attempt(name, lambda n=name: nvml.ask(n))
+        attempt(name, nvml.ask, name)
     for gpu in inventory.gpus if inventory else ():
-        attempt(f"GPU {gpu.index} sample", lambda i=gpu.index: nvml.sample(i))
-        attempt(f"GPU {gpu.index} processes", lambda i=gpu.index: nvml.processes(i))
-        attempt(f"GPU {gpu.index} static queries", lambda i=gpu.index: nvml.static_queries(i))
+        attempt(f"GPU {gpu.index} sample", nvml.sample, gpu.index)
+        attempt(f"GPU {gpu.index} processes", nvml.processes, gpu.index)
+        attempt(f"GPU {gpu.index} static queries", nvml.static_queries, gpu.index)
     return problems
 
 
@@ -344,8 +353,6 @@ class HostReader:
 
 def driver_libraries(root: Root) -> tuple[list[dict[str, Any]], Optional[str]]:
     """The ld.so cache entries of the driver's libraries, each with the file it leads to under the root."""
-    from gpu_agent.toolkit.cdi import resolve
-
     try:
         entries = ldcache.read_cache(root(ldcache.PATH))
     except AgentError as exc:
@@ -374,7 +381,7 @@ def capture(root: Root, lib: Any, directory: Path, call_timeout: float, source: 
     libraries, ldcache_problem = driver_libraries(root)
     nvml = CapturingNvml(lib, call_timeout)
     try:
-        nvml_problems = drive_nvml(nvml)
+        nvml_problems = drive_nvml(nvml) + nvml.recorder.problems
     finally:
         nvml.close()
     release = _read(root(OSRELEASE))

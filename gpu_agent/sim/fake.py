@@ -65,19 +65,11 @@ class SimEventData:
     computeInstanceId: int
 
 
-@dataclass(frozen=True)
-class SimProcessInfo:
-    pid: int
-    usedGpuMemory: int
-    gpuInstanceId: int
-    computeInstanceId: int
-
-
 def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Every fake call: NVML must be initialised, and an injected fault for it fires first."""
 
     @functools.wraps(fn)
-    def call(self: "FakeNvml", *args: Any, **kwargs: Any) -> Any:
+    def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         if self._init_count == 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance)) else None
@@ -331,10 +323,13 @@ class FakeNvml:
         return int(watts * 1000)
 
     @_nvml
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[SimProcessInfo]:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[Any]:
+        """pynvml's own answer: its friendly objects with the fields of c_nvmlProcessInfo_t."""
         gpu = self._whole_gpu(handle)
         return [
-            SimProcessInfo(p["pid"], p["used_mib"] * 1024 * 1024, p.get("gpu_instance_id", 0xFFFFFFFF), 0xFFFFFFFF)
+            pynvml.nvmlFriendlyObject({"pid": p["pid"], "usedGpuMemory": p["used_mib"] * 1024 * 1024,
+                                       "gpuInstanceId": p.get("gpu_instance_id", 0xFFFFFFFF),
+                                       "computeInstanceId": 0xFFFFFFFF})
             for p in gpu["processes"]
         ]
 

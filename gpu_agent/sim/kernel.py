@@ -93,11 +93,10 @@ class SimModprobe:
         with self.machine.edit() as state:
             fault = next((f for f in state["faults"] if f["call"] == "modprobe"
                           and f.get("module") in (None, module) and (f.get("times") is None or f["times"] > 0)), None)
-            if fault is not None:
-                if fault.get("times") is not None:
-                    fault["times"] -= 1
-                    if fault["times"] <= 0:
-                        state["faults"].remove(fault)
+            if fault is not None and fault.get("times") is not None:
+                fault["times"] -= 1
+                if fault["times"] <= 0:
+                    state["faults"].remove(fault)
             error = self._insert(state, module, fault["error"] if fault else None)
         if error:
             raise ModuleLoadError(module, error)
