@@ -289,10 +289,13 @@ class Capture:
         )
 
     def _profiles(self, handle: SimHandle) -> tuple[GiProfile, ...]:
-        constants = {value: name for name, value in vars(pynvml).items()
-                     if name.startswith("NVML_GPU_INSTANCE_PROFILE_") and not name.endswith("_COUNT")}
+        names = {value: name for name, value in vars(pynvml).items()
+                 if name.startswith("NVML_GPU_INSTANCE_PROFILE_") and not name.endswith("_COUNT")}
+        asked = [entry.args[1] for entry in self.calls.values()  # in the order the agent asked, nvidia-smi's
+                 if entry.call == "nvmlDeviceGetGpuInstanceProfileInfo" and entry.args[:1] == [{"handle": ref_of(handle)}]
+                 and len(entry.args) > 1 and entry.args[1] in names]
         profiles = []
-        for constant in sorted(constants):
+        for constant in dict.fromkeys(asked):
             info = self.value("nvmlDeviceGetGpuInstanceProfileInfo", handle, constant)
             if info is None:
                 continue
@@ -300,7 +303,7 @@ class Capture:
             placements = entry.ok if entry is not None and entry.error is None and isinstance(entry.ok, list) else []
             starts = tuple(int(p[0]) for p in placements)
             size = int(placements[0][1]) if placements else 0
-            profiles.append(GiProfile(constants[constant], info.id, info.name, info.sliceCount, info.instanceCount,
+            profiles.append(GiProfile(names[constant], info.id, info.name, info.sliceCount, info.instanceCount,
                                       info.multiprocessorCount, info.memorySizeMB, info.copyEngineCount,
                                       info.decoderCount, info.encoderCount, info.jpegCount, info.ofaCount,
                                       starts, size))
@@ -656,6 +659,14 @@ class ReplayNvml(FakeNvml):
             placements[i].start, placements[i].size = start, length
         size.value = len(found)
         return pynvml.NVML_SUCCESS
+
+
+def simulated_calls(state: dict[str, Any]) -> set[str]:
+    """The NVML functions the simulated machine answers (what `gpu-agent sim fail` can make fail)."""
+    calls = {name for name, value in vars(FakeNvml).items() if name.startswith("nvml") and callable(value)}
+    if state.get("capture"):
+        calls |= Capture.load(Path(state["capture"])).recorded_names
+    return calls
 
 
 def simulated_nvml(machine: Any) -> FakeNvml:
