@@ -379,6 +379,13 @@ def test_processes_faults_xids_and_mig_are_simulated_on_top(tmp_path: Path) -> N
         with pytest.raises(pynvml.NVMLError_GpuIsLost):
             runtime.nvml.lib.nvmlDeviceGetBAR1MemoryInfo(SimHandle(0))
         assert runtime.nvml.lib.nvmlDeviceGetBAR1MemoryInfo(SimHandle(0)).bar1Total == 137438953472
+        wait = runtime.nvml.watch_xids()
+        with machine.edit() as state:  # `gpu-agent sim inject-xid --gpu 0 --xid 79`
+            state["xids"].append({"seq": state["next_seq"], "gpu": 0, "xid": 79, "at": 0.0})
+            state["next_seq"] += 1
+        event = wait(2000)
+        assert event is not None and (event.gpu_uuid, event.xid) == (NODE["uuid"], 79)
+        wait.free()
         with machine.edit() as state:  # MIG enabled, one 3g.40gb, placed from the captured profile table
             from gpu_agent.sim.machine import mig_uuid, place
 
@@ -537,8 +544,12 @@ def _broken(tmp_path: Path, part: str, edit: Any) -> Path:
     return directory
 
 
+def _entry(document: list[dict[str, Any]], call: str) -> dict[str, Any]:
+    return next(e for e in document if e["call"] == call)
+
+
 def _first_memory(document: list[dict[str, Any]]) -> dict[str, Any]:
-    return next(e for e in document if e["call"] == "nvmlDeviceGetMemoryInfo")
+    return _entry(document, "nvmlDeviceGetMemoryInfo")
 
 
 @pytest.mark.parametrize("part, edit, message", [
@@ -553,14 +564,31 @@ def _first_memory(document: list[dict[str, Any]]) -> dict[str, Any]:
     ("devices.json", lambda d: d.append({"path": "/dev/sda", "type": "block", "major": 8, "minor": 0, "mode": "0660",
                                          "uid": 0, "gid": 6}), r"devices.json: \[7\] path: .*/dev/sda: a capture holds"),
     ("devices.json", lambda d: d[1].update(mode="rwx"), r"devices.json: \[1\] mode: .*'rwx' is not an octal"),
+    ("devices.json", lambda d: d[1].update(major=-1), r"devices.json: \[1\] major: Input should be greater than"),
+    ("ldcache.json", lambda d: d[0].update(flags=1 << 40), r"ldcache.json: \[0\] flags: Input should be less than"),
+    ("links.json", lambda d: d.update({"/dev/char/1:1": "a\0b"}), r"links.json: '/dev/char/1:1': expected a link"),
     ("links.json", lambda d: d.update({"/etc/passwd": "/tmp/x"}), r"links.json: '/etc/passwd': expected a link under"),
     ("ldcache.json", lambda d: d[0].update(path="relative/lib.so"), r"ldcache.json: \[0\] path: .*not a normalised"),
     ("nvml.json", lambda d: d[0].pop("ok"), r"nvml.json: \[0\] nvmlInit: needs either ok or error"),
     ("nvml.json", lambda d: d.append([1, 2]), r"nvml.json: \[\d+\] .*"),
     ("nvml.json", lambda d: _first_memory(d)["ok"].update(struct="c_nvmlNoSuchThing_t"),
-     r"nvml.json: nvmlDeviceGetMemoryInfo: cannot replay the recorded answer: pynvml has no structure"),
+     r"nvml.json: \[11\] nvmlDeviceGetMemoryInfo: cannot replay the recorded answer: pynvml has no structure"),
     ("nvml.json", lambda d: _first_memory(d)["ok"]["fields"].update(colour=1),
-     r"nvml.json: nvmlDeviceGetMemoryInfo: cannot replay the recorded answer: pynvml's c_nvmlMemory_t has no field"),
+     r"nvml.json: \[11\] nvmlDeviceGetMemoryInfo: cannot replay .*: pynvml's c_nvmlMemory_t has no field 'colour'"),
+    ("nvml.json", lambda d: _first_memory(d)["ok"]["fields"].update(total="lots"),
+     r"nvml.json: \[11\] nvmlDeviceGetMemoryInfo: cannot replay the recorded answer"),
+    ("nvml.json", lambda d: _first_memory(d)["ok"].update(struct="c_nvmlUtilization_t", fields={}),
+     r"nvmlDeviceGetMemoryInfo: expected a c_nvmlMemory_t or c_nvmlMemory_v2_t structure"),
+    ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetMigMode").update(ok="disabled"),
+     r"nvmlDeviceGetMigMode: expected a list of two integers, the capture has \"disabled\""),
+    ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetCount").update(ok=True),
+     r"nvmlDeviceGetCount: expected an integer"),
+    ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetGpuInstancePossiblePlacements").update(ok=[[-1, 2]]),
+     r"nvmlDeviceGetGpuInstancePossiblePlacements: expected a list of \[start, size\] pairs"),
+    ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetComputeRunningProcesses").update(ok=[{"object": {}}]),
+     r"nvmlDeviceGetComputeRunningProcesses: expected a list of processes"),
+    ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetUUID").update(ok={"handle": "../../etc"}),
+     r"nvmlDeviceGetUUID: cannot replay the recorded answer: unknown handle reference '../../etc'"),
 ])
 def test_a_bad_capture_is_a_clear_error_naming_the_file(tmp_path: Path, part: str, edit: Any, message: str) -> None:
     directory = _broken(tmp_path, part, edit)

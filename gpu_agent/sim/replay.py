@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal, Optional
 
 import pynvml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
@@ -114,11 +114,11 @@ class Files(_Part):
 class DeviceNode(_Part):
     path: str
     type: Literal["char", "block", "directory"]
-    major: int = 0
-    minor: int = 0
+    major: int = Field(0, ge=0, lt=1 << 12)
+    minor: int = Field(0, ge=0, lt=1 << 20)
     mode: str
-    uid: int
-    gid: int
+    uid: int = Field(ge=0, lt=1 << 32)
+    gid: int = Field(ge=0, lt=1 << 32)
 
     @field_validator("path")
     @classmethod
@@ -138,8 +138,8 @@ class DeviceNode(_Part):
 class Library(_Part):
     key: str
     path: str
-    flags: int
-    hwcap: int = 0
+    flags: int = Field(ge=-(1 << 31), lt=1 << 31)
+    hwcap: int = Field(0, ge=0, lt=1 << 64)
     target: Optional[str] = None
 
     @field_validator("path", "target")
@@ -171,7 +171,7 @@ class Capture:
         links = self._part("links.json", dict)
         self.links: dict[str, str] = {}
         for path, target in links.items():
-            if not isinstance(target, str) or not _safe(path, LINK_TREES):
+            if not isinstance(target, str) or not target or "\0" in target or not _safe(path, LINK_TREES):
                 raise AgentError(f"{directory / 'links.json'}: {path!r}: expected a link under "
                                  f"{' or '.join(LINK_TREES)} and its target")
             self.links[path] = target
@@ -181,6 +181,9 @@ class Capture:
         for n, entry in enumerate(self._list("nvml.json", NvmlCall)):
             if (entry.error is None) == ("ok" not in entry.model_fields_set):
                 raise AgentError(f"{directory / 'nvml.json'}: [{n}] {entry.call}: needs either ok or error")
+            problem = _answer_problem(entry) if entry.error is None else None
+            if problem:
+                raise AgentError(f"{directory / 'nvml.json'}: [{n}] {entry.call}: {problem}")
             self.calls[json.dumps([entry.call, entry.args], sort_keys=True)] = entry
         self.recorded_names = {entry.call for entry in self.calls.values()}
 
@@ -308,6 +311,52 @@ class Capture:
                                       info.decoderCount, info.encoderCount, info.jpegCount, info.ofaCount,
                                       starts, size))
         return tuple(profiles)
+
+
+_INT, _STR, _PAIR = "an integer", "a string", "a list of two integers"
+# What the answers the agent and the replay rely on must be; a recorded structure must also be one
+# of these pynvml classes.
+ANSWER_SHAPES: dict[str, Any] = {
+    "nvmlSystemGetDriverVersion": _STR, "nvmlSystemGetCudaDriverVersion": _INT, "nvmlDeviceGetCount": _INT,
+    "nvmlDeviceGetName": _STR, "nvmlDeviceGetUUID": _STR, "nvmlDeviceGetMinorNumber": _INT,
+    "nvmlDeviceGetIndex": _INT, "nvmlDeviceGetPersistenceMode": _INT, "nvmlDeviceGetTemperature": _INT,
+    "nvmlDeviceGetPowerUsage": _INT, "nvmlDeviceGetPowerManagementLimit": _INT,
+    "nvmlDeviceGetMaxMigDeviceCount": _INT, "nvmlDeviceGetGpuInstanceId": _INT,
+    "nvmlDeviceGetComputeInstanceId": _INT, "nvmlDeviceGetMigMode": _PAIR, "nvmlDeviceGetCudaComputeCapability": _PAIR,
+    "nvmlDeviceGetPciInfo": ("nvmlPciInfo_t",), "nvmlDeviceGetMemoryInfo": ("c_nvmlMemory_t", "c_nvmlMemory_v2_t"),
+    "nvmlDeviceGetUtilizationRates": ("c_nvmlUtilization_t",),
+    "nvmlDeviceGetGpuInstanceProfileInfo": ("c_nvmlGpuInstanceProfileInfo_v2_t", "c_nvmlGpuInstanceProfileInfo_t"),
+    "nvmlGpuInstanceGetInfo": ("c_nvmlGpuInstanceInfo_t",),
+    answers.PLACEMENTS_CALL: "a list of [start, size] pairs", "nvmlDeviceGetComputeRunningProcesses": "a list of processes",
+}
+
+
+def _answer_problem(entry: NvmlCall) -> Optional[str]:
+    """What is wrong with a recorded answer, or None."""
+    try:
+        answers.decode(entry.ok, handle_of)
+    except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+        return f"cannot replay the recorded answer: {exc}"
+    shape, value = ANSWER_SHAPES.get(entry.call), entry.ok
+    if shape is None:
+        return None
+    if isinstance(shape, tuple):
+        ok = isinstance(value, dict) and value.get("struct") in shape
+        shape = f"a {' or '.join(shape)} structure"
+    elif shape == _INT:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif shape == _STR:
+        ok = isinstance(value, str)
+    elif shape == _PAIR:
+        ok = isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)
+    elif entry.call == answers.PLACEMENTS_CALL:
+        ok = isinstance(value, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) and v >= 0 for v in p) for p in value)
+    else:
+        ok = isinstance(value, list) and all(
+            isinstance(p, dict) and isinstance(p.get("object", {}).get("pid"), int)
+            and isinstance(p["object"].get("usedGpuMemory", 0), (int, type(None))) for p in value)
+    return None if ok else f"expected {shape}, the capture has {json.dumps(value)[:60]}"
 
 
 def _safe(path: Any, trees: tuple[str, ...]) -> bool:
