@@ -469,6 +469,31 @@ def test_a_captured_simulated_node_replays_with_the_same_gpus(tmp_path: Path) ->
         replayed.nvml.close()
 
 
+def test_a_captured_mig_node_replays_its_mig_devices(tmp_path: Path) -> None:
+    machine = tmp_path / "lab.yaml"
+    machine.write_text("name: lab\ngpus:\n  - model: H100-80GB-HBM3\n    mig: {devices: [3g.40gb, 2g.20gb]}\n"
+                       "  - model: A30\n")
+    original = tmp_path / "original"
+    _apply_sim(original, tmp_path, str(machine))
+    runtime = Runtime.build(Root(original), config(tmp_path), str(machine))
+    try:
+        manifest = capture(runtime.root, runtime.nvml.lib, tmp_path / "capture", 5.0, "lab")
+        gpus = _gpus(runtime)
+    finally:
+        runtime.nvml.close()
+    assert manifest["problems"] == []
+    assert [(d["profile"], d["placement"]) for d in gpus[0]["mig"]["instances"]] == [("3g.40gb", (0, 4)),
+                                                                                    ("2g.20gb", (4, 2))]
+    replayed = replay(tmp_path / "replayed", tmp_path / "capture")
+    try:
+        assert _gpus(replayed) == gpus
+        gi = gpus[0]["mig"]["instances"][0]["gpu_instance_id"]
+        assert replayed.root(f"/proc/driver/nvidia/capabilities/gpu0/mig/gi{gi}/access").read_text() == \
+            runtime.root(f"/proc/driver/nvidia/capabilities/gpu0/mig/gi{gi}/access").read_text()
+    finally:
+        replayed.nvml.close()
+
+
 def test_capture_changes_nothing_and_reads_no_other_process(tmp_path: Path) -> None:
     root = tmp_path / "node"
     _apply_sim(root, tmp_path, "dgx-a100")
@@ -583,6 +608,8 @@ def _first_memory(document: list[dict[str, Any]]) -> dict[str, Any]:
      r"nvmlDeviceGetMigMode: expected a list of two integers, the capture has \"disabled\""),
     ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetCount").update(ok=True),
      r"nvmlDeviceGetCount: expected an integer"),
+    ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetCount").update(ok=10 ** 9),
+     r"nvml.json: nvmlDeviceGetCount: 1000000000 GPUs; a node has 0 to 256"),
     ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetGpuInstancePossiblePlacements").update(ok=[[-1, 2]]),
      r"nvmlDeviceGetGpuInstancePossiblePlacements: expected a list of \[start, size\] pairs"),
     ("nvml.json", lambda d: _entry(d, "nvmlDeviceGetComputeRunningProcesses").update(ok=[{"object": {}}]),

@@ -437,9 +437,12 @@ class FakeNvml:
         instance = next((i for i in gpu["mig"]["instances"] if i["gi_id"] == gpu_instance.gi_id), None)
         if instance is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        placement = pynvml.c_nvmlGpuInstancePlacement_t()
-        placement.start, placement.size = instance["start"], instance["size"]
-        return _GpuInstanceInfo(SimHandle(gpu_instance.gpu), instance["gi_id"], instance["profile_id"], placement)
+        # pynvml's own structure, so a capture records it; its `device` stays NULL (this fake's
+        # handles are not ctypes pointers), the caller holds the device already.
+        info = pynvml.c_nvmlGpuInstanceInfo_t()
+        info.id, info.profileId = instance["gi_id"], instance["profile_id"]
+        info.placement.start, info.placement.size = instance["start"], instance["size"]
+        return info
 
     # --- events ----------------------------------------------------------------------------
 
@@ -472,13 +475,3 @@ class FakeNvml:
     @_nvml
     def nvmlEventSetFree(self, event_set: SimEventSet) -> None:
         event_set.gpus.clear()
-
-
-@dataclass(frozen=True)
-class _GpuInstanceInfo:
-    """Fields of pynvml's c_nvmlGpuInstanceInfo_t; `device` is a handle of this fake."""
-
-    device: SimHandle
-    id: int
-    profileId: int
-    placement: Any

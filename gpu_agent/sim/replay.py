@@ -45,6 +45,8 @@ from gpu_agent.sim.kernel import (
 from gpu_agent.sim.profiles import GiProfile, GpuModel
 
 MIB = 1024 * 1024
+MAX_GPUS = 256
+NO_ID = 0xFFFFFFFF  # NVML's "no GPU or compute instance" in a process's ids
 MAX_PART_BYTES = 64 << 20
 LOAD_PER_PROCESS = 35  # % utilisation a simulated process adds, as on built-in machines
 FILE_TREES = ("/proc/", "/sys/", "/etc/modprobe.d/")
@@ -270,7 +272,10 @@ class Capture:
 
     def gpu_count(self) -> int:
         count = self.value("nvmlDeviceGetCount", default=0)
-        return count if isinstance(count, int) and count >= 0 else 0
+        if not 0 <= count <= MAX_GPUS:
+            raise AgentError(f"{self.directory / 'nvml.json'}: nvmlDeviceGetCount: {count} GPUs; "
+                             f"a node has 0 to {MAX_GPUS}")
+        return count
 
     def model(self, index: int) -> GpuModel:
         """GPU `index` as a simulator model: name, memory, PCI id and its MIG profile table."""
@@ -404,8 +409,8 @@ def capture_state(source: str, capture: Capture) -> dict[str, Any]:
         pci = capture.value("nvmlDeviceGetPciInfo", handle)
         mode = capture.value("nvmlDeviceGetMigMode", handle, default=[0, 0])
         processes = [
-            {"pid": int(p.pid), "name": "", "used_mib": int((p.usedGpuMemory or 0) // MIB),
-             **({"gpu_instance_id": p.gpuInstanceId} if p.gpuInstanceId != 0xFFFFFFFF else {})}
+            {"pid": p.pid, "name": "", "used_mib": int((getattr(p, "usedGpuMemory", 0) or 0) // MIB),
+             **({"gpu_instance_id": p.gpuInstanceId} if getattr(p, "gpuInstanceId", NO_ID) != NO_ID else {})}
             for p in capture.value("nvmlDeviceGetComputeRunningProcesses", handle, default=[])
         ]
         gpus.append({
