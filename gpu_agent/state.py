@@ -56,7 +56,7 @@ class GpuProcess:
 @dataclass
 class AgentState:
     config: LoadedConfig
-    simulated: Optional[str] = None
+    hardware: str = "real"  # or what the composition root put in its place, e.g. "simulated dgx-h100"
     started_at: float = field(default_factory=time.time)
     config_loaded_at: float = field(default_factory=time.time)
     config_error: Optional[str] = None  # the last rejected reload
@@ -160,7 +160,7 @@ class AgentState:
             "ready": self.ready,
             "degraded": self.degraded,
             "summary": self.summary_line(),
-            "simulated": self.simulated,
+            "hardware": self.hardware,
             "started_at": self.started_at,
             "reconciles": self.reconciles,
             "config": {

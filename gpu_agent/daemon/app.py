@@ -46,6 +46,8 @@ class Runtime:
     packages: PackageInstaller
     state: AgentState
     engine: Engine
+    machine: Optional[Any] = None  # the simulated machine, when there is one
+    real_root_simulated: bool = False  # simulated GPUs over the real / : its runtimes and CUDA are real
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
@@ -54,6 +56,8 @@ class Runtime:
         loader: ModuleLoader
         services: ServiceControl
         packages: PackageInstaller
+        machine = None
+        real_root = root.is_running_system
         if simulate:
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
@@ -75,8 +79,12 @@ class Runtime:
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
             packages = SystemPackages(root)
-        state = AgentState(loaded, simulated=simulate)
-        runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile))
+        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real")
+        runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
+                      real_root_simulated=bool(simulate) and real_root)
+        if runtime.real_root_simulated:
+            log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
+                        "so the real container runtimes and CUDA library are left alone")
         # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
         kept = {stage.name: stage for stage in runtime.engine.stages}
         runtime.engine.set_stages([
@@ -96,10 +104,14 @@ class Runtime:
         """
         stages: list[Stage] = []
         if config.driver.enabled:
-            stages.append(Driver(self.root, self.nvml, self.loader, config.driver))
+            driver = config.driver
+            if self.real_root_simulated:
+                driver = driver.model_copy(update={"validate_cuda": False})
+            may_change_gpus = self.root.is_running_system or self.machine is not None
+            stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
         stages.append(Discovery(self.nvml, config.discovery))
-        if config.toolkit.enabled:
+        if config.toolkit.enabled and not self.real_root_simulated:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
         kube = config.kubernetes
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
@@ -174,7 +186,7 @@ class Daemon:
         interval = self.notifier.watchdog_interval()
         if interval:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
-        if self.state.simulated:
+        if self.runtime.machine is not None:
             self._tasks.append(asyncio.create_task(self._watch_simulator(), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
@@ -351,7 +363,7 @@ class Daemon:
     async def _watch_simulator(self) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
         hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
-        machine = self.runtime.nvml.lib.machine
+        machine = self.runtime.machine
         last = machine.stamp()
         while True:
             await asyncio.sleep(_SIM_POLL_S)

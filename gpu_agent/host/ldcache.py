@@ -132,7 +132,7 @@ def parse(data: bytes) -> list[CacheEntry]:
 
 
 def write_cache(path: Union[str, Path], entries: Iterable[CacheEntry]) -> None:
-    """Write `entries` in the new format, sorted as ldconfig sorts them (used by the simulator)."""
+    """Write `entries` in the new format, sorted as ldconfig sorts them (for sandbox roots)."""
     atomic_write(Path(path), build(entries))
 
 

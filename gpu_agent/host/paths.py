@@ -6,8 +6,8 @@ import posixpath
 from pathlib import Path
 from typing import Optional
 
-# The kernel's own file systems, and the kernel's configuration. Under simulation they come from the
-# simulated kernel instead, so a simulated node never touches the real ones, even with --root /.
+# The kernel's own file systems, and the kernel's configuration. With a kernel directory they come from
+# there instead (another kernel's trees, given by the composition root), never from the running kernel.
 KERNEL_TREES = ("/proc", "/sys", "/dev", "/etc/modprobe.d", "/run/nvidia-persistenced")
 
 
@@ -16,7 +16,7 @@ class Root:
 
     def __init__(self, path: str | os.PathLike[str] = "/", kernel: Optional[Path] = None) -> None:
         self.path = Path(path).resolve()
-        self.kernel = kernel  # holds proc/, sys/ and dev/ of a simulated kernel
+        self.kernel = kernel  # holds proc/, sys/ and dev/ of a kernel that is not the running one
 
     def __call__(self, host_path: str | os.PathLike[str]) -> Path:
         """Map an absolute host path such as /etc/gpu-agent/config.yaml to its place under the root."""
@@ -33,13 +33,9 @@ class Root:
         return Root(self.path, kernel)
 
     @property
-    def simulated(self) -> bool:
-        return self.kernel is not None
-
-    @property
     def is_running_system(self) -> bool:
         """Whether the hardware and kernel behind this root are the machine this process runs on."""
-        return str(self.path) == "/" and not self.simulated
+        return str(self.path) == "/" and self.kernel is None
 
     def __repr__(self) -> str:
         return f"Root({str(self.path)!r}{f', kernel={str(self.kernel)!r}' if self.kernel else ''})"

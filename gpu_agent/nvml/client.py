@@ -1,6 +1,6 @@
 """The one narrow way into NVML.
 
-`lib` is the pynvml module or the simulator's fake of it: same function names, same NVMLError
+`lib` is the pynvml module, or anything with its surface: same function names, same NVMLError
 classes, so this code runs unchanged in tests. NVML is initialised once per process, and every
 call runs on a worker thread with a timeout so a hung driver cannot hang the agent.
 """

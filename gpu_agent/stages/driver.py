@@ -65,8 +65,10 @@ class Driver(Stage):
     name = "driver"
     produces = ("pci_gpus",)
 
-    def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig) -> None:
+    def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig,
+                 may_change_gpus: bool = True) -> None:
         self.root = root
+        self.may_change_gpus = may_change_gpus  # False when NVML's GPUs are not the ones behind the root
         self.nvml = nvml
         self.loader = loader
         self.settings = settings
@@ -165,7 +167,7 @@ class Driver(Stage):
             raise StageError(f"cannot create {node.describe()}: {exc.strerror or exc}") from None
 
     def _persist(self, index: int) -> None:
-        if not (self.root.is_running_system or self.root.simulated):
+        if not self.may_change_gpus:
             raise StageError(f"refusing to change the real GPUs' persistence mode while --root is {self.root.path}")
         try:
             self.nvml.enable_persistence(index)

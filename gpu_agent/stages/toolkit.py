@@ -47,7 +47,6 @@ RUNTIMES = {
 @dataclass
 class ToolkitState:
     runtimes: list[str]
-    real_root_under_simulation: bool = False
     missing: list[str] = field(default_factory=list)
     version: Optional[str] = None
     changes: list[RuntimeChange] = field(default_factory=list)
@@ -71,8 +70,6 @@ class Toolkit(Stage):
     # --- observe ---------------------------------------------------------------------------------
 
     def observe(self) -> ToolkitState:
-        if self.root.simulated and str(self.root.path) == "/":
-            return ToolkitState([], real_root_under_simulation=True)
         runtimes = self._runtimes()
         state = ToolkitState(runtimes)
         if not runtimes:
@@ -219,8 +216,6 @@ class Toolkit(Stage):
                 self.agent.runtime_restarts[change.runtime] = self.agent.runtime_restarts.get(change.runtime, 0) + 1
 
     def verify(self, state: ToolkitState) -> str:
-        if state.real_root_under_simulation:
-            return "simulated GPUs on the real root /: the real container runtimes are left alone"
         if not state.runtimes:
             return "no container runtime found (containerd, Docker, CRI-O): nothing to configure"
         if state.missing:

@@ -1,4 +1,4 @@
-"""Service control for the container runtimes: systemd on a real node, a recorder under simulation."""
+"""Service control for the container runtimes: systemd."""
 from __future__ import annotations
 
 import socket
