@@ -455,7 +455,8 @@ def test_a_captured_simulated_node_replays_with_the_same_gpus(tmp_path: Path) ->
     _apply_sim(original, tmp_path, "dgx-h100")
     runtime = Runtime.build(Root(original), config(tmp_path), "dgx-h100")
     try:
-        manifest = capture(runtime.root, runtime.nvml.lib, tmp_path / "capture", 5.0, "--simulate dgx-h100")
+        manifest = capture(runtime.root, runtime.nvml.lib, tmp_path / "capture", 5.0, "--simulate dgx-h100",
+                           "simulated")
         gpus = _gpus(runtime)
     finally:
         runtime.nvml.close()
@@ -477,7 +478,7 @@ def test_a_captured_mig_node_replays_its_mig_devices(tmp_path: Path) -> None:
     _apply_sim(original, tmp_path, str(machine))
     runtime = Runtime.build(Root(original), config(tmp_path), str(machine))
     try:
-        manifest = capture(runtime.root, runtime.nvml.lib, tmp_path / "capture", 5.0, "lab")
+        manifest = capture(runtime.root, runtime.nvml.lib, tmp_path / "capture", 5.0, "lab", "simulated")
         gpus = _gpus(runtime)
     finally:
         runtime.nvml.close()

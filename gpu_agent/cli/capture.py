@@ -15,14 +15,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from gpu_agent.daemon.app import Runtime
-    from gpu_agent.sim.capture import capture
+    from gpu_agent.sim.capture import capture, find_modprobe
 
     loaded = config_of(args)
     runtime = Runtime.build(root_of(args), loaded, args.simulate)
     runtime.nvml.close()  # the capture drives NVML through its own recording client
     source = f"--simulate {args.simulate}" if args.simulate else f"--root {runtime.root.path}"
+    # A simulated node's modules are loaded by the simulated kernel's own loader.
+    modprobe = "simulated" if runtime.machine is not None else find_modprobe(runtime.root)
     manifest = capture(runtime.root, runtime.nvml.lib, Path(args.directory), loaded.config.nvml.call_timeout_seconds,
-                       source)
+                       source, modprobe)
     print(f"captured {source} into {args.directory}")
     for problem in manifest["problems"]:
         print(f"  not captured: {problem}")

@@ -361,18 +361,18 @@ def driver_libraries(root: Root) -> tuple[list[dict[str, Any]], Optional[str]]:
             for e in entries if DRIVER_LIBRARY.match(e.key)], None
 
 
-def modprobe_of(root: Root) -> Optional[str]:
+def find_modprobe(root: Root) -> Optional[str]:
     """Where modprobe is on the host, or None: a host without it cannot load a module."""
-    if root.simulated:
-        return "simulated"  # the simulated kernel's own module loader
     return next((path for path in MODPROBE_PATHS if os.access(root(path), os.X_OK)), None)
 
 
 # --- the capture ---------------------------------------------------------------------------------
 
 
-def capture(root: Root, lib: Any, directory: Path, call_timeout: float, source: str) -> dict[str, Any]:
-    """Read the node under `root` and its NVML (`lib`) into `directory`; returns the manifest."""
+def capture(root: Root, lib: Any, directory: Path, call_timeout: float, source: str,
+            modprobe: Optional[str]) -> dict[str, Any]:
+    """Read the node under `root` and its NVML (`lib`) into `directory`; returns the manifest.
+    `modprobe` is where the node's module loader is (find_modprobe), None where it has none."""
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
         raise AgentError(f"{directory}: not empty; capture into a new directory")
@@ -390,7 +390,7 @@ def capture(root: Root, lib: Any, directory: Path, call_timeout: float, source: 
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "gpu_agent_version": __version__,
         "source": source,
-        "host": {"kernel_release": release.strip() if release else None, "modprobe": modprobe_of(root)},
+        "host": {"kernel_release": release.strip() if release else None, "modprobe": modprobe},
         "parts": PARTS,
         "problems": reader.problems + ([ldcache_problem] if ldcache_problem else []) + nvml_problems,
     }
