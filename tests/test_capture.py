@@ -530,9 +530,10 @@ def test_the_recorder_refuses_every_call_that_changes_a_gpu(tmp_path: Path) -> N
     nvml = Nvml(recorder, call_timeout=5.0)
     try:
         nvml.init()
-        for call, args in (("nvmlDeviceSetPersistenceMode", (SimHandle(0), 1)), ("nvmlDeviceSetMigMode", (SimHandle(0), 1)),
-                           ("nvmlDeviceCreateGpuInstance", (SimHandle(0), 9)), ("nvmlDeviceResetGpuLockedClocks", (SimHandle(0),)),
-                           ("nvmlEventSetCreate", ()), ("nvmlDeviceClearEccErrorCounts", (SimHandle(0), 0))):
+        gpu = SimHandle(0)
+        for call, args in (("nvmlDeviceSetPersistenceMode", (gpu, 1)), ("nvmlDeviceSetMigMode", (gpu, 1)),
+                           ("nvmlDeviceCreateGpuInstance", (gpu, 9)), ("nvmlDeviceResetGpuLockedClocks", (gpu,)),
+                           ("nvmlEventSetCreate", ()), ("nvmlDeviceClearEccErrorCounts", (gpu, 0))):
             with pytest.raises(MutationRefused, match=f"capture is read-only: {call} was not called"):
                 getattr(recorder, call)(*args)
         with pytest.raises(MutationRefused):
@@ -583,12 +584,16 @@ def _first_memory(document: list[dict[str, Any]]) -> dict[str, Any]:
     ("nvml.json", None, r"nvml.json: missing; a capture has manifest.json and"),
     ("files.json", '{"files": {', r"files.json:1:\d+: not valid JSON"),
     ("devices.json", "\xff\xfe", r"devices.json:1:1: not valid JSON"),
-    ("manifest.json", lambda d: d.update(format="gpu-agent-capture/9"), r"unknown capture format 'gpu-agent-capture/9'"),
+    ("manifest.json", lambda d: d.update(format="gpu-agent-capture/9"),
+     r"unknown capture format 'gpu-agent-capture/9'"),
     ("manifest.json", lambda d: d.update(colour="blue"), r"manifest.json: colour: unknown key"),
-    ("files.json", lambda d: d["files"].update({"/proc/../etc/shadow": "x"}), r"'/proc/../etc/shadow' is not a normalised"),
-    ("files.json", lambda d: d["files"].update({"/root/.ssh/id_rsa": "x"}), r"/root/.ssh/id_rsa: a capture holds files under"),
+    ("files.json", lambda d: d["files"].update({"/proc/../etc/shadow": "x"}),
+     r"'/proc/../etc/shadow' is not a normalised"),
+    ("files.json", lambda d: d["files"].update({"/root/.ssh/id_rsa": "x"}),
+     r"/root/.ssh/id_rsa: a capture holds files under"),
     ("devices.json", lambda d: d.append({"path": "/dev/sda", "type": "block", "major": 8, "minor": 0, "mode": "0660",
-                                         "uid": 0, "gid": 6}), r"devices.json: \[7\] path: .*/dev/sda: a capture holds"),
+                                         "uid": 0, "gid": 6}),
+     r"devices.json: \[7\] path: .*/dev/sda: a capture holds"),
     ("devices.json", lambda d: d[1].update(mode="rwx"), r"devices.json: \[1\] mode: .*'rwx' is not an octal"),
     ("devices.json", lambda d: d[1].update(major=-1), r"devices.json: \[1\] major: Input should be greater than"),
     ("ldcache.json", lambda d: d[0].update(flags=1 << 40), r"ldcache.json: \[0\] flags: Input should be less than"),
@@ -641,7 +646,8 @@ def test_capture_of_a_node_whose_nvml_fails_says_so_and_replays_the_failure(tmp_
     assert done.returncode == 0, done.stderr
     assert "not captured: nvmlInit: the NVIDIA kernel driver is not loaded" in done.stdout
     nvml = json.loads((tmp_path / "capture" / "nvml.json").read_text())
-    assert nvml == [{"call": "nvmlInit", "args": [], "error": "DriverNotLoaded", "code": pynvml.NVML_ERROR_DRIVER_NOT_LOADED}]
+    assert nvml == [{"call": "nvmlInit", "args": [], "error": "DriverNotLoaded",
+                     "code": pynvml.NVML_ERROR_DRIVER_NOT_LOADED}]
     replayed = replay(tmp_path / "replay", tmp_path / "capture")
     try:
         assert isinstance(replayed.nvml.lib, ReplayNvml)

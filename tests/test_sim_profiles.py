@@ -36,7 +36,8 @@ def test_the_h100_model_is_the_real_h100() -> None:
 def test_the_h200_has_the_profile_table_read_from_a_real_h200() -> None:
     assert (H200.name, H200.memory_mib, H200.pci_device_id >> 16, H200.compute_capability) == (
         "NVIDIA H200", 143771, 0x2335, (9, 0))
-    table = {p.name.removeprefix("MIG "): (p.id, p.instances, p.memory_mib, p.starts, p.size) for p in H200.mig_profiles}
+    table = {p.name.removeprefix("MIG "): (p.id, p.instances, p.memory_mib, p.starts, p.size)
+             for p in H200.mig_profiles}
     seven = (0, 1, 2, 3, 4, 5, 6)
     assert table == {
         "1g.18gb": (19, 7, 16384, seven, 1),

@@ -75,7 +75,8 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
               f"mig={'on' if mig['current'] else 'off'} instances={instances}")
         for p in gpu["processes"]:
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
-    print(f"  kernel {state['kernel']['release']}: loaded {', '.join(m['name'] for m in state['kernel']['loaded']) or 'nothing'}")
+    loaded = ", ".join(m["name"] for m in state["kernel"]["loaded"]) or "nothing"
+    print(f"  kernel {state['kernel']['release']}: loaded {loaded}")
     for fault in state["faults"]:
         if fault["call"] == "modprobe":
             scope = f"module {fault['module']}" if fault.get("module") else "any module"

@@ -80,8 +80,8 @@ STATIC_QUERIES: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("nvmlDeviceGetEccMode", ()),
     ("nvmlDeviceGetRemappedRows", ()),
     ("nvmlDeviceGetRetiredPagesPendingStatus", ()),
-    *(("nvmlDeviceGetRetiredPages", (cause,)) for cause in (
-        "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS", "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR")),
+    *(("nvmlDeviceGetRetiredPages", (cause,)) for cause in ("NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS",
+                                                             "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR")),
     *(("nvmlDeviceGetTotalEccErrors", (error, counter))
       for error in ("NVML_MEMORY_ERROR_TYPE_CORRECTED", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED")
       for counter in ("NVML_VOLATILE_ECC", "NVML_AGGREGATE_ECC")),

@@ -353,7 +353,8 @@ class FakeNvml:
             if getattr(pynvml, p.constant) == profile:
                 info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
                 info.id, info.isP2pSupported, info.sliceCount = p.id, 0, p.slices
-                info.instanceCount, info.multiprocessorCount, info.memorySizeMB = p.instances, p.multiprocessors, p.memory_mib
+                info.instanceCount, info.multiprocessorCount = p.instances, p.multiprocessors
+                info.memorySizeMB = p.memory_mib
                 info.copyEngineCount, info.decoderCount, info.encoderCount = p.copy_engines, p.decoders, p.encoders
                 info.jpegCount, info.ofaCount, info.name = p.jpeg, p.ofa, p.name.encode()
                 return info

@@ -42,7 +42,7 @@ def initial_kernel(driver_version: Optional[str], nics: bool, nouveau: bool) -> 
     installed: dict[str, Optional[str]] = {"nouveau": None, "drm": None, "drm_kms_helper": None}
     if driver_version:
         installed.update({module: driver_version for module in NVIDIA_MODULES})
-    loaded = []
+    loaded: list[dict[str, Any]] = []
     if nics:
         installed.update({"ib_core": None, "mlx5_ib": None})
         loaded += [{"name": "ib_core", "version": None, "params": {}},
@@ -127,7 +127,7 @@ class SimModprobe:
             for line in conf.read_text().splitlines():
                 words = line.split("#", 1)[0].split()
                 if len(words) >= 3 and words[0] == "options" and words[1].replace("-", "_") == module:
-                    options.update(word.split("=", 1) for word in words[2:] if "=" in word)
+                    options.update(word.partition("=")[::2] for word in words[2:] if "=" in word)
         return options
 
 
@@ -287,7 +287,8 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         os.symlink(target, path)
     wanted = {directory / relative for relative in [*files, *links]}
     wanted_dirs = {parent for path in wanted for parent in path.parents}
-    wanted_dirs |= {path for relative in directories or () for path in (directory / relative, *(directory / relative).parents)}
+    for relative in directories or ():
+        wanted_dirs |= {directory / relative, *(directory / relative).parents}
     for path in sorted(directory.rglob("*"), reverse=True) if directory.exists() else ():
         if path.is_symlink() or not path.is_dir():
             if path not in wanted:

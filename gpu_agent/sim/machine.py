@@ -66,7 +66,8 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
         raise AgentError(f"{path}: not valid YAML: {exc}") from None
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}"
+            f"{'.'.join(str(p) for p in err['loc'])}: "
+            f"{'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}"
             for err in exc.errors()
         )
         raise AgentError(f"{path}: {problems}") from None
@@ -173,8 +174,9 @@ class MachineState:
             if self.path.exists() and json.loads(self.path.read_text()).get("source") == source:
                 return
             shutil.rmtree(self.kernel_dir, ignore_errors=True)  # a new machine boots a fresh kernel
+            mig: dict[int, MigSpec] = {}
             if spec in BUILT_IN:
-                machine, mig = BUILT_IN[spec], {}
+                machine = BUILT_IN[spec]
             elif Path(spec).is_file():
                 machine, mig = load_machine_file(Path(spec))
             elif Path(spec).is_dir():

@@ -259,7 +259,8 @@ class Capture:
         try:
             return answers.decode(entry.ok, handle_of)
         except (ValueError, TypeError, AttributeError) as exc:
-            raise AgentError(f"{self.directory / 'nvml.json'}: {name}: cannot replay the recorded answer: {exc}") from None
+            raise AgentError(f"{self.directory / 'nvml.json'}: {name}: cannot replay the recorded answer: "
+                             f"{exc}") from None
 
     def value(self, name: str, *args: Any, default: Any = None) -> Any:
         """The recorded answer, or `default` when it was an error or not recorded."""
@@ -299,8 +300,9 @@ class Capture:
     def _profiles(self, handle: SimHandle) -> tuple[GiProfile, ...]:
         names = {value: name for name, value in vars(pynvml).items()
                  if name.startswith("NVML_GPU_INSTANCE_PROFILE_") and not name.endswith("_COUNT")}
+        device = [{"handle": ref_of(handle)}]
         asked = [entry.args[1] for entry in self.calls.values()  # in the order the agent asked, nvidia-smi's
-                 if entry.call == "nvmlDeviceGetGpuInstanceProfileInfo" and entry.args[:1] == [{"handle": ref_of(handle)}]
+                 if entry.call == "nvmlDeviceGetGpuInstanceProfileInfo" and entry.args[:1] == device
                  and len(entry.args) > 1 and entry.args[1] in names]
         profiles = []
         for constant in dict.fromkeys(asked):
@@ -332,7 +334,8 @@ ANSWER_SHAPES: dict[str, Any] = {
     "nvmlDeviceGetUtilizationRates": ("c_nvmlUtilization_t",),
     "nvmlDeviceGetGpuInstanceProfileInfo": ("c_nvmlGpuInstanceProfileInfo_v2_t", "c_nvmlGpuInstanceProfileInfo_t"),
     "nvmlGpuInstanceGetInfo": ("c_nvmlGpuInstanceInfo_t",),
-    answers.PLACEMENTS_CALL: "a list of [start, size] pairs", "nvmlDeviceGetComputeRunningProcesses": "a list of processes",
+    answers.PLACEMENTS_CALL: "a list of [start, size] pairs",
+    "nvmlDeviceGetComputeRunningProcesses": "a list of processes",
 }
 
 
