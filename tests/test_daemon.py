@@ -1,6 +1,8 @@
 """The daemon's contract, checked on the real process: notify messages, endpoints, signals, exit codes."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import re
 import signal
@@ -9,6 +11,9 @@ import time
 from pathlib import Path
 
 from conftest import cli
+
+# The process contract: the daemon as systemd runs it (signals, notify, endpoints, exit codes).
+pytestmark = pytest.mark.subprocess
 
 
 def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Path) -> None:

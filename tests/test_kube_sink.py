@@ -12,6 +12,9 @@ from conftest import cli
 from kube_emulator import KubeEmulator
 from test_labels import DGX_A100
 
+# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
+pytestmark = pytest.mark.subprocess
+
 NODE = "gpu-node-1"
 KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure"}
 

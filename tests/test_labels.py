@@ -1,6 +1,8 @@
 """GFD-compatible labels from the state model, and `gpu-agent labels`."""
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
@@ -8,6 +10,9 @@ from conftest import cli
 
 from gpu_agent.kube.labels import compute, family, sanitise, valid_key, valid_value
 from gpu_agent.nvml.model import Gpu, Inventory, MigDevice, MigProfile, MigState
+
+# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
+pytestmark = pytest.mark.subprocess
 
 DGX_A100 = {
     "nvidia.com/cuda.driver-version.full": "550.90.07", "nvidia.com/cuda.driver-version.major": "550",
