@@ -246,3 +246,22 @@ def test_the_daemons_own_use_of_a_counted_fault_does_not_skip_backoff(agent, roo
 def test_usage_errors_exit_1_not_2(root: Path) -> None:
     assert cli("status", "--bogus", root=root).returncode == 1
     assert cli("apply", root=root).returncode == 1
+
+
+def test_a_notify_socket_nobody_reads_never_blocks_the_sender(tmp_path, monkeypatch) -> None:
+    import socket as socketlib
+
+    from gpu_agent.daemon.notify import Notifier
+
+    path = tmp_path / "notify.sock"
+    receiver = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    receiver.bind(str(path))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    notifier = Notifier()
+    import threading
+
+    sender = threading.Thread(target=lambda: [notifier.status(f"line {n}") for n in range(5000)], daemon=True)
+    sender.start()  # far more than the socket's queue holds
+    sender.join(60)
+    assert not sender.is_alive(), "a blocking send hangs once the queue is full"
+    receiver.close()

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
@@ -17,6 +17,7 @@ from gpu_agent.daemon.engine import Engine
 from gpu_agent.errors import AgentError
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
+from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
@@ -48,6 +49,7 @@ class Runtime:
     engine: Engine
     machine: Optional[Any] = None  # the simulated machine, when there is one
     real_root_simulated: bool = False  # simulated GPUs over the real / : its runtimes and CUDA are real
+    kube_budget: RequestBudget = field(default_factory=RequestBudget)  # the node's, whichever client spends it
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
@@ -117,7 +119,7 @@ class Runtime:
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
             from gpu_agent.stages.labels import KubeSink
 
-            stages.append(KubeSink(self.root, self.state, kube))
+            stages.append(KubeSink(self.root, self.state, kube, self.kube_budget))
         return stages
 
 
