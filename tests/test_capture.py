@@ -313,10 +313,12 @@ def test_status_metrics_and_labels_show_the_node_as_it_is(tmp_path: Path) -> Non
     assert gpu["metrics"]["memory_used_mib"] == NODE["memory_used_mib"]
     assert gpu["metrics"]["memory_reserved_mib"] == NODE["memory_reserved_mib"]
     assert gpu["metrics"]["memory_free_mib"] == NODE["memory_free_mib"]
-    profiles = inventory.gpus[0].mig.profiles
-    assert [(p.name, p.id, p.instances, p.memory_mib, p.multiprocessors, p.decoders, p.encoders, p.copy_engines,
-             p.jpeg_engines, p.ofa_engines, tuple(s for s, _ in p.placements), {n for _, n in p.placements})
+    profiles = gpu["mig"]["profiles"]  # /status, as nvidia-smi mig -lgip/-lgipp shows the table
+    assert [(p["name"], p["id"], p["instances"], p["memory_mib"], p["multiprocessors"], p["decoders"],
+             p["encoders"], p["copy_engines"], p["jpeg_engines"], p["ofa_engines"],
+             tuple(s for s, _ in p["placements"]), {n for _, n in p["placements"]})
             for p in profiles] == [(*row[:11], {row[11]}) for row in MIG_PROFILES]
+    assert len(inventory.gpus[0].mig.profiles) == len(profiles)
     samples = {(family.name, sample.name): sample for family in text_string_to_metric_families(metrics)
                for sample in family.samples}
     used = samples[("DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_USED")]
