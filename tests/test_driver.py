@@ -269,3 +269,12 @@ def test_check_json_prints_the_typed_plan(tmp_path: Path) -> None:
     driver = json.loads(result.stdout)["stages"][0]
     assert driver["changes"] == [{"kind": "LoadModule", "module": "nvidia"},
                                  {"kind": "LoadModule", "module": "nvidia_uvm"}]
+
+
+@pytest.mark.subprocess  # the CUDA check's child process
+def test_a_libcuda_that_does_not_load_is_named_not_a_traceback(node: Callable[[str], SimNode]) -> None:
+    sim = node("t4")
+    sim.sim("show")  # the simulator's placeholder libcuda.so.1 is no ELF library
+    message = sim.apply({"driver": {"validate_cuda": True}}).stage("driver").message
+    assert "CUDA validation failed: cannot load " in message and "libcuda.so.550.90.07: file too short" in message
+    assert "Traceback" not in message

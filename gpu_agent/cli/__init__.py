@@ -19,6 +19,7 @@ _SUBCOMMANDS = {
     "check": "preflight: report what is wrong or would change; changes nothing",
     "labels": "print the Kubernetes node labels the agent would set",
     "sim": "inspect and rehearse failures on a simulated node",
+    "capture": "write what the agent reads from this node to a directory that --simulate replays",
 }
 
 

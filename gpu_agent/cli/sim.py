@@ -76,7 +76,8 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
               f"mig={'on' if mig['current'] else 'off'} instances={instances}")
         for p in gpu["processes"]:
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
-    print(f"  kernel {state['kernel']['release']}: loaded {', '.join(m['name'] for m in state['kernel']['loaded']) or 'nothing'}")
+    loaded = ", ".join(m["name"] for m in state["kernel"]["loaded"]) or "nothing"
+    print(f"  kernel {state['kernel']['release']}: loaded {loaded}")
     for fault in state["faults"]:
         if fault["call"] == "modprobe":
             scope = f"module {fault['module']}" if fault.get("module") else "any module"
@@ -115,13 +116,14 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
         _add_fault(machine, args, {"call": "restart", "unit": args.unit, "error": error})
         print(f"restarting {args.unit or '(any unit)'} will leave it {error}")
         return
-    from gpu_agent.sim.fake import HANG, FakeNvml, error_class, error_names
+    from gpu_agent.sim.fake import HANG, error_class, error_names
+    from gpu_agent.sim.replay import simulated_calls
 
     error = args.error or "Unknown"
-    if not args.call.startswith("nvml") or not callable(FakeNvml.__dict__.get(args.call)):
-        simulated = sorted(name for name in FakeNvml.__dict__ if name.startswith("nvml"))
+    simulated = simulated_calls(machine.read())
+    if args.call not in simulated:
         raise AgentError(f"{args.call}: not modprobe nor an NVML call the simulator implements; one of: "
-                         f"{', '.join(simulated)}")
+                         f"{', '.join(sorted(simulated))}")
     if error != HANG:
         try:
             error_class(error)

@@ -63,17 +63,17 @@ class Runtime:
         real_root = root.is_running_system
         if simulate:
             from gpu_agent.sim.crash import arm_from_environment
-            from gpu_agent.sim.fake import FakeNvml
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
             from gpu_agent.sim.packages import SimPackages
+            from gpu_agent.sim.replay import simulated_nvml
             from gpu_agent.sim.services import SimServices
 
             arm_from_environment()  # kill -9 trials
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
-            nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
+            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
             services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)

@@ -211,7 +211,7 @@ class Nvml:
             capable=True,
             enabled=enabled,
             pending_enabled=pending == self.lib.NVML_DEVICE_MIG_ENABLE,
-            devices=self._mig_devices(handle) if enabled else (),
+            devices=self._mig_devices(handle, self._static[uuid]) if enabled else (),
             profiles=self._static[uuid],
         )
 
@@ -250,7 +250,7 @@ class Nvml:
         self._nvml("nvmlDeviceGetGpuInstancePossiblePlacements", handle, profile_id, placements, ctypes.byref(count))
         return tuple((placements[i].start, placements[i].size) for i in range(count.value))
 
-    def _mig_devices(self, handle: Any) -> tuple[MigDevice, ...]:
+    def _mig_devices(self, handle: Any, profiles: tuple[MigProfile, ...]) -> tuple[MigDevice, ...]:
         devices = []
         for slot in range(self._nvml("nvmlDeviceGetMaxMigDeviceCount", handle)):
             try:
@@ -260,13 +260,14 @@ class Nvml:
             gi_id = self._nvml("nvmlDeviceGetGpuInstanceId", mig)
             attributes = self._nvml("nvmlDeviceGetAttributes", mig)
             gpu_instance = self._nvml("nvmlDeviceGetGpuInstanceById", handle, gi_id)
-            placement = self._nvml("nvmlGpuInstanceGetInfo", gpu_instance).placement
+            info = self._nvml("nvmlGpuInstanceGetInfo", gpu_instance)
+            placement = info.placement
             devices.append(
                 MigDevice(
                     uuid=self._nvml("nvmlDeviceGetUUID", mig),
                     gpu_instance_id=gi_id,
                     compute_instance_id=self._nvml("nvmlDeviceGetComputeInstanceId", mig),
-                    profile=_mig_profile_of(attributes),
+                    profile=_mig_profile_of(attributes, profiles, info.profileId),
                     memory_mib=attributes.memorySizeMB,
                     multiprocessors=attributes.multiprocessorCount,
                     placement=(placement.start, placement.size),
@@ -399,8 +400,12 @@ def _profile_name(nvml_name: str) -> str:
     return nvml_name.removeprefix("MIG ").strip()
 
 
-def _mig_profile_of(attributes: Any) -> str:
-    """The profile name of a MIG device from its attributes, the way GFD and nvidia-smi name it."""
-    gb = (attributes.memorySizeMB + 1023) // 1024
-    gi, ci = attributes.gpuInstanceSliceCount, attributes.computeInstanceSliceCount
-    return f"{gi}g.{gb}gb" if gi == ci else f"{ci}c.{gi}g.{gb}gb"
+def _mig_profile_of(attributes: Any, profiles: tuple[MigProfile, ...], profile_id: int) -> str:
+    """A MIG device's profile name as NVML names its GPU instance's profile (never worked out from its
+    memory: that rounding names an H200's 1g.18gb "1g.16gb"), with the compute slices in front when
+    the compute instance is smaller than its GPU instance, as nvidia-smi and GFD write it."""
+    gi = next((profile.name for profile in profiles if profile.id == profile_id), None)
+    if gi is None:
+        raise NvmlUnavailable(f"MIG device of GPU instance profile {profile_id}, which the GPU does not list")
+    gi_slices, ci_slices = attributes.gpuInstanceSliceCount, attributes.computeInstanceSliceCount
+    return gi if gi_slices == ci_slices else f"{ci_slices}c.{gi}"

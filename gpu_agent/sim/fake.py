@@ -65,19 +65,11 @@ class SimEventData:
     computeInstanceId: int
 
 
-@dataclass(frozen=True)
-class SimProcessInfo:
-    pid: int
-    usedGpuMemory: int
-    gpuInstanceId: int
-    computeInstanceId: int
-
-
 def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Every fake call: NVML must be initialised, and an injected fault for it fires first."""
 
     @functools.wraps(fn)
-    def call(self: "FakeNvml", *args: Any, **kwargs: Any) -> Any:
+    def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         if self._init_count == 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance)) else None
@@ -331,10 +323,13 @@ class FakeNvml:
         return int(watts * 1000)
 
     @_nvml
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[SimProcessInfo]:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[Any]:
+        """pynvml's own answer: its friendly objects with the fields of c_nvmlProcessInfo_t."""
         gpu = self._whole_gpu(handle)
         return [
-            SimProcessInfo(p["pid"], p["used_mib"] * 1024 * 1024, p.get("gpu_instance_id", 0xFFFFFFFF), 0xFFFFFFFF)
+            pynvml.nvmlFriendlyObject({"pid": p["pid"], "usedGpuMemory": p["used_mib"] * 1024 * 1024,
+                                       "gpuInstanceId": p.get("gpu_instance_id", 0xFFFFFFFF),
+                                       "computeInstanceId": 0xFFFFFFFF})
             for p in gpu["processes"]
         ]
 
@@ -358,7 +353,8 @@ class FakeNvml:
             if getattr(pynvml, p.constant) == profile:
                 info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
                 info.id, info.isP2pSupported, info.sliceCount = p.id, 0, p.slices
-                info.instanceCount, info.multiprocessorCount, info.memorySizeMB = p.instances, p.multiprocessors, p.memory_mib
+                info.instanceCount, info.multiprocessorCount = p.instances, p.multiprocessors
+                info.memorySizeMB = p.memory_mib
                 info.copyEngineCount, info.decoderCount, info.encoderCount = p.copy_engines, p.decoders, p.encoders
                 info.jpegCount, info.ofaCount, info.name = p.jpeg, p.ofa, p.name.encode()
                 return info
@@ -442,9 +438,12 @@ class FakeNvml:
         instance = next((i for i in gpu["mig"]["instances"] if i["gi_id"] == gpu_instance.gi_id), None)
         if instance is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        placement = pynvml.c_nvmlGpuInstancePlacement_t()
-        placement.start, placement.size = instance["start"], instance["size"]
-        return _GpuInstanceInfo(SimHandle(gpu_instance.gpu), instance["gi_id"], instance["profile_id"], placement)
+        # pynvml's own structure, so a capture records it; its `device` stays NULL (this fake's
+        # handles are not ctypes pointers), the caller holds the device already.
+        info = pynvml.c_nvmlGpuInstanceInfo_t()
+        info.id, info.profileId = instance["gi_id"], instance["profile_id"]
+        info.placement.start, info.placement.size = instance["start"], instance["size"]
+        return info
 
     # --- events ----------------------------------------------------------------------------
 
@@ -477,13 +476,3 @@ class FakeNvml:
     @_nvml
     def nvmlEventSetFree(self, event_set: SimEventSet) -> None:
         event_set.gpus.clear()
-
-
-@dataclass(frozen=True)
-class _GpuInstanceInfo:
-    """Fields of pynvml's c_nvmlGpuInstanceInfo_t; `device` is a handle of this fake."""
-
-    device: SimHandle
-    id: int
-    profileId: int
-    placement: Any
