@@ -50,6 +50,18 @@ class RemoveFile(Change):
 
 
 @dataclass(frozen=True)
+class RestoreFile(Change):
+    """Put back the file the agent replaced, from its saved original."""
+
+    kind: ClassVar[str] = "RestoreFile"
+    path: str
+    original: str  # host path of the saved original
+
+    def describe(self) -> str:
+        return f"restore {self.path} from {self.original}"
+
+
+@dataclass(frozen=True)
 class LoadModule(Change):
     kind: ClassVar[str] = "LoadModule"
     module: str
@@ -124,8 +136,9 @@ class PatchNode(Change):
         return f"patch node {self.node} {self.part}: {self.summary}"
 
 
-def digest(text: str) -> str:
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+def digest(content: str | bytes) -> str:
+    data = content.encode() if isinstance(content, str) else content
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def _plain(value: Any) -> Any:

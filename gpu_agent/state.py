@@ -69,6 +69,7 @@ class AgentState:
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
+    claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
     reconciles: int = 0
     first_reconcile_done: bool = False
 

@@ -83,5 +83,19 @@ class SimNode:
                     os.environ[key] = value
         return Pass(runs, runtime.state)
 
+    def uninstall(self, dry_run: bool = False) -> Pass:
+        """`gpu-agent uninstall [--dry-run]`: the owned-files stage with nothing claimed."""
+        from gpu_agent.stages.owned_files import OwnedFiles
+
+        config = self.root.parent / "config.yaml"
+        config.write_text(yaml.safe_dump({"version": "v1"}))
+        runtime = Runtime.build(Root(self.root), load_config(config, required=True), self.simulate)
+        try:
+            runtime.engine.set_stages([OwnedFiles(runtime.root, runtime.services, set(), uninstall=True)])
+            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=dry_run))
+        finally:
+            runtime.nvml.close()
+        return Pass(runs, runtime.state)
+
     def check(self, settings: Optional[dict[str, Any]] = None) -> Pass:
         return self.apply(settings, dry_run=True)

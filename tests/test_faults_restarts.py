@@ -199,7 +199,8 @@ def test_a_stopped_unit_is_left_stopped_and_owes_nothing(root: Path, tmp_path: P
     assert "nvidia" in json.loads(node.text("/etc/docker/daemon.json") or "{}")["runtimes"] and owed(root) == {}
 
 
-def test_a_broken_ledger_is_a_clear_error_and_blocks_only_the_restarts(root: Path, tmp_path: Path) -> None:
+def test_a_broken_ledger_is_a_clear_error_and_blocks_every_write(root: Path, tmp_path: Path) -> None:
+    """Every file the agent writes is recorded in the ledger first: without a usable ledger it writes nothing."""
     install_toolkit(root, ("crio",))
     ledger = root / "var/lib/gpu-agent/ledger.json"
     ledger.parent.mkdir(parents=True)
@@ -208,7 +209,7 @@ def test_a_broken_ledger_is_a_clear_error_and_blocks_only_the_restarts(root: Pat
     node.reconcile()
     reason = node.not_ready_because()
     assert reason.startswith("/var/lib/gpu-agent/ledger.json: pending_restarts: expected an object"), reason
-    assert node.text(OURS["crio"]) is None and node.text("/var/run/cdi/nvidia.yaml")
+    assert node.text(OURS["crio"]) is None and node.text("/var/run/cdi/nvidia.yaml") is None
     assert node.service("crio.service")["restarts"] == 0
 
 
@@ -437,7 +438,7 @@ def test_the_ledger_records_durably_and_writes_only_on_change(root: Path) -> Non
     assert (path.stat().st_ino, path.stat().st_mtime_ns) == stamp and path.stat().st_mode & 0o777 == 0o600
     assert Ledger(Root(root)).pending_restarts() == {"docker.service"}
     ledger.clear_pending_restart("docker.service")
-    assert json.loads(path.read_text()) == {"version": 1, "pending_restarts": {}}
+    assert json.loads(path.read_text()) == {"version": 1, "pending_restarts": {}, "owned": {}}
 
 
 @pytest.mark.parametrize("output, described", [

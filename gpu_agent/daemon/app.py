@@ -24,6 +24,7 @@ from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.driver_features import DriverFeatures
+from gpu_agent.stages.owned_files import OwnedFiles
 from gpu_agent.stages.toolkit import Toolkit
 from gpu_agent.toolkit.packages import PackageInstaller, SystemPackages
 from gpu_agent.toolkit.services import ServiceControl, Systemd
@@ -123,6 +124,10 @@ class Runtime:
             from gpu_agent.stages.labels import KubeSink
 
             stages.append(KubeSink(self.root, self.state, kube, self.kube_budget))
+        # Last: what the stages above no longer claim (or a stage turned off owned) is undone. Not for
+        # simulated GPUs over the real /: its ledger is a real agent's.
+        if not self.real_root_simulated:
+            stages.append(OwnedFiles(self.root, self.services, {stage.name for stage in stages}))
         return stages
 
 

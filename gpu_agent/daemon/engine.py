@@ -16,6 +16,7 @@ from gpu_agent.state import FAILED, OK, WAITING, AgentState, StageStatus
 log = logging.getLogger(__name__)
 
 _APPLY_ROUNDS = 3
+CLAIMS = "claims"  # what the owned-files stage consumes: every stage's claims (Stage.claims)
 
 
 @dataclass
@@ -30,6 +31,7 @@ class StageRun:
     skipped: bool = False  # still backing off from an earlier failure
     facts: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)  # for the names in the stage's `produces`
+    claims: Optional[set[str]] = None  # the files the stage wants; None: it could not tell
 
 
 class Engine:
@@ -56,9 +58,11 @@ class Engine:
     async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
         """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything."""
         runs: list[StageRun] = []
-        results = {name: self.state.output(name) for stage in self.stages for name in stage.consumes}
+        results = {name: self.state.output(name) for stage in self.stages for name in stage.consumes
+                   if name != CLAIMS}
+        claims = dict(self.state.claims)  # by stage: this pass's, else the last known
         for stage in self.stages:
-            stage.inputs = {name: results.get(name) for name in stage.consumes}
+            stage.inputs = {name: claims if name == CLAIMS else results.get(name) for name in stage.consumes}
             status = self.state.stages[stage.name]
             now = time.time()
             if not force and not dry_run and status.next_retry is not None and now < status.next_retry:
@@ -76,6 +80,8 @@ class Engine:
                 continue
             run = await asyncio.to_thread(self._run_stage, stage, dry_run)
             results.update(run.outputs)
+            if run.claims is not None:
+                claims[stage.name] = run.claims
             if not dry_run:
                 self._record(stage, status, run, started=now)
             runs.append(run)
@@ -99,11 +105,11 @@ class Engine:
             observed = stage.observe()
             actions = stage.plan(observed)
             if dry_run:
-                outputs = _outputs(stage, observed)
+                outputs, claims = _outputs(stage, observed), stage.claims(observed)
                 if actions:
                     return StageRun(stage.name, "pending", self._pending(stage, observed, actions), planned=actions,
-                                    outputs=outputs)
-                return StageRun(stage.name, OK, stage.verify(observed), outputs=outputs)
+                                    outputs=outputs, claims=claims)
+                return StageRun(stage.name, OK, stage.verify(observed), outputs=outputs, claims=claims)
             applied: list[Action] = []
             # A change can reveal the next one (device nodes exist only once their module is loaded),
             # so apply and observe again while new changes appear, a few rounds at most. A change that
@@ -119,12 +125,12 @@ class Engine:
                 applied += actions
                 observed = stage.observe()
                 actions = stage.plan(observed)
-            facts, outputs = stage.facts(observed), stage.outputs(observed)
+            facts, outputs, claims = stage.facts(observed), stage.outputs(observed), stage.claims(observed)
             return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied), facts=facts,
-                            outputs=outputs)
+                            outputs=outputs, claims=claims)
         except AgentError as exc:
             return StageRun(stage.name, FAILED, str(exc), facts=_facts(stage, observed),
-                            outputs=_outputs(stage, observed))
+                            outputs=_outputs(stage, observed), claims=_claims(stage, observed))
         except Exception as exc:  # a bug: keep the daemon alive, say where it is
             log.exception("stage %s crashed; this is a gpu-agent bug", stage.name)
             return StageRun(stage.name, FAILED, f"internal error: {type(exc).__name__}: {exc}",
@@ -145,6 +151,8 @@ class Engine:
         previous = status.state
         status.duration_seconds = now - started
         status.facts = run.facts
+        if run.claims is not None:
+            self.state.claims = {**self.state.claims, stage.name: run.claims}
         for name, value in run.outputs.items():
             self.state.record_output(name, value)
         if run.state == OK:
@@ -183,6 +191,11 @@ def _facts(stage: Stage, observed: Any) -> dict[str, Any]:
     except Exception:  # facts are extra information: never let them hide the stage's own error
         log.debug("facts of %s", stage.name, exc_info=True)
         return {}
+
+
+def _claims(stage: Stage, observed: Any) -> Optional[set[str]]:
+    """A failed stage's claims, when it observed; None (nothing undone) when it could not."""
+    return stage.claims(observed) if observed is not None else None
 
 
 def _outputs(stage: Stage, observed: Any) -> dict[str, Any]:

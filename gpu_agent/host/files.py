@@ -16,6 +16,7 @@ from typing import Optional
 from gpu_agent.host.paths import Root
 
 BACKUP_DIR = "/var/lib/gpu-agent/backups"
+KEEP_BACKUPS = 5  # per file; the original before gpu-agent's first change is kept apart (host/owned.py)
 _TMP_SUFFIX = ".tmp"
 
 Stamp = tuple[int, int, int]  # inode, mtime in ns, size: changes with every write
@@ -169,12 +170,13 @@ def backup(root: Root, host_path: str) -> Optional[Path]:
     earlier = _backups_of(directory, name)
     if earlier and read_bytes(earlier[-1]) == data:
         return earlier[-1]
-    target = directory / f"{name}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
-    count = 0
-    while target.exists() or target in earlier:  # a second backup within the same second
-        count += 1
-        target = target.with_name(f"{target.name.split('~')[0]}~{count}")
+    now = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    same_second = [_order(name, path)[1] for path in earlier if _order(name, path)[0] == now]
+    count = max(same_second) + 1 if same_second else 0  # later than every backup of this second
+    target = directory / (f"{name}.{now}" + (f"~{count}" if count else ""))
     atomic_write(target, data, mode=mode)
+    for old in (earlier + [target])[:-KEEP_BACKUPS]:  # the last few changes of each file are kept
+        remove(old)
     return target
 
 
@@ -183,12 +185,14 @@ _BACKUP_SUFFIX = re.compile(r"\.(\d{8}T\d{6})(?:~(\d+))?$")
 
 def _backups_of(directory: Path, name: str) -> list[Path]:
     """The backups of one file, oldest first."""
-    found = []
-    for path in directory.glob(f"{_glob_escape(name)}.*"):
-        match = _BACKUP_SUFFIX.fullmatch(path.name[len(name):])
-        if match:
-            found.append(((match.group(1), int(match.group(2) or 0)), path))
-    return [path for _, path in sorted(found)]
+    found = [path for path in directory.glob(f"{_glob_escape(name)}.*") if _BACKUP_SUFFIX.fullmatch(path.name[len(name):])]
+    return sorted(found, key=lambda path: _order(name, path))
+
+
+def _order(name: str, path: Path) -> tuple[str, int]:
+    match = _BACKUP_SUFFIX.fullmatch(path.name[len(name):])
+    assert match is not None
+    return match.group(1), int(match.group(2) or 0)
 
 
 def read_bytes(path: Path) -> Optional[bytes]:

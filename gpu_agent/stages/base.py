@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gpu_agent.plan import Change
 
@@ -64,6 +64,12 @@ class Stage(ABC):
     @abstractmethod
     def verify(self, observed: Any) -> str:
         """Check the converged state; return a one-line ok message or raise StageError."""
+
+    def claims(self, observed: Any) -> Optional[set[str]]:
+        """The host paths of the files this stage wants, as it observed: a file it owns (the ledger
+        says so) that it no longer claims is undone by the owned-files stage. None: it cannot tell
+        now (its input is broken), so nothing of it is undone."""
+        return set()
 
     def facts(self, observed: Any) -> dict[str, Any]:
         """What the stage knows that /status should show beside its message (e.g. who loaded the driver)."""

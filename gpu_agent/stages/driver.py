@@ -9,7 +9,9 @@ from typing import Callable, Optional
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.errors import StageError
 from gpu_agent.host import devnodes, pci, procfs
-from gpu_agent.host.files import atomic_write, backup, read_text, unified_diff
+from gpu_agent.host import owned
+from gpu_agent.host.files import read_text, unified_diff
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
@@ -73,6 +75,7 @@ class Driver(Stage):
         self.loader = loader
         self.settings = settings
         self.kernel = KernelModules(root)
+        self.ledger = Ledger(root)
         self.loaded_by: Optional[str] = None  # who loaded nvidia: PRELOADED or LOADED_BY_AGENT
 
     # --- observe ---------------------------------------------------------------------------------
@@ -151,9 +154,10 @@ class Driver(Stage):
 
     def _write(self, path: str, current: Optional[str], desired: str) -> Action:
         def write() -> None:
-            if current is not None and not os.path.basename(path).startswith("gpu-agent-"):
-                backup(self.root, path)  # someone else's file
-            atomic_write(self.root(path), desired)
+            try:
+                owned.write(self.root, self.ledger, self.name, path, desired)
+            except OSError as exc:
+                raise StageError(f"cannot write {path}: {exc.strerror or exc}") from None
 
         return Action.of(WriteFile.of(path, desired, current), write, diff=unified_diff(path, current, desired))
 
@@ -213,6 +217,9 @@ class Driver(Stage):
         if state.pci.nvswitches:
             message += f", {len(state.pci.nvswitches)} NVSwitches (fabric manager needed)"
         return "; ".join([message, *notes])
+
+    def claims(self, state: DriverState) -> set[str]:
+        return set(state.files)
 
     def outputs(self, state: DriverState) -> dict[str, object]:
         return {"pci_gpus": len(state.pci.gpus)}

@@ -15,7 +15,9 @@ from typing import Any, Optional
 
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.errors import StageError
-from gpu_agent.host.files import atomic_write, read_text
+from gpu_agent.host import owned
+from gpu_agent.host.files import read_text
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
 from gpu_agent.kube.budget import RequestBudget
@@ -103,8 +105,11 @@ class KubeSink(Stage):
             current = read_text(self.root(NFD_FILE))
             if current != text:
                 actions.append(Action.of(WriteFile.of(NFD_FILE, text, current),
-                                         lambda: atomic_write(self.root(NFD_FILE), text)))
+                                         lambda: owned.write(self.root, Ledger(self.root), self.name, NFD_FILE, text)))
         return actions
+
+    def claims(self, state: SinkState) -> set[str]:
+        return {NFD_FILE} if self.settings.nfd_feature_file else set()
 
     def _labels_patch(self, state: SinkState) -> Optional[dict[str, Any]]:
         metadata = (state.node or {}).get("metadata", {})

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 from gpu_agent.config.toolkit import ToolkitConfig
 from gpu_agent.errors import StageError
 from gpu_agent.host import ledger as ledger_file
-from gpu_agent.host import proc
+from gpu_agent.host import owned, proc
 from gpu_agent.host.files import BACKUP_DIR, read_text, remove, stray_temps
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
@@ -125,7 +125,7 @@ class Toolkit(Stage):
         the stage writes (`targets`: where their symlinks lead) and in the backups directory."""
         managed = [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
                    OCI_HOOK, self.settings.cdi.path, ledger_file.PATH]
-        by_directory: dict[str, list[str]] = {BACKUP_DIR: []}
+        by_directory: dict[str, list[str]] = {BACKUP_DIR: [], owned.ORIGINALS: []}
         for path in dict.fromkeys(managed + targets):
             by_directory.setdefault(posixpath.dirname(path), []).append(posixpath.basename(path))
         return [posixpath.join(directory, found.name) for directory, names in by_directory.items()
@@ -296,6 +296,12 @@ class Toolkit(Stage):
             raise StageError("; ".join(problems))
         version = f"toolkit {state.version}" if state.version else "toolkit version unknown"
         return f"nvidia runtime configured for {', '.join(state.runtimes)}; {version}"
+
+    def claims(self, state: ToolkitState) -> Optional[set[str]]:
+        """Every file of every runtime found; unknown while the toolkit is missing or a config is broken."""
+        if state.missing or self._too_old(state.version) or state.errors:
+            return None
+        return {item.path for change in state.changes for item in change.files}
 
     def facts(self, observed: Any) -> dict[str, Any]:
         """The runtimes' units as systemd last showed them, and the restarts the ledger says are owed."""

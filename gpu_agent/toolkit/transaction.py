@@ -3,13 +3,14 @@ check, or restore it all. Each runtime is its own transaction: one failing leave
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 from gpu_agent.errors import AgentError, StageError
-from gpu_agent.host.files import BACKUP_DIR, atomic_write, backup, remove, unified_diff
-from gpu_agent.host.ledger import Ledger
+from gpu_agent.host import owned
+from gpu_agent.host.files import BACKUP_DIR, backup, unified_diff
+from gpu_agent.host.ledger import Ledger, Owned
 from gpu_agent.host.paths import Root
 from gpu_agent.plan import Change, RestartService, WriteFile
 from gpu_agent.toolkit.services import ServiceControl, UnitState
@@ -17,6 +18,7 @@ from gpu_agent.toolkit.services import ServiceControl, UnitState
 log = logging.getLogger(__name__)
 
 RESTORED = "the previous files are restored"
+OWNER = "toolkit"
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class FileChange:
     desired: str
     foreign: bool  # someone else's file: keep a timestamped backup before replacing it
     mode: Optional[int] = None  # for a new file (an existing one keeps its own); None: 0644
+    before: Optional[Owned] = None  # what the ledger held for it before this transaction wrote it
 
     @property
     def needed(self) -> bool:
@@ -110,7 +113,7 @@ def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: L
     if not restart:
         problem = change.check()
         if problem is not None:
-            raise StageError(f"{change.runtime}: {problem}; {_restore(root, written, created)}")
+            raise StageError(f"{change.runtime}: {problem}; {_restore(root, ledger, written, created)}")
         return
     assert unit is not None
     problem = _restart(change, services, wait_timeout) or change.check()
@@ -118,7 +121,7 @@ def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: L
         _forget(ledger, unit)
         return
     log.error("%s: %s; restoring the previous files", change.runtime, problem)
-    restored = _restore(root, written, created)
+    restored = _restore(root, ledger, written, created)
     note = ""
     if written and change.was_up:  # back to the files it ran with before this pass
         again = _restart(change, services, wait_timeout)
@@ -129,8 +132,8 @@ def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: L
 
 
 def _write(root: Root, change: RuntimeChange, ledger: Ledger) -> tuple[list[FileChange], list[Path]]:
-    """Back up and write every needed file; on failure restore what was written and raise.
-    Returns what was written and the directories created for it."""
+    """Back up and write every needed file, each owned in the ledger; on failure restore what was written
+    and raise. Returns what was written and the directories created for it."""
     needed = change.needed
     created = [d for d in {root(item.path).parent for item in needed} if not d.exists()]
     written: list[FileChange] = []
@@ -139,28 +142,28 @@ def _write(root: Root, change: RuntimeChange, ledger: Ledger) -> tuple[list[File
             if item.current is not None and item.foreign:
                 backup(root, item.path)
         for item in needed:
-            atomic_write(root(item.path), item.desired, item.mode)
-            written.append(item)
-    except OSError as exc:
-        restored = _restore(root, written, created)
+            before = ledger.owned().get(item.path)
+            owned.write(root, ledger, OWNER, item.path, item.desired, item.mode, restart=change.unit)
+            written.append(replace(item, before=before))
+    except (OSError, AgentError) as exc:
+        restored = _restore(root, ledger, written, created)
         if change.unit is not None and change.restarts_unit and not change.restart_owed and restored == RESTORED:
             _forget(ledger, change.unit)  # the runtime runs the files that are back
-        raise StageError(f"{change.runtime}: cannot write {getattr(exc, 'filename', '') or 'a file'}: "
-                         f"{exc.strerror or exc}; {restored}") from None
+        what = getattr(exc, "filename", "") or "a file" if isinstance(exc, OSError) else str(exc)
+        reason = exc.strerror or exc if isinstance(exc, OSError) else "the ledger"
+        raise StageError(f"{change.runtime}: cannot write {what}: {reason}; {restored}") from None
     return written, created
 
 
-def _restore(root: Root, written: list[FileChange], created: list[Path]) -> str:
-    """Put back what was written; returns "the previous files are restored", or what could not be."""
+def _restore(root: Root, ledger: Ledger, written: list[FileChange], created: list[Path]) -> str:
+    """Put back what was written, and what the ledger said of it; returns "the previous files are
+    restored", or what could not be."""
     failed = []
     for item in written:
         try:
-            if item.current is None:
-                remove(root(item.path))
-            else:
-                atomic_write(root(item.path), item.current)
-        except OSError as exc:
-            failed.append(f"{item.path} ({exc.strerror or exc})")
+            owned.put_back(root, ledger, item.path, item.before, item.current)
+        except (OSError, AgentError) as exc:
+            failed.append(f"{item.path} ({getattr(exc, 'strerror', None) or exc})")
     for directory in sorted(created, key=lambda d: len(str(d)), reverse=True):
         try:
             directory.rmdir()  # only if it is still empty
