@@ -28,7 +28,8 @@ def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Pat
     assert len(gpus) == 8 and len({gpu["uuid"] for gpu in gpus}) == 8
     assert {gpu["product"] for gpu in gpus} == {"NVIDIA H100 80GB HBM3"}
     assert gpus[0]["pci_bus_id"] == "0000:18:00.0" and gpus[0]["memory_mib"] == 81559
-    assert gpus[0]["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": []}
+    assert gpus[0]["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": [],
+                            "gpu_instances": []}
     assert document["config"]["digest"].startswith("sha256:")
 
     metrics = daemon.get("/metrics")[1]

@@ -76,7 +76,8 @@ def test_ready_with_inventory(ready: AgentState) -> None:
     assert first["uuid"] == "GPU-0" and first["pci_bus_id"] == "0000:18:00.0"
     assert first["compute_capability"] == "9.0"
     assert first["health"] == "healthy" and first["health_reason"] is None
-    assert first["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": []}
+    assert first["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": [],
+                            "gpu_instances": []}
     assert first["metrics"]["utilization_percent"] == 35.0
     assert second["metrics"] is None
 

@@ -70,12 +70,15 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
     print(f"machine {state['machine']} ({state['source']}), driver {driver}")
     for index, gpu in enumerate(state["gpus"]):
         mig = gpu["mig"]
-        instances = ", ".join(f"gi{i['gi_id']}@{i['start']}" for i in mig["instances"]) or "none"
-        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} "
-              f"mig={'on' if mig['current'] else 'off'} instances={instances}")
+        instances = ", ".join(_gpu_instance_text(gi) for gi in mig["gpu_instances"]) or "none"
+        mode = "on" if mig["current"] else "off"
+        if mig["pending"] != mig["current"]:
+            mode += f" (pending {'on' if mig['pending'] else 'off'} until a GPU reset)"
+        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} mig={mode} instances={instances}")
         for p in gpu["processes"]:
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
-    print(f"  kernel {state['kernel']['release']}: loaded {', '.join(m['name'] for m in state['kernel']['loaded']) or 'nothing'}")
+    loaded = ", ".join(m["name"] for m in state["kernel"]["loaded"]) or "nothing"
+    print(f"  kernel {state['kernel']['release']}: loaded {loaded}")
     for fault in state["faults"]:
         if fault["call"] == "modprobe":
             scope = f"module {fault['module']}" if fault.get("module") else "any module"
@@ -87,6 +90,12 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
         print(f"  fault: {fault['call']} on {scope} -> {fault['error']}, {times}")
     for xid in state["xids"]:
         print(f"  xid {xid['xid']} on GPU {xid['gpu']} at {time.strftime('%H:%M:%S', time.localtime(xid['at']))}")
+
+
+def _gpu_instance_text(gi: dict[str, Any]) -> str:
+    """gi2@0:4[ci0@0:4], as nvidia-smi writes placements (start:size)."""
+    cis = ",".join(f"ci{ci['id']}@{ci['start']}:{ci['size']}" for ci in gi["compute_instances"])
+    return f"gi{gi['id']}@{gi['start']}:{gi['size']}[{cis}]"
 
 
 def _inject_xid(machine: Any, args: argparse.Namespace) -> None:

@@ -211,13 +211,15 @@ def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> 
     for minor, cap in ((1, "config"), (2, "monitor")):
         files[f"proc/driver/nvidia/capabilities/mig/{cap}"] = (
             f"DeviceFileMinor: {minor}\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
+    access = "DeviceFileMinor: {}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
     for gpu in state["gpus"]:
-        for instance in gpu["mig"]["instances"]:
-            gi, ci = instance["gi_id"], instance["ci_id"]
+        for instance in gpu["mig"]["gpu_instances"]:
+            gi = instance["id"]
             base = f"proc/driver/nvidia/capabilities/gpu{gpu['minor']}/mig/gi{gi}"
-            for path, minor in ((f"{base}/access", mig_cap_minor(gpu["minor"], gi)),
-                                (f"{base}/ci{ci}/access", mig_cap_minor(gpu["minor"], gi, ci))):
-                files[path] = f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+            files[f"{base}/access"] = access.format(mig_cap_minor(gpu["minor"], gi))
+            for compute in instance["compute_instances"]:
+                ci = compute["id"]
+                files[f"{base}/ci{ci}/access"] = access.format(mig_cap_minor(gpu["minor"], gi, ci))
 
 
 # nv-caps.c numbers its capabilities once, in table order: nvlink fabric-mgmt 0, mig/config 1,
