@@ -18,6 +18,7 @@ _SUBCOMMANDS = {
     "status": "show the running daemon's status",
     "check": "preflight: report what is wrong or would change; changes nothing",
     "labels": "print the Kubernetes node labels the agent would set",
+    "mig": "apply, assert or export MIG geometry (mig-parted's config files)",
     "sim": "inspect and rehearse failures on a simulated node",
 }
 

@@ -17,6 +17,8 @@ from gpu_agent.daemon.engine import Engine
 from gpu_agent.errors import AgentError
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
+from gpu_agent.mig.hooks import Systemctl, UnitControl
+from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
@@ -48,6 +50,8 @@ class Runtime:
     engine: Engine
     machine: Optional[Any] = None  # the simulated machine, when there is one
     real_root_simulated: bool = False  # simulated GPUs over the real / : its runtimes and CUDA are real
+    gpu_reset: Optional[GpuReset] = None  # resets one GPU for a pending MIG mode
+    units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
@@ -68,10 +72,14 @@ class Runtime:
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
+            from gpu_agent.sim.mig import SimGpuReset, SimUnits
+
             nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
             services = SimServices(machine)
             packages = SimPackages(machine, root)
+            gpu_reset: GpuReset = SimGpuReset(machine)
+            units: UnitControl = SimUnits(machine)
         else:
             import pynvml
 
@@ -79,9 +87,11 @@ class Runtime:
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
             packages = SystemPackages(root)
+            gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
+            units = Systemctl(root, config.toolkit.restart_timeout_seconds)
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real")
         runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
-                      real_root_simulated=bool(simulate) and real_root)
+                      real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
@@ -103,21 +113,32 @@ class Runtime:
         /readyz names the failing stage. A stage that waits for a failed one reports `waiting`, never ok.
         """
         stages: list[Stage] = []
+        may_change_gpus = self.root.is_running_system or self.machine is not None
         if config.driver.enabled:
             driver = config.driver
             if self.real_root_simulated:
                 driver = driver.model_copy(update={"validate_cuda": False})
-            may_change_gpus = self.root.is_running_system or self.machine is not None
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
-        stages.append(Discovery(self.nvml, config.discovery))
-        if config.toolkit.enabled and not self.real_root_simulated:
-            stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+        sink = None
         kube = config.kubernetes
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
             from gpu_agent.stages.labels import KubeSink
 
-            stages.append(KubeSink(self.root, self.state, kube))
+            sink = KubeSink(self.root, self.state, kube)
+        mig = config.mig
+        if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
+            # Before discovery: the inventory, CDI spec and labels of the same pass see the new MIG devices.
+            from gpu_agent.stages.mig import STATE_LABEL, Mig
+
+            stages.append(Mig(self.root, self.nvml, self.gpu_reset, self.units, mig,
+                              node_label=sink.node_label if sink else None,
+                              announce=(lambda state: sink.publish_label(STATE_LABEL, state)) if sink else None))
+        stages.append(Discovery(self.nvml, config.discovery))
+        if config.toolkit.enabled and not self.real_root_simulated:
+            stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+        if sink is not None:
+            stages.append(sink)
         return stages
 
 

@@ -6,6 +6,7 @@ raise the NVMLError a real driver would, or hang.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import threading
@@ -101,6 +102,7 @@ def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
     def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         if self._init_count == 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        self.calls[fn.__name__] += 1
         gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
         self._fault(fn.__name__, gpu)
         return fn(self, *args, **kwargs)
@@ -131,6 +133,7 @@ class FakeNvml:
         self.machine = state  # the simulator's own handle, not part of pynvml's surface
         self._init_count = 0
         self._lock = threading.Lock()
+        self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)

@@ -26,6 +26,7 @@ import pynvml
 
 from gpu_agent.errors import AgentError
 from gpu_agent.mig.profile import compute_sizes, compute_starts, parse_profile
+from gpu_agent.mig.reset import ResetImpossible
 from gpu_agent.sim.profiles import GiProfile, GpuModel
 
 # NVML_COMPUTE_INSTANCE_PROFILE_* constant (and so profile id) of each compute instance size.
@@ -232,3 +233,36 @@ def add_device(gpu: dict[str, Any], model: GpuModel, name: str) -> None:
         create_compute_instance(gpu, model, gi, CI_PROFILE_IDS[wanted.c], None)
     except pynvml.NVMLError as exc:
         raise AgentError(f"no room for MIG device {name} on {model.name}: {exc}") from None
+
+
+class SimGpuReset:
+    """A GPU reset on the simulated machine: refused, as the driver refuses it, while a process runs on
+    the GPU or nvidia_drm is loaded."""
+
+    def __init__(self, machine: Any) -> None:
+        self.machine = machine
+
+    def reset(self, index: int, bus_id: str) -> None:
+        with self.machine.edit() as state:
+            gpu = state["gpus"][index]
+            if gpu["processes"]:
+                pids = ", ".join(str(p["pid"]) for p in gpu["processes"])
+                raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while processes {pids} use it")
+            if any(module["name"] == "nvidia_drm" for module in state["kernel"]["loaded"]):
+                raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while nvidia_drm is loaded; "
+                                      "reboot the node (or unload nvidia_drm) for the MIG mode change")
+            reset(gpu)
+            state.setdefault("resets", []).append(index)
+
+
+class SimUnits:
+    """`systemctl stop|start UNIT` on the simulated machine: the unit's state and each call are recorded."""
+
+    def __init__(self, machine: Any) -> None:
+        self.machine = machine
+
+    def __call__(self, verb: str, unit: str) -> None:
+        with self.machine.edit() as state:
+            service = state.setdefault("services", {}).setdefault(unit, {"active": True, "restarts": 0})
+            service["active"] = verb == "start"
+            service.setdefault("calls", []).append(verb)
