@@ -142,7 +142,7 @@ class Applier:
                     waiting = self._reset(gpu, change.enabled, pending)
                     if waiting:
                         return waiting
-                ids = {gi.placement: gi.id for gi in nvml.mig_state(index).gpu_instances}
+                ids = {}  # a mode change leaves no instance behind
             elif isinstance(change, CreateGpuInstance):
                 ids[change.placement] = nvml.create_gpu_instance(index, change.profile_id, change.placement)
                 done.append(change)

@@ -201,15 +201,15 @@ def _check_capacity(gpu: Gpu, wanted: list[_Wanted]) -> None:
     for w in wanted:
         counts[w.profile.name] = counts.get(w.profile.name, 0) + 1
     summary = " + ".join(f"{n}x {name}" for name, n in counts.items())
-    for w in wanted:
-        if counts[w.profile.name] > w.profile.instances:
-            raise Refused(f"{counts[w.profile.name]}x {w.profile.name} asked for, at most {w.profile.instances}")
     needed = sum(w.profile.placements[0][1] for w in wanted if w.profile.placements)
     if needed > memory:
         raise Refused(f"{summary} needs {needed} of {memory} memory slices")
     used = sum(w.profile.slices for w in wanted)
     if used > compute:
         raise Refused(f"{summary} needs {used} of {compute} compute slices")
+    for w in wanted:
+        if counts[w.profile.name] > w.profile.instances:
+            raise Refused(f"{counts[w.profile.name]}x {w.profile.name} asked for, at most {w.profile.instances}")
 
 
 def _memory_slices(gpu: Gpu) -> int:
