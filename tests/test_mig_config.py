@@ -99,7 +99,7 @@ def test_a_bad_entry_names_file_line_config_entry_and_field(entry: str, message:
     ("version: v1\n", r"mig.yaml:1: mig-configs: at least one named config is required"),
     ("version: v1\nmig-configs: {}\n", r"mig-configs: at least one named config"),
     ("version: v1\nmig-configs:\n  c: []\n", r"mig.yaml:3: mig-configs.c: at least one entry is required"),
-    ("version: v1\nmig-configs:\n  c:\n    devices: all\n", r"mig-configs.c: at least one entry is required, as a list"),
+    ("version: v1\nmig-configs:\n  c:\n    devices: all\n", r"mig-configs.c: at least one entry is required, as a"),
     ("version: v1\nmig-configs:\n  c:\n    - [1]\n", r"mig.yaml:4: mig-configs.c\[0\]: an entry is a mapping"),
     ("version: v1\nextra: 1\nmig-configs: {}\n", r"mig.yaml:2: extra: unexpected field"),
     ("version: v1\nmig-configs:\n  c:\n    - devices: all\n      devices: all\n      mig-enabled: false\n",
