@@ -207,6 +207,7 @@ class AgentState:
                 "pending_mode": "enabled" if gpu.mig.pending_enabled else "disabled",
                 "instances": [to_json(device) for device in gpu.mig.devices],
                 "gpu_instances": [to_json(instance) for instance in gpu.mig.gpu_instances],
+                "profiles": [to_json(profile) for profile in gpu.mig.profiles],
             },
             "processes": [to_json(process) for process in self.processes.get(gpu.uuid, ())],
             "metrics": to_json(self.samples[gpu.uuid]) if gpu.uuid in self.samples else None,

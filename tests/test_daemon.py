@@ -1,6 +1,8 @@
 """The daemon's contract, checked on the real process: notify messages, endpoints, signals, exit codes."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import re
 import signal
@@ -9,6 +11,9 @@ import time
 from pathlib import Path
 
 from conftest import cli
+
+# The process contract: the daemon as systemd runs it (signals, notify, endpoints, exit codes).
+pytestmark = pytest.mark.subprocess
 
 
 def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Path) -> None:
@@ -28,8 +33,10 @@ def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Pat
     assert len(gpus) == 8 and len({gpu["uuid"] for gpu in gpus}) == 8
     assert {gpu["product"] for gpu in gpus} == {"NVIDIA H100 80GB HBM3"}
     assert gpus[0]["pci_bus_id"] == "0000:18:00.0" and gpus[0]["memory_mib"] == 81559
-    assert gpus[0]["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": [],
-                            "gpu_instances": []}
+    mig = gpus[0]["mig"]
+    assert (mig["capable"], mig["mode"], mig["pending_mode"], mig["instances"]) == (True, "disabled", "disabled", [])
+    assert mig["gpu_instances"] == []
+    assert [p["name"] for p in mig["profiles"]][:2] == ["1g.10gb", "1g.10gb+me"]
     assert document["config"]["digest"].startswith("sha256:")
 
     metrics = daemon.get("/metrics")[1]
@@ -242,3 +249,22 @@ def test_the_daemons_own_use_of_a_counted_fault_does_not_skip_backoff(agent, roo
 def test_usage_errors_exit_1_not_2(root: Path) -> None:
     assert cli("status", "--bogus", root=root).returncode == 1
     assert cli("apply", root=root).returncode == 1
+
+
+def test_a_notify_socket_nobody_reads_never_blocks_the_sender(tmp_path, monkeypatch) -> None:
+    import socket as socketlib
+
+    from gpu_agent.daemon.notify import Notifier
+
+    path = tmp_path / "notify.sock"
+    receiver = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    receiver.bind(str(path))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    notifier = Notifier()
+    import threading
+
+    sender = threading.Thread(target=lambda: [notifier.status(f"line {n}") for n in range(5000)], daemon=True)
+    sender.start()  # far more than the socket's queue holds
+    sender.join(60)
+    assert not sender.is_alive(), "a blocking send hangs once the queue is full"
+    receiver.close()

@@ -219,6 +219,7 @@ FILES = [
 ]
 
 
+@pytest.mark.host_paths  # /dev/zero given as the config file
 @pytest.mark.parametrize("make, reason", FILES)
 def test_a_config_path_that_is_not_a_readable_file_is_refused_without_blocking(
         config_dir: Path, make: Callable[[Path], None], reason: str) -> None:
@@ -285,6 +286,7 @@ def test_a_reload_that_fails_inside_the_loader_keeps_the_running_config(
                                          "see the agent's log")
 
 
+@pytest.mark.subprocess
 def test_sighup_with_each_bad_config_keeps_the_daemon_and_its_config(agent) -> None:
     daemon = agent("t4")
     daemon.wait_ready()

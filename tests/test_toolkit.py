@@ -14,6 +14,9 @@ import yaml
 
 from conftest import cli
 
+# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
+pytestmark = pytest.mark.subprocess
+
 BINARY = "/usr/bin/nvidia-container-runtime"
 CONTAINERD_V2 = """\
 # Hand-written containerd config: keep me.

@@ -20,6 +20,7 @@ _SUBCOMMANDS = {
     "labels": "print the Kubernetes node labels the agent would set",
     "mig": "apply, assert or export MIG geometry (mig-parted's config files)",
     "sim": "inspect and rehearse failures on a simulated node",
+    "capture": "write what the agent reads from this node to a directory that --simulate replays",
 }
 
 

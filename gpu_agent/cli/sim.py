@@ -121,13 +121,14 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
         _add_fault(machine, args, {"call": "restart", "unit": args.unit, "error": error})
         print(f"restarting {args.unit or '(any unit)'} will leave it {error}")
         return
-    from gpu_agent.sim.fake import HANG, FakeNvml, error_class, error_names
+    from gpu_agent.sim.fake import HANG, error_class, error_names
+    from gpu_agent.sim.replay import simulated_calls
 
     error = args.error or "Unknown"
-    if not args.call.startswith("nvml") or not callable(FakeNvml.__dict__.get(args.call)):
-        simulated = sorted(name for name in FakeNvml.__dict__ if name.startswith("nvml"))
+    simulated = simulated_calls(machine.read())
+    if args.call not in simulated:
         raise AgentError(f"{args.call}: not modprobe nor an NVML call the simulator implements; one of: "
-                         f"{', '.join(simulated)}")
+                         f"{', '.join(sorted(simulated))}")
     if error != HANG:
         try:
             error_class(error)

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
@@ -17,6 +17,7 @@ from gpu_agent.daemon.engine import Engine
 from gpu_agent.errors import AgentError
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
+from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.mig.hooks import Systemctl, UnitControl
 from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
 from gpu_agent.nvml.client import Nvml
@@ -50,6 +51,7 @@ class Runtime:
     engine: Engine
     machine: Optional[Any] = None  # the simulated machine, when there is one
     real_root_simulated: bool = False  # simulated GPUs over the real / : its runtimes and CUDA are real
+    kube_budget: RequestBudget = field(default_factory=RequestBudget)  # the node's, whichever client spends it
     gpu_reset: Optional[GpuReset] = None  # resets one GPU for a pending MIG mode
     units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
 
@@ -63,18 +65,17 @@ class Runtime:
         machine = None
         real_root = root.is_running_system
         if simulate:
-            from gpu_agent.sim.fake import FakeNvml
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
+            from gpu_agent.sim.mig import SimGpuReset, SimUnits
             from gpu_agent.sim.packages import SimPackages
+            from gpu_agent.sim.replay import simulated_nvml
             from gpu_agent.sim.services import SimServices
 
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
-            from gpu_agent.sim.mig import SimGpuReset, SimUnits
-
-            nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
+            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
             services = SimServices(machine)
             packages = SimPackages(machine, root)
@@ -125,7 +126,7 @@ class Runtime:
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
             from gpu_agent.stages.labels import KubeSink
 
-            sink = KubeSink(self.root, self.state, kube)
+            sink = KubeSink(self.root, self.state, kube, self.kube_budget)
         mig = config.mig
         if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
             # Before discovery: the inventory, CDI spec and labels of the same pass see the new MIG devices.

@@ -289,7 +289,7 @@ class Nvml:
                 found.append(GpuInstance(
                     id=info.id, profile_id=profile.id, profile=profile.name, slices=profile.slices,
                     placement=(info.placement.start, info.placement.size), memory_mib=profile.memory_mib,
-                    compute_instances=self._compute_instances(gpu_instance, info.id, (uuid, profile.id), devices),
+                    compute_instances=self._compute_instances(gpu_instance, info.id, profile, uuid, devices),
                 ))
         return tuple(sorted(found, key=lambda gi: gi.id))
 
@@ -307,12 +307,12 @@ class Nvml:
             self._ci_profiles[key] = tuple(profiles)
         return self._ci_profiles[key]
 
-    def _compute_instances(self, gpu_instance: Any, gi_id: int, key: tuple[str, int],
+    def _compute_instances(self, gpu_instance: Any, gi_id: int, gi_profile: MigProfile, uuid: str,
                            devices: dict[tuple[int, int], tuple[int, str]]) -> tuple[ComputeInstance, ...]:
         import ctypes
 
         found = []
-        for profile in self._compute_instance_profiles(gpu_instance, key):
+        for profile in self._compute_instance_profiles(gpu_instance, (uuid, gi_profile.id)):
             handles = (self.lib.c_nvmlComputeInstance_t * max(profile.instanceCount, 1))()
             count = ctypes.c_uint(0)
             self._nvml("nvmlGpuInstanceGetComputeInstances", gpu_instance, profile.id, handles, ctypes.byref(count))
@@ -320,7 +320,8 @@ class Nvml:
                 info = self._nvml("nvmlComputeInstanceGetInfo", compute_instance)
                 index, uuid = devices.get((gi_id, info.id), (-1, ""))
                 found.append(ComputeInstance(
-                    id=info.id, profile_id=profile.id, profile=_profile_name(profile.name), slices=profile.sliceCount,
+                    id=info.id, profile_id=profile.id, profile=_device_profile(gi_profile, profile.sliceCount),
+                    slices=profile.sliceCount,
                     placement=(info.placement.start, info.placement.size),
                     multiprocessors=profile.multiprocessorCount, uuid=uuid, device_index=index,
                 ))
@@ -520,3 +521,10 @@ def _short_bus_id(bus_id: str) -> str:
 def _profile_name(nvml_name: str) -> str:
     """NVML names profiles "MIG 1g.10gb"; everyone else says "1g.10gb"."""
     return nvml_name.removeprefix("MIG ").strip()
+
+
+def _device_profile(gi_profile: MigProfile, ci_slices: int) -> str:
+    """A MIG device's profile name as NVML names its GPU instance's profile (never worked out from its
+    memory: that rounding names an H200's 1g.18gb "1g.16gb"), with the compute slices in front when
+    the compute instance is smaller than its GPU instance, as nvidia-smi and GFD write it."""
+    return gi_profile.name if ci_slices == gi_profile.slices else f"{ci_slices}c.{gi_profile.name}"

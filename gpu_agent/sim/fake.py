@@ -87,14 +87,6 @@ class SimEventData:
     computeInstanceId: int
 
 
-@dataclass(frozen=True)
-class SimProcessInfo:
-    pid: int
-    usedGpuMemory: int
-    gpuInstanceId: int
-    computeInstanceId: int
-
-
 def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Every fake call: NVML must be initialised, and an injected fault for it fires first."""
 
@@ -373,11 +365,13 @@ class FakeNvml:
         return int(watts * 1000)
 
     @_nvml
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[SimProcessInfo]:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[Any]:
+        """pynvml's own answer: its friendly objects with the fields of c_nvmlProcessInfo_t."""
         gpu = self._whole_gpu(handle)
         return [
-            SimProcessInfo(p["pid"], p["used_mib"] * 1024 * 1024, p.get("gpu_instance_id", 0xFFFFFFFF),
-                           p.get("compute_instance_id", 0xFFFFFFFF))
+            pynvml.nvmlFriendlyObject({"pid": p["pid"], "usedGpuMemory": p["used_mib"] * 1024 * 1024,
+                                       "gpuInstanceId": p.get("gpu_instance_id", 0xFFFFFFFF),
+                                       "computeInstanceId": p.get("compute_instance_id", 0xFFFFFFFF)})
             for p in gpu["processes"]
         ]
 
@@ -493,9 +487,12 @@ class FakeNvml:
     @_nvml
     def nvmlGpuInstanceGetInfo(self, gpu_instance: SimGpuInstance) -> Any:
         gi = self._gi(gpu_instance)
-        placement = pynvml.c_nvmlGpuInstancePlacement_t()
-        placement.start, placement.size = gi["start"], gi["size"]
-        return _GpuInstanceInfo(SimHandle(gpu_instance.gpu), gi["id"], gi["profile_id"], placement)
+        # pynvml's own structure, so a capture records it; its `device` stays NULL (this fake's
+        # handles are not ctypes pointers), the caller holds the device already.
+        info = pynvml.c_nvmlGpuInstanceInfo_t()
+        info.id, info.profileId = gi["id"], gi["profile_id"]
+        info.placement.start, info.placement.size = gi["start"], gi["size"]
+        return info
 
     @_nvml
     def nvmlGpuInstanceDestroy(self, gpu_instance: SimGpuInstance) -> int:
@@ -596,11 +593,11 @@ class FakeNvml:
 
     @_nvml
     def nvmlComputeInstanceGetInfo(self, compute_instance: SimComputeInstance) -> Any:
-        gi, ci = self._ci(compute_instance)
-        placement = pynvml.c_nvmlComputeInstancePlacement_t()
-        placement.start, placement.size = ci["start"], ci["size"]
-        return _ComputeInstanceInfo(SimHandle(compute_instance.gpu), SimGpuInstance(compute_instance.gpu, gi["id"]),
-                                    ci["id"], ci["profile_id"], placement)
+        _, ci = self._ci(compute_instance)
+        info = pynvml.c_nvmlComputeInstanceInfo_t()  # pynvml's own; `device` and `gpuInstance` stay NULL
+        info.id, info.profileId = ci["id"], ci["profile_id"]
+        info.placement.start, info.placement.size = ci["start"], ci["size"]
+        return info
 
     nvmlComputeInstanceGetInfo_v2 = nvmlComputeInstanceGetInfo
 
@@ -696,27 +693,6 @@ class FakeNvml:
         event_set.gpus.clear()
 
 
-@dataclass(frozen=True)
-class _ComputeInstanceInfo:
-    """Fields of pynvml's c_nvmlComputeInstanceInfo_t; handles are this fake's."""
-
-    device: SimHandle
-    gpuInstance: SimGpuInstance
-    id: int
-    profileId: int
-    placement: Any
-
-
 def _deref(value: Any) -> Any:
     """What a ctypes.byref() points to (NVML's out-parameters and placements), or the value itself."""
     return value._obj if hasattr(value, "_obj") else value
-
-
-@dataclass(frozen=True)
-class _GpuInstanceInfo:
-    """Fields of pynvml's c_nvmlGpuInstanceInfo_t; `device` is a handle of this fake."""
-
-    device: SimHandle
-    id: int
-    profileId: int
-    placement: Any

@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import uuid as uuidlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -22,8 +23,8 @@ from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
 from gpu_agent.sim.kernel import initial_kernel, render
 from gpu_agent.sim.mig import add_device
-from gpu_agent.sim.userspace import install_driver_userspace
 from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
+from gpu_agent.sim.userspace import install_driver_userspace
 
 STATE_DIR = "/var/lib/gpu-agent/sim"
 
@@ -152,19 +153,32 @@ class MachineState:
             if self.path.exists() and json.loads(self.path.read_text()).get("source") == source:
                 return
             shutil.rmtree(self.kernel_dir, ignore_errors=True)  # a new machine boots a fresh kernel
+            mig: dict[int, MigSpec] = {}
             if spec in BUILT_IN:
-                machine, mig = BUILT_IN[spec], {}
+                machine = BUILT_IN[spec]
             elif Path(spec).is_file():
                 machine, mig = load_machine_file(Path(spec))
+            elif Path(spec).is_dir():
+                self._replay(source, Path(spec))
+                return
             else:
                 raise AgentError(
-                    f"--simulate {spec}: neither a built-in profile ({', '.join(BUILT_IN)}) nor a machine file"
+                    f"--simulate {spec}: neither a built-in profile ({', '.join(BUILT_IN)}), a machine file, "
+                    "nor a capture directory"
                 )
             self._write(new_state(source, machine, mig))
             if machine.driver_version and str(self.root.path) != "/":
                 # The driver's userspace (libraries, nvidia-smi, firmware, ld.so cache) on a sandbox
                 # root; on / the OS's files are real and stay as they are.
                 install_driver_userspace(self.root.path, machine.driver_version)
+
+    def _replay(self, source: str, directory: Path) -> None:
+        """A captured node (`gpu-agent capture DIR`) as this machine."""
+        from gpu_agent.sim.replay import Capture, capture_state, install_captured_host
+
+        capture = Capture.load(directory)
+        self._write(capture_state(source, capture))
+        install_captured_host(self.root, self.kernel_dir, capture)
 
     def read(self) -> dict[str, Any]:
         """The current state; cheap when nothing changed (one stat)."""

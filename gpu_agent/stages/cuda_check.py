@@ -50,7 +50,11 @@ def run(root: Root, expected_gpus: Optional[int] = None) -> str:
 
 def main(library: str) -> int:
     """In the child: exit 0 and print the device count, or print the failing call and exit 1."""
-    cuda = ctypes.CDLL(library)
+    try:
+        cuda = ctypes.CDLL(library)
+    except OSError as exc:
+        print(f"cannot load {library}: {exc}", file=sys.stderr)
+        return 1
 
     def check(call: str, result: int) -> None:
         if result != 0:

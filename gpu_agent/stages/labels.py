@@ -18,6 +18,7 @@ from gpu_agent.errors import StageError
 from gpu_agent.host.files import atomic_write, read_text
 from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
+from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
 from gpu_agent.plan import PatchNode, WriteFile
 from gpu_agent.stages.base import Action, Stage
@@ -47,11 +48,11 @@ class KubeSink(Stage):
     consumes = ("inventory", "pci_gpus", "mig")
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
-    def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig) -> None:
+    def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig, budget: RequestBudget) -> None:
         self.root = root
         self.agent = state
         self.settings = settings
-        self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds)
+        self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds, budget)
         self.node_name = settings.node_name or socket.gethostname()
         self._node: Optional[dict[str, Any]] = None
         self._node_read = 0.0

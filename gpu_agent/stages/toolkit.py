@@ -17,7 +17,7 @@ from gpu_agent.plan import InstallPackage
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 from gpu_agent.errors import AgentError
-from gpu_agent.toolkit import cdi, containerd, crio, docker, runtime_config, transaction
+from gpu_agent.toolkit import cdi, configfile, containerd, crio, docker, runtime_config, transaction
 from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
@@ -100,8 +100,8 @@ class Toolkit(Stage):
             spec = cdi.render(cdi.build_spec(inventory, self.root, files))
         except AgentError as exc:
             raise StageError(f"CDI spec: {exc}") from None
-        path = self.settings.cdi.path
-        return RuntimeChange("cdi", None, None, [FileChange(path, read_text(self.root(path)), spec, foreign=False)])
+        current = configfile.read(self.root, self.settings.cdi.path)
+        return RuntimeChange("cdi", None, None, [FileChange(current.target, current.text, spec, foreign=False)])
 
     def _runtimes(self) -> list[str]:
         if self.settings.runtimes != "auto":
@@ -134,11 +134,10 @@ class Toolkit(Stage):
     def _containerd(self) -> RuntimeChange:
         files = containerd.plan(self.root, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default)
         # The drop-in copies the CRI table, registry credentials included: it gets the root file's mode.
-        root_mode = self.root(containerd.ROOT_CONFIG).stat().st_mode & 0o777 if files.root_current is not None else None
-        changes = [FileChange(containerd.DROP_IN, files.drop_in_current, files.drop_in_desired, foreign=False,
-                              mode=root_mode)]
+        changes = [FileChange(files.drop_in_target, files.drop_in_current, files.drop_in_desired, foreign=False,
+                              mode=files.root_mode)]
         if files.root_desired is not None:
-            changes.insert(0, FileChange(containerd.ROOT_CONFIG, files.root_current, files.root_desired, foreign=True))
+            changes.insert(0, FileChange(files.root_target, files.root_current, files.root_desired, foreign=True))
         change = RuntimeChange("containerd", RUNTIMES["containerd"].unit, RUNTIMES["containerd"].socket, changes)
         if change.needed:
             self._validate_containerd(files)
@@ -153,29 +152,29 @@ class Toolkit(Stage):
         except containerd.Skipped:
             return
         if problem:
-            hiding = containerd.hidden_by(self.root, files.version)
-            culprit = f" ({', '.join(hiding)} sorts after {containerd.DROP_IN} and replaces its CRI table)" if hiding else ""
-            raise StageError(f"{containerd.ROOT_CONFIG}: {problem}{culprit}; nothing was changed")
+            raise StageError(f"{containerd.ROOT_CONFIG}: {problem}; nothing was changed")
 
     def _docker(self) -> RuntimeChange:
-        current = read_text(self.root(docker.DAEMON_JSON))
-        wanted = docker.desired(current, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default)
+        current = configfile.read(self.root, docker.DAEMON_JSON)
+        wanted = docker.desired(current.text, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default,
+                                current.shown)
         return RuntimeChange("docker", RUNTIMES["docker"].unit, RUNTIMES["docker"].socket,
-                             [FileChange(docker.DAEMON_JSON, current, wanted, foreign=True)])
+                             [FileChange(current.target, current.text, wanted, foreign=True)])
 
     def _crio(self) -> RuntimeChange:
         wanted = crio.desired(self.root, self.settings.runtime_binary, self.settings.set_as_default)
+        current = configfile.read(self.root, crio.DROP_IN)
         return RuntimeChange("crio", RUNTIMES["crio"].unit, RUNTIMES["crio"].socket,
-                             [FileChange(crio.DROP_IN, read_text(self.root(crio.DROP_IN)), wanted, foreign=False)])
+                             [FileChange(current.target, current.text, wanted, foreign=False)])
 
     def _own_files(self) -> list[RuntimeChange]:
         """Files read by the toolkit itself at each container start: no restart needed."""
         changes = []
-        current = read_text(self.root(runtime_config.PATH))
-        wanted = runtime_config.desired(current, self.settings.runtime_config)
+        current = configfile.read(self.root, runtime_config.PATH)
+        wanted = runtime_config.desired(current.text, self.settings.runtime_config, current.shown)
         if wanted is not None:
             changes.append(RuntimeChange("nvidia-container-runtime", None, None,
-                                         [FileChange(runtime_config.PATH, current, wanted, foreign=True)]))
+                                         [FileChange(current.target, current.text, wanted, foreign=True)]))
         if self.settings.oci_hook:
             hook = json.dumps({
                 "version": "1.0.0",
@@ -184,8 +183,9 @@ class Toolkit(Stage):
                 "when": {"always": True, "commands": [".*"]},
                 "stages": ["prestart"],
             }, indent=2) + "\n"
+            current = configfile.read(self.root, OCI_HOOK)
             changes.append(RuntimeChange("oci-hook", None, None,
-                                         [FileChange(OCI_HOOK, read_text(self.root(OCI_HOOK)), hook, foreign=False)]))
+                                         [FileChange(current.target, current.text, hook, foreign=False)]))
         return changes
 
     # --- plan, apply, verify ---------------------------------------------------------------------
