@@ -1,4 +1,4 @@
-"""MIG geometry applied in-process to simulated DGX A100, DGX H100, A30 and A100-80GB nodes: the
+"""MIG geometry applied in-process to simulated A100-40GB, A100-80GB, H100, H200 and A30 GPUs: the
 geometry matches, re-applying makes no NVML mutation, one GPU's change touches only it, impossible
 geometries and busy GPUs are refused with nothing changed, an NVML failure mid-apply puts the GPU's
 previous geometry back, dry runs change nothing, and an export applies back unchanged."""
@@ -32,9 +32,10 @@ MUTATIONS = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance", "nvmlDeviceC
              "nvmlGpuInstanceCreateComputeInstance", "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
              "nvmlGpuInstanceDestroy", "nvmlComputeInstanceDestroy")
 # One GPU of each MIG model the simulator knows: the shipped device filters pick each one's entries.
-MIG_MODELS = ("A100-SXM4-40GB", "A100-SXM4-80GB", "H100-80GB-HBM3", "A30")
+MIG_MODELS = ("A100-SXM4-40GB", "A100-SXM4-80GB", "H100-80GB-HBM3", "H200", "A30")
 EVERY_MODEL = "".join(f"  - model: {model}\n" for model in MIG_MODELS)
 EVERY_MODEL_NODE = "gpus:\n" + EVERY_MODEL + "  - model: T4\n"
+H100_X4 = "gpus:\n  - model: H100-80GB-HBM3\n    count: 4\n"  # DGX H100's GPUs, fewer of them (faster)
 
 
 @dataclass
@@ -109,6 +110,7 @@ def test_every_shipped_config_on_every_gpu_it_fits(node: Any) -> None:
     for name, entries in shipped.configs.items():
         gpus = n.gpus()
         results = n.apply(shipped, name)
+        after = n.gpus()
         for gpu, result in zip(gpus, results):
             entry = next((e for e in reversed(entries) if e.selects(gpu.index, gpu.pci_device_id, 0)), None)
             if entry is None:
@@ -122,14 +124,13 @@ def test_every_shipped_config_on_every_gpu_it_fits(node: Any) -> None:
                 assert result.reason.startswith(f"GPU {gpu.index} ({gpu.product.removeprefix('NVIDIA ')}): ")
                 continue
             assert result.state == SUCCESS, (name, result.reason)
-            now = n.gpus()[gpu.index]
-            assert geometry(now) == (entry.mig_enabled, tuple(sorted(entry.wanted.items()))), name
+            assert geometry(after[gpu.index]) == (entry.mig_enabled, tuple(sorted(entry.wanted.items()))), name
+        if all(r.state == SUCCESS and "no entry" not in r.reason for r in results):
+            assert not_applied(plans_for(after, entries)) == []
         before = n.mutations()
         again = n.apply(shipped, name)
         assert n.mutations() == before, f"{name}: re-applying made NVML mutations"
         assert all(r.mutations == 0 and r.action in ("unchanged", "failed") for r in again)
-        if all(r.state == SUCCESS and "no entry" not in r.reason for r in results):
-            assert not_applied(plans_for(n.gpus(), entries)) == []
 
 
 def test_hopper_changes_mode_without_a_reset_ampere_resets_only_its_own_gpus(node: Any) -> None:
@@ -143,25 +144,25 @@ def test_hopper_changes_mode_without_a_reset_ampere_resets_only_its_own_gpus(nod
 
 
 def test_one_changed_gpu_touches_only_that_gpu_and_keeps_what_fits(node: Any) -> None:
-    n = node("dgx-h100")
+    n = node(H100_X4)
     balanced = {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
     n.apply(config(balanced), "test")
-    before = {index: (n.layout(index), n.uuids(index)) for index in range(8)}
-    three = n.layout(3)
+    before = {index: (n.layout(index), n.uuids(index)) for index in range(4)}
+    three = n.layout(2)
     both = parse_mig_config(yaml.safe_dump({"version": "v1", "mig-configs": {"mixed": [
         {"devices": "all", "mig-enabled": True, "mig-devices": balanced},
-        {"devices": [3], "mig-enabled": True, "mig-devices": {"3g.40gb": 1, "2g.20gb": 2}},
+        {"devices": [2], "mig-enabled": True, "mig-devices": {"3g.40gb": 1, "2g.20gb": 2}},
     ]}}), "mixed.yaml")
     results = n.apply(both, "mixed")
-    assert [r.action for r in results] == ["unchanged"] * 3 + ["created"] + ["unchanged"] * 4
-    assert all(r.mutations == 0 for i, r in enumerate(results) if i != 3)
-    assert {i: (n.layout(i), n.uuids(i)) for i in range(8) if i != 3} == {i: v for i, v in before.items() if i != 3}
-    kinds = [type(change) for change in results[3].changes]
+    assert [r.action for r in results] == ["unchanged"] * 2 + ["created"] + ["unchanged"]
+    assert all(r.mutations == 0 for i, r in enumerate(results) if i != 2)
+    assert {i: (n.layout(i), n.uuids(i)) for i in range(4) if i != 2} == {i: v for i, v in before.items() if i != 2}
+    kinds = [type(change) for change in results[2].changes]
     # the 3g and 2g stay; only the two 1g in the way of the second 2g go
     assert kinds == [DestroyComputeInstance] * 2 + [DestroyGpuInstance] * 2 + [CreateGpuInstance, CreateComputeInstance]
     kept = [gi for gi in three[1] if gi[0] in ("3g.40gb", "2g.20gb")]
-    assert all(gi in n.layout(3)[1] for gi in kept)
-    assert len(set(before[3][1]) & set(n.uuids(3))) == 2  # the kept MIG devices keep their UUIDs
+    assert all(gi in n.layout(2)[1] for gi in kept)
+    assert len(set(before[2][1]) & set(n.uuids(2))) == 2  # the kept MIG devices keep their UUIDs
 
 
 def test_an_impossible_geometry_is_refused_before_any_change(node: Any) -> None:
@@ -180,7 +181,7 @@ def test_an_impossible_geometry_is_refused_before_any_change(node: Any) -> None:
 
 
 def test_a_busy_gpu_is_refused_naming_its_processes(node: Any) -> None:
-    n = node("dgx-h100")
+    n = node(H100_X4)
     with n.machine.edit() as state:
         state["gpus"][1]["processes"].append({"pid": 4242, "name": "trainer", "used_mib": 1000})
     results = n.apply(config({"7g.80gb": 1}), "test")
@@ -191,9 +192,9 @@ def test_a_busy_gpu_is_refused_naming_its_processes(node: Any) -> None:
 
 
 def test_an_nvml_failure_mid_apply_restores_the_previous_geometry(node: Any) -> None:
-    n = node("dgx-h100")
+    n = node(H100_X4)
     n.apply(config({"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}), "test")
-    before = [n.layout(i) for i in range(8)]
+    before = [n.layout(i) for i in range(4)]
     with n.machine.edit() as state:  # the first compute instance on GPU 2 fails, as a real driver may
         state["faults"].append({"id": 1, "call": "nvmlGpuInstanceCreateComputeInstanceWithPlacement", "gpu": 2,
                                 "error": "InsufficientResources", "times": 1})
@@ -207,7 +208,7 @@ def test_an_nvml_failure_mid_apply_restores_the_previous_geometry(node: Any) -> 
 
 
 def test_a_failed_mode_change_is_restored_too(node: Any) -> None:
-    n = node("dgx-h100")
+    n = node(H100_X4)
     with n.machine.edit() as state:
         state["faults"].append({"id": 1, "call": "nvmlDeviceCreateGpuInstanceWithPlacement", "gpu": 0,
                                 "error": "Unknown", "times": 1})
@@ -224,7 +225,7 @@ def test_a_dry_run_makes_no_mutation(node: Any) -> None:
 
 
 def test_export_applies_back_without_a_change(node: Any) -> None:
-    n = node("dgx-h100")
+    n = node(H100_X4)
     mixed = parse_mig_config(yaml.safe_dump({"version": "v1", "mig-configs": {"mixed": [
         {"devices": [0, 1], "mig-enabled": True, "mig-devices": {"1c.7g.80gb": 3, "4c.7g.80gb": 1}},
         {"devices": [2], "mig-enabled": True, "mig-devices": {"1g.20gb": 2, "3g.40gb": 1}},
@@ -235,7 +236,7 @@ def test_export_applies_back_without_a_change(node: Any) -> None:
     before = n.mutations()
     assert all(r.action == "unchanged" for r in n.apply(exported, "current"))
     assert n.mutations() == before
-    fresh = node("dgx-h100")
+    fresh = node(H100_X4)
     assert node_state(fresh.apply(exported, "current")) == SUCCESS
     assert [geometry(gpu) for gpu in fresh.gpus()] == [geometry(gpu) for gpu in n.gpus()]
 
@@ -252,7 +253,7 @@ def test_a_reset_that_cannot_happen_leaves_the_gpu_pending_with_the_reason(node:
 
 
 def test_hooks_stop_units_before_and_always_start_them_after(node: Any) -> None:
-    n = node("dgx-h100")
+    n = node(H100_X4)
     units = SimUnits(n.machine)
     with n.machine.edit() as state:
         state["faults"].append({"id": 1, "call": "nvmlDeviceSetMigMode", "gpu": 0, "error": "Unknown", "times": 1})
@@ -263,7 +264,7 @@ def test_hooks_stop_units_before_and_always_start_them_after(node: Any) -> None:
     assert services["nvidia-dcgm.service"]["calls"] == ["stop", "start"]
     assert services["nvidia-persistenced.service"]["calls"] == ["stop", "start"]
     assert all(service["active"] for service in services.values())
-    quiet = node("dgx-h100")
+    quiet = node(H100_X4)
     quiet.apply(config({}, enabled=False), "test", hooks=Hooks(["nvidia-dcgm.service"], SimUnits(quiet.machine)))
     assert "services" not in quiet.machine.read()  # nothing to change: nothing stopped
 

@@ -287,13 +287,24 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         if path.is_symlink():
             path.unlink()
         os.symlink(target, path)
-    wanted = {directory / relative for relative in [*files, *links]}
-    wanted_dirs = {parent for path in wanted for parent in path.parents}
-    for relative in directories or ():
-        wanted_dirs |= {directory / relative, *(directory / relative).parents}
-    for path in sorted(directory.rglob("*"), reverse=True) if directory.exists() else ():
-        if path.is_symlink() or not path.is_dir():
-            if path not in wanted:
-                path.unlink()
-        elif path not in wanted_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+    # What else is there goes, compared as relative path strings (pathlib's parents of every file, on
+    # every write of the machine, were most of a MIG change's time).
+    wanted = {os.path.normpath(relative) for relative in [*files, *links]}
+    wanted_dirs = {os.path.normpath(relative) for relative in directories or ()}
+    for relative in list(wanted | wanted_dirs):
+        parent = os.path.dirname(relative)
+        while parent and parent not in wanted_dirs:
+            wanted_dirs.add(parent)
+            parent = os.path.dirname(parent)
+    if not directory.is_dir():
+        return
+    for current, subdirs, names in os.walk(directory, topdown=False):
+        here = os.path.relpath(current, directory)
+        for name in names + [d for d in subdirs if os.path.islink(os.path.join(current, d))]:
+            relative = os.path.normpath(os.path.join(here, name))
+            if relative not in wanted:
+                os.unlink(os.path.join(current, name))
+        for name in subdirs:
+            relative = os.path.normpath(os.path.join(here, name))
+            if not os.path.islink(os.path.join(current, name)) and relative not in wanted_dirs:
+                shutil.rmtree(os.path.join(current, name), ignore_errors=True)
