@@ -356,7 +356,7 @@ class Nvml:
         status = self._nvml("nvmlDeviceSetMigMode", handle, mode)
         if status == self.lib.NVML_SUCCESS:
             return None
-        return str(self.lib.NVMLError(status))
+        return describe(self.lib.NVMLError(status))
 
     def create_gpu_instance(self, index: int, profile_id: int, placement: tuple[int, int]) -> int:
         """A GPU instance of the profile at exactly this placement; its id."""
@@ -507,9 +507,13 @@ class XidWait:
 
 
 def describe(exc: Exception) -> str:
-    """An NVMLError as `nvmlDeviceGetUUID: GPU is lost`."""
+    """An NVMLError as `nvmlDeviceGetUUID: GPU is lost`; one pynvml has no words for by its name
+    (`InsufficientResources (NVML error 23)`, not `NVML Error with code 23`)."""
     call = getattr(exc, "call", None)
-    return f"{call}: {exc}" if call else str(exc)
+    text = str(exc)
+    if text.startswith("NVML Error with code"):
+        text = f"{type(exc).__name__.removeprefix('NVMLError_')} (NVML error {getattr(exc, 'value', '?')})"
+    return f"{call}: {text}" if call else text
 
 
 def _short_bus_id(bus_id: str) -> str:
