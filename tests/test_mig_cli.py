@@ -61,7 +61,8 @@ def test_a_mig_call_failed_with_sim_fail_is_restored_and_exits_1(gpu_agent: Any)
     code, out, _ = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-7g.40gb", "--json")
     gpus = json.loads(out)["gpus"]
     assert code == 1 and gpus[1]["action"] == "restored" and gpus[0]["action"] == "created"
-    assert "nvmlGpuInstanceCreateComputeInstanceWithPlacement: InsufficientResources (NVML error 23)" in gpus[1]["reason"]
+    failure = "nvmlGpuInstanceCreateComputeInstanceWithPlacement: InsufficientResources (NVML error 23)"
+    assert failure in gpus[1]["reason"]
     code, out, _ = gpu_agent("mig", "export")
     entries = yaml.safe_load(out)["mig-configs"]["current"]
     assert {"devices": [1], "mig-enabled": True, "mig-devices": {"3g.20gb": 2}} in entries
