@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     xid.add_argument("--xid", type=int, required=True, metavar="X")
     fail = actions.add_parser(
         "fail", help="make an NVML call or modprobe fail like a real driver or kernel",
-        description="CALL is an NVML function (nvmlDeviceGetTemperature, ...) or modprobe. NVML calls raise "
+        description="CALL is an NVML function (nvmlDeviceGetTemperature, ..., and every MIG call: "
+                    "nvmlDeviceSetMigMode, nvmlDeviceCreateGpuInstanceWithPlacement, nvmlGpuInstanceDestroy, ...) "
+                    "or modprobe. NVML calls raise "
                     "the named NVMLError (GpuIsLost, Unknown, Timeout, ...) or hang. modprobe fails with "
                     "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
                     "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
