@@ -6,9 +6,10 @@ a change is under way or waits for a GPU reset, success, or failed; the reasons 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from gpu_agent.config.mig import MigConfig
 from gpu_agent.errors import AgentError, StageError
@@ -63,9 +64,10 @@ class Mig(Stage):
         self.applier = Applier(nvml, reset, CheckpointStore(root), root, force=settings.force)
         self.units = units
         self._results: Optional[tuple[GpuResult, ...]] = None  # what this pass applied
+        self._planned: Optional[tuple[Inventory, tuple[GpuPlan, ...]]] = None  # this pass's plans, all GPUs
 
     def start_pass(self) -> None:
-        self._results = None
+        self._results, self._planned = None, None
 
     # --- observe ---------------------------------------------------------------------------------
 
@@ -99,13 +101,18 @@ class Mig(Stage):
     # --- plan and apply --------------------------------------------------------------------------
 
     def plan(self, observed: MigObservation) -> list[Action]:
+        """One action per GPU that needs changes; apply() carries them out together (the hooks once)."""
         if self._results is not None or observed.error or observed.inventory is None:
             return []  # a change is tried once per pass; what did not take is reported by verify
-        changes = tuple(change for plan in observed.plans if not plan.refused for change in plan.changes)
-        if not changes:
-            return []
         inventory = observed.inventory
-        return [Action(changes, lambda: self._apply(inventory, observed.plans))]
+        self._planned = (inventory, observed.plans)
+        return [Action(plan.changes, functools.partial(self._apply, inventory, (plan,)))
+                for plan in observed.plans if plan.changes and not plan.refused]
+
+    def apply(self, actions: Sequence[Action]) -> None:
+        if actions and self._planned is not None:
+            inventory, plans = self._planned
+            self._apply(inventory, plans)  # every GPU's outcome, refused ones included
 
     def _apply(self, inventory: Inventory, plans: tuple[GpuPlan, ...]) -> None:
         if self.announce is not None:
