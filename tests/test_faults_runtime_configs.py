@@ -25,6 +25,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.stages.toolkit import Toolkit
 from gpu_agent.state import FAILED, OK, AgentState
 from gpu_agent.toolkit import configfile
+from gpu_agent.toolkit.services import UnitState
 
 CANARY = "canary-Pa55w0rd-7f3c91"
 BINARY = "/usr/bin/nvidia-container-runtime"
@@ -259,8 +260,8 @@ class RecordingServices:
     def __init__(self) -> None:
         self.restarts: list[str] = []
 
-    def active(self, unit: str) -> bool:
-        return True
+    def state(self, unit: str) -> Optional[UnitState]:
+        return UnitState(unit, "loaded", "active", "running", "")
 
     def restart(self, unit: str) -> None:
         self.restarts.append(unit)

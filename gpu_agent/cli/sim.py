@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
                     "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
                     "library (a half-finished upgrade). restart makes a container runtime's restart fail "
-                    "(--error failed) or its socket never answer (--error not-ready). install makes installing "
+                    "(--error failed), its socket never answer (--error not-ready), or systemctl hang until its "
+                    "timeout (--error hangs). install makes installing "
                     "the container toolkit fail as apt-get does without NVIDIA's repository.")
     fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, or restart (a runtime's unit)")
     fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
@@ -117,9 +118,11 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
         print("installing packages will fail: E: Unable to locate package")
         return
     if args.call == "restart":
+        from gpu_agent.sim.services import RESTART_ERRORS
+
         error = args.error or "failed"
-        if error not in ("failed", "not-ready"):
-            raise AgentError(f"--error {error}: unknown for restart; one of failed, not-ready")
+        if error not in RESTART_ERRORS:
+            raise AgentError(f"--error {error}: unknown for restart; one of {', '.join(RESTART_ERRORS)}")
         _add_fault(machine, args, {"call": "restart", "unit": args.unit, "error": error})
         print(f"restarting {args.unit or '(any unit)'} will leave it {error}")
         return

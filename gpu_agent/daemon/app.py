@@ -15,6 +15,7 @@ from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig, load_config
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.errors import AgentError
+from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.budget import RequestBudget
@@ -65,6 +66,7 @@ class Runtime:
         machine = None
         real_root = root.is_running_system
         if simulate:
+            from gpu_agent.sim.crash import arm_from_environment
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
             from gpu_agent.sim.mig import SimGpuReset, SimUnits
@@ -72,12 +74,13 @@ class Runtime:
             from gpu_agent.sim.replay import simulated_nvml
             from gpu_agent.sim.services import SimServices
 
+            arm_from_environment()  # kill -9 trials
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
             nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
-            services = SimServices(machine)
+            services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
             gpu_reset: GpuReset = SimGpuReset(machine)
             units: UnitControl = SimUnits(machine)
@@ -360,26 +363,24 @@ class Daemon:
         log.error("reconcile loop stopped; no more watchdog pings, systemd will restart the agent")
 
     async def _watch_files(self) -> None:
-        """Files the stages manage, rewritten by someone else: reconcile within seconds, not minutes."""
-        def stamps() -> dict[str, Optional[tuple[int, int, int]]]:
-            found: dict[str, Optional[tuple[int, int, int]]] = {}
-            for stage in self.runtime.engine.stages:
-                for path in stage.watched():
-                    try:
-                        st = self.runtime.root(path).stat()
-                        found[path] = (st.st_ino, st.st_mtime_ns, st.st_size)
-                    except OSError:
-                        found[path] = None
-            return found
+        """Files the stages manage, rewritten by someone else: reconcile within seconds, not minutes.
+
+        The agent's own writes (a runtime's files restored after a failed restart) are no drift. A
+        drift pass respects a failing stage's backoff: a runtime that does not come back is retried
+        as the backoff allows, not each time its files change. Only SIGHUP forces a pass."""
+        def stamps() -> dict[str, Optional[Stamp]]:
+            return {path: stamp_of(self.runtime.root(path))
+                    for stage in self.runtime.engine.stages for path in stage.watched()}
 
         last = stamps()
         while True:
             await asyncio.sleep(_DRIFT_POLL_S)
             now = stamps()
-            changed = sorted(p for p in now if now[p] != last.get(p, now[p]))
+            changed = sorted(path for path, stamp in now.items()
+                             if stamp != last.get(path, stamp) and not written_by_us(self.runtime.root(path), stamp))
             if changed:
                 log.info("%s changed on disk; reconciling", ", ".join(changed))
-                self.trigger(force=True)
+                self.trigger()
             last = now
 
     async def _watch_simulator(self) -> None:
@@ -390,7 +391,7 @@ class Daemon:
         while True:
             await asyncio.sleep(_SIM_POLL_S)
             stamp = machine.stamp()
-            if stamp != last and not machine.wrote(stamp):
+            if stamp != last and not written_by_us(machine.path, stamp):
                 await self._sample()
                 self.trigger(force=True)
             last = stamp
