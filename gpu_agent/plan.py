@@ -136,6 +136,79 @@ class PatchNode(Change):
         return f"patch node {self.node} {self.part}: {self.summary}"
 
 
+@dataclass(frozen=True)
+class SetMigMode(Change):
+    kind: ClassVar[str] = "SetMigMode"
+    gpu: int
+    uuid: str
+    enabled: bool
+
+    def describe(self) -> str:
+        return f"{'enable' if self.enabled else 'disable'} MIG mode on GPU {self.gpu}"
+
+
+@dataclass(frozen=True)
+class CreateGpuInstance(Change):
+    kind: ClassVar[str] = "CreateGpuInstance"
+    gpu: int
+    uuid: str
+    profile: str  # e.g. "3g.40gb"
+    profile_id: int
+    placement: tuple[int, int]  # (start, size) in memory slices
+
+    def describe(self) -> str:
+        return f"create GPU instance {self.profile} at {_slices(self.placement)} on GPU {self.gpu}"
+
+
+@dataclass(frozen=True)
+class CreateComputeInstance(Change):
+    kind: ClassVar[str] = "CreateComputeInstance"
+    gpu: int
+    uuid: str
+    gpu_instance: tuple[int, int]  # the placement of its GPU instance, which says which one it is
+    profile: str  # the MIG device it makes: "3g.40gb", "1c.3g.40gb"
+    slices: int
+    start: int  # in compute slices of the GPU instance
+
+    def describe(self) -> str:
+        return (f"create compute instance {self.profile} at {self.start} in the GPU instance at "
+                f"{_slices(self.gpu_instance)} on GPU {self.gpu}")
+
+
+@dataclass(frozen=True)
+class DestroyComputeInstance(Change):
+    kind: ClassVar[str] = "DestroyComputeInstance"
+    gpu: int
+    uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    profile: str
+    gpu_instance: tuple[int, int]
+    start: int
+
+    def describe(self) -> str:
+        return (f"destroy compute instance {self.compute_instance_id} ({self.profile}) of GPU instance "
+                f"{self.gpu_instance_id} on GPU {self.gpu}")
+
+
+@dataclass(frozen=True)
+class DestroyGpuInstance(Change):
+    kind: ClassVar[str] = "DestroyGpuInstance"
+    gpu: int
+    uuid: str
+    gpu_instance_id: int
+    profile: str
+    placement: tuple[int, int]
+
+    def describe(self) -> str:
+        return (f"destroy GPU instance {self.gpu_instance_id} ({self.profile} at {_slices(self.placement)}) "
+                f"on GPU {self.gpu}")
+
+
+def _slices(placement: tuple[int, int]) -> str:
+    return f"{placement[0]}:{placement[1]}"  # start:size, as nvidia-smi writes placements
+
+
 def digest(content: str | bytes) -> str:
     data = content.encode() if isinstance(content, str) else content
     return "sha256:" + hashlib.sha256(data).hexdigest()

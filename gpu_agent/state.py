@@ -64,6 +64,7 @@ class AgentState:
     inventory: Optional[Inventory] = None
     last_inventory: Optional[Inventory] = None  # the last good one: labels outlive a failing discovery
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
+    mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
@@ -86,8 +87,8 @@ class AgentState:
     # --- stage results (written by the engine only) ----------------------------------------------
 
     def output(self, name: str) -> Any:
-        """A stage result as last recorded: inventory (discovery), pci_gpus (driver)."""
-        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus}[name]
+        """A stage result as last recorded: inventory (discovery), pci_gpus (driver), mig (mig)."""
+        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig}[name]
 
     def record_output(self, name: str, value: Any) -> None:
         if name == "inventory":
@@ -96,6 +97,8 @@ class AgentState:
                 self.last_inventory = value
         elif name == "pci_gpus":
             self.pci_gpus = value
+        elif name == "mig":
+            self.mig = value
         else:
             raise ValueError(f"no stage result called {name!r}")
 
@@ -204,6 +207,7 @@ class AgentState:
                 "mode": "enabled" if gpu.mig.enabled else "disabled",
                 "pending_mode": "enabled" if gpu.mig.pending_enabled else "disabled",
                 "instances": [to_json(device) for device in gpu.mig.devices],
+                "gpu_instances": [to_json(instance) for instance in gpu.mig.gpu_instances],
                 "profiles": [to_json(profile) for profile in gpu.mig.profiles],
             },
             "processes": [to_json(process) for process in self.processes.get(gpu.uuid, ())],

@@ -399,12 +399,11 @@ def test_processes_faults_xids_and_mig_are_simulated_on_top(tmp_path: Path) -> N
         assert event is not None and (event.gpu_uuid, event.xid) == (NODE["uuid"], 79)
         wait.free()
         with machine.edit() as state:  # MIG enabled, one 3g.40gb, placed from the captured profile table
-            from gpu_agent.sim.machine import mig_uuid, place
+            from gpu_agent.sim.mig import add_device
 
             gpu = state["gpus"][0]
-            instance = place(runtime.nvml.lib._model(gpu), "3g.40gb", [])
-            instance["uuid"] = mig_uuid(gpu["uuid"], instance["gi_id"], instance["ci_id"])
-            gpu["mig"].update(current=1, pending=1, instances=[instance])
+            gpu["mig"].update(current=1, pending=1, gpu_instances=[])
+            add_device(gpu, runtime.nvml.lib._model(gpu), "3g.40gb")
         [mig] = runtime.nvml.inventory().gpus[0].mig.devices
         assert (mig.profile, mig.memory_mib, mig.multiprocessors, mig.placement) == ("3g.40gb", 40448, 60, (0, 4))
         access = runtime.root(f"/proc/driver/nvidia/capabilities/gpu0/mig/gi{mig.gpu_instance_id}/access")

@@ -37,6 +37,7 @@ def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Pat
     assert gpus[0]["pci_bus_id"] == "0000:18:00.0" and gpus[0]["memory_mib"] == 81559
     mig = gpus[0]["mig"]
     assert (mig["capable"], mig["mode"], mig["pending_mode"], mig["instances"]) == (True, "disabled", "disabled", [])
+    assert mig["gpu_instances"] == []
     assert [p["name"] for p in mig["profiles"]][:2] == ["1g.10gb", "1g.10gb+me"]
     assert document["config"]["digest"].startswith("sha256:")
 

@@ -77,7 +77,7 @@ def test_ready_with_inventory(ready: AgentState) -> None:
     assert first["compute_capability"] == "9.0"
     assert first["health"] == "healthy" and first["health_reason"] is None
     assert first["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": [],
-                            "profiles": []}
+                            "gpu_instances": [], "profiles": []}
     assert first["metrics"]["utilization_percent"] == 35.0
     assert second["metrics"] is None
 

@@ -258,7 +258,8 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
     from test_cdi import schema_validator
 
     from gpu_agent.host.paths import Root
-    from gpu_agent.sim.machine import MachineState, mig_uuid, place
+    from gpu_agent.sim.machine import MachineState
+    from gpu_agent.sim.mig import add_device
     from gpu_agent.sim.profiles import H100_80GB_HBM3
 
     containerd_config(node, CONTAINERD_V2)
@@ -273,13 +274,13 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
 
     with MachineState(Root(node)).edit() as state:  # mig-parted (or an admin) repartitioned GPU 0
         gpu = state["gpus"][0]
-        instance = place(H100_80GB_HBM3, "3g.40gb", [])
-        instance["uuid"] = mig_uuid(gpu["uuid"], instance["gi_id"], instance["ci_id"])
-        gpu["mig"] = {"current": 1, "pending": 1, "instances": [instance]}
+        gpu["mig"] = {"current": 1, "pending": 1, "gpu_instances": []}
+        add_device(gpu, H100_80GB_HBM3, "3g.40gb")
+        mig_uuid = gpu["mig"]["gpu_instances"][0]["compute_instances"][0]["uuid"]
     assert changes(apply(node, "--json")) == [("WriteFile", "/var/run/cdi/nvidia.yaml")]
     spec = yaml.safe_load(spec_path.read_text())
     schema_validator().validate(spec)
-    assert {"0:0", instance["uuid"]} <= {device["name"] for device in spec["devices"]}
+    assert {"0:0", mig_uuid} <= {device["name"] for device in spec["devices"]}
 
 
 def test_a_missing_toolkit_is_installed_when_asked(root: Path, write_config) -> None:

@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     xid.add_argument("--xid", type=int, required=True, metavar="X")
     fail = actions.add_parser(
         "fail", help="make an NVML call or modprobe fail like a real driver or kernel",
-        description="CALL is an NVML function (nvmlDeviceGetTemperature, ...) or modprobe. NVML calls raise "
+        description="CALL is an NVML function (nvmlDeviceGetTemperature, ..., and every MIG call: "
+                    "nvmlDeviceSetMigMode, nvmlDeviceCreateGpuInstanceWithPlacement, nvmlGpuInstanceDestroy, ...) "
+                    "or modprobe. NVML calls raise "
                     "the named NVMLError (GpuIsLost, Unknown, Timeout, ...) or hang. modprobe fails with "
                     "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
                     "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
@@ -71,9 +73,11 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
     print(f"machine {state['machine']} ({state['source']}), driver {driver}")
     for index, gpu in enumerate(state["gpus"]):
         mig = gpu["mig"]
-        instances = ", ".join(f"gi{i['gi_id']}@{i['start']}" for i in mig["instances"]) or "none"
-        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} "
-              f"mig={'on' if mig['current'] else 'off'} instances={instances}")
+        instances = ", ".join(_gpu_instance_text(gi) for gi in mig["gpu_instances"]) or "none"
+        mode = "on" if mig["current"] else "off"
+        if mig["pending"] != mig["current"]:
+            mode += f" (pending {'on' if mig['pending'] else 'off'} until a GPU reset)"
+        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} mig={mode} instances={instances}")
         for p in gpu["processes"]:
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
     loaded = ", ".join(m["name"] for m in state["kernel"]["loaded"]) or "nothing"
@@ -89,6 +93,12 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
         print(f"  fault: {fault['call']} on {scope} -> {fault['error']}, {times}")
     for xid in state["xids"]:
         print(f"  xid {xid['xid']} on GPU {xid['gpu']} at {time.strftime('%H:%M:%S', time.localtime(xid['at']))}")
+
+
+def _gpu_instance_text(gi: dict[str, Any]) -> str:
+    """gi2@0:4[ci0@0:4], as nvidia-smi writes placements (start:size)."""
+    cis = ",".join(f"ci{ci['id']}@{ci['start']}:{ci['size']}" for ci in gi["compute_instances"])
+    return f"gi{gi['id']}@{gi['start']}:{gi['size']}[{cis}]"
 
 
 def _inject_xid(machine: Any, args: argparse.Namespace) -> None:

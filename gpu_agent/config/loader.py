@@ -46,9 +46,10 @@ def load_config(path: Path, required: bool) -> LoadedConfig:
     return _loaded(parse_config(text, str(path)), str(path))
 
 
-def read_config_text(path: Path) -> str | None:
+def read_config_text(path: Path, option: str = "--config") -> str | None:
     """The file's text, or None when it does not exist. Only a regular file of at most MAX_CONFIG_BYTES
-    is read: a FIFO, a device or a directory is refused without blocking or reading from it."""
+    is read: a FIFO, a device or a directory is refused without blocking or reading from it. `option`
+    names what gave the path, for the message."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
@@ -59,7 +60,7 @@ def read_config_text(path: Path) -> str | None:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ConfigError(f"{path}: not a regular file (it is {_file_kind(info.st_mode)}); "
-                              "--config must name a YAML file")
+                              f"{option} must name a YAML file")
         if info.st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{path}: {info.st_size} bytes is too large for a config file "
                               f"(at most {MAX_CONFIG_BYTES}); is this the right file?")
@@ -85,13 +86,13 @@ def parse_config(text: str, name: str) -> AgentConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{name}:{_line(document, ())}: expected a mapping of settings at the top level, "
+        raise ConfigError(f"{name}:{line_of(document, ())}: expected a mapping of settings at the top level, "
                           f"got {_kind(data)}")
     if "version" not in data:
         raise ConfigError(f'{name}: version: missing; add "version: v1" as the first line')
     if data["version"] != "v1":
         raise ConfigError(
-            f"{name}:{_line(document, ('version',))}: version: unsupported value {shown(data['version'])}; "
+            f"{name}:{line_of(document, ('version',))}: version: unsupported value {shown(data['version'])}; "
             "this agent reads version v1"
         )
     try:
@@ -107,7 +108,7 @@ def parse_config(text: str, name: str) -> AgentConfig:
 def _describe(error: Any, document: yaml.Node | None, name: str) -> str:
     loc = tuple(error["loc"])
     key = ".".join(_key_part(part) for part in loc) or "(top level)"
-    line = _line(document, loc)
+    line = line_of(document, loc)
     where = f"{name}:{line}" if line else name
     if error["type"] == "extra_forbidden":
         reason = "unknown key"
@@ -124,7 +125,7 @@ def _key_part(part: str | int) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _line(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
+def line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
     """The 1-based line of the key or list item at `loc`, or of its nearest parent in the file."""
     if node is None:
         return None

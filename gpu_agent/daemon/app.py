@@ -19,6 +19,8 @@ from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.budget import RequestBudget
+from gpu_agent.mig.hooks import Systemctl, UnitControl
+from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.discovery import Discovery
@@ -52,6 +54,8 @@ class Runtime:
     machine: Optional[Any] = None  # the simulated machine, when there is one
     real_root_simulated: bool = False  # simulated GPUs over the real / : its runtimes and CUDA are real
     kube_budget: RequestBudget = field(default_factory=RequestBudget)  # the node's, whichever client spends it
+    gpu_reset: Optional[GpuReset] = None  # resets one GPU for a pending MIG mode
+    units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
@@ -66,6 +70,7 @@ class Runtime:
             from gpu_agent.sim.crash import arm_from_environment
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
+            from gpu_agent.sim.mig import SimGpuReset, SimUnits
             from gpu_agent.sim.packages import SimPackages
             from gpu_agent.sim.replay import simulated_nvml
             from gpu_agent.sim.services import SimServices
@@ -78,6 +83,8 @@ class Runtime:
             loader = SimModprobe(machine, root)
             services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
+            gpu_reset: GpuReset = SimGpuReset(machine)
+            units: UnitControl = SimUnits(machine)
         else:
             import pynvml
 
@@ -85,9 +92,11 @@ class Runtime:
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
             packages = SystemPackages(root)
+            gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
+            units = Systemctl(root, config.toolkit.restart_timeout_seconds)
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real")
         runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
-                      real_root_simulated=bool(simulate) and real_root)
+                      real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
@@ -109,21 +118,32 @@ class Runtime:
         /readyz names the failing stage. A stage that waits for a failed one reports `waiting`, never ok.
         """
         stages: list[Stage] = []
+        may_change_gpus = self.root.is_running_system or self.machine is not None
         if config.driver.enabled:
             driver = config.driver
             if self.real_root_simulated:
                 driver = driver.model_copy(update={"validate_cuda": False})
-            may_change_gpus = self.root.is_running_system or self.machine is not None
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
-        stages.append(Discovery(self.nvml, config.discovery))
-        if config.toolkit.enabled and not self.real_root_simulated:
-            stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+        sink = None
         kube = config.kubernetes
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
             from gpu_agent.stages.labels import KubeSink
 
-            stages.append(KubeSink(self.root, self.state, kube, self.kube_budget))
+            sink = KubeSink(self.root, self.state, kube, self.kube_budget)
+        mig = config.mig
+        if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
+            # Before discovery: the inventory, CDI spec and labels of the same pass see the new MIG devices.
+            from gpu_agent.stages.mig import STATE_LABEL, Mig
+
+            stages.append(Mig(self.root, self.nvml, self.gpu_reset, self.units, mig,
+                              node_label=sink.node_label if sink else None,
+                              announce=(lambda state: sink.publish_label(STATE_LABEL, state)) if sink else None))
+        stages.append(Discovery(self.nvml, config.discovery))
+        if config.toolkit.enabled and not self.real_root_simulated:
+            stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+        if sink is not None:
+            stages.append(sink)
         # Last: what the stages above no longer claim (or a stage turned off owned) is undone. Not for
         # simulated GPUs over the real /: its ledger is a real agent's.
         if not self.real_root_simulated:

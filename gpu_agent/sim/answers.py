@@ -3,7 +3,8 @@
 A call is keyed by its pynvml function name and its arguments bound to pynvml's own signature
 (defaults filled in), so `nvmlDeviceGetMemoryInfo(h)` and `nvmlDeviceGetMemoryInfo(h, None)` are one
 call. Device handles are written as references that name how they were obtained: `gpu0` (by index 0),
-`gpu0/mig1` (its MIG device 1), `gpu0/gi3` (its GPU instance 3). An answer is a JSON value: numbers and
+`gpu0/mig1` (its MIG device 1), `gpu0/gi3` (its GPU instance 3), `gpu0/gi3/ci0` (that instance's
+compute instance 0). An answer is a JSON value: numbers and
 strings as they are, pynvml structures as {"struct": class name, "fields": {...}}, pynvml's friendly
 objects (process lists) as {"object": {...}}, handles as {"handle": ref}, and an NVMLError as its
 name and code.
@@ -17,10 +18,13 @@ from typing import Any, Callable, Optional
 
 import pynvml
 
-# The out-parameter call the agent makes: (device, profileId, placementsRef, countRef). Recorded
-# by its first two arguments; its answer is the list of (start, size) placements it filled in.
+# The out-parameter calls the agent makes: (device, profileId, placementsRef, countRef). Recorded
+# by their first two arguments; the answer is the list of (start, size) placements filled in, or of
+# the GPU instances (`gpu0/gi3`) and compute instances (`gpu0/gi3/ci0`) of one profile.
 PLACEMENTS_CALL = "nvmlDeviceGetGpuInstancePossiblePlacements"
-_IN_ARGUMENTS = {PLACEMENTS_CALL: 2}
+GPU_INSTANCES_CALL = "nvmlDeviceGetGpuInstances"
+COMPUTE_INSTANCES_CALL = "nvmlGpuInstanceGetComputeInstances"
+_IN_ARGUMENTS = {PLACEMENTS_CALL: 2, GPU_INSTANCES_CALL: 2, COMPUTE_INSTANCES_CALL: 2}
 
 
 class Handle:

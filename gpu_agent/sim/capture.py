@@ -132,6 +132,8 @@ class RecordingNvml:
                 placements, count = args[2], args[3]
                 count = count._obj if hasattr(count, "_obj") else count
                 answer: Any = [[placements[i].start, placements[i].size] for i in range(count.value)]
+            elif name in (answers.GPU_INSTANCES_CALL, answers.COMPUTE_INSTANCES_CALL):
+                answer = self._name_instances(name, args)
             elif name == "nvmlShutdown":
                 return result
             else:
@@ -167,6 +169,20 @@ class RecordingNvml:
         else:
             return
         self._refs[_identity(result)] = ref
+
+    def _name_instances(self, name: str, args: tuple[Any, ...]) -> list[Any]:
+        """Name the GPU or compute instances an instance list call filled in by their ids (asked of
+        the module directly, unrecorded), so later calls on them are keyed as a replay finds them."""
+        handles, count = args[2], args[3]
+        count = count._obj if hasattr(count, "_obj") else count
+        info = "nvmlGpuInstanceGetInfo" if name == answers.GPU_INSTANCES_CALL else "nvmlComputeInstanceGetInfo"
+        kind = "gi" if name == answers.GPU_INSTANCES_CALL else "ci"
+        found = []
+        for handle in list(handles[: count.value]):
+            ref = f"{self.ref_of(args[0])}/{kind}{getattr(self._lib, info)(handle).id}"
+            self._refs[_identity(handle)] = ref
+            found.append({"handle": ref})
+        return found
 
     def recorded(self) -> list[dict[str, Any]]:
         """The calls as nvml.json lists them."""

@@ -232,14 +232,16 @@ def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> 
 
 def mig_capability_files(state: dict[str, Any]) -> dict[str, str]:
     """/proc/driver/nvidia/capabilities/gpuN/mig/giG[/ciC]/access of every MIG instance."""
+    access = "DeviceFileMinor: {}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
     files = {}
     for gpu in state["gpus"]:
-        for instance in gpu["mig"]["instances"]:
-            gi, ci = instance["gi_id"], instance["ci_id"]
+        for instance in gpu["mig"]["gpu_instances"]:
+            gi = instance["id"]
             base = f"proc/driver/nvidia/capabilities/gpu{gpu['minor']}/mig/gi{gi}"
-            for path, minor in ((f"{base}/access", mig_cap_minor(gpu["minor"], gi)),
-                                (f"{base}/ci{ci}/access", mig_cap_minor(gpu["minor"], gi, ci))):
-                files[path] = f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+            files[f"{base}/access"] = access.format(mig_cap_minor(gpu["minor"], gi))
+            for compute in instance["compute_instances"]:
+                ci = compute["id"]
+                files[f"{base}/ci{ci}/access"] = access.format(mig_cap_minor(gpu["minor"], gi, ci))
     return files
 
 
@@ -285,13 +287,24 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         if path.is_symlink():
             path.unlink()
         os.symlink(target, path)
-    wanted = {directory / relative for relative in [*files, *links]}
-    wanted_dirs = {parent for path in wanted for parent in path.parents}
-    for relative in directories or ():
-        wanted_dirs |= {directory / relative, *(directory / relative).parents}
-    for path in sorted(directory.rglob("*"), reverse=True) if directory.exists() else ():
-        if path.is_symlink() or not path.is_dir():
-            if path not in wanted:
-                path.unlink()
-        elif path not in wanted_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+    # What else is there goes, compared as relative path strings (pathlib's parents of every file, on
+    # every write of the machine, were most of a MIG change's time).
+    wanted = {os.path.normpath(relative) for relative in [*files, *links]}
+    wanted_dirs = {os.path.normpath(relative) for relative in directories or ()}
+    for relative in list(wanted | wanted_dirs):
+        parent = os.path.dirname(relative)
+        while parent and parent not in wanted_dirs:
+            wanted_dirs.add(parent)
+            parent = os.path.dirname(parent)
+    if not directory.is_dir():
+        return
+    for current, subdirs, names in os.walk(directory, topdown=False):
+        here = os.path.relpath(current, directory)
+        for name in names + [d for d in subdirs if os.path.islink(os.path.join(current, d))]:
+            relative = os.path.normpath(os.path.join(here, name))
+            if relative not in wanted:
+                os.unlink(os.path.join(current, name))
+        for name in subdirs:
+            relative = os.path.normpath(os.path.join(here, name))
+            if not os.path.islink(os.path.join(current, name)) and relative not in wanted_dirs:
+                shutil.rmtree(os.path.join(current, name), ignore_errors=True)

@@ -41,6 +41,7 @@ class GpuModel:
     max_power_w: int
     mig_profiles: tuple[GiProfile, ...] = ()
     reserved_mib: int = 0  # the driver's own memory, which NVML's v1 memory info counts as used
+    mig_needs_reset: bool = False  # Ampere: a MIG mode change waits for a GPU reset (Hopper's is immediate)
 
     @property
     def mig_capable(self) -> bool:
@@ -57,7 +58,7 @@ _SEVEN = (0, 1, 2, 3, 4, 5, 6)
 
 A100_SXM4_40GB = GpuModel(
     key="A100-SXM4-40GB", name="NVIDIA A100-SXM4-40GB", memory_mib=40960, compute_capability=(8, 0),
-    pci_device_id=0x20B010DE, idle_temp_c=31, idle_power_w=54, max_power_w=400,
+    pci_device_id=0x20B010DE, idle_temp_c=31, idle_power_w=54, max_power_w=400, mig_needs_reset=True,
     mig_profiles=(
         _p("1_SLICE", 19, "1g.5gb", 1, 7, 14, 4864, 1, 0, 0, 0, 0, _SEVEN, 1),
         _p("1_SLICE_REV1", 20, "1g.5gb+me", 1, 1, 14, 4864, 1, 1, 0, 1, 1, _SEVEN, 1),
@@ -66,6 +67,21 @@ A100_SXM4_40GB = GpuModel(
         _p("3_SLICE", 9, "3g.20gb", 3, 2, 42, 19968, 3, 2, 0, 0, 0, (0, 4), 4),
         _p("4_SLICE", 5, "4g.20gb", 4, 1, 56, 19968, 4, 2, 0, 0, 0, (0,), 4),
         _p("7_SLICE", 0, "7g.40gb", 7, 1, 98, 40192, 7, 5, 0, 1, 1, (0,), 8),
+    ),
+)
+
+# `nvidia-smi mig -lgip` of an A100-SXM4-80GB with a 580-series driver.
+A100_SXM4_80GB = GpuModel(
+    key="A100-SXM4-80GB", name="NVIDIA A100-SXM4-80GB", memory_mib=81920, compute_capability=(8, 0),
+    pci_device_id=0x20B210DE, idle_temp_c=32, idle_power_w=60, max_power_w=400, mig_needs_reset=True,
+    mig_profiles=(
+        _p("1_SLICE", 19, "1g.10gb", 1, 7, 14, 9728, 1, 0, 0, 0, 0, _SEVEN, 1),
+        _p("1_SLICE_REV1", 20, "1g.10gb+me", 1, 1, 14, 9728, 1, 1, 0, 1, 1, _SEVEN, 1),
+        _p("1_SLICE_REV2", 15, "1g.20gb", 1, 4, 14, 19968, 1, 1, 0, 0, 0, (0, 2, 4, 6), 2),
+        _p("2_SLICE", 14, "2g.20gb", 2, 3, 28, 19968, 2, 2, 0, 0, 0, (0, 2, 4), 2),
+        _p("3_SLICE", 9, "3g.40gb", 3, 2, 42, 40192, 3, 3, 0, 0, 0, (0, 4), 4),
+        _p("4_SLICE", 5, "4g.40gb", 4, 1, 56, 40192, 4, 4, 0, 0, 0, (0,), 4),
+        _p("7_SLICE", 0, "7g.80gb", 7, 1, 98, 80896, 7, 5, 0, 1, 1, (0,), 8),
     ),
 )
 
@@ -103,7 +119,7 @@ H200 = GpuModel(
 
 A30 = GpuModel(
     key="A30", name="NVIDIA A30", memory_mib=24576, compute_capability=(8, 0),
-    pci_device_id=0x20B710DE, idle_temp_c=33, idle_power_w=32, max_power_w=165,
+    pci_device_id=0x20B710DE, idle_temp_c=33, idle_power_w=32, max_power_w=165, mig_needs_reset=True,
     mig_profiles=(
         _p("1_SLICE", 14, "1g.6gb", 1, 4, 14, 5952, 1, 1, 0, 0, 0, (0, 1, 2, 3), 1),
         _p("1_SLICE_REV1", 21, "1g.6gb+me", 1, 1, 14, 5952, 1, 1, 0, 1, 1, (0, 1, 2, 3), 1),
@@ -118,7 +134,7 @@ T4 = GpuModel(
     pci_device_id=0x1EB810DE, idle_temp_c=38, idle_power_w=10, max_power_w=70,
 )
 
-MODELS = {model.key: model for model in (A100_SXM4_40GB, H100_80GB_HBM3, H200, A30, T4)}
+MODELS = {model.key: model for model in (A100_SXM4_40GB, A100_SXM4_80GB, H100_80GB_HBM3, H200, A30, T4)}
 
 
 @dataclass(frozen=True)

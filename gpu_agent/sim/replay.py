@@ -35,7 +35,7 @@ from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
 from gpu_agent.sim import answers
 from gpu_agent.sim.capture import FORMAT, MANIFEST, PARTS
-from gpu_agent.sim.fake import FakeNvml, SimGpuInstance, SimHandle, _nvml
+from gpu_agent.sim.fake import FakeNvml, SimComputeInstance, SimGpuInstance, SimHandle, _nvml
 from gpu_agent.sim.kernel import (
     NVIDIA_MODULES,
     SIZES,
@@ -383,19 +383,23 @@ def _problems(exc: ValidationError) -> str:
 
 
 def ref_of(value: Any) -> Optional[str]:
-    """The capture's reference of a simulated handle: gpu0, gpu0/mig1, gpu0/gi3."""
+    """The capture's reference of a simulated handle: gpu0, gpu0/mig1, gpu0/gi3, gpu0/gi3/ci0."""
     if isinstance(value, SimHandle):
         return f"gpu{value.gpu}" if value.mig is None else f"gpu{value.gpu}/mig{value.mig}"
     if isinstance(value, SimGpuInstance):
         return f"gpu{value.gpu}/gi{value.gi_id}"
+    if isinstance(value, SimComputeInstance):
+        return f"gpu{value.gpu}/gi{value.gi_id}/ci{value.ci_id}"
     return None
 
 
 def handle_of(ref: str) -> Any:
-    match = re.fullmatch(r"gpu(\d+)(?:/(mig|gi)(\d+))?", ref)
-    if match is None:
+    match = re.fullmatch(r"gpu(\d+)(?:/(mig|gi)(\d+)(?:/ci(\d+))?)?", ref)
+    if match is None or (match.group(4) is not None and match.group(2) != "gi"):
         raise ValueError(f"unknown handle reference {ref!r}")
     gpu = int(match.group(1))
+    if match.group(4) is not None:
+        return SimComputeInstance(gpu, int(match.group(3)), int(match.group(4)))
     if match.group(2) == "gi":
         return SimGpuInstance(gpu, int(match.group(3)))
     return SimHandle(gpu, int(match.group(3)) if match.group(2) else None)
@@ -423,7 +427,7 @@ def capture_state(source: str, capture: Capture) -> dict[str, Any]:
             "minor": capture.value("nvmlDeviceGetMinorNumber", handle, default=index),
             "persistence": capture.value("nvmlDeviceGetPersistenceMode", handle, default=0),
             "mig": {"current": mode[0], "pending": mode[1], "captured_mode": mode[0],
-                    "instances": _mig_instances(capture, index) if mode[0] else []},
+                    "gpu_instances": _gpu_instances(capture, index) if mode[0] else []},
             "processes": processes,
             "captured_processes": len(processes),
             "captured_process_mib": sum(p["used_mib"] for p in processes),
@@ -440,20 +444,49 @@ def capture_state(source: str, capture: Capture) -> dict[str, Any]:
     }
 
 
-def _mig_instances(capture: Capture, index: int) -> list[dict[str, Any]]:
-    instances = []
+def _gpu_instances(capture: Capture, index: int) -> list[dict[str, Any]]:
+    """The captured GPU instances, each with its compute instances and their MIG device UUIDs: from the
+    GPU instance walk where the capture has it (a GPU instance without a compute instance included),
+    else from the MIG devices (compute instances as large as their GPU instance, or as their recorded
+    attributes say)."""
+    from gpu_agent.sim.mig import CI_PROFILE_IDS
+
+    model = capture.model(index)
+    slices = {p.id: p.slices for p in model.mig_profiles}
+    instances: dict[int, dict[str, Any]] = {}
+
+    def gpu_instance(gi_id: int) -> Optional[dict[str, Any]]:
+        if gi_id not in instances:
+            info = capture.value("nvmlGpuInstanceGetInfo", SimGpuInstance(index, gi_id))
+            if info is None:
+                return None
+            instances[gi_id] = {"id": gi_id, "profile_id": info.profileId, "start": info.placement.start,
+                                "size": info.placement.size, "compute_instances": []}
+        return instances[gi_id]
+
+    for profile in model.mig_profiles:
+        for handle in capture.value(answers.GPU_INSTANCES_CALL, SimHandle(index), profile.id, default=[]) or []:
+            if isinstance(handle, SimGpuInstance):
+                gpu_instance(handle.gi_id)
     for slot in range(64):
         if capture.value("nvmlDeviceGetMigDeviceHandleByIndex", SimHandle(index), slot) is None:
             continue
         mig = SimHandle(index, slot)
         gi_id = capture.value("nvmlDeviceGetGpuInstanceId", mig)
-        info = capture.value("nvmlGpuInstanceGetInfo", SimGpuInstance(index, gi_id)) if gi_id is not None else None
-        if info is None:
+        gi = gpu_instance(gi_id) if gi_id is not None else None
+        if gi is None:
             continue
-        instances.append({"gi_id": gi_id, "ci_id": capture.value("nvmlDeviceGetComputeInstanceId", mig, default=0),
-                          "profile_id": info.profileId, "start": info.placement.start, "size": info.placement.size,
-                          "uuid": capture.value("nvmlDeviceGetUUID", mig)})
-    return instances
+        ci_id = capture.value("nvmlDeviceGetComputeInstanceId", mig, default=0)
+        info = capture.value("nvmlComputeInstanceGetInfo", SimComputeInstance(index, gi_id, ci_id))
+        if info is not None:
+            start, size = info.placement.start, info.placement.size
+        else:
+            attributes = capture.value("nvmlDeviceGetAttributes", mig)
+            size = getattr(attributes, "computeInstanceSliceCount", 0) or slices.get(gi["profile_id"], 1)
+            start = sum(ci["size"] for ci in gi["compute_instances"])
+        gi["compute_instances"].append({"id": ci_id, "profile_id": CI_PROFILE_IDS.get(size, 0), "start": start,
+                                        "size": size, "uuid": capture.value("nvmlDeviceGetUUID", mig)})
+    return sorted(instances.values(), key=lambda gi: gi["id"])
 
 
 def _kernel(capture: Capture) -> dict[str, Any]:

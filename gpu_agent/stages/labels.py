@@ -30,6 +30,7 @@ MANAGED = "nvidia.com/gpu-agent.managed-labels"
 CONDITION = "GPUAgentReady"
 NFD_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
 NODE_REFRESH_S = 300.0  # GET the node at most this often (and after a 409)
+MIG_STATE = "nvidia.com/mig.config.state"
 
 
 def machine_name(root: Root) -> Optional[str]:
@@ -46,7 +47,7 @@ class SinkState:
 
 class KubeSink(Stage):
     name = "labels"
-    consumes = ("inventory", "pci_gpus")
+    consumes = ("inventory", "pci_gpus", "mig")
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
     def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig, budget: RequestBudget) -> None:
@@ -69,6 +70,9 @@ class KubeSink(Stage):
         wanted = gfd.compute(inventory, ready, self.settings.mig_strategy, machine_name(self.root))
         if inventory is None and self.inputs.get("pci_gpus") != 0:
             wanted = {**_owned_labels(node), **wanted}  # GPUs on the bus, not seen yet: keep what the node has
+        mig = self.inputs.get("mig")
+        if mig is not None and mig.config is not None:
+            wanted[MIG_STATE] = mig.state  # pending | success | failed, as k8s-mig-manager sets it
         if ready:
             condition = {"status": "True", "reason": "GPUsReady",
                          "message": inventory.summary() if inventory else "ready"}
@@ -85,6 +89,22 @@ class KubeSink(Stage):
                 raise StageError(f"node {self.node_name}: {exc}") from None
             self._node_read = time.monotonic()
         return self._node
+
+    def node_label(self, key: str) -> Optional[str]:
+        """A label of this node as the API server has it now (the mig stage's nvidia.com/mig.config)."""
+        labels = (self._current_node(force=True).get("metadata") or {}).get("labels") or {}
+        value = labels.get(key)
+        return value if isinstance(value, str) else None
+
+    def publish_label(self, key: str, value: str) -> None:
+        """Set one of our labels now, between passes' full patches (the mig stage's state label going
+        pending before a change starts); the next pass owns it like every other label."""
+        metadata = (self._current_node().get("metadata") or {})
+        owned = {k for k in (metadata.get("annotations") or {}).get(MANAGED, "").split(",") if k}
+        if (metadata.get("labels") or {}).get(key) == value and key in owned:
+            return
+        self._patch({"metadata": {"labels": {key: value}, "annotations": {MANAGED: ",".join(sorted(owned | {key}))}}},
+                    status=False)
 
     # --- plan and apply --------------------------------------------------------------------------
 
