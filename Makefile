@@ -1,11 +1,12 @@
-# gpu-agent: `make run` starts the agent on a simulated DGX H100; `make test` runs the whole suite.
+# gpu-agent: `make run` starts the agent on a simulated DGX H100; `make test` runs the whole suite,
+# `make test-all` with its long trials.
 PYTHON ?= python3
 VENV ?= .venv
 RUN_ROOT ?= .run/root
 SIMULATE ?= dgx-h100
 BIN := $(VENV)/bin
 
-.PHONY: run test bench package e2e clean
+.PHONY: run test test-all bench package e2e clean
 
 $(BIN)/gpu-agent: pyproject.toml
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
@@ -32,6 +33,10 @@ run: $(BIN)/gpu-agent
 
 test: $(BIN)/gpu-agent
 	$(BIN)/python -m pytest -q --ignore=tests/e2e
+
+# The same suite with its long trials at full length (200 kill -9 trials instead of 20).
+test-all: $(BIN)/gpu-agent
+	GPU_AGENT_TEST_ALL=1 $(BIN)/python -m pytest -q --ignore=tests/e2e
 
 # The packages installed and run under a booted Debian 12 (root; debootstrap, systemd-nspawn, lintian, rpm).
 e2e: $(BIN)/gpu-agent

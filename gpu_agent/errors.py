@@ -16,3 +16,13 @@ class ConfigError(AgentError):
 
 class StageError(AgentError):
     """A stage could not converge; the message is shown in /status and /readyz?verbose."""
+
+
+class HostFormatError(StageError):
+    """A kernel or driver file says something the agent cannot read: names the file, the line, what was expected."""
+
+    def __init__(self, path: str, line_number: int, line: str, expected: str) -> None:
+        shown = line if len(line) <= 120 else line[:117] + "..."
+        super().__init__(f"{path}:{line_number}: cannot read {shown!r}: expected {expected}")
+        self.path = path
+        self.line_number = line_number

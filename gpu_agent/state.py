@@ -1,15 +1,17 @@
 """The one model of what the agent knows. Stages and watchers write it; every output reads it."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import LoadedConfig
 from gpu_agent.nvml.model import GpuHealth, GpuSample, Inventory, to_json
 
 PENDING, OK, FAILED, WAITING = "pending", "ok", "failed", "waiting"
+_PUBLISH = threading.Lock()  # the watcher threads' updates of the model, one at a time
 
 
 @dataclass
@@ -25,6 +27,9 @@ class StageStatus:
     next_retry: Optional[float] = None
     changes_applied: int = 0
     gates_readiness: bool = True
+    facts: dict[str, Any] = field(default_factory=dict)
+    last_plan: list[dict[str, Any]] = field(default_factory=list)  # the typed changes the stage last made
+    last_plan_at: Optional[float] = None
 
     def record(self, state: str, message: str, error: Optional[str], now: float) -> None:
         if (state, message) != (self.state, self.message):
@@ -51,21 +56,54 @@ class GpuProcess:
 @dataclass
 class AgentState:
     config: LoadedConfig
-    simulated: Optional[str] = None
+    hardware: str = "real"  # or what the composition root put in its place, e.g. "simulated dgx-h100"
     started_at: float = field(default_factory=time.time)
     config_loaded_at: float = field(default_factory=time.time)
     config_error: Optional[str] = None  # the last rejected reload
     stages: dict[str, StageStatus] = field(default_factory=dict)
     inventory: Optional[Inventory] = None
     last_inventory: Optional[Inventory] = None  # the last good one: labels outlive a failing discovery
+    runtimes: Optional[tuple[str, ...]] = None  # container runtimes found, as the toolkit stage last saw them
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
+    mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
+    claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
     reconciles: int = 0
     first_reconcile_done: bool = False
+
+    # --- what the watcher threads publish ------------------------------------------------------
+
+    def update_health(self, uuid: str, change: Callable[[GpuHealth], GpuHealth]) -> GpuHealth:
+        """Publish a GPU's new health: the dict and the record are replaced, never changed in place,
+        so a reader on another thread sees the old model or the new one."""
+        with _PUBLISH:
+            new = change(self.health.get(uuid, GpuHealth()))
+            self.health = {**self.health, uuid: new}
+            return new
+
+    # --- stage results (written by the engine only) ----------------------------------------------
+
+    def output(self, name: str) -> Any:
+        """A stage result as last recorded: inventory (discovery), pci_gpus (driver), mig (mig), runtimes (toolkit)."""
+        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}[name]
+
+    def record_output(self, name: str, value: Any) -> None:
+        if name == "inventory":
+            self.inventory = value
+            if value is not None:
+                self.last_inventory = value
+        elif name == "pci_gpus":
+            self.pci_gpus = value
+        elif name == "mig":
+            self.mig = value
+        elif name == "runtimes":
+            self.runtimes = value
+        else:
+            raise ValueError(f"no stage result called {name!r}")
 
     # --- readiness -----------------------------------------------------------------------------
 
@@ -129,7 +167,7 @@ class AgentState:
             "ready": self.ready,
             "degraded": self.degraded,
             "summary": self.summary_line(),
-            "simulated": self.simulated,
+            "hardware": self.hardware,
             "started_at": self.started_at,
             "reconciles": self.reconciles,
             "config": {
@@ -138,14 +176,22 @@ class AgentState:
                 "loaded_at": self.config_loaded_at,
                 "reload_error": self.config_error,
             },
-            "driver": (
-                {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else None
-            ),
+            "driver": self._driver_json(),
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
         }
+
+    def _driver_json(self) -> Optional[dict[str, Any]]:
+        """What NVML says of the driver, and what the driver stage saw of its kernel module."""
+        inventory = self.inventory
+        stage = self.stages.get("driver")
+        facts = stage.facts if stage is not None else {}
+        if inventory is None and not facts:
+            return None
+        versions = {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else {}
+        return {**versions, **{key: value for key, value in facts.items() if key != "module_version"}}
 
     def _gpu_json(self, gpu: Any) -> dict[str, Any]:
         health = self.health.get(gpu.uuid, GpuHealth())
@@ -158,12 +204,14 @@ class AgentState:
             "compute_capability": "%d.%d" % gpu.compute_capability,
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
-            "xid_counts": {str(xid): count for xid, count in sorted(health.xid_counts.items())},
+            "xid_counts": {str(xid): count for xid, count in health.xid_counts},
             "mig": {
                 "capable": gpu.mig.capable,
                 "mode": "enabled" if gpu.mig.enabled else "disabled",
                 "pending_mode": "enabled" if gpu.mig.pending_enabled else "disabled",
                 "instances": [to_json(device) for device in gpu.mig.devices],
+                "gpu_instances": [to_json(instance) for instance in gpu.mig.gpu_instances],
+                "profiles": [to_json(profile) for profile in gpu.mig.profiles],
             },
             "processes": [to_json(process) for process in self.processes.get(gpu.uuid, ())],
             "metrics": to_json(self.samples[gpu.uuid]) if gpu.uuid in self.samples else None,

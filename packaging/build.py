@@ -127,6 +127,8 @@ def nfpm_config(stage: Path) -> dict:
          "file_info": {"mode": 0o644}},
         {"src": str(stage / "etc/gpu-agent/config.yaml"), "dst": "/etc/gpu-agent/config.yaml",
          "type": "config|noreplace", "file_info": {"mode": 0o644}},
+        {"src": str(HERE / "mig.yaml"), "dst": "/etc/gpu-agent/mig.yaml",
+         "type": "config|noreplace", "file_info": {"mode": 0o644}},
         {"src": str(TOP / "README.md"), "dst": "/usr/share/doc/gpu-agent/README.md", "file_info": {"mode": 0o644}},
         {"src": str(HERE / "copyright"), "dst": "/usr/share/doc/gpu-agent/copyright", "file_info": {"mode": 0o644}},
     ]

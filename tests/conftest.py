@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -14,6 +15,74 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 import yaml
+
+
+# --- no real subprocess, no host path, unless a test says so -------------------------------------
+#
+# Like cloud-init's disable_subp_usage: an audit hook fails any test that starts a real process or
+# touches a path outside its temporary directories, unless it is marked
+#   @pytest.mark.subprocess   the test exercises the process contract (signals, notify, CLI, packages)
+#   @pytest.mark.host_paths   the test reads or writes real host paths on purpose
+# Reading the project, the Python installation and /dev/null is always allowed.
+
+_SUBPROCESS_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+                      "os.forkpty", "pty.spawn")
+_PATH_EVENTS = {"open": 0, "os.mkdir": 0, "os.remove": 0, "os.rmdir": 0, "os.rename": 0, "os.replace": 0,
+                "os.symlink": 1, "os.link": 1, "os.chmod": 0, "os.chown": 0, "os.truncate": 0, "os.utime": 0,
+                "os.listdir": 0, "os.scandir": 0, "shutil.rmtree": 0, "shutil.copyfile": 1, "os.mknod": 0}
+_PROJECT = Path(__file__).resolve().parent.parent
+_ALWAYS = tuple(str(p) for p in {
+    _PROJECT, _PROJECT.parent / "shared", Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
+    Path(tempfile.gettempdir()), Path("/dev/null"), Path("/dev/urandom"), Path("/proc/self"),
+    Path("/usr/lib/python3"), Path("/usr/share/zoneinfo"), Path("/etc/localtime"), Path("/usr/lib/ssl"),
+    Path("/etc/ssl"), Path("/etc/mime.types"),
+    Path("/proc/stat"),  # the process collector's boot time, for the agent's own metrics
+})
+
+
+class _Guard:
+    active = False
+    subprocess = False
+    host_paths = False
+
+    @classmethod
+    def audit(cls, event: str, args: tuple) -> None:
+        if not cls.active:
+            return
+        if event in _SUBPROCESS_EVENTS and not cls.subprocess:
+            raise RuntimeError(f"this test started a real process ({event} {args[:2]!r}); mark it "
+                               "@pytest.mark.subprocess if it tests the process contract, or test in-process")
+        index = _PATH_EVENTS.get(event)
+        if index is None or cls.host_paths or len(args) <= index:
+            return
+        path = args[index]
+        if isinstance(path, (bytes, bytearray)):
+            path = os.fsdecode(path)
+        if not isinstance(path, (str, os.PathLike)) or not os.path.isabs(os.fspath(path)):
+            return  # a file descriptor, or relative to one the test already opened
+        real = os.path.realpath(os.fspath(path))
+        if not any(real == allowed or real.startswith(allowed.rstrip("/") + "/") for allowed in _ALWAYS):
+            raise RuntimeError(f"this test touched the host path {real} ({event}); use a tmp root, or mark "
+                               "it @pytest.mark.host_paths")
+
+
+sys.addaudithook(_Guard.audit)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "subprocess: the test may start real processes (the process contract)")
+    config.addinivalue_line("markers", "host_paths: the test may touch real host paths")
+
+
+@pytest.fixture(autouse=True)
+def _guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    _Guard.subprocess = request.node.get_closest_marker("subprocess") is not None
+    _Guard.host_paths = request.node.get_closest_marker("host_paths") is not None
+    _Guard.active = True
+    try:
+        yield
+    finally:
+        _Guard.active = False
 
 
 def free_port() -> int:

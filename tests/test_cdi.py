@@ -291,7 +291,7 @@ def test_mig_change_changes_the_spec(node: Callable[..., Node]) -> None:
     before = mig.spec()
     removed = mig.inventory().gpus[0].mig.devices[1].uuid
     with mig.state.edit() as state:  # what destroying the second GPU instance leaves
-        state["gpus"][0]["mig"]["instances"].pop()
+        state["gpus"][0]["mig"]["gpu_instances"].pop()
     after = mig.spec()
     assert cdi.render(after) != cdi.render(before)
     assert "0:1" not in names(after) and removed not in names(after) and "0:0" in names(after)

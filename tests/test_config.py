@@ -136,3 +136,36 @@ def test_digest_differs_for_different_configs(tmp_path: Path) -> None:
     b = load_config(write(tmp_path, "version: v1\nreconcile: {interval_seconds: 31}\n", "b.yaml"), True)
     c = load_config(write(tmp_path, "version: v1\nhealth: {ignored_xids: [13]}\n", "c.yaml"), True)
     assert len({a.digest, b.digest, c.digest}) == 3
+
+
+def test_explicit_default_durations_match_builtin_digest(tmp_path: Path) -> None:
+    explicit = load_config(write(tmp_path, "version: v1\nreconcile:\n  interval_seconds: 60\n"
+                                           "nvml:\n  call_timeout_seconds: 5\n"), True)
+    assert explicit.digest == load_config(tmp_path / "absent.yaml", False).digest
+
+
+def test_an_unreadable_file_is_a_config_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_agent.config import loader
+
+    path = write(tmp_path, "version: v1\n")
+
+    def denied(*args: object, **kwargs: object) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(loader.os, "open", denied)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, required=True)
+    assert str(info.value) == f"{path}: cannot read: Permission denied"
+
+
+def test_a_symlinked_config_is_read_through_the_link(tmp_path: Path) -> None:
+    target = write(tmp_path, "version: v1\nlog_level: debug\n", "real.yaml")
+    link = tmp_path / "config.yaml"
+    link.symlink_to(target)
+    assert load_config(link, required=True).config.log_level == "debug"
+
+
+def test_a_number_given_as_a_string_says_how_to_write_it() -> None:
+    message = error_of("version: v1\nnvml:\n  call_timeout_seconds: '5'\n")
+    assert message.startswith("c.yaml:3: nvml.call_timeout_seconds: Input should be a valid number")
+    assert "(got the string '5'; write a number without quotes" in message

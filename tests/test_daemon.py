@@ -1,13 +1,19 @@
 """The daemon's contract, checked on the real process: notify messages, endpoints, signals, exit codes."""
 from __future__ import annotations
 
+import pytest
+
 import json
+import re
 import signal
 import stat
 import time
 from pathlib import Path
 
 from conftest import cli
+
+# The process contract: the daemon as systemd runs it (signals, notify, endpoints, exit codes).
+pytestmark = pytest.mark.subprocess
 
 
 def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Path) -> None:
@@ -18,16 +24,21 @@ def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Pat
     assert daemon.get("/healthz") == (200, "ok\n")
     assert daemon.get("/readyz")[0] == 200
     status, body = daemon.get("/readyz?verbose")
-    assert status == 200 and "[+]driver ok\n[+]discovery ok\n[+]toolkit ok\n[+]gpu-health ok" in body
+    assert status == 200 and ("[+]driver ok\n[+]driver-features ok\n[+]discovery ok\n[+]toolkit ok\n"
+                              "[+]cdi ok\n[+]owned-files ok\n[+]gpu-health ok") in body
 
     document = json.loads(daemon.get("/status")[1])
     assert document["ready"] is True
-    assert [stage["name"] for stage in document["stages"]] == ["driver", "discovery", "toolkit"]
+    assert [stage["name"] for stage in document["stages"]] == ["driver", "driver-features", "discovery", "toolkit",
+                                                           "cdi", "owned-files"]
     gpus = document["gpus"]
     assert len(gpus) == 8 and len({gpu["uuid"] for gpu in gpus}) == 8
     assert {gpu["product"] for gpu in gpus} == {"NVIDIA H100 80GB HBM3"}
     assert gpus[0]["pci_bus_id"] == "0000:18:00.0" and gpus[0]["memory_mib"] == 81559
-    assert gpus[0]["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": []}
+    mig = gpus[0]["mig"]
+    assert (mig["capable"], mig["mode"], mig["pending_mode"], mig["instances"]) == (True, "disabled", "disabled", [])
+    assert mig["gpu_instances"] == []
+    assert [p["name"] for p in mig["profiles"]][:2] == ["1g.10gb", "1g.10gb+me"]
     assert document["config"]["digest"].startswith("sha256:")
 
     metrics = daemon.get("/metrics")[1]
@@ -59,7 +70,7 @@ def test_no_gpu_is_alive_but_not_ready_with_a_reason(agent) -> None:
     assert daemon.get("/healthz")[0] == 200
     status, body = daemon.get("/readyz?verbose")
     assert status == 503
-    assert "[-]driver failed: no NVIDIA GPU was found" in body and "[-]discovery failed: waiting for driver" in body
+    assert "[-]driver failed: no NVIDIA GPU was found" in body and "[-]discovery failed: no NVIDIA GPU was found: NVML library" in body
     assert body.endswith("readyz check failed\n")
     assert daemon.get("/readyz")[0] == 503
 
@@ -104,7 +115,7 @@ def test_simulated_faults_reach_the_running_daemon_within_a_second(agent, root: 
     _, body = daemon.wait_http("/status", lambda _, b: bool(json.loads(b)["gpus"][1]["processes"]), timeout=1.0)
     gpu = json.loads(body)["gpus"][1]
     assert gpu["processes"] == [{"pid": 4242, "name": "python3", "used_mib": 1024.0}]
-    assert gpu["metrics"]["memory_used_mib"] > 1024
+    assert gpu["metrics"]["memory_used_mib"] == 1024 and gpu["metrics"]["memory_reserved_mib"] == 480
 
 
 def test_application_xids_do_not_make_a_gpu_unhealthy(agent, root: Path) -> None:
@@ -152,7 +163,7 @@ def test_status_command_reads_the_daemon_over_its_unix_socket(agent, root: Path)
     daemon.wait_ready()
     result = cli("status", root=root, config=daemon.config)
     assert result.returncode == 0, result.stderr
-    assert "ready: 1x A30, driver 550.90.07" in result.stdout and "discovery  ok" in result.stdout
+    assert "ready: 1x A30, driver 550.90.07" in result.stdout and re.search(r"^discovery +ok", result.stdout, re.M)
     as_json = cli("status", "--json", root=root, config=daemon.config)
     assert json.loads(as_json.stdout)["gpus"][0]["product"] == "NVIDIA A30"
     daemon.stop()
@@ -240,6 +251,25 @@ def test_the_daemons_own_use_of_a_counted_fault_does_not_skip_backoff(agent, roo
 def test_usage_errors_exit_1_not_2(root: Path) -> None:
     assert cli("status", "--bogus", root=root).returncode == 1
     assert cli("apply", root=root).returncode == 1
+
+
+def test_a_notify_socket_nobody_reads_never_blocks_the_sender(tmp_path, monkeypatch) -> None:
+    import socket as socketlib
+
+    from gpu_agent.daemon.notify import Notifier
+
+    path = tmp_path / "notify.sock"
+    receiver = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    receiver.bind(str(path))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(path))
+    notifier = Notifier()
+    import threading
+
+    sender = threading.Thread(target=lambda: [notifier.status(f"line {n}") for n in range(5000)], daemon=True)
+    sender.start()  # far more than the socket's queue holds
+    sender.join(60)
+    assert not sender.is_alive(), "a blocking send hangs once the queue is full"
+    receiver.close()
 
 
 def _hung_calls(root: Path) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
 
 import pytest
 
@@ -12,8 +13,19 @@ from gpu_agent.config import load_config
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.daemon.engine import Engine, StageRun
 from gpu_agent.errors import StageError
+from gpu_agent.plan import Change
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import FAILED, OK, PENDING, WAITING, AgentState
+
+@dataclass(frozen=True)
+class SetValue(Change):
+    kind: ClassVar[str] = "SetValue"
+    stage: str
+    value: int
+
+    def describe(self) -> str:
+        return f"set {self.stage} to {self.value}"
+
 
 SETTINGS = ReconcileConfig(backoff_initial_seconds=5, backoff_max_seconds=30)
 
@@ -37,7 +49,7 @@ class FakeStage(Stage):
     def plan(self, observed: Any) -> list[Action]:
         if observed["value"] == self.want:
             return []
-        return [Action(f"set {self.name} to {self.want}", self._set)]
+        return [Action.of(SetValue(self.name, self.want), self._set)]
 
     def _set(self) -> None:
         self.executed += 1
@@ -216,3 +228,39 @@ def test_dry_run_judges_requirements_by_this_pass(state: AgentState) -> None:
     engine = Engine([FakeStage("driver", log), FakeStage("toolkit", log, requires=["driver"])], state, SETTINGS)
     runs = reconcile(engine, dry_run=True)
     assert [run.state for run in runs] == [OK, OK] and log == ["driver", "toolkit"]
+
+
+class Producer(FakeStage):
+    produces = ("inventory",)
+
+    def outputs(self, observed: Any) -> dict[str, Any]:
+        return {"inventory": f"seen {observed['value']}"}
+
+
+class Consumer(FakeStage):
+    consumes = ("inventory",)
+
+    def observe(self) -> Any:
+        self.log.append(f"{self.name} got {self.inputs.get('inventory')}")
+        return dict(self.host)
+
+
+def test_results_flow_from_producer_to_consumer_which_runs_after_it(state: AgentState) -> None:
+    log: list[str] = []
+    engine = Engine([Consumer("toolkit", log), Producer("discovery", log)], state, SETTINGS)
+    assert [stage.name for stage in engine.stages] == ["discovery", "toolkit"]
+    reconcile(engine, dry_run=True)
+    assert log == ["discovery", "toolkit got seen 0"]
+    assert state.inventory is None  # a dry run records nothing in the state model
+    reconcile(engine)
+    assert state.inventory == "seen 0" and state.last_inventory == "seen 0"
+
+
+def test_a_failed_producer_hands_none_not_a_stale_result(state: AgentState) -> None:
+    log: list[str] = []
+    producer = Producer("discovery", log)
+    engine = Engine([producer, Consumer("toolkit", log)], state, SETTINGS)
+    reconcile(engine)
+    producer.fail = StageError("NVML is gone")
+    reconcile(engine, force=True)
+    assert log[-1] == "toolkit got None" and state.inventory is None and state.last_inventory == "seen 0"

@@ -329,6 +329,8 @@ def _descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+@pytest.mark.subprocess  # the daemon under its own descriptor limit
+@pytest.mark.host_paths  # /proc/PID/fd of that daemon
 def test_a_connection_flood_at_the_descriptor_limit_leaves_readyz_and_the_stages_working(
         agent, root: Path) -> None:
     idle_tcp, idle_unix, slowloris = 2000, 300, 100

@@ -1,13 +1,18 @@
 """GFD-compatible labels from the state model, and `gpu-agent labels`."""
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
 from conftest import cli
 
 from gpu_agent.kube.labels import compute, family, sanitise, valid_key, valid_value
-from gpu_agent.nvml.model import Gpu, Inventory, MigDevice, MigProfile, MigState
+from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuInstance, Inventory, MigProfile, MigState
+
+# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
+pytestmark = pytest.mark.subprocess
 
 DGX_A100 = {
     "nvidia.com/cuda.driver-version.full": "550.90.07", "nvidia.com/cuda.driver-version.major": "550",
@@ -58,10 +63,16 @@ PROFILES = (MigProfile("1g.10gb", 19, 1, 7, 16, 9984, 1, 1, 0, 1, 0, ()),
             MigProfile("3g.40gb", 9, 3, 2, 60, 40448, 3, 3, 0, 3, 0, ()))
 
 
+def _instance(index: int, profile: str, memory_mib: int, multiprocessors: int) -> GpuInstance:
+    """A GPU instance with one compute instance as large as it: one MIG device."""
+    compute = ComputeInstance(0, 0, profile, 1, (0, 1), multiprocessors, f"MIG-{index}-{profile}", index)
+    return GpuInstance(index + 1, 0, profile, 1, (index, 1), memory_mib, (compute,))
+
+
 def _mig(*profiles: str) -> MigState:
-    devices = tuple(MigDevice(f"MIG-{i}-{p}", i + 1, 0, p, 40448 if p == "3g.40gb" else 9984,
-                              60 if p == "3g.40gb" else 16, None) for i, p in enumerate(profiles))
-    return MigState(True, True, True, devices, PROFILES)
+    instances = tuple(_instance(i, p, 40448 if p == "3g.40gb" else 9984, 60 if p == "3g.40gb" else 16)
+                      for i, p in enumerate(profiles))
+    return MigState(True, True, True, instances, PROFILES)
 
 
 def test_mixed_strategy_labels_each_profile() -> None:
@@ -91,8 +102,7 @@ def test_single_strategy_uses_the_mig_devices_or_says_invalid() -> None:
 
 def test_odd_profile_names_give_valid_keys() -> None:
     profiles = PROFILES + (MigProfile("1g.10gb+me", 20, 1, 1, 16, 9984, 1, 1, 0, 1, 1, ()),)
-    device = MigDevice("MIG-x", 1, 0, "1g.10gb+me", 9984, 16, None)
-    gpu = _h100(MigState(True, True, True, (device,), profiles))
+    gpu = _h100(MigState(True, True, True, (_instance(0, "1g.10gb+me", 9984, 16),), profiles))
     labels = compute(Inventory("550.90.07", "12.4", (gpu,)), True, "mixed", None)
     assert labels["nvidia.com/mig-1g.10gbme.count"] == "1"
     assert all(valid_key(k) and valid_value(v) for k, v in labels.items())

@@ -35,6 +35,8 @@ def ldconfig_root(tmp_path: Path, *args: str) -> Path:
     return root
 
 
+@pytest.mark.subprocess
+@pytest.mark.host_paths
 @needs_toolchain
 @pytest.mark.parametrize("fmt", ["new", "compat"])
 def test_real_ldconfig_cache_lists_the_libraries(tmp_path: Path, fmt: str) -> None:
@@ -54,6 +56,8 @@ def test_real_ldconfig_cache_lists_the_libraries(tmp_path: Path, fmt: str) -> No
     assert (root / "opt/gpu/lib/libgpuagent-a.so.1").is_symlink()  # ldconfig made the soname link it lists
 
 
+@pytest.mark.subprocess
+@pytest.mark.host_paths
 @needs_toolchain
 def test_writer_orders_entries_as_ldconfig_does(tmp_path: Path) -> None:
     """The loader bisects the table, so the writer must keep ldconfig's order, not just its contents."""
@@ -61,6 +65,8 @@ def test_writer_orders_entries_as_ldconfig_does(tmp_path: Path) -> None:
     assert ldcache.parse(ldcache.build(list(reversed(real)))) == real
 
 
+@pytest.mark.subprocess
+@pytest.mark.host_paths
 def test_host_cache_round_trips_in_order() -> None:
     if not Path("/etc/ld.so.cache").is_file():
         pytest.skip("this machine has no /etc/ld.so.cache")

@@ -253,3 +253,37 @@ def test_a_counted_hang_holds_its_calls_until_cleared_and_spares_later_ones(mach
         except NvmlHung:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_memory_v2_reports_the_reserved_memory_apart_from_used(machine: Any) -> None:
+    """An idle H100 with driver 580: NVML v1 says 480 MiB used, v2 says 0 used and 480 reserved
+    (../shared/hardware/h100-580-vm/nvml-readonly-dump.json, memory_v2)."""
+    _, nvml = machine("dgx-h100")
+    sample = nvml.sample(0)
+    assert (sample.memory_used_mib, sample.memory_reserved_mib) == (0, 480)
+    assert sample.memory_free_mib == 81559 - 480
+
+
+class _WithoutMemoryV2:
+    """A driver older than NVML's v2 memory info: pynvml finds no nvmlDeviceGetMemoryInfo_v2."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: Any = None) -> Any:
+        if version:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self._lib.nvmlDeviceGetMemoryInfo(handle)
+
+
+def test_memory_falls_back_to_v1_without_a_reserved_figure(machine: Any) -> None:
+    state, _ = machine("dgx-h100")
+    nvml = Nvml(_WithoutMemoryV2(FakeNvml(state)), call_timeout=2.0)
+    try:
+        sample = nvml.sample(0)
+    finally:
+        nvml.close()
+    assert (sample.memory_used_mib, sample.memory_reserved_mib) == (480, None)

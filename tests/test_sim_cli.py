@@ -1,10 +1,15 @@
 """gpu-agent sim: the commands that rehearse failures, and their errors."""
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
 from conftest import cli
+
+# The sim subcommands as a user runs them.
+pytestmark = pytest.mark.subprocess
 
 
 def test_sim_commands_change_the_shared_machine(root: Path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,8 @@ def test_ready_with_inventory(ready: AgentState) -> None:
     assert first["uuid"] == "GPU-0" and first["pci_bus_id"] == "0000:18:00.0"
     assert first["compute_capability"] == "9.0"
     assert first["health"] == "healthy" and first["health_reason"] is None
-    assert first["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": []}
+    assert first["mig"] == {"capable": True, "mode": "disabled", "pending_mode": "disabled", "instances": [],
+                            "gpu_instances": [], "profiles": []}
     assert first["metrics"]["utilization_percent"] == 35.0
     assert second["metrics"] is None
 
@@ -90,7 +92,7 @@ def test_failing_stage_makes_it_not_ready(ready: AgentState) -> None:
 
 def test_unhealthy_gpu(ready: AgentState) -> None:
     ready.health["GPU-1"] = GpuHealth(xid_reason="XID 79: GPU has fallen off the bus", last_xid=79,
-                                      xid_counts={79: 2, 13: 1})
+                                      xid_counts=((13, 1), (79, 2)))
     ready.health["GPU-0"] = GpuHealth()
     assert ready.ready is False
     check = ready.checks()[-1]
@@ -132,3 +134,13 @@ def test_config_error_while_not_ready_reports_the_failure(ready: AgentState) -> 
     ready.stages["discovery"].message = "expected 8 GPUs, found 7"
     assert ready.degraded is True
     assert ready.summary_line() == "not ready: discovery: expected 8 GPUs, found 7"
+
+
+def test_health_is_published_by_replacement_never_in_place(tmp_path) -> None:
+    state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
+    before = state.health
+    first = state.update_health("GPU-0", lambda h: replace(h, last_xid=48))
+    assert before == {} and state.health == {"GPU-0": first}
+    seen = state.health
+    second = state.update_health("GPU-0", lambda h: replace(h, query_error="GPU is lost"))
+    assert seen["GPU-0"] is first and first.query_error == "" and second.last_xid == 48

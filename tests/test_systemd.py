@@ -12,8 +12,12 @@ import pytest
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 
 # In CI a missing systemd-analyze is a failure (.ci/run installs it), not a skip.
-pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None and not os.environ.get("CI"),
-                                reason="systemd-analyze missing: .ci/run installs systemd")
+pytestmark = [
+    pytest.mark.subprocess,
+    pytest.mark.host_paths,  # systemd's own units, for systemd-analyze verify
+    pytest.mark.skipif(shutil.which("systemd-analyze") is None and not os.environ.get("CI"),
+                       reason="systemd-analyze missing: .ci/run installs systemd"),
+]
 
 
 def _unit_root(tmp_path: Path, unit_text: str) -> Path:

@@ -14,6 +14,9 @@ import yaml
 
 from conftest import cli
 
+# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
+pytestmark = pytest.mark.subprocess
+
 BINARY = "/usr/bin/nvidia-container-runtime"
 CONTAINERD_V2 = """\
 # Hand-written containerd config: keep me.
@@ -67,6 +70,18 @@ def apply(root: Path, *extra: str, config: Path | None = None) -> subprocess.Com
     return cli("--simulate", "dgx-h100", "apply", "--once", *extra, root=root, config=config)
 
 
+def changes(result: subprocess.CompletedProcess[str], stage: str = "toolkit") -> list[tuple[str, str]]:
+    """The typed changes a stage made (or would make), from `apply --once --json`: (kind, target)."""
+    document = json.loads(result.stdout)
+    found = next(s for s in document["stages"] if s["stage"] == stage)["changes"]
+    return [(change["kind"], change.get("path") or change.get("unit") or change.get("package")) for change in found]
+
+
+CONTAINERD_TRANSACTION = [("WriteFile", "/etc/containerd/config.toml"),
+                          ("WriteFile", "/etc/containerd/conf.d/99-nvidia.toml"),
+                          ("RestartService", "containerd.service")]
+
+
 def restarts(root: Path, unit: str = "containerd.service") -> int:
     state = json.loads(cli("sim", "show", "--json", root=root).stdout)
     return state.get("services", {}).get(unit, {}).get("restarts", 0)
@@ -86,10 +101,9 @@ def effective(root: Path, tmp_path: Path) -> dict:
 @needs_containerd
 def test_containerd_v2_gets_the_runtime_and_keeps_every_byte(node: Path, tmp_path: Path) -> None:
     path = containerd_config(node, CONTAINERD_V2)
-    result = apply(node)
+    result = apply(node, "--json")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "did: containerd: write /etc/containerd/config.toml, /etc/containerd/conf.d/99-nvidia.toml, " \
-           "restart containerd.service" in result.stdout
+    assert changes(result)[:3] == CONTAINERD_TRANSACTION
     after = path.read_text()
     added = 'imports = ["/etc/containerd/conf.d/*.toml"]  # added by gpu-agent\n'
     assert after.replace(added, "") == CONTAINERD_V2 and after.index(added) + len(added) == after.index("root =")
@@ -209,9 +223,9 @@ def test_a_missing_or_vulnerable_toolkit_is_refused(root: Path, node: Path) -> N
 def test_dry_run_prints_the_diffs_and_the_restart_and_changes_nothing(node: Path, write_config) -> None:
     path = containerd_config(node, CONTAINERD_V2)
     apply(node, config=write_config({"toolkit": {"enabled": False}}))  # the driver up, the runtimes untouched
-    result = apply(node, "--dry-run", config=write_config({"toolkit": {"enabled": True}}))
-    assert "would: containerd: write /etc/containerd/config.toml, /etc/containerd/conf.d/99-nvidia.toml, " \
-           "restart containerd.service" in result.stdout
+    settings = write_config({"toolkit": {"enabled": True}})
+    assert changes(apply(node, "--dry-run", "--json", config=settings))[:3] == CONTAINERD_TRANSACTION
+    result = apply(node, "--dry-run", config=settings)
     assert '    +imports = ["/etc/containerd/conf.d/*.toml"]  # added by gpu-agent' in result.stdout
     assert "    +++ /etc/containerd/conf.d/99-nvidia.toml" in result.stdout
     assert path.read_text() == CONTAINERD_V2 and not (node / DROP_IN).exists() and restarts(node) == 0
@@ -244,7 +258,8 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
     from test_cdi import schema_validator
 
     from gpu_agent.host.paths import Root
-    from gpu_agent.sim.machine import MachineState, mig_uuid, place
+    from gpu_agent.sim.machine import MachineState
+    from gpu_agent.sim.mig import add_device
     from gpu_agent.sim.profiles import H100_80GB_HBM3
 
     containerd_config(node, CONTAINERD_V2)
@@ -259,14 +274,13 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
 
     with MachineState(Root(node)).edit() as state:  # mig-parted (or an admin) repartitioned GPU 0
         gpu = state["gpus"][0]
-        instance = place(H100_80GB_HBM3, "3g.40gb", [])
-        instance["uuid"] = mig_uuid(gpu["uuid"], instance["gi_id"], instance["ci_id"])
-        gpu["mig"] = {"current": 1, "pending": 1, "instances": [instance]}
-    result = apply(node)
-    assert "did: cdi: write /var/run/cdi/nvidia.yaml" in result.stdout
+        gpu["mig"] = {"current": 1, "pending": 1, "gpu_instances": []}
+        add_device(gpu, H100_80GB_HBM3, "3g.40gb")
+        mig_uuid = gpu["mig"]["gpu_instances"][0]["compute_instances"][0]["uuid"]
+    assert changes(apply(node, "--json"), "cdi") == [("WriteFile", "/var/run/cdi/nvidia.yaml")]
     spec = yaml.safe_load(spec_path.read_text())
     schema_validator().validate(spec)
-    assert {"0:0", instance["uuid"]} <= {device["name"] for device in spec["devices"]}
+    assert {"0:0", mig_uuid} <= {device["name"] for device in spec["devices"]}
 
 
 def test_a_missing_toolkit_is_installed_when_asked(root: Path, write_config) -> None:
@@ -275,11 +289,11 @@ def test_a_missing_toolkit_is_installed_when_asked(root: Path, write_config) -> 
     cli("--simulate", "dgx-h100", "sim", "fail", "install", "--times", "1", root=root)
     failed = apply(root, config=config)
     assert failed.returncode == 2 and "E: Unable to locate package nvidia-container-toolkit" in failed.stdout
-    result = apply(root, config=config)
+    result = apply(root, "--json", config=config)
     assert result.returncode == 0, result.stdout
-    assert "did: install nvidia-container-toolkit" in result.stdout
-    assert "did: containerd: write /etc/containerd/config.toml" in result.stdout
-    assert "nvidia runtime configured for containerd; toolkit 1.17.8" in result.stdout
+    assert changes(result)[0] == ("InstallPackage", "nvidia-container-toolkit")
+    assert ("WriteFile", "/etc/containerd/config.toml") in changes(result)
+    assert "nvidia runtime configured for containerd; toolkit 1.17.8" in json.loads(result.stdout)["stages"][3]["message"]
 
 
 def test_a_root_file_without_runc_keeps_runc_through_the_drop_in(node: Path, tmp_path: Path) -> None:

@@ -18,7 +18,10 @@ _SUBCOMMANDS = {
     "status": "show the running daemon's status",
     "check": "preflight: report what is wrong or would change; changes nothing",
     "labels": "print the Kubernetes node labels the agent would set",
+    "mig": "apply, assert or export MIG geometry (mig-parted's config files)",
+    "uninstall": "undo every change gpu-agent made (the package's purge runs it)",
     "sim": "inspect and rehearse failures on a simulated node",
+    "capture": "write what the agent reads from this node to a directory that --simulate replays",
 }
 
 
@@ -37,19 +40,31 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 error, 2 degraded or not ready.",
     )
     parser.add_argument("--version", action="version", version=f"gpu-agent {__version__}")
-    parser.add_argument("--config", default=os.environ.get("GPU_AGENT_CONFIG"), metavar="PATH",
-                        help="config file (env GPU_AGENT_CONFIG; default /etc/gpu-agent/config.yaml under --root, "
-                             "built-in defaults when that file is missing)")
-    parser.add_argument("--root", default=os.environ.get("GPU_AGENT_ROOT", "/"), metavar="DIR",
-                        help="resolve every host path under DIR (env GPU_AGENT_ROOT; default /)")
-    parser.add_argument("--simulate", default=os.environ.get("GPU_AGENT_SIMULATE") or None, metavar="PROFILE|FILE",
-                        help="simulated hardware: dgx-a100, dgx-h100, a30, t4, none, or a machine YAML file "
-                             "(env GPU_AGENT_SIMULATE)")
+    _global_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in _SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
+        _global_options(sub, defaults=False)
         importlib.import_module(f"gpu_agent.cli.{name}").add_arguments(sub)
     return parser
+
+
+def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """--config, --root and --simulate, accepted before the subcommand and after it
+    (`gpu-agent run --simulate dgx-h100 --root DIR`). After it they win; the subcommand's parser
+    leaves them unset when not given, so they do not mask the ones given before it."""
+    def default(value: Optional[str]) -> Optional[str]:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--config", default=default(os.environ.get("GPU_AGENT_CONFIG")), metavar="PATH",
+                        help="config file (env GPU_AGENT_CONFIG; default /etc/gpu-agent/config.yaml under --root, "
+                             "built-in defaults when that file is missing)")
+    parser.add_argument("--root", default=default(os.environ.get("GPU_AGENT_ROOT", "/")), metavar="DIR",
+                        help="resolve every host path under DIR (env GPU_AGENT_ROOT; default /)")
+    parser.add_argument("--simulate", default=default(os.environ.get("GPU_AGENT_SIMULATE") or None),
+                        metavar="PROFILE|FILE|DIR",
+                        help="simulated hardware: dgx-a100, dgx-h100, dgx-h200, a30, t4, none, a machine YAML file, "
+                             "or a directory written by `gpu-agent capture` (env GPU_AGENT_SIMULATE)")
 
 
 def setup_logging(level: str = "INFO") -> None:

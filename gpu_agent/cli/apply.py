@@ -5,7 +5,7 @@ import argparse
 import asyncio
 import sys
 
-from gpu_agent.cli.common import config_of, root_of
+from gpu_agent.cli.common import config_of, plan_json, root_of
 from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
 
 
@@ -14,6 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every stage once and exit (the daemon is `gpu-agent run`)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print every change (file diffs included) and change nothing")
+    parser.add_argument("--json", action="store_true", help="print each stage's outcome and typed changes as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -31,7 +32,10 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.close()
-    converged = True
+    converged = all(run.state == "ok" and not (args.dry_run and run.planned) for run in runs)
+    if args.json:
+        print(plan_json(runs, loaded, root, dry_run=args.dry_run))
+        return EXIT_OK if converged else EXIT_NOT_READY if runs else EXIT_ERROR
     for run in runs:
         mark = "+" if run.state == "ok" else "-"
         print(f"[{mark}] {run.stage}: {run.state}: {run.message}")
@@ -40,7 +44,6 @@ def main(args: argparse.Namespace) -> int:
             print(f"    {verb}: {action.summary}")
             if args.dry_run and action.diff:
                 sys.stdout.write("".join(f"    {line}\n" for line in action.diff.splitlines()))
-        converged = converged and run.state == "ok" and not (args.dry_run and run.planned)
     if args.dry_run:
         changes = sum(len(run.planned) for run in runs)
         print(f"dry run: {changes} change(s) planned, nothing changed")

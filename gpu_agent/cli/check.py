@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from gpu_agent.cli.common import config_of, root_of
+from gpu_agent.cli.common import config_of, plan_json, root_of
 from gpu_agent.errors import EXIT_NOT_READY, EXIT_OK
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--json", action="store_true", help="print the findings and the typed plan as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -17,19 +17,21 @@ def main(args: argparse.Namespace) -> int:
 
     root = root_of(args)
     loaded = config_of(args)
-    print(f"config: {loaded.source} ({loaded.digest[:19]}) ok")
-    print(f"root: {root.path}")
     runtime = Runtime.build(root, loaded, args.simulate)
     try:
         runs = asyncio.run(runtime.engine.reconcile(dry_run=True))
     finally:
         runtime.nvml.close()
-    problems = 0
+    problems = sum(run.state != "ok" for run in runs)
+    if args.json:
+        print(plan_json(runs, loaded, root, dry_run=True))
+        return EXIT_OK if not problems else EXIT_NOT_READY
+    print(f"config: {loaded.source} ({loaded.digest[:19]}) ok")
+    print(f"root: {root.path}")
     for run in runs:
         if run.state == "ok":
             print(f"[+] {run.stage}: {run.message}")
             continue
-        problems += 1
         print(f"[-] {run.stage}: {run.message}")
         for action in run.planned:
             print(f"    needs: {action.summary}")

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
 
 from gpu_agent.config import DEFAULT_CONFIG_PATH, LoadedConfig, load_config
 from gpu_agent.host.paths import Root
+
+if TYPE_CHECKING:
+    from gpu_agent.daemon.engine import StageRun
 
 
 def root_of(args: argparse.Namespace) -> Root:
@@ -22,3 +27,23 @@ def config_location(args: argparse.Namespace) -> tuple[Path, bool]:
 def config_of(args: argparse.Namespace) -> LoadedConfig:
     path, required = config_location(args)
     return load_config(path, required)
+
+
+def plan_json(runs: Sequence["StageRun"], loaded: LoadedConfig, root: Root, dry_run: bool) -> str:
+    """What `check --json` and `apply --once [--dry-run] --json` print: each stage's outcome and its
+    typed changes (planned, or made)."""
+    stages: list[dict[str, Any]] = [{
+        "stage": run.stage,
+        "state": run.state,
+        "message": run.message,
+        "changes": [change for action in run.planned for change in action.to_json()],
+        "diff": "".join(action.diff for action in run.planned),
+    } for run in runs]
+    document = {
+        "root": str(root.path),
+        "config": {"source": loaded.source, "digest": loaded.digest},
+        "dry_run": dry_run,
+        "stages": stages,
+        "changes": sum(len(stage["changes"]) for stage in stages),
+    }
+    return json.dumps(document, indent=2)

@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from gpu_agent.daemon.app import Runtime
     from gpu_agent.kube.labels import compute
-    from gpu_agent.kube.sink import machine_name
+    from gpu_agent.stages.labels import machine_name
 
     loaded = config_of(args)
     runtime = Runtime.build(root_of(args), loaded, args.simulate)
@@ -24,7 +24,8 @@ def main(args: argparse.Namespace) -> int:
         runs = asyncio.run(runtime.engine.reconcile(dry_run=True))
     finally:
         runtime.nvml.close()
-    ready = all(run.state == "ok" for run in runs if run.stage != "labels")
+    runtime.engine.record_dry_run(runs)
+    ready, _ = runtime.state.readiness(within_pass=True)
     labels = compute(runtime.state.inventory, ready, loaded.config.kubernetes.mig_strategy, machine_name(runtime.root))
     if args.json:
         print(json.dumps(labels, indent=2, sort_keys=True))

@@ -19,12 +19,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     xid.add_argument("--xid", type=int, required=True, metavar="X")
     fail = actions.add_parser(
         "fail", help="make an NVML call or modprobe fail like a real driver or kernel",
-        description="CALL is an NVML function (nvmlDeviceGetTemperature, ...) or modprobe. NVML calls raise "
+        description="CALL is an NVML function (nvmlDeviceGetTemperature, ..., and every MIG call: "
+                    "nvmlDeviceSetMigMode, nvmlDeviceCreateGpuInstanceWithPlacement, nvmlGpuInstanceDestroy, ...) "
+                    "or modprobe. NVML calls raise "
                     "the named NVMLError (GpuIsLost, Unknown, Timeout, ...) or hang. modprobe fails with "
                     "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
                     "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
                     "library (a half-finished upgrade). restart makes a container runtime's restart fail "
-                    "(--error failed) or its socket never answer (--error not-ready). install makes installing "
+                    "(--error failed), its socket never answer (--error not-ready), or systemctl hang until its "
+                    "timeout (--error hangs). install makes installing "
                     "the container toolkit fail as apt-get does without NVIDIA's repository.")
     fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, or restart (a runtime's unit)")
     fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
@@ -70,12 +73,15 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
     print(f"machine {state['machine']} ({state['source']}), driver {driver}")
     for index, gpu in enumerate(state["gpus"]):
         mig = gpu["mig"]
-        instances = ", ".join(f"gi{i['gi_id']}@{i['start']}" for i in mig["instances"]) or "none"
-        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} "
-              f"mig={'on' if mig['current'] else 'off'} instances={instances}")
+        instances = ", ".join(_gpu_instance_text(gi) for gi in mig["gpu_instances"]) or "none"
+        mode = "on" if mig["current"] else "off"
+        if mig["pending"] != mig["current"]:
+            mode += f" (pending {'on' if mig['pending'] else 'off'} until a GPU reset)"
+        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} mig={mode} instances={instances}")
         for p in gpu["processes"]:
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
-    print(f"  kernel {state['kernel']['release']}: loaded {', '.join(m['name'] for m in state['kernel']['loaded']) or 'nothing'}")
+    loaded = ", ".join(m["name"] for m in state["kernel"]["loaded"]) or "nothing"
+    print(f"  kernel {state['kernel']['release']}: loaded {loaded}")
     for fault in state["faults"]:
         if fault["call"] == "modprobe":
             scope = f"module {fault['module']}" if fault.get("module") else "any module"
@@ -87,6 +93,12 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
         print(f"  fault: {fault['call']} on {scope} -> {fault['error']}, {times}")
     for xid in state["xids"]:
         print(f"  xid {xid['xid']} on GPU {xid['gpu']} at {time.strftime('%H:%M:%S', time.localtime(xid['at']))}")
+
+
+def _gpu_instance_text(gi: dict[str, Any]) -> str:
+    """gi2@0:4[ci0@0:4], as nvidia-smi writes placements (start:size)."""
+    cis = ",".join(f"ci{ci['id']}@{ci['start']}:{ci['size']}" for ci in gi["compute_instances"])
+    return f"gi{gi['id']}@{gi['start']}:{gi['size']}[{cis}]"
 
 
 def _inject_xid(machine: Any, args: argparse.Namespace) -> None:
@@ -106,19 +118,22 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
         print("installing packages will fail: E: Unable to locate package")
         return
     if args.call == "restart":
+        from gpu_agent.sim.services import RESTART_ERRORS
+
         error = args.error or "failed"
-        if error not in ("failed", "not-ready"):
-            raise AgentError(f"--error {error}: unknown for restart; one of failed, not-ready")
+        if error not in RESTART_ERRORS:
+            raise AgentError(f"--error {error}: unknown for restart; one of {', '.join(RESTART_ERRORS)}")
         _add_fault(machine, args, {"call": "restart", "unit": args.unit, "error": error})
         print(f"restarting {args.unit or '(any unit)'} will leave it {error}")
         return
-    from gpu_agent.sim.fake import HANG, FakeNvml, error_class, error_names
+    from gpu_agent.sim.fake import HANG, error_class, error_names
+    from gpu_agent.sim.replay import simulated_calls
 
     error = args.error or "Unknown"
-    if not args.call.startswith("nvml") or not callable(FakeNvml.__dict__.get(args.call)):
-        simulated = sorted(name for name in FakeNvml.__dict__ if name.startswith("nvml"))
+    simulated = simulated_calls(machine.read())
+    if args.call not in simulated:
         raise AgentError(f"{args.call}: not modprobe nor an NVML call the simulator implements; one of: "
-                         f"{', '.join(simulated)}")
+                         f"{', '.join(sorted(simulated))}")
     if error != HANG:
         try:
             error_class(error)

@@ -6,14 +6,19 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from gpu_agent.config.section import Section
+from gpu_agent.config.section import Section, seconds, shown
 
 KNOWN_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_peermem", "nvidia_fs", "gdrdrv", "nvidia_drm")
-_PARAMETER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_VALUE = re.compile(r"^[^\s#]+$")
+_PARAMETER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_VALUE = re.compile(r"[^\s#]{1,4096}")
 
 
 class DriverModules(Section):
+    """Feature modules beyond nvidia and nvidia_uvm, which every GPU node needs. A feature module that
+    cannot be loaded degrades the agent; it does not make the GPUs unready."""
+
+    nvidia_modeset: Union[bool, Literal["auto"]] = Field(
+        "auto", description="Display mode setting; auto: only when nvidia_drm is on (it needs it).")
     nvidia_peermem: Union[bool, Literal["auto"]] = Field(
         "auto", description="GPUDirect RDMA; auto: only when a Mellanox (0x15b3) NIC is present.")
     nvidia_fs: bool = Field(False, description="GPUDirect Storage.")
@@ -23,7 +28,7 @@ class DriverModules(Section):
 
 class DriverConfig(Section):
     enabled: bool = Field(True, description="Load, verify and repair the NVIDIA kernel driver.")
-    version: Optional[str] = Field(None, description='Pin, e.g. "550.90.07": any other loaded version fails.')
+    version: Optional[str] = Field(None, max_length=64, description='Pin, e.g. "550.90.07": any other loaded version fails.')
     blacklist_nouveau: bool = Field(False, description="Write /etc/modprobe.d/blacklist-nouveau.conf.")
     modules: DriverModules = DriverModules()
     parameters: dict[str, dict[str, Union[str, int]]] = Field(
@@ -33,17 +38,17 @@ class DriverConfig(Section):
     persistence: bool = Field(False, description="Require nvidia-persistenced or persistence mode; "
                                                  "turn persistence mode on when neither.")
     validate_cuda: bool = Field(False, description="Create a CUDA context and allocate memory on each GPU.")
-    modprobe_timeout_seconds: float = Field(60, gt=0)
+    modprobe_timeout_seconds: float = seconds(60, 3600, "How long one modprobe may take.")
 
     @field_validator("parameters")
     @classmethod
     def _parameters(cls, value: dict[str, dict[str, Union[str, int]]]) -> dict[str, dict[str, Union[str, int]]]:
         for module, options in value.items():
             if module not in KNOWN_MODULES:
-                raise ValueError(f"unknown module {module!r}; one of {', '.join(KNOWN_MODULES)}")
+                raise ValueError(f"unknown module {shown(module)}; one of {', '.join(KNOWN_MODULES)}")
             for name, setting in options.items():
-                if not _PARAMETER.match(name):
-                    raise ValueError(f"{module}: {name!r} is not a module parameter name")
-                if not _VALUE.match(str(setting)):
-                    raise ValueError(f"{module}.{name}: {setting!r} cannot be written to modprobe.d")
+                if not _PARAMETER.fullmatch(name):
+                    raise ValueError(f"{module}: {shown(name)} is not a module parameter name")
+                if not _VALUE.fullmatch(str(setting)):
+                    raise ValueError(f"{module}.{name}: {shown(setting)} cannot be written to modprobe.d")
         return value

@@ -3,17 +3,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
+from gpu_agent.config.safe_yaml import load_yaml
 from gpu_agent.config.schema import AgentConfig
+from gpu_agent.config.section import shown
 from gpu_agent.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = "/etc/gpu-agent/config.yaml"
+MAX_CONFIG_BYTES = 256 * 1024  # a full config is about 5 KiB; this bounds the cost of any file
+MAX_REPORTED_ERRORS = 20
+# What to write instead, when YAML read a value as a string but the setting needs another type.
+_TYPE_HINTS = {
+    "float_type": "write a number without quotes, such as 5, 2.5 or 1.0e+3 (YAML needs the dot and the sign)",
+    "int_type": "write a whole number without quotes",
+    "bool_type": "write true or false without quotes",
+}
 
 
 @dataclass(frozen=True)
@@ -25,75 +38,124 @@ class LoadedConfig:
 
 def load_config(path: Path, required: bool) -> LoadedConfig:
     """Load `path`; a missing file gives the built-in defaults unless `required`."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    text = read_config_text(path)
+    if text is None:
         if required:
-            raise ConfigError(f"{path}: no such file") from None
+            raise ConfigError(f"{path}: no such file")
         return _loaded(AgentConfig(), "built-in defaults")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); is this the right file?") from None
     return _loaded(parse_config(text, str(path)), str(path))
 
 
-def parse_config(text: str, name: str) -> AgentConfig:
+def read_config_text(path: Path, option: str = "--config") -> str | None:
+    """The file's text, or None when it does not exist. Only a regular file of at most MAX_CONFIG_BYTES
+    is read: a FIFO, a device or a directory is refused without blocking or reading from it. `option`
+    names what gave the path, for the message."""
     try:
-        document = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{name}:{mark.line + 1}" if mark else name
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{path}: not a regular file (it is {_file_kind(info.st_mode)}); "
+                              f"{option} must name a YAML file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {info.st_size} bytes is too large for a config file "
+                              f"(at most {MAX_CONFIG_BYTES}); is this the right file?")
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:  # it grew while we read it
+        raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES} bytes is too large for a config file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); is this the right file?") from None
+
+
+def parse_config(text: str, name: str) -> AgentConfig:
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{name}: more than {MAX_CONFIG_BYTES} characters is too large for a config file")
+    document, data = load_yaml(text, name)
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{name}: expected a mapping of settings at the top level, got {type(data).__name__}")
+        raise ConfigError(f"{name}:{line_of(document, ())}: expected a mapping of settings at the top level, "
+                          f"got {_kind(data)}")
     if "version" not in data:
         raise ConfigError(f'{name}: version: missing; add "version: v1" as the first line')
     if data["version"] != "v1":
         raise ConfigError(
-            f"{name}:{_line(document, ('version',))}: version: unsupported value {data['version']!r}; "
+            f"{name}:{line_of(document, ('version',))}: version: unsupported value {shown(data['version'])}; "
             "this agent reads version v1"
         )
     try:
         return AgentConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError("\n".join(_describe(err, document, name) for err in exc.errors())) from None
+        errors = exc.errors()
+        lines = [_describe(err, document, name) for err in errors[:MAX_REPORTED_ERRORS]]
+        if len(errors) > MAX_REPORTED_ERRORS:
+            lines.append(f"{name}: and {len(errors) - MAX_REPORTED_ERRORS} more errors")
+        raise ConfigError("\n".join(lines)) from None
 
 
-def _describe(error: Any, document: Optional[yaml.Node], name: str) -> str:
+def _describe(error: Any, document: yaml.Node | None, name: str) -> str:
     loc = tuple(error["loc"])
-    key = ".".join(str(part) for part in loc) or "(top level)"
-    line = _line(document, loc)
+    key = ".".join(_key_part(part) for part in loc) or "(top level)"
+    line = line_of(document, loc)
     where = f"{name}:{line}" if line else name
     if error["type"] == "extra_forbidden":
         reason = "unknown key"
     else:
-        reason = error["msg"]
-        if reason.startswith("Value error, "):
-            reason = reason[len("Value error, ") :]
+        reason = error["msg"].removeprefix("Value error, ")
+        hint = _TYPE_HINTS.get(error["type"])
+        if hint and isinstance(error.get("input"), str):
+            reason += f" (got the string {shown(error['input'])}; {hint})"
     return f"{where}: {key}: {reason}"
 
 
-def _line(node: Optional[yaml.Node], loc: Sequence[Union[str, int]]) -> Optional[int]:
-    """The 1-based line of the key at `loc`, or of its nearest parent that exists in the file."""
+def _key_part(part: str | int) -> str:
+    text = str(part)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
+    """The 1-based line of the key or list item at `loc`, or of its nearest parent in the file."""
     if node is None:
         return None
-    line = None
+    line = node.start_mark.line + 1
     for part in loc:
+        if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+            continue
         if not isinstance(node, yaml.MappingNode):
             break
         for key_node, value_node in node.value:
-            if key_node.value == str(part):
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value == str(part):
                 line = key_node.start_mark.line + 1
                 node = value_node
                 break
         else:
             break
     return line
+
+
+def _kind(value: Any) -> str:
+    return {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false"}.get(
+        type(value), type(value).__name__)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "not a plain file")
 
 
 def _loaded(config: AgentConfig, source: str) -> LoadedConfig:

@@ -1,29 +1,32 @@
 """Schema of /etc/gpu-agent/config.yaml, version v1. Unknown keys are errors, never ignored."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field, field_validator
 
 from gpu_agent.config.driver import DriverConfig
-from gpu_agent.config.section import Section
 from gpu_agent.config.kubernetes import KubernetesConfig
+from gpu_agent.config.mig import MigConfig
+from gpu_agent.config.section import PATH_MAX, Section, absolute_path, seconds, shown
 from gpu_agent.config.toolkit import ToolkitConfig
+
+MAX_GPUS = 1024  # more than any node has: catches a typo, not a machine
 
 
 class ReconcileConfig(Section):
-    interval_seconds: float = Field(60, gt=0, description="Re-reconcile every stage this often.")
-    backoff_initial_seconds: float = Field(5, gt=0, description="First retry delay of a failing stage.")
-    backoff_max_seconds: float = Field(300, gt=0, description="Retry delay cap of a failing stage.")
+    interval_seconds: float = seconds(60, 86400, "Re-reconcile every stage this often.")
+    backoff_initial_seconds: float = seconds(5, 3600, "First retry delay of a failing stage.")
+    backoff_max_seconds: float = seconds(300, 86400, "Retry delay cap of a failing stage.")
 
 
 class HttpConfig(Section):
     listen: str = Field(
-        "127.0.0.1:9445",
+        "127.0.0.1:9445", max_length=300,
         description='TCP address of the read-only endpoint, HOST:PORT; "" turns TCP off.',
     )
     socket: str = Field(
-        "/run/gpu-agent/agent.sock",
+        "/run/gpu-agent/agent.sock", max_length=PATH_MAX,
         description='Unix socket of the same endpoint (under --root); "" turns it off.',
     )
 
@@ -34,15 +37,13 @@ class HttpConfig(Section):
             return value
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9445, got {value!r}")
+            raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9445, got {shown(value)}")
         return value
 
     @field_validator("socket")
     @classmethod
     def _absolute(cls, value: str) -> str:
-        if value and not value.startswith("/"):
-            raise ValueError(f"must be an absolute path, got {value!r}")
-        return value
+        return absolute_path(value) if value else value
 
     @property
     def host(self) -> str:
@@ -54,27 +55,25 @@ class HttpConfig(Section):
 
 
 class NvmlConfig(Section):
-    call_timeout_seconds: float = Field(
-        5, gt=0, description="An NVML call that takes longer is abandoned and the driver reported hung."
-    )
+    call_timeout_seconds: float = seconds(
+        5, 300, "An NVML call that takes longer is abandoned and the driver reported hung.")
 
 
 class MetricsConfig(Section):
-    sample_interval_seconds: float = Field(
-        5, gt=0, description="How often GPU metrics are sampled; a scrape never calls NVML."
-    )
-    hostname: Optional[str] = Field(None, description="Hostname label of the GPU metrics; default: this host's name.")
+    sample_interval_seconds: float = seconds(
+        5, 3600, "How often GPU metrics are sampled; a scrape never calls NVML.")
+    hostname: Optional[str] = Field(None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name.")
 
 
 class DiscoveryConfig(Section):
     expected_gpus: Optional[int] = Field(
-        None, ge=0, description="Fail discovery unless exactly this many GPUs are visible (catches a GPU off the bus)."
+        None, ge=0, le=MAX_GPUS, description="Fail discovery unless exactly this many GPUs are visible (catches a GPU off the bus)."
     )
 
 
 class HealthConfig(Section):
-    ignored_xids: list[int] = Field(
-        [13, 31, 43, 45, 68, 109],
+    ignored_xids: list[Annotated[int, Field(ge=0, le=65535)]] = Field(
+        [13, 31, 43, 45, 68, 109], max_length=1024,
         description="XIDs caused by applications, not the GPU (the Kubernetes device plugin's list); "
         "any other XID marks the GPU unhealthy until the agent restarts.",
     )
@@ -92,3 +91,4 @@ class AgentConfig(Section):
     kubernetes: KubernetesConfig = KubernetesConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     health: HealthConfig = HealthConfig()
+    mig: MigConfig = MigConfig()

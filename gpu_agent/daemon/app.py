@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional
 
@@ -17,12 +17,19 @@ from gpu_agent.config import AgentConfig, LoadedConfig, load_config
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
+from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
+from gpu_agent.kube.budget import RequestBudget
+from gpu_agent.mig.hooks import Systemctl, UnitControl
+from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.stages.base import Stage
+from gpu_agent.stages.cdi import Cdi
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
+from gpu_agent.stages.driver_features import DriverFeatures
+from gpu_agent.stages.owned_files import OwnedFiles
 from gpu_agent.stages.toolkit import Toolkit
 from gpu_agent.toolkit.packages import PackageInstaller, SystemPackages
 from gpu_agent.toolkit.services import ServiceControl, Systemd
@@ -48,6 +55,11 @@ class Runtime:
     packages: PackageInstaller
     state: AgentState
     engine: Engine
+    machine: Optional[Any] = None  # the simulated machine, when there is one
+    real_root_simulated: bool = False  # simulated GPUs over the real / : its runtimes and CUDA are real
+    kube_budget: RequestBudget = field(default_factory=RequestBudget)  # the node's, whichever client spends it
+    gpu_reset: Optional[GpuReset] = None  # resets one GPU for a pending MIG mode
+    units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
@@ -56,20 +68,27 @@ class Runtime:
         loader: ModuleLoader
         services: ServiceControl
         packages: PackageInstaller
+        machine = None
+        real_root = root.is_running_system
         if simulate:
-            from gpu_agent.sim.fake import FakeNvml
+            from gpu_agent.sim.crash import arm_from_environment
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
+            from gpu_agent.sim.mig import SimGpuReset, SimUnits
             from gpu_agent.sim.packages import SimPackages
+            from gpu_agent.sim.replay import simulated_nvml
             from gpu_agent.sim.services import SimServices
 
+            arm_from_environment()  # kill -9 trials
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
-            nvml = Nvml(FakeNvml(machine), config.nvml.call_timeout_seconds)
+            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds)
             loader = SimModprobe(machine, root)
-            services = SimServices(machine)
+            services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
+            gpu_reset: GpuReset = SimGpuReset(machine)
+            units: UnitControl = SimUnits(machine)
         else:
             import pynvml
 
@@ -77,8 +96,14 @@ class Runtime:
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
             packages = SystemPackages(root)
-        state = AgentState(loaded, simulated=simulate)
-        runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile))
+            gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
+            units = Systemctl(root, config.toolkit.restart_timeout_seconds)
+        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real")
+        runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
+                      real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
+        if runtime.real_root_simulated:
+            log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
+                        "so the real container runtimes and CUDA library are left alone")
         # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
         kept = {stage.name: stage for stage in runtime.engine.stages}
         runtime.engine.set_stages([
@@ -88,19 +113,47 @@ class Runtime:
         return runtime
 
     def stages(self, config: AgentConfig) -> list[Stage]:
-        """The enabled stages, in the order they run."""
+        """The enabled stages, in the order they run.
+
+        The dependency rule: a stage requires another only when it cannot do its own work without that
+        stage's result, never to wait for "the node to be ready". Discovery needs NVML to answer, not
+        the driver stage to be ok: on a node whose driver works but whose driver stage fails (a missing
+        /dev/char link, a feature module), /status and /metrics still show every GPU NVML sees, and
+        /readyz names the failing stage. A stage that waits for a failed one reports `waiting`, never ok.
+        """
         stages: list[Stage] = []
+        may_change_gpus = self.root.is_running_system or self.machine is not None
         if config.driver.enabled:
-            stages.append(Driver(self.root, self.nvml, self.loader, config.driver, self.state))
-        stages.append(Discovery(self.nvml, self.state, config.discovery,
-                                requires=("driver",) if config.driver.enabled else ()))
-        if config.toolkit.enabled:
-            stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+            driver = config.driver
+            if self.real_root_simulated:
+                driver = driver.model_copy(update={"validate_cuda": False})
+            stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
+            stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
+        sink = None
         kube = config.kubernetes
         if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
-            from gpu_agent.kube.sink import KubeSink
+            from gpu_agent.stages.labels import KubeSink
 
-            stages.append(KubeSink(self.root, self.state, kube))
+            sink = KubeSink(self.root, self.state, kube, self.kube_budget)
+        mig = config.mig
+        if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
+            # Before discovery: the inventory, CDI spec and labels of the same pass see the new MIG devices.
+            from gpu_agent.stages.mig import STATE_LABEL, Mig
+
+            stages.append(Mig(self.root, self.nvml, self.gpu_reset, self.units, mig,
+                              node_label=sink.node_label if sink else None,
+                              announce=(lambda state: sink.publish_label(STATE_LABEL, state)) if sink else None))
+        stages.append(Discovery(self.nvml, config.discovery))
+        if config.toolkit.enabled and not self.real_root_simulated:
+            stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+            if config.toolkit.cdi.enabled:
+                stages.append(Cdi(self.root, config.toolkit.cdi))
+        if sink is not None:
+            stages.append(sink)
+        # Last: what the stages above no longer claim (or a stage turned off owned) is undone. Not for
+        # simulated GPUs over the real /: its ledger is a real agent's.
+        if not self.real_root_simulated:
+            stages.append(OwnedFiles(self.root, self.services, {stage.name for stage in stages}))
         return stages
 
 
@@ -128,11 +181,11 @@ def take_lock(root: Root) -> IO[str]:
 
 class Daemon:
     def __init__(self, runtime: Runtime, config_path: Path, config_required: bool) -> None:
-        from gpu_agent.daemon.health import XidWatcher
+        from gpu_agent.health.xid import XidWatcher
         from gpu_agent.daemon.http import HttpServer, build_app
-        from gpu_agent.daemon.metrics import AgentCollector, make_registry
+        from gpu_agent.metrics.exporter import AgentCollector, make_registry
         from gpu_agent.daemon.notify import Notifier
-        from gpu_agent.daemon.sampler import Sampler
+        from gpu_agent.metrics.sampler import Sampler
 
         self.runtime = runtime
         self.state = runtime.state
@@ -170,7 +223,7 @@ class Daemon:
         interval = self.notifier.watchdog_interval()
         if interval:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
-        if self.state.simulated:
+        if self.runtime.machine is not None:
             self._tasks.append(asyncio.create_task(self._watch_simulator(), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
@@ -256,30 +309,42 @@ class Daemon:
             pass
 
     async def _reload(self) -> None:
+        """Load the config file again and switch to it; any failure keeps the running config and is
+        shown as the reload error in /status, never a crash of the loop."""
         self.notifier.reloading()
         log.info("reloading configuration from %s", self.config_path)
         try:
             loaded = await asyncio.to_thread(load_config, self.config_path, self.config_required)
+            stages = self._stages_for(loaded.config)
             await self.http.restart(loaded.config.http)
         except AgentError as exc:
-            self.state.config_error = str(exc)
-            log.error("configuration reload rejected, still running the previous one: %s", exc)
+            self._reject_reload(str(exc))
+        except Exception as exc:  # a gpu-agent bug; the previous config is still whole, so keep it
+            log.exception("configuration reload failed; this is a gpu-agent bug")
+            self._reject_reload(f"{self.config_path}: reload failed with an internal error "
+                                f"({type(exc).__name__}); see the agent's log")
         else:
-            self._apply_config(loaded)
+            self._apply_config(loaded, stages)
 
-    def _apply_config(self, loaded: LoadedConfig) -> None:
+    def _reject_reload(self, reason: str) -> None:
+        self.state.config_error = reason
+        log.error("configuration reload rejected, still running the previous one: %s", reason)
+
+    def _stages_for(self, config: AgentConfig) -> list[Stage]:
+        """The stages `config` asks for; one whose settings did not change is kept, with what it knows
+        (the sink's cached Node)."""
+        kept = {stage.name: stage for stage in self.runtime.engine.stages}
+        return [kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
+                for new in self.runtime.stages(config)]
+
+    def _apply_config(self, loaded: LoadedConfig, stages: list[Stage]) -> None:
         config = loaded.config
         runtime = self.runtime
         self.state.config, self.state.config_error = loaded, None
         self.state.config_loaded_at = time.time()
         runtime.nvml.call_timeout = config.nvml.call_timeout_seconds
         runtime.engine.settings = config.reconcile
-        # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
-        kept = {stage.name: stage for stage in runtime.engine.stages}
-        runtime.engine.set_stages([
-            kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
-            for new in runtime.stages(config)
-        ])
+        runtime.engine.set_stages(stages)
         self.collector.hostname = config.metrics.hostname or self.collector.hostname
         logging.getLogger().setLevel(config.log_level.upper())
         log.info("configuration %s loaded from %s", loaded.digest[:19], loaded.source)
@@ -319,37 +384,35 @@ class Daemon:
         log.error("reconcile loop stopped; no more watchdog pings, systemd will restart the agent")
 
     async def _watch_files(self) -> None:
-        """Files the stages manage, rewritten by someone else: reconcile within seconds, not minutes."""
-        def stamps() -> dict[str, Optional[tuple[int, int, int]]]:
-            found: dict[str, Optional[tuple[int, int, int]]] = {}
-            for stage in self.runtime.engine.stages:
-                for path in stage.watched():
-                    try:
-                        st = self.runtime.root(path).stat()
-                        found[path] = (st.st_ino, st.st_mtime_ns, st.st_size)
-                    except OSError:
-                        found[path] = None
-            return found
+        """Files the stages manage, rewritten by someone else: reconcile within seconds, not minutes.
+
+        The agent's own writes (a runtime's files restored after a failed restart) are no drift. A
+        drift pass respects a failing stage's backoff: a runtime that does not come back is retried
+        as the backoff allows, not each time its files change. Only SIGHUP forces a pass."""
+        def stamps() -> dict[str, Optional[Stamp]]:
+            return {path: stamp_of(self.runtime.root(path))
+                    for stage in self.runtime.engine.stages for path in stage.watched()}
 
         last = stamps()
         while True:
             await asyncio.sleep(_DRIFT_POLL_S)
             now = stamps()
-            changed = sorted(p for p in now if now[p] != last.get(p, now[p]))
+            changed = sorted(path for path, stamp in now.items()
+                             if stamp != last.get(path, stamp) and not written_by_us(self.runtime.root(path), stamp))
             if changed:
                 log.info("%s changed on disk; reconciling", ", ".join(changed))
-                self.trigger(force=True)
+                self.trigger()
             last = now
 
     async def _watch_simulator(self) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
         hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
-        machine = self.runtime.nvml.lib.machine
+        machine = self.runtime.machine
         last = machine.stamp()
         while True:
             await asyncio.sleep(_SIM_POLL_S)
             stamp = machine.stamp()
-            if stamp != last and not machine.wrote(stamp):
+            if stamp != last and not written_by_us(machine.path, stamp):
                 await self._sample()
                 self.trigger(force=True)
             last = stamp

@@ -6,7 +6,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.errors import AgentError
@@ -16,6 +16,7 @@ from gpu_agent.state import FAILED, OK, WAITING, AgentState, StageStatus
 log = logging.getLogger(__name__)
 
 _APPLY_ROUNDS = 3
+CLAIMS = "claims"  # what the owned-files stage consumes: every stage's claims (Stage.claims)
 
 
 @dataclass
@@ -28,6 +29,9 @@ class StageRun:
     planned: list[Action] = field(default_factory=list)
     applied: bool = False
     skipped: bool = False  # still backing off from an earlier failure
+    facts: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)  # for the names in the stage's `produces`
+    claims: Optional[set[str]] = None  # the files the stage wants; None: it could not tell
 
 
 class Engine:
@@ -38,22 +42,27 @@ class Engine:
         self.set_stages(stages)
 
     def set_stages(self, stages: Sequence[Stage]) -> None:
-        """Run these from now on; a stage no longer enabled leaves /status and /readyz."""
+        """Run these from now on, each after the stages it requires or consumes results of; a stage no
+        longer enabled leaves /status and /readyz."""
         known = {stage.name for stage in stages}
         for stage in stages:
             unknown = set(stage.requires) - known
             if unknown:
                 raise ValueError(f"stage {stage.name} requires unknown stage(s) {sorted(unknown)}")
-        self.stages = list(stages)
+        self.stages = _ordered(stages)
         statuses = self.state.stages
-        self.state.stages = {s.name: statuses.get(s.name) or StageStatus(s.name) for s in stages}
-        for stage in stages:
+        self.state.stages = {s.name: statuses.get(s.name) or StageStatus(s.name) for s in self.stages}
+        for stage in self.stages:
             self.state.stages[stage.name].gates_readiness = stage.gates_readiness
 
     async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
         """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything."""
         runs: list[StageRun] = []
+        results = {name: self.state.output(name) for stage in self.stages for name in stage.consumes
+                   if name != CLAIMS}
+        claims = dict(self.state.claims)  # by stage: this pass's, else the last known
         for stage in self.stages:
+            stage.inputs = {name: claims if name == CLAIMS else results.get(name) for name in stage.consumes}
             status = self.state.stages[stage.name]
             now = time.time()
             if not force and not dry_run and status.next_retry is not None and now < status.next_retry:
@@ -70,6 +79,9 @@ class Engine:
                 runs.append(StageRun(stage.name, WAITING, message))
                 continue
             run = await asyncio.to_thread(self._run_stage, stage, dry_run)
+            results.update(run.outputs)
+            if run.claims is not None:
+                claims[stage.name] = run.claims
             if not dry_run:
                 self._record(stage, status, run, started=now)
             runs.append(run)
@@ -77,22 +89,34 @@ class Engine:
             self.state.reconciles += 1
         return runs
 
+    def record_dry_run(self, runs: Sequence[StageRun]) -> None:
+        """Take a dry run's findings into the state model, as a one-shot command's view of the node
+        (`gpu-agent labels`): outcomes and results, no backoff, nothing applied."""
+        now = time.time()
+        for run in runs:
+            self.state.stages[run.stage].record(run.state, run.message, None, now)
+            for name, value in run.outputs.items():
+                self.state.record_output(name, value)
+
     def _run_stage(self, stage: Stage, dry_run: bool) -> StageRun:
+        observed: Any = None
         try:
             stage.start_pass()
             observed = stage.observe()
             actions = stage.plan(observed)
             if dry_run:
+                outputs, claims = _outputs(stage, observed), stage.claims(observed)
                 if actions:
-                    return StageRun(stage.name, "pending", self._pending(stage, observed, actions), planned=actions)
-                return StageRun(stage.name, OK, stage.verify(observed))
+                    return StageRun(stage.name, "pending", self._pending(stage, observed, actions), planned=actions,
+                                    outputs=outputs, claims=claims)
+                return StageRun(stage.name, OK, stage.verify(observed), outputs=outputs, claims=claims)
             applied: list[Action] = []
             # A change can reveal the next one (device nodes exist only once their module is loaded),
             # so apply and observe again while new changes appear, a few rounds at most. A change that
             # did not take is never repeated in the same reconcile: verify() reports it.
             for _ in range(_APPLY_ROUNDS):
-                done = {action.summary for action in applied}
-                actions = [action for action in actions if action.summary not in done]
+                done = {action.changes for action in applied}
+                actions = [action for action in actions if action.changes not in done]
                 if not actions:
                     break
                 for action in actions:
@@ -101,12 +125,16 @@ class Engine:
                 applied += actions
                 observed = stage.observe()
                 actions = stage.plan(observed)
-            return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied))
+            facts, outputs, claims = stage.facts(observed), stage.outputs(observed), stage.claims(observed)
+            return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied), facts=facts,
+                            outputs=outputs, claims=claims)
         except AgentError as exc:
-            return StageRun(stage.name, FAILED, str(exc))
+            return StageRun(stage.name, FAILED, str(exc), facts=_facts(stage, observed),
+                            outputs=_outputs(stage, observed), claims=_claims(stage, observed))
         except Exception as exc:  # a bug: keep the daemon alive, say where it is
             log.exception("stage %s crashed; this is a gpu-agent bug", stage.name)
-            return StageRun(stage.name, FAILED, f"internal error: {type(exc).__name__}: {exc}")
+            return StageRun(stage.name, FAILED, f"internal error: {type(exc).__name__}: {exc}",
+                            outputs=dict.fromkeys(stage.produces))
 
     @staticmethod
     def _pending(stage: Stage, observed: object, actions: list[Action]) -> str:
@@ -122,12 +150,19 @@ class Engine:
         now = time.time()
         previous = status.state
         status.duration_seconds = now - started
+        status.facts = run.facts
+        if run.claims is not None:
+            self.state.claims = {**self.state.claims, stage.name: run.claims}
+        for name, value in run.outputs.items():
+            self.state.record_output(name, value)
         if run.state == OK:
             status.record(OK, run.message, None, now)
             status.failures, status.next_retry = 0, None
             if run.applied:
                 status.changes_applied += len(run.planned)
                 status.last_change = now
+                status.last_plan = [change for action in run.planned for change in action.to_json()]
+                status.last_plan_at = now
             if previous != OK:
                 log.info("%s: ok: %s", stage.name, run.message)
             return
@@ -145,3 +180,44 @@ class Engine:
     def next_retry(self) -> Optional[float]:
         retries = [s.next_retry for s in self.state.stages.values() if s.next_retry is not None]
         return min(retries) if retries else None
+
+
+def _facts(stage: Stage, observed: Any) -> dict[str, Any]:
+    """A failed stage's facts, when it got as far as observing."""
+    if observed is None:
+        return {}
+    try:
+        return stage.facts(observed)
+    except Exception:  # facts are extra information: never let them hide the stage's own error
+        log.debug("facts of %s", stage.name, exc_info=True)
+        return {}
+
+
+def _claims(stage: Stage, observed: Any) -> Optional[set[str]]:
+    """A failed stage's claims, when it observed; None (nothing undone) when it could not."""
+    return stage.claims(observed) if observed is not None else None
+
+
+def _outputs(stage: Stage, observed: Any) -> dict[str, Any]:
+    """A stage's results; None for each where it could not observe, so consumers never see stale ones."""
+    results: dict[str, Any] = dict.fromkeys(stage.produces)
+    if observed is not None:
+        results.update(stage.outputs(observed))
+    return results
+
+
+def _ordered(stages: Sequence[Stage]) -> list[Stage]:
+    """The stages in their given order, moved only as far as needed to run each after the stages it
+    requires and the producers of what it consumes."""
+    producers = {name: stage.name for stage in stages for name in stage.produces}
+    before = {stage.name: set(stage.requires) | {producers[n] for n in stage.consumes if n in producers}
+              for stage in stages}
+    ordered: list[Stage] = []
+    pending = list(stages)
+    while pending:
+        ready = next((s for s in pending if before[s.name] <= {done.name for done in ordered}), None)
+        if ready is None:
+            raise ValueError(f"stages depend on each other in a cycle: {', '.join(s.name for s in pending)}")
+        ordered.append(ready)
+        pending.remove(ready)
+    return ordered

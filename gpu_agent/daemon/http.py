@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gpu_agent.config.schema import HttpConfig
 from gpu_agent.daemon.listener import Listener, connection_limit, handling_request
-from gpu_agent.daemon.metrics import render
+from gpu_agent.metrics.exporter import render
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.state import AgentState
@@ -75,10 +75,6 @@ class HttpServer:
                                      shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
         self._listeners: list[Listener] = []
         self.settings: Optional[HttpConfig] = None
-
-    @property
-    def listeners(self) -> list[Listener]:
-        return list(self._listeners)
 
     async def start(self, settings: HttpConfig) -> None:
         """Serve on the configured TCP address and unix socket; a bind failure raises AgentError."""

@@ -17,6 +17,10 @@ class Notifier:
     def __init__(self) -> None:
         self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
         self._sd = sdnotify.SystemdNotifier() if self.enabled else None
+        if self._sd is not None and self._sd.socket is not None:
+            # A full notify queue must drop a message, never block the event loop (and with it
+            # /healthz and SIGTERM); the next STATUS or WATCHDOG follows within seconds.
+            self._sd.socket.setblocking(False)
         self._status: Optional[str] = None
 
     def _send(self, *lines: str) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gpu_agent.host.paths import Root
+from gpu_agent.host.procfs import KeyValues, parse_key_values, read
 
 NVIDIA_MAJOR_NAMES = ("nvidia", "nvidia-frontend")
 CTL_MINOR = 255
@@ -42,9 +43,9 @@ def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules:
     (/proc/driver/nvidia/params), as nvidia-modprobe does.
     """
     nodes: list[DeviceNode] = []
-    params = _key_values(root("/proc/driver/nvidia/params"))
-    mode = int(params.get("DeviceFileMode", DEFAULT_MODE))
-    owner = {"uid": int(params.get("DeviceFileUID", 0)), "gid": int(params.get("DeviceFileGID", 0))}
+    params = driver_file(root, "/proc/driver/nvidia/params")
+    mode = params.integer("DeviceFileMode", DEFAULT_MODE)
+    owner = {"uid": params.integer("DeviceFileUID", 0), "gid": params.integer("DeviceFileGID", 0)}
     nvidia = next((majors[name] for name in NVIDIA_MAJOR_NAMES if name in majors), None)
     if "nvidia" in modules and nvidia is not None:
         nodes.append(DeviceNode("/dev/nvidiactl", nvidia, CTL_MINOR, mode, **owner))
@@ -56,11 +57,11 @@ def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules:
         nodes.append(DeviceNode("/dev/nvidia-uvm-tools", majors["nvidia-uvm"], 1, mode, **owner))
     if "nvidia-caps" in majors:
         for cap in ("config", "monitor"):
-            info = _key_values(root(f"/proc/driver/nvidia/capabilities/mig/{cap}"))
+            info = driver_file(root, f"/proc/driver/nvidia/capabilities/mig/{cap}")
             if "DeviceFileMinor" in info:
-                minor = int(info["DeviceFileMinor"])
-                mode = int(info.get("DeviceFileMode", "256"))
-                nodes.append(DeviceNode(f"/dev/nvidia-caps/nvidia-cap{minor}", majors["nvidia-caps"], minor, mode))
+                minor = info.integer("DeviceFileMinor", 0)
+                cap_mode = info.integer("DeviceFileMode", 0o400)
+                nodes.append(DeviceNode(f"/dev/nvidia-caps/nvidia-cap{minor}", majors["nvidia-caps"], minor, cap_mode))
     return nodes
 
 
@@ -69,9 +70,9 @@ def gpu_minors(root: Root) -> dict[str, int]:
     gpus = root("/proc/driver/nvidia/gpus")
     minors = {}
     for entry in sorted(gpus.iterdir()) if gpus.is_dir() else ():
-        info = _key_values(entry / "information")
+        info = driver_file(root, f"/proc/driver/nvidia/gpus/{entry.name}/information")
         if "Device Minor" in info:
-            minors[entry.name.lower()] = int(info["Device Minor"])
+            minors[entry.name.lower()] = info.integer("Device Minor", 0)
     return minors
 
 
@@ -125,10 +126,6 @@ def create_link(root: Root, node: DeviceNode) -> None:
     os.symlink(target, link)
 
 
-def _key_values(path: object) -> dict[str, str]:
-    try:
-        text = path.read_text()  # type: ignore[attr-defined]
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
-    return {key.strip(): value.strip() for key, value in pairs}
+def driver_file(root: Root, host_path: str) -> KeyValues:
+    """One of the driver's `Key: value` files; empty when it does not exist."""
+    return parse_key_values(host_path, read(root, host_path) or "")

@@ -3,15 +3,64 @@ from __future__ import annotations
 
 import difflib
 import os
-import shutil
+import re
+import stat
 import tempfile
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
 from gpu_agent.host.paths import Root
 
 BACKUP_DIR = "/var/lib/gpu-agent/backups"
+KEEP_BACKUPS = 5  # per file; the original before gpu-agent's first change is kept apart (host/owned.py)
+_TMP_SUFFIX = ".tmp"
+
+Stamp = tuple[int, int, int]  # inode, mtime in ns, size: changes with every write
+
+
+class _OwnWrites:
+    """The stamps of the files this process last wrote or removed, so that watchers can tell the
+    agent's own writes from someone else's. Keyed by the real path: a watcher looking through a
+    symlink finds the target the agent wrote. Bounded: the oldest paths are forgotten first."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._stamps: OrderedDict[str, Optional[Stamp]] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def record(self, path: Path, stamp: Optional[Stamp]) -> None:
+        key = os.path.join(os.path.realpath(path.parent), path.name)  # the file itself, not where a link led
+        with self._lock:
+            self._stamps[key] = stamp
+            self._stamps.move_to_end(key)
+            while len(self._stamps) > self._capacity:
+                self._stamps.popitem(last=False)
+
+    def ours(self, path: Path, stamp: Optional[Stamp]) -> bool:
+        key = os.path.realpath(path)
+        with self._lock:
+            return key in self._stamps and self._stamps[key] == stamp
+
+
+_own_writes = _OwnWrites()
+
+
+def stamp_of(path: Path) -> Optional[Stamp]:
+    """The file's stamp, None when it does not exist (or cannot be looked at)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def written_by_us(path: Path, stamp: Optional[Stamp]) -> bool:
+    """Whether `path` is, as `stamp` says it is now, as this process last left it."""
+    return _own_writes.ours(path, stamp)
 
 
 def atomic_write(path: Path, data: bytes | str, mode: Optional[int] = None) -> None:
@@ -27,7 +76,7 @@ def atomic_write(path: Path, data: bytes | str, mode: Optional[int] = None) -> N
     except FileNotFoundError:
         existing = None
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -37,6 +86,8 @@ def atomic_write(path: Path, data: bytes | str, mode: Optional[int] = None) -> N
             os.fchmod(f.fileno(), existing.st_mode & 0o7777 if existing is not None and mode is None
                       else 0o644 if mode is None else mode)
             os.fsync(f.fileno())
+            written = os.fstat(f.fileno())  # the rename keeps inode, mtime and size
+        _own_writes.record(path, (written.st_ino, written.st_mtime_ns, written.st_size))
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -45,6 +96,41 @@ def atomic_write(path: Path, data: bytes | str, mode: Optional[int] = None) -> N
             pass
         raise
     fsync_dir(path.parent)
+
+
+def remove(path: Path) -> None:
+    """Remove a file durably (missing is fine); watchers know it was the agent."""
+    _own_writes.record(path, None)  # before: a watcher must never see it gone and not know why
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    fsync_dir(path.parent)
+
+
+def stray_temps(directory: Path, names: Optional[Iterable[str]] = None) -> list[Path]:
+    """Temp files atomic_write left when the process died between creating and renaming them
+    (`.NAME.XXXXXXXX.tmp`): those of the files `names` in `directory` or, in a directory that is the
+    agent's alone, all of them. Only regular files; reads only."""
+    patterns = [f".{_glob_escape(name)}.*{_TMP_SUFFIX}" for name in names] if names is not None \
+        else [f".*{_TMP_SUFFIX}"]
+    found = []
+    for pattern in patterns:
+        try:
+            candidates = sorted(directory.glob(pattern))
+        except OSError:
+            continue
+        for candidate in candidates:
+            try:
+                if stat.S_ISREG(os.lstat(candidate).st_mode):
+                    found.append(candidate)
+            except OSError:
+                pass  # gone already
+    return found
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -70,12 +156,47 @@ def unified_diff(host_path: str, current: Optional[str], desired: str) -> str:
 
 
 def backup(root: Root, host_path: str) -> Optional[Path]:
-    """Copy a file someone else owns to /var/lib/gpu-agent/backups before it is replaced."""
+    """Copy a file someone else owns to /var/lib/gpu-agent/backups before it is replaced, atomically
+    and with the file's mode; not again while the newest backup of it holds the same bytes."""
     source = root(host_path)
-    if not source.exists():
+    try:
+        data = source.read_bytes()
+        mode = stat.S_IMODE(os.stat(source).st_mode)
+    except FileNotFoundError:
         return None
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    target = root(BACKUP_DIR) / f"{host_path.strip('/').replace('/', '_')}.{stamp}"
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    shutil.copy2(source, target)
+    directory = root(BACKUP_DIR)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    name = host_path.strip("/").replace("/", "_")
+    earlier = _backups_of(directory, name)
+    if earlier and read_bytes(earlier[-1]) == data:
+        return earlier[-1]
+    now = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    same_second = [_order(name, path)[1] for path in earlier if _order(name, path)[0] == now]
+    count = max(same_second) + 1 if same_second else 0  # later than every backup of this second
+    target = directory / (f"{name}.{now}" + (f"~{count}" if count else ""))
+    atomic_write(target, data, mode=mode)
+    for old in (earlier + [target])[:-KEEP_BACKUPS]:  # the last few changes of each file are kept
+        remove(old)
     return target
+
+
+_BACKUP_SUFFIX = re.compile(r"\.(\d{8}T\d{6})(?:~(\d+))?$")
+
+
+def _backups_of(directory: Path, name: str) -> list[Path]:
+    """The backups of one file, oldest first."""
+    found = [path for path in directory.glob(f"{_glob_escape(name)}.*") if _BACKUP_SUFFIX.fullmatch(path.name[len(name):])]
+    return sorted(found, key=lambda path: _order(name, path))
+
+
+def _order(name: str, path: Path) -> tuple[str, int]:
+    match = _BACKUP_SUFFIX.fullmatch(path.name[len(name):])
+    assert match is not None
+    return match.group(1), int(match.group(2) or 0)
+
+
+def read_bytes(path: Path) -> Optional[bytes]:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None

@@ -16,12 +16,14 @@ from __future__ import annotations
 import platform
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Optional, Union
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
+from gpu_agent.host.paths import Root
 
 PATH = "/etc/ld.so.cache"
 
@@ -88,6 +90,17 @@ def read_cache(path: Union[str, Path]) -> list[CacheEntry]:
         raise AgentError(f"{path}: not a usable ld.so cache ({exc}); run ldconfig to rebuild it") from None
 
 
+def native_entries(root: Root) -> list[CacheEntry]:
+    """The entries for this machine's own ABI in the ld.so cache under `root`, in the loader's order."""
+    arch = native_flags() & FLAG_ARCH_MASK
+    return [entry for entry in read_cache(root(PATH)) if entry.elf and entry.arch == arch]
+
+
+def find(root: Root, soname: str) -> Optional[str]:
+    """Where the loader finds `soname` (a host path), or None when the cache does not list it."""
+    return next((entry.path for entry in native_entries(root) if entry.key == soname), None)
+
+
 def parse(data: bytes) -> list[CacheEntry]:
     """Entries of an ld.so.cache image; ValueError says what is wrong with it."""
     start = 0
@@ -119,7 +132,7 @@ def parse(data: bytes) -> list[CacheEntry]:
 
 
 def write_cache(path: Union[str, Path], entries: Iterable[CacheEntry]) -> None:
-    """Write `entries` in the new format, sorted as ldconfig sorts them (used by the simulator)."""
+    """Write `entries` in the new format, sorted as ldconfig sorts them (for sandbox roots)."""
     atomic_write(Path(path), build(entries))
 
 

@@ -1,14 +1,19 @@
 """Kernel modules: what is loaded (/proc/modules, /sys/module) and one way to load more (modprobe)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Protocol
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import proc
-from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
+from gpu_agent.host.procfs import (
+    DriverVersion,
+    LoadedModule,
+    parse_char_majors,
+    parse_driver_version,
+    parse_modules,
+    read,
+)
 
 
 class ModuleLoadError(AgentError):
@@ -18,11 +23,7 @@ class ModuleLoadError(AgentError):
         self.output = output
 
 
-@dataclass(frozen=True)
-class LoadedModule:
-    name: str
-    refcnt: int
-    holders: tuple[str, ...]
+DRIVER_VERSION_FILE = "/proc/driver/nvidia/version"
 
 
 class KernelModules:
@@ -32,41 +33,33 @@ class KernelModules:
         self.root = root
 
     def loaded(self) -> dict[str, LoadedModule]:
-        try:
-            lines = self.root("/proc/modules").read_text().splitlines()
-        except FileNotFoundError:
-            return {}
-        modules = {}
-        for line in lines:
-            fields = line.split()
-            if len(fields) >= 4:
-                holders = tuple(h for h in fields[3].split(",") if h and h != "-")
-                modules[fields[0]] = LoadedModule(fields[0], int(fields[2]), holders)
-        return modules
+        """Modules in /proc/modules. One listed there whose /sys/module entry is missing is still
+        initialising or half-removed: it is left out, so it is probed again."""
+        text = read(self.root, "/proc/modules")
+        modules = parse_modules("/proc/modules", text) if text is not None else {}
+        return {name: module for name, module in modules.items() if self.present(name)}
 
     def present(self, module: str) -> bool:
         return self.root(f"/sys/module/{module}").is_dir()
 
     def version(self, module: str) -> Optional[str]:
-        return _stripped(self.root(f"/sys/module/{module}/version"))
+        return self._stripped(f"/sys/module/{module}/version")
+
+    def driver_version(self) -> Optional[DriverVersion]:
+        """The loaded nvidia module's /proc/driver/nvidia/version: its version, open or proprietary."""
+        text = read(self.root, DRIVER_VERSION_FILE)
+        return parse_driver_version(DRIVER_VERSION_FILE, text) if text is not None else None
 
     def parameter(self, module: str, name: str) -> Optional[str]:
-        return _stripped(self.root(f"/sys/module/{module}/parameters/{name}"))
+        return self._stripped(f"/sys/module/{module}/parameters/{name}")
+
+    def _stripped(self, host_path: str) -> Optional[str]:
+        text = read(self.root, host_path)
+        return text.strip() if text is not None else None
 
     def char_majors(self) -> dict[str, int]:
         """Character device majors by driver name, from /proc/devices."""
-        text = read_text(self.root("/proc/devices")) or ""
-        majors: dict[str, int] = {}
-        in_char = False
-        for line in text.splitlines():
-            if line.strip() == "Character devices:":
-                in_char = True
-            elif line.strip().endswith("devices:"):
-                in_char = False
-            elif in_char and line.split()[:1] and line.split()[0].isdigit():
-                number, name = line.split(None, 1)
-                majors.setdefault(name.strip(), int(number))
-        return majors
+        return parse_char_majors("/proc/devices", read(self.root, "/proc/devices") or "")
 
 
 class ModuleLoader(Protocol):
@@ -90,8 +83,3 @@ class Modprobe:
         done = proc.run(["modprobe", module], timeout=self.timeout)
         if done.returncode != 0:
             raise ModuleLoadError(module, done.output or f"exit status {done.returncode}")
-
-
-def _stripped(path: Path) -> Optional[str]:
-    text = read_text(path)
-    return text.strip() if text is not None else None

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import os
+import posixpath
 from pathlib import Path
 from typing import Optional
 
-# The kernel's own file systems, and the kernel's configuration. Under simulation they come from the
-# simulated kernel instead, so a simulated node never touches the real ones, even with --root /.
+# The kernel's own file systems, and the kernel's configuration. With a kernel directory they come from
+# there instead (another kernel's trees, given by the composition root), never from the running kernel.
 KERNEL_TREES = ("/proc", "/sys", "/dev", "/etc/modprobe.d", "/run/nvidia-persistenced")
 
 
@@ -15,7 +16,7 @@ class Root:
 
     def __init__(self, path: str | os.PathLike[str] = "/", kernel: Optional[Path] = None) -> None:
         self.path = Path(path).resolve()
-        self.kernel = kernel  # holds proc/, sys/ and dev/ of a simulated kernel
+        self.kernel = kernel  # holds proc/, sys/ and dev/ of a kernel that is not the running one
 
     def __call__(self, host_path: str | os.PathLike[str]) -> Path:
         """Map an absolute host path such as /etc/gpu-agent/config.yaml to its place under the root."""
@@ -28,17 +29,38 @@ class Root:
         relative = normal.lstrip("/")
         return self.path / relative if relative else self.path
 
-    def with_kernel(self, kernel: Path) -> "Root":
+    def with_kernel(self, kernel: Path) -> Root:
         return Root(self.path, kernel)
-
-    @property
-    def simulated(self) -> bool:
-        return self.kernel is not None
 
     @property
     def is_running_system(self) -> bool:
         """Whether the hardware and kernel behind this root are the machine this process runs on."""
-        return str(self.path) == "/" and not self.simulated
+        return str(self.path) == "/" and self.kernel is None
 
     def __repr__(self) -> str:
         return f"Root({str(self.path)!r}{f', kernel={str(self.kernel)!r}' if self.kernel else ''})"
+
+
+def resolve(root: Root, path: str, hops: int = 40) -> Optional[str]:
+    """The host path `path` leads to, following symlinks (absolute ones under `root`); None if nothing is there."""
+    pending = [part for part in path.split("/") if part]
+    done = "/"
+    while pending:
+        part = pending.pop(0)
+        if part in (".", ".."):
+            done = posixpath.dirname(done) if part == ".." else done
+            continue
+        candidate = posixpath.join(done, part)
+        local = root(candidate)
+        if local.is_symlink():
+            hops -= 1
+            if hops < 0:
+                return None
+            target = os.readlink(local)
+            done = "/" if target.startswith("/") else done
+            pending = [p for p in target.split("/") if p] + pending
+        elif os.path.lexists(local):
+            done = candidate
+        else:
+            return None
+    return done

@@ -3,9 +3,11 @@ driver is diagnosed as such and never mistaken for "no GPU"."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Optional
 
+from gpu_agent.errors import HostFormatError
 from gpu_agent.host.paths import Root
 
 NVIDIA = 0x10DE
@@ -36,16 +38,24 @@ def scan(root: Root) -> PciInventory:
     found = []
     for entry in sorted(devices.iterdir()) if devices.is_dir() else ():
         try:
-            vendor = int((entry / "vendor").read_text(), 16)
-            device = int((entry / "device").read_text(), 16)
-            pci_class = int((entry / "class").read_text(), 16) >> 8
-        except (OSError, ValueError):
+            vendor, device, pci_class = (_hex(entry, name) for name in ("vendor", "device", "class"))
+        except OSError:
             continue  # a device that vanished or is not readable is not ours to judge
         bound = entry / "driver"
         driver = os.path.basename(os.readlink(bound)) if bound.is_symlink() else None
-        found.append(PciDevice(entry.name.lower(), vendor, device, pci_class, driver))
+        found.append(PciDevice(entry.name.lower(), vendor, device, pci_class >> 8, driver))
     return PciInventory(
         gpus=tuple(d for d in found if d.vendor == NVIDIA and d.pci_class in GPU_CLASSES),
         nvswitches=tuple(d for d in found if d.vendor == NVIDIA and d.pci_class == BRIDGE_CLASS),
         mellanox_nics=tuple(d for d in found if d.vendor == MELLANOX and d.pci_class in NETWORK_CLASSES),
     )
+
+
+def _hex(entry: Path, name: str) -> int:
+    """One of sysfs' hexadecimal attributes (vendor 0x10de, class 0x030200)."""
+    text = entry.joinpath(name).read_bytes().decode("ascii", errors="replace").strip()
+    try:
+        return int(text, 16)
+    except ValueError:
+        raise HostFormatError(f"/sys/bus/pci/devices/{entry.name}/{name}", 1, text,
+                              "a hexadecimal number such as 0x10de") from None

@@ -1,7 +1,8 @@
 """A small Kubernetes API client for one Node: GET and PATCH, with the node's own credentials.
 
 Synchronous (stages run on worker threads), every request with a timeout, TLS verification on,
-the client certificate re-read when the kubelet rotates it, and at most 12 requests a minute.
+the client certificate re-read when the kubelet rotates it, and requests counted against the
+node's RequestBudget. Nothing the server answers reaches a message with the token in it.
 """
 from __future__ import annotations
 
@@ -10,19 +11,18 @@ import json
 import os
 import ssl
 import tempfile
-import threading
-import time
-from collections import deque
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
-from gpu_agent.kube.kubeconfig import Credentials, load
+from gpu_agent.kube.budget import RequestBudget
+from gpu_agent.kube.kubeconfig import Credentials, load, read_token
 
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
-RATE = 12  # requests per minute, at most, whatever happens
+MAX_RESPONSE_BYTES = 4 << 20  # etcd keeps objects up to 1.5 MiB
+MAX_MESSAGE_CHARS = 300  # of the server's own message, in ours
 
 
 class ApiError(AgentError):
@@ -33,16 +33,15 @@ class ApiError(AgentError):
 
 
 class KubeClient:
-    def __init__(self, root: Root, kubeconfig: str, timeout: float) -> None:
+    def __init__(self, root: Root, kubeconfig: str, timeout: float, budget: RequestBudget) -> None:
         self.root = root
         self.kubeconfig = kubeconfig
         self.timeout = timeout
+        self.budget = budget  # the node's, shared with every client the agent builds
         self._credentials: Optional[Credentials] = None
         self._kubeconfig_stamp: Optional[tuple[int, int]] = None
         self._context: Optional[ssl.SSLContext] = None
         self._context_key: Optional[tuple[Any, ...]] = None
-        self._sent: deque[float] = deque()
-        self._lock = threading.Lock()
 
     @property
     def credentials(self) -> Credentials:
@@ -66,61 +65,69 @@ class KubeClient:
 
     def _request(self, method: str, path: str, body: Optional[bytes] = None,
                  content_type: Optional[str] = None) -> dict[str, Any]:
-        self._take_token(method, path)
-        credentials = self.credentials
+        credentials = self.credentials  # everything a request needs is read before the budget is spent
+        token = read_token(self.root, credentials)
+        context = self._ssl(credentials) if credentials.server.startswith("https:") else None
+        if not self.budget.take():
+            raise ApiError(f"{method} {path} not sent: {self.budget.per_minute} requests to the API server "
+                           "in the last minute already (the agent's limit)")
+        try:
+            status, payload = self._send(credentials, token, context, method, path, body, content_type)
+        except ApiError as exc:  # whatever the server sent back, the token it was sent never shows
+            raise ApiError(_without(str(exc), token), exc.status, _without(exc.reason, token)) from None
+        try:
+            document = json.loads(payload) if payload else {}
+        except (ValueError, RecursionError):
+            document = None
+        if status >= 400:
+            raise self._error(method, path, status, document, payload, credentials, token)
+        if not isinstance(document, dict):
+            raise ApiError(f"{method} {credentials.server}{path}: HTTP {status} with a body that is not a JSON "
+                           "object; is the kubeconfig's server a Kubernetes API server?", status)
+        return document
+
+    def _send(self, credentials: Credentials, token: Optional[str], context: Optional[ssl.SSLContext], method: str,
+              path: str, body: Optional[bytes], content_type: Optional[str]) -> tuple[int, bytes]:
         url = urlsplit(credentials.server)
         headers = {"Accept": "application/json", "User-Agent": "gpu-agent"}
         if content_type:
             headers["Content-Type"] = content_type
-        token = self._token(credentials)
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        if url.scheme == "https":
+        where = f"{method} {credentials.server}{path}"
+        if context is not None:
             connection: http.client.HTTPConnection = http.client.HTTPSConnection(
-                url.hostname or "", url.port or 443, timeout=self.timeout, context=self._ssl(credentials))
+                url.hostname or "", url.port or 443, timeout=self.timeout, context=context)
         else:
             connection = http.client.HTTPConnection(url.hostname or "", url.port or 80, timeout=self.timeout)
         try:
-            connection.request(method, path, body=body, headers=headers)
+            connection.request(method, url.path + path, body=body, headers=headers)
             response = connection.getresponse()
-            payload = response.read()
+            payload = response.read(MAX_RESPONSE_BYTES + 1)
         except (OSError, http.client.HTTPException) as exc:
-            raise ApiError(f"{method} {credentials.server}{path}: {exc}") from None
+            raise ApiError(f"{where}: {exc}") from None
+        except ValueError:  # a header or host name that HTTP cannot carry; the values stay unsaid
+            raise ApiError(f"{where}: the request cannot be formed from the kubeconfig's values") from None
         finally:
             connection.close()
-        try:
-            document = json.loads(payload) if payload else {}
-        except ValueError:
-            document = {"message": payload[:200].decode(errors="replace")}
-        if response.status >= 400:
-            raise self._error(method, path, response.status, document, credentials)
-        return document
-
-    def _take_token(self, method: str, path: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            while self._sent and now - self._sent[0] > 60:
-                self._sent.popleft()
-            if len(self._sent) >= RATE:
-                raise ApiError(f"{method} {path} not sent: {RATE} requests in the last minute already")
-            self._sent.append(now)
+        if len(payload) > MAX_RESPONSE_BYTES:
+            raise ApiError(f"{where}: the answer is larger than {MAX_RESPONSE_BYTES >> 20} MiB", response.status)
+        return response.status, payload
 
     @staticmethod
-    def _error(method: str, path: str, status: int, document: dict[str, Any], credentials: Credentials) -> ApiError:
-        message = document.get("message") or f"HTTP {status}"
-        reason = document.get("reason", "")
+    def _error(method: str, path: str, status: int, document: Any, payload: bytes, credentials: Credentials,
+               token: Optional[str]) -> ApiError:
+        if isinstance(document, dict):
+            message = str(document.get("message") or f"HTTP {status}")
+            reason = str(document.get("reason") or "")
+        else:
+            message, reason = payload.decode(errors="replace"), ""
+        message = _without(" ".join(message.split()), token)[:MAX_MESSAGE_CHARS]
+        reason = _without(" ".join(reason.split()), token)[:MAX_MESSAGE_CHARS]
         if status in (401, 403):
             return ApiError(f"{method} {path}: {status} {reason or 'Forbidden'}: {message} (as "
                             f"{credentials.identity()} from the kubeconfig)", status, reason)
         return ApiError(f"{method} {path}: {status} {reason}: {message}".replace("  ", " "), status, reason)
-
-    def _token(self, credentials: Credentials) -> Optional[str]:
-        if credentials.token_file:
-            try:
-                return self.root(credentials.token_file).read_text().strip()  # re-read: tokens rotate
-            except OSError as exc:
-                raise ApiError(f"cannot read token file {credentials.token_file}: {exc.strerror}") from None
-        return credentials.token
 
     def _ssl(self, credentials: Credentials) -> ssl.SSLContext:
         """The TLS context, rebuilt when a certificate file changes (the kubelet rotates its own)."""
@@ -136,24 +143,29 @@ class KubeClient:
         return self._context
 
     def _build_ssl(self, credentials: Credentials) -> ssl.SSLContext:
+        for path in filter(None, (credentials.ca_file, credentials.cert_file, credentials.key_file)):
+            if not self.root(path).exists():
+                raise ValueError(f"{path} not found")
+            if not self.root(path).is_file():  # OpenSSL would wait forever on a FIFO
+                raise ValueError(f"{path} is not a regular file")
         context = ssl.create_default_context()
         if credentials.insecure:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         elif credentials.ca_data:
-            context.load_verify_locations(cadata=credentials.ca_data.decode())
+            context.load_verify_locations(cadata=_pem_text(credentials.ca_data))
         elif credentials.ca_file:
             context.load_verify_locations(cafile=str(self.root(credentials.ca_file)))
         if credentials.cert_file:
             key = str(self.root(credentials.key_file)) if credentials.key_file else None
-            context.load_cert_chain(str(self.root(credentials.cert_file)), key)
+            context.load_cert_chain(str(self.root(credentials.cert_file)), key, password=_encrypted_key)
         elif credentials.cert_data:
             # ssl reads certificates from files only: a private temporary file, removed at once.
             with tempfile.NamedTemporaryFile("wb", delete=False) as chain:
                 os.chmod(chain.name, 0o600)
                 chain.write(credentials.cert_data + b"\n" + (credentials.key_data or b""))
             try:
-                context.load_cert_chain(chain.name)
+                context.load_cert_chain(chain.name, password=_encrypted_key)
             finally:
                 os.unlink(chain.name)
         return context
@@ -165,3 +177,20 @@ def _stamp(root: Root, path: str) -> tuple[int, int]:
         return (st.st_ino, st.st_mtime_ns)
     except OSError:
         return (0, 0)
+
+
+def _encrypted_key() -> bytes:
+    """Asked for a key's passphrase (OpenSSL would prompt on the terminal): there is none."""
+    raise ValueError("the client key is encrypted; the agent reads unencrypted keys only, as the kubelet writes them")
+
+
+def _pem_text(data: bytes) -> str:
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError("certificate-authority-data is not PEM text") from None
+
+
+def _without(text: str, secret: Optional[str]) -> str:
+    """`text` with every copy of `secret` cut out: servers and proxies may echo the headers they got."""
+    return text.replace(secret, "<token>") if secret else text

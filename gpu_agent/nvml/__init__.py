@@ -1,1 +1,1 @@
-"""All GPU access: one narrow client over pynvml, or over the simulator's fake of the same surface."""
+"""All GPU access: one narrow client over pynvml's surface."""

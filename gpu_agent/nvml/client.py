@@ -1,6 +1,6 @@
 """The one narrow way into NVML.
 
-`lib` is the pynvml module or the simulator's fake of it: same function names, same NVMLError
+`lib` is the pynvml module, or anything with its surface: same function names, same NVMLError
 classes, so this code runs unchanged in tests. NVML is initialised once per process, and every
 call runs on a worker thread with a timeout so a hung driver cannot hang the agent.
 """
@@ -15,9 +15,20 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
 from gpu_agent.errors import AgentError
-from gpu_agent.nvml.model import Gpu, GpuSample, Inventory, MigDevice, MigProfile, MigState, XidEvent
+from gpu_agent.nvml.model import (
+    ComputeInstance,
+    Gpu,
+    GpuInstance,
+    GpuSample,
+    Inventory,
+    MigProfile,
+    MigState,
+    XidEvent,
+)
 
 log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
 
 # NVML_GPU_INSTANCE_PROFILE_* constants worth asking about, in the order nvidia-smi lists them.
 _GI_PROFILE_CONSTANTS = (
@@ -32,6 +43,17 @@ _GI_PROFILE_CONSTANTS = (
     "NVML_GPU_INSTANCE_PROFILE_7_SLICE",
     "NVML_GPU_INSTANCE_PROFILE_8_SLICE",
 )
+
+# The compute instance profile constant of each size (NVML_COMPUTE_INSTANCE_PROFILE_*).
+_CI_PROFILE_BY_SLICES = {
+    1: "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE",
+    2: "NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE",
+    3: "NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE",
+    4: "NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE",
+    6: "NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE",
+    7: "NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE",
+    8: "NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE",
+}
 
 _INIT_REMEDIES = {
     "NVMLError_LibraryNotFound": "NVML library (libnvidia-ml.so.1) not found: the NVIDIA driver is not installed",
@@ -126,6 +148,8 @@ class Nvml:
         self._init_lock = threading.Lock()
         self._initialised = False
         self._static: dict[str, tuple[MigProfile, ...]] = {}  # MIG profile tables by GPU UUID
+        self._ci_profiles: dict[tuple[str, int], tuple[Any, ...]] = {}  # by (GPU UUID, GPU instance profile id)
+        self._memory_v2: Optional[bool] = None  # whether the driver has NVML's v2 memory info
 
     @property
     def call_timeout(self) -> float:
@@ -194,6 +218,8 @@ class Nvml:
             compute_capability=(major, minor),
             minor_number=self._nvml("nvmlDeviceGetMinorNumber", handle),
             mig=self._mig(handle, uuid),
+            pci_device_id=pci.pciDeviceId,
+            pci_subsystem_id=pci.pciSubSystemId,
         )
 
     def _mig(self, handle: Any, uuid: str) -> MigState:
@@ -204,12 +230,13 @@ class Nvml:
         enabled = current == self.lib.NVML_DEVICE_MIG_ENABLE
         if uuid not in self._static:
             self._static[uuid] = self._mig_profiles(handle)
+        profiles = self._static[uuid]
         return MigState(
             capable=True,
             enabled=enabled,
             pending_enabled=pending == self.lib.NVML_DEVICE_MIG_ENABLE,
-            devices=self._mig_devices(handle) if enabled else (),
-            profiles=self._static[uuid],
+            gpu_instances=self._gpu_instances(handle, uuid, profiles) if enabled else (),
+            profiles=profiles,
         )
 
     def _mig_profiles(self, handle: Any) -> tuple[MigProfile, ...]:
@@ -247,29 +274,129 @@ class Nvml:
         self._nvml("nvmlDeviceGetGpuInstancePossiblePlacements", handle, profile_id, placements, ctypes.byref(count))
         return tuple((placements[i].start, placements[i].size) for i in range(count.value))
 
-    def _mig_devices(self, handle: Any) -> tuple[MigDevice, ...]:
-        devices = []
+    def _gpu_instances(self, handle: Any, uuid: str, profiles: tuple[MigProfile, ...]) -> tuple[GpuInstance, ...]:
+        """Every GPU instance, by profile, and under each its compute instances, as mig-parted walks them."""
+        import ctypes
+
+        devices = self._mig_device_uuids(handle)
+        found = []
+        for profile in profiles:
+            handles = (self.lib.c_nvmlGpuInstance_t * max(profile.instances, 1))()
+            count = ctypes.c_uint(0)
+            self._nvml("nvmlDeviceGetGpuInstances", handle, profile.id, handles, ctypes.byref(count))
+            for gpu_instance in handles[: count.value]:
+                info = self._nvml("nvmlGpuInstanceGetInfo", gpu_instance)
+                found.append(GpuInstance(
+                    id=info.id, profile_id=profile.id, profile=profile.name, slices=profile.slices,
+                    placement=(info.placement.start, info.placement.size), memory_mib=profile.memory_mib,
+                    compute_instances=self._compute_instances(gpu_instance, info.id, profile, uuid, devices),
+                ))
+        return tuple(sorted(found, key=lambda gi: gi.id))
+
+    def _compute_instance_profiles(self, gpu_instance: Any, key: tuple[str, int]) -> tuple[Any, ...]:
+        """The compute instance profiles a GPU instance offers (the same for every GPU instance of a
+        profile, so read once per GPU and profile)."""
+        if key not in self._ci_profiles:
+            profiles = []
+            for constant in range(self.lib.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+                try:
+                    profiles.append(self._nvml("nvmlGpuInstanceGetComputeInstanceProfileInfo", gpu_instance, constant,
+                                               self.lib.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED))
+                except (self.lib.NVMLError_NotSupported, self.lib.NVMLError_InvalidArgument):
+                    continue
+            self._ci_profiles[key] = tuple(profiles)
+        return self._ci_profiles[key]
+
+    def _compute_instances(self, gpu_instance: Any, gi_id: int, gi_profile: MigProfile, uuid: str,
+                           devices: dict[tuple[int, int], tuple[int, str]]) -> tuple[ComputeInstance, ...]:
+        import ctypes
+
+        found = []
+        for profile in self._compute_instance_profiles(gpu_instance, (uuid, gi_profile.id)):
+            handles = (self.lib.c_nvmlComputeInstance_t * max(profile.instanceCount, 1))()
+            count = ctypes.c_uint(0)
+            self._nvml("nvmlGpuInstanceGetComputeInstances", gpu_instance, profile.id, handles, ctypes.byref(count))
+            for compute_instance in handles[: count.value]:
+                info = self._nvml("nvmlComputeInstanceGetInfo", compute_instance)
+                index, uuid = devices.get((gi_id, info.id), (-1, ""))
+                found.append(ComputeInstance(
+                    id=info.id, profile_id=profile.id, profile=_device_profile(gi_profile, profile.sliceCount),
+                    slices=profile.sliceCount,
+                    placement=(info.placement.start, info.placement.size),
+                    multiprocessors=profile.multiprocessorCount, uuid=uuid, device_index=index,
+                ))
+        return tuple(sorted(found, key=lambda ci: ci.id))
+
+    def _mig_device_uuids(self, handle: Any) -> dict[tuple[int, int], tuple[int, str]]:
+        """(GPU instance id, compute instance id) -> (MIG device index, UUID)."""
+        devices = {}
         for slot in range(self._nvml("nvmlDeviceGetMaxMigDeviceCount", handle)):
             try:
                 mig = self._nvml("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
             except self.lib.NVMLError_NotFound:
                 continue
-            gi_id = self._nvml("nvmlDeviceGetGpuInstanceId", mig)
-            attributes = self._nvml("nvmlDeviceGetAttributes", mig)
-            gpu_instance = self._nvml("nvmlDeviceGetGpuInstanceById", handle, gi_id)
-            placement = self._nvml("nvmlGpuInstanceGetInfo", gpu_instance).placement
-            devices.append(
-                MigDevice(
-                    uuid=self._nvml("nvmlDeviceGetUUID", mig),
-                    gpu_instance_id=gi_id,
-                    compute_instance_id=self._nvml("nvmlDeviceGetComputeInstanceId", mig),
-                    profile=_mig_profile_of(attributes),
-                    memory_mib=attributes.memorySizeMB,
-                    multiprocessors=attributes.multiprocessorCount,
-                    placement=(placement.start, placement.size),
-                )
-            )
-        return tuple(devices)
+            ids = (self._nvml("nvmlDeviceGetGpuInstanceId", mig), self._nvml("nvmlDeviceGetComputeInstanceId", mig))
+            devices[ids] = (slot, self._nvml("nvmlDeviceGetUUID", mig))
+        return devices
+
+    def mig_state(self, index: int) -> MigState:
+        """One GPU's MIG mode and instances, read now (after a change)."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        return self._mig(handle, self._nvml("nvmlDeviceGetUUID", handle))
+
+    # --- MIG changes -----------------------------------------------------------------------------
+
+    def set_mig_mode(self, index: int, enabled: bool) -> Optional[str]:
+        """Ask for MIG mode; None when it took effect, else why it is pending (NVML's activation status:
+        Ampere needs a GPU reset, Hopper and later do not)."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        mode = self.lib.NVML_DEVICE_MIG_ENABLE if enabled else self.lib.NVML_DEVICE_MIG_DISABLE
+        status = self._nvml("nvmlDeviceSetMigMode", handle, mode)
+        if status == self.lib.NVML_SUCCESS:
+            return None
+        return describe(self.lib.NVMLError(status))
+
+    def create_gpu_instance(self, index: int, profile_id: int, placement: tuple[int, int]) -> int:
+        """A GPU instance of the profile at exactly this placement; its id."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        where = self.lib.c_nvmlGpuInstancePlacement_t()
+        where.start, where.size = placement
+        import ctypes
+
+        gpu_instance = self._nvml("nvmlDeviceCreateGpuInstanceWithPlacement", handle, profile_id, ctypes.byref(where))
+        return int(self._nvml("nvmlGpuInstanceGetInfo", gpu_instance).id)
+
+    def create_compute_instance(self, index: int, gi_id: int, slices: int, start: int) -> int:
+        """A compute instance of `slices` compute slices at `start` in GPU instance `gi_id`; its id."""
+        import ctypes
+
+        gpu_instance = self._gpu_instance(index, gi_id)
+        constant = _CI_PROFILE_BY_SLICES.get(slices)
+        if constant is None or not hasattr(self.lib, constant):
+            raise self.lib.NVMLError(self.lib.NVML_ERROR_NOT_SUPPORTED)
+        profile = self._nvml("nvmlGpuInstanceGetComputeInstanceProfileInfo", gpu_instance, getattr(self.lib, constant),
+                             self.lib.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+        where = self.lib.c_nvmlComputeInstancePlacement_t()
+        where.start, where.size = start, profile.sliceCount
+        compute_instance = self._nvml("nvmlGpuInstanceCreateComputeInstanceWithPlacement", gpu_instance, profile.id,
+                                      ctypes.byref(where))
+        return int(self._nvml("nvmlComputeInstanceGetInfo", compute_instance).id)
+
+    def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
+        gpu_instance = self._gpu_instance(index, gi_id)
+        compute_instance = self._nvml("nvmlGpuInstanceGetComputeInstanceById", gpu_instance, ci_id)
+        self._nvml("nvmlComputeInstanceDestroy", compute_instance)
+
+    def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
+        self._nvml("nvmlGpuInstanceDestroy", self._gpu_instance(index, gi_id))
+
+    def _gpu_instance(self, index: int, gi_id: int) -> Any:
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        return self._nvml("nvmlDeviceGetGpuInstanceById", handle, gi_id)
 
     # --- metrics and events --------------------------------------------------------------------
 
@@ -289,12 +416,29 @@ class Nvml:
         read("temperature_c", "nvmlDeviceGetTemperature", self.lib.NVML_TEMPERATURE_GPU, convert=float)
         read("power_w", "nvmlDeviceGetPowerUsage", convert=lambda mw: mw / 1000.0)
         try:
-            memory = self._nvml("nvmlDeviceGetMemoryInfo", handle)
-            values["memory_used_mib"] = memory.used / (1024 * 1024)
-            values["memory_free_mib"] = memory.free / (1024 * 1024)
+            memory = self._memory(handle)
         except self.lib.NVMLError_NotSupported:
             pass
+        else:
+            values["memory_used_mib"] = memory.used / MIB
+            values["memory_free_mib"] = memory.free / MIB
+            if hasattr(memory, "reserved"):
+                values["memory_reserved_mib"] = memory.reserved / MIB
         return GpuSample(**values)
+
+    def _memory(self, handle: Any) -> Any:
+        """NVML's v2 memory info, which reports the driver's reserved memory apart from `used` (v1
+        counts it as used: 480 MiB on an idle H100), or v1 where the driver has no v2."""
+        if self._memory_v2 is not False:
+            try:
+                memory = self._nvml("nvmlDeviceGetMemoryInfo", handle, self.lib.nvmlMemory_v2)
+            except (self.lib.NVMLError_FunctionNotFound, self.lib.NVMLError_ArgumentVersionMismatch,
+                    self.lib.NVMLError_NotSupported):
+                self._memory_v2 = False
+            else:
+                self._memory_v2 = True
+                return memory
+        return self._nvml("nvmlDeviceGetMemoryInfo", handle)
 
     def driver_version(self) -> str:
         self.init()
@@ -324,7 +468,7 @@ class Nvml:
         found = self._nvml("nvmlDeviceGetComputeRunningProcesses", handle)
         return [(p.pid, (p.usedGpuMemory or 0) / (1024 * 1024)) for p in found]
 
-    def watch_xids(self) -> "XidWait":
+    def watch_xids(self) -> XidWait:
         """Register every GPU for XID events; returns wait(timeout_ms) -> event or None."""
         self.init()
         event_set = self._nvml("nvmlEventSetCreate")
@@ -363,9 +507,13 @@ class XidWait:
 
 
 def describe(exc: Exception) -> str:
-    """An NVMLError as `nvmlDeviceGetUUID: GPU is lost`."""
+    """An NVMLError as `nvmlDeviceGetUUID: GPU is lost`; one pynvml has no words for by its name
+    (`InsufficientResources (NVML error 23)`, not `NVML Error with code 23`)."""
     call = getattr(exc, "call", None)
-    return f"{call}: {exc}" if call else str(exc)
+    text = str(exc)
+    if text.startswith("NVML Error with code"):
+        text = f"{type(exc).__name__.removeprefix('NVMLError_')} (NVML error {getattr(exc, 'value', '?')})"
+    return f"{call}: {text}" if call else text
 
 
 def _short_bus_id(bus_id: str) -> str:
@@ -379,8 +527,8 @@ def _profile_name(nvml_name: str) -> str:
     return nvml_name.removeprefix("MIG ").strip()
 
 
-def _mig_profile_of(attributes: Any) -> str:
-    """The profile name of a MIG device from its attributes, the way GFD and nvidia-smi name it."""
-    gb = (attributes.memorySizeMB + 1023) // 1024
-    gi, ci = attributes.gpuInstanceSliceCount, attributes.computeInstanceSliceCount
-    return f"{gi}g.{gb}gb" if gi == ci else f"{ci}c.{gi}g.{gb}gb"
+def _device_profile(gi_profile: MigProfile, ci_slices: int) -> str:
+    """A MIG device's profile name as NVML names its GPU instance's profile (never worked out from its
+    memory: that rounding names an H200's 1g.18gb "1g.16gb"), with the compute slices in front when
+    the compute instance is smaller than its GPU instance, as nvidia-smi and GFD write it."""
+    return gi_profile.name if ci_slices == gi_profile.slices else f"{ci_slices}c.{gi_profile.name}"

@@ -1,7 +1,7 @@
 """What the agent knows about GPUs, as plain data that every output reads."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 
@@ -25,13 +25,40 @@ class MigProfile:
 
 @dataclass(frozen=True)
 class MigDevice:
+    """What CUDA and containers see of a compute instance: one MIG device, as NVML enumerates them."""
+
     uuid: str
     gpu_instance_id: int
     compute_instance_id: int
-    profile: str  # e.g. "3g.40gb"
+    profile: str  # e.g. "3g.40gb", "1c.3g.40gb"
     memory_mib: int
     multiprocessors: int
-    placement: Optional[tuple[int, int]]
+    placement: Optional[tuple[int, int]]  # of its GPU instance
+
+
+@dataclass(frozen=True)
+class ComputeInstance:
+    id: int
+    profile_id: int  # the id NVML creation calls take
+    profile: str  # the MIG device it makes: "3g.40gb", "1c.3g.40gb"
+    slices: int  # compute slices
+    placement: tuple[int, int]  # (start, size) in compute slices of its GPU instance
+    multiprocessors: int
+    uuid: str  # of its MIG device
+    device_index: int  # its position among the GPU's MIG devices (nvmlDeviceGetMigDeviceHandleByIndex)
+
+
+@dataclass(frozen=True)
+class GpuInstance:
+    """A GPU instance with its compute instances; one without any is visible here, though no MIG device."""
+
+    id: int
+    profile_id: int
+    profile: str  # e.g. "3g.40gb", "1g.10gb+me"
+    slices: int  # compute slices
+    placement: tuple[int, int]  # (start, size) in memory slices
+    memory_mib: int
+    compute_instances: tuple[ComputeInstance, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,8 +66,18 @@ class MigState:
     capable: bool
     enabled: bool = False
     pending_enabled: bool = False
-    devices: tuple[MigDevice, ...] = ()
+    gpu_instances: tuple[GpuInstance, ...] = ()
     profiles: tuple[MigProfile, ...] = ()
+
+    @property
+    def devices(self) -> tuple[MigDevice, ...]:
+        """The MIG devices (one per compute instance), in NVML's order."""
+        found = [
+            (ci.device_index, MigDevice(ci.uuid, gi.id, ci.id, ci.profile, gi.memory_mib, ci.multiprocessors,
+                                        gi.placement))
+            for gi in self.gpu_instances for ci in gi.compute_instances
+        ]
+        return tuple(device for _, device in sorted(found, key=lambda pair: pair[0]))
 
 
 @dataclass(frozen=True)
@@ -53,6 +90,8 @@ class Gpu:
     compute_capability: tuple[int, int]
     minor_number: int
     mig: MigState
+    pci_device_id: int = 0  # 0xDDDDVVVV, as mig-parted's device-filter writes it
+    pci_subsystem_id: int = 0  # 0xSSSSssss
 
     @property
     def device_node(self) -> str:
@@ -82,6 +121,7 @@ class GpuSample:
     utilization_percent: Optional[float] = None
     memory_used_mib: Optional[float] = None
     memory_free_mib: Optional[float] = None
+    memory_reserved_mib: Optional[float] = None  # None where the driver has no NVML v2 memory info
     temperature_c: Optional[float] = None
     power_w: Optional[float] = None
 
@@ -93,12 +133,14 @@ class XidEvent:
     at: float  # unix time
 
 
-@dataclass
+@dataclass(frozen=True)
 class GpuHealth:
+    """Replaced, never changed: the watcher threads publish a new one, HTTP handlers read the old."""
+
     xid_reason: str = ""  # a critical XID was seen; stays until the agent restarts (after a GPU reset)
     query_error: str = ""  # NVML queries on this GPU fail; clears when they answer again
     last_xid: Optional[int] = None
-    xid_counts: dict[int, int] = field(default_factory=dict)
+    xid_counts: tuple[tuple[int, int], ...] = ()  # (xid, count), sorted
 
     @property
     def healthy(self) -> bool:

@@ -6,6 +6,8 @@ raise the NVMLError a real driver would, or hang.
 """
 from __future__ import annotations
 
+import collections
+import copy
 import functools
 import threading
 import time
@@ -16,6 +18,19 @@ import pynvml
 
 from gpu_agent.sim.kernel import loaded_version
 from gpu_agent.sim.machine import MachineState
+from gpu_agent.sim.mig import (
+    CiProfile,
+    ci_profile,
+    create_compute_instance,
+    create_gpu_instance,
+    destroy_compute_instance,
+    destroy_gpu_instance,
+    find_ci,
+    find_gi,
+    gi_profile,
+    mig_devices,
+    set_mode,
+)
 from gpu_agent.sim.profiles import MODELS, GpuModel
 
 HANG = "hang"  # a fault that blocks the call until the fault is cleared
@@ -48,6 +63,13 @@ class SimGpuInstance:
     gi_id: int
 
 
+@dataclass(frozen=True)
+class SimComputeInstance:
+    gpu: int
+    gi_id: int
+    ci_id: int
+
+
 @dataclass
 class SimEventSet:
     after_seq: int
@@ -65,36 +87,45 @@ class SimEventData:
     computeInstanceId: int
 
 
-@dataclass(frozen=True)
-class SimProcessInfo:
-    pid: int
-    usedGpuMemory: int
-    gpuInstanceId: int
-    computeInstanceId: int
-
-
 def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Every fake call: NVML must be initialised, and an injected fault for it fires first."""
 
     @functools.wraps(fn)
-    def call(self: "FakeNvml", *args: Any, **kwargs: Any) -> Any:
+    def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         if self._init_count == 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
-        gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance)) else None
+        self.calls[fn.__name__] += 1
+        gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
         self._fault(fn.__name__, gpu)
         return fn(self, *args, **kwargs)
 
     return call
 
 
+class _HandleArrayType(type):
+    """`(c_nvmlGpuInstance_t * n)()` makes n slots for this fake's handles, as ctypes does for real ones."""
+
+    def __mul__(cls, count: int) -> Callable[[], list[Any]]:
+        return lambda: [None] * count
+
+
+class _HandleSlot(metaclass=_HandleArrayType):
+    pass
+
+
 class FakeNvml:
     """Stands in for the pynvml module. Anything not defined here is pynvml's own attribute."""
+
+    # Arrays that nvmlDeviceGetGpuInstances and nvmlGpuInstanceGetComputeInstances fill.
+    c_nvmlGpuInstance_t = _HandleSlot
+    c_nvmlComputeInstance_t = _HandleSlot
 
     def __init__(self, state: MachineState) -> None:
         self._state = state
         self.machine = state  # the simulator's own handle, not part of pynvml's surface
         self._init_count = 0
         self._lock = threading.Lock()
+        self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
@@ -137,7 +168,7 @@ class FakeNvml:
         return self._state.read()["gpus"]
 
     def _gpu(self, handle: Any) -> dict[str, Any]:
-        if not isinstance(handle, (SimHandle, SimGpuInstance)):
+        if not isinstance(handle, (SimHandle, SimGpuInstance, SimComputeInstance)):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gpus = self._gpus()
         if not 0 <= handle.gpu < len(gpus):
@@ -153,14 +184,19 @@ class FakeNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return gpu
 
-    def _mig_instance(self, handle: SimHandle) -> dict[str, Any]:
+    def _mig_device(self, handle: SimHandle) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(GPU instance, compute instance) of a MIG device handle."""
         gpu = self._gpu(handle)
         if handle.mig is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        instances = gpu["mig"]["instances"]
-        if handle.mig >= len(instances):
+        devices = mig_devices(gpu)
+        if handle.mig >= len(devices):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return instances[handle.mig]
+        return devices[handle.mig]
+
+    def _ci_profile_of(self, handle: SimHandle) -> CiProfile:
+        gi, ci = self._mig_device(handle)
+        return ci_profile(self._model(self._gpu(handle)), gi, ci["profile_id"])
 
     def _mig_capable(self, handle: Any) -> tuple[dict[str, Any], GpuModel]:
         gpu = self._whole_gpu(handle)
@@ -222,8 +258,8 @@ class FakeNvml:
         for index, gpu in enumerate(self._gpus()):
             if gpu["uuid"] == uuid:
                 return SimHandle(index)
-            for slot, instance in enumerate(gpu["mig"]["instances"]):
-                if instance["uuid"] == uuid:
+            for slot, (_, ci) in enumerate(mig_devices(gpu)):
+                if ci["uuid"] == uuid:
                     return SimHandle(index, slot)
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
 
@@ -235,7 +271,7 @@ class FakeNvml:
     @_nvml
     def nvmlDeviceGetUUID(self, handle: SimHandle) -> str:
         if handle.mig is not None:
-            return self._mig_instance(handle)["uuid"]
+            return self._mig_device(handle)[1]["uuid"]
         return self._gpu(handle)["uuid"]
 
     @_nvml
@@ -243,8 +279,7 @@ class FakeNvml:
         model = self._model(self._gpu(handle))
         if handle.mig is None:
             return model.name
-        profile = self._profile_by_id(model, self._mig_instance(handle)["profile_id"])
-        return f"{model.name} {profile.name}"  # e.g. "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
+        return f"{model.name} {self._ci_profile_of(handle).name}"  # e.g. "NVIDIA H100 80GB HBM3 MIG 3g.40gb"
 
     @_nvml
     def nvmlDeviceGetMinorNumber(self, handle: SimHandle) -> int:
@@ -280,19 +315,29 @@ class FakeNvml:
 
     @_nvml
     def nvmlDeviceGetMemoryInfo(self, handle: SimHandle, version: Any = None) -> Any:
+        """v1 counts the driver's reserved memory as used; v2 (pynvml.nvmlMemory_v2) reports it apart."""
         gpu = self._gpu(handle)
-        memory = pynvml.c_nvmlMemory_t()
         mib = 1024 * 1024
+        reserved = 0
         if handle.mig is not None:
-            instance = self._mig_instance(handle)
-            profile = self._profile_by_id(self._model(gpu), instance["profile_id"])
-            total = profile.memory_mib
-            used = sum(p["used_mib"] for p in gpu["processes"] if p.get("gpu_instance_id") == instance["gi_id"])
+            gi, _ = self._mig_device(handle)
+            total = gi_profile(self._model(gpu), gi["profile_id"]).memory_mib
+            used = sum(p["used_mib"] for p in gpu["processes"] if p.get("gpu_instance_id") == gi["id"])
         else:
             total = self._model(gpu).memory_mib
-            used = 4 + sum(p["used_mib"] for p in gpu["processes"])
-        used = min(used, total)
-        memory.total, memory.used, memory.free = total * mib, used * mib, (total - used) * mib
+            reserved = self._model(gpu).reserved_mib
+            used = sum(p["used_mib"] for p in gpu["processes"])
+        used = min(used, total - reserved)
+        free = total - reserved - used
+        if version:
+            if version != pynvml.nvmlMemory_v2:
+                raise error_class("ArgumentVersionMismatch")()
+            memory = pynvml.c_nvmlMemory_v2_t()
+            memory.version, memory.reserved = version, reserved * mib
+        else:
+            memory = pynvml.c_nvmlMemory_t()
+            used += reserved
+        memory.total, memory.used, memory.free = total * mib, used * mib, free * mib
         return memory
 
     @_nvml
@@ -320,18 +365,23 @@ class FakeNvml:
         return int(watts * 1000)
 
     @_nvml
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[SimProcessInfo]:
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[Any]:
+        """pynvml's own answer: its friendly objects with the fields of c_nvmlProcessInfo_t."""
         gpu = self._whole_gpu(handle)
         return [
-            SimProcessInfo(p["pid"], p["used_mib"] * 1024 * 1024, p.get("gpu_instance_id", 0xFFFFFFFF), 0xFFFFFFFF)
+            pynvml.nvmlFriendlyObject({"pid": p["pid"], "usedGpuMemory": p["used_mib"] * 1024 * 1024,
+                                       "gpuInstanceId": p.get("gpu_instance_id", 0xFFFFFFFF),
+                                       "computeInstanceId": p.get("compute_instance_id", 0xFFFFFFFF)})
             for p in gpu["processes"]
         ]
 
     # --- MIG -------------------------------------------------------------------------------
+    # The rules (placements, ids, IN_USE, pending modes) are gpu_agent.sim.mig's; these calls hold the
+    # machine's lock while they change it, as the driver serialises them.
 
     @staticmethod
     def _profile_by_id(model: GpuModel, profile_id: int) -> Any:
-        return next(p for p in model.mig_profiles if p.id == profile_id)
+        return gi_profile(model, profile_id)
 
     @_nvml
     def nvmlDeviceGetMigMode(self, handle: SimHandle) -> list[int]:
@@ -339,7 +389,17 @@ class FakeNvml:
         return [gpu["mig"]["current"], gpu["mig"]["pending"]]
 
     @_nvml
+    def nvmlDeviceSetMigMode(self, handle: SimHandle, mode: int) -> int:
+        self._mig_capable(handle)
+        if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._state.edit() as state:
+            gpu = state["gpus"][handle.gpu]
+            return set_mode(gpu, self._model(gpu), mode == pynvml.NVML_DEVICE_MIG_ENABLE)
+
+    @_nvml
     def nvmlDeviceGetGpuInstanceProfileInfo(self, handle: SimHandle, profile: int, version: int = 2) -> Any:
+        """Answers with MIG mode disabled too, as 580-series drivers do."""
         _, model = self._mig_capable(handle)
         if not 0 <= profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -347,7 +407,8 @@ class FakeNvml:
             if getattr(pynvml, p.constant) == profile:
                 info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
                 info.id, info.isP2pSupported, info.sliceCount = p.id, 0, p.slices
-                info.instanceCount, info.multiprocessorCount, info.memorySizeMB = p.instances, p.multiprocessors, p.memory_mib
+                info.instanceCount, info.multiprocessorCount = p.instances, p.multiprocessors
+                info.memorySizeMB = p.memory_mib
                 info.copyEngineCount, info.decoderCount, info.encoderCount = p.copy_engines, p.decoders, p.encoders
                 info.jpegCount, info.ofaCount, info.name = p.jpeg, p.ofa, p.name.encode()
                 return info
@@ -360,7 +421,7 @@ class FakeNvml:
         profile = next((p for p in model.mig_profiles if p.id == profile_id), None)
         if profile is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        size = count._obj if hasattr(count, "_obj") else count
+        size = _deref(count)
         if placements is None or size.value < len(profile.starts):
             size.value = len(profile.starts)
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
@@ -368,6 +429,187 @@ class FakeNvml:
             placements[i].start, placements[i].size = start, profile.size
         size.value = len(profile.starts)
         return pynvml.NVML_SUCCESS
+
+    @_nvml
+    def nvmlDeviceGetGpuInstanceRemainingCapacity(self, handle: SimHandle, profile_id: int) -> int:
+        gpu, model = self._mig_capable(handle)
+        if not gpu["mig"]["current"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        profile = gi_profile(model, profile_id)
+        probe = copy.deepcopy(gpu)
+        count = 0
+        while count < profile.instances:
+            try:
+                create_gpu_instance(probe, model, profile_id, None)
+            except pynvml.NVMLError:
+                break
+            count += 1
+        return count
+
+    @_nvml
+    def nvmlDeviceCreateGpuInstance(self, handle: SimHandle, profile_id: int) -> SimGpuInstance:
+        return self._create_gpu_instance(handle, profile_id, None)
+
+    @_nvml
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, handle: SimHandle, profile_id: int,
+                                                 placement: Any) -> SimGpuInstance:
+        where = _deref(placement)
+        return self._create_gpu_instance(handle, profile_id, (where.start, where.size))
+
+    def _create_gpu_instance(self, handle: SimHandle, profile_id: int,
+                             placement: Optional[tuple[int, int]]) -> SimGpuInstance:
+        self._mig_capable(handle)
+        with self._state.edit() as state:
+            gpu = state["gpus"][handle.gpu]
+            instance = create_gpu_instance(gpu, self._model(gpu), profile_id, placement)
+        return SimGpuInstance(handle.gpu, instance["id"])
+
+    @_nvml
+    def nvmlDeviceGetGpuInstances(self, handle: SimHandle, profile_id: int, instances: Any, count: Any) -> int:
+        gpu, model = self._mig_capable(handle)
+        if not gpu["mig"]["current"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gi_profile(model, profile_id)
+        found = [gi for gi in gpu["mig"]["gpu_instances"] if gi["profile_id"] == profile_id]
+        for i, gi in enumerate(found):
+            instances[i] = SimGpuInstance(handle.gpu, gi["id"])
+        _deref(count).value = len(found)
+        return pynvml.NVML_SUCCESS
+
+    @_nvml
+    def nvmlDeviceGetGpuInstanceById(self, handle: SimHandle, gi_id: int) -> SimGpuInstance:
+        gpu, _ = self._mig_capable(handle)
+        if not gpu["mig"]["current"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_STATE)
+        find_gi(gpu, gi_id)
+        return SimGpuInstance(handle.gpu, gi_id)
+
+    @_nvml
+    def nvmlGpuInstanceGetInfo(self, gpu_instance: SimGpuInstance) -> Any:
+        gi = self._gi(gpu_instance)
+        # pynvml's own structure, so a capture records it; its `device` stays NULL (this fake's
+        # handles are not ctypes pointers), the caller holds the device already.
+        info = pynvml.c_nvmlGpuInstanceInfo_t()
+        info.id, info.profileId = gi["id"], gi["profile_id"]
+        info.placement.start, info.placement.size = gi["start"], gi["size"]
+        return info
+
+    @_nvml
+    def nvmlGpuInstanceDestroy(self, gpu_instance: SimGpuInstance) -> int:
+        with self._state.edit() as state:
+            gpu = state["gpus"][gpu_instance.gpu]
+            destroy_gpu_instance(gpu, self._gi(gpu_instance, gpu))
+        return pynvml.NVML_SUCCESS
+
+    def _gi(self, gpu_instance: Any, gpu: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        if not isinstance(gpu_instance, SimGpuInstance):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = gpu if gpu is not None else self._gpu(gpu_instance)
+        try:
+            return find_gi(gpu, gpu_instance.gi_id)
+        except pynvml.NVMLError:  # a handle to a destroyed GPU instance
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT) from None
+
+    # --- compute instances ---
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, gpu_instance: SimGpuInstance, profile: int,
+                                                     eng_profile: int, version: int = 2) -> Any:
+        gi = self._gi(gpu_instance)
+        if eng_profile != pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= profile < pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        p = ci_profile(self._model(self._gpu(gpu_instance)), gi, profile)
+        g = gi_profile(self._model(self._gpu(gpu_instance)), gi["profile_id"])
+        info = pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
+        info.id, info.sliceCount, info.instanceCount = p.id, p.slices, p.instances
+        info.multiprocessorCount = p.multiprocessors
+        info.sharedCopyEngineCount, info.sharedDecoderCount = g.copy_engines, g.decoders
+        info.sharedEncoderCount = g.encoders
+        info.sharedJpegCount, info.sharedOfaCount, info.name = g.jpeg, g.ofa, p.name.encode()
+        return info
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstancePossiblePlacements(self, gpu_instance: SimGpuInstance, profile_id: int,
+                                                            placements: Any, count: Any) -> int:
+        gi = self._gi(gpu_instance)
+        p = ci_profile(self._model(self._gpu(gpu_instance)), gi, profile_id)
+        size = _deref(count)
+        if placements is None or size.value < len(p.starts):
+            size.value = len(p.starts)
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        for i, start in enumerate(p.starts):
+            placements[i].start, placements[i].size = start, p.slices
+        size.value = len(p.starts)
+        return pynvml.NVML_SUCCESS
+
+    @_nvml
+    def nvmlGpuInstanceCreateComputeInstance(self, gpu_instance: SimGpuInstance, profile_id: int) -> SimComputeInstance:
+        return self._create_compute_instance(gpu_instance, profile_id, None)
+
+    @_nvml
+    def nvmlGpuInstanceCreateComputeInstanceWithPlacement(self, gpu_instance: SimGpuInstance, profile_id: int,
+                                                          placement: Any) -> SimComputeInstance:
+        where = _deref(placement)
+        ci = self._gi(gpu_instance)
+        p = ci_profile(self._model(self._gpu(gpu_instance)), ci, profile_id)
+        if where.size != p.slices:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._create_compute_instance(gpu_instance, profile_id, where.start)
+
+    def _create_compute_instance(self, gpu_instance: SimGpuInstance, profile_id: int,
+                                 start: Optional[int]) -> SimComputeInstance:
+        with self._state.edit() as state:
+            gpu = state["gpus"][gpu_instance.gpu]
+            gi = self._gi(gpu_instance, gpu)
+            instance = create_compute_instance(gpu, self._model(gpu), gi, profile_id, start)
+        return SimComputeInstance(gpu_instance.gpu, gpu_instance.gi_id, instance["id"])
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstances(self, gpu_instance: SimGpuInstance, profile_id: int,
+                                           instances: Any, count: Any) -> int:
+        gi = self._gi(gpu_instance)
+        ci_profile(self._model(self._gpu(gpu_instance)), gi, profile_id)
+        found = [ci for ci in gi["compute_instances"] if ci["profile_id"] == profile_id]
+        for i, ci in enumerate(found):
+            instances[i] = SimComputeInstance(gpu_instance.gpu, gi["id"], ci["id"])
+        _deref(count).value = len(found)
+        return pynvml.NVML_SUCCESS
+
+    @_nvml
+    def nvmlGpuInstanceGetComputeInstanceById(self, gpu_instance: SimGpuInstance, ci_id: int) -> SimComputeInstance:
+        find_ci(self._gi(gpu_instance), ci_id)
+        return SimComputeInstance(gpu_instance.gpu, gpu_instance.gi_id, ci_id)
+
+    def _ci(self, compute_instance: Any, gpu: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not isinstance(compute_instance, SimComputeInstance):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gi = self._gi(SimGpuInstance(compute_instance.gpu, compute_instance.gi_id), gpu)
+        try:
+            return gi, find_ci(gi, compute_instance.ci_id)
+        except pynvml.NVMLError:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT) from None
+
+    @_nvml
+    def nvmlComputeInstanceGetInfo(self, compute_instance: SimComputeInstance) -> Any:
+        _, ci = self._ci(compute_instance)
+        info = pynvml.c_nvmlComputeInstanceInfo_t()  # pynvml's own; `device` and `gpuInstance` stay NULL
+        info.id, info.profileId = ci["id"], ci["profile_id"]
+        info.placement.start, info.placement.size = ci["start"], ci["size"]
+        return info
+
+    nvmlComputeInstanceGetInfo_v2 = nvmlComputeInstanceGetInfo
+
+    @_nvml
+    def nvmlComputeInstanceDestroy(self, compute_instance: SimComputeInstance) -> int:
+        with self._state.edit() as state:
+            gpu = state["gpus"][compute_instance.gpu]
+            gi, ci = self._ci(compute_instance, gpu)
+            destroy_compute_instance(gpu, gi, ci)
+        return pynvml.NVML_SUCCESS
+
+    # --- MIG devices ---
 
     @_nvml
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: SimHandle) -> int:
@@ -379,7 +621,7 @@ class FakeNvml:
         gpu, _ = self._mig_capable(handle)
         if not gpu["mig"]["current"]:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if not 0 <= index < len(gpu["mig"]["instances"]):
+        if not 0 <= index < len(mig_devices(gpu)):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return SimHandle(handle.gpu, index)
 
@@ -389,51 +631,34 @@ class FakeNvml:
 
     @_nvml
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle: SimHandle) -> SimHandle:
-        self._mig_instance(handle)
+        self._mig_device(handle)
         return SimHandle(handle.gpu)
 
     @_nvml
     def nvmlDeviceGetGpuInstanceId(self, handle: SimHandle) -> int:
-        return self._mig_instance(handle)["gi_id"]
+        return self._mig_device(handle)[0]["id"]
 
     @_nvml
     def nvmlDeviceGetComputeInstanceId(self, handle: SimHandle) -> int:
-        return self._mig_instance(handle)["ci_id"]
+        return self._mig_device(handle)[1]["id"]
 
     @_nvml
     def nvmlDeviceGetAttributes(self, handle: SimHandle) -> Any:
         gpu = self._gpu(handle)
-        model = self._model(gpu)
-        attributes = pynvml.c_nvmlDeviceAttributes()
         if handle.mig is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        profile = self._profile_by_id(model, self._mig_instance(handle)["profile_id"])
-        attributes.multiprocessorCount = profile.multiprocessors
-        attributes.sharedCopyEngineCount, attributes.sharedDecoderCount = profile.copy_engines, profile.decoders
-        attributes.sharedEncoderCount, attributes.sharedJpegCount = profile.encoders, profile.jpeg
-        attributes.sharedOfaCount = profile.ofa
-        attributes.gpuInstanceSliceCount = attributes.computeInstanceSliceCount = profile.slices
-        attributes.memorySizeMB = profile.memory_mib
+        model = self._model(gpu)
+        gi, ci = self._mig_device(handle)
+        g = gi_profile(model, gi["profile_id"])
+        c = ci_profile(model, gi, ci["profile_id"])
+        attributes = pynvml.c_nvmlDeviceAttributes()
+        attributes.multiprocessorCount = c.multiprocessors
+        attributes.sharedCopyEngineCount, attributes.sharedDecoderCount = g.copy_engines, g.decoders
+        attributes.sharedEncoderCount, attributes.sharedJpegCount = g.encoders, g.jpeg
+        attributes.sharedOfaCount = g.ofa
+        attributes.gpuInstanceSliceCount, attributes.computeInstanceSliceCount = g.slices, c.slices
+        attributes.memorySizeMB = g.memory_mib
         return attributes
-
-    @_nvml
-    def nvmlDeviceGetGpuInstanceById(self, handle: SimHandle, gi_id: int) -> SimGpuInstance:
-        gpu, _ = self._mig_capable(handle)
-        if not gpu["mig"]["current"]:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_STATE)
-        if not any(i["gi_id"] == gi_id for i in gpu["mig"]["instances"]):
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
-        return SimGpuInstance(handle.gpu, gi_id)
-
-    @_nvml
-    def nvmlGpuInstanceGetInfo(self, gpu_instance: SimGpuInstance) -> Any:
-        gpu = self._gpu(gpu_instance)
-        instance = next((i for i in gpu["mig"]["instances"] if i["gi_id"] == gpu_instance.gi_id), None)
-        if instance is None:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        placement = pynvml.c_nvmlGpuInstancePlacement_t()
-        placement.start, placement.size = instance["start"], instance["size"]
-        return _GpuInstanceInfo(SimHandle(gpu_instance.gpu), instance["gi_id"], instance["profile_id"], placement)
 
     # --- events ----------------------------------------------------------------------------
 
@@ -468,11 +693,6 @@ class FakeNvml:
         event_set.gpus.clear()
 
 
-@dataclass(frozen=True)
-class _GpuInstanceInfo:
-    """Fields of pynvml's c_nvmlGpuInstanceInfo_t; `device` is a handle of this fake."""
-
-    device: SimHandle
-    id: int
-    profileId: int
-    placement: Any
+def _deref(value: Any) -> Any:
+    """What a ctypes.byref() points to (NVML's out-parameters and placements), or the value itself."""
+    return value._obj if hasattr(value, "_obj") else value

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional
 
+from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.modules import ModuleLoadError
 from gpu_agent.host.paths import Root
@@ -41,7 +42,7 @@ def initial_kernel(driver_version: Optional[str], nics: bool, nouveau: bool) -> 
     installed: dict[str, Optional[str]] = {"nouveau": None, "drm": None, "drm_kms_helper": None}
     if driver_version:
         installed.update({module: driver_version for module in NVIDIA_MODULES})
-    loaded = []
+    loaded: list[dict[str, Any]] = []
     if nics:
         installed.update({"ib_core": None, "mlx5_ib": None})
         loaded += [{"name": "ib_core", "version": None, "params": {}},
@@ -84,14 +85,18 @@ class SimModprobe:
         self.root = root
 
     def load(self, module: str) -> None:
+        from gpu_agent.sim.replay import modprobe_missing
+
+        if modprobe_missing(self.machine.read()):
+            # What running modprobe on a host that has none does (gpu_agent.host.proc.run).
+            raise AgentError("cannot run modprobe: not installed or not on PATH")
         with self.machine.edit() as state:
             fault = next((f for f in state["faults"] if f["call"] == "modprobe"
                           and f.get("module") in (None, module) and (f.get("times") is None or f["times"] > 0)), None)
-            if fault is not None:
-                if fault.get("times") is not None:
-                    fault["times"] -= 1
-                    if fault["times"] <= 0:
-                        state["faults"].remove(fault)
+            if fault is not None and fault.get("times") is not None:
+                fault["times"] -= 1
+                if fault["times"] <= 0:
+                    state["faults"].remove(fault)
             error = self._insert(state, module, fault["error"] if fault else None)
         if error:
             raise ModuleLoadError(module, error)
@@ -122,7 +127,7 @@ class SimModprobe:
             for line in conf.read_text().splitlines():
                 words = line.split("#", 1)[0].split()
                 if len(words) >= 3 and words[0] == "options" and words[1].replace("-", "_") == module:
-                    options.update(word.split("=", 1) for word in words[2:] if "=" in word)
+                    options.update(word.partition("=")[::2] for word in words[2:] if "=" in word)
         return options
 
 
@@ -131,9 +136,22 @@ class SimModprobe:
 
 def render(kernel_dir: Path, state: dict[str, Any]) -> None:
     """Write the kernel's files for `state`; /dev is left alone (device nodes are userspace's job)."""
-    files: dict[str, str] = {}
-    links: dict[str, str] = {}
-    _pci(files, links, state)
+    if state.get("capture"):
+        from gpu_agent.sim.replay import captured_kernel
+
+        files, links, directories = captured_kernel(state)
+    else:
+        files, links, directories = _built_in(state), {}, []
+        _pci(files, links, state)
+    for tree in ("proc", "sys"):
+        _replace_tree(kernel_dir / tree, {k[len(tree) + 1:]: v for k, v in files.items() if k.startswith(tree + "/")},
+                      {k[len(tree) + 1:]: v for k, v in links.items() if k.startswith(tree + "/")},
+                      [d[len(tree) + 1:] for d in directories if d.startswith(tree + "/")])
+
+
+def _built_in(state: dict[str, Any]) -> dict[str, str]:
+    """The files of a built-in or machine-file kernel."""
+    files: dict[str, str] = {"proc/sys/kernel/osrelease": f"{state['kernel']['release']}\n"}
     files["sys/class/dmi/id/product_name"] = state.get("product_name", "Standard PC") + "\n"
     for gpu in state["gpus"]:
         for process in gpu["processes"]:
@@ -167,9 +185,7 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
         char.append(CHAR_MAJORS["nvidia_uvm"])
     files["proc/devices"] = "Character devices:\n" + "".join(
         f"{major:3d} {name}\n" for major, name in sorted(char)) + "\nBlock devices:\n  8 sd\n259 blkext\n"
-    for tree in ("proc", "sys"):
-        _replace_tree(kernel_dir / tree, {k[len(tree) + 1:]: v for k, v in files.items() if k.startswith(tree + "/")},
-                      {k[len(tree) + 1:]: v for k, v in links.items() if k.startswith(tree + "/")})
+    return files
 
 
 def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) -> None:
@@ -211,13 +227,22 @@ def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> 
     for minor, cap in ((1, "config"), (2, "monitor")):
         files[f"proc/driver/nvidia/capabilities/mig/{cap}"] = (
             f"DeviceFileMinor: {minor}\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
+    files.update(mig_capability_files(state))
+
+
+def mig_capability_files(state: dict[str, Any]) -> dict[str, str]:
+    """/proc/driver/nvidia/capabilities/gpuN/mig/giG[/ciC]/access of every MIG instance."""
+    access = "DeviceFileMinor: {}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+    files = {}
     for gpu in state["gpus"]:
-        for instance in gpu["mig"]["instances"]:
-            gi, ci = instance["gi_id"], instance["ci_id"]
+        for instance in gpu["mig"]["gpu_instances"]:
+            gi = instance["id"]
             base = f"proc/driver/nvidia/capabilities/gpu{gpu['minor']}/mig/gi{gi}"
-            for path, minor in ((f"{base}/access", mig_cap_minor(gpu["minor"], gi)),
-                                (f"{base}/ci{ci}/access", mig_cap_minor(gpu["minor"], gi, ci))):
-                files[path] = f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n"
+            files[f"{base}/access"] = access.format(mig_cap_minor(gpu["minor"], gi))
+            for compute in instance["compute_instances"]:
+                ci = compute["id"]
+                files[f"{base}/ci{ci}/access"] = access.format(mig_cap_minor(gpu["minor"], gi, ci))
+    return files
 
 
 # nv-caps.c numbers its capabilities once, in table order: nvlink fabric-mgmt 0, mig/config 1,
@@ -240,8 +265,12 @@ def _sysfs_address(nvml_bus_id: str) -> str:
     return f"{domain[-4:]}:{rest}".lower()
 
 
-def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str]) -> None:
-    """Make `directory` hold exactly `files` and `links`; unchanged entries are not rewritten."""
+def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
+                  directories: Optional[list[str]] = None) -> None:
+    """Make `directory` hold exactly `files`, `links` and `directories` (which may be empty);
+    unchanged entries are not rewritten."""
+    for relative in directories or ():
+        (directory / relative).mkdir(parents=True, exist_ok=True)
     for relative, content in files.items():
         path = directory / relative
         try:
@@ -258,11 +287,24 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str])
         if path.is_symlink():
             path.unlink()
         os.symlink(target, path)
-    wanted = {directory / relative for relative in [*files, *links]}
-    wanted_dirs = {parent for path in wanted for parent in path.parents}
-    for path in sorted(directory.rglob("*"), reverse=True) if directory.exists() else ():
-        if path.is_symlink() or not path.is_dir():
-            if path not in wanted:
-                path.unlink()
-        elif path not in wanted_dirs:
-            shutil.rmtree(path, ignore_errors=True)
+    # What else is there goes, compared as relative path strings (pathlib's parents of every file, on
+    # every write of the machine, were most of a MIG change's time).
+    wanted = {os.path.normpath(relative) for relative in [*files, *links]}
+    wanted_dirs = {os.path.normpath(relative) for relative in directories or ()}
+    for relative in list(wanted | wanted_dirs):
+        parent = os.path.dirname(relative)
+        while parent and parent not in wanted_dirs:
+            wanted_dirs.add(parent)
+            parent = os.path.dirname(parent)
+    if not directory.is_dir():
+        return
+    for current, subdirs, names in os.walk(directory, topdown=False):
+        here = os.path.relpath(current, directory)
+        for name in names + [d for d in subdirs if os.path.islink(os.path.join(current, d))]:
+            relative = os.path.normpath(os.path.join(here, name))
+            if relative not in wanted:
+                os.unlink(os.path.join(current, name))
+        for name in subdirs:
+            relative = os.path.normpath(os.path.join(here, name))
+            if not os.path.islink(os.path.join(current, name)) and relative not in wanted_dirs:
+                shutil.rmtree(os.path.join(current, name), ignore_errors=True)

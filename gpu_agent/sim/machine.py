@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import uuid as uuidlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -21,8 +22,9 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
 from gpu_agent.sim.kernel import initial_kernel, render
-from gpu_agent.sim.userspace import install_driver_userspace
+from gpu_agent.sim.mig import add_device
 from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
+from gpu_agent.sim.userspace import install_driver_userspace
 
 STATE_DIR = "/var/lib/gpu-agent/sim"
 
@@ -33,7 +35,7 @@ class _Spec(BaseModel):
 
 class MigSpec(_Spec):
     enabled: bool = False
-    devices: list[str] = Field(default_factory=list, description="profile names, placed first-fit")
+    devices: list[str] = Field(default_factory=list, description="MIG devices (3g.40gb, 1c.3g.40gb), placed first-fit")
 
 
 class GpuSpec(_Spec):
@@ -65,7 +67,8 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
         raise AgentError(f"{path}: not valid YAML: {exc}") from None
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}"
+            f"{'.'.join(str(p) for p in err['loc'])}: "
+            f"{'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}"
             for err in exc.errors()
         )
         raise AgentError(f"{path}: {problems}") from None
@@ -105,42 +108,20 @@ def _gpu_uuid(machine: str, index: int, bus: str) -> str:
     return "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"gpu-agent-sim/{machine}/{index}/{bus}"))
 
 
-def mig_uuid(gpu_uuid: str, gi_id: int, ci_id: int) -> str:
-    return "MIG-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL, f"{gpu_uuid}/{gi_id}/{ci_id}"))
-
-
-def place(model: GpuModel, profile_name: str, instances: list[dict[str, Any]]) -> dict[str, Any]:
-    """A new GPU instance of `profile_name` at its first free placement, as nvmlDeviceCreateGpuInstance does."""
-    profile = next((p for p in model.mig_profiles if p.name == f"MIG {profile_name}"), None)
-    if profile is None:
-        known = ", ".join(p.name.removeprefix("MIG ") for p in model.mig_profiles)
-        raise AgentError(f"{model.name} has no MIG profile {profile_name!r}; it has {known}")
-    used = {slot for inst in instances for slot in range(inst["start"], inst["start"] + inst["size"])}
-    same = sum(1 for inst in instances if inst["profile_id"] == profile.id)
-    for start in profile.starts:
-        if same < profile.instances and not used & set(range(start, start + profile.size)):
-            taken = {inst["gi_id"] for inst in instances}
-            gi_id = 0 if profile.slices == 7 else min(i for i in range(1, 15) if i not in taken)
-            return {"gi_id": gi_id, "ci_id": 0, "profile_id": profile.id, "start": start, "size": profile.size}
-    raise AgentError(f"no free placement for {profile_name} on {model.name}")
-
-
 def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[str, Any]:
     gpus = []
     for index, (model, bus) in enumerate(machine.gpus):
         uuid = _gpu_uuid(machine.name, index, bus)
         spec = mig.get(index, MigSpec())
-        instances: list[dict[str, Any]] = []
-        for profile in spec.devices:
-            instance = place(model, profile, instances)
-            instance["uuid"] = mig_uuid(uuid, instance["gi_id"], instance["ci_id"])
-            instances.append(instance)
         enabled = int(spec.enabled or bool(spec.devices))
-        gpus.append({
+        gpu = {
             "model": model.key, "pci_bus_id": bus, "uuid": uuid, "minor": index,
-            "mig": {"current": enabled, "pending": enabled, "instances": instances},
+            "mig": {"current": enabled, "pending": enabled, "gpu_instances": []},
             "processes": [],
-        })
+        }
+        for profile in spec.devices:
+            add_device(gpu, model, profile)
+        gpus.append(gpu)
     return {
         "source": source, "machine": machine.name, "driver_version": machine.driver_version,
         "cuda_version": machine.cuda_version, "gpus": gpus, "faults": [], "xids": [], "next_seq": 1,
@@ -172,19 +153,32 @@ class MachineState:
             if self.path.exists() and json.loads(self.path.read_text()).get("source") == source:
                 return
             shutil.rmtree(self.kernel_dir, ignore_errors=True)  # a new machine boots a fresh kernel
+            mig: dict[int, MigSpec] = {}
             if spec in BUILT_IN:
-                machine, mig = BUILT_IN[spec], {}
+                machine = BUILT_IN[spec]
             elif Path(spec).is_file():
                 machine, mig = load_machine_file(Path(spec))
+            elif Path(spec).is_dir():
+                self._replay(source, Path(spec))
+                return
             else:
                 raise AgentError(
-                    f"--simulate {spec}: neither a built-in profile ({', '.join(BUILT_IN)}) nor a machine file"
+                    f"--simulate {spec}: neither a built-in profile ({', '.join(BUILT_IN)}), a machine file, "
+                    "nor a capture directory"
                 )
             self._write(new_state(source, machine, mig))
             if machine.driver_version and str(self.root.path) != "/":
                 # The driver's userspace (libraries, nvidia-smi, firmware, ld.so cache) on a sandbox
                 # root; on / the OS's files are real and stay as they are.
                 install_driver_userspace(self.root.path, machine.driver_version)
+
+    def _replay(self, source: str, directory: Path) -> None:
+        """A captured node (`gpu-agent capture DIR`) as this machine."""
+        from gpu_agent.sim.replay import Capture, capture_state, install_captured_host
+
+        capture = Capture.load(directory)
+        self._write(capture_state(source, capture))
+        install_captured_host(self.root, self.kernel_dir, capture)
 
     def read(self) -> dict[str, Any]:
         """The current state; cheap when nothing changed (one stat)."""

@@ -3,16 +3,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from gpu_agent.plan import Change
 
 
 @dataclass(frozen=True)
 class Action:
-    """One change a stage would make; `--dry-run` prints it, apply runs it."""
+    """One step a stage would take: its changes as data, and how to carry them out. Several changes make
+    one action where they succeed or fail together (a runtime's config files and its restart)."""
 
-    summary: str  # e.g. "write /etc/containerd/conf.d/99-nvidia.toml"
+    changes: tuple[Change, ...]
     execute: Callable[[], None]
     diff: str = ""  # unified diff, for file changes
+
+    @classmethod
+    def of(cls, change: Change, execute: Callable[[], None], diff: str = "") -> "Action":
+        return cls((change,), execute, diff)
+
+    @property
+    def summary(self) -> str:
+        return "; ".join(change.describe() for change in self.changes)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [change.to_json() for change in self.changes]
 
 
 class Stage(ABC):
@@ -24,7 +38,16 @@ class Stage(ABC):
 
     name: str
     requires: Sequence[str] = ()  # stages that must be ok before this one runs
+    produces: Sequence[str] = ()  # named results other stages consume (see outputs())
+    consumes: Sequence[str] = ()  # named results of other stages, handed in as self.inputs
     gates_readiness = True  # False for sinks: their failure degrades the agent, the GPUs stay usable
+    inputs: Mapping[str, Any] = {}  # set by the engine before each run: this pass's results, else the last
+
+    def outputs(self, observed: Any) -> dict[str, Any]:
+        """This stage's results for the names in `produces`, from what it observed. The engine records
+        them in the state model and hands them to the stages that consume them; a stage never writes
+        the state model itself."""
+        return {}
 
     @abstractmethod
     def observe(self) -> Any:
@@ -41,6 +64,16 @@ class Stage(ABC):
     @abstractmethod
     def verify(self, observed: Any) -> str:
         """Check the converged state; return a one-line ok message or raise StageError."""
+
+    def claims(self, observed: Any) -> Optional[set[str]]:
+        """The host paths of the files this stage wants, as it observed: a file it owns (the ledger
+        says so) that it no longer claims is undone by the owned-files stage. None: it cannot tell
+        now (its input is broken), so nothing of it is undone."""
+        return set()
+
+    def facts(self, observed: Any) -> dict[str, Any]:
+        """What the stage knows that /status should show beside its message (e.g. who loaded the driver)."""
+        return {}
 
     def start_pass(self) -> None:
         """Called once at the start of each reconcile of this stage (before the first observe)."""

@@ -11,26 +11,32 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from gpu_agent.errors import StageError
-from gpu_agent.host import proc
-from gpu_agent.host.paths import Root
+from gpu_agent.errors import AgentError, StageError
+from gpu_agent.host import ldcache, proc
+from gpu_agent.host.paths import Root, resolve
 
-LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu", "/lib64")
 TIMEOUT_S = 120.0
 ALLOCATION = 1 << 20
+LIBCUDA = "libcuda.so.1"
 
 
-def find_libcuda(root: Root) -> Optional[Path]:
-    return next((root(f"{d}/libcuda.so.1") for d in LIB_DIRS if root(f"{d}/libcuda.so.1").exists()), None)
+def find_libcuda(root: Root) -> Path:
+    """libcuda.so.1 where the dynamic loader finds it: through the ld.so cache under the root, so a
+    driver under a non-distribution prefix (/usr/local/nvidia/lib64) is found too."""
+    try:
+        host_path = ldcache.find(root, LIBCUDA)
+    except AgentError as exc:
+        raise StageError(f"CUDA validation (driver.validate_cuda): cannot find {LIBCUDA}: {exc}") from None
+    real = resolve(root, host_path) if host_path is not None else None
+    if real is None:
+        raise StageError(f"CUDA validation (driver.validate_cuda): the ld.so cache under "
+                         f"{root.path} leads to no {LIBCUDA}; install the driver's CUDA library (libcuda) and run ldconfig")
+    return root(real)
 
 
 def run(root: Root, expected_gpus: Optional[int] = None) -> str:
     """A note for the stage's message; raises StageError when CUDA cannot use a GPU."""
-    if root.simulated and str(root.path) == "/":
-        return "CUDA validation skipped: the GPUs are simulated, the CUDA library on / is real"
     library = find_libcuda(root)
-    if library is None:
-        return f"CUDA validation skipped: libcuda.so.1 not found under {root.path} (driver.validate_cuda)"
     code = (f"import sys; sys.path[:0] = {sys.path!r}; "
             f"from gpu_agent.stages.cuda_check import main; sys.exit(main({str(library)!r}))")
     done = proc.run([sys.executable, "-I", "-c", code], timeout=TIMEOUT_S)
@@ -44,7 +50,11 @@ def run(root: Root, expected_gpus: Optional[int] = None) -> str:
 
 def main(library: str) -> int:
     """In the child: exit 0 and print the device count, or print the failing call and exit 1."""
-    cuda = ctypes.CDLL(library)
+    try:
+        cuda = ctypes.CDLL(library)
+    except OSError as exc:
+        print(f"cannot load {library}: {exc}", file=sys.stderr)
+        return 1
 
     def check(call: str, result: int) -> None:
         if result != 0:

@@ -1,38 +1,35 @@
 """GPU discovery: what NVML sees, published for every other stage and output. Changes nothing."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any
 
 from gpu_agent.config.schema import DiscoveryConfig
 from gpu_agent.errors import StageError
 from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
 from gpu_agent.nvml.model import Inventory
 from gpu_agent.stages.base import Stage
-from gpu_agent.state import AgentState
 
 
 class Discovery(Stage):
     name = "discovery"
+    produces = ("inventory",)
 
-    def __init__(self, nvml: Nvml, state: AgentState, settings: DiscoveryConfig,
-                 requires: Sequence[str] = ()) -> None:
-        self.requires = tuple(requires)
+    def __init__(self, nvml: Nvml, settings: DiscoveryConfig) -> None:
         self.nvml = nvml
-        self.state = state
         self.settings = settings
 
     def observe(self) -> Inventory:
         try:
-            inventory = self.nvml.inventory()
+            return self.nvml.inventory()
         except NvmlUnavailable as exc:
-            self.state.inventory = None
             if exc.no_driver:
                 raise StageError(f"no NVIDIA GPU was found: {exc}") from None
             raise StageError(str(exc)) from None
         except self.nvml.lib.NVMLError as exc:
             raise StageError(f"NVML query failed: {describe(exc)}") from None
-        self.state.inventory = self.state.last_inventory = inventory
-        return inventory
+
+    def outputs(self, inventory: Inventory) -> dict[str, Any]:
+        return {"inventory": inventory}
 
     def verify(self, inventory: Inventory) -> str:
         found = len(inventory.gpus)

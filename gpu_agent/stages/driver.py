@@ -8,21 +8,28 @@ from typing import Callable, Optional
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.errors import StageError
-from gpu_agent.host import devnodes, pci
-from gpu_agent.host.files import atomic_write, backup, read_text, unified_diff
+from gpu_agent.host import devnodes, pci, procfs
+from gpu_agent.host import owned
+from gpu_agent.host.files import read_text, unified_diff
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
-from gpu_agent.state import AgentState
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
 BLACKLIST_CONTENT = (
     "# Written by gpu-agent (driver.blacklist_nouveau): nouveau must not claim the NVIDIA GPUs.\n"
     "blacklist nouveau\noptions nouveau modeset=0\n"
 )
-BASE_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset")
+# What every GPU node needs. Feature modules (nvidia_modeset, nvidia_peermem, ...) are the
+# driver-features stage's: their failure degrades the agent instead of making the GPUs unready.
+CORE_MODULES = ("nvidia", "nvidia_uvm")
+PRELOADED = "preloaded"  # already loaded when gpu-agent started: the OS image, the cloud, a driver container
+LOADED_BY_AGENT = "gpu-agent"
+_LOADED_BY = {PRELOADED: "already loaded when gpu-agent started", LOADED_BY_AGENT: "loaded by gpu-agent"}
 
 
 @dataclass
@@ -37,6 +44,7 @@ class DriverState:
     node_problems: dict[str, str] = field(default_factory=dict)  # by node path
     link_problems: dict[str, str] = field(default_factory=dict)  # by node path
     module_version: Optional[str] = None
+    kernel_module: Optional[procfs.DriverVersion] = None  # /proc/driver/nvidia/version
     nvml_version: Optional[str] = None
     nvml_error: Optional[str] = None
     nvml_bus_ids: list[str] = field(default_factory=list)
@@ -57,25 +65,29 @@ class DriverState:
 
 class Driver(Stage):
     name = "driver"
+    produces = ("pci_gpus",)
 
     def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig,
-                 state: Optional[AgentState] = None) -> None:
+                 may_change_gpus: bool = True) -> None:
         self.root = root
-        self.agent = state
+        self.may_change_gpus = may_change_gpus  # False when NVML's GPUs are not the ones behind the root
         self.nvml = nvml
         self.loader = loader
         self.settings = settings
         self.kernel = KernelModules(root)
+        self.ledger = Ledger(root)
+        self.loaded_by: Optional[str] = None  # who loaded nvidia: PRELOADED or LOADED_BY_AGENT
 
     # --- observe ---------------------------------------------------------------------------------
 
     def observe(self) -> DriverState:
         inventory = pci.scan(self.root)
-        if self.agent is not None:
-            self.agent.pci_gpus = len(inventory.gpus)
-        state = DriverState(inventory, self.kernel.loaded(), self._wanted(inventory), self._files())
+        state = DriverState(inventory, self.kernel.loaded(), list(CORE_MODULES), self._files())
         if "nvidia" not in state.loaded:
             return state
+        if self.loaded_by is None:
+            self.loaded_by = PRELOADED
+        state.kernel_module = self.kernel.driver_version()
         majors = self.kernel.char_majors()
         minors = list(devnodes.gpu_minors(self.root).values())
         state.nodes = devnodes.expected(self.root, majors, minors, set(state.loaded))
@@ -94,14 +106,6 @@ class Driver(Stage):
             state.nvml_error = f"NVML query failed: {describe(exc)}"
         return state
 
-    def _wanted(self, inventory: pci.PciInventory) -> list[str]:
-        modules = self.settings.modules
-        wanted = list(BASE_MODULES)
-        if modules.nvidia_peermem is True or (modules.nvidia_peermem == "auto" and inventory.mellanox_nics):
-            wanted.append("nvidia_peermem")
-        wanted += [name for name in ("nvidia_fs", "gdrdrv", "nvidia_drm") if getattr(modules, name)]
-        return wanted
-
     def _files(self) -> dict[str, tuple[Optional[str], str]]:
         desired = {}
         if self.settings.blacklist_nouveau:
@@ -118,8 +122,11 @@ class Driver(Stage):
         proc = self.root("/proc")
         for entry in proc.iterdir() if proc.is_dir() else ():
             if entry.name.isdigit():
-                argv0 = (read_text(entry / "cmdline") or "").split("\0", 1)[0]
-                if os.path.basename(argv0) == "nvidia-persistenced":
+                try:
+                    argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
+                except OSError:  # the process ended, or is not ours to read
+                    continue
+                if os.path.basename(argv0) == b"nvidia-persistenced":
                     return True
         return False
 
@@ -130,27 +137,29 @@ class Driver(Stage):
                    for path, (current, desired) in state.files.items() if current != desired]
         if not state.managed_gpus or state.nouveau:
             return actions  # nothing to load: verify() says why
-        actions += [Action(f"modprobe {module}", lambda m=module: self._load(m))
+        actions += [Action.of(LoadModule(module), lambda m=module: self._load(m))
                     for module in state.wanted if module not in state.loaded]
         nodes = {node.path: node for node in state.nodes}
-        actions += [Action(f"mknod {nodes[path].describe()}: {problem}",
-                           lambda n=nodes[path]: self._device_file(devnodes.create_node, n))
+        actions += [Action.of(CreateDeviceNode(path, nodes[path].major, nodes[path].minor, nodes[path].mode,
+                                               nodes[path].uid, nodes[path].gid, problem),
+                              lambda n=nodes[path]: self._device_file(devnodes.create_node, n))
                     for path, problem in state.node_problems.items()]
-        actions += [Action(f"link {nodes[path].char_link} -> {path}: {problem}",
-                           lambda n=nodes[path]: self._device_file(devnodes.create_link, n))
+        actions += [Action.of(CreateLink(nodes[path].char_link, path, problem),
+                              lambda n=nodes[path]: self._device_file(devnodes.create_link, n))
                     for path, problem in state.link_problems.items()]
         if state.persistence is not None and not state.persistenced:
-            actions += [Action(f"enable persistence mode on GPU {index}", lambda i=index: self._persist(i))
+            actions += [Action.of(SetPersistenceMode(index, True), lambda i=index: self._persist(i))
                         for index, enabled in enumerate(state.persistence) if not enabled]
         return actions
 
     def _write(self, path: str, current: Optional[str], desired: str) -> Action:
         def write() -> None:
-            if current is not None and not os.path.basename(path).startswith("gpu-agent-"):
-                backup(self.root, path)  # someone else's file
-            atomic_write(self.root(path), desired)
+            try:
+                owned.write(self.root, self.ledger, self.name, path, desired)
+            except OSError as exc:
+                raise StageError(f"cannot write {path}: {exc.strerror or exc}") from None
 
-        return Action(f"write {path}", write, diff=unified_diff(path, current, desired))
+        return Action.of(WriteFile.of(path, desired, current), write, diff=unified_diff(path, current, desired))
 
     def _device_file(self, create: Callable[[Root, devnodes.DeviceNode], None], node: devnodes.DeviceNode) -> None:
         try:
@@ -162,7 +171,7 @@ class Driver(Stage):
             raise StageError(f"cannot create {node.describe()}: {exc.strerror or exc}") from None
 
     def _persist(self, index: int) -> None:
-        if not (self.root.is_running_system or self.root.simulated):
+        if not self.may_change_gpus:
             raise StageError(f"refusing to change the real GPUs' persistence mode while --root is {self.root.path}")
         try:
             self.nvml.enable_persistence(index)
@@ -171,10 +180,9 @@ class Driver(Stage):
                              "start nvidia-persistenced instead") from None
 
     def _load(self, module: str) -> None:
-        try:
-            self.loader.load(module)
-        except ModuleLoadError as exc:
-            raise StageError(diagnose(exc)) from None
+        load_module(self.loader, module)
+        if module == "nvidia":
+            self.loaded_by = LOADED_BY_AGENT
 
     # --- verify ----------------------------------------------------------------------------------
 
@@ -203,10 +211,26 @@ class Driver(Stage):
         if self.settings.validate_cuda:
             notes.append(cuda_check.run(self.root, expected_gpus=len(state.pci.gpus)))
         gpus = len(state.managed_gpus)
-        message = f"driver {state.module_version}, {gpus} GPU{'s' if gpus != 1 else ''}, {', '.join(state.wanted)} loaded"
+        flavour = f" ({state.kernel_module.flavour})" if state.kernel_module else ""
+        message = (f"driver {state.module_version}{flavour}, {gpus} GPU{'s' if gpus != 1 else ''}, "
+                   f"{', '.join(state.wanted)} {_LOADED_BY[self.loaded_by or PRELOADED]}")
         if state.pci.nvswitches:
             message += f", {len(state.pci.nvswitches)} NVSwitches (fabric manager needed)"
         return "; ".join([message, *notes])
+
+    def claims(self, state: DriverState) -> set[str]:
+        return set(state.files)
+
+    def outputs(self, state: DriverState) -> dict[str, object]:
+        return {"pci_gpus": len(state.pci.gpus)}
+
+    def facts(self, state: DriverState) -> dict[str, object]:
+        return {
+            "loaded_by": self.loaded_by if "nvidia" in state.loaded else None,
+            "kernel_module": state.kernel_module.flavour if state.kernel_module else None,
+            "module_version": state.module_version,
+            "modules": sorted(name for name in state.loaded if name.startswith("nvidia") or name == "gdrdrv"),
+        }
 
     def _verify_versions(self, state: DriverState) -> None:
         pin = self.settings.version
@@ -240,7 +264,7 @@ class Driver(Stage):
             if drift:
                 used = state.loaded[module]
                 holders = f", used by {', '.join(used.holders)}" if used.holders else ""
-                notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {used.refcnt}{holders}; "
+                notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {'unknown' if used.refcnt is None else used.refcnt}{holders}; "
                              "the agent never unloads a module: drain the node and reboot or reload it)")
         return notes
 
@@ -249,11 +273,7 @@ class Driver(Stage):
         """A loaded module's parameter. The nvidia module keeps its NVreg_ ones out of sysfs: their
         live values are in /proc/driver/nvidia/params, without the prefix."""
         if module == "nvidia" and key.startswith("NVreg_"):
-            for line in (read_text(self.root("/proc/driver/nvidia/params")) or "").splitlines():
-                name, _, value = line.partition(":")
-                if name.strip() == key[len("NVreg_"):]:
-                    return value.strip()
-            return None
+            return devnodes.driver_file(self.root, "/proc/driver/nvidia/params").get(key[len("NVreg_"):])
         return self.kernel.parameter(module, key)
 
 
@@ -274,6 +294,14 @@ def nvml_library_version(root: Root) -> Optional[str]:
         for library in sorted(root(directory).glob("libnvidia-ml.so.*.*")):
             return library.name[len("libnvidia-ml.so."):]
     return None
+
+
+def load_module(loader: ModuleLoader, module: str) -> None:
+    """Load `module`; a failure is a StageError saying what the kernel's words mean."""
+    try:
+        loader.load(module)
+    except ModuleLoadError as exc:
+        raise StageError(diagnose(exc)) from None
 
 
 def diagnose(error: ModuleLoadError) -> str:

@@ -1,22 +1,27 @@
 """Container toolkit stage: the nvidia runtime in containerd, Docker and CRI-O, changed as
-transactions (backup, atomic write, one restart, check, or everything restored)."""
+transactions (restart owed in the ledger, backup, atomic write, one restart, check, or everything
+restored), one per runtime, so that one broken runtime blocks neither the others nor the CDI spec."""
 from __future__ import annotations
 
 import json
 import logging
+import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from gpu_agent.config.toolkit import ToolkitConfig
 from gpu_agent.errors import StageError
-from gpu_agent.host import proc
-from gpu_agent.host.files import read_text
+from gpu_agent.host import ledger as ledger_file
+from gpu_agent.host import owned, proc
+from gpu_agent.host.files import BACKUP_DIR, read_text, remove, stray_temps
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
+from gpu_agent.plan import InstallPackage, RemoveFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 from gpu_agent.errors import AgentError
-from gpu_agent.toolkit import cdi, containerd, crio, docker, runtime_config, transaction
+from gpu_agent.toolkit import cdi, configfile, containerd, crio, docker, runtime_config, transaction
 from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
@@ -26,6 +31,7 @@ log = logging.getLogger(__name__)
 MINIMUM_VERSION = (1, 17, 8)  # fixes CVE-2025-23266
 HOOK = "/usr/bin/nvidia-container-runtime-hook"
 OCI_HOOK = "/usr/share/containers/oci/hooks.d/oci-nvidia-hook.json"
+PROBE_SECONDS = 1.0  # how long a runtime that owes a restart has to answer on its socket when observed
 
 
 @dataclass(frozen=True)
@@ -46,15 +52,19 @@ RUNTIMES = {
 @dataclass
 class ToolkitState:
     runtimes: list[str]
-    real_root_under_simulation: bool = False
     missing: list[str] = field(default_factory=list)
     version: Optional[str] = None
     changes: list[RuntimeChange] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # by runtime (or "ledger"): what blocks its change
+    strays: list[str] = field(default_factory=list)  # temp files of writes a crash interrupted
+
+    def plannable(self, change: RuntimeChange) -> bool:
+        return change.runtime not in self.errors and not (change.unit is not None and "ledger" in self.errors)
 
 
 class Toolkit(Stage):
     name = "toolkit"
-    requires = ("discovery",)
+    produces = ("runtimes",)
 
     def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller, state: AgentState,
                  settings: ToolkitConfig) -> None:
@@ -63,14 +73,14 @@ class Toolkit(Stage):
         self.packages = packages
         self.agent = state
         self.settings = settings
+        self.ledger = Ledger(root)
         self._restarted: set[str] = set()  # runtimes restarted in the current pass: one restart each
+        self._failures: dict[str, str] = {}  # runtimes whose change failed in the current pass, and why
         self._ctk_version: Optional[tuple[tuple[int, int], Optional[str]]] = None
 
     # --- observe ---------------------------------------------------------------------------------
 
     def observe(self) -> ToolkitState:
-        if self.root.simulated and str(self.root.path) == "/":
-            return ToolkitState([], real_root_under_simulation=True)
         runtimes = self._runtimes()
         state = ToolkitState(runtimes)
         if not runtimes:
@@ -80,29 +90,40 @@ class Toolkit(Stage):
         state.version = self._version()
         if state.missing or self._too_old(state.version):
             return state
-        builders = {"containerd": self._containerd, "docker": self._docker, "crio": self._crio}
-        state.changes = [builders[name]() for name in runtimes]
+        try:
+            owed = self.ledger.pending_restarts()
+        except AgentError as exc:
+            owed, state.errors["ledger"] = set(), str(exc)
+        state.changes = [self._runtime(name, owed, state.errors) for name in runtimes]
         state.changes += self._own_files()
-        if self._cdi():
-            state.changes.append(self._cdi_spec())
+        state.strays = self._strays([item.path for change in state.changes for item in change.files])
         return state
 
-    def _cdi_spec(self) -> RuntimeChange:
-        """The CDI spec for the GPUs discovery found; rewritten only when its content changes
-        (a driver update, a MIG change, device majors after a driver reload)."""
-        inventory = self.agent.inventory
-        if inventory is None:
-            raise StageError("no GPU inventory for the CDI spec")
+    def _runtime(self, name: str, owed: set[str], errors: dict[str, str]) -> RuntimeChange:
+        """One runtime's change: its files, its unit as systemd sees it, a restart owed from before."""
+        kind = RUNTIMES[name]
+        change = RuntimeChange(name, kind.unit, kind.socket, [], restart_owed=kind.unit in owed)
+        builders: dict[str, Callable[[], list[FileChange]]] = {
+            "containerd": self._containerd, "docker": self._docker, "crio": self._crio}
         try:
-            files = cdi.discover(self.root, inventory.driver_version)
-            if files.missing:
-                raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the ld.so "
-                                 f"cache ({', '.join(files.missing)}): reinstall the driver's userspace, or run ldconfig")
-            spec = cdi.render(cdi.build_spec(inventory, self.root, files))
+            change.unit_state = self.services.state(kind.unit)
+            if change.restart_owed and change.unit_state is not None and change.unit_state.running:
+                change.answer = self.services.wait_ready(kind.unit, kind.socket, PROBE_SECONDS)
+            change.files = builders[name]()
         except AgentError as exc:
-            raise StageError(f"CDI spec: {exc}") from None
-        path = self.settings.cdi.path
-        return RuntimeChange("cdi", None, None, [FileChange(path, read_text(self.root(path)), spec, foreign=False)])
+            errors[name] = str(exc)
+        return change
+
+    def _strays(self, targets: list[str]) -> list[str]:
+        """Host paths of the temp files atomic_write left, when a crash interrupted it, beside the files
+        the stage writes (`targets`: where their symlinks lead) and in the backups directory."""
+        managed = [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
+                   OCI_HOOK, ledger_file.PATH]
+        by_directory: dict[str, list[str]] = {BACKUP_DIR: [], owned.ORIGINALS: []}
+        for path in dict.fromkeys(managed + targets):
+            by_directory.setdefault(posixpath.dirname(path), []).append(posixpath.basename(path))
+        return [posixpath.join(directory, found.name) for directory, names in by_directory.items()
+                for found in stray_temps(self.root(directory), names or None)]
 
     def _runtimes(self) -> list[str]:
         if self.settings.runtimes != "auto":
@@ -132,21 +153,20 @@ class Toolkit(Stage):
     def _cdi(self) -> bool:
         return self.settings.cdi.enabled
 
-    def _containerd(self) -> RuntimeChange:
+    def _containerd(self) -> list[FileChange]:
         files = containerd.plan(self.root, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default)
         # The drop-in copies the CRI table, registry credentials included: it gets the root file's mode.
-        root_mode = self.root(containerd.ROOT_CONFIG).stat().st_mode & 0o777 if files.root_current is not None else None
-        changes = [FileChange(containerd.DROP_IN, files.drop_in_current, files.drop_in_desired, foreign=False,
-                              mode=root_mode)]
+        changes = [FileChange(files.drop_in_target, files.drop_in_current, files.drop_in_desired, foreign=False,
+                              mode=files.root_mode)]
         if files.root_desired is not None:
-            changes.insert(0, FileChange(containerd.ROOT_CONFIG, files.root_current, files.root_desired, foreign=True))
-        change = RuntimeChange("containerd", RUNTIMES["containerd"].unit, RUNTIMES["containerd"].socket, changes)
-        if change.needed:
+            changes.insert(0, FileChange(files.root_target, files.root_current, files.root_desired, foreign=True))
+        if any(change.needed for change in changes):
             self._validate_containerd(files)
-        return change
+        return changes
 
     def start_pass(self) -> None:
-        self._restarted: set[str] = set()
+        self._restarted = set()
+        self._failures = {}
 
     def _validate_containerd(self, files: containerd.ContainerdFiles) -> None:
         try:
@@ -154,29 +174,27 @@ class Toolkit(Stage):
         except containerd.Skipped:
             return
         if problem:
-            hiding = containerd.hidden_by(self.root, files.version)
-            culprit = f" ({', '.join(hiding)} sorts after {containerd.DROP_IN} and replaces its CRI table)" if hiding else ""
-            raise StageError(f"{containerd.ROOT_CONFIG}: {problem}{culprit}; nothing was changed")
+            raise StageError(f"{containerd.ROOT_CONFIG}: {problem}; nothing was changed")
 
-    def _docker(self) -> RuntimeChange:
-        current = read_text(self.root(docker.DAEMON_JSON))
-        wanted = docker.desired(current, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default)
-        return RuntimeChange("docker", RUNTIMES["docker"].unit, RUNTIMES["docker"].socket,
-                             [FileChange(docker.DAEMON_JSON, current, wanted, foreign=True)])
+    def _docker(self) -> list[FileChange]:
+        current = configfile.read(self.root, docker.DAEMON_JSON)
+        wanted = docker.desired(current.text, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default,
+                                current.shown)
+        return [FileChange(current.target, current.text, wanted, foreign=True)]
 
-    def _crio(self) -> RuntimeChange:
+    def _crio(self) -> list[FileChange]:
         wanted = crio.desired(self.root, self.settings.runtime_binary, self.settings.set_as_default)
-        return RuntimeChange("crio", RUNTIMES["crio"].unit, RUNTIMES["crio"].socket,
-                             [FileChange(crio.DROP_IN, read_text(self.root(crio.DROP_IN)), wanted, foreign=False)])
+        current = configfile.read(self.root, crio.DROP_IN)
+        return [FileChange(current.target, current.text, wanted, foreign=False)]
 
     def _own_files(self) -> list[RuntimeChange]:
         """Files read by the toolkit itself at each container start: no restart needed."""
         changes = []
-        current = read_text(self.root(runtime_config.PATH))
-        wanted = runtime_config.desired(current, self.settings.runtime_config)
+        current = configfile.read(self.root, runtime_config.PATH)
+        wanted = runtime_config.desired(current.text, self.settings.runtime_config, current.shown)
         if wanted is not None:
             changes.append(RuntimeChange("nvidia-container-runtime", None, None,
-                                         [FileChange(runtime_config.PATH, current, wanted, foreign=True)]))
+                                         [FileChange(current.target, current.text, wanted, foreign=True)]))
         if self.settings.oci_hook:
             hook = json.dumps({
                 "version": "1.0.0",
@@ -185,18 +203,33 @@ class Toolkit(Stage):
                 "when": {"always": True, "commands": [".*"]},
                 "stages": ["prestart"],
             }, indent=2) + "\n"
+            current = configfile.read(self.root, OCI_HOOK)
             changes.append(RuntimeChange("oci-hook", None, None,
-                                         [FileChange(OCI_HOOK, read_text(self.root(OCI_HOOK)), hook, foreign=False)]))
+                                         [FileChange(current.target, current.text, hook, foreign=False)]))
         return changes
 
     # --- plan, apply, verify ---------------------------------------------------------------------
 
     def plan(self, state: ToolkitState) -> list[Action]:
         if state.missing and self.settings.install:
-            return [Action(f"install {PACKAGE} ({', '.join(state.missing)} missing)", self._install)]
-        return [Action(change.summary(), lambda c=change: self._apply(c),
-                       diff="".join(item.diff() for item in change.needed))
-                for change in state.changes if change.needed]
+            return [Action.of(InstallPackage(PACKAGE, f"{', '.join(state.missing)} missing"), self._install)]
+        actions = []
+        if state.strays:  # temp files of writes a crash interrupted
+            actions.append(Action(tuple(RemoveFile(path) for path in state.strays), lambda: self._remove(state.strays)))
+        # Restarts owed by an earlier pass first; each change alone: one failing stops no other.
+        owed_first = sorted(state.changes, key=lambda change: not change.restart_owed)
+        actions += [Action(change.planned(), lambda c=change: self._apply(c),
+                           diff="".join(item.diff() for item in change.needed))
+                    for change in owed_first if change.pending and state.plannable(change)]
+        return actions
+
+    def _remove(self, strays: list[str]) -> None:
+        for path in strays:
+            log.info("removing %s, left by a write that a crash interrupted", path)
+            try:
+                remove(self.root(path))
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", path, exc.strerror or exc)
 
     def _install(self) -> None:
         try:
@@ -205,11 +238,14 @@ class Toolkit(Stage):
             raise StageError(str(exc)) from None
 
     def _apply(self, change: RuntimeChange) -> None:
-        if change.unit is not None and change.runtime in self._restarted:
+        """One runtime's transaction; a failure is recorded for verify() and the next change still runs."""
+        if change.restarts_unit and change.runtime in self._restarted:
             log.warning("%s was restarted in this pass already; its next change waits for the next pass", change.runtime)
             return
         try:
-            transaction.apply(self.root, change, self.services, self.settings.restart_timeout_seconds)
+            transaction.apply(self.root, change, self.services, self.ledger, self.settings.restart_timeout_seconds)
+        except AgentError as exc:
+            self._failures[change.runtime] = str(exc)
         finally:
             if change.restarts:
                 self._restarted.add(change.runtime)
@@ -217,8 +253,6 @@ class Toolkit(Stage):
                 self.agent.runtime_restarts[change.runtime] = self.agent.runtime_restarts.get(change.runtime, 0) + 1
 
     def verify(self, state: ToolkitState) -> str:
-        if state.real_root_under_simulation:
-            return "simulated GPUs on the real root /: the real container runtimes are left alone"
         if not state.runtimes:
             return "no container runtime found (containerd, Docker, CRI-O): nothing to configure"
         if state.missing:
@@ -227,13 +261,36 @@ class Toolkit(Stage):
         if self._too_old(state.version):
             raise StageError(f"nvidia-container-toolkit {state.version} is older than 1.17.8 and open to "
                              "CVE-2025-23266 (container escape): upgrade it, or set toolkit.allow_vulnerable_toolkit")
-        pending = [change.summary() for change in state.changes if change.needed]
-        if pending:
-            raise StageError("not converged: " + "; ".join(pending))
+        changed = {change.runtime for change in state.changes}
+        problems = [error for name, error in state.errors.items() if name not in changed]  # the ledger
+        for change in state.changes:
+            failed = [text for text in (self._failures.get(change.runtime), state.errors.get(change.runtime)) if text]
+            down = change.down()
+            problems += failed + ([down] if down else [])
+            if change.pending and not failed and state.plannable(change):
+                problems.append(f"not converged: {change.summary()}")
+        if problems:
+            raise StageError("; ".join(problems))
         version = f"toolkit {state.version}" if state.version else "toolkit version unknown"
         return f"nvidia runtime configured for {', '.join(state.runtimes)}; {version}"
 
+    def outputs(self, state: ToolkitState) -> dict[str, Any]:
+        return {"runtimes": tuple(state.runtimes)}
+
+    def claims(self, state: ToolkitState) -> Optional[set[str]]:
+        """Every file of every runtime found; unknown while the toolkit is missing or a config is broken."""
+        if state.missing or self._too_old(state.version) or state.errors:
+            return None
+        return {item.path for change in state.changes for item in change.files}
+
+    def facts(self, observed: Any) -> dict[str, Any]:
+        """The runtimes' units as systemd last showed them, and the restarts the ledger says are owed."""
+        if not isinstance(observed, ToolkitState):
+            return {}
+        units = {c.unit: c.unit_state.describe() for c in observed.changes if c.unit and c.unit_state is not None}
+        owed = sorted(c.unit for c in observed.changes if c.unit and c.restart_owed)
+        return {"units": units, "owed_restarts": owed} if units or owed else {}
+
     def watched(self) -> list[str]:
         """Files someone else may rewrite: a change is reconciled within seconds."""
-        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
-                self.settings.cdi.path]
+        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH]

@@ -20,7 +20,7 @@ import yaml
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
 from gpu_agent.host.files import read_text
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, resolve
 from gpu_agent.nvml.model import Gpu, Inventory
 
 KIND = "nvidia.com/gpu"
@@ -62,11 +62,8 @@ class DriverFiles:
 def discover(root: Root, driver_version: str) -> DriverFiles:
     """The files of driver `driver_version` under `root`; AgentError when the ld.so cache is missing or broken."""
     wanted = {f"{name}.so.{driver_version}" for name in LIBRARIES}
-    native = ldcache.native_flags()
     libraries: list[str] = []
-    for entry in ldcache.read_cache(root(ldcache.PATH)):
-        if not entry.elf or entry.arch != native & ldcache.FLAG_ARCH_MASK:
-            continue
+    for entry in ldcache.native_entries(root):
         real = resolve(root, entry.path)
         if real is not None and posixpath.basename(real) in wanted and real not in libraries:
             libraries.append(real)
@@ -226,31 +223,6 @@ def _binary(root: Root, name: str) -> Optional[str]:
             if stat.S_ISREG(st.st_mode) and st.st_mode & 0o111:
                 return path
     return None
-
-
-def resolve(root: Root, path: str, hops: int = 40) -> Optional[str]:
-    """The host path `path` leads to, following symlinks (absolute ones under `root`); None if nothing is there."""
-    pending = [part for part in path.split("/") if part]
-    done = "/"
-    while pending:
-        part = pending.pop(0)
-        if part in (".", ".."):
-            done = posixpath.dirname(done) if part == ".." else done
-            continue
-        candidate = posixpath.join(done, part)
-        local = root(candidate)
-        if local.is_symlink():
-            hops -= 1
-            if hops < 0:
-                return None
-            target = os.readlink(local)
-            done = "/" if target.startswith("/") else done
-            pending = [p for p in target.split("/") if p] + pending
-        elif os.path.lexists(local):
-            done = candidate
-        else:
-            return None
-    return done
 
 
 class _Dumper(yaml.SafeDumper):

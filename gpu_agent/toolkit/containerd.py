@@ -6,11 +6,16 @@ runtimes.nvidia would silently drop the CRI plugin's mirrors, sandbox image and 
 therefore carries the CRI plugin table as the files before it define it, plus the default runtime
 and the nvidia runtime; it is regenerated whenever those change. containerd 2.x (version 3) merges
 imported files key by key; the same drop-in is right there too.
+
+The files are found as containerd finds them: `imports` of every loaded file, breadth first, each
+file once; a relative path is read against the directory of the file that names it; a path with
+`*` is a Go glob (dot files match). containerd 1.x reads a *relative* glob against its working
+directory instead (fixed in 2.0), so such an import is refused when containerd 1.x is installed.
 """
 from __future__ import annotations
 
 import copy
-import glob
+import posixpath
 import re
 import shutil
 import tempfile
@@ -22,9 +27,18 @@ import tomlkit
 
 from gpu_agent.errors import StageError
 from gpu_agent.host import proc
-from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
-from gpu_agent.toolkit.tomldoc import deep_merge, parse
+from gpu_agent.toolkit import configfile
+from gpu_agent.toolkit.configfile import printable
+from gpu_agent.toolkit.document import (
+    BOOLEAN,
+    INTEGER,
+    STRING,
+    STRINGS,
+    TABLE,
+    Document,
+)
+from gpu_agent.toolkit.tomldoc import deep_merge, load, parse
 
 ROOT_CONFIG = "/etc/containerd/config.toml"
 DROP_IN_DIR = "/etc/containerd/conf.d"
@@ -33,6 +47,20 @@ IMPORT_GLOB = f"{DROP_IN_DIR}/*.toml"
 RUNTIME_NAME = "nvidia"
 CRI_PLUGIN = {1: "cri", 2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime"}
 HEADER = "# Written by gpu-agent: the nvidia runtime, with the CRI settings it inherits. Do not edit.\n"
+MAX_FILES = 256  # files one containerd config may import, all levels together
+_UNCHANGED = "nothing was changed"
+
+# What every containerd config file must hold where the agent reads or writes.
+FILE_SCHEMA = ((("version",), INTEGER), (("imports",), STRINGS), (("plugins",), TABLE))
+CRI_SCHEMA = (
+    (("containerd",), TABLE),
+    (("containerd", "default_runtime_name"), STRING),
+    (("containerd", "runtimes"), TABLE),
+    (("containerd", "runtimes", "*"), TABLE),
+    (("containerd", "runtimes", "*", "runtime_type"), STRING),
+    (("containerd", "runtimes", "*", "options"), TABLE),
+    (("enable_cdi",), BOOLEAN),
+)
 
 
 @dataclass(frozen=True)
@@ -42,82 +70,171 @@ class ContainerdFiles:
     drop_in_current: Optional[str]
     drop_in_desired: str
     version: int
+    root_target: str = ROOT_CONFIG  # where the root config really is (a link is written through)
+    drop_in_target: str = DROP_IN
+    root_mode: Optional[int] = None
+    imported: tuple[tuple[str, str], ...] = ()  # (path, text) of every other file containerd will load
+    hiding: tuple[str, ...] = ()  # files loaded after the drop-in that replace its CRI table (1.x)
 
 
-def config_version(document: dict[str, Any], name: str) -> int:
-    version = document.get("version", 1)
+def config_version(document: Document) -> int:
+    version = document.get(("version",), INTEGER)
+    if version is None:
+        return 1
     if version not in CRI_PLUGIN:
-        raise StageError(f"{name}: version = {version!r} is not a containerd config version this agent knows (1, 2, 3)")
+        raise document.error(("version",), "not a containerd config version this agent knows (1, 2, 3)")
     return int(version)
 
 
 def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> ContainerdFiles:
-    root_text = read_text(root(ROOT_CONFIG))
-    document = parse(root_text, ROOT_CONFIG) if root_text is not None else {"version": 2}
-    version = config_version(document, ROOT_CONFIG)
-    _refuse_dormant_files(root, document)
-    root_desired = with_import(root_text) if root_text is not None else _minimal_root(version)
-    # The imports as they will be once the root file is written: conf.d files count from the start.
-    cri = _effective_cri(root, {**document, "imports": parse(root_desired, ROOT_CONFIG).get("imports", [])}, version)
-    drop_in = _drop_in(cri, version, binary, enable_cdi, set_as_default)
+    root_file = configfile.read(root, ROOT_CONFIG)
+    if root_file.text is not None:
+        document = load(root_file.text, root_file.shown)
+        document.check(FILE_SCHEMA)
+    else:
+        document = Document({"version": 2}, ROOT_CONFIG)
+    version = config_version(document)
+    _check_cri(document, version)
+    files = _Imports(root, version)
+    before = files.load(document)
+    imported = IMPORT_GLOB in _patterns(document, ROOT_CONFIG)
+    if root_file.text is None:
+        root_desired = _minimal_root(version)
+    else:
+        root_desired = root_file.text if imported else with_import(root_file.text, "imports" in document.data)
+    imports = document.strings("imports") + ([] if imported else [IMPORT_GLOB])
+    after = files.load(Document({**document.data, "imports": imports}, root_file.shown))
+    dormant = [path for path in after if path not in before and path != DROP_IN]
+    if dormant:
+        raise StageError(f"{ROOT_CONFIG} does not import {IMPORT_GLOB} yet, and adding it would also switch on "
+                         f"{', '.join(map(printable, dormant))}: import the glob yourself or move those files; "
+                         f"{_UNCHANGED}")
+    drop_in = configfile.read(root, DROP_IN)
+    order = list(after)
+    plugin = CRI_PLUGIN[version]
+    later = order[order.index(DROP_IN) + 1:] if DROP_IN in after else []
     return ContainerdFiles(
-        root_current=root_text,
+        root_current=root_file.text,
         root_desired=root_desired,
-        drop_in_current=read_text(root(DROP_IN)),
-        drop_in_desired=drop_in,
+        drop_in_current=drop_in.text,
+        drop_in_desired=_drop_in(_effective_cri(document, after, version), version, binary, enable_cdi,
+                                 set_as_default),
         version=version,
+        root_target=root_file.target,
+        drop_in_target=drop_in.target,
+        root_mode=root_file.mode,
+        imported=tuple((path, after[path].text) for path in order if path != DROP_IN),
+        hiding=tuple(path for path in later if plugin in after[path].document.table("plugins")),
     )
 
 
-def _refuse_dormant_files(root: Root, document: dict[str, Any]) -> None:
-    """Files in conf.d that containerd does not import yet would take effect with our import line."""
-    if IMPORT_GLOB in document.get("imports", []):
-        return
-    imported = set(_imported(root, document))
-    directory = root(DROP_IN_DIR)
-    dormant = [f"{DROP_IN_DIR}/{p.name}" for p in sorted(directory.glob("*.toml")) if directory.is_dir()
-               and p.name != Path(DROP_IN).name and f"{DROP_IN_DIR}/{p.name}" not in imported]
-    if dormant:
-        raise StageError(f"{ROOT_CONFIG} does not import {IMPORT_GLOB} yet, and adding it would also switch on "
-                         f"{', '.join(dormant)}: import the glob yourself or move those files; nothing was changed")
+def _check_cri(document: Document, version: int) -> None:
+    """Every key of the CRI plugin the agent reads has the type containerd gives it."""
+    plugin = ("plugins", CRI_PLUGIN[version])
+    document.check(((plugin, TABLE),))
+    document.check(CRI_SCHEMA, prefix=plugin)
 
 
-def _effective_cri(root: Root, document: dict[str, Any], version: int) -> dict[str, Any]:
+def _patterns(document: Document, parent: str) -> list[str]:
+    """The file's imports as containerd resolves them: absolute, cleaned paths or patterns."""
+    return [_clean(item if item.startswith("/") else posixpath.join(posixpath.dirname(parent), item))
+            for item in document.strings("imports")]
+
+
+def _clean(path: str) -> str:
+    """Go's filepath.Clean of an absolute path."""
+    return "/" + posixpath.normpath(path).lstrip("/")
+
+
+@dataclass(frozen=True)
+class _File:
+    text: str
+    document: Document
+
+
+class _Imports:
+    """The files containerd loads besides the root config, found as containerd finds them; each
+    file is read once however often it is asked for."""
+
+    def __init__(self, root: Root, version: int) -> None:
+        self.root = root
+        self.version = version
+        self.relative_globs: Optional[bool] = None  # whether they mean what they say: asked when first met
+        self.cache: dict[str, _File] = {DROP_IN: _File("", Document({}, DROP_IN))}  # ours: rewritten anyway
+
+    def load(self, document: Document) -> dict[str, _File]:
+        """The imported files in containerd's order (breadth first, each once), checked."""
+        loaded: dict[str, _File] = {}
+        pending = [(ROOT_CONFIG, path) for path in self._resolve(ROOT_CONFIG, document)]
+        while pending:
+            parent, path = pending.pop(0)
+            if path in loaded or path == ROOT_CONFIG:
+                continue
+            if len(loaded) >= MAX_FILES:
+                raise StageError(f"{ROOT_CONFIG}: imports more than {MAX_FILES} files; {_UNCHANGED}")
+            loaded[path] = self._read(parent, path)
+            pending += [(path, child) for child in self._resolve(path, loaded[path].document)]
+        return loaded
+
+    def _read(self, parent: str, path: str) -> _File:
+        if path not in self.cache:
+            imported = configfile.read(self.root, path, f"imported by {printable(parent)}")
+            if imported.text is None and DROP_IN.startswith(path + "/"):
+                raise StageError(f"{printable(parent)}: imports {printable(path)}, the directory the agent's "
+                                 f"{DROP_IN} goes in: containerd would read a directory as a file; {_UNCHANGED}")
+            if imported.text is None:
+                raise StageError(f"{printable(parent)}: imports {printable(path)}, which does not exist "
+                                 "(containerd would not start); "
+                                 f"{_UNCHANGED}")
+            document = load(imported.text, imported.shown)
+            document.check(FILE_SCHEMA)
+            _check_cri(document, self.version)
+            self.cache[path] = _File(imported.text, document)
+        return self.cache[path]
+
+    def _resolve(self, parent: str, document: Document) -> list[str]:
+        paths: list[str] = []
+        for written, path in zip(document.strings("imports"), _patterns(document, parent)):
+            if not written:
+                raise document.error(("imports",), "an empty path (containerd would read the directory as a file)")
+            if "\0" in written:
+                raise document.error(("imports",), "a path cannot hold a NUL character")
+            if "*" not in written:
+                paths.append(path)
+                continue
+            if not written.startswith("/") and not self._relative_globs_allowed():
+                raise document.error(("imports",), f'the relative pattern "{printable(written)}" is read against '
+                                     "containerd's working directory by the installed containerd 1.x (against the "
+                                     "file's directory from 2.0): write it as an absolute path, e.g. "
+                                     f"{printable(path)}")
+            try:
+                paths += configfile.glob(self.root, path, assume=(DROP_IN,))
+            except configfile.BadPattern:
+                raise document.error(("imports",), f'"{printable(written)}" is not a valid glob pattern') from None
+        return paths
+
+    def _relative_globs_allowed(self) -> bool:
+        """Whether a relative glob is read against its file's directory: not by containerd 1.x."""
+        if self.relative_globs is None:
+            containerd = shutil.which("containerd")
+            self.relative_globs = containerd is None or _major_version(containerd, 30.0) >= 2
+        return self.relative_globs
+
+
+def _effective_cri(document: Document, imported: dict[str, _File], version: int) -> dict[str, Any]:
     """The CRI plugin table as containerd would see it without our drop-in, the files in import
     order (the root file first): with containerd 1.x the last file that defines the plugin wins
     whole; with 2.x (version 3) each file's keys are merged in."""
     plugin = CRI_PLUGIN[version]
-    cri = copy.deepcopy(document.get("plugins", {}).get(plugin, {}))
-    for path in _imported(root, document):
-        if path == DROP_IN:
+    cri = copy.deepcopy(document.table("plugins", plugin))
+    for path, file in imported.items():
+        if path == DROP_IN or plugin not in file.document.table("plugins"):
             continue
-        imported = parse(read_text(root(path)) or "", path).get("plugins", {})
-        if plugin in imported:
-            if version >= 3:
-                deep_merge(cri, imported[plugin])
-            else:
-                cri = copy.deepcopy(imported[plugin])
+        if version >= 3:
+            deep_merge(cri, file.document.table("plugins", plugin))
+        else:
+            cri = copy.deepcopy(file.document.table("plugins", plugin))
     return cri
-
-
-def hidden_by(root: Root, version: int) -> list[str]:
-    """conf.d files that sort after ours and define the CRI plugin: with containerd 1.x they replace
-    the table our drop-in writes, nvidia runtime included."""
-    directory = root(DROP_IN_DIR)
-    ours = Path(DROP_IN).name
-    return [f"{DROP_IN_DIR}/{p.name}" for p in sorted(directory.glob("*.toml")) if directory.is_dir()
-            and p.name > ours and CRI_PLUGIN[version] in parse(p.read_text(), f"{DROP_IN_DIR}/{p.name}").get("plugins", {})]
-
-
-def _imported(root: Root, document: dict[str, Any]) -> list[str]:
-    """Host paths of the imported files, globs expanded as containerd does (sorted)."""
-    paths: list[str] = []
-    for pattern in document.get("imports", []):
-        host_pattern = pattern if pattern.startswith("/") else f"/etc/containerd/{pattern}"
-        matches = sorted(glob.glob(str(root(host_pattern))))
-        prefix = str(root("/")).rstrip("/")
-        paths += [match[len(prefix):] if prefix else match for match in matches]
-    return paths
 
 
 def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, set_as_default: bool) -> str:
@@ -139,14 +256,11 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
     return HEADER + tomlkit.dumps(document)
 
 
-def with_import(text: str) -> str:
-    """The root config with the conf.d glob in `imports`; every other byte as it was."""
-    document = tomlkit.parse(text)
-    imports = document.get("imports")
-    if imports is not None:
-        if IMPORT_GLOB in imports:
-            return text
-        imports.append(IMPORT_GLOB)
+def with_import(text: str, has_imports: bool) -> str:
+    """The root config with the conf.d glob added to `imports`; every other byte as it was."""
+    if has_imports:
+        document = tomlkit.parse(text)
+        document["imports"].append(IMPORT_GLOB)
         return tomlkit.dumps(document)
     line = f'imports = ["{IMPORT_GLOB}"]  # added by gpu-agent\n'
     match = re.search(r"^version\s*=.*\n", text, flags=re.MULTILINE)
@@ -167,49 +281,87 @@ def _minimal_root(version: int) -> str:
 def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 30.0) -> Optional[str]:
     """Ask the installed containerd what it makes of the desired files (`config dump`): None when the
     nvidia runtime is there with its BinaryName and the default runtime's options, else the problem.
-    Raises Skipped when no containerd able to read this config version is installed."""
+    The files are copied to a scratch tree at their host paths, absolute imports pointed into it, so
+    containerd finds exactly the files it will find on the host. Raises Skipped when no containerd
+    able to read this config version is installed."""
     containerd = shutil.which("containerd")
     if containerd is None:
         raise Skipped("containerd is not installed here")
-    readable = _max_config_version(containerd, timeout)
+    readable = 3 if _major_version(containerd, timeout) >= 2 else 2
     if files.version > readable:
         raise Skipped(f"the installed containerd reads config versions up to {readable}, this file is {files.version}")
+    contents = dict(files.imported)
+    contents[ROOT_CONFIG] = files.root_desired or ""
+    contents[DROP_IN] = files.drop_in_desired
     with tempfile.TemporaryDirectory(prefix="gpu-agent-containerd.") as scratch:
-        conf_d = Path(scratch) / "conf.d"
-        conf_d.mkdir()
-        existing = root(DROP_IN_DIR)
-        for other in sorted(existing.glob("*.toml")) if existing.is_dir() else ():
-            if other.name != Path(DROP_IN).name:
-                shutil.copy(other, conf_d / other.name)
-        (conf_d / Path(DROP_IN).name).write_text(files.drop_in_desired)
-        document = tomlkit.parse(files.root_desired or "")
-        document["imports"] = [str(conf_d / "*.toml") if p == IMPORT_GLOB else str(root(p)) if p.startswith("/") else p
-                               for p in document.get("imports", [])]
-        config = Path(scratch) / "config.toml"
-        config.write_text(tomlkit.dumps(document))
-        done = proc.run([containerd, "--config", str(config), "config", "dump"], timeout=timeout)
-        output = done.output.replace(str(conf_d), DROP_IN_DIR).replace(str(config), ROOT_CONFIG)
+        tree = Path(scratch) / "root"
+        for path, text in contents.items():
+            copy_path = tree / path.lstrip("/")
+            copy_path.parent.mkdir(parents=True, exist_ok=True)
+            copy_path.write_text(_imports_under(text, str(tree)))
+        config = str(tree / ROOT_CONFIG.lstrip("/"))
+        done = proc.run([containerd, "--config", config, "config", "dump"], timeout=timeout)
+        said = done.output.replace(str(tree), "")
     if done.returncode != 0:
-        return f"containerd rejects the result: {output}"
-    effective = tomlkit.parse(done.stdout).unwrap()
-    cri = effective.get("plugins", {}).get(CRI_PLUGIN[max(files.version, 2)], {})
-    runtimes = cri.get("containerd", {}).get("runtimes", {})
+        return f"containerd rejects the result: {_what_containerd_says(said, list(contents))}"
+    effective = Document(parse(done.stdout, "containerd's effective config"), "containerd's effective config")
+    plugin = ("plugins", CRI_PLUGIN[max(files.version, 2)])
+    effective.check(((plugin, TABLE),))
+    effective.check(CRI_SCHEMA, prefix=plugin)
+    runtimes = effective.table(*plugin, "containerd", "runtimes")
     nvidia = runtimes.get(RUNTIME_NAME, {})
     if nvidia.get("options", {}).get("BinaryName") != binary:
-        return f"containerd's effective config has no {RUNTIME_NAME} runtime running {binary}"
-    default = runtimes.get(cri.get("containerd", {}).get("default_runtime_name", "runc"), {})
+        culprit = (f" ({', '.join(files.hiding)} loads after {DROP_IN} and replaces its CRI table)"
+                   if files.hiding else "")
+        return f"containerd's effective config has no {RUNTIME_NAME} runtime running {binary}{culprit}"
+    default = runtimes.get(effective.string(*plugin, "containerd", "default_runtime_name") or "runc", {})
     wanted = default.get("options", {}).get("SystemdCgroup")
     if wanted is not None and nvidia["options"].get("SystemdCgroup") != wanted:
         return f"the {RUNTIME_NAME} runtime's SystemdCgroup differs from the default runtime's ({wanted})"
     return None
 
 
+def _imports_under(text: str, tree: str) -> str:
+    """The file with its absolute imports moved under `tree`; every other byte as it was."""
+    if "imports" not in text:
+        return text
+    document = tomlkit.parse(text)
+    imports = document.get("imports")
+    if not imports:
+        return text
+    document["imports"] = [tree + item if item.startswith("/") else item for item in imports]
+    return tomlkit.dumps(document)
+
+
+# containerd's messages quote the values they cannot convert: only these words of ours are shown, and
+# the file named only where containerd names the right one (its final check names the last file read).
+_CONTAINERD_REASONS = (
+    ("Can't convert", "a value of the wrong type", False),
+    ("cannot decode", "a value of the wrong type", False),
+    ("plugin key URI", "a plugin name that is not a URI like io.containerd.grpc.v1.cri", False),
+    ("plugin URI", "a plugin name that is not a URI like io.containerd.grpc.v1.cri", False),
+    ("no such file", "a file it imports does not exist", True),
+    ("permission denied", "a file it cannot read", True),
+    ("unsupported config version", "a config version it does not know", False),
+)
+
+
+def _what_containerd_says(output: str, paths: list[str]) -> str:
+    reason, names_file = next(((words, named) for marker, words, named in _CONTAINERD_REASONS if marker in output),
+                              ("it cannot load the files", False))
+    position = re.search(r"\((\d+), (\d+)\)", output)
+    where = (f" at line {position.group(1)}, column {position.group(2)} of one of the files as they would be written"
+             if position else "")
+    named = [path for path in paths if path in output] if names_file else []
+    return (f"{reason}{where}" + (f" ({', '.join(named)})" if named else "")
+            + f"; `containerd --config {ROOT_CONFIG} config dump` shows what it makes of the files as they are")
+
+
 class Skipped(Exception):
     """Validation could not run here; the reason says why."""
 
 
-def _max_config_version(containerd: str, timeout: float) -> int:
+def _major_version(containerd: str, timeout: float) -> int:
     done = proc.run([containerd, "--version"], timeout=timeout)
     match = re.search(r"\s v?(\d+)\.(\d+)", " " + done.stdout)
-    major = int(match.group(1)) if match else 1
-    return 3 if major >= 2 else 2
+    return int(match.group(1)) if match else 1

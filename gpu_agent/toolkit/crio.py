@@ -7,15 +7,25 @@ from typing import Any
 
 import tomlkit
 
-from gpu_agent.host.files import read_text
+from gpu_agent.errors import StageError
 from gpu_agent.host.paths import Root
-from gpu_agent.toolkit.tomldoc import deep_merge, parse
+from gpu_agent.toolkit import configfile
+from gpu_agent.toolkit.document import STRING, TABLE
+from gpu_agent.toolkit.tomldoc import deep_merge, load
 
 MAIN = "/etc/crio/crio.conf"
 DROP_IN_DIR = "/etc/crio/crio.conf.d"
 DROP_IN = f"{DROP_IN_DIR}/99-nvidia.conf"
 HEADER = "# Written by gpu-agent: the nvidia runtime for CRI-O. Do not edit.\n"
 OWN_KEYS = ("runtime_path", "runtime_type")
+MAX_FILES = 256
+SCHEMA = (
+    (("crio",), TABLE),
+    (("crio", "runtime"), TABLE),
+    (("crio", "runtime", "default_runtime"), STRING),
+    (("crio", "runtime", "runtimes"), TABLE),
+    (("crio", "runtime", "runtimes", "*"), TABLE),
+)
 
 
 def desired(root: Root, binary: str, set_as_default: bool) -> str:
@@ -32,12 +42,16 @@ def desired(root: Root, binary: str, set_as_default: bool) -> str:
 
 
 def _effective(root: Root) -> dict[str, Any]:
-    """[crio.runtime] as CRI-O reads it: crio.conf, then the drop-ins in name order, key by key."""
+    """[crio.runtime] as CRI-O reads it: crio.conf, then every file under the drop-in directory
+    (CRI-O walks it whole, in name order, whatever the files are called), key by key."""
+    drop_ins = [path for path in configfile.walk(root, DROP_IN_DIR) if path != DROP_IN]
+    if len(drop_ins) > MAX_FILES:
+        raise StageError(f"{DROP_IN_DIR}: holds more than {MAX_FILES} files; nothing was changed")
     merged: dict[str, Any] = {}
-    paths = [MAIN] + [f"{DROP_IN_DIR}/{p.name}" for p in sorted(root(DROP_IN_DIR).glob("*.conf"))
-                      if f"{DROP_IN_DIR}/{p.name}" != DROP_IN] if root(DROP_IN_DIR).is_dir() else [MAIN]
-    for path in paths:
-        text = read_text(root(path))
-        if text is not None:
-            deep_merge(merged, parse(text, path).get("crio", {}).get("runtime", {}))
+    for path in [MAIN, *drop_ins]:
+        file = configfile.read(root, path)
+        if file.text is not None:
+            document = load(file.text, file.shown)
+            document.check(SCHEMA)
+            deep_merge(merged, document.table("crio", "runtime"))
     return merged

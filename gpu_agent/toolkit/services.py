@@ -1,8 +1,9 @@
-"""Service control for the container runtimes: systemd on a real node, a recorder under simulation."""
+"""Service control for the container runtimes: systemd."""
 from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from gpu_agent.errors import AgentError
@@ -12,8 +13,39 @@ from gpu_agent.host.paths import Root
 _POLL_S = 0.2
 
 
+@dataclass(frozen=True)
+class UnitState:
+    """A unit as `systemctl show` describes it."""
+
+    unit: str
+    load: str  # LoadState: loaded, not-found, masked, ...
+    active: str  # ActiveState: active, reloading, inactive, failed, activating, deactivating
+    sub: str  # SubState: running, dead, failed, auto-restart, start, ...
+    since: str  # StateChangeTimestamp as systemd prints it; "" when unknown
+
+    @property
+    def exists(self) -> bool:
+        return self.load == "loaded"
+
+    @property
+    def running(self) -> bool:
+        return self.active in ("active", "reloading")
+
+    @property
+    def stopped(self) -> bool:
+        """Stopped cleanly (by an administrator, or never started), as opposed to failed or in transition."""
+        return self.active == "inactive"
+
+    def describe(self) -> str:
+        """`containerd.service is failed (since Mon 2025-01-06 10:00:00 UTC)`"""
+        details = [self.sub] if self.sub not in ("", self.active) else []
+        details += [f"since {self.since}"] if self.since else []
+        return f"{self.unit} is {self.active}" + (f" ({', '.join(details)})" if details else "")
+
+
 class ServiceControl(Protocol):
-    def active(self, unit: str) -> bool: ...
+    def state(self, unit: str) -> Optional[UnitState]:
+        """The unit's state; None where no service manager runs the root's units (a sandbox root)."""
 
     def restart(self, unit: str) -> None:
         """Restart the unit; raise AgentError when systemd reports a failure."""
@@ -27,10 +59,13 @@ class Systemd:
         self.root = root
         self.timeout = timeout
 
-    def active(self, unit: str) -> bool:
+    def state(self, unit: str) -> Optional[UnitState]:
         if not self.root.is_running_system:
-            return False  # a sandbox root has no running services of its own
-        return proc.run(["systemctl", "is-active", "--quiet", unit], timeout=self.timeout).returncode == 0
+            return None  # a sandbox root has no running services of its own
+        done = proc.run(["systemctl", "show", "-p", SHOW_PROPERTIES, unit], timeout=self.timeout)
+        if done.returncode != 0:
+            raise AgentError(f"systemctl show {unit} failed: {done.output or f'exit status {done.returncode}'}")
+        return parse_show(unit, done.stdout)
 
     def restart(self, unit: str) -> None:
         if not self.root.is_running_system:
@@ -41,6 +76,22 @@ class Systemd:
 
     def wait_ready(self, unit: str, socket_path: str, timeout: float) -> Optional[str]:
         return wait_for_socket(str(self.root(socket_path)), socket_path, timeout)
+
+
+SHOW_PROPERTIES = "LoadState,ActiveState,SubState,StateChangeTimestamp,ActiveEnterTimestamp"
+
+
+def parse_show(unit: str, text: str) -> UnitState:
+    """`systemctl show -p ...` output: one Key=Value a line, in systemd's order, empty values for unset
+    timestamps. For a unit that is not active, the time it entered its state (StateChangeTimestamp)
+    says more than when it last became active (ActiveEnterTimestamp)."""
+    values = dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
+    active = values.get("ActiveState", "").strip() or "unknown"
+    since = values.get("StateChangeTimestamp", "").strip()
+    if not since and active == "active":  # a systemd without StateChangeTimestamp
+        since = values.get("ActiveEnterTimestamp", "").strip()
+    return UnitState(unit, values.get("LoadState", "").strip() or "unknown", active,
+                     values.get("SubState", "").strip(), "" if since == "n/a" else since)
 
 
 def wait_for_socket(path: str, name: str, timeout: float) -> Optional[str]:

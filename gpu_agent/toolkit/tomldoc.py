@@ -1,23 +1,137 @@
-"""TOML as the runtimes read it: parsing with errors that name file, line and column, and merging."""
+"""TOML as the runtimes read it: parsing with errors that name file, line and column (never the
+content: a runtime config can hold registry credentials), finding a key's line, and merging."""
 from __future__ import annotations
 
 import copy
 import re
-from typing import Any
+from typing import Any, Iterator, Optional, Sequence
 
 import tomlkit
-from tomlkit.exceptions import ParseError
+from tomlkit import exceptions
 
 from gpu_agent.errors import StageError
+from gpu_agent.toolkit.document import MAX_DEPTH, Document, too_deep
+
+_REASONS: tuple[tuple[type, str], ...] = (
+    (exceptions.EmptyKeyError, "an empty key"),
+    (exceptions.EmptyTableNameError, "an empty table name"),
+    (exceptions.InvalidCharInStringError, "a character a string may not hold"),
+    (exceptions.InvalidControlChar, "a control character TOML does not allow there"),
+    (exceptions.InvalidUnicodeValueError, "an invalid unicode escape"),
+    (exceptions.InvalidNumberError, "an invalid number"),
+    (exceptions.InvalidDateError, "an invalid date"),
+    (exceptions.InvalidTimeError, "an invalid time"),
+    (exceptions.InvalidDateTimeError, "an invalid date-time"),
+    (exceptions.InvalidNumberOrDateError, "an invalid number or date"),
+    (exceptions.MixedArrayTypesError, "an array that mixes types"),
+    (exceptions.UnexpectedCharError, "an unexpected character"),
+    (exceptions.UnexpectedEofError, "the file ends in the middle of something"),
+)
+# tomlkit's plain ParseError messages, some of which quote the input: only these words are shown.
+_MESSAGES = (("already exists", "a key or table defined twice"), ("Redefinition", "a table defined twice"),
+             ("nested more than", f"nested more than {MAX_DEPTH} levels deep"), ("Invalid key", "an invalid key"),
+             ("array", "an invalid array"))
 
 
 def parse(text: str, name: str) -> dict[str, Any]:
-    """TOML to plain data; a syntax error names the file, line and column."""
+    """TOML to plain data; a syntax error names the file, line and column, and a reason of our own."""
     try:
-        return tomlkit.parse(text).unwrap()
-    except ParseError as exc:
-        reason = re.sub(r" at line \d+ col \d+$", "", str(exc))
-        raise StageError(f"{name}:{exc.line}:{exc.col}: not valid TOML: {reason}; nothing was changed") from None
+        data = tomlkit.parse(text).unwrap()
+    except exceptions.ParseError as exc:
+        raise StageError(f"{name}:{exc.line}:{exc.col}: not valid TOML: {_reason(exc)}; nothing was changed") from None
+    except exceptions.KeyAlreadyPresent:  # raised by tomlkit without a position
+        line = _redefined_line(text)
+        raise StageError(f"{name}{f':{line}' if line else ''}: not valid TOML: a key or table defined twice; "
+                         "nothing was changed") from None
+    except RecursionError:
+        raise StageError(f"{name}: not valid TOML: nested more than {MAX_DEPTH} levels deep; "
+                         "nothing was changed") from None
+    except Exception as exc:  # the parser failed on input it did not foresee: the file is at fault
+        raise StageError(f"{name}: not valid TOML (the parser gave up: {type(exc).__name__}); "
+                         "nothing was changed") from None
+    if too_deep(data):
+        raise StageError(f"{name}: nested more than {MAX_DEPTH} levels deep; nothing was changed")
+    return data
+
+
+def load(text: str, name: str) -> Document:
+    """`parse`, with typed access whose errors name the key and its line."""
+    return Document(parse(text, name), name, lambda path: line_of(text, path))
+
+
+def _reason(exc: exceptions.ParseError) -> str:
+    for kind, reason in _REASONS:
+        if isinstance(exc, kind):
+            return reason
+    message = str(exc)
+    return next((reason for words, reason in _MESSAGES if words in message), "a syntax error")
+
+
+_LONGEST_LINE = 4096
+_HEADER = re.compile(r"\s*\[\[?(.+?)\]\]?\s*(?:#.*)?")
+_ASSIGNMENT = re.compile(r"\s*([^\s=#\[][^=]*?)\s*=")
+
+
+def line_of(text: str, path: Sequence[str]) -> Optional[int]:
+    """The line defining the key at `path` (a table header or an assignment), or the line of the
+    assignment whose inline value holds it; None when it cannot be told."""
+    wanted = tuple(path)
+    enclosing = None
+    for number, full, kind in _definitions(text):
+        if full == wanted:
+            return number
+        if kind == "=" and wanted[: len(full)] == full:
+            enclosing = number
+    return enclosing
+
+
+def _redefined_line(text: str) -> Optional[int]:
+    """The first line that defines a key (or a table) a line before it defined already."""
+    seen: set[tuple[str, ...]] = set()
+    for number, full, kind in _definitions(text):
+        if kind == "[[":
+            continue  # an array of tables grows by repeating its header
+        if full in seen:
+            return number
+        seen.add(full)
+    return None
+
+
+def _definitions(text: str) -> Iterator[tuple[int, tuple[str, ...], str]]:
+    """(line, full key path, "[" or "[[" or "=") of every table header and assignment, read line by
+    line (a multi-line string can fool this: it only points at lines)."""
+    table: tuple[str, ...] = ()
+    for number, line in enumerate(text.split("\n"), start=1):
+        if len(line) > _LONGEST_LINE:
+            continue  # no key line is this long; the patterns below would be slow on it
+        header = _HEADER.fullmatch(line)
+        if header:
+            table = _key(header.group(1)) or table
+            yield number, table, "[[" if line.lstrip().startswith("[[") else "["
+            continue
+        assignment = _ASSIGNMENT.match(line)
+        key = _key(assignment.group(1)) if assignment else None
+        if key is not None:
+            yield number, table + key, "="
+
+
+_SIMPLE_PART = re.compile(r'\s*(?:([A-Za-z0-9_-]+)|"([^"\\]*)"|\'([^\']*)\')\s*')
+
+
+def _key(text: str) -> Optional[tuple[str, ...]]:
+    """A TOML key (dotted, quoted) as its parts; None when it is not one."""
+    simple = [_SIMPLE_PART.fullmatch(part) for part in text.split(".")]
+    if all(simple):  # the common case, without a parser (no escapes, no dots inside quotes)
+        return tuple(next(group for group in match.groups() if group is not None) for match in simple if match)
+    try:
+        data: Any = tomlkit.parse(f"{text} = 0\n").unwrap()
+    except Exception:  # not a key, whatever the parser makes of it
+        return None
+    parts = []
+    while isinstance(data, dict) and len(data) == 1:
+        key, data = next(iter(data.items()))
+        parts.append(key)
+    return tuple(parts) if data == 0 else None
 
 
 def deep_merge(into: dict[str, Any], update: dict[str, Any]) -> None:

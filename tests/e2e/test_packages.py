@@ -25,7 +25,7 @@ def test_install_enables_per_preset_but_does_not_start(container: Container) -> 
     assert container.exec("systemctl", "is-active", "gpu-agent", check=False).stdout.strip() == "inactive"
     assert container.exec("systemd-analyze", "verify", "gpu-agent.service").returncode == 0
     conffiles = container.exec("cat", "/var/lib/dpkg/info/gpu-agent.conffiles").stdout.split()
-    assert conffiles == ["/etc/gpu-agent/config.yaml"]
+    assert conffiles == ["/etc/gpu-agent/config.yaml", "/etc/gpu-agent/mig.yaml"]
 
 
 def test_without_a_gpu_the_unit_is_active_alive_and_not_ready(container: Container) -> None:
@@ -75,7 +75,8 @@ def test_stop_is_clean_and_the_journal_has_the_start_line(container: Container) 
 
 
 def test_purge_removes_the_unit_and_the_files(container: Container) -> None:
-    container.exec("dpkg", "--purge", "gpu-agent")
+    purged = container.exec("dpkg", "--purge", "gpu-agent")
+    assert "nothing of gpu-agent's is left to undo" in purged.stdout + purged.stderr  # prerm ran `uninstall`
     for path in ("/usr/lib/systemd/system/gpu-agent.service", "/usr/bin/gpu-agent", "/usr/lib/gpu-agent",
                  "/etc/gpu-agent", "/var/lib/gpu-agent"):
         assert container.exec("test", "-e", path, check=False).returncode == 1, path
@@ -87,9 +88,9 @@ def test_rpm_lists_the_files_and_scriptlets(packages: dict[str, Path], tmp_path:
     files = run(["rpm", "-qlp", rpm]).stdout.split()
     for path in ("/usr/bin/gpu-agent", "/usr/lib/systemd/system/gpu-agent.service",
                  "/usr/lib/systemd/system-preset/90-gpu-agent.preset", "/usr/lib/tmpfiles.d/gpu-agent.conf",
-                 "/etc/gpu-agent/config.yaml"):
+                 "/etc/gpu-agent/config.yaml", "/etc/gpu-agent/mig.yaml"):
         assert path in files
-    assert "/etc/gpu-agent/config.yaml" in run(["rpm", "-qcp", rpm]).stdout.split()
+    assert {"/etc/gpu-agent/config.yaml", "/etc/gpu-agent/mig.yaml"} <= set(run(["rpm", "-qcp", rpm]).stdout.split())
     for tag in ("POSTIN", "PREUN", "POSTUN"):
         body = run(["rpm", "-qp", "--queryformat", f"%{{{tag}}}", rpm]).stdout
         assert "gpu-agent.service" in body, tag

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
-from gpu_agent.nvml.model import GpuHealth, GpuSample
+from gpu_agent.nvml.model import GpuSample
 from gpu_agent.state import AgentState, GpuProcess
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,6 @@ class Sampler:
         processes: dict[str, tuple[GpuProcess, ...]] = {}
         try:
             for gpu in inventory.gpus:
-                health = self.state.health.setdefault(gpu.uuid, GpuHealth())
                 try:
                     samples[gpu.uuid] = self.nvml.sample(gpu.index)
                     processes[gpu.uuid] = tuple(
@@ -44,13 +44,9 @@ class Sampler:
                         for pid, used in self.nvml.processes(gpu.index)
                     )
                 except self.nvml.lib.NVMLError as exc:
-                    if not health.query_error:
-                        log.error("GPU %d: NVML query failed: %s", gpu.index, describe(exc))
-                    health.query_error = f"NVML query failed: {describe(exc)}"
+                    self._query_error(gpu.index, gpu.uuid, f"NVML query failed: {describe(exc)}")
                 else:
-                    if health.query_error:
-                        log.info("GPU %d answers NVML queries again", gpu.index)
-                        health.query_error = ""
+                    self._query_error(gpu.index, gpu.uuid, "")
         except (NvmlHung, NvmlUnavailable) as exc:
             if self.state.nvml_error != str(exc):
                 log.error("%s", exc)
@@ -59,6 +55,17 @@ class Sampler:
         self.state.nvml_error = None
         self.state.samples = samples
         self.state.processes = processes
+
+    def _query_error(self, index: int, uuid: str, error: str) -> None:
+        """Publish whether the GPU answers NVML queries; log only when that changes."""
+        before = self.state.health.get(uuid)
+        if (before.query_error if before else "") == error:
+            return
+        self.state.update_health(uuid, lambda health: replace(health, query_error=error))
+        if error:
+            log.error("GPU %d: %s", index, error)
+        else:
+            log.info("GPU %d answers NVML queries again", index)
 
     def _process_name(self, pid: int) -> str:
         try:

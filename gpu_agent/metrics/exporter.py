@@ -21,6 +21,7 @@ _DCGM_FIELDS = (
     ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "utilization_percent"),
     ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "memory_used_mib"),
     ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", "memory_free_mib"),
+    ("DCGM_FI_DEV_FB_RESERVED", "Framebuffer memory reserved (in MiB).", "memory_reserved_mib"),
     ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "temperature_c"),
     ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "power_w"),
 )
@@ -97,7 +98,7 @@ class AgentCollector:
             health = self.state.health.get(gpu.uuid)
             xid.add_metric(labels, health.last_xid if health and health.last_xid is not None else 0)
             healthy.add_metric(labels, int(health.healthy) if health else 1)
-            for code, count in sorted(health.xid_counts.items()) if health else ():
+            for code, count in health.xid_counts if health else ():
                 xid_total.add_metric([str(gpu.index), gpu.uuid, str(code)], count)
         yield from families.values()
         yield from (xid, xid_total, healthy)

@@ -15,10 +15,14 @@ from typing import Any, Optional
 
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.errors import StageError
-from gpu_agent.host.files import atomic_write, read_text
+from gpu_agent.host import owned
+from gpu_agent.host.files import read_text
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
+from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
+from gpu_agent.plan import PatchNode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 
@@ -26,6 +30,7 @@ MANAGED = "nvidia.com/gpu-agent.managed-labels"
 CONDITION = "GPUAgentReady"
 NFD_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
 NODE_REFRESH_S = 300.0  # GET the node at most this often (and after a 409)
+MIG_STATE = "nvidia.com/mig.config.state"
 
 
 def machine_name(root: Root) -> Optional[str]:
@@ -42,13 +47,14 @@ class SinkState:
 
 class KubeSink(Stage):
     name = "labels"
+    consumes = ("inventory", "pci_gpus", "mig")
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
-    def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig) -> None:
+    def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig, budget: RequestBudget) -> None:
         self.root = root
         self.agent = state
         self.settings = settings
-        self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds)
+        self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds, budget)
         self.node_name = settings.node_name or socket.gethostname()
         self._node: Optional[dict[str, Any]] = None
         self._node_read = 0.0
@@ -59,11 +65,14 @@ class KubeSink(Stage):
         ready, failing = self.agent.readiness(within_pass=True)
         # A failing discovery (an NVML hiccup) must not strip the GPU labels nodeSelectors match on:
         # they stay as last seen, with gpu-agent.ready=false, until the GPUs are seen again.
-        inventory = self.agent.inventory or self.agent.last_inventory
+        inventory = self.inputs.get("inventory") or self.agent.last_inventory
         node = self._current_node()
         wanted = gfd.compute(inventory, ready, self.settings.mig_strategy, machine_name(self.root))
-        if inventory is None and self.agent.pci_gpus != 0:
+        if inventory is None and self.inputs.get("pci_gpus") != 0:
             wanted = {**_owned_labels(node), **wanted}  # GPUs on the bus, not seen yet: keep what the node has
+        mig = self.inputs.get("mig")
+        if mig is not None and mig.config is not None:
+            wanted[MIG_STATE] = mig.state  # pending | success | failed, as k8s-mig-manager sets it
         if ready:
             condition = {"status": "True", "reason": "GPUsReady",
                          "message": inventory.summary() if inventory else "ready"}
@@ -81,6 +90,22 @@ class KubeSink(Stage):
             self._node_read = time.monotonic()
         return self._node
 
+    def node_label(self, key: str) -> Optional[str]:
+        """A label of this node as the API server has it now (the mig stage's nvidia.com/mig.config)."""
+        labels = (self._current_node(force=True).get("metadata") or {}).get("labels") or {}
+        value = labels.get(key)
+        return value if isinstance(value, str) else None
+
+    def publish_label(self, key: str, value: str) -> None:
+        """Set one of our labels now, between passes' full patches (the mig stage's state label going
+        pending before a change starts); the next pass owns it like every other label."""
+        metadata = (self._current_node().get("metadata") or {})
+        owned = {k for k in (metadata.get("annotations") or {}).get(MANAGED, "").split(",") if k}
+        if (metadata.get("labels") or {}).get(key) == value and key in owned:
+            return
+        self._patch({"metadata": {"labels": {key: value}, "annotations": {MANAGED: ",".join(sorted(owned | {key}))}}},
+                    status=False)
+
     # --- plan and apply --------------------------------------------------------------------------
 
     def plan(self, state: SinkState) -> list[Action]:
@@ -88,18 +113,23 @@ class KubeSink(Stage):
         patch = self._labels_patch(state)
         if patch:
             changed = sorted(patch["metadata"]["labels"])
-            actions.append(Action(f"patch node {self.node_name} labels: {', '.join(changed)}",
-                                  lambda: self._patch(patch, status=False)))
+            actions.append(Action.of(PatchNode(self.node_name, "labels", ", ".join(changed)),
+                                     lambda: self._patch(patch, status=False)))
         condition = self._condition_patch(state)
         if condition:
             new = condition["status"]["conditions"][0]
-            actions.append(Action(f"patch node {self.node_name} condition {CONDITION}={new['status']} ({new['reason']})",
-                                  lambda: self._patch(condition, status=True)))
+            actions.append(Action.of(PatchNode(self.node_name, "condition", f"{CONDITION}={new['status']} ({new['reason']})"),
+                                     lambda: self._patch(condition, status=True)))
         if self.settings.nfd_feature_file:
             text = "".join(f"{key}={value}\n" for key, value in sorted(state.labels.items()))
-            if read_text(self.root(NFD_FILE)) != text:
-                actions.append(Action(f"write {NFD_FILE}", lambda: atomic_write(self.root(NFD_FILE), text)))
+            current = read_text(self.root(NFD_FILE))
+            if current != text:
+                actions.append(Action.of(WriteFile.of(NFD_FILE, text, current),
+                                         lambda: owned.write(self.root, Ledger(self.root), self.name, NFD_FILE, text)))
         return actions
+
+    def claims(self, state: SinkState) -> set[str]:
+        return {NFD_FILE} if self.settings.nfd_feature_file else set()
 
     def _labels_patch(self, state: SinkState) -> Optional[dict[str, Any]]:
         metadata = (state.node or {}).get("metadata", {})

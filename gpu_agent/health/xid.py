@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Optional
 
 from gpu_agent.errors import AgentError
@@ -98,17 +99,21 @@ class XidWatcher:
                 self.record(event)
 
     def record(self, event: XidEvent) -> None:
-        health = self.state.health.setdefault(event.gpu_uuid, GpuHealth())
-        health.last_xid = event.xid
-        # Replaced, not mutated: HTTP handlers read this dict on another thread.
-        health.xid_counts = {**health.xid_counts, event.xid: health.xid_counts.get(event.xid, 0) + 1}
         meaning = XID_MEANINGS.get(event.xid, "see NVIDIA's XID catalog")
-        if event.xid in self.state.config.config.health.ignored_xids:
+        ignored = event.xid in self.state.config.config.health.ignored_xids
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(event.at))
+
+        def seen(health: GpuHealth) -> GpuHealth:
+            counts = dict(health.xid_counts)
+            counts[event.xid] = counts.get(event.xid, 0) + 1
+            reason = health.xid_reason if ignored else f"XID {event.xid} ({meaning}) at {when}"
+            return replace(health, last_xid=event.xid, xid_counts=tuple(sorted(counts.items())), xid_reason=reason)
+
+        self.state.update_health(event.gpu_uuid, seen)
+        if ignored:
             log.info("GPU %s: XID %d (%s), caused by an application; GPU stays healthy",
                      event.gpu_uuid, event.xid, meaning)
         else:
-            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(event.at))
-            health.xid_reason = f"XID {event.xid} ({meaning}) at {when}"
             log.error("GPU %s unhealthy: XID %d (%s); drain the node and reset the GPU",
                       event.gpu_uuid, event.xid, meaning)
         self.on_change()

@@ -1,0 +1,47 @@
+"""gpu-agent uninstall [--dry-run] [--json]: undo everything the ledger says the agent changed.
+
+Every file it created is removed and every file it replaced gets its original back, unless someone
+changed it since (then it is left, and named); each runtime that reads one is restarted once. It asks
+no question: the package's purge script runs it. Device nodes, /dev/char links and loaded modules
+stay: they are the running driver's, and the GPUs' users need them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from gpu_agent.cli.common import config_of, plan_json, root_of
+from gpu_agent.errors import EXIT_NOT_READY, EXIT_OK
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true", help="print what would be undone and change nothing")
+    parser.add_argument("--json", action="store_true", help="print the typed plan as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    from gpu_agent.daemon.app import Runtime, take_lock
+    from gpu_agent.stages.owned_files import OwnedFiles
+
+    root = root_of(args)
+    loaded = config_of(args)
+    lock = None if args.dry_run else take_lock(root)
+    try:
+        runtime = Runtime.build(root, loaded, args.simulate)
+        try:
+            runtime.engine.set_stages([OwnedFiles(runtime.root, runtime.services, set(), uninstall=True)])
+            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=args.dry_run))
+        finally:
+            runtime.nvml.close()
+    finally:
+        if lock is not None:
+            lock.close()
+    if args.json:
+        print(plan_json(runs, loaded, runtime.root, dry_run=args.dry_run))
+    else:
+        for run in runs:
+            for action in run.planned:
+                for change in action.changes:
+                    print(f"{'would' if args.dry_run else 'did'}: {change.describe()}")
+            print(f"[{'+' if run.state == 'ok' else '-'}] {run.message}")
+    return EXIT_OK if all(run.state == "ok" for run in runs) else EXIT_NOT_READY

@@ -1,0 +1,38 @@
+"""The mig section: which MIG geometry the agent keeps on this node's GPUs."""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Optional
+
+from pydantic import AfterValidator, Field
+
+from gpu_agent.config.section import AbsolutePath, Section, seconds, shown
+
+_UNIT = re.compile(r"[A-Za-z0-9:_.@\\-]+\.(service|socket|target)")
+
+
+def _unit_name(value: str) -> str:
+    if not _UNIT.fullmatch(value):
+        raise ValueError(f"{shown(value)} is not a systemd unit name such as nvidia-dcgm.service")
+    return value
+
+
+Unit = Annotated[str, Field(max_length=256), AfterValidator(_unit_name)]
+
+
+class MigConfig(Section):
+    config: Optional[str] = Field(
+        None, min_length=1, max_length=253,
+        description="Name of the mig-configs entry of config_file to apply, e.g. all-balanced; "
+                    "null leaves MIG geometry alone.")
+    config_file: AbsolutePath = Field("/etc/gpu-agent/mig.yaml", description="A mig-parted version v1 file.")
+    follow_node_label: bool = Field(
+        False, description="The node label nvidia.com/mig.config, when set, names the config instead "
+                           "(as with k8s-mig-manager).")
+    force: bool = Field(
+        False, description="Change a GPU's MIG geometry even while compute processes run on it (NVML still "
+                           "refuses to destroy an instance a process uses).")
+    stop_units: list[Unit] = Field(
+        [], max_length=32,
+        description="systemd units stopped before a MIG change and started after it, e.g. nvidia-dcgm.service.")
+    reset_timeout_seconds: float = seconds(60, 600, "How long one GPU reset (nvidia-smi --gpu-reset) may take.")

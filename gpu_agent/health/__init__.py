@@ -1,0 +1,1 @@
+"""GPU health: XID events, and the checks that decide whether a GPU is healthy."""

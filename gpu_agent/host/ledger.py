@@ -1,0 +1,142 @@
+"""What the agent owns on the host and what it owes it, across crashes: a small versioned JSON file
+under /var/lib/gpu-agent.
+
+- owned: every file the agent created or changed, with where the original is saved (None when the
+  agent created the file), the digest of what it last wrote, and the unit to restart when it is
+  undone. Recorded (fsynced) before the file is written. When the config stops asking for a file,
+  or at `gpu-agent uninstall`, it is removed or its original put back.
+- pending_restarts: runtime restarts the agent owes, recorded before a runtime's config is written and
+  cleared once the runtime was restarted and answered. A pass that starts, even in a new process
+  after a kill -9, performs them first.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from gpu_agent.errors import AgentError
+from gpu_agent.host.files import atomic_write
+from gpu_agent.host.paths import Root
+
+PATH = "/var/lib/gpu-agent/ledger.json"
+VERSION = 1
+_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Owned:
+    path: str  # host path of the file
+    owner: str  # the stage that wants it
+    original: Optional[str]  # host path of its saved original; None: the agent created the file
+    written: str  # sha256 of what the agent last wrote
+    restart: Optional[str] = None  # the unit that reads it: restarted after the file is undone
+
+
+class LedgerError(AgentError):
+    """The ledger cannot be read or written; the message names the file and what to do."""
+
+
+class Ledger:
+    """`{"version": 1, "pending_restarts": {"containerd.service": {"since": "2025-01-06T10:00:00Z"}}}`"""
+
+    def __init__(self, root: Root) -> None:
+        self.path = root(PATH)
+
+    def owned(self) -> dict[str, Owned]:
+        """The files the agent owns, by host path."""
+        return {path: Owned(path=path, **entry) for path, entry in self._read()["owned"].items()}
+
+    def own(self, entry: Owned) -> None:
+        """Record (durably, before the write) that the agent writes `entry.path`; the first original stays."""
+        document = self._read()
+        before = document["owned"].get(entry.path)
+        fields = {key: value for key, value in asdict(entry).items() if key != "path"}
+        if before is not None:
+            fields["original"] = before["original"]
+        if before != fields:
+            document["owned"][entry.path] = fields
+            self._write(document)
+
+    def disown(self, path: str) -> None:
+        document = self._read()
+        if document["owned"].pop(path, None) is not None:
+            self._write(document)
+
+    def pending_restarts(self) -> set[str]:
+        """The units the agent owes a restart."""
+        return set(self._read()["pending_restarts"])
+
+    def add_pending_restart(self, unit: str) -> None:
+        """Durably, before the change that makes the restart necessary."""
+        document = self._read()
+        if unit not in document["pending_restarts"]:
+            document["pending_restarts"][unit] = {"since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            self._write(document)
+
+    def clear_pending_restart(self, unit: str) -> None:
+        """Once the unit was restarted and answered."""
+        document = self._read()
+        if document["pending_restarts"].pop(unit, None) is not None:
+            self._write(document)
+
+    # --- the file --------------------------------------------------------------------------------
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(_MAX_BYTES + 1)
+        except FileNotFoundError:
+            return {"version": VERSION, "pending_restarts": {}, "owned": {}}
+        except OSError as exc:
+            raise self._error(f"cannot read it ({exc.strerror or exc})") from None
+        if len(raw) > _MAX_BYTES:
+            raise self._error(f"larger than {_MAX_BYTES} bytes, not a file gpu-agent wrote")
+        try:
+            document = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise self._error(f"not UTF-8 text (byte {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise self._error(f"line {exc.lineno} column {exc.colno}: not valid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise self._error("nested too deeply, not a file gpu-agent wrote") from None
+        return self._checked(document)
+
+    def _checked(self, document: Any) -> dict[str, Any]:
+        if not isinstance(document, dict):
+            raise self._error("expected a JSON object")
+        version = document.get("version")
+        if version != VERSION:
+            raise self._error(f"version: {version!r} is not a ledger version this gpu-agent knows ({VERSION}); "
+                              "was it written by a newer gpu-agent?")
+        owned = document.setdefault("owned", {})
+        if not isinstance(owned, dict) or not all(_owned_entry(path, entry) for path, entry in owned.items()):
+            raise self._error('owned: expected an object of host paths, such as {"/etc/x.conf": {"owner": "driver", '
+                              '"original": null, "written": "sha256:...", "restart": null}}')
+        pending = document.setdefault("pending_restarts", {})
+        if not isinstance(pending, dict) or not all(isinstance(v, dict) for v in pending.values()):
+            raise self._error('pending_restarts: expected an object of units, such as {"containerd.service": {}}')
+        return document
+
+    def _write(self, document: dict[str, Any]) -> None:
+        try:
+            atomic_write(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", mode=0o600)
+        except OSError as exc:
+            raise LedgerError(f"{PATH}: cannot record what gpu-agent changes ({exc.strerror or exc}); "
+                              f"nothing was changed: make {self.path.parent} writable") from None
+
+    def _error(self, reason: str) -> LedgerError:
+        return LedgerError(f"{PATH}: {reason}. It records the files gpu-agent changed and the container runtime "
+                           "restarts it owes: restore it from a backup, or remove it (then gpu-agent can no longer "
+                           "undo its changes) and restart the runtimes whose configs gpu-agent changed")
+
+
+def _owned_entry(path: Any, entry: Any) -> bool:
+    def text(value: Any) -> bool:
+        return isinstance(value, str) and value.startswith("/")
+
+    return (text(path) and isinstance(entry, dict) and set(entry) == {"owner", "original", "written", "restart"}
+            and isinstance(entry["owner"], str) and isinstance(entry["written"], str)
+            and (entry["original"] is None or text(entry["original"]))
+            and (entry["restart"] is None or isinstance(entry["restart"], str)))

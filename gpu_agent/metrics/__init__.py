@@ -1,0 +1,1 @@
+"""GPU metrics: the background sampler and the dcgm-exporter-compatible /metrics exporter."""

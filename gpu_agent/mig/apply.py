@@ -1,0 +1,228 @@
+"""Carrying out MIG plans, one GPU at a time, with a checkpoint and a rollback per GPU.
+
+- A GPU that runs compute processes is never changed unless `force`; the refusal names the PIDs and
+  process names (NVML's list, names from the process table under --root).
+- Before the first change, the GPU's whole MIG state is checkpointed. Any failure restores that
+  checkpoint (placements included) instead of leaving the GPU empty, and says so.
+- A mode change NVML leaves pending (Ampere) resets that GPU alone; when it cannot be reset, the GPU is
+  reported pending, with the reason, and its instances wait for the reset.
+- GPUs are independent: one GPU's failure does not undo another's success.
+- Optional systemd units are stopped before the first change and started after the last, failure included.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence
+
+from gpu_agent.errors import AgentError
+from gpu_agent.host.paths import Root
+from gpu_agent.host.procfs import read
+from gpu_agent.mig.checkpoint import Checkpoint, CheckpointStore
+from gpu_agent.mig.hooks import Hooks
+from gpu_agent.mig.planner import GpuPlan, gpu_name, plan_restore
+from gpu_agent.mig.reset import GpuReset, ResetImpossible
+from gpu_agent.nvml.client import Nvml, NvmlHung, describe
+from gpu_agent.nvml.model import Gpu
+from gpu_agent.plan import (
+    Change,
+    CreateComputeInstance,
+    CreateGpuInstance,
+    DestroyComputeInstance,
+    DestroyGpuInstance,
+    SetMigMode,
+)
+
+log = logging.getLogger(__name__)
+
+UNCHANGED, CREATED, DESTROYED, MODE_CHANGED, FAILED, RESTORED = (
+    "unchanged", "created", "destroyed", "mode-changed", "failed", "restored")
+SUCCESS, PENDING = "success", "pending"  # a GPU's state, and with FAILED the node's mig.config.state
+
+
+@dataclass(frozen=True)
+class GpuResult:
+    gpu: int
+    uuid: str
+    product: str
+    action: str  # unchanged | created | destroyed | mode-changed | failed | restored
+    state: str  # success | pending | failed
+    mutations: int  # NVML calls that changed the GPU, rollback included
+    reason: str
+    changes: tuple[Change, ...] = ()  # planned (dry run) or made
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpu": self.gpu, "uuid": self.uuid, "product": self.product, "action": self.action,
+                "state": self.state, "mutations": self.mutations, "reason": self.reason,
+                "changes": [change.to_json() for change in self.changes]}
+
+
+class Applier:
+    def __init__(self, nvml: Nvml, reset: GpuReset, checkpoints: CheckpointStore, root: Root,
+                 force: bool = False) -> None:
+        self.nvml = nvml
+        self.reset = reset
+        self.checkpoints = checkpoints
+        self.root = root
+        self.force = force
+
+    def apply_all(self, gpus: Sequence[Gpu], plans: Sequence[GpuPlan], dry_run: bool = False,
+                  hooks: Optional[Hooks] = None) -> list[GpuResult]:
+        by_index = {gpu.index: gpu for gpu in gpus}
+        changing = [plan for plan in plans if plan.changes and not plan.refused]
+        results: dict[int, GpuResult] = {}
+        if dry_run or not changing or hooks is None:
+            return [self.apply(by_index[plan.gpu], plan, dry_run) for plan in plans]
+        try:
+            hooks.before()
+        except AgentError as exc:
+            failures = hooks.after()
+            reason = f"stopping {', '.join(hooks.units)} before the MIG change failed: {exc}"
+            reason += "".join(f"; {failure}" for failure in failures)
+            return [self._result(plan, FAILED, FAILED, 0, reason) if plan in changing
+                    else self.apply(by_index[plan.gpu], plan) for plan in plans]
+        try:
+            for plan in plans:
+                results[plan.gpu] = self.apply(by_index[plan.gpu], plan)
+        finally:
+            failures = hooks.after()
+        if failures:
+            for index, result in results.items():
+                if result.changes:
+                    results[index] = replace(result, reason=f"{result.reason}; " + "; ".join(failures))
+        return [results[plan.gpu] for plan in plans]
+
+    def apply(self, gpu: Gpu, plan: GpuPlan, dry_run: bool = False) -> GpuResult:
+        if plan.refused:
+            return self._result(plan, FAILED, FAILED, 0, plan.refused)
+        if not plan.changes:
+            return self._result(plan, UNCHANGED, SUCCESS, 0, plan.note or "already as configured")
+        if dry_run:
+            return self._result(plan, _action(plan.changes), SUCCESS, 0,
+                                f"would make {len(plan.changes)} NVML change(s)", plan.changes)
+        try:
+            busy = self._busy(gpu)
+        except (AgentError, self.nvml.lib.NVMLError) as exc:
+            return self._result(plan, FAILED, FAILED, 0, f"{plan.name}: cannot list its processes: {_reason(exc)}")
+        if busy and not self.force:
+            return self._result(plan, FAILED, FAILED, 0,
+                                f"{plan.name} runs compute processes: {busy}; it is not repartitioned "
+                                "while they run (set mig.force: true to do it anyway)")
+        self.checkpoints.save(gpu.uuid, Checkpoint.of(gpu.mig))
+        done: list[Change] = []
+        try:
+            pending = self._run(gpu, plan.changes, done)
+        except (AgentError, self.nvml.lib.NVMLError) as exc:
+            return self._roll_back(gpu, plan, done, _reason(exc))
+        self.checkpoints.clear(gpu.uuid)
+        if pending:
+            return self._result(plan, MODE_CHANGED, PENDING, len(done), pending, tuple(done))
+        return self._result(plan, _action(plan.changes), SUCCESS, len(done), f"made {len(done)} NVML change(s)",
+                            tuple(done))
+
+    def _busy(self, gpu: Gpu) -> str:
+        """`1234 (python3), 5678 (trainer)` of the compute processes on the GPU; "" when there are none."""
+        found = self.nvml.processes(gpu.index)
+        names = []
+        for pid, _ in found:
+            comm = read(self.root, f"/proc/{pid}/comm")
+            names.append(f"{pid} ({comm.strip() if comm else 'process name unknown'})")
+        return ", ".join(names)
+
+    def _run(self, gpu: Gpu, changes: Sequence[Change], done: list[Change]) -> str:
+        """Make the changes in order, appending each one made to `done`; the reason when the rest must
+        wait for a GPU reset that cannot happen now, else ""."""
+        ids = {gi.placement: gi.id for gi in gpu.mig.gpu_instances}
+        nvml, index = self.nvml, gpu.index
+        for change in changes:
+            if isinstance(change, SetMigMode):
+                pending = nvml.set_mig_mode(index, change.enabled)
+                done.append(change)
+                if pending is not None:
+                    waiting = self._reset(gpu, change.enabled, pending)
+                    if waiting:
+                        return waiting
+                ids = {}  # a mode change leaves no instance behind
+            elif isinstance(change, CreateGpuInstance):
+                ids[change.placement] = nvml.create_gpu_instance(index, change.profile_id, change.placement)
+                done.append(change)
+            elif isinstance(change, CreateComputeInstance):
+                nvml.create_compute_instance(index, ids[change.gpu_instance], change.slices, change.start)
+                done.append(change)
+            elif isinstance(change, DestroyComputeInstance):
+                nvml.destroy_compute_instance(index, change.gpu_instance_id, change.compute_instance_id)
+                done.append(change)
+            elif isinstance(change, DestroyGpuInstance):
+                nvml.destroy_gpu_instance(index, change.gpu_instance_id)
+                ids.pop(change.placement, None)
+                done.append(change)
+            else:
+                raise AgentError(f"{change.describe()}: not a MIG change")
+        return ""
+
+    def _reset(self, gpu: Gpu, enabled: bool, pending: str) -> str:
+        """Reset a GPU whose new mode is pending; "" once it took effect, else why it still waits."""
+        mode = "enable" if enabled else "disable"
+        try:
+            self.reset.reset(gpu.index, gpu.pci_bus_id)
+        except ResetImpossible as exc:
+            return f"MIG {mode} is pending a GPU reset ({pending}): {exc}"
+        now = self.nvml.mig_state(gpu.index)
+        if now.enabled != enabled:
+            return f"MIG {mode} is still pending after a GPU reset; reboot the node"
+        log.info("%s: reset for MIG %s", gpu_name(gpu.index, gpu.product), mode)
+        return ""
+
+    def _roll_back(self, gpu: Gpu, plan: GpuPlan, done: list[Change], failure: str) -> GpuResult:
+        saved = self.checkpoints.load(gpu.uuid)
+        made = len(done)
+        if saved is None or not done:
+            self.checkpoints.clear(gpu.uuid)
+            return self._result(plan, FAILED, FAILED, made, f"{plan.name}: {failure}; nothing was changed"
+                                if not done else f"{plan.name}: {failure}; no checkpoint to restore", tuple(done))
+        undo: list[Change] = []
+        try:
+            now = replace(gpu, mig=self.nvml.mig_state(gpu.index))
+            restore = plan_restore(now, saved)
+            waiting = self._run(now, restore.changes, undo)
+        except (AgentError, self.nvml.lib.NVMLError) as exc:
+            return self._result(plan, FAILED, FAILED, made + len(undo),
+                                f"{plan.name}: {failure}; restoring its previous MIG geometry failed too: "
+                                f"{_reason(exc)} (checkpoint kept in {self.checkpoints.root.path})", tuple(done))
+        self.checkpoints.clear(gpu.uuid)
+        if waiting:
+            return self._result(plan, RESTORED, PENDING, made + len(undo),
+                                f"{plan.name}: {failure}; its previous MIG geometry is restored but {waiting}",
+                                tuple(done))
+        log.warning("%s: %s; its previous MIG geometry is restored", plan.name, failure)
+        return self._result(plan, RESTORED, FAILED, made + len(undo),
+                            f"{plan.name}: {failure}; its previous MIG geometry is restored", tuple(done))
+
+    @staticmethod
+    def _result(plan: GpuPlan, action: str, state: str, mutations: int, reason: str,
+                changes: tuple[Change, ...] = ()) -> GpuResult:
+        return GpuResult(plan.gpu, plan.uuid, plan.product, action, state, mutations, reason, changes)
+
+
+def _action(changes: Sequence[Change]) -> str:
+    if any(isinstance(change, SetMigMode) for change in changes):
+        return MODE_CHANGED
+    if any(isinstance(change, (CreateGpuInstance, CreateComputeInstance)) for change in changes):
+        return CREATED
+    return DESTROYED
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, (AgentError, NvmlHung)):
+        return str(exc)
+    return describe(exc) if isinstance(exc, Exception) else str(exc)
+
+
+def node_state(results: Sequence[GpuResult]) -> str:
+    """The node's nvidia.com/mig.config.state: failed if any GPU failed, pending if one waits, else success."""
+    states = {result.state for result in results}
+    if FAILED in states:
+        return FAILED
+    if PENDING in states:
+        return PENDING
+    return SUCCESS

@@ -1,0 +1,37 @@
+"""Resetting one GPU so a pending MIG mode takes effect (Ampere). Only the GPUs that need it, never all."""
+from __future__ import annotations
+
+from typing import Protocol
+
+from gpu_agent.errors import AgentError
+from gpu_agent.host import proc
+from gpu_agent.host.modules import KernelModules
+from gpu_agent.host.paths import Root
+
+
+class ResetImpossible(AgentError):
+    """The GPU cannot be reset now; the message says why and what would allow it (a reboot does)."""
+
+
+class GpuReset(Protocol):
+    def reset(self, index: int, bus_id: str) -> None:
+        """Reset the GPU; ResetImpossible when something holds it."""
+
+
+class NvidiaSmiReset:
+    """`nvidia-smi --gpu-reset -i N`, refused up front when nvidia_drm is loaded (it holds every GPU)."""
+
+    def __init__(self, root: Root, timeout: float) -> None:
+        self.root = root
+        self.timeout = timeout
+
+    def reset(self, index: int, bus_id: str) -> None:
+        if not self.root.is_running_system:
+            raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while --root is {self.root.path}")
+        if "nvidia_drm" in KernelModules(self.root).loaded():
+            raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while nvidia_drm is loaded; "
+                                  "reboot the node (or unload nvidia_drm) for the MIG mode change")
+        done = proc.run(["nvidia-smi", "--gpu-reset", "-i", str(index)], timeout=self.timeout)
+        if done.returncode != 0:
+            raise ResetImpossible(f"nvidia-smi --gpu-reset -i {index} failed: {done.output or done.returncode}; "
+                                  "reboot the node for the MIG mode change")

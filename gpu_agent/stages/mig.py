@@ -1,0 +1,171 @@
+"""The mig stage: keep the GPUs' MIG geometry as the selected mig-parted config says.
+
+It runs before discovery, so the inventory, the CDI spec and the labels of the same pass see the new
+MIG devices. Its result ("mig") carries nvidia.com/mig.config.state for the labels stage: pending while
+a change is under way or waits for a GPU reset, success, or failed; the reasons go to /status.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from gpu_agent.config.mig import MigConfig
+from gpu_agent.errors import AgentError, StageError
+from gpu_agent.host.paths import Root
+from gpu_agent.mig.apply import FAILED, PENDING, SUCCESS, Applier, GpuResult, node_state
+from gpu_agent.mig.checkpoint import CheckpointStore
+from gpu_agent.mig.config import load_mig_config
+from gpu_agent.mig.hooks import Hooks, UnitControl
+from gpu_agent.mig.planner import GpuPlan, not_applied, plans_for
+from gpu_agent.mig.reset import GpuReset
+from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.nvml.model import Inventory
+from gpu_agent.stages.base import Action, Stage
+
+log = logging.getLogger(__name__)
+
+CONFIG_LABEL = "nvidia.com/mig.config"
+STATE_LABEL = "nvidia.com/mig.config.state"
+
+
+@dataclass(frozen=True)
+class MigObservation:
+    config: Optional[str]  # the config name in force, None when nothing selects one
+    source: str  # where the name came from
+    inventory: Optional[Inventory]
+    plans: tuple[GpuPlan, ...] = ()
+    error: str = ""  # the config file or name cannot be used
+
+
+@dataclass(frozen=True)
+class MigResult:
+    """What the stage hands on: the node's state label and each GPU's outcome."""
+
+    config: Optional[str]
+    state: str  # pending | success | failed
+    reason: str
+    gpus: tuple[GpuResult, ...] = ()
+
+
+class Mig(Stage):
+    name = "mig"
+    produces = ("mig",)
+
+    def __init__(self, root: Root, nvml: Nvml, reset: GpuReset, units: UnitControl, settings: MigConfig,
+                 node_label: Optional[Callable[[str], Optional[str]]] = None,
+                 announce: Optional[Callable[[str], None]] = None) -> None:
+        self.root = root
+        self.nvml = nvml
+        self.settings = settings
+        self.node_label = node_label  # reads a label of this node (mig.follow_node_label)
+        self.announce = announce  # publishes the state label at once (before a change starts)
+        self.applier = Applier(nvml, reset, CheckpointStore(root), root, force=settings.force)
+        self.units = units
+        self._results: Optional[tuple[GpuResult, ...]] = None  # what this pass applied
+        self._planned: Optional[tuple[Inventory, tuple[GpuPlan, ...]]] = None  # this pass's plans, all GPUs
+
+    def start_pass(self) -> None:
+        self._results, self._planned = None, None
+
+    # --- observe ---------------------------------------------------------------------------------
+
+    def observe(self) -> MigObservation:
+        name, source = self._selected()
+        try:
+            inventory = self.nvml.inventory()
+        except NvmlUnavailable as exc:
+            raise StageError(str(exc)) from None
+        except self.nvml.lib.NVMLError as exc:
+            raise StageError(f"NVML query failed: {describe(exc)}") from None
+        if name is None:
+            return MigObservation(None, source, inventory)
+        try:
+            entries = load_mig_config(self.root(self.settings.config_file), "mig.config_file").select(name)
+        except AgentError as exc:
+            return MigObservation(name, source, inventory, error=f"{exc} (config from {source})")
+        return MigObservation(name, source, inventory, tuple(plans_for(inventory.gpus, entries)))
+
+    def _selected(self) -> tuple[Optional[str], str]:
+        if self.settings.follow_node_label and self.node_label is not None:
+            try:
+                label = self.node_label(CONFIG_LABEL)
+            except AgentError as exc:
+                log.warning("cannot read node label %s (%s); using mig.config", CONFIG_LABEL, exc)
+            else:
+                if label:
+                    return label, f"node label {CONFIG_LABEL}"
+        return self.settings.config, "mig.config"
+
+    # --- plan and apply --------------------------------------------------------------------------
+
+    def plan(self, observed: MigObservation) -> list[Action]:
+        """One action per GPU that needs changes; apply() carries them out together (the hooks once)."""
+        if self._results is not None or observed.error or observed.inventory is None:
+            return []  # a change is tried once per pass; what did not take is reported by verify
+        inventory = observed.inventory
+        self._planned = (inventory, observed.plans)
+        return [Action(plan.changes, functools.partial(self._apply, inventory, (plan,)))
+                for plan in observed.plans if plan.changes and not plan.refused]
+
+    def apply(self, actions: Sequence[Action]) -> None:
+        if actions and self._planned is not None:
+            inventory, plans = self._planned
+            self._apply(inventory, plans)  # every GPU's outcome, refused ones included
+
+    def _apply(self, inventory: Inventory, plans: tuple[GpuPlan, ...]) -> None:
+        if self.announce is not None:
+            try:
+                self.announce(PENDING)
+            except AgentError as exc:
+                log.warning("cannot set %s=pending before the MIG change: %s", STATE_LABEL, exc)
+        hooks = Hooks(self.settings.stop_units, self.units) if self.settings.stop_units else None
+        self._results = tuple(self.applier.apply_all(inventory.gpus, plans, hooks=hooks))
+        for result in self._results:
+            if result.changes or result.state != SUCCESS:
+                log.log(logging.INFO if result.state == SUCCESS else logging.ERROR, "GPU %d: %s: %s",
+                        result.gpu, result.action, result.reason)
+
+    # --- verify and results ----------------------------------------------------------------------
+
+    def verify(self, observed: MigObservation) -> str:
+        if observed.error:
+            raise StageError(observed.error)
+        if observed.config is None:
+            return "no MIG config selected (mig.config); MIG geometry left as it is"
+        if self._results is not None:
+            problems = [r.reason for r in self._results if r.state != SUCCESS]
+            if problems:
+                raise StageError("; ".join(problems))
+        reasons = not_applied(observed.plans)
+        if reasons:
+            raise StageError(f"MIG config {observed.config}: " + "; ".join(reasons))
+        return f"MIG config {observed.config} applied ({len(observed.plans)} GPUs)"
+
+    def outputs(self, observed: MigObservation) -> dict[str, Any]:
+        return {"mig": self._result(observed)}
+
+    def facts(self, observed: MigObservation) -> dict[str, Any]:
+        result = self._result(observed)
+        return {"config": result.config, "source": observed.source, "state": result.state, "reason": result.reason,
+                "gpus": [gpu.to_json() for gpu in result.gpus]}
+
+    def _result(self, observed: MigObservation) -> MigResult:
+        if observed.config is None:
+            return MigResult(None, SUCCESS, "no MIG config selected")
+        if observed.error:
+            return MigResult(observed.config, FAILED, observed.error)
+        if self._results is not None:
+            state = node_state(self._results)
+            reasons = "; ".join(r.reason for r in self._results if r.state != SUCCESS)
+            return MigResult(observed.config, state, reasons or "applied", self._results)
+        refused = [plan.refused for plan in observed.plans if plan.refused]
+        if refused:
+            return MigResult(observed.config, FAILED, "; ".join(refused))
+        if any(plan.changes for plan in observed.plans):
+            return MigResult(observed.config, PENDING, "changes planned, not yet made")
+        return MigResult(observed.config, SUCCESS, "applied")
+
+    def watched(self) -> list[str]:
+        return [self.settings.config_file]

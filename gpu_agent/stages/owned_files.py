@@ -1,0 +1,107 @@
+"""Owned files: what the config no longer asks for is undone. Every file the agent wrote is in the
+ledger with its owner; one whose stage is off, or no longer claims it, is removed (the agent created
+it) or its original put back, and the runtime that reads it restarted once. `gpu-agent uninstall` is
+this stage with nothing claimed.
+
+It runs after every other stage and gates nothing: a file it cannot undo degrades the agent.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gpu_agent.errors import AgentError, StageError
+from gpu_agent.host import owned
+from gpu_agent.host.ledger import Ledger
+from gpu_agent.host.paths import Root
+from gpu_agent.plan import Change, RemoveFile, RestartService, RestoreFile
+from gpu_agent.stages.base import Action, Stage
+from gpu_agent.toolkit.services import ServiceControl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OwnedState:
+    undo: list[owned.Undo] = field(default_factory=list)
+    restarts: list[str] = field(default_factory=list)  # units that read an undone file and run
+    kept: int = 0  # files still wanted
+
+
+class OwnedFiles(Stage):
+    name = "owned-files"
+    consumes = ("claims",)
+    gates_readiness = False
+
+    def __init__(self, root: Root, services: ServiceControl, enabled: set[str], uninstall: bool = False) -> None:
+        self.root = root
+        self.services = services
+        self.enabled = enabled  # the stages that run: a file owned by any other is no longer wanted
+        self.uninstall = uninstall
+        self.ledger = Ledger(root)
+        self._failures: list[str] = []
+        self._left: list[str] = []  # this pass: files someone changed since the agent wrote them
+
+    def start_pass(self) -> None:
+        self._failures, self._left = [], []
+
+    def observe(self) -> OwnedState:
+        claims: dict[str, Optional[set[str]]] = dict(self.inputs.get("claims") or {})
+        state = OwnedState()
+        for entry in self.ledger.owned().values():
+            wanted = claims.get(entry.owner)
+            if not self.uninstall and entry.owner in self.enabled and (wanted is None or entry.path in wanted):
+                state.kept += 1  # still asked for, or its stage cannot tell now
+                continue
+            state.undo.append(owned.undo_of(self.root, entry))
+        units = {u.entry.restart for u in state.undo if u.entry.restart and u.how in (owned.REMOVE, owned.RESTORE)}
+        for unit in sorted(units):
+            try:
+                unit_state = self.services.state(unit)
+            except AgentError as exc:
+                raise StageError(f"cannot tell whether {unit} runs: {exc}") from None
+            if unit_state is not None and unit_state.exists and not unit_state.stopped:
+                state.restarts.append(unit)
+        return state
+
+    def plan(self, state: OwnedState) -> list[Action]:
+        changes: list[Change] = []
+        for undo in state.undo:
+            if undo.how == owned.REMOVE:
+                changes.append(RemoveFile(undo.entry.path))
+            elif undo.how == owned.RESTORE and undo.entry.original is not None:
+                changes.append(RestoreFile(undo.entry.path, undo.entry.original))
+        changes += [RestartService(unit) for unit in state.restarts]
+        if not state.undo:
+            return []
+        return [Action(tuple(changes), lambda: self._undo(state))]
+
+    def _undo(self, state: OwnedState) -> None:
+        for unit in state.restarts:  # owed from before the first byte changes, as any runtime restart
+            self.ledger.add_pending_restart(unit)
+        for undo in state.undo:
+            try:
+                owned.carry_out(self.root, self.ledger, undo)
+            except (OSError, AgentError) as exc:
+                self._failures.append(f"cannot undo {undo.entry.path}: {getattr(exc, 'strerror', None) or exc}")
+            else:
+                if undo.how == owned.CHANGED:
+                    self._left.append(undo.entry.path)
+                log.info("%s: %s (gpu-agent no longer manages it)", undo.entry.path, undo.how)
+        for unit in state.restarts:
+            try:
+                self.services.restart(unit)
+            except AgentError as exc:
+                self._failures.append(str(exc))
+            else:
+                self.ledger.clear_pending_restart(unit)
+
+    def verify(self, state: OwnedState) -> str:
+        if self._failures:
+            raise StageError("; ".join(self._failures))
+        changed = self._left + [u.entry.path for u in state.undo if u.how == owned.CHANGED]
+        note = f"; left as they are, changed since gpu-agent wrote them: {', '.join(changed)}" if changed else ""
+        if self.uninstall:
+            return f"nothing of gpu-agent's is left to undo{note}"
+        return f"{state.kept} file{'s' if state.kept != 1 else ''} owned and wanted{note}"

@@ -1,0 +1,101 @@
+"""Stage behaviour in-process: the composition root over a simulated node, one pass at a time, and
+the `gpu-agent sim` commands called as the CLI would call them, without a subprocess."""
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from gpu_agent.cli import build_parser
+from gpu_agent.cli import sim as sim_cli
+from gpu_agent.config import load_config
+from gpu_agent.daemon.app import Runtime
+from gpu_agent.daemon.engine import StageRun
+from gpu_agent.host.paths import Root
+from gpu_agent.plan import Change
+from gpu_agent.sim.machine import MachineState
+from gpu_agent.state import AgentState
+
+KERNEL = "var/lib/gpu-agent/sim/kernel"
+
+
+@dataclass
+class Pass:
+    """One reconcile pass: each stage's run, and the state model it left."""
+
+    runs: list[StageRun]
+    state: AgentState
+
+    def stage(self, name: str) -> StageRun:
+        return next(run for run in self.runs if run.stage == name)
+
+    def changes(self, name: str) -> list[Change]:
+        return [change for action in self.stage(name).planned for change in action.changes]
+
+    @property
+    def ok(self) -> bool:
+        return all(run.state == "ok" for run in self.runs)
+
+
+@dataclass
+class SimNode:
+    """A simulated machine under `root`; `apply()` and `check()` are `gpu-agent apply --once` and
+    `gpu-agent check` in this process."""
+
+    root: Path
+    simulate: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def sim(self, *argv: str) -> None:
+        args = build_parser().parse_args(["--root", str(self.root), "--simulate", self.simulate, "sim", *argv])
+        sim_cli.main(args)
+
+    @property
+    def machine(self) -> MachineState:
+        return MachineState(Root(self.root))
+
+    def kernel(self, host_path: str) -> Path:
+        """Where a /proc, /sys, /dev or /etc/modprobe.d path of the simulated kernel lives."""
+        return self.root / KERNEL / host_path.lstrip("/")
+
+    def loaded_modules(self) -> list[str]:
+        return [module["name"] for module in self.machine.read()["kernel"]["loaded"]]
+
+    def apply(self, settings: Optional[dict[str, Any]] = None, dry_run: bool = False,
+              env: Optional[dict[str, str]] = None) -> Pass:
+        config = self.root.parent / "config.yaml"
+        config.write_text(yaml.safe_dump({"version": "v1", **(self.settings if settings is None else settings)}))
+        saved = {key: os.environ.get(key) for key in env or {}}
+        os.environ.update(env or {})
+        runtime = Runtime.build(Root(self.root), load_config(config, required=True), self.simulate)
+        try:
+            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=dry_run))
+        finally:
+            runtime.nvml.close()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        return Pass(runs, runtime.state)
+
+    def uninstall(self, dry_run: bool = False) -> Pass:
+        """`gpu-agent uninstall [--dry-run]`: the owned-files stage with nothing claimed."""
+        from gpu_agent.stages.owned_files import OwnedFiles
+
+        config = self.root.parent / "config.yaml"
+        config.write_text(yaml.safe_dump({"version": "v1"}))
+        runtime = Runtime.build(Root(self.root), load_config(config, required=True), self.simulate)
+        try:
+            runtime.engine.set_stages([OwnedFiles(runtime.root, runtime.services, set(), uninstall=True)])
+            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=dry_run))
+        finally:
+            runtime.nvml.close()
+        return Pass(runs, runtime.state)
+
+    def check(self, settings: Optional[dict[str, Any]] = None) -> Pass:
+        return self.apply(settings, dry_run=True)

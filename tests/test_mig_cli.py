@@ -1,0 +1,82 @@
+"""gpu-agent mig apply|assert|export and sim fail on MIG calls, as the CLI runs them (in-process)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpu_agent.cli import main
+from gpu_agent.daemon.app import take_lock
+from gpu_agent.host.paths import Root
+
+SHIPPED = str(Path(__file__).resolve().parent.parent / "packaging" / "mig.yaml")
+
+
+@pytest.fixture
+def gpu_agent(tmp_path: Path, capsys: Any) -> Any:
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "config.yaml").write_text("version: v1\ntoolkit: {enabled: false}\n")
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["--root", str(root), "--config", str(tmp_path / "config.yaml"), "--simulate", "dgx-a100",
+                     *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    run.root = root  # type: ignore[attr-defined]
+    assert run("apply", "--once")[0] == 0  # the driver loaded
+    return run
+
+
+def test_apply_assert_and_export(gpu_agent: Any) -> None:
+    assert gpu_agent("mig", "assert", "-f", SHIPPED, "-c", "all-balanced")[0] == 1
+    code, out, _ = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-balanced", "--dry-run", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["dry_run"] and plan["state"] == "success"
+    assert [(g["action"], g["mutations"], len(g["changes"])) for g in plan["gpus"]] == [("mode-changed", 0, 9)] * 8
+    assert gpu_agent("mig", "assert", "-f", SHIPPED, "-c", "all-balanced")[0] == 1  # the dry run changed nothing
+    code, out, _ = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-balanced", "--json")
+    assert code == 0 and [g["mutations"] for g in json.loads(out)["gpus"]] == [9] * 8
+    code, out, _ = gpu_agent("mig", "assert", "-f", SHIPPED, "-c", "all-balanced")
+    assert (code, out) == (0, "MIG config all-balanced is applied\n")
+    code, out, _ = gpu_agent("mig", "assert", "-f", SHIPPED, "-c", "all-1g.5gb")
+    assert code == 1 and "GPU 0 (A100-SXM4-40GB): " in out
+    code, out, _ = gpu_agent("mig", "export")
+    exported = yaml.safe_load(out)
+    assert exported["mig-configs"]["current"] == [
+        {"devices": "all", "mig-enabled": True, "mig-devices": {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}}]
+    code, out, _ = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-balanced", "--json")
+    assert code == 0 and {g["action"] for g in json.loads(out)["gpus"]} == {"unchanged"}
+
+
+def test_a_mig_call_failed_with_sim_fail_is_restored_and_exits_1(gpu_agent: Any) -> None:
+    assert gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-3g.20gb")[0] == 0
+    code, out, _ = gpu_agent("sim", "fail", "nvmlGpuInstanceCreateComputeInstanceWithPlacement", "--gpu", "1",
+                             "--times", "1", "--error", "InsufficientResources")
+    assert code == 0
+    code, out, _ = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-7g.40gb", "--json")
+    gpus = json.loads(out)["gpus"]
+    assert code == 1 and gpus[1]["action"] == "restored" and gpus[0]["action"] == "created"
+    failure = "nvmlGpuInstanceCreateComputeInstanceWithPlacement: InsufficientResources (NVML error 23)"
+    assert failure in gpus[1]["reason"]
+    code, out, _ = gpu_agent("mig", "export")
+    entries = yaml.safe_load(out)["mig-configs"]["current"]
+    assert {"devices": [1], "mig-enabled": True, "mig-devices": {"3g.20gb": 2}} in entries
+
+
+def test_usage_errors_name_what_to_do(gpu_agent: Any, tmp_path: Path) -> None:
+    code, _, err = gpu_agent("mig", "apply", "-f", SHIPPED)
+    assert code == 1 and "has 28 configs: name one with -c" in err
+    code, _, err = gpu_agent("mig", "apply", "-f", str(tmp_path / "none.yaml"), "-c", "x")
+    assert code == 1 and "none.yaml: no such file" in err
+    lock = take_lock(Root(gpu_agent.root))
+    try:
+        code, _, err = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-disabled")
+        assert code == 1 and "another gpu-agent" in err
+        assert gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-disabled", "--dry-run")[0] == 0  # reads only
+    finally:
+        lock.close()
