@@ -1,8 +1,8 @@
 """Accepting the local HTTP endpoint's connections so that no local user can exhaust the daemon.
 
 asyncio's own accept loop caps nothing, never times out a client that does not finish its request,
-and on running out of descriptors logs a traceback per accept attempt (and, in 3.9-3.12, schedules a
-retry per attempt). A `Listener` owns one listening socket instead:
+and on running out of descriptors logs a traceback for every failed accept (CPython 3.11 also
+schedules a retry for each). A `Listener` owns one listening socket instead:
 
 - it holds at most `limit` connections; a new one closes the longest-idle connection (one that has
   not sent a whole request) to make room, or waits in the kernel's backlog while every connection
@@ -181,21 +181,23 @@ class Listener:
         self._room_freed()
 
     def _evictable(self) -> Optional[_Connection]:
-        """The longest idle connection, if idle for _EVICT_AFTER_S at least (a client sends its request
-        right after connecting), skipping any whose bytes the loop has not read yet (likely a request:
-        a burst of connections can arrive faster than the loop reads them)."""
+        """The longest idle connection, except one that has sent nothing for less than _EVICT_AFTER_S
+        (a client sends its request right after connecting) and one whose bytes the loop has not
+        read yet (likely a request: a burst of connections can arrive faster than the loop reads)."""
         stale = next(iter(self._stale), None)
         if stale is not None:
             return stale
         now = self._loop.time()
+        youngest_protected: Optional[float] = None
         for connection, since in self._idle.items():
-            if now - since < _EVICT_AFTER_S:
-                if self._recheck is None:
-                    self._recheck = self._loop.call_at(since + _EVICT_AFTER_S, self._rechecked)
-                return None
+            if not connection.partial and now - since < _EVICT_AFTER_S:
+                youngest_protected = youngest_protected or since
+                continue
             sock = connection.transport.get_extra_info("socket") if connection.transport else None
             if sock is None or not _unread_bytes(sock):
                 return connection
+        if youngest_protected is not None and self._recheck is None:
+            self._recheck = self._loop.call_at(youngest_protected + _EVICT_AFTER_S, self._rechecked)
         return None
 
     def _rechecked(self) -> None:
@@ -235,6 +237,7 @@ class Listener:
             self._set_idle(connection)
 
     def _set_idle(self, connection: _Connection) -> None:
+        connection.partial = False
         self._idle[connection] = self._loop.time()
         self._room_freed()
 
@@ -334,6 +337,7 @@ class _Connection(asyncio.Protocol):
         self.stale = stale  # accepted without a byte after TCP_DEFER_ACCEPT's wait, none since
         self.transport: Optional[asyncio.Transport] = None
         self.timer: Optional[asyncio.TimerHandle] = None
+        self.partial = False  # part of a request has arrived, not the end of its headers
         self.arrived = 0  # requests whose headers have arrived, not yet handled
         self.handling = 0  # requests being handled
         self._tail = b""  # the last bytes received: a header end may straddle two reads
@@ -348,9 +352,10 @@ class _Connection(asyncio.Protocol):
         arrived = self._requests_ended_by(data)
         if arrived:
             self.arrived += arrived
-            self.stale = False
+            self.stale = self.partial = False
             self.listener._request_arrived(self)
         else:
+            self.partial = True  # a real client sends its request at once: no grace for a trickle
             self.listener._room_freed()  # read, and still idle: evictable again
         self.inner.data_received(data)
 
