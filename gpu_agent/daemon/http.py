@@ -82,25 +82,23 @@ class HttpServer:
             await self._runner.setup()
         server = self._runner.server
         assert server is not None
-        wanted = int(bool(settings.listen)) + int(bool(settings.socket))
-        limit = connection_limit(wanted)
-        listeners: list[Listener] = []
+        bound: list[tuple[socket.socket, str]] = []  # and the name each is known by
         try:
             if settings.listen:
-                where = f"{settings.listen} (http.listen)"
-                for sock in _bind(where, lambda: _tcp_sockets(settings.host, settings.port)):
-                    listeners.append(Listener(sock, server, settings.listen, limit))
+                tcp = _bind(f"{settings.listen} (http.listen)", lambda: _tcp_sockets(settings.host, settings.port))
+                bound += [(sock, settings.listen) for sock in tcp]
             if settings.socket:
                 path = self.root(settings.socket)
                 _remove_stale_socket(path)
                 path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-                for sock in _bind(f"{path} (http.socket)", lambda: [_unix_socket(path)]):
-                    listeners.append(Listener(sock, server, str(path), limit))
+                bound += [(sock, str(path)) for sock in _bind(f"{path} (http.socket)", lambda: [_unix_socket(path)])]
                 os.chmod(path, 0o660)
         except AgentError:
-            for listener in listeners:
-                listener.close()
+            for sock, _ in bound:
+                sock.close()
             raise
+        limit = connection_limit(len(bound))
+        listeners = [Listener(sock, server, name, limit) for sock, name in bound]
         for listener in listeners:
             listener.start()
         self._listeners, self.settings = listeners, settings
