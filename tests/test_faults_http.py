@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import socket
 import tempfile
@@ -108,8 +109,9 @@ def _serving(limit: int, idle_timeout: float = 30.0, sock: socket.socket | None 
     """A listener on a unix socket (TCP defers idle connections, see the TCP test) or on TCP."""
     if sock is None:
         sock = socket.socket(socket.AF_INET if tcp else socket.AF_UNIX)
+    directory = tempfile.mkdtemp()  # short: a unix socket path has at most 107 bytes
     if sock.family == socket.AF_UNIX:
-        sock.bind(os.path.join(tempfile.mkdtemp(), "agent.sock"))
+        sock.bind(os.path.join(directory, "agent.sock"))
     else:
         sock.bind(("127.0.0.1", 0))
     sock.listen(128)
@@ -121,6 +123,7 @@ def _serving(limit: int, idle_timeout: float = 30.0, sock: socket.socket | None 
         yield listener
     finally:
         listener.close()
+        shutil.rmtree(directory)
 
 
 async def _connect(listener: Listener) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
