@@ -101,7 +101,17 @@ class AgentCollector:
             for code, count in health.xid_counts if health else ():
                 xid_total.add_metric([str(gpu.index), gpu.uuid, str(code)], count)
         yield from families.values()
-        yield from (xid, xid_total, healthy)
+        yield from (xid, xid_total, healthy, self._health_transitions())
+
+    def _health_transitions(self) -> Metric:
+        transitions = CounterMetricFamily("gpu_agent_gpu_health_transitions",
+                                          "GPU health changes, by the state the GPU went to.",
+                                          labels=["gpu", "UUID", "to"])
+        inventory = self.state.inventory or self.state.last_inventory
+        index = {gpu.uuid: str(gpu.index) for gpu in inventory.gpus} if inventory else {}
+        for (uuid, to), count in sorted(self.state.health_transitions.items()):
+            transitions.add_metric([index.get(uuid, ""), uuid, to], count)
+        return transitions
 
 
 def make_registry(collector: AgentCollector) -> CollectorRegistry:

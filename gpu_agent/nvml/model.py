@@ -137,10 +137,13 @@ class XidEvent:
 class GpuHealth:
     """Replaced, never changed: the watcher threads publish a new one, HTTP handlers read the old."""
 
-    xid_reason: str = ""  # a critical XID was seen; stays until the agent restarts (after a GPU reset)
+    xid_reason: str = ""  # a critical XID was seen; clears after health.recover_after_seconds without another
     query_error: str = ""  # NVML queries on this GPU fail; clears when they answer again
     last_xid: Optional[int] = None
     xid_counts: tuple[tuple[int, int], ...] = ()  # (xid, count), sorted
+    critical_at: Optional[float] = None  # when the last critical XID was seen (unix time)
+    lost: bool = False  # off the bus (XID 79): unhealthy until NVML answers for it again at its bus id
+    missing: bool = False  # lost, and NVML has since failed to answer for it
 
     @property
     def healthy(self) -> bool:
