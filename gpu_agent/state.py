@@ -71,6 +71,7 @@ class AgentState:
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
     health_transitions: dict[tuple[str, str], int] = field(default_factory=dict)  # by (GPU UUID, "healthy"/"unhealthy")
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
+    sampled_at: Optional[float] = None  # when `samples` were taken (unix time)
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime

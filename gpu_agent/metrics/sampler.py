@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 
 from gpu_agent.host.paths import Root
@@ -39,7 +40,7 @@ class Sampler:
         try:
             for gpu in inventory.gpus:
                 try:
-                    samples[gpu.uuid] = self.nvml.sample(gpu.index)
+                    samples[gpu.uuid] = self.nvml.sample(gpu.index, gpu.mig)
                     processes[gpu.uuid] = tuple(
                         GpuProcess(pid, self._process_name(pid), used)
                         for pid, used in self.nvml.processes(gpu.index)
@@ -57,6 +58,7 @@ class Sampler:
             return
         self.state.nvml_error = None
         self.state.samples = samples
+        self.state.sampled_at = time.time()
         self.state.processes = processes
 
     def _query_error(self, index: int, uuid: str, error: str) -> None:

@@ -115,8 +115,20 @@ class Inventory:
 
 
 @dataclass(frozen=True)
+class MigSample:
+    """Framebuffer of one GPU instance (read through its first MIG device), as dcgm-exporter reports it."""
+
+    gpu_instance_id: int
+    profile: str  # the GPU instance's profile, e.g. "3g.40gb"
+    memory_used_mib: Optional[float] = None
+    memory_free_mib: Optional[float] = None
+    memory_reserved_mib: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class GpuSample:
-    """Metrics of one GPU, taken in the background so that a scrape never calls NVML."""
+    """Metrics of one GPU, taken in the background so that a scrape never calls NVML. None: the GPU
+    or driver does not report it (never a made-up value)."""
 
     utilization_percent: Optional[float] = None
     memory_used_mib: Optional[float] = None
@@ -124,6 +136,17 @@ class GpuSample:
     memory_reserved_mib: Optional[float] = None  # None where the driver has no NVML v2 memory info
     temperature_c: Optional[float] = None
     power_w: Optional[float] = None
+    sm_clock_mhz: Optional[float] = None
+    memory_clock_mhz: Optional[float] = None
+    energy_mj: Optional[float] = None  # since the driver loaded
+    pcie_replays: Optional[float] = None
+    memory_copy_utilization_percent: Optional[float] = None
+    encoder_utilization_percent: Optional[float] = None
+    decoder_utilization_percent: Optional[float] = None
+    correctable_remapped_rows: Optional[float] = None
+    uncorrectable_remapped_rows: Optional[float] = None
+    row_remap_failure: Optional[float] = None  # 1 when a row remapping failed
+    mig: tuple[MigSample, ...] = ()  # by GPU instance, where MIG is enabled
 
 
 @dataclass(frozen=True)
