@@ -33,7 +33,8 @@ XID_MEANINGS = {
     140: "unrecovered ECC error",
 }
 
-LOST_XIDS = frozenset({79})  # the GPU is gone from the bus: time alone does not bring it back
+LOST_XIDS = frozenset({79})
+_THEN = "; then "  # the GPU is gone from the bus: time alone does not bring it back
 
 
 def meaning(xid: int) -> str:
@@ -53,8 +54,8 @@ def after_xid(health: GpuHealth, xid: int, at: float, settings: HealthConfig, wh
     if not is_critical(xid, settings):
         return seen
     reason = f"XID {xid} ({meaning(xid)}) at {when}"
-    if health.lost and xid not in LOST_XIDS:
-        reason = f"{health.xid_reason}; then {reason}"  # still lost: a later XID does not make it less so
+    if health.lost and xid not in LOST_XIDS:  # still lost: a later XID does not make it less so
+        reason = f"{health.xid_reason.split(_THEN)[0]}{_THEN}{reason}"
     return replace(seen, xid_reason=reason, critical_at=at,
                    lost=health.lost or xid in LOST_XIDS, missing=health.missing and health.lost)
 
