@@ -198,7 +198,7 @@ class AgentState:
             "pci_bus_id": gpu.pci_bus_id,
             "product": gpu.product,
             "memory_mib": gpu.memory_mib,
-            "compute_capability": "%d.%d" % gpu.compute_capability,
+            "compute_capability": "{}.{}".format(*gpu.compute_capability),
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
             "xid_counts": {str(xid): count for xid, count in health.xid_counts},

@@ -29,7 +29,7 @@ def config_of(args: argparse.Namespace) -> LoadedConfig:
     return load_config(path, required)
 
 
-def plan_json(runs: Sequence["StageRun"], loaded: LoadedConfig, root: Root, dry_run: bool) -> str:
+def plan_json(runs: Sequence[StageRun], loaded: LoadedConfig, root: Root, dry_run: bool) -> str:
     """What `check --json` and `apply --once [--dry-run] --json` print: each stage's outcome and its
     typed changes (planned, or made)."""
     stages: list[dict[str, Any]] = [{

@@ -58,7 +58,7 @@ class Runtime:
     units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
 
     @classmethod
-    def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
+    def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> Runtime:
         """The real host (pynvml, modprobe), or a simulated machine kept under `root`."""
         config = loaded.config
         loader: ModuleLoader
@@ -403,7 +403,8 @@ class Daemon:
 
 
 def _same_stage(old: Stage, new: Stage) -> bool:
-    return getattr(old, "settings", None) == getattr(new, "settings", new) and tuple(old.requires) == tuple(new.requires)
+    same_settings = getattr(old, "settings", None) == getattr(new, "settings", new)
+    return same_settings and tuple(old.requires) == tuple(new.requires)
 
 
 def run_daemon(root: Root, loaded: LoadedConfig, config_path: Path, config_required: bool,

@@ -85,7 +85,9 @@ class AgentCollector:
         }
         xid = GaugeMetricFamily("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.",
                                 labels=DCGM_LABELS)
-        xid_total = CounterMetricFamily("gpu_agent_xid_events", "XID events seen, by XID.", labels=["gpu", "UUID", "xid"])
+        xid_total = CounterMetricFamily(
+            "gpu_agent_xid_events", "XID events seen, by XID.", labels=["gpu", "UUID", "xid"]
+        )
         healthy = GaugeMetricFamily("gpu_agent_gpu_healthy", "1 when the GPU is healthy.", labels=DCGM_LABELS)
         for gpu in inventory.gpus:
             labels = [str(gpu.index), gpu.uuid, gpu.device_node, gpu.product, self.hostname]

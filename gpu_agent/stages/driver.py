@@ -203,7 +203,8 @@ class Driver(Stage):
         self._verify_versions(state)
         self._verify_gpus(state)
         if state.node_problems or state.link_problems:
-            raise StageError("device nodes: " + "; ".join([*state.node_problems.values(), *state.link_problems.values()]))
+            problems = [*state.node_problems.values(), *state.link_problems.values()]
+            raise StageError("device nodes: " + "; ".join(problems))
         if state.persistence is not None and not state.persistenced and not all(state.persistence):
             off = [str(i) for i, on in enumerate(state.persistence) if not on]
             raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
@@ -240,7 +241,9 @@ class Driver(Stage):
         if state.nvml_error:
             library = nvml_library_version(self.root)
             named = f"; the NVML library on disk is {library}" if library else ""
-            raise StageError(f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}{named}")
+            raise StageError(
+                f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}{named}"
+            )
         if state.nvml_version != state.module_version:
             raise StageError(f"kernel module is {state.module_version} but the NVML library is {state.nvml_version} "
                              "(half-finished driver upgrade): reload the nvidia modules or reboot")
@@ -264,7 +267,8 @@ class Driver(Stage):
             if drift:
                 used = state.loaded[module]
                 holders = f", used by {', '.join(used.holders)}" if used.holders else ""
-                notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {'unknown' if used.refcnt is None else used.refcnt}{holders}; "
+                refcnt = "unknown" if used.refcnt is None else used.refcnt
+                notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {refcnt}{holders}; "
                              "the agent never unloads a module: drain the node and reboot or reload it)")
         return notes
 

@@ -140,8 +140,9 @@ class Toolkit(Stage):
         try:
             files = cdi.discover(self.root, inventory.driver_version)
             if files.missing:
-                raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the ld.so "
-                                 f"cache ({', '.join(files.missing)}): reinstall the driver's userspace, or run ldconfig")
+                raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the "
+                                 f"ld.so cache ({', '.join(files.missing)}): reinstall the driver's userspace, "
+                                 "or run ldconfig")
             spec = cdi.render(cdi.build_spec(inventory, self.root, files))
         except AgentError as exc:
             raise StageError(f"CDI spec: {exc}") from None
@@ -263,7 +264,8 @@ class Toolkit(Stage):
     def _apply(self, change: RuntimeChange) -> None:
         """One runtime's transaction; a failure is recorded for verify() and the next change still runs."""
         if change.restarts_unit and change.runtime in self._restarted:
-            log.warning("%s was restarted in this pass already; its next change waits for the next pass", change.runtime)
+            log.warning("%s was restarted in this pass already; its next change waits for the next pass",
+                        change.runtime)
             return
         try:
             transaction.apply(self.root, change, self.services, self.ledger, self.settings.restart_timeout_seconds)
