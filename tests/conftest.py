@@ -115,7 +115,7 @@ class AgentProcess:
         self.proc: Optional[subprocess.Popen[str]] = None
         self.started_at = 0.0
 
-    def start(self, *args: str, env: Optional[dict[str, str]] = None) -> "AgentProcess":
+    def start(self, *args: str, env: Optional[dict[str, str]] = None) -> AgentProcess:
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_AGENT_", "WATCHDOG_"))}
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
