@@ -82,7 +82,7 @@ def print_table(status: dict[str, Any]) -> None:
     print(f"config: {config['source']} ({config['digest'][:19]})")
     if config["reload_error"]:
         print(f"config reload rejected: {config['reload_error']}")
-    rows = [("STAGE", "STATE", "MESSAGE")]
+    rows: list[tuple[str, ...]] = [("STAGE", "STATE", "MESSAGE")]
     rows += [(s["name"], s["state"], s["message"]) for s in status["stages"]]
     _table(rows)
     if status["gpus"]:

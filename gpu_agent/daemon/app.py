@@ -217,7 +217,7 @@ class Daemon:
         if interval:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
         if self.runtime.machine is not None:
-            self._tasks.append(asyncio.create_task(self._watch_simulator(), name="simulator"))
+            self._tasks.append(asyncio.create_task(self._watch_simulator(self.runtime.machine), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._tasks.append(reconciler)
@@ -388,10 +388,9 @@ class Daemon:
                 self.trigger()
             last = now
 
-    async def _watch_simulator(self) -> None:
+    async def _watch_simulator(self, machine: Any) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
         hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
-        machine = self.runtime.machine
         last = machine.stamp()
         while True:
             await asyncio.sleep(_SIM_POLL_S)

@@ -3,6 +3,7 @@ transactions (restart owed in the ledger, backup, atomic write, one restart, che
 restored), one per runtime, so that one broken runtime blocks neither the others nor the CDI spec."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import posixpath
@@ -242,7 +243,7 @@ class Toolkit(Stage):
             actions.append(Action(tuple(RemoveFile(path) for path in state.strays), lambda: self._remove(state.strays)))
         # Restarts owed by an earlier pass first; each change alone: one failing stops no other.
         owed_first = sorted(state.changes, key=lambda change: not change.restart_owed)
-        actions += [Action(change.planned(), lambda c=change: self._apply(c),
+        actions += [Action(change.planned(), functools.partial(self._apply, change),
                            diff="".join(item.diff() for item in change.needed))
                     for change in owed_first if change.pending and state.plannable(change)]
         return actions
