@@ -63,6 +63,7 @@ class AgentState:
     stages: dict[str, StageStatus] = field(default_factory=dict)
     inventory: Optional[Inventory] = None
     last_inventory: Optional[Inventory] = None  # the last good one: labels outlive a failing discovery
+    runtimes: Optional[tuple[str, ...]] = None  # container runtimes found, as the toolkit stage last saw them
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
     mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
@@ -87,8 +88,8 @@ class AgentState:
     # --- stage results (written by the engine only) ----------------------------------------------
 
     def output(self, name: str) -> Any:
-        """A stage result as last recorded: inventory (discovery), pci_gpus (driver), mig (mig)."""
-        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig}[name]
+        """A stage result as last recorded: inventory (discovery), pci_gpus (driver), mig (mig), runtimes (toolkit)."""
+        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}[name]
 
     def record_output(self, name: str, value: Any) -> None:
         if name == "inventory":
@@ -99,6 +100,8 @@ class AgentState:
             self.pci_gpus = value
         elif name == "mig":
             self.mig = value
+        elif name == "runtimes":
+            self.runtimes = value
         else:
             raise ValueError(f"no stage result called {name!r}")
 

@@ -280,7 +280,7 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
         gpu["mig"] = {"current": 1, "pending": 1, "gpu_instances": []}
         add_device(gpu, H100_80GB_HBM3, "3g.40gb")
         mig_uuid = gpu["mig"]["gpu_instances"][0]["compute_instances"][0]["uuid"]
-    assert changes(apply(node, "--json")) == [("WriteFile", "/var/run/cdi/nvidia.yaml")]
+    assert changes(apply(node, "--json"), "cdi") == [("WriteFile", "/var/run/cdi/nvidia.yaml")]
     spec = yaml.safe_load(spec_path.read_text())
     schema_validator().validate(spec)
     assert {"0:0", mig_uuid} <= {device["name"] for device in spec["devices"]}

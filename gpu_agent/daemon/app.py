@@ -23,6 +23,7 @@ from gpu_agent.mig.hooks import Systemctl, UnitControl
 from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.stages.base import Stage
+from gpu_agent.stages.cdi import Cdi
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.driver_features import DriverFeatures
@@ -142,6 +143,8 @@ class Runtime:
         stages.append(Discovery(self.nvml, config.discovery))
         if config.toolkit.enabled and not self.real_root_simulated:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+            if config.toolkit.cdi.enabled:
+                stages.append(Cdi(self.root, config.toolkit.cdi))
         if sink is not None:
             stages.append(sink)
         # Last: what the stages above no longer claim (or a stage turned off owned) is undone. Not for

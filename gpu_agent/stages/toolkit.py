@@ -65,8 +65,7 @@ class ToolkitState:
 
 class Toolkit(Stage):
     name = "toolkit"
-    requires = ("discovery",)
-    consumes = ("inventory",)
+    produces = ("runtimes",)
 
     def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller, state: AgentState,
                  settings: ToolkitConfig) -> None:
@@ -98,11 +97,6 @@ class Toolkit(Stage):
             owed, state.errors["ledger"] = set(), str(exc)
         state.changes = [self._runtime(name, owed, state.errors) for name in runtimes]
         state.changes += self._own_files()
-        if self._cdi():
-            try:
-                state.changes.append(self._cdi_spec())
-            except AgentError as exc:
-                state.errors["cdi"] = str(exc)
         state.strays = self._strays([item.path for change in state.changes for item in change.files])
         return state
 
@@ -125,30 +119,12 @@ class Toolkit(Stage):
         """Host paths of the temp files atomic_write left, when a crash interrupted it, beside the files
         the stage writes (`targets`: where their symlinks lead) and in the backups directory."""
         managed = [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
-                   OCI_HOOK, self.settings.cdi.path, ledger_file.PATH]
+                   OCI_HOOK, ledger_file.PATH]
         by_directory: dict[str, list[str]] = {BACKUP_DIR: [], owned.ORIGINALS: []}
         for path in dict.fromkeys(managed + targets):
             by_directory.setdefault(posixpath.dirname(path), []).append(posixpath.basename(path))
         return [posixpath.join(directory, found.name) for directory, names in by_directory.items()
                 for found in stray_temps(self.root(directory), names or None)]
-
-    def _cdi_spec(self) -> RuntimeChange:
-        """The CDI spec for the GPUs discovery found; rewritten only when its content changes
-        (a driver update, a MIG change, device majors after a driver reload)."""
-        inventory = self.inputs.get("inventory")
-        if inventory is None:
-            raise StageError("no GPU inventory for the CDI spec")
-        try:
-            files = cdi.discover(self.root, inventory.driver_version)
-            if files.missing:
-                raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the "
-                                 f"ld.so cache ({', '.join(files.missing)}): reinstall the driver's userspace, "
-                                 "or run ldconfig")
-            spec = cdi.render(cdi.build_spec(inventory, self.root, files))
-        except AgentError as exc:
-            raise StageError(f"CDI spec: {exc}") from None
-        current = configfile.read(self.root, self.settings.cdi.path)
-        return RuntimeChange("cdi", None, None, [FileChange(current.target, current.text, spec, foreign=False)])
 
     def _runtimes(self) -> list[str]:
         if self.settings.runtimes != "auto":
@@ -288,7 +264,7 @@ class Toolkit(Stage):
             raise StageError(f"nvidia-container-toolkit {state.version} is older than 1.17.8 and open to "
                              "CVE-2025-23266 (container escape): upgrade it, or set toolkit.allow_vulnerable_toolkit")
         changed = {change.runtime for change in state.changes}
-        problems = [error for name, error in state.errors.items() if name not in changed]  # the ledger, CDI
+        problems = [error for name, error in state.errors.items() if name not in changed]  # the ledger
         for change in state.changes:
             failed = [text for text in (self._failures.get(change.runtime), state.errors.get(change.runtime)) if text]
             down = change.down()
@@ -299,6 +275,9 @@ class Toolkit(Stage):
             raise StageError("; ".join(problems))
         version = f"toolkit {state.version}" if state.version else "toolkit version unknown"
         return f"nvidia runtime configured for {', '.join(state.runtimes)}; {version}"
+
+    def outputs(self, state: ToolkitState) -> dict[str, Any]:
+        return {"runtimes": tuple(state.runtimes)}
 
     def claims(self, state: ToolkitState) -> Optional[set[str]]:
         """Every file of every runtime found; unknown while the toolkit is missing or a config is broken."""
@@ -316,5 +295,4 @@ class Toolkit(Stage):
 
     def watched(self) -> list[str]:
         """Files someone else may rewrite: a change is reconciled within seconds."""
-        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
-                self.settings.cdi.path]
+        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH]

@@ -115,3 +115,10 @@ def container(packages: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     finally:
         booted.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every e2e test boots, installs and inspects real systems: real processes and host paths."""
+    for item in items:
+        item.add_marker(pytest.mark.subprocess)
+        item.add_marker(pytest.mark.host_paths)
