@@ -89,7 +89,8 @@ class AgentState:
 
     def output(self, name: str) -> Any:
         """A stage result as last recorded: inventory (discovery), pci_gpus (driver), mig (mig), runtimes (toolkit)."""
-        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}[name]
+        outputs = {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}
+        return outputs[name]
 
     def record_output(self, name: str, value: Any) -> None:
         if name == "inventory":
