@@ -34,6 +34,7 @@ _PROJECT = Path(__file__).resolve().parent.parent
 _ALWAYS = tuple(str(p) for p in {
     _PROJECT, _PROJECT.parent / "shared", Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
     Path(tempfile.gettempdir()), Path("/dev/null"), Path("/dev/urandom"), Path("/proc/self"),
+    Path(os.path.realpath("/proc/self")),  # paths are compared resolved: /proc/self is /proc/<this pid>
     Path("/usr/lib/python3"), Path("/usr/share/zoneinfo"), Path("/etc/localtime"), Path("/usr/lib/ssl"),
     Path("/etc/ssl"), Path("/etc/mime.types"),
     Path("/proc/stat"),  # the process collector's boot time, for the agent's own metrics
