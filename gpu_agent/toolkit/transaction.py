@@ -149,9 +149,11 @@ def _write(root: Root, change: RuntimeChange, ledger: Ledger) -> tuple[list[File
         restored = _restore(root, ledger, written, created)
         if change.unit is not None and change.restarts_unit and not change.restart_owed and restored == RESTORED:
             _forget(ledger, change.unit)  # the runtime runs the files that are back
-        what = getattr(exc, "filename", "") or "a file" if isinstance(exc, OSError) else str(exc)
-        reason = exc.strerror or exc if isinstance(exc, OSError) else "the ledger"
-        raise StageError(f"{change.runtime}: cannot write {what}: {reason}; {restored}") from None
+        if isinstance(exc, OSError):
+            problem = f"cannot write {exc.filename or 'a file'}: {exc.strerror or exc}"
+        else:
+            problem = f"cannot record the write in the ledger: {exc}"
+        raise StageError(f"{change.runtime}: {problem}; {restored}") from None
     return written, created
 
 

@@ -75,7 +75,8 @@ def test_stop_is_clean_and_the_journal_has_the_start_line(container: Container) 
 
 
 def test_purge_removes_the_unit_and_the_files(container: Container) -> None:
-    container.exec("dpkg", "--purge", "gpu-agent")
+    purged = container.exec("dpkg", "--purge", "gpu-agent")
+    assert "nothing of gpu-agent's is left to undo" in purged.stdout + purged.stderr  # prerm ran `uninstall`
     for path in ("/usr/lib/systemd/system/gpu-agent.service", "/usr/bin/gpu-agent", "/usr/lib/gpu-agent",
                  "/etc/gpu-agent", "/var/lib/gpu-agent"):
         assert container.exec("test", "-e", path, check=False).returncode == 1, path
