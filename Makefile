@@ -40,8 +40,8 @@ test: lint
 	$(BIN)/python -m pytest -q -n auto --ignore=tests/e2e
 
 # The same suite with its long trials at full length (200 kill -9 trials instead of 20).
-test-all: $(BIN)/gpu-agent
-	GPU_AGENT_TEST_ALL=1 $(BIN)/python -m pytest -q --ignore=tests/e2e
+test-all: lint
+	GPU_AGENT_TEST_ALL=1 $(BIN)/python -m pytest -q -n auto --ignore=tests/e2e
 
 # The packages installed and run under a booted Debian 12 (root; debootstrap, systemd-nspawn, lintian, rpm).
 e2e: $(BIN)/gpu-agent
