@@ -103,7 +103,8 @@ class AgentState:
 
     def output(self, name: str) -> Any:
         """A stage result as last recorded: inventory (discovery), pci_gpus (driver), mig (mig), runtimes (toolkit)."""
-        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}[name]
+        outputs = {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}
+        return outputs[name]
 
     def record_output(self, name: str, value: Any) -> None:
         if name == "inventory":
@@ -216,7 +217,7 @@ class AgentState:
             "pci_bus_id": gpu.pci_bus_id,
             "product": gpu.product,
             "memory_mib": gpu.memory_mib,
-            "compute_capability": "%d.%d" % gpu.compute_capability,
+            "compute_capability": "{}.{}".format(*gpu.compute_capability),
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
             "last_xid": None if health.last_xid is None else {"xid": health.last_xid,

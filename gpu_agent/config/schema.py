@@ -62,12 +62,17 @@ class NvmlConfig(Section):
 class MetricsConfig(Section):
     sample_interval_seconds: float = seconds(
         5, 3600, "How often GPU metrics are sampled; a scrape never calls NVML.")
-    hostname: Optional[str] = Field(None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name.")
+    hostname: Optional[str] = Field(
+        None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name."
+    )
 
 
 class DiscoveryConfig(Section):
     expected_gpus: Optional[int] = Field(
-        None, ge=0, le=MAX_GPUS, description="Fail discovery unless exactly this many GPUs are visible (catches a GPU off the bus)."
+        None,
+        ge=0,
+        le=MAX_GPUS,
+        description="Fail discovery unless exactly this many GPUs are visible (catches a GPU off the bus).",
     )
 
 
@@ -88,7 +93,9 @@ class HealthConfig(Section):
 
 class AgentConfig(Section):
     version: Literal["v1"] = "v1"
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug, info, warning or error."
+    )
     reconcile: ReconcileConfig = ReconcileConfig()
     http: HttpConfig = HttpConfig()
     nvml: NvmlConfig = NvmlConfig()
