@@ -182,7 +182,7 @@ def test_a_lost_gpu_is_healthy_once_nvml_answers_for_it_again_at_its_bus_id(node
     assert n.transitions()[f'gpu_agent_gpu_health_transitions_total{{UUID="{uuid}",gpu="3",to="healthy"}}'] == 1
 
 
-def test_a_lost_gpu_answering_at_another_bus_id_stays_unhealthy(node) -> None:
+def test_a_lost_gpu_answering_at_another_bus_id_stays_unhealthy(node, caplog) -> None:
     n = node()
     n.xid(3, 79)
     n.fail("nvmlDeviceGetUtilizationRates", 3, "GpuIsLost")
@@ -191,7 +191,10 @@ def test_a_lost_gpu_answering_at_another_bus_id_stays_unhealthy(node) -> None:
     with n.machine.edit() as doc:
         doc["gpus"][3]["pci_bus_id"] = "00000000:E1:00.0"
     n.sampler.sample()
+    n.sampler.sample()
     assert not n.state.ready and n.gpu_json(3)["lost"] is True
+    said = [r.getMessage() for r in caplog.records if "answers NVML again but at 0000:e1:00.0" in r.getMessage()]
+    assert len(said) == 1
 
 
 def test_status_command_shows_health_last_xid_and_when_it_recovers(node, capsys) -> None:

@@ -21,6 +21,7 @@ class Sampler:
         self.state = state
         self.root = root
         self._running = threading.Lock()
+        self._misplaced: set[str] = set()  # lost GPUs found answering at another bus id, already logged
 
     def sample(self) -> None:
         """Read every known GPU once; runs on a worker thread. A sample already in progress wins."""
@@ -87,9 +88,12 @@ class Sampler:
         bus_ids = self.nvml.bus_ids()
         found = bus_ids[gpu.index] if gpu.index < len(bus_ids) else None
         if found != gpu.pci_bus_id:
-            log.warning("%s answers NVML again but at %s, not %s; it stays unhealthy",
-                        self.state.gpu_name(gpu.uuid), found or "no bus id", gpu.pci_bus_id)
+            if gpu.uuid not in self._misplaced:  # said once, not at every sample
+                self._misplaced.add(gpu.uuid)
+                log.warning("%s answers NVML again but at %s, not %s; it stays unhealthy",
+                            self.state.gpu_name(gpu.uuid), found or "no bus id", gpu.pci_bus_id)
             return
+        self._misplaced.discard(gpu.uuid)
         self.state.update_health(gpu.uuid, lambda h: cleared(h) if h.lost and h.missing else h)
         log.info("%s is back on the bus at %s; healthy again as far as XIDs go",
                  self.state.gpu_name(gpu.uuid), gpu.pci_bus_id)
