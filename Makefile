@@ -6,7 +6,7 @@ RUN_ROOT ?= .run/root
 SIMULATE ?= dgx-h100
 BIN := $(VENV)/bin
 
-.PHONY: run test test-all bench package e2e clean
+.PHONY: run lint test test-all bench package e2e clean
 
 $(BIN)/gpu-agent: pyproject.toml
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
@@ -31,12 +31,17 @@ run: $(BIN)/gpu-agent
 	@echo "Ctrl-C stops it."
 	$(BIN)/gpu-agent --root $(RUN_ROOT) --simulate $(SIMULATE) run
 
-test: $(BIN)/gpu-agent
-	$(BIN)/python -m pytest -q --ignore=tests/e2e
+# ruff first (fast, finds most), then mypy on gpu_agent (files in pyproject's [tool.mypy]).
+lint: $(BIN)/gpu-agent
+	$(BIN)/ruff check gpu_agent tests bench packaging
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q -n auto --ignore=tests/e2e
 
 # The same suite with its long trials at full length (200 kill -9 trials instead of 20).
-test-all: $(BIN)/gpu-agent
-	GPU_AGENT_TEST_ALL=1 $(BIN)/python -m pytest -q --ignore=tests/e2e
+test-all: lint
+	GPU_AGENT_TEST_ALL=1 $(BIN)/python -m pytest -q -n auto --ignore=tests/e2e
 
 # The packages installed and run under a booted Debian 12 (root; debootstrap, systemd-nspawn, lintian, rpm).
 e2e: $(BIN)/gpu-agent

@@ -32,7 +32,7 @@ class WriteFile(Change):
     mode: Optional[int] = None  # for a new file; an existing one keeps its own
 
     @classmethod
-    def of(cls, path: str, content: str, current: Optional[str], mode: Optional[int] = None) -> "WriteFile":
+    def of(cls, path: str, content: str, current: Optional[str], mode: Optional[int] = None) -> WriteFile:
         return cls(path, digest(content), len(content.encode()), digest(current) if current is not None else None,
                    mode)
 

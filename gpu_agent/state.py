@@ -8,6 +8,8 @@ from typing import Any, Callable, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import LoadedConfig
+from gpu_agent.health.policy import meaning as xid_meaning
+from gpu_agent.health.policy import recovers_at
 from gpu_agent.nvml.model import GpuHealth, GpuSample, Inventory, to_json
 
 PENDING, OK, FAILED, WAITING = "pending", "ok", "failed", "waiting"
@@ -67,7 +69,9 @@ class AgentState:
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
     mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
+    health_transitions: dict[tuple[str, str], int] = field(default_factory=dict)  # by (GPU UUID, "healthy"/"unhealthy")
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
+    sampled_at: Optional[float] = None  # when `samples` were taken (unix time)
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
@@ -81,15 +85,26 @@ class AgentState:
         """Publish a GPU's new health: the dict and the record are replaced, never changed in place,
         so a reader on another thread sees the old model or the new one."""
         with _PUBLISH:
-            new = change(self.health.get(uuid, GpuHealth()))
+            old = self.health.get(uuid, GpuHealth())
+            new = change(old)
+            if new.healthy != old.healthy:
+                key = (uuid, "healthy" if new.healthy else "unhealthy")
+                self.health_transitions = {**self.health_transitions, key: self.health_transitions.get(key, 0) + 1}
             self.health = {**self.health, uuid: new}
             return new
+
+    def gpu_name(self, uuid: str) -> str:
+        """`GPU 3 (GPU-...)` for a log line, or the UUID alone for a GPU not in the inventory."""
+        inventory = self.inventory or self.last_inventory
+        index = next((gpu.index for gpu in inventory.gpus if gpu.uuid == uuid), None) if inventory else None
+        return f"GPU {index} ({uuid})" if index is not None else f"GPU {uuid}"
 
     # --- stage results (written by the engine only) ----------------------------------------------
 
     def output(self, name: str) -> Any:
         """A stage result as last recorded: inventory (discovery), pci_gpus (driver), mig (mig), runtimes (toolkit)."""
-        return {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}[name]
+        outputs = {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}
+        return outputs[name]
 
     def record_output(self, name: str, value: Any) -> None:
         if name == "inventory":
@@ -195,15 +210,20 @@ class AgentState:
 
     def _gpu_json(self, gpu: Any) -> dict[str, Any]:
         health = self.health.get(gpu.uuid, GpuHealth())
+        settings = self.config.config.health
         return {
             "index": gpu.index,
             "uuid": gpu.uuid,
             "pci_bus_id": gpu.pci_bus_id,
             "product": gpu.product,
             "memory_mib": gpu.memory_mib,
-            "compute_capability": "%d.%d" % gpu.compute_capability,
+            "compute_capability": "{}.{}".format(*gpu.compute_capability),
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
+            "last_xid": None if health.last_xid is None else {"xid": health.last_xid,
+                                                              "meaning": xid_meaning(health.last_xid)},
+            "recovers_at": recovers_at(health, settings),
+            "lost": health.lost,  # off the bus: recovers only once NVML answers for it again at pci_bus_id
             "xid_counts": {str(xid): count for xid, count in health.xid_counts},
             "mig": {
                 "capable": gpu.mig.capable,

@@ -4,13 +4,14 @@ import os
 import sys
 
 LIB = "/usr/lib/gpu-agent"
-abi_dir = os.path.join(LIB, "site-cp%d%d" % sys.version_info[:2])
+abi_dir = os.path.join(LIB, "site-cp{}{}".format(*sys.version_info[:2]))
 if not os.path.isdir(abi_dir):
     built = sorted(d[len("site-cp"):] for d in os.listdir(LIB) if d.startswith("site-cp"))
     sys.stderr.write(
-        "gpu-agent: no dependencies built for Python %d.%d in %s (built for: %s); "
-        "install the gpu-agent package made for this distribution\n"
-        % (sys.version_info[0], sys.version_info[1], LIB, ", ".join(v[0] + "." + v[1:] for v in built))
+        "gpu-agent: no dependencies built for Python {}.{} in {} (built for: {}); "
+        "install the gpu-agent package made for this distribution\n".format(
+            sys.version_info[0], sys.version_info[1], LIB, ", ".join(v[0] + "." + v[1:] for v in built)
+        )
     )
     sys.exit(1)
 sys.dont_write_bytecode = True  # /usr is read-only to the service; keep dpkg's file list exact

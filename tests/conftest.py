@@ -34,6 +34,7 @@ _PROJECT = Path(__file__).resolve().parent.parent
 _ALWAYS = tuple(str(p) for p in {
     _PROJECT, _PROJECT.parent / "shared", Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
     Path(tempfile.gettempdir()), Path("/dev/null"), Path("/dev/urandom"), Path("/proc/self"),
+    Path(os.path.realpath("/proc/self")),  # paths are compared resolved: /proc/self is /proc/<this pid>
     Path("/usr/lib/python3"), Path("/usr/share/zoneinfo"), Path("/etc/localtime"), Path("/usr/lib/ssl"),
     Path("/etc/ssl"), Path("/etc/mime.types"),
     Path("/proc/stat"),  # the process collector's boot time, for the agent's own metrics
@@ -115,7 +116,7 @@ class AgentProcess:
         self.proc: Optional[subprocess.Popen[str]] = None
         self.started_at = 0.0
 
-    def start(self, *args: str, env: Optional[dict[str, str]] = None) -> "AgentProcess":
+    def start(self, *args: str, env: Optional[dict[str, str]] = None) -> AgentProcess:
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_AGENT_", "WATCHDOG_"))}
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(

@@ -528,7 +528,9 @@ class _Conformer:
                 struct = _GO_STRUCT[path[:i]]
                 break
         dotted = ".".join(path)
-        return _DecodeError(f"json: cannot unmarshal {_json_kind(value)} into Go struct field {struct}.{dotted} of type {gotype}")
+        return _DecodeError(
+            f"json: cannot unmarshal {_json_kind(value)} into Go struct field {struct}.{dotted} of type {gotype}"
+        )
 
     def _struct(self, doc: dict[str, Any], schema: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
         for key in doc:
@@ -624,13 +626,14 @@ _OMIT: Any = _Omit()
 # --------------------------------------------------------------------------------------------
 
 _QNAME_FMT = "([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
-_QNAME_MSG = "must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character"
+_QNAME_MSG = ("must consist of alphanumeric characters, '-', '_' or '.', "
+              "and must start and end with an alphanumeric character")
 _LABEL_VALUE_FMT = "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?"
 _LABEL_VALUE_MSG = ("a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', "
                     "and must start and end with an alphanumeric character")
 _DNS1123_SUBDOMAIN_FMT = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-_DNS1123_SUBDOMAIN_MSG = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
-                          "and must start and end with an alphanumeric character")
+_DNS1123_SUBDOMAIN_MSG = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, "
+                          "'-' or '.', and must start and end with an alphanumeric character")
 
 
 def _regex_error(msg: str, fmt: str, *examples: str) -> str:
@@ -652,7 +655,9 @@ def qualified_name_errors(value: str) -> list[str]:
             if len(prefix) > 253:
                 errors.append("prefix part must be no more than 253 characters")
             if not re.fullmatch(_DNS1123_SUBDOMAIN_FMT, prefix):
-                errors.append("prefix part " + _regex_error(_DNS1123_SUBDOMAIN_MSG, _DNS1123_SUBDOMAIN_FMT, "example.com"))
+                errors.append(
+                    "prefix part " + _regex_error(_DNS1123_SUBDOMAIN_MSG, _DNS1123_SUBDOMAIN_FMT, "example.com")
+                )
     else:
         return ["a qualified name " + _regex_error(_QNAME_MSG, _QNAME_FMT, "MyName", "my.name", "123-abc")
                 + " with an optional DNS subdomain prefix and '/' (e.g. 'example.com/MyName')"]
@@ -679,16 +684,24 @@ def _validate_metadata(node: dict[str, Any]) -> list[_FieldError]:
     meta = node.get("metadata", {})
     for key, value in sorted(meta.get("labels", {}).items()):
         for msg in qualified_name_errors(key):
-            errors.append(_FieldError("metadata.labels", "FieldValueInvalid", f"Invalid value: {json.dumps(key)}: {msg}"))
+            errors.append(
+                _FieldError("metadata.labels", "FieldValueInvalid", f"Invalid value: {json.dumps(key)}: {msg}")
+            )
         for msg in label_value_errors(value):
-            errors.append(_FieldError("metadata.labels", "FieldValueInvalid", f"Invalid value: {json.dumps(value)}: {msg}"))
+            errors.append(
+                _FieldError("metadata.labels", "FieldValueInvalid", f"Invalid value: {json.dumps(value)}: {msg}")
+            )
     annotations = meta.get("annotations", {})
     for key in sorted(annotations):
         for msg in qualified_name_errors(key.lower()):
-            errors.append(_FieldError("metadata.annotations", "FieldValueInvalid", f"Invalid value: {json.dumps(key)}: {msg}"))
+            errors.append(
+                _FieldError("metadata.annotations", "FieldValueInvalid", f"Invalid value: {json.dumps(key)}: {msg}")
+            )
     size = sum(len(k) + len(v) for k, v in annotations.items())
     if size > 256 * 1024:
-        errors.append(_FieldError("metadata.annotations", "FieldValueTooLong", "Too long: must have at most 262144 bytes"))
+        errors.append(
+            _FieldError("metadata.annotations", "FieldValueTooLong", "Too long: must have at most 262144 bytes")
+        )
     return errors
 
 
@@ -769,8 +782,8 @@ def _smp_map(original: Any, patch: dict[str, Any], path: tuple[str, ...]) -> Any
         if directive == "replace":
             return _strip_directives({k: v for k, v in patch.items() if k != _DIRECTIVE})
         if directive != "merge":
-            raise _SMPError(ApiError(500, f"Internal error occurred: unknown patch type: {directive} in map: {_go_map(patch)}",
-                                     "InternalError"))
+            message = f"Internal error occurred: unknown patch type: {directive} in map: {_go_map(patch)}"
+            raise _SMPError(ApiError(500, message, "InternalError"))
     retain = patch.get(_RETAIN_KEYS)
     if retain is not None and not (isinstance(retain, list) and all(isinstance(k, str) for k in retain)):
         raise _SMPError(_bad_request("invalid patch format of retainKeys"))
@@ -828,7 +841,9 @@ def _smp_list(original: Any, patch: list[Any], path: tuple[str, ...]) -> list[An
                 raise _SMPError(ApiError(500, f"map: {_go_map(item)} does not contain declared merge key: {merge_key}",
                                          "InternalError"))
             key_value = item[merge_key]
-            index = next((i for i, cur in enumerate(current) if isinstance(cur, dict) and cur.get(merge_key) == key_value), None)
+            index = next(
+                (i for i, cur in enumerate(current) if isinstance(cur, dict) and cur.get(merge_key) == key_value), None
+            )
             if item.get(_DIRECTIVE) == "delete":
                 current = [cur for cur in current if not (isinstance(cur, dict) and cur.get(merge_key) == key_value)]
                 continue
@@ -883,7 +898,8 @@ def json_patch(doc: Any, operations: Any) -> Any:
             elif isinstance(container, list) and token.isdigit() and int(token) < len(container):
                 container = container[int(token)]
             else:
-                raise fail(f"{op} operation does not apply: doc is missing path: \"/{'/'.join(tokens)}\": missing value")
+                raise fail(f"{op} operation does not apply: doc is missing path: "
+                           f"\"/{'/'.join(tokens)}\": missing value")
         return container, tokens[-1]
 
     def get(tokens: list[str], op: str) -> Any:
@@ -923,7 +939,8 @@ def json_patch(doc: Any, operations: Any) -> Any:
                 else:
                     container.insert(int(last), value)
             else:
-                raise fail(f"{op} operation does not apply: doc is missing path: \"/{'/'.join(tokens)}\": missing value")
+                raise fail(f"{op} operation does not apply: doc is missing path: "
+                           f"\"/{'/'.join(tokens)}\": missing value")
         else:
             raise fail(f"{op} operation does not apply: doc is missing path: \"/{'/'.join(tokens)}\": missing value")
 
@@ -1026,9 +1043,11 @@ def make_node(name: str, *, index: int = 0, labels: Optional[Mapping[str, str]] 
                 "kubeProxyVersion": kubelet_version, "operatingSystem": "linux", "architecture": "amd64",
             },
             "images": [
-                {"names": ["registry.k8s.io/kube-proxy@sha256:" + "0" * 64, f"registry.k8s.io/kube-proxy:{kubelet_version}"],
+                {"names": ["registry.k8s.io/kube-proxy@sha256:" + "0" * 64,
+                           f"registry.k8s.io/kube-proxy:{kubelet_version}"],
                  "sizeBytes": 30229924},
-                {"names": ["registry.k8s.io/pause@sha256:" + "1" * 64, "registry.k8s.io/pause:3.10"], "sizeBytes": 320368},
+                {"names": ["registry.k8s.io/pause@sha256:" + "1" * 64, "registry.k8s.io/pause:3.10"],
+                 "sizeBytes": 320368},
             ],
         },
     }
@@ -1088,7 +1107,7 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, emulator: "KubeEmulator") -> None:
+    def __init__(self, emulator: KubeEmulator) -> None:
         self.emulator = emulator
         super().__init__(("127.0.0.1", 0), _Handler)
 
@@ -1123,7 +1142,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:  # the stdlib names it format
         pass
 
     def send_response(self, code: int, message: Optional[str] = None) -> None:
@@ -1197,7 +1216,7 @@ class KubeEmulator:
         ctx.set_alpn_protocols(["http/1.1"])
         return ctx
 
-    def start(self) -> "KubeEmulator":
+    def start(self) -> KubeEmulator:
         if self._server is not None:
             return self
         self._stopping.clear()
@@ -1241,7 +1260,7 @@ class KubeEmulator:
         if self._owns_pki:
             self.pki.cleanup()
 
-    def __enter__(self) -> "KubeEmulator":
+    def __enter__(self) -> KubeEmulator:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -1415,8 +1434,9 @@ class KubeEmulator:
                 return found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                seen = [(r.method, r.path, r.status) for r in self.requests]
                 raise AssertionError(f"expected {count} request(s) matching {method or '*'} {path or '*'} within "
-                                     f"{timeout} s, got {len(found)}: {[(r.method, r.path, r.status) for r in self.requests]}")
+                                     f"{timeout} s, got {len(found)}: {seen}")
             with self._log_cond:
                 self._log_cond.wait(min(remaining, 0.1))
 
@@ -1659,7 +1679,9 @@ class KubeEmulator:
         except Exception:  # the emulator's own bug: answer like kube would, keep the traceback
             tb = traceback.format_exc()
             self._errors.append(tb)
-            failure = ApiError(500, "Internal error occurred: emulator failure (see KubeEmulator.errors)", "InternalError")
+            failure = ApiError(
+                500, "Internal error occurred: emulator failure (see KubeEmulator.errors)", "InternalError"
+            )
             self._finish_record(record, error=tb)
             self._send(handler, failure.code, failure.body, {}, record)
 
@@ -1819,7 +1841,9 @@ class KubeEmulator:
         if not public and AUTHENTICATED_GROUP not in user.groups:
             raise ApiError(403, f'forbidden: User "{user.name}" cannot get path "{path}"', "Forbidden", {})
         if method not in ("GET", "HEAD"):
-            raise ApiError(405, "the server does not allow this method on the requested resource", "MethodNotAllowed", {})
+            raise ApiError(
+                405, "the server does not allow this method on the requested resource", "MethodNotAllowed", {}
+            )
         if parts[0] in ("healthz", "livez", "readyz"):
             return 200, "ok", {}  # kube answers text/plain "ok"; JSON-encoded here
         if parts == ["version"]:
@@ -1869,8 +1893,9 @@ class KubeEmulator:
                                     f"{JSON_PATCH}, {MERGE_PATCH}, {APPLY_PATCH}, {STRATEGIC_MERGE_PATCH}",
                                "UnsupportedMediaType")
         elif content_type not in (JSON, ""):
-            raise ApiError(415, f'the body of the request was in an unknown format - accepted media types include: '
-                                f'{JSON}, application/yaml, application/vnd.kubernetes.protobuf', "UnsupportedMediaType")
+            raise ApiError(415, f"the body of the request was in an unknown format - accepted media types include: "
+                                f"{JSON}, application/yaml, application/vnd.kubernetes.protobuf",
+                           "UnsupportedMediaType")
         try:
             document = json.loads(body.decode("utf-8")) if body else None
         except (UnicodeDecodeError, ValueError) as exc:
@@ -1914,12 +1939,13 @@ class KubeEmulator:
             except _DecodeError as exc:
                 if verb == "update":
                     raise _bad_request(str(exc)) from None
+                compact = json.dumps(patched, separators=(",", ":"))
                 raise _invalid("", [_FieldError("patch", "FieldValueInvalid",
-                                                f"Invalid value: {json.dumps(json.dumps(patched, separators=(',', ':')))}: "
-                                                f"{exc}")], kind="") from None
+                                                f"Invalid value: {json.dumps(compact)}: {exc}")], kind="") from None
             if conformer.unknown:
                 if field_validation == "Strict":
-                    raise _bad_request("strict decoding error: " + ", ".join(f'unknown field "{u}"' for u in conformer.unknown))
+                    unknown = ", ".join(f'unknown field "{u}"' for u in conformer.unknown)
+                    raise _bad_request("strict decoding error: " + unknown)
                 if field_validation != "Ignore":
                     warnings.extend(f'unknown field "{u}"' for u in conformer.unknown)
             new_name = candidate["metadata"].get("name", "")
@@ -1971,7 +1997,9 @@ class KubeEmulator:
             raise _forbidden(requested, f'node "{node_name}" is not allowed to modify node "{requested}"')
         new_source, old_source = new.get("spec", {}).get("configSource"), old.get("spec", {}).get("configSource")
         if new_source is not None and new_source != old_source:
-            raise _forbidden(requested, f'node "{node_name}" is not allowed to update configSource to a new non-nil configSource')
+            raise _forbidden(
+                requested, f'node "{node_name}" is not allowed to update configSource to a new non-nil configSource'
+            )
         if (new.get("spec", {}).get("taints") or []) != (old.get("spec", {}).get("taints") or []):
             raise _forbidden(requested, f'node "{node_name}" is not allowed to modify taints')
         modified = _modified_labels(new["metadata"].get("labels", {}), old["metadata"].get("labels", {}))
@@ -2041,7 +2069,8 @@ def _label_selector(raw: str) -> Callable[[Mapping[str, str]], bool]:
 # kubeconfig
 # --------------------------------------------------------------------------------------------
 
-def write_kubeconfig(path: Union[str, Path], server: Union[KubeEmulator, str], user: Union[str, Credentials, None] = None,
+def write_kubeconfig(path: Union[str, Path], server: Union[KubeEmulator, str],
+                     user: Union[str, Credentials, None] = None,
                      mode: str = "cert-data", *, groups: Optional[Iterable[str]] = None, token: Optional[str] = None,
                      ca_pem: Optional[bytes] = None, ca_path: Optional[Path] = None, combined_pem: bool = False,
                      cluster_name: str = "kubernetes", context_name: Optional[str] = None) -> Path:

@@ -40,7 +40,7 @@ class Node:
         self.root = Root(path).with_kernel(self.state.kernel_dir)
         self.nvml = Nvml(FakeNvml(self.state))
 
-    def load(self, *modules: str) -> "Node":
+    def load(self, *modules: str) -> Node:
         for module in modules:
             SimModprobe(self.state, self.root).load(module)
         return self

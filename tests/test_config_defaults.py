@@ -29,7 +29,7 @@ def test_every_setting_uncommented_gives_the_defaults_too() -> None:
 
 def test_every_setting_is_in_the_file() -> None:
     text = render_defaults()
-    for name, field in AgentConfig.model_fields.items():
+    for name in AgentConfig.model_fields:
         assert f"{name}:" in text
         value = AgentConfig().__getattribute__(name)
         for key in getattr(type(value), "model_fields", {}):

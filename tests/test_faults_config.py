@@ -82,7 +82,8 @@ ROWS: list[tuple[str, str | bytes, str]] = [
     ("unknown top-level key", V1 + "reconcil: {}\n", ":2: reconcil: unknown key"),
     ("unknown nested key", V1 + "toolkit:\n  cdi:\n    enable: true\n", ":4: toolkit.cdi.enable: unknown key"),
     ("number as a key", V1 + "1: 2\n", ":2: 1: Keys should be strings"),
-    ("20000 unknown keys", V1 + "".join(f"k{i}: 1\n" for i in range(20_000)), f"and {20_000 - MAX_REPORTED_ERRORS} more"),
+    ("20000 unknown keys", V1 + "".join(f"k{i}: 1\n" for i in range(20_000)),
+     f"and {20_000 - MAX_REPORTED_ERRORS} more"),
     # --- wrong types, at every level
     ("section is a list", V1 + "reconcile: [60]\n", ":2: reconcile: Input should be a valid dictionary"),
     ("section is a string", V1 + "toolkit: yes\n", ":2: toolkit: Input should be a valid dictionary"),
@@ -109,8 +110,10 @@ ROWS: list[tuple[str, str | bytes, str]] = [
     ("NaN interval", V1 + "metrics:\n  sample_interval_seconds: .nan\n", ":3: metrics.sample_interval_seconds: "),
     ("negative timeout", V1 + "toolkit:\n  restart_timeout_seconds: -1\n", ":3: toolkit.restart_timeout_seconds: "),
     ("zero backoff", V1 + "reconcile:\n  backoff_initial_seconds: 0\n", ":3: reconcile.backoff_initial_seconds: "),
-    ("week-long modprobe", V1 + "driver:\n  modprobe_timeout_seconds: 604800\n", ":3: driver.modprobe_timeout_seconds: "),
-    ("huge request timeout", V1 + "kubernetes:\n  request_timeout_seconds: 1e9\n", ":3: kubernetes.request_timeout_seconds: "),
+    ("week-long modprobe", V1 + "driver:\n  modprobe_timeout_seconds: 604800\n",
+     ":3: driver.modprobe_timeout_seconds: "),
+    ("huge request timeout", V1 + "kubernetes:\n  request_timeout_seconds: 1e9\n",
+     ":3: kubernetes.request_timeout_seconds: "),
     ("negative GPU count", V1 + "discovery:\n  expected_gpus: -1\n", ":3: discovery.expected_gpus: "),
     ("absurd GPU count", V1 + "discovery:\n  expected_gpus: 100000\n", ":3: discovery.expected_gpus: "),
     ("negative XID", V1 + "health:\n  ignored_xids: [13, -31]\n", ":3: health.ignored_xids.1: "),
@@ -118,12 +121,15 @@ ROWS: list[tuple[str, str | bytes, str]] = [
     # --- paths: absolute, sane
     ("relative kubeconfig", V1 + "kubernetes:\n  kubeconfig: kubelet.conf\n",
      ":3: kubernetes.kubeconfig: must be an absolute path, got 'kubelet.conf'"),
-    ("relative CDI spec path", V1 + "toolkit:\n  cdi:\n    path: cdi/nvidia.yaml\n", ":4: toolkit.cdi.path: must be an absolute"),
+    ("relative CDI spec path", V1 + "toolkit:\n  cdi:\n    path: cdi/nvidia.yaml\n",
+     ":4: toolkit.cdi.path: must be an absolute"),
     ("relative runtime binary", V1 + "toolkit:\n  runtime_binary: nvidia-container-runtime\n",
      ":3: toolkit.runtime_binary: must be an absolute path"),
     ("relative socket", V1 + "http:\n  socket: agent.sock\n", ":3: http.socket: must be an absolute path"),
-    ("NUL in a path", V1 + 'toolkit:\n  runtime_binary: "/usr/bin/nvidia\\0x"\n', ":3: toolkit.runtime_binary: contains a control"),
-    ("newline in a path", V1 + 'kubernetes:\n  kubeconfig: "/etc/k\\n.conf"\n', ":3: kubernetes.kubeconfig: contains a control"),
+    ("NUL in a path", V1 + 'toolkit:\n  runtime_binary: "/usr/bin/nvidia\\0x"\n',
+     ":3: toolkit.runtime_binary: contains a control"),
+    ("newline in a path", V1 + 'kubernetes:\n  kubeconfig: "/etc/k\\n.conf"\n',
+     ":3: kubernetes.kubeconfig: contains a control"),
     ("path longer than PATH_MAX", V1 + "toolkit:\n  cdi:\n    path: /" + "a" * 5000 + "\n", ":4: toolkit.cdi.path: "),
     # --- huge strings
     ("200 kB node name", V1 + "kubernetes:\n  node_name: " + "n" * 200_000 + "\n", ":3: kubernetes.node_name: "),
@@ -140,7 +146,8 @@ ROWS: list[tuple[str, str | bytes, str]] = [
      ":3: driver.parameters: nvidia.NVreg_X: '1#x' cannot be written"),
     ("parameter of an unknown module", V1 + "driver:\n  parameters:\n    nouveau:\n      modeset: 0\n",
      ":3: driver.parameters: unknown module 'nouveau'"),
-    ("parameter name not a string", V1 + "driver:\n  parameters:\n    nvidia:\n      1: x\n", ":5: driver.parameters.nvidia.1"),
+    ("parameter name not a string", V1 + "driver:\n  parameters:\n    nvidia:\n      1: x\n",
+     ":5: driver.parameters.nvidia.1"),
 ]
 
 
@@ -231,7 +238,7 @@ def test_a_config_path_that_is_not_a_readable_file_is_refused_without_blocking(
     def load() -> None:
         try:
             refused(path)
-        except BaseException as exc:  # noqa: BLE001 - a failure, re-raised in the test's thread
+        except BaseException as exc:  # a failure, re-raised in the test's thread
             outcome.append(exc)
 
     reader = threading.Thread(target=load, daemon=True)  # a blocked open() must not hang the suite

@@ -190,7 +190,8 @@ def test_node_cannot_read_another_node(kubelet: Client) -> None:
     assert resp.json == {
         "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
         "message": (f'nodes "{OTHER}" is forbidden: User "system:node:{NODE}" cannot get resource "nodes" in API '
-                    f'group "" at the cluster scope: node \'{NODE}\' cannot read \'{OTHER}\', only its own Node object'),
+                    f'group "" at the cluster scope: node \'{NODE}\' cannot read \'{OTHER}\', '
+                    "only its own Node object"),
         "reason": "Forbidden", "details": {"name": OTHER, "kind": "nodes"}, "code": 403,
     }
 
@@ -207,16 +208,21 @@ def test_node_cannot_patch_another_node(emu: KubeEmulator, kubelet: Client) -> N
     before = emu.resource_version(OTHER)
     resp = kubelet.patch({"metadata": {"labels": {"nvidia.com/gpu.present": "true"}}}, name=OTHER)
     assert resp.status == 403
-    assert resp.json["message"] == f'nodes "{OTHER}" is forbidden: node "{NODE}" is not allowed to modify node "{OTHER}"'
-    resp = kubelet.patch({"status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]}}, name=OTHER, sub="status")
+    assert resp.json["message"] == (
+        f'nodes "{OTHER}" is forbidden: node "{NODE}" is not allowed to modify node "{OTHER}"'
+    )
+    resp = kubelet.patch({"status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]}},
+                         name=OTHER, sub="status")
     assert resp.status == 403
     assert emu.resource_version(OTHER) == before
     assert "nvidia.com/gpu.present" not in emu.labels(OTHER)
 
 
 def test_node_restriction_label_rules(emu: KubeEmulator, kubelet: Client, admin: Client) -> None:
-    allowed = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "feature.node.kubernetes.io/pci-10de.present": "true",
-               "kubelet.kubernetes.io/x": "y", "topology.kubernetes.io/zone": "z1", "node.kubernetes.io/instance-type": "p5"}
+    allowed = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+               "feature.node.kubernetes.io/pci-10de.present": "true",
+               "kubelet.kubernetes.io/x": "y", "topology.kubernetes.io/zone": "z1",
+               "node.kubernetes.io/instance-type": "p5"}
     resp = kubelet.patch({"metadata": {"labels": allowed}}, content_type=MERGE_PATCH)
     assert resp.status == 200, resp.json
     assert all(emu.labels()[k] == v for k, v in allowed.items())
@@ -565,7 +571,7 @@ def test_stop_is_prompt_with_a_hanging_request_and_frees_the_port(pki: KubePKI) 
     def call() -> None:
         try:
             Client(emu, emu.node_credentials(), timeout=20).get()
-        except BaseException as exc:  # noqa: BLE001 - the hang ends with a closed connection
+        except BaseException as exc:  # the hang ends with a closed connection
             errors.append(exc)
 
     thread = threading.Thread(target=call)

@@ -125,7 +125,8 @@ def test_containerd_v2_gets_the_runtime_and_keeps_every_byte(node: Path, tmp_pat
 def test_a_second_run_changes_no_file_and_restarts_nothing(node: Path) -> None:
     containerd_config(node, CONTAINERD_V2)
     apply(node)
-    stamps = {p: (os.stat(node / p).st_ino, os.stat(node / p).st_mtime_ns) for p in ("etc/containerd/config.toml", DROP_IN)}
+    stamps = {p: (os.stat(node / p).st_ino, os.stat(node / p).st_mtime_ns)
+              for p in ("etc/containerd/config.toml", DROP_IN)}
     again = apply(node)
     assert again.returncode == 0 and "did:" not in again.stdout
     assert stamps == {p: (os.stat(node / p).st_ino, os.stat(node / p).st_mtime_ns) for p in stamps}
@@ -151,7 +152,8 @@ def test_a_broken_root_config_fails_naming_file_and_line_and_writes_nothing(node
     path = containerd_config(node, broken)
     result = apply(node)
     assert result.returncode == 2
-    assert "[-] toolkit: failed: /etc/containerd/config.toml:6:" in result.stdout and "nothing was changed" in result.stdout
+    assert "[-] toolkit: failed: /etc/containerd/config.toml:6:" in result.stdout
+    assert "nothing was changed" in result.stdout
     assert path.read_text() == broken and not (node / DROP_IN).exists()
 
 
@@ -205,7 +207,8 @@ def test_crio_drop_in_inherits_the_default_runtime(node: Path) -> None:
 
 def test_no_runtime_means_nothing_to_do(root: Path) -> None:
     result = cli("--simulate", "t4", "apply", "--once", root=root)
-    assert "[+] toolkit: ok: no container runtime found (containerd, Docker, CRI-O): nothing to configure" in result.stdout
+    expected = "[+] toolkit: ok: no container runtime found (containerd, Docker, CRI-O): nothing to configure"
+    assert expected in result.stdout
 
 
 def test_a_missing_or_vulnerable_toolkit_is_refused(root: Path, node: Path) -> None:
@@ -293,7 +296,8 @@ def test_a_missing_toolkit_is_installed_when_asked(root: Path, write_config) -> 
     assert result.returncode == 0, result.stdout
     assert changes(result)[0] == ("InstallPackage", "nvidia-container-toolkit")
     assert ("WriteFile", "/etc/containerd/config.toml") in changes(result)
-    assert "nvidia runtime configured for containerd; toolkit 1.17.8" in json.loads(result.stdout)["stages"][3]["message"]
+    toolkit = json.loads(result.stdout)["stages"][3]
+    assert "nvidia runtime configured for containerd; toolkit 1.17.8" in toolkit["message"]
 
 
 def test_a_root_file_without_runc_keeps_runc_through_the_drop_in(node: Path, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ _SUBCOMMANDS = {
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 1 (error): exit 2 means degraded or not ready everywhere in gpu-agent."""
 
-    def error(self, message: str) -> "NoReturn":
+    def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
 

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
-from gpu_agent.cli.common import config_of, plan_json, root_of
+from gpu_agent.cli.common import one_pass, plan_json
 from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
 
 
@@ -18,20 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpu_agent.daemon.app import Runtime, take_lock
-
-    root = root_of(args)
-    loaded = config_of(args)
-    lock = None if args.dry_run else take_lock(root)
-    try:
-        runtime = Runtime.build(root, loaded, args.simulate)
-        try:
-            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=args.dry_run))
-        finally:
-            runtime.nvml.close()
-    finally:
-        if lock is not None:
-            lock.close()
+    runs, runtime = one_pass(args, dry_run=args.dry_run)
+    loaded, root = runtime.state.config, runtime.root
     converged = all(run.state == "ok" and not (args.dry_run and run.planned) for run in runs)
     if args.json:
         print(plan_json(runs, loaded, root, dry_run=args.dry_run))

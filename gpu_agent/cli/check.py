@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from gpu_agent.cli.common import config_of, plan_json, root_of
+from gpu_agent.cli.common import one_pass, plan_json
 from gpu_agent.errors import EXIT_NOT_READY, EXIT_OK
 
 
@@ -13,15 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpu_agent.daemon.app import Runtime
-
-    root = root_of(args)
-    loaded = config_of(args)
-    runtime = Runtime.build(root, loaded, args.simulate)
-    try:
-        runs = asyncio.run(runtime.engine.reconcile(dry_run=True))
-    finally:
-        runtime.nvml.close()
+    runs, runtime = one_pass(args, dry_run=True)
+    loaded, root = runtime.state.config, runtime.root
     problems = sum(run.state != "ok" for run in runs)
     if args.json:
         print(plan_json(runs, loaded, root, dry_run=True))

@@ -4,13 +4,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from gpu_agent.config import DEFAULT_CONFIG_PATH, LoadedConfig, load_config
 from gpu_agent.host.paths import Root
 
 if TYPE_CHECKING:
+    from gpu_agent.daemon.app import Runtime
     from gpu_agent.daemon.engine import StageRun
+    from gpu_agent.stages.base import Stage
 
 
 def root_of(args: argparse.Namespace) -> Root:
@@ -29,7 +31,7 @@ def config_of(args: argparse.Namespace) -> LoadedConfig:
     return load_config(path, required)
 
 
-def plan_json(runs: Sequence["StageRun"], loaded: LoadedConfig, root: Root, dry_run: bool) -> str:
+def plan_json(runs: Sequence[StageRun], loaded: LoadedConfig, root: Root, dry_run: bool) -> str:
     """What `check --json` and `apply --once [--dry-run] --json` print: each stage's outcome and its
     typed changes (planned, or made)."""
     stages: list[dict[str, Any]] = [{
@@ -47,3 +49,28 @@ def plan_json(runs: Sequence["StageRun"], loaded: LoadedConfig, root: Root, dry_
         "changes": sum(len(stage["changes"]) for stage in stages),
     }
     return json.dumps(document, indent=2)
+
+
+def one_pass(args: argparse.Namespace, dry_run: bool, locked: bool = True,
+             stages: Callable[[Runtime], list[Stage]] | None = None) -> tuple[list[StageRun], Runtime]:
+    """One reconcile pass in this process, as `apply --once`, `check`, `labels` and `uninstall` run it:
+    under the agent's lock unless a dry run (or `locked` is False), over `stages(runtime)` when given."""
+    import asyncio
+
+    from gpu_agent.daemon.app import Runtime, take_lock
+
+    root = root_of(args)
+    loaded = config_of(args)
+    lock = take_lock(root) if locked and not dry_run else None
+    try:
+        runtime = Runtime.build(root, loaded, args.simulate)
+        try:
+            if stages is not None:
+                runtime.engine.set_stages(stages(runtime))
+            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=dry_run))
+        finally:
+            runtime.nvml.close()
+    finally:
+        if lock is not None:
+            lock.close()
+    return runs, runtime

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 
-from gpu_agent.cli.common import config_of, root_of
+from gpu_agent.cli.common import one_pass
 from gpu_agent.errors import EXIT_OK
 
 
@@ -14,16 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpu_agent.daemon.app import Runtime
     from gpu_agent.kube.labels import compute
     from gpu_agent.stages.labels import machine_name
 
-    loaded = config_of(args)
-    runtime = Runtime.build(root_of(args), loaded, args.simulate)
-    try:
-        runs = asyncio.run(runtime.engine.reconcile(dry_run=True))
-    finally:
-        runtime.nvml.close()
+    runs, runtime = one_pass(args, dry_run=True)
+    loaded = runtime.state.config
     runtime.engine.record_dry_run(runs)
     ready, _ = runtime.state.readiness(within_pass=True)
     labels = compute(runtime.state.inventory, ready, loaded.config.kubernetes.mig_strategy, machine_name(runtime.root))

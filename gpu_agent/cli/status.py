@@ -82,20 +82,35 @@ def print_table(status: dict[str, Any]) -> None:
     print(f"config: {config['source']} ({config['digest'][:19]})")
     if config["reload_error"]:
         print(f"config reload rejected: {config['reload_error']}")
-    rows = [("STAGE", "STATE", "MESSAGE")]
+    rows: list[tuple[str, ...]] = [("STAGE", "STATE", "MESSAGE")]
     rows += [(s["name"], s["state"], s["message"]) for s in status["stages"]]
     _table(rows)
     if status["gpus"]:
         print()
-        rows = [("GPU", "UUID", "PCI", "PRODUCT", "MEMORY", "HEALTH", "MIG")]
+        rows = [("GPU", "UUID", "PCI", "PRODUCT", "MEMORY", "MIG", "HEALTH", "LAST XID", "RECOVERS")]
         for gpu in status["gpus"]:
             mig = gpu["mig"]
             mig_text = "n/a" if not mig["capable"] else (
                 f"on ({len(mig['instances'])} instances)" if mig["mode"] == "enabled" else "off")
-            health = gpu["health"] if not gpu["health_reason"] else f"{gpu['health']}: {gpu['health_reason']}"
+            last = gpu.get("last_xid")
             rows.append((str(gpu["index"]), gpu["uuid"], gpu["pci_bus_id"], gpu["product"],
-                         f"{gpu['memory_mib']} MiB", health, mig_text))
+                         f"{gpu['memory_mib']} MiB", mig_text, gpu["health"],
+                         f"{last['xid']} ({last['meaning']})" if last else "-", _recovery(gpu)))
         _table(rows)
+        for gpu in status["gpus"]:
+            if gpu["health_reason"]:
+                print(f"GPU {gpu['index']} {gpu['health']}: {gpu['health_reason']}")
+
+
+def _recovery(gpu: dict[str, Any]) -> str:
+    """When an unhealthy GPU will be considered healthy again."""
+    if gpu["health"] == "healthy":
+        return "-"
+    if gpu.get("lost"):
+        return f"when NVML sees it again at {gpu['pci_bus_id']}"
+    if gpu.get("recovers_at") is not None:
+        return time.strftime("at %Y-%m-%d %H:%M:%S %Z", time.localtime(gpu["recovers_at"]))
+    return "when NVML answers for it again"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:

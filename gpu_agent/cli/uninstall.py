@@ -8,9 +8,8 @@ stay: they are the running driver's, and the GPUs' users need them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from gpu_agent.cli.common import config_of, plan_json, root_of
+from gpu_agent.cli.common import one_pass, plan_json
 from gpu_agent.errors import EXIT_NOT_READY, EXIT_OK
 
 
@@ -20,22 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpu_agent.daemon.app import Runtime, take_lock
     from gpu_agent.stages.owned_files import OwnedFiles
 
-    root = root_of(args)
-    loaded = config_of(args)
-    lock = None if args.dry_run else take_lock(root)
-    try:
-        runtime = Runtime.build(root, loaded, args.simulate)
-        try:
-            runtime.engine.set_stages([OwnedFiles(runtime.root, runtime.services, set(), uninstall=True)])
-            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=args.dry_run))
-        finally:
-            runtime.nvml.close()
-    finally:
-        if lock is not None:
-            lock.close()
+    runs, runtime = one_pass(args, dry_run=args.dry_run,
+                             stages=lambda runtime: [OwnedFiles(runtime.root, runtime.services, set(), uninstall=True)])
+    loaded = runtime.state.config
     if args.json:
         print(plan_json(runs, loaded, runtime.root, dry_run=args.dry_run))
     else:

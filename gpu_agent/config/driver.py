@@ -28,7 +28,9 @@ class DriverModules(Section):
 
 class DriverConfig(Section):
     enabled: bool = Field(True, description="Load, verify and repair the NVIDIA kernel driver.")
-    version: Optional[str] = Field(None, max_length=64, description='Pin, e.g. "550.90.07": any other loaded version fails.')
+    version: Optional[str] = Field(
+        None, max_length=64, description='Pin, e.g. "550.90.07": any other loaded version fails.'
+    )
     blacklist_nouveau: bool = Field(False, description="Write /etc/modprobe.d/blacklist-nouveau.conf.")
     modules: DriverModules = DriverModules()
     parameters: dict[str, dict[str, Union[str, int]]] = Field(

@@ -11,8 +11,12 @@ from gpu_agent.config.section import AbsolutePath, Section, seconds
 class KubernetesConfig(Section):
     enabled: Union[bool, Literal["auto"]] = Field(
         "auto", description="Publish labels and the GPUAgentReady condition; auto: when the kubeconfig exists.")
-    kubeconfig: AbsolutePath = Field("/etc/kubernetes/kubelet.conf", description="The node's own credentials (kubelet's).")
-    node_name: Optional[str] = Field(None, max_length=253, description="This node's name in the cluster; default: the hostname.")
+    kubeconfig: AbsolutePath = Field(
+        "/etc/kubernetes/kubelet.conf", description="The node's own credentials (kubelet's)."
+    )
+    node_name: Optional[str] = Field(
+        None, max_length=253, description="This node's name in the cluster; default: the hostname."
+    )
     mig_strategy: Literal["none", "single", "mixed"] = Field("none", description="As GPU Feature Discovery's.")
     nfd_feature_file: bool = Field(
         False, description="Also write the labels to /etc/kubernetes/node-feature-discovery/features.d/gpu-agent.")

@@ -36,7 +36,7 @@ class _Refused(Exception):
         self.line, self.reason = line, reason
 
 
-class _StrictLoader(_Loader):  # type: ignore[misc, valid-type]
+class _StrictLoader(_Loader):
     """Refuses duplicate keys, and turns a value Python cannot convert into a YAML error at its line."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -51,7 +51,7 @@ class _StrictLoader(_Loader):  # type: ignore[misc, valid-type]
                     raise _Refused(line, f"duplicate key {shown(key)}, first given on line {seen[key]}; "
                                          "keep only one of them")
                 seen[key] = line
-        return super().construct_mapping(node, deep=deep)  # type: ignore[no-any-return]
+        return super().construct_mapping(node, deep=deep)
 
     def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
         try:

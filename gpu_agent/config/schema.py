@@ -62,26 +62,40 @@ class NvmlConfig(Section):
 class MetricsConfig(Section):
     sample_interval_seconds: float = seconds(
         5, 3600, "How often GPU metrics are sampled; a scrape never calls NVML.")
-    hostname: Optional[str] = Field(None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name.")
+    hostname: Optional[str] = Field(
+        None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name."
+    )
 
 
 class DiscoveryConfig(Section):
     expected_gpus: Optional[int] = Field(
-        None, ge=0, le=MAX_GPUS, description="Fail discovery unless exactly this many GPUs are visible (catches a GPU off the bus)."
+        None,
+        ge=0,
+        le=MAX_GPUS,
+        description="Fail discovery unless exactly this many GPUs are visible (catches a GPU off the bus).",
     )
 
 
 class HealthConfig(Section):
     ignored_xids: list[Annotated[int, Field(ge=0, le=65535)]] = Field(
         [13, 31, 43, 45, 68, 109], max_length=1024,
-        description="XIDs caused by applications, not the GPU (the Kubernetes device plugin's list); "
-        "any other XID marks the GPU unhealthy until the agent restarts.",
+        description="XIDs caused by applications, not the GPU (the Kubernetes device plugin's list, as "
+        "DP_DISABLE_HEALTHCHECKS); any other XID marks the GPU unhealthy.",
     )
+    extra_critical_xids: list[Annotated[int, Field(ge=0, le=65535)]] = Field(
+        [], max_length=1024,
+        description="XIDs that mark the GPU unhealthy even when ignored_xids lists them (as DP_ENABLE_HEALTHCHECKS).",
+    )
+    recover_after_seconds: float = seconds(
+        300, 86400, "A GPU made unhealthy by an XID is healthy again after this long without another critical "
+        "XID; one off the bus (XID 79) only once NVML answers for it again at the same PCI bus id.")
 
 
 class AgentConfig(Section):
     version: Literal["v1"] = "v1"
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="debug, info, warning or error.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug, info, warning or error."
+    )
     reconcile: ReconcileConfig = ReconcileConfig()
     http: HttpConfig = HttpConfig()
     nvml: NvmlConfig = NvmlConfig()

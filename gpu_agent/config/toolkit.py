@@ -20,11 +20,15 @@ class ToolkitConfig(Section):
     runtimes: Union[Literal["auto"], list[Runtime]] = Field(
         "auto", description="auto: every runtime found by its config file, binary or unit; or a list.")
     set_as_default: bool = Field(False, description="Make nvidia the runtimes' default runtime.")
-    runtime_binary: AbsolutePath = Field("/usr/bin/nvidia-container-runtime", description="What the nvidia runtime runs.")
+    runtime_binary: AbsolutePath = Field(
+        "/usr/bin/nvidia-container-runtime", description="What the nvidia runtime runs."
+    )
     oci_hook: bool = Field(False, description="Also install the legacy OCI prestart hook (podman, CRI-O).")
     runtime_config: dict[str, Any] = Field(
         default_factory=dict,
-        description='Keys to set in /etc/nvidia-container-runtime/config.toml, e.g. {"nvidia-container-runtime.mode": "cdi"}.')
+        description='Keys to set in /etc/nvidia-container-runtime/config.toml, '
+        'e.g. {"nvidia-container-runtime.mode": "cdi"}.',
+    )
     install: bool = Field(False, description="Install nvidia-container-toolkit with apt-get or dnf when it is missing.")
     allow_vulnerable_toolkit: bool = Field(
         False, description="Accept a toolkit older than 1.17.8 (CVE-2025-23266).")

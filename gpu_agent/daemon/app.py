@@ -62,7 +62,7 @@ class Runtime:
     units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
 
     @classmethod
-    def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> "Runtime":
+    def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> Runtime:
         """The real host (pynvml, modprobe), or a simulated machine kept under `root`."""
         config = loaded.config
         loader: ModuleLoader
@@ -224,7 +224,7 @@ class Daemon:
         if interval:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
         if self.runtime.machine is not None:
-            self._tasks.append(asyncio.create_task(self._watch_simulator(), name="simulator"))
+            self._tasks.append(asyncio.create_task(self._watch_simulator(self.runtime.machine), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._tasks.append(reconciler)
@@ -404,10 +404,9 @@ class Daemon:
                 self.trigger()
             last = now
 
-    async def _watch_simulator(self) -> None:
+    async def _watch_simulator(self, machine: Any) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
         hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
-        machine = self.runtime.machine
         last = machine.stamp()
         while True:
             await asyncio.sleep(_SIM_POLL_S)
@@ -419,7 +418,8 @@ class Daemon:
 
 
 def _same_stage(old: Stage, new: Stage) -> bool:
-    return getattr(old, "settings", None) == getattr(new, "settings", new) and tuple(old.requires) == tuple(new.requires)
+    same_settings = getattr(old, "settings", None) == getattr(new, "settings", new)
+    return same_settings and tuple(old.requires) == tuple(new.requires)
 
 
 def run_daemon(root: Root, loaded: LoadedConfig, config_path: Path, config_required: bool,

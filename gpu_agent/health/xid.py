@@ -1,50 +1,31 @@
-"""GPU health from XID events: a thread blocks in NVML's event wait and records what it sees."""
+"""GPU health from XID events: a thread blocks in NVML's event wait, records what it sees, and between
+two waits brings back the GPUs whose critical XID is old enough (health.recover_after_seconds)."""
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import Callable, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.nvml.client import Nvml, XidWait, describe
+from gpu_agent.health.policy import after_xid, cleared, is_critical, meaning, recovered_in_time, recovers_at
 from gpu_agent.nvml.model import GpuHealth, XidEvent
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
-
-XID_MEANINGS = {
-    13: "graphics engine exception",
-    31: "GPU memory page fault",
-    43: "GPU stopped processing",
-    45: "preemptive cleanup",
-    48: "double-bit ECC error",
-    61: "internal micro-controller breakpoint",
-    62: "internal micro-controller halt",
-    63: "ECC page retirement or row remapping event",
-    64: "ECC page retirement or row remapping failure",
-    68: "video decoder exception",
-    74: "NVLink error",
-    79: "GPU has fallen off the bus",
-    92: "high single-bit ECC error rate",
-    94: "contained ECC error",
-    95: "uncontained ECC error",
-    109: "context switch timeout",
-    119: "GSP RPC timeout",
-    120: "GSP error",
-    140: "unrecovered ECC error",
-}
 
 _WAIT_MS = 500
 _RETRY_S = 5.0
 
 
 class XidWatcher:
-    def __init__(self, nvml: Nvml, state: AgentState, on_change: Callable[[], None]) -> None:
+    def __init__(self, nvml: Nvml, state: AgentState, on_change: Callable[[], None],
+                 clock: Callable[[], float] = time.time) -> None:
         self.nvml = nvml
         self.state = state
         self.on_change = on_change
+        self.clock = clock
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="xid-watcher", daemon=True)
         self._lock = threading.Lock()
@@ -81,6 +62,7 @@ class XidWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.recover()
             try:
                 wait = self._register()
                 if wait is None:
@@ -99,21 +81,41 @@ class XidWatcher:
                 self.record(event)
 
     def record(self, event: XidEvent) -> None:
-        meaning = XID_MEANINGS.get(event.xid, "see NVIDIA's XID catalog")
-        ignored = event.xid in self.state.config.config.health.ignored_xids
-        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(event.at))
-
-        def seen(health: GpuHealth) -> GpuHealth:
-            counts = dict(health.xid_counts)
-            counts[event.xid] = counts.get(event.xid, 0) + 1
-            reason = health.xid_reason if ignored else f"XID {event.xid} ({meaning}) at {when}"
-            return replace(health, last_xid=event.xid, xid_counts=tuple(sorted(counts.items())), xid_reason=reason)
-
-        self.state.update_health(event.gpu_uuid, seen)
-        if ignored:
-            log.info("GPU %s: XID %d (%s), caused by an application; GPU stays healthy",
-                     event.gpu_uuid, event.xid, meaning)
+        """Apply one XID event: an ignored one is counted, a critical one makes the GPU unhealthy now."""
+        settings = self.state.config.config.health
+        now = self.clock()
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+        before = self.state.health.get(event.gpu_uuid)
+        after = self.state.update_health(event.gpu_uuid,
+                                         lambda health: after_xid(health, event.xid, now, settings, when))
+        gpu = self.state.gpu_name(event.gpu_uuid)
+        if not is_critical(event.xid, settings):
+            log.info("%s: XID %d (%s), caused by an application; GPU stays healthy", gpu, event.xid, meaning(event.xid))
+        elif before is None or before.healthy:
+            log.error("%s unhealthy: XID %d (%s); %s", gpu, event.xid, meaning(event.xid), self._outlook(after))
         else:
-            log.error("GPU %s unhealthy: XID %d (%s); drain the node and reset the GPU",
-                      event.gpu_uuid, event.xid, meaning)
+            log.warning("%s still unhealthy: another XID %d (%s); %s", gpu, event.xid, meaning(event.xid),
+                        self._outlook(after))
         self.on_change()
+
+    def _outlook(self, health: GpuHealth) -> str:
+        due = recovers_at(health, self.state.config.config.health)
+        if due is None:
+            return "it stays unhealthy until NVML sees it again at its PCI bus id: reset the GPU or reboot"
+        return (f"healthy again at {time.strftime('%H:%M:%S', time.localtime(due))} unless another critical XID "
+                "comes; if they keep coming, drain the node and reset the GPU")
+
+    def recover(self) -> None:
+        """Bring back every GPU whose last critical XID is health.recover_after_seconds old (a lost GPU
+        waits for the sampler to find it on the bus again)."""
+        settings = self.state.config.config.health
+        now = self.clock()
+        due = [uuid for uuid, health in self.state.health.items() if recovered_in_time(health, now, settings)]
+        for uuid in due:
+            after = self.state.update_health(
+                uuid, lambda health: cleared(health) if recovered_in_time(health, now, settings) else health)
+            if not after.xid_reason:
+                log.info("%s: no critical XID for %g s; healthy again as far as XIDs go", self.state.gpu_name(uuid),
+                         settings.recover_after_seconds)
+        if due:
+            self.on_change()

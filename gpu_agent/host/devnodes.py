@@ -86,7 +86,8 @@ def node_problem(root: Root, node: DeviceNode) -> Optional[str]:
     if not stat.S_ISCHR(st.st_mode):
         return f"{node.path} is not a character device"
     if (os.major(st.st_rdev), os.minor(st.st_rdev)) != (node.major, node.minor):
-        return f"{node.path} is {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, the driver says {node.major}:{node.minor}"
+        found = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        return f"{node.path} is {found}, the driver says {node.major}:{node.minor}"
     if stat.S_IMODE(st.st_mode) != node.mode or (st.st_uid, st.st_gid) != (node.uid, node.gid):
         return (f"{node.path} is {stat.S_IMODE(st.st_mode):04o} {st.st_uid}:{st.st_gid}, "
                 f"the driver says {node.mode:04o} {node.uid}:{node.gid}")

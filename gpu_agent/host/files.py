@@ -185,7 +185,9 @@ _BACKUP_SUFFIX = re.compile(r"\.(\d{8}T\d{6})(?:~(\d+))?$")
 
 def _backups_of(directory: Path, name: str) -> list[Path]:
     """The backups of one file, oldest first."""
-    found = [path for path in directory.glob(f"{_glob_escape(name)}.*") if _BACKUP_SUFFIX.fullmatch(path.name[len(name):])]
+    found = [
+        path for path in directory.glob(f"{_glob_escape(name)}.*") if _BACKUP_SUFFIX.fullmatch(path.name[len(name):])
+    ]
     return sorted(found, key=lambda path: _order(name, path))
 
 

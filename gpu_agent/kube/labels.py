@@ -109,7 +109,8 @@ def _mixed(gpus: tuple[Gpu, ...], product: str) -> dict[str, str]:
             if profile is None:
                 continue
             key = f"mig-{sanitise(device.profile)}"
-            labels.update({f"{key}.{name}": value for name, value in _mig_attributes(profile, device.memory_mib).items()})
+            attributes = _mig_attributes(profile, device.memory_mib)
+            labels.update({f"{key}.{name}": value for name, value in attributes.items()})
             labels.update({f"{key}.product": sanitise(f"{product}-MIG-{device.profile}"),
                            f"{key}.replicas": "1", f"{key}.sharing-strategy": "none"})
     labels.update({f"mig-{sanitise(name)}.count": str(count) for name, count in counts.items()})

@@ -1,31 +1,23 @@
 """/metrics: the agent's own gpu_agent_* series and dcgm-exporter-compatible GPU series.
 
 Everything is read from the state model at scrape time; the GPU values come from the background
-sampler, so a scrape never calls NVML.
+sampler, so a scrape never calls NVML. The DCGM series are written by this module, not by
+prometheus_client, which would name a counter X_total where dcgm-exporter names it X.
 """
 from __future__ import annotations
 
 import socket
+import time
 from typing import Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from gpu_agent import __version__
+from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, MIG_LABELS, XID_ERRORS, Counter, dcgm_bus_id
+from gpu_agent.nvml.model import Gpu
 from gpu_agent.state import AgentState
-
-DCGM_LABELS = ["gpu", "UUID", "device", "modelName", "Hostname"]
-
-# (name, help, GpuSample field); help texts are dcgm-exporter's default counters file.
-_DCGM_FIELDS = (
-    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "utilization_percent"),
-    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "memory_used_mib"),
-    ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", "memory_free_mib"),
-    ("DCGM_FI_DEV_FB_RESERVED", "Framebuffer memory reserved (in MiB).", "memory_reserved_mib"),
-    ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "temperature_c"),
-    ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "power_w"),
-)
-
 
 class AgentCollector:
     def __init__(self, state: AgentState, nvml_timeouts: Callable[[], int], hostname: Optional[str]) -> None:
@@ -37,6 +29,7 @@ class AgentCollector:
         yield from self._agent()
         yield from self._stages()
         yield from self._gpus()
+        yield self._health_transitions()
 
     def _agent(self) -> Iterator[Metric]:
         state = self.state
@@ -80,35 +73,93 @@ class AgentCollector:
         inventory = self.state.inventory
         if inventory is None:
             return
-        families = {
-            field: GaugeMetricFamily(name, help_text, labels=DCGM_LABELS) for name, help_text, field in _DCGM_FIELDS
-        }
-        xid = GaugeMetricFamily("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.",
-                                labels=DCGM_LABELS)
-        xid_total = CounterMetricFamily("gpu_agent_xid_events", "XID events seen, by XID.", labels=["gpu", "UUID", "xid"])
-        healthy = GaugeMetricFamily("gpu_agent_gpu_healthy", "1 when the GPU is healthy.", labels=DCGM_LABELS)
+        xid_total = CounterMetricFamily("gpu_agent_xid_events", "XID events seen, by XID.",
+                                        labels=["gpu", "UUID", "xid"])
+        healthy = GaugeMetricFamily("gpu_agent_gpu_healthy", "1 when the GPU is healthy.", labels=list(LABELS))
         for gpu in inventory.gpus:
-            labels = [str(gpu.index), gpu.uuid, gpu.device_node, gpu.product, self.hostname]
-            sample = self.state.samples.get(gpu.uuid)
-            if sample is not None:
-                for field, family in families.items():
-                    value = getattr(sample, field)
-                    if value is not None:
-                        family.add_metric(labels, value)
             health = self.state.health.get(gpu.uuid)
-            xid.add_metric(labels, health.last_xid if health and health.last_xid is not None else 0)
-            healthy.add_metric(labels, int(health.healthy) if health else 1)
+            healthy.add_metric(self._labels(gpu), int(health.healthy) if health else 1)
             for code, count in health.xid_counts if health else ():
                 xid_total.add_metric([str(gpu.index), gpu.uuid, str(code)], count)
-        yield from families.values()
-        yield from (xid, xid_total, healthy)
+        yield from (xid_total, healthy)
+        if self.state.sampled_at is not None:
+            yield GaugeMetricFamily("gpu_agent_sample_age_seconds", "Age of the GPU metrics sample /metrics shows.",
+                                    value=max(0.0, time.time() - self.state.sampled_at))
+
+    def _labels(self, gpu: Gpu) -> list[str]:
+        """dcgm-exporter's labels of a whole GPU, in LABELS' order."""
+        inventory = self.state.inventory
+        driver = inventory.driver_version if inventory else ""
+        return [str(gpu.index), gpu.uuid, dcgm_bus_id(gpu.pci_bus_id), f"nvidia{gpu.index}", gpu.product,
+                self.hostname, driver]
+
+    def dcgm_text(self) -> str:
+        """dcgm-exporter's default counters, in its text format: one block per counter name."""
+        inventory = self.state.inventory
+        if inventory is None:
+            return ""
+        blocks = []
+        for counter in DEFAULT_COUNTERS + (XID_ERRORS,):
+            lines = [line for gpu in inventory.gpus for line in self._series(counter, gpu)]
+            if lines:
+                blocks.append(f"# HELP {counter.name} {counter.help}\n# TYPE {counter.name} {counter.kind}\n"
+                              + "".join(lines))
+        return "".join(blocks)
+
+    def _series(self, counter: Counter, gpu: Gpu) -> Iterator[str]:
+        labels = self._labels(gpu)
+        if counter is XID_ERRORS:
+            health = self.state.health.get(gpu.uuid)
+            yield _line(counter.name, LABELS, labels, health.last_xid if health and health.last_xid else 0)
+            return
+        sample = self.state.samples.get(gpu.uuid)
+        if sample is None:
+            return
+        value = getattr(sample, counter.field)
+        if value is not None:
+            yield _line(counter.name, LABELS, labels, value)
+        if counter.per_gpu_instance:
+            for instance in sample.mig:
+                value = getattr(instance, counter.field)
+                if value is not None:
+                    yield _line(counter.name, MIG_LABELS,
+                                labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:], value)
+
+    def _health_transitions(self) -> Metric:
+        transitions = CounterMetricFamily("gpu_agent_gpu_health_transitions",
+                                          "GPU health changes, by the state the GPU went to.",
+                                          labels=["gpu", "UUID", "to"])
+        inventory = self.state.inventory or self.state.last_inventory
+        index = {gpu.uuid: str(gpu.index) for gpu in inventory.gpus} if inventory else {}
+        for (uuid, to), count in sorted(self.state.health_transitions.items()):
+            transitions.add_metric([index.get(uuid, ""), uuid, to], count)
+        return transitions
 
 
-def make_registry(collector: AgentCollector) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    return registry
+def _line(name: str, names: tuple[str, ...], values: list[str], value: float) -> str:
+    pairs = ",".join(f'{key}="{_escape(text)}"' for key, text in zip(names, values))
+    return f"{name}{{{pairs}}} {floatToGoString(value)}\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class AgentRegistry(CollectorRegistry):
+    """The agent's registry, which also knows the collector that writes the DCGM series."""
+
+    def __init__(self, collector: AgentCollector) -> None:
+        super().__init__(auto_describe=False)
+        self.register(collector)
+        self.collector = collector
+
+
+def make_registry(collector: AgentCollector) -> AgentRegistry:
+    return AgentRegistry(collector)
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
+    text = generate_latest(registry)
+    if isinstance(registry, AgentRegistry):
+        text += registry.collector.dcgm_text().encode()
+    return text

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
-from gpu_agent.nvml.model import GpuSample
+from gpu_agent.health.policy import cleared
+from gpu_agent.nvml.model import Gpu, GpuSample
 from gpu_agent.state import AgentState, GpuProcess
 
 log = logging.getLogger(__name__)
@@ -19,6 +21,7 @@ class Sampler:
         self.state = state
         self.root = root
         self._running = threading.Lock()
+        self._misplaced: set[str] = set()  # lost GPUs found answering at another bus id, already logged
 
     def sample(self) -> None:
         """Read every known GPU once; runs on a worker thread. A sample already in progress wins."""
@@ -38,13 +41,15 @@ class Sampler:
         try:
             for gpu in inventory.gpus:
                 try:
-                    samples[gpu.uuid] = self.nvml.sample(gpu.index)
+                    samples[gpu.uuid] = self.nvml.sample(gpu.index, gpu.mig)
                     processes[gpu.uuid] = tuple(
                         GpuProcess(pid, self._process_name(pid), used)
                         for pid, used in self.nvml.processes(gpu.index)
                     )
+                    self._back_on_the_bus(gpu)
                 except self.nvml.lib.NVMLError as exc:
                     self._query_error(gpu.index, gpu.uuid, f"NVML query failed: {describe(exc)}")
+                    self._gone(gpu.uuid)
                 else:
                     self._query_error(gpu.index, gpu.uuid, "")
         except (NvmlHung, NvmlUnavailable) as exc:
@@ -54,6 +59,7 @@ class Sampler:
             return
         self.state.nvml_error = None
         self.state.samples = samples
+        self.state.sampled_at = time.time()
         self.state.processes = processes
 
     def _query_error(self, index: int, uuid: str, error: str) -> None:
@@ -66,6 +72,31 @@ class Sampler:
             log.error("GPU %d: %s", index, error)
         else:
             log.info("GPU %d answers NVML queries again", index)
+
+    def _gone(self, uuid: str) -> None:
+        """A lost GPU (XID 79) NVML no longer answers for: once it answers again, it is back."""
+        health = self.state.health.get(uuid)
+        if health is not None and health.lost and not health.missing:
+            self.state.update_health(uuid, lambda h: replace(h, missing=h.lost))
+
+    def _back_on_the_bus(self, gpu: Gpu) -> None:
+        """A lost GPU that NVML stopped answering for and now answers for again at the same PCI bus id is
+        healthy again (a reset brought it back); at another bus id it is some other GPU, and stays lost."""
+        health = self.state.health.get(gpu.uuid)
+        if health is None or not (health.lost and health.missing):
+            return
+        bus_ids = self.nvml.bus_ids()
+        found = bus_ids[gpu.index] if gpu.index < len(bus_ids) else None
+        if found != gpu.pci_bus_id:
+            if gpu.uuid not in self._misplaced:  # said once, not at every sample
+                self._misplaced.add(gpu.uuid)
+                log.warning("%s answers NVML again but at %s, not %s; it stays unhealthy",
+                            self.state.gpu_name(gpu.uuid), found or "no bus id", gpu.pci_bus_id)
+            return
+        self._misplaced.discard(gpu.uuid)
+        self.state.update_health(gpu.uuid, lambda h: cleared(h) if h.lost and h.missing else h)
+        log.info("%s is back on the bus at %s; healthy again as far as XIDs go",
+                 self.state.gpu_name(gpu.uuid), gpu.pci_bus_id)
 
     def _process_name(self, pid: int) -> str:
         try:

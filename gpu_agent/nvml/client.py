@@ -22,6 +22,7 @@ from gpu_agent.nvml.model import (
     GpuSample,
     Inventory,
     MigProfile,
+    MigSample,
     MigState,
     XidEvent,
 )
@@ -400,31 +401,54 @@ class Nvml:
 
     # --- metrics and events --------------------------------------------------------------------
 
-    def sample(self, index: int) -> GpuSample:
-        """One GPU's metrics; a metric the GPU does not support is left out, not faked."""
+    def sample(self, index: int, mig: Optional[MigState] = None) -> GpuSample:
+        """One GPU's metrics (and its GPU instances' framebuffer, given its MIG state); a metric the GPU
+        does not support is left out, not faked."""
         self.init()
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
-        values: dict[str, float] = {}
+        lib = self.lib
+        values: dict[str, Any] = {}
 
-        def read(key: str, call: str, *args: Any, convert: Callable[[Any], float]) -> None:
+        def read(call: str, *args: Any, into: Callable[[Any], dict[str, float]]) -> None:
             try:
-                values[key] = convert(self._nvml(call, handle, *args))
-            except self.lib.NVMLError_NotSupported:
-                pass
+                values.update(into(self._nvml(call, handle, *args)))
+            except (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound):
+                pass  # this GPU or driver does not report it
 
-        read("utilization_percent", "nvmlDeviceGetUtilizationRates", convert=lambda u: float(u.gpu))
-        read("temperature_c", "nvmlDeviceGetTemperature", self.lib.NVML_TEMPERATURE_GPU, convert=float)
-        read("power_w", "nvmlDeviceGetPowerUsage", convert=lambda mw: mw / 1000.0)
+        read("nvmlDeviceGetUtilizationRates",
+             into=lambda u: {"utilization_percent": float(u.gpu), "memory_copy_utilization_percent": float(u.memory)})
+        read("nvmlDeviceGetTemperature", lib.NVML_TEMPERATURE_GPU, into=lambda c: {"temperature_c": float(c)})
+        read("nvmlDeviceGetPowerUsage", into=lambda mw: {"power_w": mw / 1000.0})
+        read("nvmlDeviceGetClockInfo", lib.NVML_CLOCK_SM, into=lambda mhz: {"sm_clock_mhz": float(mhz)})
+        read("nvmlDeviceGetClockInfo", lib.NVML_CLOCK_MEM, into=lambda mhz: {"memory_clock_mhz": float(mhz)})
+        read("nvmlDeviceGetTotalEnergyConsumption", into=lambda mj: {"energy_mj": float(mj)})
+        read("nvmlDeviceGetPcieReplayCounter", into=lambda n: {"pcie_replays": float(n)})
+        read("nvmlDeviceGetEncoderUtilization", into=lambda u: {"encoder_utilization_percent": float(u[0])})
+        read("nvmlDeviceGetDecoderUtilization", into=lambda u: {"decoder_utilization_percent": float(u[0])})
+        read("nvmlDeviceGetRemappedRows", into=lambda rows: {
+            "correctable_remapped_rows": float(rows[0]), "uncorrectable_remapped_rows": float(rows[1]),
+            "row_remap_failure": float(bool(rows[3]))})
         try:
-            memory = self._memory(handle)
-        except self.lib.NVMLError_NotSupported:
+            values.update(_framebuffer(self._memory(handle)))
+        except lib.NVMLError_NotSupported:
             pass
-        else:
-            values["memory_used_mib"] = memory.used / MIB
-            values["memory_free_mib"] = memory.free / MIB
-            if hasattr(memory, "reserved"):
-                values["memory_reserved_mib"] = memory.reserved / MIB
+        if mig is not None and mig.enabled:
+            values["mig"] = self._mig_samples(handle, mig)
         return GpuSample(**values)
+
+    def _mig_samples(self, handle: Any, mig: MigState) -> tuple[MigSample, ...]:
+        samples = []
+        for gi in mig.gpu_instances:
+            first = min((ci.device_index for ci in gi.compute_instances if ci.device_index >= 0), default=None)
+            if first is None:
+                continue  # no compute instance: no MIG device to ask
+            try:
+                device = self._nvml("nvmlDeviceGetMigDeviceHandleByIndex", handle, first)
+                memory = _framebuffer(self._nvml("nvmlDeviceGetMemoryInfo", device))
+            except self.lib.NVMLError_NotSupported:
+                memory = {}
+            samples.append(MigSample(gi.id, gi.profile, **memory))
+        return tuple(samples)
 
     def _memory(self, handle: Any) -> Any:
         """NVML's v2 memory info, which reports the driver's reserved memory apart from `used` (v1
@@ -504,6 +528,13 @@ class XidWait:
             self._nvml("nvmlEventSetFree", self._event_set)
         except (self._lib.NVMLError, NvmlHung) as exc:
             log.debug("nvmlEventSetFree: %s", exc)
+
+
+def _framebuffer(memory: Any) -> dict[str, float]:
+    found = {"memory_used_mib": memory.used / MIB, "memory_free_mib": memory.free / MIB}
+    if hasattr(memory, "reserved"):
+        found["memory_reserved_mib"] = memory.reserved / MIB
+    return found
 
 
 def describe(exc: Exception) -> str:

@@ -115,8 +115,20 @@ class Inventory:
 
 
 @dataclass(frozen=True)
+class MigSample:
+    """Framebuffer of one GPU instance (read through its first MIG device), as dcgm-exporter reports it."""
+
+    gpu_instance_id: int
+    profile: str  # the GPU instance's profile, e.g. "3g.40gb"
+    memory_used_mib: Optional[float] = None
+    memory_free_mib: Optional[float] = None
+    memory_reserved_mib: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class GpuSample:
-    """Metrics of one GPU, taken in the background so that a scrape never calls NVML."""
+    """Metrics of one GPU, taken in the background so that a scrape never calls NVML. None: the GPU
+    or driver does not report it (never a made-up value)."""
 
     utilization_percent: Optional[float] = None
     memory_used_mib: Optional[float] = None
@@ -124,6 +136,17 @@ class GpuSample:
     memory_reserved_mib: Optional[float] = None  # None where the driver has no NVML v2 memory info
     temperature_c: Optional[float] = None
     power_w: Optional[float] = None
+    sm_clock_mhz: Optional[float] = None
+    memory_clock_mhz: Optional[float] = None
+    energy_mj: Optional[float] = None  # since the driver loaded
+    pcie_replays: Optional[float] = None
+    memory_copy_utilization_percent: Optional[float] = None
+    encoder_utilization_percent: Optional[float] = None
+    decoder_utilization_percent: Optional[float] = None
+    correctable_remapped_rows: Optional[float] = None
+    uncorrectable_remapped_rows: Optional[float] = None
+    row_remap_failure: Optional[float] = None  # 1 when a row remapping failed
+    mig: tuple[MigSample, ...] = ()  # by GPU instance, where MIG is enabled
 
 
 @dataclass(frozen=True)
@@ -137,10 +160,13 @@ class XidEvent:
 class GpuHealth:
     """Replaced, never changed: the watcher threads publish a new one, HTTP handlers read the old."""
 
-    xid_reason: str = ""  # a critical XID was seen; stays until the agent restarts (after a GPU reset)
+    xid_reason: str = ""  # a critical XID was seen; clears after health.recover_after_seconds without another
     query_error: str = ""  # NVML queries on this GPU fail; clears when they answer again
     last_xid: Optional[int] = None
     xid_counts: tuple[tuple[int, int], ...] = ()  # (xid, count), sorted
+    critical_at: Optional[float] = None  # when the last critical XID was seen (unix time)
+    lost: bool = False  # off the bus (XID 79): unhealthy until NVML answers for it again at its bus id
+    missing: bool = False  # lost, and NVML has since failed to answer for it
 
     @property
     def healthy(self) -> bool:

@@ -33,6 +33,17 @@ from gpu_agent.sim.mig import (
 )
 from gpu_agent.sim.profiles import MODELS, GpuModel
 
+# (SM clock idle, SM clock max, memory clock) in MHz, by model, as nvidia-smi -q shows them.
+_CLOCKS_MHZ = {
+    "H100-80GB-HBM3": (345, 1980, 2619),  # the committed H100 capture's answers
+    "H200": (345, 1980, 3201),
+    "A100-SXM4-40GB": (210, 1410, 1215),
+    "A100-SXM4-80GB": (210, 1410, 1593),
+    "A30": (210, 1440, 1215),
+    "T4": (300, 1590, 5000),
+    "default": (300, 1500, 1500),
+}
+
 HANG = "hang"  # a fault that blocks the call until the fault is cleared
 _HANG_LIMIT_S = 3600.0
 _POLL_S = 0.05
@@ -126,6 +137,7 @@ class FakeNvml:
         self._init_count = 0
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
+        self._started = time.monotonic()
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
@@ -363,6 +375,48 @@ class FakeNvml:
         model = self._model(gpu)
         watts = model.idle_power_w + (model.max_power_w - model.idle_power_w) * self._utilization(gpu) * 0.8 / 100
         return int(watts * 1000)
+
+    # Metrics as an idle-to-busy GPU of the model reports them (dcgm-exporter's defaults).
+
+    @_nvml
+    def nvmlDeviceGetClockInfo(self, handle: SimHandle, clock: int) -> int:
+        gpu = self._whole_gpu(handle)
+        sm_idle, sm_max, memory = _CLOCKS_MHZ.get(gpu["model"], _CLOCKS_MHZ["default"])
+        if clock == pynvml.NVML_CLOCK_MEM:
+            return memory
+        if clock in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+            return sm_idle + (sm_max - sm_idle) * self._utilization(gpu) // 100
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    @_nvml
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: SimHandle) -> int:
+        """mJ since this fake started, at the power the GPU draws now: it only grows, like the driver's."""
+        watts = self.nvmlDeviceGetPowerUsage(handle) / 1000
+        return int(watts * 1000 * (time.monotonic() - self._started))
+
+    @_nvml
+    def nvmlDeviceGetPcieReplayCounter(self, handle: SimHandle) -> int:
+        self._whole_gpu(handle)
+        return 0
+
+    @_nvml
+    def nvmlDeviceGetEncoderUtilization(self, handle: SimHandle) -> list[int]:
+        self._whole_gpu(handle)
+        return [0, 167000]  # % and the sampling period in us; the simulated processes are compute only
+
+    @_nvml
+    def nvmlDeviceGetDecoderUtilization(self, handle: SimHandle) -> list[int]:
+        self._whole_gpu(handle)
+        return [0, 167000]
+
+    @_nvml
+    def nvmlDeviceGetRemappedRows(self, handle: SimHandle) -> list[int]:
+        """(correctable, uncorrectable, pending, failure). HBM GPUs (here: the MIG-capable ones) remap
+        rows; a T4 retires pages instead."""
+        gpu = self._whole_gpu(handle)
+        if not self._model(gpu).mig_capable:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [0, 0, 0, 0]
 
     @_nvml
     def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[Any]:

@@ -678,6 +678,13 @@ class ReplayNvml(FakeNvml):
     nvmlDeviceGetPciInfo = _recorded("nvmlDeviceGetPciInfo")
     nvmlDeviceGetCudaComputeCapability = _recorded("nvmlDeviceGetCudaComputeCapability")
     nvmlDeviceGetGpuInstanceProfileInfo = _recorded("nvmlDeviceGetGpuInstanceProfileInfo")
+    # Metrics the fake simulates on built-in machines: here as the node answered, or NotSupported.
+    nvmlDeviceGetClockInfo = _recorded("nvmlDeviceGetClockInfo")
+    nvmlDeviceGetTotalEnergyConsumption = _recorded("nvmlDeviceGetTotalEnergyConsumption")
+    nvmlDeviceGetPcieReplayCounter = _recorded("nvmlDeviceGetPcieReplayCounter")
+    nvmlDeviceGetEncoderUtilization = _recorded("nvmlDeviceGetEncoderUtilization")
+    nvmlDeviceGetDecoderUtilization = _recorded("nvmlDeviceGetDecoderUtilization")
+    nvmlDeviceGetRemappedRows = _recorded("nvmlDeviceGetRemappedRows")
 
     @_nvml
     def nvmlDeviceGetName(self, handle: SimHandle) -> str:

@@ -18,7 +18,7 @@ class Action:
     diff: str = ""  # unified diff, for file changes
 
     @classmethod
-    def of(cls, change: Change, execute: Callable[[], None], diff: str = "") -> "Action":
+    def of(cls, change: Change, execute: Callable[[], None], diff: str = "") -> Action:
         return cls((change,), execute, diff)
 
     @property
@@ -75,7 +75,7 @@ class Stage(ABC):
         """What the stage knows that /status should show beside its message (e.g. who loaded the driver)."""
         return {}
 
-    def start_pass(self) -> None:
+    def start_pass(self) -> None:  # noqa: B027 - an optional hook, not abstract: most stages need no setup
         """Called once at the start of each reconcile of this stage (before the first observe)."""
 
     def watched(self) -> list[str]:

@@ -6,6 +6,7 @@ and the container runtimes the toolkit stage found: with none, no spec is needed
 """
 from __future__ import annotations
 
+import functools
 import posixpath
 from dataclasses import dataclass
 from typing import Optional
@@ -49,8 +50,9 @@ class Cdi(Stage):
         try:
             files = cdi.discover(self.root, inventory.driver_version)
             if files.missing:
-                raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the ld.so "
-                                 f"cache ({', '.join(files.missing)}): reinstall the driver's userspace, or run ldconfig")
+                raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the "
+                                 f"ld.so cache ({', '.join(files.missing)}): reinstall the driver's userspace, "
+                                 "or run ldconfig")
             spec = cdi.render(cdi.build_spec(inventory, self.root, files))
             current = configfile.read(self.root, self.settings.path)
         except AgentError as exc:
@@ -60,7 +62,7 @@ class Cdi(Stage):
         return CdiState(current.target, current.text, spec, strays)
 
     def plan(self, state: CdiState) -> list[Action]:
-        actions = [Action.of(RemoveFile(path), lambda p=path: remove(self.root(p))) for path in state.strays]
+        actions = [Action.of(RemoveFile(path), functools.partial(remove, self.root(path))) for path in state.strays]
         if state.desired is not None and state.current != state.desired:
             actions.append(Action.of(WriteFile.of(state.path, state.desired, state.current), lambda: self._write(state),
                                      diff=unified_diff(state.path, state.current, state.desired)))

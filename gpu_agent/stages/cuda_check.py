@@ -29,8 +29,8 @@ def find_libcuda(root: Root) -> Path:
         raise StageError(f"CUDA validation (driver.validate_cuda): cannot find {LIBCUDA}: {exc}") from None
     real = resolve(root, host_path) if host_path is not None else None
     if real is None:
-        raise StageError(f"CUDA validation (driver.validate_cuda): the ld.so cache under "
-                         f"{root.path} leads to no {LIBCUDA}; install the driver's CUDA library (libcuda) and run ldconfig")
+        raise StageError(f"CUDA validation (driver.validate_cuda): the ld.so cache under {root.path} leads to "
+                         f"no {LIBCUDA}; install the driver's CUDA library (libcuda) and run ldconfig")
     return root(real)
 
 

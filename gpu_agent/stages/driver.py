@@ -2,6 +2,7 @@
 container and validator do, natively on the host and with a diagnosis for every failure."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -14,6 +15,7 @@ from gpu_agent.host.files import read_text, unified_diff
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
 from gpu_agent.host.paths import Root
+from gpu_agent.host.pci import PciDevice
 from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
 from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
@@ -52,7 +54,7 @@ class DriverState:
     persistenced: bool = False
 
     @property
-    def managed_gpus(self) -> tuple[pci.PciDevice, ...]:
+    def managed_gpus(self) -> tuple[PciDevice, ...]:  # the field self.pci hides the module here
         """GPUs passed through to VMs (bound to vfio-pci) are not the host driver's to manage."""
         return tuple(gpu for gpu in self.pci.gpus if gpu.driver != "vfio-pci")
 
@@ -137,18 +139,18 @@ class Driver(Stage):
                    for path, (current, desired) in state.files.items() if current != desired]
         if not state.managed_gpus or state.nouveau:
             return actions  # nothing to load: verify() says why
-        actions += [Action.of(LoadModule(module), lambda m=module: self._load(m))
+        actions += [Action.of(LoadModule(module), functools.partial(self._load, module))
                     for module in state.wanted if module not in state.loaded]
         nodes = {node.path: node for node in state.nodes}
         actions += [Action.of(CreateDeviceNode(path, nodes[path].major, nodes[path].minor, nodes[path].mode,
                                                nodes[path].uid, nodes[path].gid, problem),
-                              lambda n=nodes[path]: self._device_file(devnodes.create_node, n))
+                              functools.partial(self._device_file, devnodes.create_node, nodes[path]))
                     for path, problem in state.node_problems.items()]
         actions += [Action.of(CreateLink(nodes[path].char_link, path, problem),
-                              lambda n=nodes[path]: self._device_file(devnodes.create_link, n))
+                              functools.partial(self._device_file, devnodes.create_link, nodes[path]))
                     for path, problem in state.link_problems.items()]
         if state.persistence is not None and not state.persistenced:
-            actions += [Action.of(SetPersistenceMode(index, True), lambda i=index: self._persist(i))
+            actions += [Action.of(SetPersistenceMode(index, True), functools.partial(self._persist, index))
                         for index, enabled in enumerate(state.persistence) if not enabled]
         return actions
 
@@ -203,7 +205,8 @@ class Driver(Stage):
         self._verify_versions(state)
         self._verify_gpus(state)
         if state.node_problems or state.link_problems:
-            raise StageError("device nodes: " + "; ".join([*state.node_problems.values(), *state.link_problems.values()]))
+            problems = [*state.node_problems.values(), *state.link_problems.values()]
+            raise StageError("device nodes: " + "; ".join(problems))
         if state.persistence is not None and not state.persistenced and not all(state.persistence):
             off = [str(i) for i, on in enumerate(state.persistence) if not on]
             raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
@@ -240,7 +243,9 @@ class Driver(Stage):
         if state.nvml_error:
             library = nvml_library_version(self.root)
             named = f"; the NVML library on disk is {library}" if library else ""
-            raise StageError(f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}{named}")
+            raise StageError(
+                f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}{named}"
+            )
         if state.nvml_version != state.module_version:
             raise StageError(f"kernel module is {state.module_version} but the NVML library is {state.nvml_version} "
                              "(half-finished driver upgrade): reload the nvidia modules or reboot")
@@ -264,7 +269,8 @@ class Driver(Stage):
             if drift:
                 used = state.loaded[module]
                 holders = f", used by {', '.join(used.holders)}" if used.holders else ""
-                notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {'unknown' if used.refcnt is None else used.refcnt}{holders}; "
+                refcnt = "unknown" if used.refcnt is None else used.refcnt
+                notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {refcnt}{holders}; "
                              "the agent never unloads a module: drain the node and reboot or reload it)")
         return notes
 

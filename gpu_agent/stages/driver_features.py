@@ -3,6 +3,7 @@ nvidia_drm), loaded when configured or when `auto` applies. The GPUs are usable 
 feature that cannot be loaded degrades the agent and names the module; it never gates readiness."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -60,7 +61,7 @@ class DriverFeatures(Stage):
         return tuple(module for module in FEATURES if wanted[module])
 
     def plan(self, observed: FeatureState) -> list[Action]:
-        return [Action.of(LoadModule(module), lambda m=module: self._load(m))
+        return [Action.of(LoadModule(module), functools.partial(self._load, module))
                 for module in observed.missing if module not in self._failures]
 
     def apply(self, actions: Sequence[Action]) -> None:

@@ -118,8 +118,8 @@ class KubeSink(Stage):
         condition = self._condition_patch(state)
         if condition:
             new = condition["status"]["conditions"][0]
-            actions.append(Action.of(PatchNode(self.node_name, "condition", f"{CONDITION}={new['status']} ({new['reason']})"),
-                                     lambda: self._patch(condition, status=True)))
+            change = PatchNode(self.node_name, "condition", f"{CONDITION}={new['status']} ({new['reason']})")
+            actions.append(Action.of(change, lambda: self._patch(condition, status=True)))
         if self.settings.nfd_feature_file:
             text = "".join(f"{key}={value}\n" for key, value in sorted(state.labels.items()))
             current = read_text(self.root(NFD_FILE))
@@ -156,8 +156,8 @@ class KubeSink(Stage):
 
     def _patch(self, patch: dict[str, Any], status: bool) -> None:
         try:
-            self._node = self.client.patch_node(self.node_name, patch, status=status,
-                                                content_type=STRATEGIC_MERGE_PATCH if status else "application/merge-patch+json")
+            content_type = STRATEGIC_MERGE_PATCH if status else "application/merge-patch+json"
+            self._node = self.client.patch_node(self.node_name, patch, status=status, content_type=content_type)
             self._node_read = time.monotonic()
         except ApiError as exc:
             self._node = None  # after any failure (a 409 above all) the node is read again

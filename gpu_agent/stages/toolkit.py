@@ -3,6 +3,7 @@ transactions (restart owed in the ledger, backup, atomic write, one restart, che
 restored), one per runtime, so that one broken runtime blocks neither the others nor the CDI spec."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import posixpath
@@ -218,7 +219,7 @@ class Toolkit(Stage):
             actions.append(Action(tuple(RemoveFile(path) for path in state.strays), lambda: self._remove(state.strays)))
         # Restarts owed by an earlier pass first; each change alone: one failing stops no other.
         owed_first = sorted(state.changes, key=lambda change: not change.restart_owed)
-        actions += [Action(change.planned(), lambda c=change: self._apply(c),
+        actions += [Action(change.planned(), functools.partial(self._apply, change),
                            diff="".join(item.diff() for item in change.needed))
                     for change in owed_first if change.pending and state.plannable(change)]
         return actions
@@ -240,7 +241,8 @@ class Toolkit(Stage):
     def _apply(self, change: RuntimeChange) -> None:
         """One runtime's transaction; a failure is recorded for verify() and the next change still runs."""
         if change.restarts_unit and change.runtime in self._restarted:
-            log.warning("%s was restarted in this pass already; its next change waits for the next pass", change.runtime)
+            log.warning("%s was restarted in this pass already; its next change waits for the next pass",
+                        change.runtime)
             return
         try:
             transaction.apply(self.root, change, self.services, self.ledger, self.settings.restart_timeout_seconds)

@@ -1,0 +1,173 @@
+"""/metrics carries dcgm-exporter's default counters (name, type, help, labels) from the background
+sample, so dashboards and alerts written for dcgm-exporter keep working; a scrape makes no NVML call."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpu_agent.config import load_config
+from gpu_agent.daemon.app import Runtime
+from gpu_agent.host.paths import Root
+from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, MIG_LABELS, XID_ERRORS
+from gpu_agent.metrics.exporter import AgentCollector, make_registry, render
+from gpu_agent.metrics.sampler import Sampler
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.sim.fake import FakeNvml
+from gpu_agent.sim.kernel import SimModprobe
+from gpu_agent.sim.machine import MachineState
+from gpu_agent.state import AgentState
+
+CAPTURE = Path(__file__).parent / "data" / "captures" / "h100-580-vm"
+
+# dcgm-exporter 4.5.3-4.8.2, etc/default-counters.csv: the counters NVML can supply, as it declares them.
+EXPECTED = {
+    "DCGM_FI_DEV_SM_CLOCK": ("gauge", "SM clock frequency (in MHz)."),
+    "DCGM_FI_DEV_MEM_CLOCK": ("gauge", "Memory clock frequency (in MHz)."),
+    "DCGM_FI_DEV_GPU_TEMP": ("gauge", "GPU temperature (in C)."),
+    "DCGM_FI_DEV_POWER_USAGE": ("gauge", "Power draw (in W)."),
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": ("counter", "Total energy consumption since boot (in mJ)."),
+    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("counter", "Total number of PCIe retries."),
+    "DCGM_FI_DEV_GPU_UTIL": ("gauge", "GPU utilization (in %)."),
+    "DCGM_FI_DEV_MEM_COPY_UTIL": ("gauge", "Memory utilization (in %)."),
+    "DCGM_FI_DEV_ENC_UTIL": ("gauge", "Encoder utilization (in %)."),
+    "DCGM_FI_DEV_DEC_UTIL": ("gauge", "Decoder utilization (in %)."),
+    "DCGM_FI_DEV_XID_ERRORS": ("gauge", "Value of the last XID error encountered."),
+    "DCGM_FI_DEV_FB_FREE": ("gauge", "Framebuffer memory free (in MiB)."),
+    "DCGM_FI_DEV_FB_USED": ("gauge", "Framebuffer memory used (in MiB)."),
+    "DCGM_FI_DEV_FB_RESERVED": ("gauge", "Framebuffer memory reserved (in MiB)."),
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("counter", "Number of remapped rows for uncorrectable errors"),
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("counter", "Number of remapped rows for correctable errors"),
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("gauge", "Whether remapping of rows has failed"),
+}
+
+
+class Node:
+    def __init__(self, tmp_path: Path, spec: str) -> None:
+        self.machine = MachineState(Root(tmp_path))
+        self.machine.ensure(spec)
+        SimModprobe(self.machine, Root(tmp_path)).load("nvidia")
+        self.fake = FakeNvml(self.machine)
+        self.nvml = Nvml(self.fake, call_timeout=2.0)
+        self.state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
+        self.state.inventory = self.nvml.inventory()
+        self.sampler = Sampler(self.nvml, self.state, Root(tmp_path))
+        self.registry = make_registry(AgentCollector(self.state, lambda: 0, "node-1"))
+
+    def scrape(self) -> dict[str, Any]:
+        return {family.name: family for family in text_string_to_metric_families(render(self.registry).decode())}
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Any]:
+    made: list[Node] = []
+
+    def make(spec: str = "dgx-h100") -> Node:
+        made.append(Node(tmp_path / str(len(made)), spec))
+        return made[-1]
+
+    yield make
+    for n in made:
+        n.nvml.close()
+
+
+def test_default_dcgm_counters_by_name_type_help_and_labels(node) -> None:
+    n = node()
+    n.sampler.sample()
+    families = n.scrape()
+    assert {c.name for c in DEFAULT_COUNTERS + (XID_ERRORS,)} == set(EXPECTED)
+    gpus = n.state.inventory.gpus
+    for name, (kind, help_text) in EXPECTED.items():
+        family = families[name]
+        assert (family.type, family.documentation) == (kind, help_text), name
+        assert len(family.samples) == 8, name
+        for sample, gpu in zip(family.samples, gpus):
+            assert list(sample.labels) == list(LABELS), name  # dcgm-exporter's order
+            assert sample.labels == {
+                "gpu": str(gpu.index), "UUID": gpu.uuid, "pci_bus_id": "0000" + gpu.pci_bus_id.upper(),
+                "device": f"nvidia{gpu.index}", "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "node-1",
+                "DCGM_FI_DRIVER_VERSION": "550.90.07"}, name
+    value = {name: families[name].samples[0].value for name in EXPECTED}
+    assert value["DCGM_FI_DEV_SM_CLOCK"] == 345 and value["DCGM_FI_DEV_MEM_CLOCK"] == 2619
+    assert 20 < value["DCGM_FI_DEV_GPU_TEMP"] < 90 and 50 < value["DCGM_FI_DEV_POWER_USAGE"] <= 700
+    assert value["DCGM_FI_DEV_FB_USED"] + value["DCGM_FI_DEV_FB_FREE"] + value["DCGM_FI_DEV_FB_RESERVED"] == 81559
+    assert value["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"] >= 0 and value["DCGM_FI_DEV_ROW_REMAP_FAILURE"] == 0
+    assert families["gpu_agent_sample_age_seconds"].samples[0].value >= 0
+
+
+def test_a_scrape_makes_no_nvml_call(node) -> None:
+    n = node()
+    n.sampler.sample()
+    before = dict(n.fake.calls)
+    for _ in range(3):
+        n.scrape()
+    assert dict(n.fake.calls) == before
+
+
+def test_busy_gpu_reads_higher_and_the_energy_counter_grows(node) -> None:
+    n = node()
+    n.sampler.sample()
+    idle = n.scrape()
+    with n.machine.edit() as doc:
+        doc["gpus"][1]["processes"].append({"pid": 4242, "name": "python3", "used_mib": 1024})
+    n.sampler.sample()
+    busy = n.scrape()
+
+    def at(families: dict[str, Any], name: str, gpu: str) -> float:
+        return next(s.value for s in families[name].samples if s.labels["gpu"] == gpu)
+
+    assert at(busy, "DCGM_FI_DEV_SM_CLOCK", "1") > at(idle, "DCGM_FI_DEV_SM_CLOCK", "1")
+    assert at(busy, "DCGM_FI_DEV_GPU_UTIL", "1") > 0 and at(busy, "DCGM_FI_DEV_FB_USED", "1") == 1024
+    energy = "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
+    assert at(busy, energy, "1") >= at(idle, energy, "1")
+
+
+def test_gpu_instances_get_their_own_framebuffer_series(node) -> None:
+    n = node()
+    assert n.nvml.set_mig_mode(0, True) is None
+    profiles = {p.name: p for p in n.nvml.mig_state(0).profiles}
+    for placement in ((0, 4), (4, 4)):
+        gi = n.nvml.create_gpu_instance(0, profiles["3g.40gb"].id, placement)
+        n.nvml.create_compute_instance(0, gi, 3, 0)
+    n.state.inventory = n.nvml.inventory()
+    n.sampler.sample()
+    families = n.scrape()
+    used = families["DCGM_FI_DEV_FB_USED"].samples
+    mig = [s for s in used if "GPU_I_ID" in s.labels]
+    assert len(used) == 10 and len(mig) == 2
+    assert all(list(s.labels) == list(MIG_LABELS) for s in mig)
+    assert {(s.labels["gpu"], s.labels["GPU_I_PROFILE"]) for s in mig} == {("0", "3g.40gb")}
+    assert {s.labels["GPU_I_ID"] for s in mig} == {str(gi.id) for gi in n.state.inventory.gpus[0].mig.gpu_instances}
+    assert all(s.value == 0 for s in mig)
+    assert len(families["DCGM_FI_DEV_SM_CLOCK"].samples) == 8  # whole-GPU counters stay per GPU
+
+
+def test_what_a_gpu_does_not_report_is_left_out_not_faked(node) -> None:
+    n = node("t4")  # a T4 retires pages; it has no remapped rows
+    n.sampler.sample()
+    families = n.scrape()
+    assert "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS" not in families
+    assert len(families["DCGM_FI_DEV_GPU_TEMP"].samples) == 1
+
+
+def test_the_real_h100_capture_answers_as_the_node_did(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\n")
+    runtime = Runtime.build(Root(tmp_path / "root"), load_config(config, required=True), str(CAPTURE))
+    try:
+        asyncio.run(runtime.engine.reconcile(force=True))
+        Sampler(runtime.nvml, runtime.state, runtime.root).sample()
+        text = render(make_registry(AgentCollector(runtime.state, lambda: 0, "node-1"))).decode()
+    finally:
+        runtime.nvml.close()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    # nvml.json: nvmlDeviceGetClockInfo SM 345, MEM 2619; energy 2195042 mJ; no replays; rows [0, 0, 0, 0]
+    value = {name: families[name].samples[0].value for name in families if name.startswith("DCGM_")}
+    assert value["DCGM_FI_DEV_SM_CLOCK"] == 345 and value["DCGM_FI_DEV_MEM_CLOCK"] == 2619
+    assert value["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"] == 2195042 and value["DCGM_FI_DEV_PCIE_REPLAY_COUNTER"] == 0
+    assert value["DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"] == 0 and value["DCGM_FI_DEV_ROW_REMAP_FAILURE"] == 0
+    assert families["DCGM_FI_DEV_SM_CLOCK"].samples[0].labels["pci_bus_id"] == "00000000:00:06.0"
+    assert "DCGM_FI_DEV_ENC_UTIL" not in families  # not recorded: NotSupported, never simulated
