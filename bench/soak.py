@@ -74,7 +74,7 @@ class Daemon:
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(notify_path))
         notify.settimeout(60)
-        self.log = open(workdir / "agent.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.log = open(workdir / "agent.log", "wb")  # closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpu_agent", "--root", str(self.root), "--config", str(config),
              "--simulate", profile, "run"],

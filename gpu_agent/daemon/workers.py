@@ -32,7 +32,7 @@ class DaemonThreadPool(ThreadPoolExecutor):
         self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:  # type: ignore[override]
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot schedule new work after shutdown")
@@ -53,7 +53,7 @@ class DaemonThreadPool(ThreadPoolExecutor):
             if future.set_running_or_notify_cancel():
                 try:
                     result = fn(*args, **kwargs)
-                except BaseException as exc:  # noqa: BLE001 - the caller handles it, through the future
+                except BaseException as exc:  # the caller handles it, through the future
                     future.set_exception(exc)
                 else:
                     future.set_result(result)
