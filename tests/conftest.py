@@ -31,14 +31,16 @@ _PATH_EVENTS = {"open": 0, "os.mkdir": 0, "os.remove": 0, "os.rmdir": 0, "os.ren
                 "os.symlink": 1, "os.link": 1, "os.chmod": 0, "os.chown": 0, "os.truncate": 0, "os.utime": 0,
                 "os.listdir": 0, "os.scandir": 0, "shutil.rmtree": 0, "shutil.copyfile": 1, "os.mknod": 0}
 _PROJECT = Path(__file__).resolve().parent.parent
-_ALWAYS = tuple(str(p) for p in {
+_ALWAYS_AS_GIVEN = {
     _PROJECT, _PROJECT.parent / "shared", Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
     Path(tempfile.gettempdir()), Path("/dev/null"), Path("/dev/urandom"), Path("/proc/self"),
     Path(os.path.realpath("/proc/self")),  # paths are compared resolved: /proc/self is /proc/<this pid>
     Path("/usr/lib/python3"), Path("/usr/share/zoneinfo"), Path("/etc/localtime"), Path("/usr/lib/ssl"),
     Path("/etc/ssl"), Path("/etc/mime.types"),
     Path("/proc/stat"),  # the process collector's boot time, for the agent's own metrics
-})
+}
+# Opened paths are compared resolved, so the allowed ones are too (shared/ may be a link beside the clone).
+_ALWAYS = tuple(sorted({str(p) for p in _ALWAYS_AS_GIVEN} | {os.path.realpath(p) for p in _ALWAYS_AS_GIVEN}))
 
 
 class _Guard:
