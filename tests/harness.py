@@ -6,7 +6,7 @@ import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
@@ -67,12 +67,25 @@ class SimNode:
 
     def apply(self, settings: Optional[dict[str, Any]] = None, dry_run: bool = False,
               env: Optional[dict[str, str]] = None) -> Pass:
+        return self._pass(self.settings if settings is None else settings, dry_run, env)
+
+    def uninstall(self, dry_run: bool = False) -> Pass:
+        """`gpu-agent uninstall [--dry-run]`: the owned-files stage with nothing claimed."""
+        from gpu_agent.stages.owned_files import OwnedFiles
+
+        return self._pass({}, dry_run, stages=lambda runtime: [
+            OwnedFiles(runtime.root, runtime.services, set(), uninstall=True)])
+
+    def _pass(self, settings: dict[str, Any], dry_run: bool, env: Optional[dict[str, str]] = None,
+              stages: Optional[Callable[[Runtime], list[Any]]] = None) -> Pass:
         config = self.root.parent / "config.yaml"
-        config.write_text(yaml.safe_dump({"version": "v1", **(self.settings if settings is None else settings)}))
+        config.write_text(yaml.safe_dump({"version": "v1", **settings}))
         saved = {key: os.environ.get(key) for key in env or {}}
         os.environ.update(env or {})
         runtime = Runtime.build(Root(self.root), load_config(config, required=True), self.simulate)
         try:
+            if stages is not None:
+                runtime.engine.set_stages(stages(runtime))
             runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=dry_run))
         finally:
             runtime.nvml.close()
@@ -81,20 +94,6 @@ class SimNode:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        return Pass(runs, runtime.state)
-
-    def uninstall(self, dry_run: bool = False) -> Pass:
-        """`gpu-agent uninstall [--dry-run]`: the owned-files stage with nothing claimed."""
-        from gpu_agent.stages.owned_files import OwnedFiles
-
-        config = self.root.parent / "config.yaml"
-        config.write_text(yaml.safe_dump({"version": "v1"}))
-        runtime = Runtime.build(Root(self.root), load_config(config, required=True), self.simulate)
-        try:
-            runtime.engine.set_stages([OwnedFiles(runtime.root, runtime.services, set(), uninstall=True)])
-            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=dry_run))
-        finally:
-            runtime.nvml.close()
         return Pass(runs, runtime.state)
 
     def check(self, settings: Optional[dict[str, Any]] = None) -> Pass:

@@ -104,12 +104,7 @@ class Runtime:
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
-        # A stage whose settings did not change is kept, with what it knows (the sink's cached Node).
-        kept = {stage.name: stage for stage in runtime.engine.stages}
-        runtime.engine.set_stages([
-            kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
-            for new in runtime.stages(config)
-        ])
+        runtime.engine.set_stages(runtime.stages(config))
         return runtime
 
     def stages(self, config: AgentConfig) -> list[Stage]:

@@ -141,7 +141,6 @@ class MachineState:
         self.kernel_dir = self.dir / "kernel"  # proc/, sys/ and dev/ of the simulated kernel
         self._cache: Optional[dict[str, Any]] = None
         self._cache_key: Optional[tuple[int, int, int]] = None
-        self._own_writes: set[tuple[int, int, int]] = set()
 
     def exists(self) -> bool:
         return self.path.exists()
@@ -204,9 +203,6 @@ class MachineState:
         render(self.kernel_dir, state)
         atomic_write(self.path, json.dumps(state, indent=1, sort_keys=True) + "\n")
         self._cache = None
-        stamp = self.stamp()
-        if stamp is not None:
-            self._own_writes = {stamp}
 
     def stamp(self) -> Optional[tuple[int, int, int]]:
         """Identity of the current state file; changes with every write."""
@@ -215,10 +211,6 @@ class MachineState:
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def wrote(self, stamp: Optional[tuple[int, int, int]]) -> bool:
-        """Whether this process wrote the state file as it is now."""
-        return stamp in self._own_writes
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
