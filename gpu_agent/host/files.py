@@ -149,10 +149,28 @@ def read_text(path: Path) -> Optional[str]:
 
 
 def unified_diff(host_path: str, current: Optional[str], desired: str) -> str:
-    return "".join(difflib.unified_diff(
+    """The change as a diff for people to read, with the values of credential keys masked: runtime
+    configs hold registry passwords and tokens, and a diff's context lines would show them."""
+    lines = difflib.unified_diff(
         (current or "").splitlines(keepends=True), desired.splitlines(keepends=True),
         fromfile=host_path if current is not None else "/dev/null", tofile=host_path,
-    ))
+    )
+    return "".join(line if line.startswith(("---", "+++", "@@")) else masked(line) for line in lines)
+
+
+# A key naming a credential (TOML `password = "..."`, JSON `"auth": "..."`, YAML `token: ...`)
+# and its value: quoted, or bare up to the next separator; a value that opens a table holds nothing.
+_CREDENTIAL = re.compile(
+    r"""(?P<key>["']?[\w.-]*(?:password|passwd|secret|token|auth|credential)[\w.-]*["']?\s*[=:]\s*)"""
+    r"""(?P<value>"(?:[^"\\]|\\.)*"?|'[^']*'?|(?![{\[\s])[^,}\]\r\n]+)""",
+    re.IGNORECASE,
+)
+MASK = "<redacted>"
+
+
+def masked(text: str) -> str:
+    """`text` with the value of every credential key replaced by MASK."""
+    return _CREDENTIAL.sub(lambda found: found["key"] + MASK, text)
 
 
 def backup(root: Root, host_path: str) -> Optional[Path]:
