@@ -485,6 +485,16 @@ class Nvml:
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
         self._nvml("nvmlDeviceSetPersistenceMode", handle, self.lib.NVML_FEATURE_ENABLED)
 
+    def passthrough(self, index: int) -> bool:
+        """Whether the GPU is passed through into this VM (NVML's virtualization mode): the VM cannot reset it."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        try:
+            mode = self._nvml("nvmlDeviceGetVirtualizationMode", handle)
+        except self.lib.NVMLError_NotSupported:
+            return False
+        return bool(mode == self.lib.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH)
+
     def processes(self, index: int) -> list[tuple[int, float]]:
         """(pid, MiB of GPU memory used) of each compute process on the GPU."""
         self.init()

@@ -443,6 +443,13 @@ class FakeNvml:
         return [gpu["mig"]["current"], gpu["mig"]["pending"]]
 
     @_nvml
+    def nvmlDeviceGetVirtualizationMode(self, handle: SimHandle) -> int:
+        """NONE on bare metal; PASSTHROUGH for a GPU whose state says `"passthrough": true` (in a VM)."""
+        gpu = self._whole_gpu(handle)
+        return (pynvml.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH if gpu.get("passthrough")
+                else pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)
+
+    @_nvml
     def nvmlDeviceSetMigMode(self, handle: SimHandle, mode: int) -> int:
         self._mig_capable(handle)
         if mode not in (pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE):

@@ -678,6 +678,7 @@ class ReplayNvml(FakeNvml):
     nvmlDeviceGetPciInfo = _recorded("nvmlDeviceGetPciInfo")
     nvmlDeviceGetCudaComputeCapability = _recorded("nvmlDeviceGetCudaComputeCapability")
     nvmlDeviceGetGpuInstanceProfileInfo = _recorded("nvmlDeviceGetGpuInstanceProfileInfo")
+    nvmlDeviceGetVirtualizationMode = _recorded("nvmlDeviceGetVirtualizationMode")
     # Metrics the fake simulates on built-in machines: here as the node answered, or NotSupported.
     nvmlDeviceGetClockInfo = _recorded("nvmlDeviceGetClockInfo")
     nvmlDeviceGetTotalEnergyConsumption = _recorded("nvmlDeviceGetTotalEnergyConsumption")
