@@ -20,6 +20,7 @@ from gpu_agent.nvml.model import (
     Gpu,
     GpuInstance,
     GpuSample,
+    HealthReading,
     Inventory,
     MigProfile,
     MigSample,
@@ -30,6 +31,7 @@ from gpu_agent.nvml.model import (
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+_NO_INSTANCE = 0xFFFFFFFF  # an event's gpuInstanceId/computeInstanceId when it is not on a MIG device
 
 # NVML_GPU_INSTANCE_PROFILE_* constants worth asking about, in the order nvidia-smi lists them.
 _GI_PROFILE_CONSTANTS = (
@@ -464,6 +466,31 @@ class Nvml:
                 return memory
         return self._nvml("nvmlDeviceGetMemoryInfo", handle)
 
+    def health_reading(self, index: int) -> HealthReading:
+        """What the periodic checks judge: pending and failed row remaps (or pending page retirements
+        on a GPU without row remapping), the temperature and the slowdown threshold."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        lib = self.lib
+        unsupported = (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound)
+        found: dict[str, Any] = {}
+        try:
+            rows = self._nvml("nvmlDeviceGetRemappedRows", handle)
+            found.update(pending_remaps=bool(rows[2]), remap_failed=bool(rows[3]))
+        except unsupported:
+            try:
+                pending = self._nvml("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+                found.update(pending_remaps=pending == lib.NVML_FEATURE_ENABLED, pending_kind="page retirement")
+            except unsupported:
+                pass
+        try:
+            found["temperature_c"] = int(self._nvml("nvmlDeviceGetTemperature", handle, lib.NVML_TEMPERATURE_GPU))
+            found["slowdown_c"] = int(self._nvml("nvmlDeviceGetTemperatureThreshold", handle,
+                                                 lib.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN))
+        except unsupported:
+            pass
+        return HealthReading(**found)
+
     def driver_version(self) -> str:
         self.init()
         return self._nvml("nvmlSystemGetDriverVersion")
@@ -521,7 +548,10 @@ class XidWait:
             return None
         if data.eventType != self._lib.nvmlEventTypeXidCriticalError:
             return None
-        return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time())
+        gi, ci = (getattr(data, name, _NO_INSTANCE) for name in ("gpuInstanceId", "computeInstanceId"))
+        return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time(),
+                        gpu_instance_id=None if gi == _NO_INSTANCE else gi,
+                        compute_instance_id=None if ci == _NO_INSTANCE or gi == _NO_INSTANCE else ci)
 
     def free(self) -> None:
         try:

@@ -44,6 +44,11 @@ _CLOCKS_MHZ = {
     "default": (300, 1500, 1500),
 }
 
+# The slowdown temperature threshold in C (NVML_TEMPERATURE_THRESHOLD_SLOWDOWN), by model: the H100's
+# is the real H100's with driver 580; the others are what nvidia-smi -q shows as "GPU Slowdown Temp".
+_SLOWDOWN_C = {"H100-80GB-HBM3": 89, "H200": 89, "A100-SXM4-40GB": 92, "A100-SXM4-80GB": 92, "A30": 92, "T4": 93,
+               "default": 90}
+
 HANG = "hang"  # a fault that blocks the call until the fault is cleared
 _HANG_LIMIT_S = 3600.0
 _POLL_S = 0.05
@@ -367,7 +372,16 @@ class FakeNvml:
         gpu = self._whole_gpu(handle)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if gpu.get("temperature_c") is not None:  # `gpu-agent sim set --temperature`
+            return int(gpu["temperature_c"])
         return self._model(gpu).idle_temp_c + self._utilization(gpu) * 2 // 5
+
+    @_nvml
+    def nvmlDeviceGetTemperatureThreshold(self, handle: SimHandle, threshold: int) -> int:
+        gpu = self._whole_gpu(handle)
+        if threshold != pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return _SLOWDOWN_C.get(gpu["model"], _SLOWDOWN_C["default"])
 
     @_nvml
     def nvmlDeviceGetPowerUsage(self, handle: SimHandle) -> int:
@@ -416,7 +430,17 @@ class FakeNvml:
         gpu = self._whole_gpu(handle)
         if not self._model(gpu).mig_capable:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [0, 0, 0, 0]
+        rows = gpu.get("remapped_rows", {})  # `gpu-agent sim set --pending-remaps/--remap-failure`
+        return [0, 0, int(rows.get("pending", 0)), int(rows.get("failure", 0))]
+
+    @_nvml
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: SimHandle) -> int:
+        """GPUs without HBM row remapping retire pages instead; the others answer NotSupported, as an H100 does."""
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).mig_capable:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        pending = gpu.get("remapped_rows", {}).get("pending", 0)
+        return pynvml.NVML_FEATURE_ENABLED if pending else pynvml.NVML_FEATURE_DISABLED
 
     @_nvml
     def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[Any]:
@@ -735,7 +759,8 @@ class FakeNvml:
                 if xid["seq"] >= event_set.after_seq and xid["gpu"] in event_set.gpus:
                     event_set.after_seq = xid["seq"] + 1
                     return SimEventData(SimHandle(xid["gpu"]), pynvml.nvmlEventTypeXidCriticalError, xid["xid"],
-                                        0xFFFFFFFF, 0xFFFFFFFF)
+                                        xid.get("gpu_instance_id", 0xFFFFFFFF),
+                                        xid.get("compute_instance_id", 0xFFFFFFFF))
             if time.monotonic() >= deadline:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
             time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))

@@ -685,6 +685,8 @@ class ReplayNvml(FakeNvml):
     nvmlDeviceGetEncoderUtilization = _recorded("nvmlDeviceGetEncoderUtilization")
     nvmlDeviceGetDecoderUtilization = _recorded("nvmlDeviceGetDecoderUtilization")
     nvmlDeviceGetRemappedRows = _recorded("nvmlDeviceGetRemappedRows")
+    nvmlDeviceGetRetiredPagesPendingStatus = _recorded("nvmlDeviceGetRetiredPagesPendingStatus")
+    nvmlDeviceGetTemperatureThreshold = _recorded("nvmlDeviceGetTemperatureThreshold")
 
     @_nvml
     def nvmlDeviceGetName(self, handle: SimHandle) -> str:
