@@ -146,6 +146,9 @@ class GpuSample:
     correctable_remapped_rows: Optional[float] = None
     uncorrectable_remapped_rows: Optional[float] = None
     row_remap_failure: Optional[float] = None  # 1 when a row remapping failed
+    memory_temperature_c: Optional[float] = None  # HBM temperature (NVML field value NVML_FI_DEV_MEMORY_TEMP)
+    nvlink_data_kib: Optional[float] = None  # NVLink data received and sent on all links, a counter; None: no NVLink
+    nvlink_bandwidth_total: Optional[float] = None  # from two samples' nvlink_data_kib, as DCGM works it out
     mig: tuple[MigSample, ...] = ()  # by GPU instance, where MIG is enabled
 
 
