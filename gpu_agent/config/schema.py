@@ -89,6 +89,11 @@ class HealthConfig(Section):
     recover_after_seconds: float = seconds(
         300, 86400, "A GPU made unhealthy by an XID is healthy again after this long without another critical "
         "XID; one off the bus (XID 79) only once NVML answers for it again at the same PCI bus id.")
+    check_interval_seconds: float = seconds(
+        30, 3600, "Run the periodic GPU checks this often: NVML answers in time, pending row remaps (or page "
+        "retirements), a row remapping failure, temperature at or above the slowdown threshold.")
+    unready_when: Literal["any", "all"] = Field(
+        "any", description="The node is not ready when any GPU is unhealthy (any), or only when every GPU is (all).")
 
 
 class AgentConfig(Section):
