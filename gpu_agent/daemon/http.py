@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
-from aiohttp import web
+from gpu_agent.daemon.web import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gpu_agent.config.schema import HttpConfig
