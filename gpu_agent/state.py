@@ -79,6 +79,12 @@ class AgentState:
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
     reconciles: int = 0
     first_reconcile_done: bool = False
+    published: int = 0  # bumped each time the daemon publishes the model: the endpoints render again
+
+    @property
+    def version(self) -> Optional[int]:
+        """What the endpoints cache their renderings by; None (do not cache) before the first reconcile."""
+        return self.published if self.first_reconcile_done else None
 
     # --- what the watcher threads publish ------------------------------------------------------
 

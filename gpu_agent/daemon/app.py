@@ -349,6 +349,7 @@ class Daemon:
     # --- outputs and watchers --------------------------------------------------------------------
 
     def publish(self) -> None:
+        self.state.published += 1
         if not self.state.first_reconcile_done:
             return
         self.notifier.status(self.state.summary_line())
