@@ -59,6 +59,7 @@ class GpuProcess:
 class AgentState:
     config: LoadedConfig
     hardware: str = "real"  # or what the composition root put in its place, e.g. "simulated dgx-h100"
+    machine: Optional[str] = None  # the DMI product name, for the gpu.machine label
     started_at: float = field(default_factory=time.time)
     config_loaded_at: float = field(default_factory=time.time)
     config_error: Optional[str] = None  # the last rejected reload
@@ -81,6 +82,12 @@ class AgentState:
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
     reconciles: int = 0
     first_reconcile_done: bool = False
+    published: int = 0  # bumped each time the daemon publishes the model: the endpoints render again
+
+    @property
+    def version(self) -> Optional[int]:
+        """What the endpoints cache their renderings by; None (do not cache) before the first reconcile."""
+        return self.published if self.first_reconcile_done else None
 
     # --- what the watcher threads publish ------------------------------------------------------
 
@@ -235,7 +242,14 @@ class AgentState:
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
+            "labels": self.labels(),
         }
+
+    def labels(self) -> dict[str, str]:
+        """The node labels this state gives (what `gpu-agent labels` prints), whether or not a sink sets them."""
+        from gpu_agent.kube.labels import compute
+
+        return compute(self.inventory, self.ready, self.config.config.kubernetes.mig_strategy, self.machine)
 
     def _driver_json(self) -> Optional[dict[str, Any]]:
         """What NVML says of the driver, and what the driver stage saw of its kernel module."""

@@ -99,7 +99,9 @@ class Runtime:
             packages = SystemPackages(root)
             gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
             units = Systemctl(root, config.toolkit.restart_timeout_seconds)
-        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real")
+        from gpu_agent.stages.labels import machine_name
+
+        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
         gpu_reset = ResetHealsGpu(gpu_reset, state)
         runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
@@ -352,6 +354,7 @@ class Daemon:
     # --- outputs and watchers --------------------------------------------------------------------
 
     def publish(self) -> None:
+        self.state.published += 1
         if not self.state.first_reconcile_done:
             return
         self.notifier.status(self.state.summary_line())
