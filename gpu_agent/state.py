@@ -76,6 +76,7 @@ class AgentState:
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
+    plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
     reconciles: int = 0
     first_reconcile_done: bool = False
 
@@ -196,6 +197,7 @@ class AgentState:
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
+            "plugin": self.plugin,
         }
 
     def _driver_json(self) -> Optional[dict[str, Any]]:

@@ -13,14 +13,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from gpu_agent.config.plugin import mig_strategy
     from gpu_agent.kube.labels import compute
+    from gpu_agent.plugin.devices import sharing
     from gpu_agent.stages.labels import machine_name
 
     runs, runtime = one_pass(args, dry_run=True)
     loaded = runtime.state.config
     runtime.engine.record_dry_run(runs)
     ready, _ = runtime.state.readiness(within_pass=True)
-    labels = compute(runtime.state.inventory, ready, loaded.config.kubernetes.mig_strategy, machine_name(runtime.root))
+    inventory, strategy = runtime.state.inventory, mig_strategy(loaded.config)
+    labels = compute(inventory, ready, strategy, machine_name(runtime.root),
+                     sharing(inventory, strategy, loaded.config.plugin))
     if args.json:
         print(json.dumps(labels, indent=2, sort_keys=True))
     else:

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
+from gpu_agent.config.plugin import PluginConfig
 from gpu_agent.config.section import PATH_MAX, Section, absolute_path, seconds, shown
 from gpu_agent.config.toolkit import ToolkitConfig
 
@@ -106,3 +107,4 @@ class AgentConfig(Section):
     discovery: DiscoveryConfig = DiscoveryConfig()
     health: HealthConfig = HealthConfig()
     mig: MigConfig = MigConfig()
+    plugin: PluginConfig = PluginConfig()
