@@ -29,6 +29,16 @@ SOCKET_PATH_MAX = 107  # sun_path, less its terminating NUL
 Preference = Callable[[list[str], list[str], int], list[str]]
 
 
+def socket_address(path: Path) -> tuple[str, Optional[int]]:
+    """An address for the unix socket at `path`: the path itself, or for one longer than a socket
+    address allows (a deep --root), the same file through an open descriptor of its directory,
+    /proc/self/fd/N/name (this process's own descriptor, not a host path). The caller closes N."""
+    if len(os.fsencode(str(path))) <= SOCKET_PATH_MAX:
+        return str(path), None
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{fd}/{path.name}", fd
+
+
 class DeviceFeed:
     """The resource as last computed; ListAndWatch streams wait here for the next change."""
 
@@ -140,12 +150,14 @@ class PluginEndpoint:
         return self.feed.resource.name
 
     async def start(self) -> None:
-        if len(os.fsencode(self.path)) > SOCKET_PATH_MAX:
-            raise OSError(f"socket path {self.path} is longer than the {SOCKET_PATH_MAX} bytes a unix socket "
-                          "allows; use a shorter --root")
         self.path.unlink(missing_ok=True)  # ours from a previous run, or a stale one: the name is ours
         self.server = Server([self.service])
-        await self.server.start(path=str(self.path))
+        address, fd = socket_address(self.path)
+        try:
+            await self.server.start(path=address)
+        finally:
+            if fd is not None:
+                os.close(fd)
         self.socket_inode = self.path.stat().st_ino
 
     def socket_gone(self) -> bool:
@@ -174,7 +186,8 @@ class PluginEndpoint:
         await self.start()
 
     async def register(self, kubelet_socket: Path) -> None:
-        channel = Channel(path=str(kubelet_socket))
+        address, fd = socket_address(kubelet_socket)
+        channel = Channel(path=address)
         try:
             await RegistrationStub(channel).Register(
                 api.RegisterRequest(version=API_VERSION, endpoint=self.path.name, resource_name=self.name,
@@ -182,3 +195,5 @@ class PluginEndpoint:
                 timeout=REGISTER_TIMEOUT_S)
         finally:
             channel.close()
+            if fd is not None:
+                os.close(fd)
