@@ -77,6 +77,9 @@ class DevicePluginService(DevicePluginBase):
         self.list_strategy = list_strategy
         self.fail_greater_than_one = fail_greater_than_one
         self.prefer = prefer
+        self.streams = 0  # ListAndWatch streams open
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     async def GetDevicePluginOptions(self, stream: Stream[api.Empty, api.DevicePluginOptions]) -> None:
         await stream.recv_message()
@@ -84,10 +87,21 @@ class DevicePluginService(DevicePluginBase):
 
     async def ListAndWatch(self, stream: Stream[api.Empty, api.ListAndWatchResponse]) -> None:
         await stream.recv_message()
-        while not self.feed.closed:
-            version = self.feed.version
-            await stream.send_message(device_list(self.feed.resource))
-            await self.feed.wait_past(version)
+        self.streams += 1
+        self.idle.clear()
+        try:
+            feed = self.feed
+            while not feed.closed:
+                version = feed.version
+                await stream.send_message(device_list(feed.resource))
+                await feed.wait_past(version)
+            # The resource is gone: end the stream with OK, so the kubelet sees it end, before the
+            # server closes its connections.
+            await stream.send_trailing_metadata()
+        finally:
+            self.streams -= 1
+            if not self.streams:
+                self.idle.set()
 
     async def GetPreferredAllocation(
             self, stream: Stream[api.PreferredAllocationRequest, api.PreferredAllocationResponse]) -> None:
@@ -169,6 +183,10 @@ class PluginEndpoint:
 
     async def stop(self) -> None:
         await self.feed.close()
+        try:
+            await asyncio.wait_for(self.service.idle.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            log.warning("device plugin %s: a ListAndWatch stream did not end within 1 s", self.name)
         if self.server is not None:
             self.server.close()
             try:
