@@ -46,7 +46,7 @@ def plugin(**settings: Any) -> PluginConfig:
 
 def ads(inv: Optional[Inventory], strategy: str = "none", settings: Optional[PluginConfig] = None,
         health: Optional[dict[str, GpuHealth]] = None, numa: Any = lambda g: None, unavailable: str = "") -> Any:
-    return advertised(inv, health or {}, strategy, settings or plugin(), numa, None, unavailable)
+    return advertised(inv, health or {}, strategy, settings or plugin(), numa, unavailable)
 
 
 def ids(result: Any, name: str = GPU_RESOURCE) -> list[str]:
@@ -105,6 +105,16 @@ def test_time_slicing_replicas_rename_and_per_gpu_counts() -> None:
     for device in ads(EIGHT, settings=per_gpu).resources[GPU_RESOURCE].devices:
         counts[device.gpu_uuid] = counts.get(device.gpu_uuid, 0) + 1
     assert [counts[g.uuid] for g in EIGHT.gpus] == [8, 3, 1, 2, 2, 2, 2, 2]
+
+
+def test_a_sick_mig_device_or_its_sick_gpu_marks_it_unhealthy() -> None:
+    node = inventory(gpu(0, "3g.40gb", "3g.40gb"), gpu(1, "3g.40gb", "3g.40gb"))
+    first, second = (d.uuid for d in node.gpus[0].mig.devices)
+    own = ads(node, "mixed", health={first: GpuHealth(xid_reason="XID 94")}).resources["nvidia.com/mig-3g.40gb"]
+    assert [d.id for d in own.devices if not d.healthy] == [first]
+    whole = ads(node, "mixed", health={node.gpus[0].uuid: GpuHealth(xid_reason="XID 79")})
+    assert sorted(d.id for d in whole.resources["nvidia.com/mig-3g.40gb"].devices if not d.healthy) == sorted(
+        [first, second])
 
 
 def test_one_sick_gpu_marks_only_its_devices_and_numa_comes_from_sysfs(tmp_path: Path) -> None:

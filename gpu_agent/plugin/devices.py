@@ -82,10 +82,9 @@ class _Base:
 
 def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], strategy: str,
                settings: PluginConfig, numa_node: Callable[[Gpu], Optional[int]],
-               device_health: Optional[Mapping[str, GpuHealth]] = None,
                unavailable: str = "") -> Advertised:
-    """The resources to serve. `health`: by GPU UUID; `device_health`: by MIG device UUID, where the
-    health model tracks MIG devices on their own (else a MIG device has its GPU's health).
+    """The resources to serve. `health`: by GPU UUID, and by MIG device UUID where the health model
+    tracks a MIG device on its own; a MIG device is unhealthy when it or its GPU is.
     `unavailable`: why there is no inventory (NVML failing), for /status."""
     if inventory is None:
         return Advertised(reason=unavailable or "no GPU inventory yet (discovery has not succeeded)")
@@ -97,7 +96,8 @@ def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], 
     replicas_of: dict[str, int] = {}
     slicing = settings.sharing.time_slicing
     for base in bases:
-        state = (device_health or {}).get(base.uuid) or health.get(base.gpu.uuid) or GpuHealth()
+        own, whole = health.get(base.uuid, GpuHealth()), health.get(base.gpu.uuid, GpuHealth())
+        state = own if not own.healthy else whole
         replicas, entry = _replicas(base, settings)
         name = base.resource
         if replicas > 1:

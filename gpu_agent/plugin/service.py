@@ -128,9 +128,8 @@ class DevicePluginManager:
             discovery = state.stages.get("discovery")
             if discovery is not None and discovery.state == "failed":
                 unavailable = f"discovery failed: {discovery.message}"
-        device_health = getattr(state, "mig_health", None)  # per-MIG-device health, where the model has it
         return advertised(state.inventory, state.health, mig_strategy(state.config.config), self.settings,
-                          self._numa, device_health, unavailable)
+                          self._numa, unavailable)
 
     def _service_args(self) -> dict[str, Any]:
         return {"list_strategy": lambda: self.settings.device_list_strategy,
