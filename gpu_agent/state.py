@@ -80,6 +80,7 @@ class AgentState:
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
+    plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
     reconciles: int = 0
     first_reconcile_done: bool = False
     published: int = 0  # bumped each time the daemon publishes the model: the endpoints render again
@@ -243,13 +244,19 @@ class AgentState:
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
             "labels": self.labels(),
+            "plugin": self.plugin,
         }
 
     def labels(self) -> dict[str, str]:
         """The node labels this state gives (what `gpu-agent labels` prints), whether or not a sink sets them."""
+        from gpu_agent.config.plugin import mig_strategy
         from gpu_agent.kube.labels import compute
+        from gpu_agent.plugin.devices import sharing
 
-        return compute(self.inventory, self.ready, self.config.config.kubernetes.mig_strategy, self.machine)
+        config = self.config.config
+        strategy = mig_strategy(config)
+        return compute(self.inventory, self.ready, strategy, self.machine,
+                       sharing(self.inventory, strategy, config.plugin))
 
     def _driver_json(self) -> Optional[dict[str, Any]]:
         """What NVML says of the driver, and what the driver stage saw of its kernel module."""

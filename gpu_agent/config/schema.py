@@ -9,6 +9,7 @@ from gpu_agent.config.driver import DriverConfig
 from gpu_agent.config.endpoint import DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, valid_listen
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
+from gpu_agent.config.plugin import PluginConfig
 from gpu_agent.config.section import PATH_MAX, Section, absolute_path, seconds, shown
 from gpu_agent.config.toolkit import ToolkitConfig
 
@@ -109,3 +110,4 @@ class AgentConfig(Section):
     discovery: DiscoveryConfig = DiscoveryConfig()
     health: HealthConfig = HealthConfig()
     mig: MigConfig = MigConfig()
+    plugin: PluginConfig = PluginConfig()

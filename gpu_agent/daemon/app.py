@@ -14,6 +14,7 @@ from typing import IO, Any, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig, load_config
+from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
@@ -206,6 +207,8 @@ class Daemon:
         self._last_ready: Optional[bool] = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
+        self._plugin_task: Optional[asyncio.Task[Any]] = None
 
     @property
     def config(self) -> AgentConfig:
@@ -227,6 +230,7 @@ class Daemon:
         if self.runtime.machine is not None:
             self._tasks.append(asyncio.create_task(self._watch_simulator(self.runtime.machine), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
+        self._ensure_plugin()
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._tasks.append(reconciler)
         await self._stopping.wait()
@@ -355,6 +359,9 @@ class Daemon:
 
     def publish(self) -> None:
         self.state.published += 1
+        self._ensure_plugin()
+        if self.plugin is not None:
+            self.plugin.wake()  # health, MIG and inventory changes reach ListAndWatch now
         if not self.state.first_reconcile_done:
             return
         self.notifier.status(self.state.summary_line())
@@ -362,6 +369,22 @@ class Daemon:
         if ready != self._last_ready:
             self._last_ready = ready
             self.trigger()  # the sinks tell Kubernetes within seconds
+
+    def _ensure_plugin(self) -> None:
+        """The device plugin runs beside the reconcile loop, never inside it: a failure there is logged
+        and the service started again on the next publish, and the daemon goes on."""
+        if self._plugin_task is not None and not self._plugin_task.done():
+            return
+        if self._plugin_task is not None and not self._plugin_task.cancelled() and self._plugin_task.exception():
+            log.error("device plugin stopped: %s; starting it again", self._plugin_task.exception())
+        if not plugin_wanted(self.runtime.root, self.config.plugin):
+            return
+        from gpu_agent.plugin.service import DevicePluginManager  # grpclib and protobuf: only when on
+
+        if self.plugin is None:
+            self.plugin = DevicePluginManager(self.runtime.root, self.state)
+        self._plugin_task = asyncio.create_task(self.plugin.run(), name="device-plugin")
+        self._tasks.append(self._plugin_task)
 
     def _threadsafe_publish(self) -> None:
         if self._loop is not None:
