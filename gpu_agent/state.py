@@ -208,6 +208,11 @@ class AgentState:
         versions = {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else {}
         return {**versions, **{key: value for key, value in facts.items() if key != "module_version"}}
 
+    def _links_json(self, index: int) -> dict[str, str]:
+        """How this GPU reaches each other one, by index, as `nvidia-smi topo -m` writes it (NV18, PIX, SYS)."""
+        links = self.inventory.links if self.inventory else ()
+        return {str(link.b if link.a == index else link.a): link.kind for link in links if index in (link.a, link.b)}
+
     def _gpu_json(self, gpu: Any) -> dict[str, Any]:
         health = self.health.get(gpu.uuid, GpuHealth())
         settings = self.config.config.health
@@ -218,6 +223,8 @@ class AgentState:
             "product": gpu.product,
             "memory_mib": gpu.memory_mib,
             "compute_capability": "{}.{}".format(*gpu.compute_capability),
+            "numa_node": gpu.numa_node,
+            "links": self._links_json(gpu.index),
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
             "last_xid": None if health.last_xid is None else {"xid": health.last_xid,

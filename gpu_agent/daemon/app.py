@@ -83,7 +83,7 @@ class Runtime:
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
-            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds)
+            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds, root)
             loader = SimModprobe(machine, root)
             services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
@@ -92,7 +92,7 @@ class Runtime:
         else:
             import pynvml
 
-            nvml = Nvml(pynvml, config.nvml.call_timeout_seconds)
+            nvml = Nvml(pynvml, config.nvml.call_timeout_seconds, root)
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
             packages = SystemPackages(root)

@@ -685,6 +685,12 @@ class ReplayNvml(FakeNvml):
     nvmlDeviceGetEncoderUtilization = _recorded("nvmlDeviceGetEncoderUtilization")
     nvmlDeviceGetDecoderUtilization = _recorded("nvmlDeviceGetDecoderUtilization")
     nvmlDeviceGetRemappedRows = _recorded("nvmlDeviceGetRemappedRows")
+    # Topology is the hardware's: as recorded (a one-GPU capture has no pairs: NotSupported).
+    nvmlDeviceGetNvLinkState = _recorded("nvmlDeviceGetNvLinkState")
+    nvmlDeviceGetNvLinkRemoteDeviceType = _recorded("nvmlDeviceGetNvLinkRemoteDeviceType")
+    nvmlDeviceGetNvLinkRemotePciInfo = _recorded("nvmlDeviceGetNvLinkRemotePciInfo")
+    nvmlDeviceGetTopologyCommonAncestor = _recorded("nvmlDeviceGetTopologyCommonAncestor")
+    nvmlDeviceGetP2PStatus = _recorded("nvmlDeviceGetP2PStatus")
 
     @_nvml
     def nvmlDeviceGetName(self, handle: SimHandle) -> str:
