@@ -180,6 +180,7 @@ class Daemon:
         from gpu_agent.daemon.http import HttpServer, build_app
         from gpu_agent.metrics.exporter import AgentCollector, make_registry
         from gpu_agent.daemon.notify import Notifier
+        from gpu_agent.metrics.pods import PodLabels
         from gpu_agent.metrics.sampler import Sampler
 
         self.runtime = runtime
@@ -193,6 +194,10 @@ class Daemon:
         self.http = HttpServer(build_app(self.state, make_registry(self.collector), self._loop_alive),
                                runtime.root)
         self.xids = XidWatcher(runtime.nvml, self.state, self._threadsafe_publish)
+        self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,
+                                    lambda pods: setattr(self.state, "pods", pods),
+                                    lambda: self.config.metrics.pod_labels,
+                                    lambda: self.config.metrics.sample_interval_seconds)
         self._wake = asyncio.Event()
         self._force = False
         self._stopping = asyncio.Event()
@@ -214,7 +219,8 @@ class Daemon:
             self._loop.add_signal_handler(signum, self._stopping.set)
         self._loop.add_signal_handler(signal.SIGHUP, self._request_reload)
         await self.http.start(self.config.http)
-        self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler")]
+        self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler"),
+                       asyncio.create_task(self.pod_labels.run(), name="pod-labels")]
         interval = self.notifier.watchdog_interval()
         if interval:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
