@@ -3,6 +3,7 @@ grpcio (another gRPC implementation than the agent's grpclib) on a unix socket u
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
@@ -230,3 +231,33 @@ def test_pod_labels_are_off_by_default(tmp_path: Path) -> None:
     assert load_config(config, required=True).config.metrics.pod_labels is False
     config.write_text("version: v1\nmetrics: {pod_labels: true}\n")
     assert load_config(config, required=True).config.metrics.pod_labels is True
+
+
+
+def test_the_daemon_wires_pod_labels_to_its_state_config_and_metrics(root: Path, write_config: Any) -> None:
+    from gpu_agent.daemon import app
+
+    config = write_config({"metrics": {"pod_labels": True}})
+    runtime = app.Runtime.build(Root(root), load_config(config, required=True), "dgx-h100")
+    kubelet = Kubelet(root)
+
+    async def scrape_after_one_query() -> tuple[app.Daemon, str]:
+        daemon = app.Daemon(runtime, config, config_required=True)
+        await runtime.engine.reconcile(force=True)
+        daemon.sampler.sample()
+        gpu = runtime.state.inventory.gpus[3].uuid
+        kubelet.answer = response(("ml", "trainer", {"main": {"nvidia.com/gpu": [gpu]}}))
+        assert daemon.pod_labels.enabled()
+        assert daemon.pod_labels.interval() == daemon.config.metrics.sample_interval_seconds
+        await daemon.pod_labels.refresh()
+        return daemon, render(make_registry(daemon.collector)).decode()
+
+    try:
+        daemon, text = asyncio.run(scrape_after_one_query())
+    finally:
+        kubelet.stop()
+        runtime.nvml.close()
+    held = [line for line in text.splitlines() if line.startswith("DCGM_FI_DEV_POWER_USAGE{") and "pod=" in line]
+    assert len(held) == 1 and f'UUID="{runtime.state.inventory.gpus[3].uuid}"' in held[0]
+    assert json.loads(json.dumps(daemon.state.to_json()))["pod_labels"]["devices"][0]["holders"] == [
+        {"pod": "trainer", "namespace": "ml", "container": "main"}]
