@@ -68,12 +68,12 @@ class AgentState:
     runtimes: Optional[tuple[str, ...]] = None  # container runtimes found, as the toolkit stage last saw them
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
     mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
-    pods: Optional[Any] = None  # who holds each GPU (metrics.pods.PodAttribution); None: metrics.pod_labels off
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
     health_transitions: dict[tuple[str, str], int] = field(default_factory=dict)  # by (GPU UUID, "healthy"/"unhealthy")
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
     sampled_at: Optional[float] = None  # when `samples` were taken (unix time)
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
+    pods: Optional[Any] = None  # who holds each GPU (metrics.pods.PodAttribution); None: metrics.pod_labels off
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
@@ -193,11 +193,11 @@ class AgentState:
                 "reload_error": self.config_error,
             },
             "driver": self._driver_json(),
+            "pod_labels": self.pods.to_json() if self.pods is not None else None,
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
-            "pod_labels": self.pods.to_json() if self.pods is not None else None,
         }
 
     def _driver_json(self) -> Optional[dict[str, Any]]:
