@@ -678,6 +678,12 @@ class ReplayNvml(FakeNvml):
     nvmlDeviceGetPciInfo = _recorded("nvmlDeviceGetPciInfo")
     nvmlDeviceGetCudaComputeCapability = _recorded("nvmlDeviceGetCudaComputeCapability")
     nvmlDeviceGetGpuInstanceProfileInfo = _recorded("nvmlDeviceGetGpuInstanceProfileInfo")
+    # Topology is the hardware's: as recorded (a one-GPU capture has no pairs: NotSupported).
+    nvmlDeviceGetNvLinkState = _recorded("nvmlDeviceGetNvLinkState")
+    nvmlDeviceGetNvLinkRemoteDeviceType = _recorded("nvmlDeviceGetNvLinkRemoteDeviceType")
+    nvmlDeviceGetNvLinkRemotePciInfo = _recorded("nvmlDeviceGetNvLinkRemotePciInfo")
+    nvmlDeviceGetTopologyCommonAncestor = _recorded("nvmlDeviceGetTopologyCommonAncestor")
+    nvmlDeviceGetP2PStatus = _recorded("nvmlDeviceGetP2PStatus")
     # Metrics the fake simulates on built-in machines: here as the node answered, or NotSupported.
     nvmlDeviceGetClockInfo = _recorded("nvmlDeviceGetClockInfo")
     nvmlDeviceGetTotalEnergyConsumption = _recorded("nvmlDeviceGetTotalEnergyConsumption")
@@ -685,12 +691,6 @@ class ReplayNvml(FakeNvml):
     nvmlDeviceGetEncoderUtilization = _recorded("nvmlDeviceGetEncoderUtilization")
     nvmlDeviceGetDecoderUtilization = _recorded("nvmlDeviceGetDecoderUtilization")
     nvmlDeviceGetRemappedRows = _recorded("nvmlDeviceGetRemappedRows")
-    # Topology is the hardware's: as recorded (a one-GPU capture has no pairs: NotSupported).
-    nvmlDeviceGetNvLinkState = _recorded("nvmlDeviceGetNvLinkState")
-    nvmlDeviceGetNvLinkRemoteDeviceType = _recorded("nvmlDeviceGetNvLinkRemoteDeviceType")
-    nvmlDeviceGetNvLinkRemotePciInfo = _recorded("nvmlDeviceGetNvLinkRemotePciInfo")
-    nvmlDeviceGetTopologyCommonAncestor = _recorded("nvmlDeviceGetTopologyCommonAncestor")
-    nvmlDeviceGetP2PStatus = _recorded("nvmlDeviceGetP2PStatus")
 
     @_nvml
     def nvmlDeviceGetName(self, handle: SimHandle) -> str:
