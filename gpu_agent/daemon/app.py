@@ -191,6 +191,10 @@ class Daemon:
         self.sampler = Sampler(runtime.nvml, self.state, runtime.root)
         self.collector = AgentCollector(self.state, lambda: runtime.nvml.timeouts,
                                         self.config.metrics.hostname)
+        self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,
+                                    lambda pods: setattr(self.state, "pods", pods),
+                                    lambda: self.config.metrics.pod_labels,
+                                    lambda: self.config.metrics.sample_interval_seconds)
         self.http = HttpServer(build_app(self.state, make_registry(self.collector), self._loop_alive),
                                runtime.root)
         self.xids = XidWatcher(runtime.nvml, self.state, self._threadsafe_publish)
@@ -201,10 +205,6 @@ class Daemon:
         self._last_ready: Optional[bool] = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,
-                                    lambda pods: setattr(self.state, "pods", pods),
-                                    lambda: self.config.metrics.pod_labels,
-                                    lambda: self.config.metrics.sample_interval_seconds)
 
     @property
     def config(self) -> AgentConfig:
