@@ -144,7 +144,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
-        self._nvlink: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data counter (KiB) and when it was read
+        self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data counter (KiB) and when it was read
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
@@ -406,9 +406,9 @@ class FakeNvml:
     def _nvlink_kib(self, index: int, gpu: dict[str, Any]) -> float:
         """KiB sent and received over NVLink since this fake started: 1 GiB/s per % of load, never less."""
         now = time.monotonic()
-        total, then = self._nvlink.get(index, (0.0, now))
+        total, then = self._nvlink_counters.get(index, (0.0, now))
         total += self._utilization(gpu) * 1024 * 1024 * (now - then)
-        self._nvlink[index] = (total, now)
+        self._nvlink_counters[index] = (total, now)
         return total
 
     @_nvml
