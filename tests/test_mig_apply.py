@@ -247,7 +247,8 @@ def test_export_applies_back_without_a_change(node: Any) -> None:
 def test_a_reset_blocked_by_nvidia_drm_is_rebooting_until_the_reboot_applies_it(node: Any) -> None:
     n = node("dgx-a100")
     SimModprobe(n.machine, n.root).load("nvidia_drm")
-    results = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test")
+    hooks = Hooks(["nvidia-dcgm.service"], SimUnits(n.machine))
+    results = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test", hooks=hooks)
     assert results[0].state == REBOOTING and results[0].action == "mode-changed" and results[0].mutations == 1
     assert "pending a GPU reset" in results[0].reason and "nvidia_drm is loaded" in results[0].reason
     assert results[0].reason.startswith("GPU 0 (A100-SXM4-40GB): ")
@@ -255,8 +256,11 @@ def test_a_reset_blocked_by_nvidia_drm_is_rebooting_until_the_reboot_applies_it(
     assert (gpu.mig.enabled, gpu.mig.pending_enabled) == (False, True)
     assert node_state(results) == REBOOTING
     before = n.mutations()
-    again = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test")  # the next pass only retries the reset
+    # The next pass sees that only a reboot helps: no NVML change, and the units are not stopped again.
+    again = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test", hooks=hooks)
     assert again[0].state == REBOOTING and again[0].mutations == 0 and n.mutations() == before
+    assert "nvidia_drm is loaded" in again[0].reason
+    assert n.machine.read()["services"]["nvidia-dcgm.service"]["calls"] == ["stop", "start"]
     with n.machine.edit() as state:
         reboot(state["gpus"][0], MODELS["A100-SXM4-40GB"])  # the pending mode takes effect at boot
     after = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test")
