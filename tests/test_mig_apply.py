@@ -322,12 +322,21 @@ def test_the_checkpoint_is_in_the_ledger_and_one_an_interrupted_change_left_is_r
     n.apply(config({"7g.80gb": 1}, gpus=[2]), "test")
     store, ledger = CheckpointStore(n.root), Ledger(n.root)
     assert ledger.mig_checkpoint(uuid) is None  # cleared once the change was made
-    # A change killed mid-apply left its checkpoint in the ledger: the next change keeps it as the
-    # geometry to restore, so a failure puts back the geometry from before both, not the half-made one.
-    store.save(uuid, 2, checkpoint)
+    whole = n.layout(2)
+    fail_once = {"id": 1, "call": "nvmlGpuInstanceCreateComputeInstanceWithPlacement", "gpu": 2, "error": "Unknown",
+                 "times": 1}
+    # A change that finished but was killed before clearing its checkpoint: the GPU is what it was
+    # making, so the next change records a new one, and a failure puts back the GPU as it is now.
+    store.save(uuid, 2, checkpoint, (True, (("7g.80gb", 1),)))
     with n.machine.edit() as state:
-        state["faults"].append({"id": 1, "call": "nvmlGpuInstanceCreateComputeInstanceWithPlacement", "gpu": 2,
-                                "error": "Unknown", "times": 1})
+        state["faults"].append(dict(fail_once))
+    result = n.apply(config({"1g.10gb": 7}, gpus=[2]), "test")[2]
+    assert result.action == "restored" and n.layout(2) == whole and ledger.mig_checkpoint(uuid) is None
+    # A change killed midway: the GPU is not what it was making, so the next change keeps its checkpoint,
+    # and a failure puts back the geometry from before both, not the half-made one.
+    store.save(uuid, 2, checkpoint, (True, (("1g.10gb", 7),)))
+    with n.machine.edit() as state:
+        state["faults"].append(dict(fail_once))
     result = n.apply(config({"1g.10gb": 7}, gpus=[2]), "test")[2]
     assert result.action == "restored" and n.layout(2) == original and ledger.mig_checkpoint(uuid) is None
     # Recorded before the first change, with placements and compute instances: a restore that fails
@@ -343,6 +352,7 @@ def test_the_checkpoint_is_in_the_ledger_and_one_an_interrupted_change_left_is_r
     assert store.load(n.gpus()[1].uuid) == before
     entry = ledger.mig_checkpoint(n.gpus()[1].uuid)
     assert entry is not None and entry["gpu"] == 1 and entry["checkpoint"]["gpu_instances"][0]["placement"] == [0, 2]
+    assert entry["toward"] == {"mig-enabled": True, "mig-devices": {"4g.40gb": 1}}
     assert [len(gi.compute_instances) for gi in before.gpu_instances] == [1, 1, 2]
 
 

@@ -2,8 +2,8 @@
 
 - A GPU that runs compute processes is never changed unless `force`; the refusal names the PIDs and
   process names (NVML's list, names from the process table under --root).
-- Before the first change, the GPU's whole MIG state is checkpointed in the agent's ledger (a checkpoint
-  an interrupted change left there stays: it is the geometry from before it). Any failure restores that
+- Before the first change, the GPU's whole MIG state is checkpointed in the agent's ledger (one that a
+  change killed midway left there stays: gpu_agent.mig.checkpoint). Any failure restores that
   checkpoint (placements included) instead of leaving the GPU empty, and says so.
 - A mode change NVML leaves pending (Ampere) resets that GPU alone. When it cannot be reset, its instances
   wait and the GPU is `pending` while the agent can still reset it itself at a later pass (compute
@@ -130,7 +130,7 @@ class Applier:
                                 f"{plan.name} runs compute processes: {busy}; it is not repartitioned "
                                 "while they run (set mig.force: true to do it anyway)")
         try:
-            self.checkpoints.save(gpu.uuid, gpu.index, Checkpoint.of(gpu.mig))
+            self.checkpoints.save(gpu.uuid, gpu.index, Checkpoint.of(gpu.mig), plan.target)
         except AgentError as exc:
             return self._result(plan, FAILED, FAILED, 0, f"{plan.name}: cannot checkpoint its MIG state, so it "
                                 f"is not changed: {exc}")

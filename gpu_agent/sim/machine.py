@@ -54,6 +54,7 @@ class MachineSpec(_Spec):
     mellanox_nics: int = Field(0, ge=0, description="ConnectX NICs, for GPUDirect RDMA (nvidia_peermem)")
     nouveau: bool = Field(False, description="the distribution loaded nouveau at boot")
     product_name: str = Field("Standard PC", description="DMI product name (the gpu.machine label)")
+    passthrough: bool = Field(False, description="a VM with its GPUs passed through: it cannot reset them")
 
 
 def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
@@ -93,7 +94,7 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
     machine = Machine(spec.name, spec.driver_version, int(major) * 1000 + int(minor) * 10, tuple(gpus),
                       nvswitches=tuple(f"0000:{0xc0 + n:02x}:00.0" for n in range(spec.nvswitches)),
                       mellanox_nics=tuple(f"0000:{0xe0 + n:02x}:00.0" for n in range(spec.mellanox_nics)),
-                      nouveau=spec.nouveau, product_name=spec.product_name)
+                      nouveau=spec.nouveau, product_name=spec.product_name, passthrough=spec.passthrough)
     return machine, mig
 
 
@@ -119,6 +120,8 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
             "mig": {"current": enabled, "pending": enabled, "gpu_instances": []},
             "processes": [],
         }
+        if machine.passthrough:
+            gpu["passthrough"] = True
         for profile in spec.devices:
             add_device(gpu, model, profile)
         gpus.append(gpu)

@@ -149,6 +149,7 @@ class Machine:
     mellanox_nics: tuple[str, ...] = ()  # PCI addresses of ConnectX NICs (GPUDirect RDMA)
     nouveau: bool = False  # the distribution loaded nouveau at boot
     product_name: str = "Standard PC"  # DMI /sys/class/dmi/id/product_name
+    passthrough: bool = False  # a VM whose GPUs are passed through (NVML's virtualization mode)
 
 
 _DGX_A100_BUSES = ("07", "0F", "47", "4E", "87", "90", "B7", "BD")
