@@ -270,12 +270,12 @@ def test_a_reset_blocked_by_nvidia_drm_is_rebooting_until_the_reboot_applies_it(
 
 def test_a_passed_through_gpu_is_rebooting_and_a_forced_busy_one_pending_until_its_processes_exit(
         node: Any) -> None:
-    n = node("dgx-a100")
-    with n.machine.edit() as state:
-        state["gpus"][1]["passthrough"] = True  # a GPU passed through into a VM
-    result = n.apply(config({"7g.40gb": 1}, gpus=[1]), "test")[1]
+    vm = node("passthrough: true\ngpus:\n  - model: A100-SXM4-40GB\n    count: 2\n")  # a VM, its GPUs passed through
+    result = vm.apply(config({"7g.40gb": 1}, gpus=[1]), "test")[1]
     assert result.state == REBOOTING and "passed through into this VM" in result.reason
-    assert "reboot the VM" in result.reason and "resets" not in n.machine.read()
+    assert "reboot the VM" in result.reason and "resets" not in vm.machine.read()
+    assert (vm.gpus()[1].mig.enabled, vm.gpus()[1].mig.pending_enabled) == (False, True)
+    n = node("dgx-a100")
     with n.machine.edit() as state:
         state["gpus"][2]["processes"].append({"pid": 4242, "name": "trainer", "used_mib": 1000})
     refused = n.apply(config({}, gpus=[2]), "test")[2]
