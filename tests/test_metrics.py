@@ -44,6 +44,14 @@ EXPECTED = {
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("counter", "Number of remapped rows for correctable errors"),
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("gauge", "Whether remapping of rows has failed"),
     "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("counter", "Total number of NVLink bandwidth counters for all lanes."),
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("gauge", "Ratio of time the graphics engine is active."),
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
+    "DCGM_FI_PROF_DRAM_ACTIVE": ("gauge",
+                                 "Ratio of cycles the device memory interface is active sending or receiving data."),
+    "DCGM_FI_PROF_PCIE_TX_BYTES": ("gauge", "The rate of data transmitted over the PCIe bus - including both protocol "
+                                   "headers and data payloads - in bytes per second."),
+    "DCGM_FI_PROF_PCIE_RX_BYTES": ("gauge", "The rate of data received over the PCIe bus - including both protocol "
+                                   "headers and data payloads - in bytes per second."),
 }
 
 
@@ -79,7 +87,7 @@ def node(tmp_path: Path) -> Iterator[Any]:
 def test_default_dcgm_counters_by_name_type_help_and_labels(node) -> None:
     n = node()
     n.sampler.sample()
-    n.sampler.sample()  # NVLink bandwidth is a rate: two readings
+    n.sampler.sample()  # NVLink bandwidth and the GPM (PROF) series are over an interval: two readings
     families = n.scrape()
     assert {c.name for c in DEFAULT_COUNTERS + (XID_ERRORS,)} == set(EXPECTED)
     gpus = n.state.inventory.gpus

@@ -103,6 +103,42 @@ class SimEventData:
     computeInstanceId: int
 
 
+@dataclass
+class SimGpmSample:
+    """Stands in for a c_nvmlGpmSample_t: the GPU's load when it was taken."""
+
+    gpu: Optional[int] = None
+    load: int = 0
+    at: float = 0.0
+    freed: bool = False
+
+
+@dataclass
+class SimGpmMetric:
+    metricId: int = 0
+    nvmlReturn: int = 0
+    value: float = 0.0
+
+
+class SimGpmMetricsGet:
+    """The fields of pynvml's c_nvmlGpmMetricsGet_t that nvmlGpmMetricsGet reads and fills."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: Optional[SimGpmSample] = None
+        self.sample2: Optional[SimGpmSample] = None
+        self.metrics = [SimGpmMetric() for _ in range(pynvml.NVML_GPM_METRIC_MAX)]
+
+
+# What a GPM metric reads at a load of L %: the share of L each utilisation shows, and MiB/s per % for PCIe.
+_GPM_PER_LOAD = {
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: 1.0, pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 0.6,
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 0.5, pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 40.0,
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 60.0,
+}
+
+
 def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Every fake call: NVML must be initialised, and an injected fault for it fires first."""
 
@@ -135,6 +171,7 @@ class FakeNvml:
     # Arrays that nvmlDeviceGetGpuInstances and nvmlGpuInstanceGetComputeInstances fill.
     c_nvmlGpuInstance_t = _HandleSlot
     c_nvmlComputeInstance_t = _HandleSlot
+    c_nvmlGpmMetricsGet_t = SimGpmMetricsGet
 
     def __init__(self, state: MachineState) -> None:
         self._state = state
@@ -486,6 +523,46 @@ class FakeNvml:
                                        "computeInstanceId": p.get("compute_instance_id", 0xFFFFFFFF)})
             for p in gpu["processes"]
         ]
+
+    # --- GPM: Hopper and later (compute capability 9.0+) -------------------------------------
+
+    @_nvml
+    def nvmlGpmQueryDeviceSupport(self, handle: SimHandle) -> Any:
+        gpu = self._whole_gpu(handle)
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(self._model(gpu).compute_capability >= (9, 0))
+        return support
+
+    @_nvml
+    def nvmlGpmSampleAlloc(self) -> SimGpmSample:
+        return SimGpmSample()
+
+    @_nvml
+    def nvmlGpmSampleGet(self, handle: SimHandle, sample: SimGpmSample) -> SimGpmSample:
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).compute_capability < (9, 0):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        sample.gpu, sample.load, sample.at = handle.gpu, self._utilization(gpu), time.monotonic()
+        return sample
+
+    @_nvml
+    def nvmlGpmSampleFree(self, sample: SimGpmSample) -> None:
+        sample.freed = True
+
+    @_nvml
+    def nvmlGpmMetricsGet(self, request: SimGpmMetricsGet) -> SimGpmMetricsGet:
+        """Each metric at the mean load of the two samples; two samples of one GPU, the second later."""
+        first, second = request.sample1, request.sample2
+        if (first is None or second is None or first.gpu is None or first.gpu != second.gpu
+                or first.freed or second.freed or second.at <= first.at):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        load = (first.load + second.load) / 2
+        for metric in request.metrics[:request.numMetrics]:
+            share = _GPM_PER_LOAD.get(metric.metricId)
+            metric.nvmlReturn = pynvml.NVML_SUCCESS if share is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            metric.value = load * share if share is not None else 0.0
+        return request
 
     # --- MIG -------------------------------------------------------------------------------
     # The rules (placements, ids, IN_USE, pending modes) are gpu_agent.sim.mig's; these calls hold the
