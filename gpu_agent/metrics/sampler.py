@@ -45,7 +45,7 @@ class Sampler:
             for gpu in inventory.gpus:
                 try:
                     sample = self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig))
-                    samples[gpu.uuid] = replace(sample, **self.profiling.read(gpu))
+                    samples[gpu.uuid] = self.profiling.add_to(sample, gpu)
                     processes[gpu.uuid] = tuple(
                         GpuProcess(pid, self._process_name(pid), used)
                         for pid, used in self.nvml.processes(gpu.index)
@@ -61,7 +61,7 @@ class Sampler:
                 log.error("%s", exc)
             self.state.nvml_error = str(exc)
             return
-        self.profiling.keep_only({gpu.uuid for gpu in inventory.gpus})
+        self.profiling.keep_only(samples)
         self.state.nvml_error = None
         self.state.samples = samples
         self.state.sampled_at = time.time()

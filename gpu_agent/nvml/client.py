@@ -544,12 +544,14 @@ class Nvml:
             return "NVML GPM is not supported on this GPU (Hopper and later have it); DCGM would be needed"
         return None
 
-    def gpm_sample(self, index: int) -> Any:
-        """A new GPM sample of the GPU; give it back with gpm_free()."""
+    def gpm_sample(self, index: int, gpu_instance: Optional[int] = None) -> Any:
+        """A new GPM sample of the GPU, or of one of its GPU instances; give it back with gpm_free()."""
         self.init()
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
         sample = self._nvml("nvmlGpmSampleAlloc")
         try:
+            if gpu_instance is not None:
+                return self._nvml("nvmlGpmMigSampleGet", handle, gpu_instance, sample)
             return self._nvml("nvmlGpmSampleGet", handle, sample)
         except BaseException:
             self.gpm_free(sample)

@@ -116,13 +116,19 @@ class Inventory:
 
 @dataclass(frozen=True)
 class MigSample:
-    """Framebuffer of one GPU instance (read through its first MIG device), as dcgm-exporter reports it."""
+    """Framebuffer of one GPU instance (read through its first MIG device) and its GPM profiling metrics,
+    as dcgm-exporter reports them per GPU instance."""
 
     gpu_instance_id: int
     profile: str  # the GPU instance's profile, e.g. "3g.40gb"
     memory_used_mib: Optional[float] = None
     memory_free_mib: Optional[float] = None
     memory_reserved_mib: Optional[float] = None
+    gr_engine_active: Optional[float] = None  # GPM of the GPU instance (nvmlGpmMigSampleGet), as for a GpuSample
+    pipe_tensor_active: Optional[float] = None
+    dram_active: Optional[float] = None
+    pcie_tx_bytes: Optional[float] = None
+    pcie_rx_bytes: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -547,6 +547,17 @@ class FakeNvml:
         return sample
 
     @_nvml
+    def nvmlGpmMigSampleGet(self, handle: SimHandle, gi_id: int, sample: SimGpmSample) -> SimGpmSample:
+        """A GPU instance's load: its own processes'."""
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).compute_capability < (9, 0) or not gpu["mig"]["current"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        find_gi(gpu, gi_id)
+        load = min(100, 35 * sum(1 for p in gpu["processes"] if p.get("gpu_instance_id") == gi_id))
+        sample.gpu, sample.load, sample.at = handle.gpu * 1000 + gi_id, load, time.monotonic()
+        return sample
+
+    @_nvml
     def nvmlGpmSampleFree(self, sample: SimGpmSample) -> None:
         sample.freed = True
 
