@@ -59,6 +59,7 @@ class GpuProcess:
 class AgentState:
     config: LoadedConfig
     hardware: str = "real"  # or what the composition root put in its place, e.g. "simulated dgx-h100"
+    machine: Optional[str] = None  # the DMI product name, for the gpu.machine label
     started_at: float = field(default_factory=time.time)
     config_loaded_at: float = field(default_factory=time.time)
     config_error: Optional[str] = None  # the last rejected reload
@@ -76,11 +77,19 @@ class AgentState:
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
     sampled_at: Optional[float] = None  # when `samples` were taken (unix time)
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
+    pods: Optional[Any] = None  # who holds each GPU (metrics.pods.PodAttribution); None: metrics.pod_labels off
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
+    plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
     reconciles: int = 0
     first_reconcile_done: bool = False
+    published: int = 0  # bumped each time the daemon publishes the model: the endpoints render again
+
+    @property
+    def version(self) -> Optional[int]:
+        """What the endpoints cache their renderings by; None (do not cache) before the first reconcile."""
+        return self.published if self.first_reconcile_done else None
 
     # --- what the watcher threads publish ------------------------------------------------------
 
@@ -231,11 +240,25 @@ class AgentState:
                 "reload_error": self.config_error,
             },
             "driver": self._driver_json(),
+            "pod_labels": self.pods.to_json() if self.pods is not None else None,
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
+            "labels": self.labels(),
+            "plugin": self.plugin,
         }
+
+    def labels(self) -> dict[str, str]:
+        """The node labels this state gives (what `gpu-agent labels` prints), whether or not a sink sets them."""
+        from gpu_agent.config.plugin import mig_strategy
+        from gpu_agent.kube.labels import compute
+        from gpu_agent.plugin.devices import sharing
+
+        config = self.config.config
+        strategy = mig_strategy(config)
+        return compute(self.inventory, self.ready, strategy, self.machine,
+                       sharing(self.inventory, strategy, config.plugin))
 
     def _driver_json(self) -> Optional[dict[str, Any]]:
         """What NVML says of the driver, and what the driver stage saw of its kernel module."""
@@ -247,6 +270,11 @@ class AgentState:
         versions = {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else {}
         return {**versions, **{key: value for key, value in facts.items() if key != "module_version"}}
 
+    def _links_json(self, index: int) -> dict[str, str]:
+        """How this GPU reaches each other one, by index, as `nvidia-smi topo -m` writes it (NV18, PIX, SYS)."""
+        links = self.inventory.links if self.inventory else ()
+        return {str(link.b if link.a == index else link.a): link.kind for link in links if index in (link.a, link.b)}
+
     def _gpu_json(self, gpu: Any) -> dict[str, Any]:
         health = self.health.get(gpu.uuid, GpuHealth())
         settings = self.config.config.health
@@ -257,6 +285,8 @@ class AgentState:
             "product": gpu.product,
             "memory_mib": gpu.memory_mib,
             "compute_capability": "{}.{}".format(*gpu.compute_capability),
+            "numa_node": gpu.numa_node,
+            "links": self._links_json(gpu.index),
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
             "last_xid": None if health.last_xid is None else {"xid": health.last_xid,

@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     process.add_argument("--name", required=True)
     process.add_argument("--memory-mib", type=int, default=1024, metavar="MIB")
     actions.add_parser("clear", help="remove injected faults, XID events, processes and `sim set` conditions")
+    actions.add_parser("reload-driver", help="unload and load the nvidia module: MIG instances are gone, "
+                                             "Hopper and later lose MIG mode (Ampere keeps it)")
+    actions.add_parser("reboot", help="reboot the node: processes end, pending MIG modes take effect, "
+                                      "then the driver loads as after reload-driver")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -64,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     if args.simulate:
         machine.ensure(args.simulate)
     handler = {"show": _show, "inject-xid": _inject_xid, "fail": _fail, "add-process": _add_process,
-               "clear": _clear, "set": _set}[args.sim_command]
+               "clear": _clear, "set": _set, "reload-driver": _reload_driver, "reboot": _reboot}[args.sim_command]
     handler(machine, args)
     return EXIT_OK
 
@@ -220,3 +224,37 @@ def _clear(machine: Any, args: argparse.Namespace) -> None:
             gpu.pop("remapped_rows", None)
         state["faults"], state["xids"] = [], []
     print("faults, XID events, processes and `sim set` conditions cleared")
+
+
+def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.mig import reload_driver
+
+    with machine.edit() as state:
+        busy = [f"{p['pid']} ({p['name']}) on GPU {index}" for index, gpu in enumerate(state["gpus"])
+                for p in gpu["processes"]]
+        if busy:
+            raise AgentError(f"rmmod: ERROR: Module nvidia is in use by {', '.join(busy)}; end them first "
+                             "(sim clear) or use sim reboot")
+        for gpu in state["gpus"]:
+            reload_driver(gpu, _model_of(state, gpu))
+    print("nvidia driver reloaded: MIG instances gone; Hopper and later GPUs lost MIG mode")
+
+
+def _reboot(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.mig import reboot
+
+    with machine.edit() as state:
+        for gpu in state["gpus"]:
+            reboot(gpu, _model_of(state, gpu))
+    print("rebooted: processes ended, pending MIG modes applied, driver loaded afresh")
+
+
+def _model_of(state: dict[str, Any], gpu: dict[str, Any]) -> Any:
+    from pathlib import Path
+
+    from gpu_agent.sim.profiles import MODELS
+    from gpu_agent.sim.replay import Capture
+
+    if "capture_index" in gpu:
+        return Capture.load(Path(state["capture"])).model(gpu["capture_index"])
+    return MODELS[gpu["model"]]
