@@ -181,7 +181,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
-        self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data counter (KiB) and when it was read
+        self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data (KiB), when it was read
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
@@ -421,10 +421,10 @@ class FakeNvml:
     @_nvml
     def nvmlDeviceGetFieldValues(self, handle: SimHandle, field_ids: list[Any]) -> Any:
         """pynvml's answer: an array of c_nvmlFieldValue_t, each with its own nvmlReturn. The memory
-        temperature (HBM runs 2 C above the GPU: 35 against 33 on the real idle H100), and on NVSwitch
-        machines the NVLink data counters, which grow with the GPU's load; anything else NotSupported."""
+        temperature (HBM runs 2 C above the GPU: 35 against 33 on the real idle H100), and where the
+        GPU has NVLink (its topology) the NVLink data counters, which grow with its load; else NotSupported."""
         gpu = self._whole_gpu(handle)
-        nvlink = bool(self._state.read()["pci"]["nvswitches"])
+        nvlink = bool(topology.of(gpu)["nvlinks"])
         values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
         for value, wanted in zip(values, field_ids):
             value.fieldId, value.scopeId = wanted if isinstance(wanted, (list, tuple)) else (wanted, 0)
