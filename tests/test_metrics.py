@@ -136,7 +136,9 @@ def test_busy_gpu_reads_higher_and_the_energy_counter_grows(node) -> None:
     assert at(busy, energy, "1") >= at(idle, energy, "1")
 
 
-def test_gpu_instances_get_their_own_framebuffer_series(node) -> None:
+def test_a_gpu_with_gpu_instances_is_reported_per_gpu_instance(node) -> None:
+    """dcgm-exporter's default (flex) monitoring: a GPU with GPU instances is monitored through them only;
+    framebuffer per GPU instance, the GPU's own value for the whole-GPU counters."""
     n = node()
     assert n.nvml.set_mig_mode(0, True) is None
     profiles = {p.name: p for p in n.nvml.mig_state(0).profiles}
@@ -148,12 +150,15 @@ def test_gpu_instances_get_their_own_framebuffer_series(node) -> None:
     families = n.scrape()
     used = families["DCGM_FI_DEV_FB_USED"].samples
     mig = [s for s in used if "GPU_I_ID" in s.labels]
-    assert len(used) == 10 and len(mig) == 2
+    assert len(used) == 9 and len(mig) == 2 and not any(s.labels["gpu"] == "0" and "GPU_I_ID" not in s.labels
+                                                        for s in used)
     assert all(list(s.labels) == list(MIG_LABELS) for s in mig)
     assert {(s.labels["gpu"], s.labels["GPU_I_PROFILE"]) for s in mig} == {("0", "3g.40gb")}
     assert {s.labels["GPU_I_ID"] for s in mig} == {str(gi.id) for gi in n.state.inventory.gpus[0].mig.gpu_instances}
     assert all(s.value == 0 for s in mig)
-    assert len(families["DCGM_FI_DEV_SM_CLOCK"].samples) == 8  # whole-GPU counters stay per GPU
+    clocks = [s for s in families["DCGM_FI_DEV_SM_CLOCK"].samples if s.labels["gpu"] == "0"]
+    assert len(clocks) == 2 and all("GPU_I_ID" in s.labels and s.value == 345 for s in clocks)
+    assert len(families["DCGM_FI_DEV_SM_CLOCK"].samples) == 9
 
 
 def test_what_a_gpu_does_not_report_is_left_out_not_faked(node) -> None:
