@@ -27,6 +27,7 @@ KUBELET_SOCKET = "kubelet.sock"
 
 def spread(available: list[str], must_include: list[str], size: int) -> list[str]:
     """The must-include devices, then one device per GPU in turn, so that replicas spread over GPUs."""
+    size = max(0, size)
     chosen = list(dict.fromkeys(device for device in must_include if device in available))[:size]
     by_gpu: dict[str, list[str]] = {}
     for device in available:
@@ -88,6 +89,10 @@ class DevicePluginManager:
             self._publish(None, "off: plugin.enabled is false" if self.settings.enabled is False else
                           f"off: {DEVICE_PLUGIN_DIR} does not exist (no kubelet on this node)")
             return
+        if not self.directory.is_dir():
+            await self.stop_all()
+            self._publish(None, f"waiting for the kubelet: {DEVICE_PLUGIN_DIR} does not exist")
+            return
         wanted = self.compute()
         for name in [name for name in self.endpoints if name not in wanted.resources]:
             log.info("device plugin: %s no longer advertised; unregistering", name)
@@ -112,11 +117,11 @@ class DevicePluginManager:
             except OSError as exc:
                 self._fail(name, f"cannot serve {name}: {exc}")
                 continue
-            if name not in self.registered and kubelet is not None:
+            if kubelet is None:
+                self.errors[name] = f"waiting for the kubelet: no {DEVICE_PLUGIN_DIR}/{KUBELET_SOCKET}"
+            elif name not in self.registered:
                 await self._register(endpoint)
         if kubelet is None:
-            for name in wanted.resources:
-                self.errors[name] = f"waiting for the kubelet: no {self.directory / KUBELET_SOCKET}"
             self.registered.clear()
         self._kubelet = kubelet
         self._publish(wanted, "")
@@ -167,7 +172,10 @@ class DevicePluginManager:
 
     def _publish(self, wanted: Optional[Advertised], off: str) -> None:
         """The /status `plugin` section."""
-        resources = []
+        resources: list[dict[str, Any]] = []
+        for name in sorted(set(wanted.resources if wanted else ()) - set(self.endpoints)):
+            resources.append({"name": name, "socket": None, "devices": 0, "healthy": 0, "registered": False,
+                              "error": self.errors.get(name)})  # wanted, not served
         for name, endpoint in sorted(self.endpoints.items()):
             devices = endpoint.feed.resource.devices
             resources.append({
@@ -176,7 +184,7 @@ class DevicePluginManager:
                 "replicas": endpoint.feed.resource.replicas,
                 "registered": name in self.registered, "registered_at": self.registered.get(name),
                 "error": self.errors.get(name)})
-        section: dict[str, Any] = {"enabled": wanted is not None, "resources": resources}
+        section: dict[str, Any] = {"enabled": plugin_wanted(self.root, self.settings), "resources": resources}
         if wanted is None:
             section["reason"] = off
         else:
