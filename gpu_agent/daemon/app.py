@@ -18,6 +18,7 @@ from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
+from gpu_agent.health.reset import ResetHealsGpu
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
@@ -99,7 +100,10 @@ class Runtime:
             packages = SystemPackages(root)
             gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
             units = Systemctl(root, config.toolkit.restart_timeout_seconds)
-        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real")
+        from gpu_agent.stages.labels import machine_name
+
+        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
+        gpu_reset = ResetHealsGpu(gpu_reset, state)
         runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
         if runtime.real_root_simulated:
@@ -177,6 +181,7 @@ def take_lock(root: Root) -> IO[str]:
 
 class Daemon:
     def __init__(self, runtime: Runtime, config_path: Path, config_required: bool) -> None:
+        from gpu_agent.health.checks import HealthChecks
         from gpu_agent.health.xid import XidWatcher
         from gpu_agent.daemon.http import HttpServer, build_app
         from gpu_agent.metrics.exporter import AgentCollector, make_registry
@@ -194,6 +199,7 @@ class Daemon:
         self.http = HttpServer(build_app(self.state, make_registry(self.collector), self._loop_alive),
                                runtime.root)
         self.xids = XidWatcher(runtime.nvml, self.state, self._threadsafe_publish)
+        self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
         self._force = False
         self._stopping = asyncio.Event()
@@ -287,6 +293,7 @@ class Daemon:
         if first:
             await asyncio.to_thread(self.sampler.sample)
             await asyncio.to_thread(self.xids.start)
+            self._tasks.append(asyncio.create_task(self._check_loop(), name="health-checks"))
             self.state.first_reconcile_done = True
             # What start-up built (modules, config models, stages) lives as long as the process: keep
             # it out of every garbage collection, so that a full one takes a millisecond, not 50.
@@ -351,6 +358,7 @@ class Daemon:
     # --- outputs and watchers --------------------------------------------------------------------
 
     def publish(self) -> None:
+        self.state.published += 1
         self._ensure_plugin()
         if self.plugin is not None:
             self.plugin.wake()  # health, MIG and inventory changes reach ListAndWatch now
@@ -393,6 +401,16 @@ class Daemon:
         except Exception:  # a bug: log it, keep sampling
             log.exception("sampling GPU metrics failed; this is a gpu-agent bug")
         self.publish()
+
+    async def _check_loop(self) -> None:
+        """The periodic health checks; a hung NVML call fails them after its timeout, on a worker thread."""
+        while True:
+            try:
+                await asyncio.to_thread(self.health_checks.run)
+            except Exception:  # a bug: log it, keep checking
+                log.exception("periodic GPU health checks failed; this is a gpu-agent bug")
+            self.publish()
+            await asyncio.sleep(self.config.health.check_interval_seconds)
 
     async def _watchdog_loop(self, interval: float) -> None:
         """Pings only while the reconcile loop lives, so systemd restarts an agent whose loop died."""

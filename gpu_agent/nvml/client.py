@@ -20,6 +20,7 @@ from gpu_agent.nvml.model import (
     Gpu,
     GpuInstance,
     GpuSample,
+    HealthReading,
     Inventory,
     MigProfile,
     MigSample,
@@ -30,6 +31,17 @@ from gpu_agent.nvml.model import (
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+_NO_INSTANCE = 0xFFFFFFFF  # an event's gpuInstanceId/computeInstanceId when it is not on a MIG device
+ALL_LINKS = 0xFFFFFFFF  # a field value's scopeId for "every NVLink of the GPU", as DCGM passes it
+
+# The NVML field values sampled: (GpuSample field or part of one, pynvml constant, scope).
+SAMPLED_FIELDS = (
+    ("memory_temperature_c", "NVML_FI_DEV_MEMORY_TEMP", 0),
+    ("nvlink_rx_kib", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", ALL_LINKS),
+    ("nvlink_tx_kib", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", ALL_LINKS),
+)
+# The union member each NVML_VALUE_TYPE_* is read from, by its number.
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 # NVML_GPU_INSTANCE_PROFILE_* constants worth asking about, in the order nvidia-smi lists them.
 _GI_PROFILE_CONSTANTS = (
@@ -428,6 +440,7 @@ class Nvml:
         read("nvmlDeviceGetRemappedRows", into=lambda rows: {
             "correctable_remapped_rows": float(rows[0]), "uncorrectable_remapped_rows": float(rows[1]),
             "row_remap_failure": float(bool(rows[3]))})
+        values.update(self._field_values(handle))
         try:
             values.update(_framebuffer(self._memory(handle)))
         except lib.NVMLError_NotSupported:
@@ -435,6 +448,25 @@ class Nvml:
         if mig is not None and mig.enabled:
             values["mig"] = self._mig_samples(handle, mig)
         return GpuSample(**values)
+
+    def _field_values(self, handle: Any) -> dict[str, float]:
+        """SAMPLED_FIELDS in one call; a field the GPU does not report (its own nvmlReturn) is left out,
+        and NVLink's counter only when both directions answer (no NVLink: no series)."""
+        lib = self.lib
+        wanted = [(key, getattr(lib, constant), scope) for key, constant, scope in SAMPLED_FIELDS
+                  if hasattr(lib, constant)]
+        try:
+            answered = self._nvml("nvmlDeviceGetFieldValues", handle, [(field, scope) for _, field, scope in wanted])
+        except (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound):
+            return {}
+        found = {}
+        for (key, _, _), value in zip(wanted, answered):
+            if value.nvmlReturn == lib.NVML_SUCCESS and 0 <= value.valueType < len(_VALUE_MEMBERS):
+                found[key] = float(getattr(value.value, _VALUE_MEMBERS[value.valueType]))
+        rx, tx = found.pop("nvlink_rx_kib", None), found.pop("nvlink_tx_kib", None)
+        if rx is not None and tx is not None:
+            found["nvlink_data_kib"] = rx + tx
+        return found
 
     def _mig_samples(self, handle: Any, mig: MigState) -> tuple[MigSample, ...]:
         samples = []
@@ -464,6 +496,31 @@ class Nvml:
                 return memory
         return self._nvml("nvmlDeviceGetMemoryInfo", handle)
 
+    def health_reading(self, index: int) -> HealthReading:
+        """What the periodic checks judge: pending and failed row remaps (or pending page retirements
+        on a GPU without row remapping), the temperature and the slowdown threshold."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        lib = self.lib
+        unsupported = (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound)
+        found: dict[str, Any] = {}
+        try:
+            rows = self._nvml("nvmlDeviceGetRemappedRows", handle)
+            found.update(pending_remaps=bool(rows[2]), remap_failed=bool(rows[3]))
+        except unsupported:
+            try:
+                pending = self._nvml("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+                found.update(pending_remaps=pending == lib.NVML_FEATURE_ENABLED, pending_kind="page retirement")
+            except unsupported:
+                pass
+        try:
+            found["temperature_c"] = int(self._nvml("nvmlDeviceGetTemperature", handle, lib.NVML_TEMPERATURE_GPU))
+            found["slowdown_c"] = int(self._nvml("nvmlDeviceGetTemperatureThreshold", handle,
+                                                 lib.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN))
+        except unsupported:
+            pass
+        return HealthReading(**found)
+
     def driver_version(self) -> str:
         self.init()
         return self._nvml("nvmlSystemGetDriverVersion")
@@ -484,6 +541,16 @@ class Nvml:
         self.init()
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
         self._nvml("nvmlDeviceSetPersistenceMode", handle, self.lib.NVML_FEATURE_ENABLED)
+
+    def passthrough(self, index: int) -> bool:
+        """Whether the GPU is passed through into this VM (NVML's virtualization mode): the VM cannot reset it."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        try:
+            mode = self._nvml("nvmlDeviceGetVirtualizationMode", handle)
+        except self.lib.NVMLError_NotSupported:
+            return False
+        return bool(mode == self.lib.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH)
 
     def processes(self, index: int) -> list[tuple[int, float]]:
         """(pid, MiB of GPU memory used) of each compute process on the GPU."""
@@ -521,7 +588,10 @@ class XidWait:
             return None
         if data.eventType != self._lib.nvmlEventTypeXidCriticalError:
             return None
-        return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time())
+        gi, ci = (getattr(data, name, _NO_INSTANCE) for name in ("gpuInstanceId", "computeInstanceId"))
+        return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time(),
+                        gpu_instance_id=None if gi == _NO_INSTANCE else gi,
+                        compute_instance_id=None if ci == _NO_INSTANCE or gi == _NO_INSTANCE else ci)
 
     def free(self) -> None:
         try:

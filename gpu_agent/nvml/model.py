@@ -146,6 +146,9 @@ class GpuSample:
     correctable_remapped_rows: Optional[float] = None
     uncorrectable_remapped_rows: Optional[float] = None
     row_remap_failure: Optional[float] = None  # 1 when a row remapping failed
+    memory_temperature_c: Optional[float] = None  # HBM temperature (NVML field value NVML_FI_DEV_MEMORY_TEMP)
+    nvlink_data_kib: Optional[float] = None  # NVLink data received and sent on all links, a counter; None: no NVLink
+    nvlink_bandwidth_total: Optional[float] = None  # from two samples' nvlink_data_kib, as DCGM works it out
     mig: tuple[MigSample, ...] = ()  # by GPU instance, where MIG is enabled
 
 
@@ -154,6 +157,19 @@ class XidEvent:
     gpu_uuid: str
     xid: int
     at: float  # unix time
+    gpu_instance_id: Optional[int] = None  # on a MIG device: the GPU instance NVML attributes it to
+    compute_instance_id: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class HealthReading:
+    """What the periodic health checks read from one GPU; None where the GPU does not report it."""
+
+    pending_remaps: Optional[bool] = None  # rows waiting for a remap (or pages for retirement) at next reset
+    pending_kind: str = "row remapping"  # or "page retirement", on GPUs without row remapping
+    remap_failed: Optional[bool] = None
+    temperature_c: Optional[int] = None
+    slowdown_c: Optional[int] = None  # the temperature at which the GPU slows itself down
 
 
 @dataclass(frozen=True)
@@ -167,14 +183,15 @@ class GpuHealth:
     critical_at: Optional[float] = None  # when the last critical XID was seen (unix time)
     lost: bool = False  # off the bus (XID 79): unhealthy until NVML answers for it again at its bus id
     missing: bool = False  # lost, and NVML has since failed to answer for it
+    check_reason: str = ""  # a periodic check fails (pending row remaps, temperature...); clears when it passes
 
     @property
     def healthy(self) -> bool:
-        return not (self.xid_reason or self.query_error)
+        return not (self.xid_reason or self.query_error or self.check_reason)
 
     @property
     def reason(self) -> str:
-        return "; ".join(r for r in (self.xid_reason, self.query_error) if r)
+        return "; ".join(r for r in (self.xid_reason, self.query_error, self.check_reason) if r)
 
 
 def to_json(value: Any) -> Any:

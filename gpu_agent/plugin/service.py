@@ -192,7 +192,9 @@ class DevicePluginManager:
             section["device_list_strategy"] = self.settings.device_list_strategy
             section["withheld"] = dict(wanted.withheld)
             section["reason"] = wanted.reason or None
-        self.state.plugin = section
+        if section != self.state.plugin:
+            self.state.plugin = section
+            self.state.published += 1  # the endpoints render /status again
 
 
 def _describe(exc: BaseException) -> str:

@@ -44,6 +44,11 @@ _CLOCKS_MHZ = {
     "default": (300, 1500, 1500),
 }
 
+# The slowdown temperature threshold in C (NVML_TEMPERATURE_THRESHOLD_SLOWDOWN), by model: the H100's
+# is the real H100's with driver 580; the others are what nvidia-smi -q shows as "GPU Slowdown Temp".
+_SLOWDOWN_C = {"H100-80GB-HBM3": 89, "H200": 89, "A100-SXM4-40GB": 92, "A100-SXM4-80GB": 92, "A30": 92, "T4": 93,
+               "default": 90}
+
 HANG = "hang"  # a fault that blocks the call until the fault is cleared
 _HANG_LIMIT_S = 3600.0
 _POLL_S = 0.05
@@ -138,6 +143,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
+        self._nvlink: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data counter (KiB) and when it was read
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
@@ -367,7 +373,49 @@ class FakeNvml:
         gpu = self._whole_gpu(handle)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._temperature(gpu)
+
+    def _temperature(self, gpu: dict[str, Any]) -> int:
+        if gpu.get("temperature_c") is not None:  # `gpu-agent sim set --temperature`
+            return int(gpu["temperature_c"])
         return self._model(gpu).idle_temp_c + self._utilization(gpu) * 2 // 5
+
+    @_nvml
+    def nvmlDeviceGetFieldValues(self, handle: SimHandle, field_ids: list[Any]) -> Any:
+        """pynvml's answer: an array of c_nvmlFieldValue_t, each with its own nvmlReturn. The memory
+        temperature (HBM runs 2 C above the GPU: 35 against 33 on the real idle H100), and on NVSwitch
+        machines the NVLink data counters, which grow with the GPU's load; anything else NotSupported."""
+        gpu = self._whole_gpu(handle)
+        nvlink = bool(self._state.read()["pci"]["nvswitches"])
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for value, wanted in zip(values, field_ids):
+            value.fieldId, value.scopeId = wanted if isinstance(wanted, (list, tuple)) else (wanted, 0)
+            value.timestamp = int(time.time() * 1e6)
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            if value.fieldId == pynvml.NVML_FI_DEV_MEMORY_TEMP and self._model(gpu).mig_capable:  # HBM GPUs
+                value.valueType, value.value.uiVal = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, self._temperature(gpu) + 2
+            elif nvlink and value.fieldId in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+                                              pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX):
+                value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                value.value.ullVal = int(self._nvlink_kib(handle.gpu, gpu) / 2)
+            else:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
+
+    def _nvlink_kib(self, index: int, gpu: dict[str, Any]) -> float:
+        """KiB sent and received over NVLink since this fake started: 1 GiB/s per % of load, never less."""
+        now = time.monotonic()
+        total, then = self._nvlink.get(index, (0.0, now))
+        total += self._utilization(gpu) * 1024 * 1024 * (now - then)
+        self._nvlink[index] = (total, now)
+        return total
+
+    @_nvml
+    def nvmlDeviceGetTemperatureThreshold(self, handle: SimHandle, threshold: int) -> int:
+        gpu = self._whole_gpu(handle)
+        if threshold != pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return _SLOWDOWN_C.get(gpu["model"], _SLOWDOWN_C["default"])
 
     @_nvml
     def nvmlDeviceGetPowerUsage(self, handle: SimHandle) -> int:
@@ -416,7 +464,17 @@ class FakeNvml:
         gpu = self._whole_gpu(handle)
         if not self._model(gpu).mig_capable:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [0, 0, 0, 0]
+        rows = gpu.get("remapped_rows", {})  # `gpu-agent sim set --pending-remaps/--remap-failure`
+        return [0, 0, int(rows.get("pending", 0)), int(rows.get("failure", 0))]
+
+    @_nvml
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: SimHandle) -> int:
+        """GPUs without HBM row remapping retire pages instead; the others answer NotSupported, as an H100 does."""
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).mig_capable:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        pending = gpu.get("remapped_rows", {}).get("pending", 0)
+        return pynvml.NVML_FEATURE_ENABLED if pending else pynvml.NVML_FEATURE_DISABLED
 
     @_nvml
     def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[Any]:
@@ -441,6 +499,13 @@ class FakeNvml:
     def nvmlDeviceGetMigMode(self, handle: SimHandle) -> list[int]:
         gpu, _ = self._mig_capable(handle)
         return [gpu["mig"]["current"], gpu["mig"]["pending"]]
+
+    @_nvml
+    def nvmlDeviceGetVirtualizationMode(self, handle: SimHandle) -> int:
+        """NONE on bare metal; PASSTHROUGH for a GPU whose state says `"passthrough": true` (in a VM)."""
+        gpu = self._whole_gpu(handle)
+        return (pynvml.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH if gpu.get("passthrough")
+                else pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)
 
     @_nvml
     def nvmlDeviceSetMigMode(self, handle: SimHandle, mode: int) -> int:
@@ -735,7 +800,8 @@ class FakeNvml:
                 if xid["seq"] >= event_set.after_seq and xid["gpu"] in event_set.gpus:
                     event_set.after_seq = xid["seq"] + 1
                     return SimEventData(SimHandle(xid["gpu"]), pynvml.nvmlEventTypeXidCriticalError, xid["xid"],
-                                        0xFFFFFFFF, 0xFFFFFFFF)
+                                        xid.get("gpu_instance_id", 0xFFFFFFFF),
+                                        xid.get("compute_instance_id", 0xFFFFFFFF))
             if time.monotonic() >= deadline:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
             time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
