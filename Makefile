@@ -47,6 +47,13 @@ test-all: lint
 e2e: $(BIN)/gpu-agent
 	$(BIN)/python -m pytest -q tests/e2e
 
+# The kubelet pod-resources API's Python stubs (gpu_agent/kube/podresources/, committed): Debian's protoc
+# (protobuf-compiler) with grpclib's plugin from the venv, as for the device plugin's. The .proto is
+# vendored unchanged from k8s.io/kubelet/pkg/apis/podresources/v1/api.proto.
+podresources-proto: $(BIN)/gpu-agent
+	protoc -I . --python_out=. --pyi_out=. --grpclib_python_out=. \
+	  --plugin=protoc-gen-grpclib_python=$(BIN)/protoc-gen-grpclib_python gpu_agent/kube/podresources/api.proto
+
 package: $(BIN)/gpu-agent
 	$(BIN)/python packaging/build.py --out dist
 

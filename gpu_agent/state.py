@@ -77,6 +77,7 @@ class AgentState:
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
     sampled_at: Optional[float] = None  # when `samples` were taken (unix time)
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
+    pods: Optional[Any] = None  # who holds each GPU (metrics.pods.PodAttribution); None: metrics.pod_labels off
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
@@ -239,6 +240,7 @@ class AgentState:
                 "reload_error": self.config_error,
             },
             "driver": self._driver_json(),
+            "pod_labels": self.pods.to_json() if self.pods is not None else None,
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
@@ -253,9 +255,10 @@ class AgentState:
         from gpu_agent.kube.labels import compute
         from gpu_agent.plugin.devices import sharing
 
-        strategy = mig_strategy(self.config.config)
+        config = self.config.config
+        strategy = mig_strategy(config)
         return compute(self.inventory, self.ready, strategy, self.machine,
-                       sharing(self.inventory, strategy, self.config.config.plugin))
+                       sharing(self.inventory, strategy, config.plugin))
 
     def _driver_json(self) -> Optional[dict[str, Any]]:
         """What NVML says of the driver, and what the driver stage saw of its kernel module."""
@@ -267,6 +270,11 @@ class AgentState:
         versions = {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else {}
         return {**versions, **{key: value for key, value in facts.items() if key != "module_version"}}
 
+    def _links_json(self, index: int) -> dict[str, str]:
+        """How this GPU reaches each other one, by index, as `nvidia-smi topo -m` writes it (NV18, PIX, SYS)."""
+        links = self.inventory.links if self.inventory else ()
+        return {str(link.b if link.a == index else link.a): link.kind for link in links if index in (link.a, link.b)}
+
     def _gpu_json(self, gpu: Any) -> dict[str, Any]:
         health = self.health.get(gpu.uuid, GpuHealth())
         settings = self.config.config.health
@@ -277,6 +285,8 @@ class AgentState:
             "product": gpu.product,
             "memory_mib": gpu.memory_mib,
             "compute_capability": "{}.{}".format(*gpu.compute_capability),
+            "numa_node": gpu.numa_node,
+            "links": self._links_json(gpu.index),
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
             "last_xid": None if health.last_xid is None else {"xid": health.last_xid,

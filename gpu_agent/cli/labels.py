@@ -34,9 +34,8 @@ def _computed_here(args: argparse.Namespace) -> dict[str, str]:
     from gpu_agent.stages.labels import machine_name
 
     runs, runtime = one_pass(args, dry_run=True)
-    loaded = runtime.state.config
+    config = runtime.state.config.config
     runtime.engine.record_dry_run(runs)
     ready, _ = runtime.state.readiness(within_pass=True)
-    inventory, strategy = runtime.state.inventory, mig_strategy(loaded.config)
-    return compute(inventory, ready, strategy, machine_name(runtime.root),
-                   sharing(inventory, strategy, loaded.config.plugin))
+    inventory, strategy = runtime.state.inventory, mig_strategy(config)
+    return compute(inventory, ready, strategy, machine_name(runtime.root), sharing(inventory, strategy, config.plugin))

@@ -64,6 +64,9 @@ class MetricsConfig(Section):
     hostname: Optional[str] = Field(
         None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name."
     )
+    pod_labels: bool = Field(
+        False, description="Add pod, namespace and container labels to the GPU metrics, from the kubelet's "
+                           "pod-resources API (/var/lib/kubelet/pod-resources/kubelet.sock), as dcgm-exporter does.")
 
 
 class DiscoveryConfig(Section):

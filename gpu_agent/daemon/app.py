@@ -85,7 +85,7 @@ class Runtime:
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
-            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds)
+            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds, root)
             loader = SimModprobe(machine, root)
             services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
@@ -94,7 +94,7 @@ class Runtime:
         else:
             import pynvml
 
-            nvml = Nvml(pynvml, config.nvml.call_timeout_seconds)
+            nvml = Nvml(pynvml, config.nvml.call_timeout_seconds, root)
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
             packages = SystemPackages(root)
@@ -186,6 +186,7 @@ class Daemon:
         from gpu_agent.daemon.http import HttpServer, build_app
         from gpu_agent.metrics.exporter import AgentCollector, make_registry
         from gpu_agent.daemon.notify import Notifier
+        from gpu_agent.metrics.pods import PodLabels
         from gpu_agent.metrics.sampler import Sampler
 
         self.runtime = runtime
@@ -196,6 +197,10 @@ class Daemon:
         self.sampler = Sampler(runtime.nvml, self.state, runtime.root)
         self.collector = AgentCollector(self.state, lambda: runtime.nvml.timeouts,
                                         self.config.metrics.hostname)
+        self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,
+                                    lambda pods: setattr(self.state, "pods", pods),
+                                    lambda: self.config.metrics.pod_labels,
+                                    lambda: self.config.metrics.sample_interval_seconds)
         self.http = HttpServer(build_app(self.state, make_registry(self.collector), self._loop_alive),
                                runtime.root)
         self.xids = XidWatcher(runtime.nvml, self.state, self._threadsafe_publish)
@@ -223,7 +228,8 @@ class Daemon:
             self._loop.add_signal_handler(signum, self._stopping.set)
         self._loop.add_signal_handler(signal.SIGHUP, self._request_reload)
         await self.http.start(self.config.http)
-        self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler")]
+        self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler"),
+                       asyncio.create_task(self.pod_labels.run(), name="pod-labels")]
         interval = self.notifier.watchdog_interval()
         if interval:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))

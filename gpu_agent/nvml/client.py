@@ -15,10 +15,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.pci import numa_node
+from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import (
     ComputeInstance,
     Gpu,
     GpuInstance,
+    GpuLink,
     GpuSample,
     HealthReading,
     Inventory,
@@ -67,6 +70,9 @@ _CI_PROFILE_BY_SLICES = {
     7: "NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE",
     8: "NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE",
 }
+
+# nvmlDeviceGetTopologyCommonAncestor's levels in nvidia-smi topo's words.
+_PCIE_LEVELS = {0: "BOARD", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
 _INIT_REMEDIES = {
     "NVMLError_LibraryNotFound": "NVML library (libnvidia-ml.so.1) not found: the NVIDIA driver is not installed",
@@ -155,14 +161,18 @@ class _TimedCalls:
 
 
 class Nvml:
-    def __init__(self, lib: Any, call_timeout: float = 5.0) -> None:
+    def __init__(self, lib: Any, call_timeout: float = 5.0, root: Optional[Root] = None) -> None:
+        """`root`: where the GPUs' NUMA nodes are read (sysfs); without it they are unknown."""
         self.lib = lib
+        self.root = root
         self._call = _TimedCalls(call_timeout)
         self._init_lock = threading.Lock()
         self._initialised = False
         self._static: dict[str, tuple[MigProfile, ...]] = {}  # MIG profile tables by GPU UUID
         self._ci_profiles: dict[tuple[str, int], tuple[Any, ...]] = {}  # by (GPU UUID, GPU instance profile id)
         self._memory_v2: Optional[bool] = None  # whether the driver has NVML's v2 memory info
+        self._links: dict[tuple[str, ...], tuple[GpuLink, ...]] = {}  # by the GPUs' bus ids: hardware, read once
+        self._links_complete = True  # no unexpected NVML error while reading them (else read again next time)
 
     @property
     def call_timeout(self) -> float:
@@ -214,7 +224,8 @@ class Nvml:
         cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
         count = self._nvml("nvmlDeviceGetCount")
         gpus = tuple(self._gpu(index) for index in range(count))
-        return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus)
+        return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
+                         links=self.links(gpus))
 
     def _gpu(self, index: int) -> Gpu:
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
@@ -233,7 +244,77 @@ class Nvml:
             mig=self._mig(handle, uuid),
             pci_device_id=pci.pciDeviceId,
             pci_subsystem_id=pci.pciSubSystemId,
+            numa_node=numa_node(self.root, _short_bus_id(pci.busId)) if self.root else None,
         )
+
+    # --- topology --------------------------------------------------------------------------------
+
+    def links(self, gpus: tuple[Gpu, ...]) -> tuple[GpuLink, ...]:
+        """How each pair of GPUs is connected: NVLinks (direct, or through NVSwitch where NVML says the
+        pair can talk over NVLink) and their nearest common PCIe ancestor. Read once per set of GPUs,
+        as it changes only with the hardware; what NVML does not support stays unknown."""
+        key = tuple(gpu.pci_bus_id for gpu in gpus)
+        if key in self._links:
+            return self._links[key]
+        self._links_complete = True
+        handles = [self._nvml("nvmlDeviceGetHandleByIndex", gpu.index) for gpu in gpus]
+        reach = [self._nvlink_reach(handle) for handle in handles]
+        links = []
+        for i, a in enumerate(gpus):
+            for j in range(i + 1, len(gpus)):
+                b = gpus[j]
+                nvlinks = reach[i][0].get(b.pci_bus_id, 0)
+                if reach[i][1] and reach[j][1] and self._p2p_over_nvlink(handles[i], handles[j]):
+                    nvlinks += min(reach[i][1], reach[j][1])
+                level = self._optional("nvmlDeviceGetTopologyCommonAncestor", handles[i], handles[j])
+                links.append(GpuLink(a.index, b.index, nvlinks, _PCIE_LEVELS.get(level, "")))
+        if self._links_complete:
+            self._links[key] = tuple(links)
+        return tuple(links)
+
+    def _nvlink_reach(self, handle: Any) -> tuple[dict[str, int], int]:
+        """A GPU's active NVLinks: (links by the peer GPU's bus id, links into NVSwitches)."""
+        lib = self.lib
+        direct: dict[str, int] = {}
+        switched = 0
+        for link in range(getattr(lib, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                active = self._nvml("nvmlDeviceGetNvLinkState", handle, link)
+            except (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound, lib.NVMLError_InvalidArgument):
+                break  # no NVLink, or past this GPU's last link (they are numbered from 0)
+            except lib.NVMLError:
+                self._links_complete = False
+                break
+            if active != lib.NVML_FEATURE_ENABLED:
+                continue
+            kind = self._optional("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
+            if kind == getattr(lib, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2):
+                switched += 1
+            elif kind == getattr(lib, "NVML_NVLINK_DEVICE_TYPE_GPU", 0):
+                remote = self._optional("nvmlDeviceGetNvLinkRemotePciInfo", handle, link)
+                if remote is not None:
+                    peer = _short_bus_id(_text(remote.busId))
+                    direct[peer] = direct.get(peer, 0) + 1
+        return direct, switched
+
+    def _p2p_over_nvlink(self, a: Any, b: Any) -> bool:
+        """Whether NVML says two GPUs can talk over NVLink (through NVSwitch this needs the fabric up);
+        a driver that cannot say is taken at its links' word."""
+        status = self._optional("nvmlDeviceGetP2PStatus", a, b, getattr(self.lib, "NVML_P2P_CAPS_INDEX_NVLINK", 2))
+        return status is None or status == getattr(self.lib, "NVML_P2P_STATUS_OK", 0)
+
+    def _optional(self, name: str, *args: Any) -> Any:
+        """A topology answer, or None where NVML does not have one (an unexpected error also leaves the
+        topology unread for next time)."""
+        lib = self.lib
+        try:
+            return self._nvml(name, *args)
+        except (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound, lib.NVMLError_InvalidArgument):
+            return None
+        except lib.NVMLError as exc:
+            log.debug("%s", describe(exc))
+            self._links_complete = False
+            return None
 
     def _mig(self, handle: Any, uuid: str) -> MigState:
         try:
@@ -615,6 +696,10 @@ def describe(exc: Exception) -> str:
     if text.startswith("NVML Error with code"):
         text = f"{type(exc).__name__.removeprefix('NVMLError_')} (NVML error {getattr(exc, 'value', '?')})"
     return f"{call}: {text}" if call else text
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _short_bus_id(bus_id: str) -> str:

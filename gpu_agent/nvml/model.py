@@ -92,10 +92,30 @@ class Gpu:
     mig: MigState
     pci_device_id: int = 0  # 0xDDDDVVVV, as mig-parted's device-filter writes it
     pci_subsystem_id: int = 0  # 0xSSSSssss
+    numa_node: Optional[int] = None  # the CPU NUMA node it hangs off (sysfs numa_node); None: unknown (-1, a VM)
 
     @property
     def device_node(self) -> str:
         return f"nvidia{self.minor_number}"
+
+
+# How far apart two GPUs are on PCIe, in nvidia-smi topo's words (NVML's nvmlGpuTopologyLevel_t), nearest first.
+PCIE_LEVELS = ("BOARD", "PIX", "PXB", "PHB", "NODE", "SYS")
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """How two GPUs (by index, a < b) reach each other."""
+
+    a: int
+    b: int
+    nvlinks: int = 0  # NVLink links joining them, directly or through NVSwitch; 0: none
+    pcie: str = ""  # their nearest common PCIe ancestor (PCIE_LEVELS); "": unknown
+
+    @property
+    def kind(self) -> str:
+        """`NV18`, `PIX`, `SYS`, ... as `nvidia-smi topo -m` writes it; `unknown` where NVML did not say."""
+        return f"NV{self.nvlinks}" if self.nvlinks else self.pcie or "unknown"
 
 
 @dataclass(frozen=True)
@@ -103,6 +123,12 @@ class Inventory:
     driver_version: str
     cuda_version: str  # "12.4"
     gpus: tuple[Gpu, ...] = ()
+    links: tuple[GpuLink, ...] = ()  # one per pair of GPUs NVML could relate; none on a one-GPU node
+
+    def link(self, a: int, b: int) -> Optional[GpuLink]:
+        """How GPUs `a` and `b` (indexes) are connected, or None where it is not known."""
+        low, high = min(a, b), max(a, b)
+        return next((link for link in self.links if (link.a, link.b) == (low, high)), None)
 
     def summary(self) -> str:
         """`8x H100 80GB HBM3, driver 550.90.07`, the way an operator names a node."""

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import pynvml
 
+from gpu_agent.sim import topology
 from gpu_agent.sim.kernel import loaded_version
 from gpu_agent.sim.machine import MachineState
 from gpu_agent.sim.mig import (
@@ -143,7 +144,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
-        self._nvlink: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data counter (KiB) and when it was read
+        self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data counter (KiB) and when it was read
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
@@ -405,9 +406,9 @@ class FakeNvml:
     def _nvlink_kib(self, index: int, gpu: dict[str, Any]) -> float:
         """KiB sent and received over NVLink since this fake started: 1 GiB/s per % of load, never less."""
         now = time.monotonic()
-        total, then = self._nvlink.get(index, (0.0, now))
+        total, then = self._nvlink_counters.get(index, (0.0, now))
         total += self._utilization(gpu) * 1024 * 1024 * (now - then)
-        self._nvlink[index] = (total, now)
+        self._nvlink_counters[index] = (total, now)
         return total
 
     @_nvml
@@ -778,6 +779,49 @@ class FakeNvml:
         attributes.gpuInstanceSliceCount, attributes.computeInstanceSliceCount = g.slices, c.slices
         attributes.memorySizeMB = g.memory_mib
         return attributes
+
+    # --- topology (gpu_agent.sim.topology's rules) ---------------------------------------------
+
+    def _nvlink(self, handle: SimHandle, link: int) -> dict[str, Any]:
+        gpu = self._whole_gpu(handle)
+        links = topology.of(gpu)["nvlinks"]
+        if not links:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < links:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu
+
+    @_nvml
+    def nvmlDeviceGetNvLinkState(self, handle: SimHandle, link: int) -> int:
+        self._nvlink(handle, link)
+        return pynvml.NVML_FEATURE_ENABLED
+
+    @_nvml
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: SimHandle, link: int) -> int:
+        self._nvlink(handle, link)
+        return pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+
+    @_nvml
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: SimHandle, link: int) -> Any:
+        gpu = self._nvlink(handle, link)
+        switches = self._state.read()["pci"]["nvswitches"]
+        info = pynvml.nvmlPciInfo_t()
+        address = topology.nvswitch_of_link(link, topology.of(gpu)["nvlinks"], switches)
+        info.busId = f"0000{address}".upper().encode()
+        return info
+
+    @_nvml
+    def nvmlDeviceGetTopologyCommonAncestor(self, a: SimHandle, b: SimHandle) -> int:
+        return topology.common_ancestor(self._whole_gpu(a), self._whole_gpu(b))
+
+    @_nvml
+    def nvmlDeviceGetP2PStatus(self, a: SimHandle, b: SimHandle, index: int) -> int:
+        first, second = self._whole_gpu(a), self._whole_gpu(b)
+        nvlink = bool(topology.of(first)["nvlinks"] and topology.of(second)["nvlinks"])
+        if index == pynvml.NVML_P2P_CAPS_INDEX_NVLINK:
+            return pynvml.NVML_P2P_STATUS_OK if nvlink else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
+        near = topology.common_ancestor(first, second) <= pynvml.NVML_TOPOLOGY_MULTIPLE
+        return pynvml.NVML_P2P_STATUS_OK if nvlink or near else pynvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED
 
     # --- events ----------------------------------------------------------------------------
 

@@ -684,6 +684,12 @@ class ReplayNvml(FakeNvml):
     nvmlSystemGetDriverVersion = _recorded("nvmlSystemGetDriverVersion")
     nvmlSystemGetNVMLVersion = _recorded("nvmlSystemGetNVMLVersion")
     nvmlSystemGetCudaDriverVersion = _recorded("nvmlSystemGetCudaDriverVersion")
+    # Topology is the hardware's: as recorded (a one-GPU capture has no pairs: NotSupported).
+    nvmlDeviceGetNvLinkState = _recorded("nvmlDeviceGetNvLinkState")
+    nvmlDeviceGetNvLinkRemoteDeviceType = _recorded("nvmlDeviceGetNvLinkRemoteDeviceType")
+    nvmlDeviceGetNvLinkRemotePciInfo = _recorded("nvmlDeviceGetNvLinkRemotePciInfo")
+    nvmlDeviceGetTopologyCommonAncestor = _recorded("nvmlDeviceGetTopologyCommonAncestor")
+    nvmlDeviceGetP2PStatus = _recorded("nvmlDeviceGetP2PStatus")
     nvmlDeviceGetCount = _recorded("nvmlDeviceGetCount")
     nvmlDeviceGetIndex = _recorded("nvmlDeviceGetIndex")
     nvmlDeviceGetMinorNumber = _recorded("nvmlDeviceGetMinorNumber")
