@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, PluginConfig, mig_strategy, plugin_wanted
 from gpu_agent.host.paths import Root
-from gpu_agent.plugin.devices import Advertised, advertised, base_id, numa_reader
+from gpu_agent.plugin.devices import Advertised, advertised
+from gpu_agent.plugin.preferred import preferred
 from gpu_agent.plugin.server import PluginEndpoint
 from gpu_agent.state import AgentState
 
@@ -23,23 +24,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 KUBELET_SOCKET = "kubelet.sock"
-
-
-def spread(available: list[str], must_include: list[str], size: int) -> list[str]:
-    """The must-include devices, then one device per GPU in turn, so that replicas spread over GPUs."""
-    size = max(0, size)
-    chosen = list(dict.fromkeys(device for device in must_include if device in available))[:size]
-    by_gpu: dict[str, list[str]] = {}
-    for device in available:
-        if device not in chosen:
-            by_gpu.setdefault(base_id(device), []).append(device)
-    used = {base_id(device) for device in chosen}
-    queues = sorted(by_gpu.items(), key=lambda item: (item[0] in used, item[0]))
-    while len(chosen) < size and any(queue for _, queue in queues):
-        for _, queue in queues:
-            if queue and len(chosen) < size:
-                chosen.append(queue.pop(0))
-    return chosen
 
 
 class DevicePluginManager:
@@ -52,7 +36,6 @@ class DevicePluginManager:
         self.errors: dict[str, str] = {}  # resource: the last registration or serving error
         self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
         self._wake = asyncio.Event()
-        self._numa = numa_reader(root)
         self._last: Optional[Advertised] = None
 
     @property
@@ -134,12 +117,12 @@ class DevicePluginManager:
             if discovery is not None and discovery.state == "failed":
                 unavailable = f"discovery failed: {discovery.message}"
         return advertised(state.inventory, state.health, mig_strategy(state.config.config), self.settings,
-                          self._numa, unavailable)
+                          unavailable)
 
     def _service_args(self) -> dict[str, Any]:
         return {"list_strategy": lambda: self.settings.device_list_strategy,
                 "fail_greater_than_one": lambda: self.settings.sharing.time_slicing.fail_requests_greater_than_one,
-                "prefer": spread}
+                "prefer": lambda available, must, size: preferred(available, must, size, self.state.inventory)}
 
     async def _register(self, endpoint: PluginEndpoint) -> None:
         try:
