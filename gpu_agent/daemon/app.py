@@ -15,6 +15,7 @@ from typing import IO, Any, Optional
 from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig, load_config
 from gpu_agent.daemon.engine import Engine
+from gpu_agent.daemon.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
@@ -391,28 +392,40 @@ class Daemon:
             return {path: stamp_of(self.runtime.root(path))
                     for stage in self.runtime.engine.stages for path in stage.watched()}
 
-        last = stamps()
-        while True:
-            await asyncio.sleep(_DRIFT_POLL_S)
-            now = stamps()
-            changed = sorted(path for path, stamp in now.items()
-                             if stamp != last.get(path, stamp) and not written_by_us(self.runtime.root(path), stamp))
-            if changed:
-                log.info("%s changed on disk; reconciling", ", ".join(changed))
-                self.trigger()
-            last = now
+        changes = FileChanges("drift watch", _DRIFT_POLL_S)
+        try:
+            changes.watch_for(self.runtime.root(path) for path in stamps())
+            last = stamps()
+            while True:
+                await changes.wait()
+                changes.watch_for(self.runtime.root(path) for path in stamps())  # the stages may have changed
+                now = stamps()
+                changed = sorted(path for path, stamp in now.items()
+                                 if stamp != last.get(path, stamp)
+                                 and not written_by_us(self.runtime.root(path), stamp))
+                if changed:
+                    log.info("%s changed on disk; reconciling", ", ".join(changed))
+                    self.trigger()
+                last = now
+        finally:
+            changes.close()
 
     async def _watch_simulator(self, machine: Any) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
         hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
-        last = machine.stamp()
-        while True:
-            await asyncio.sleep(_SIM_POLL_S)
-            stamp = machine.stamp()
-            if stamp != last and not written_by_us(machine.path, stamp):
-                await self._sample()
-                self.trigger(force=True)
-            last = stamp
+        changes = FileChanges("simulator watch", _SIM_POLL_S)
+        try:
+            changes.watch_for([machine.path])
+            last = machine.stamp()
+            while True:
+                await changes.wait()
+                stamp = machine.stamp()
+                if stamp != last and not written_by_us(machine.path, stamp):
+                    await self._sample()
+                    self.trigger(force=True)
+                last = stamp
+        finally:
+            changes.close()
 
 
 def _same_stage(old: Stage, new: Stage) -> bool:
