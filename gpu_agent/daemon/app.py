@@ -19,6 +19,7 @@ from gpu_agent.daemon.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
+from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.budget import RequestBudget
@@ -99,7 +100,7 @@ class Runtime:
             packages = SystemPackages(root)
             gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
             units = Systemctl(root, config.toolkit.restart_timeout_seconds)
-        from gpu_agent.stages.labels import machine_name
+        from gpu_agent.kube.labels import machine_name
 
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
         runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
@@ -290,6 +291,7 @@ class Daemon:
             # What start-up built (modules, config models, stages) lives as long as the process: keep
             # it out of every garbage collection, so that a full one takes a millisecond, not 50.
             gc.freeze()
+            give_back()  # what start-up freed (config parsing, the first pass) leaves the resident set
             log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
         if first or reloading:
             self.notifier.ready(self.state.summary_line())
@@ -435,6 +437,7 @@ def _same_stage(old: Stage, new: Stage) -> bool:
 
 def run_daemon(root: Root, loaded: LoadedConfig, config_path: Path, config_required: bool,
                simulate: Optional[str]) -> int:
+    limit_arenas()  # before the worker threads start
     lock = take_lock(root)
     try:
         log.info("gpu-agent %s starting: root=%s config=%s%s", __version__, root.path, loaded.source,

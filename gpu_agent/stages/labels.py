@@ -22,6 +22,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
+from gpu_agent.kube.labels import machine_name
 from gpu_agent.plan import PatchNode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
@@ -31,11 +32,6 @@ CONDITION = "GPUAgentReady"
 NFD_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
 NODE_REFRESH_S = 300.0  # GET the node at most this often (and after a 409)
 MIG_STATE = "nvidia.com/mig.config.state"
-
-
-def machine_name(root: Root) -> Optional[str]:
-    name = read_text(root("/sys/class/dmi/id/product_name"))
-    return name.strip() if name else None
 
 
 @dataclass
