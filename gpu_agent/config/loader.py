@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +12,14 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from gpu_agent.config.plugin import conflicting_keys, deprecated_keys
 from gpu_agent.config.safe_yaml import load_yaml
 from gpu_agent.config.schema import AgentConfig
 from gpu_agent.config.text import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
 from gpu_agent.config.text import MAX_CONFIG_BYTES, read_config_text, shown
 from gpu_agent.errors import ConfigError
 
+log = logging.getLogger(__name__)
 MAX_REPORTED_ERRORS = 20
 # What to write instead, when YAML read a value as a string but the setting needs another type.
 _TYPE_HINTS = {
@@ -60,13 +63,20 @@ def parse_config(text: str, name: str) -> AgentConfig:
             "this agent reads version v1"
         )
     try:
-        return AgentConfig.model_validate(data)
+        config = AgentConfig.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         lines = [_describe(err, document, name) for err in errors[:MAX_REPORTED_ERRORS]]
         if len(errors) > MAX_REPORTED_ERRORS:
             lines.append(f"{name}: and {len(errors) - MAX_REPORTED_ERRORS} more errors")
         raise ConfigError("\n".join(lines)) from None
+    conflicts = [f"{name}:{line_of(document, loc)}: {'.'.join(loc)}: {reason}"
+                 for loc, reason in conflicting_keys(config)]
+    if conflicts:
+        raise ConfigError("\n".join(conflicts))
+    for loc, reason in deprecated_keys(config):
+        log.warning("%s:%s: %s: %s", name, line_of(document, loc), ".".join(loc), reason)
+    return config
 
 
 def _describe(error: Any, document: yaml.Node | None, name: str) -> str:

@@ -9,6 +9,7 @@ from gpu_agent.config.driver import DriverConfig
 from gpu_agent.config.endpoint import DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, valid_listen
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
+from gpu_agent.config.plugin import PluginConfig
 from gpu_agent.config.section import PATH_MAX, Section, absolute_path, seconds, shown
 from gpu_agent.config.toolkit import ToolkitConfig
 
@@ -63,6 +64,9 @@ class MetricsConfig(Section):
     hostname: Optional[str] = Field(
         None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name."
     )
+    pod_labels: bool = Field(
+        False, description="Add pod, namespace and container labels to the GPU metrics, from the kubelet's "
+                           "pod-resources API (/var/lib/kubelet/pod-resources/kubelet.sock), as dcgm-exporter does.")
 
 
 class DiscoveryConfig(Section):
@@ -87,6 +91,11 @@ class HealthConfig(Section):
     recover_after_seconds: float = seconds(
         300, 86400, "A GPU made unhealthy by an XID is healthy again after this long without another critical "
         "XID; one off the bus (XID 79) only once NVML answers for it again at the same PCI bus id.")
+    check_interval_seconds: float = seconds(
+        30, 3600, "Run the periodic GPU checks this often: NVML answers in time, pending row remaps (or page "
+        "retirements), a row remapping failure, temperature at or above the slowdown threshold.")
+    unready_when: Literal["any", "all"] = Field(
+        "any", description="The node is not ready when any GPU is unhealthy (any), or only when every GPU is (all).")
 
 
 class AgentConfig(Section):
@@ -104,3 +113,4 @@ class AgentConfig(Section):
     discovery: DiscoveryConfig = DiscoveryConfig()
     health: HealthConfig = HealthConfig()
     mig: MigConfig = MigConfig()
+    plugin: PluginConfig = PluginConfig()
