@@ -118,6 +118,7 @@ class _TimedCalls:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._on_worker = threading.local()
         for n in range(self._WORKERS):
             threading.Thread(target=self._work, name=f"nvml-{n}", daemon=True).start()
         self._lock = threading.Lock()
@@ -125,6 +126,10 @@ class _TimedCalls:
         self.timeouts = 0
 
     def __call__(self, name: str, fn: Callable[..., Any], *args: Any, extra_timeout: float = 0.0) -> Any:
+        batch = getattr(self._on_worker, "future", None)
+        if batch is not None:  # a call within a batch (Nvml.sample): the batch's timeout covers it
+            batch.current_call = name  # what a timeout of the batch names
+            return fn(*args)
         with self._lock:
             if self._stuck:
                 stuck_name, since = next(iter(self._stuck.values()))
@@ -138,6 +143,7 @@ class _TimedCalls:
         try:
             return future.result(timeout=self.timeout + extra_timeout)
         except FutureTimeout:
+            name = getattr(future, "current_call", name)
             with self._lock:
                 self.timeouts += 1
                 self._stuck[future] = (name, started)
@@ -159,10 +165,13 @@ class _TimedCalls:
             future, fn, args = job
             if not future.set_running_or_notify_cancel():
                 continue
+            self._on_worker.future = future
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to the caller, who decides
                 future.set_exception(exc)
+            finally:
+                self._on_worker.future = None
 
     def close(self) -> None:
         for _ in range(self._WORKERS):
@@ -232,7 +241,8 @@ class Nvml:
         driver = self._nvml("nvmlSystemGetDriverVersion")
         cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
         count = self._nvml("nvmlDeviceGetCount")
-        gpus = tuple(self._gpu(index) for index in range(count))
+        # A GPU's queries (dozens with MIG) go to an NVML worker as one batch, under one timeout.
+        gpus = tuple(self._call(f"nvmlDevice*(GPU {index})", self._gpu, index) for index in range(count))
         return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
                          links=self.links(gpus))
 
@@ -505,8 +515,12 @@ class Nvml:
 
     def sample(self, index: int, mig: Optional[MigState] = None) -> GpuSample:
         """One GPU's metrics (and its GPU instances' framebuffer, given its MIG state); a metric the GPU
-        does not support is left out, not faked."""
+        does not support is left out, not faked. Its calls go to an NVML worker as one batch, under
+        one timeout: a hop per call cost most of a sample's CPU."""
         self.init()
+        return self._call(f"nvmlDeviceGet*(GPU {index})", self._sample, index, mig)
+
+    def _sample(self, index: int, mig: Optional[MigState]) -> GpuSample:
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
         lib = self.lib
         values: dict[str, Any] = {}

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import pynvml
 
+from gpu_agent.host.inotify import DirectoryWatch
 from gpu_agent.sim import topology
 from gpu_agent.sim.kernel import loaded_version
 from gpu_agent.sim.machine import MachineState
@@ -91,6 +92,27 @@ class SimComputeInstance:
 class SimEventSet:
     after_seq: int
     gpus: set[int]
+    changes: Optional[DirectoryWatch] = None  # wakes a wait when the machine's state is written
+
+    def wait_for_change(self, state: MachineState, timeout: float) -> None:
+        """Block until the simulated machine changes (inotify) or `timeout` passes; poll if need be."""
+        if self.changes is None:
+            time.sleep(min(_POLL_S, timeout))
+        else:
+            self.changes.wait(timeout)
+
+    def watch(self, state: MachineState) -> None:
+        if self.changes is None:
+            try:
+                self.changes = DirectoryWatch()
+                self.changes.watch_for([state.path])
+            except OSError:
+                self.close()
+
+    def close(self) -> None:
+        if self.changes is not None:
+            self.changes.close()
+            self.changes = None
 
 
 @dataclass(frozen=True)
@@ -927,6 +949,7 @@ class FakeNvml:
     @_nvml
     def nvmlEventSetWait_v2(self, event_set: SimEventSet, timeout_ms: int) -> SimEventData:
         deadline = time.monotonic() + timeout_ms / 1000
+        event_set.watch(self._state)  # before reading: an XID raised after the read wakes the wait
         while True:
             for xid in self._state.read()["xids"]:
                 if xid["seq"] >= event_set.after_seq and xid["gpu"] in event_set.gpus:
@@ -936,13 +959,14 @@ class FakeNvml:
                                         xid.get("compute_instance_id", 0xFFFFFFFF))
             if time.monotonic() >= deadline:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
-            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            event_set.wait_for_change(self._state, max(0.0, deadline - time.monotonic()))
 
     nvmlEventSetWait = nvmlEventSetWait_v2
 
     @_nvml
     def nvmlEventSetFree(self, event_set: SimEventSet) -> None:
         event_set.gpus.clear()
+        event_set.close()
 
 
 def _deref(value: Any) -> Any:
