@@ -18,6 +18,7 @@ import pytest
 import tomlkit
 import yaml
 from conftest import cli
+from harness import SimNode, run_cli
 
 from gpu_agent.config import load_config
 from gpu_agent.daemon import engine as engine_module
@@ -247,10 +248,8 @@ def _converged_template(base: Path) -> dict[str, Path]:
         root = base / name
         root.mkdir()
         install_toolkit(root, ("containerd", "docker", "crio"))
-        config = base / f"{name}.yaml"
-        config.write_text(yaml.safe_dump({"version": "v1", "toolkit": {"enabled": name == "configured"}}))
-        done = cli("--simulate", "dgx-h100", "apply", "--once", root=root, config=config)
-        assert done.returncode == 0, done.stdout + done.stderr
+        done = SimNode(root, "dgx-h100").apply({"toolkit": {"enabled": name == "configured"}})  # in this process
+        assert done.ok, [(run.stage, run.message) for run in done.runs]
         roots[name] = root
     return roots
 
@@ -334,7 +333,7 @@ def test_kill_9_at_any_point_of_a_pass_loses_no_restart_and_tears_no_file(
 @pytest.mark.subprocess
 def test_the_daemon_ignores_its_own_restores_and_drift_waits_for_the_backoff(agent, root: Path) -> None:
     install_toolkit(root, ("docker",))
-    cli("--simulate", "dgx-h100", "sim", "fail", "restart", "--unit", "docker.service", root=root)  # until cleared
+    run_cli("--simulate", "dgx-h100", "sim", "fail", "restart", "--unit", "docker.service", root=root)  # until cleared
     daemon = agent("dgx-h100", settings={"reconcile": {"backoff_initial_seconds": 60}})
     daemon.wait_ready()
     _, body = daemon.wait_http("/readyz?verbose", lambda code, _: code == 503)
