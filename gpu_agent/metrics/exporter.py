@@ -186,7 +186,11 @@ class AgentRegistry(CollectorRegistry):
 
 
 def make_registry(collector: AgentCollector) -> AgentRegistry:
-    return AgentRegistry(collector)
+    from gpu_agent.metrics.own_process import OwnProcessCollector  # psutil: loaded by the daemon, not every CLI
+
+    registry = AgentRegistry(collector)
+    registry.register(OwnProcessCollector())
+    return registry
 
 
 def render(registry: CollectorRegistry) -> bytes:

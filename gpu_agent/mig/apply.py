@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
-from gpu_agent.host.procfs import read
+from gpu_agent.host import processes
 from gpu_agent.mig.checkpoint import Checkpoint, CheckpointStore
 from gpu_agent.mig.hooks import Hooks
 from gpu_agent.mig.planner import GpuPlan, gpu_name, plan_restore
@@ -148,12 +148,8 @@ class Applier:
 
     def _busy(self, gpu: Gpu) -> str:
         """`1234 (python3), 5678 (trainer)` of the compute processes on the GPU; "" when there are none."""
-        found = self.nvml.processes(gpu.index)
-        names = []
-        for pid, _ in found:
-            comm = read(self.root, f"/proc/{pid}/comm")
-            names.append(f"{pid} ({comm.strip() if comm else 'process name unknown'})")
-        return ", ".join(names)
+        pids = [pid for pid, _ in self.nvml.processes(gpu.index)]
+        return ", ".join(process.describe() for process in processes.named(self.root, pids))
 
     def _run(self, gpu: Gpu, changes: Sequence[Change], done: list[Change]) -> Optional[Waiting]:
         """Make the changes in order, appending each one made to `done`; a Waiting when the rest must
