@@ -25,109 +25,167 @@ from harness import percentile
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection with at most one request in flight."""
+    """One keep-alive HTTP/1.1 connection with at most one request in flight. Callbacks, no task per request:
+    the generator must stay far cheaper than the server it measures."""
 
-    def __init__(self) -> None:
+    def __init__(self, load: Load) -> None:
+        self.load = load
         self.transport: Optional[asyncio.Transport] = None
         self.buffer = b""
-        self.waiter: Optional[asyncio.Future[int]] = None
+        self.due: Optional[float] = None  # when the request in flight was due
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        if self.due is not None:
+            self.load.send(self, self.due)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        head_end = self.buffer.find(b"\r\n\r\n")
-        if head_end < 0 or self.waiter is None:
+        if self.due is None:
             return
-        head = self.buffer[:head_end].decode("latin-1").split("\r\n")
-        length = 0
-        for line in head[1:]:
-            if line[:15].lower() == "content-length:":
-                length = int(line[15:])
-        if len(self.buffer) < head_end + 4 + length:
+        parsed = parse_response(self.buffer)
+        if parsed is None:
             return
-        self.buffer = self.buffer[head_end + 4 + length:]
-        waiter, self.waiter = self.waiter, None
-        if not waiter.done():
-            waiter.set_result(int(head[0].split()[1]))
+        status, used = parsed
+        self.buffer = self.buffer[used:]
+        due, self.due = self.due, None
+        self.load.answered(self, due, status)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("closed by the server"))
+        if self.due is not None:
+            due, self.due = self.due, None
+            self.load.failed(self, due)
+        else:
+            self.load.dropped(self)
+
+
+def parse_response(buffer: bytes) -> Optional[tuple[int, int]]:
+    """(status, bytes used) of the first whole response in `buffer` (Content-Length or chunked), else None."""
+    head_end = buffer.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None
+    head = buffer[:head_end].decode("latin-1").split("\r\n")
+    status = int(head[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
+    at = head_end + 4
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        while True:
+            line_end = buffer.find(b"\r\n", at)
+            if line_end < 0:
+                return None
+            size = int(buffer[at:line_end].split(b";")[0], 16)
+            at = line_end + 2 + size + 2
+            if at > len(buffer):
+                return None
+            if size == 0:
+                return status, at
+    length = int(headers.get("content-length", "0"))
+    if len(buffer) < at + length:
+        return None
+    return status, at + length
+
+
+class Load:
+    def __init__(self, host: str, port: int, path: str, gzip: bool, max_connections: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.host, self.port, self.max_connections = host, port, max_connections
+        self.request = (f"GET {path} HTTP/1.1\r\nHost: {host}\r\n"
+                        + ("Accept-Encoding: gzip\r\n" if gzip else "") + "\r\n").encode()
+        self.idle: list[Connection] = []
+        self.open = 0
+        self.in_flight = 0
+        self.latencies: list[float] = []
+        self.late: list[float] = []
+        self.statuses: dict[str, int] = {}
+        self.errors = 0
+        self.client_limited = 0
+        self.last_answer = 0.0
+
+    def fire(self, due: float) -> None:
+        if self.idle:
+            self.send(self.idle.pop(), due)
+        elif self.open < self.max_connections:
+            self.open += 1
+            self.in_flight += 1
+            conn = Connection(self)
+            conn.due = due
+            self.loop.create_task(self._connect(conn))
+        else:
+            self.client_limited += 1
+
+    async def _connect(self, conn: Connection) -> None:
+        try:
+            await self.loop.create_connection(lambda: conn, self.host, self.port)
+        except OSError:
+            conn.due = None
+            self.open -= 1
+            self.in_flight -= 1
+            self.errors += 1
+
+    def send(self, conn: Connection, due: float) -> None:
+        if conn.due is None:
+            conn.due = due
+            self.in_flight += 1
+        self.late.append(self.loop.time() - due)
+        assert conn.transport is not None
+        conn.transport.write(self.request)
+
+    def answered(self, conn: Connection, due: float, status: int) -> None:
+        self.in_flight -= 1
+        self.last_answer = self.loop.time()
+        self.latencies.append(self.last_answer - due)
+        key = str(status)
+        self.statuses[key] = self.statuses.get(key, 0) + 1
+        if not conn.closed:
+            self.idle.append(conn)
+
+    def failed(self, conn: Connection, due: float) -> None:
+        self.in_flight -= 1
+        self.errors += 1
+        self.open -= 1
+
+    def dropped(self, conn: Connection) -> None:
+        if conn in self.idle:
+            self.idle.remove(conn)
+        self.open -= 1
 
 
 async def run_load(host: str, port: int, path: str, rate: float, seconds: float, max_connections: int,
                    gzip: bool) -> dict[str, object]:
-    loop = asyncio.get_running_loop()
-    request = (f"GET {path} HTTP/1.1\r\nHost: {host}\r\n"
-               + ("Accept-Encoding: gzip\r\n" if gzip else "") + "\r\n").encode()
-    idle: list[Connection] = []
-    open_count = 0
-    latencies: list[float] = []
-    late: list[float] = []
-    statuses: dict[str, int] = {}
-    errors = 0
-    client_limited = 0
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def one(due: float) -> None:
-        nonlocal open_count, errors
-        conn: Optional[Connection] = idle.pop() if idle else None
-        try:
-            if conn is None:
-                open_count += 1
-                _, conn = await loop.create_connection(Connection, host, port)
-            late.append(loop.time() - due)
-            conn.waiter = loop.create_future()
-            assert conn.transport is not None
-            conn.transport.write(request)
-            status = await asyncio.wait_for(conn.waiter, 30)
-        except (OSError, asyncio.TimeoutError, ConnectionError):
-            errors += 1
-            if conn is not None and conn.transport is not None:
-                conn.transport.close()
-            open_count -= 1
-            return
-        latencies.append(loop.time() - due)
-        statuses[str(status)] = statuses.get(str(status), 0) + 1
-        if conn.closed:
-            open_count -= 1
-        else:
-            idle.append(conn)
-
+    load = Load(host, port, path, gzip, max_connections)
+    loop = load.loop
     start = loop.time() + 0.05
     total = int(rate * seconds)
-    for i in range(total):
-        due = start + i / rate
-        delay = due - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if not idle and open_count >= max_connections:
-            client_limited += 1
-            continue
-        task = asyncio.create_task(one(due))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    elapsed = loop.time() - start
-    if tasks:
-        await asyncio.wait(tasks, timeout=35)
-    for conn in idle:
+    sent = 0
+    while sent < total:
+        now = loop.time()
+        while sent < total and start + sent / rate <= now:  # everything due by now, even if we woke late
+            load.fire(start + sent / rate)
+            sent += 1
+        if sent < total:
+            await asyncio.sleep(max(0.0, start + sent / rate - loop.time()))
+    deadline = loop.time() + 30
+    while load.in_flight > 0 and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    unanswered = load.in_flight
+    elapsed = max(load.last_answer, start + seconds) - start  # served per second until the last answer
+    for conn in list(load.idle):
         if conn.transport is not None:
             conn.transport.close()
-    ms = [x * 1000 for x in latencies]
+    ms = [x * 1000 for x in load.latencies]
     return {
-        "path": path, "rate": rate, "seconds": seconds, "scheduled": total, "completed": len(latencies),
-        "achieved_rps": round(len(latencies) / max(elapsed, 1e-9), 1), "statuses": statuses,
-        "errors": errors, "client_limited": client_limited, "shed_503": statuses.get("503", 0),
+        "path": path, "rate": rate, "seconds": seconds, "scheduled": total, "completed": len(ms),
+        "achieved_rps": round(len(ms) / max(elapsed, 1e-9), 1), "statuses": load.statuses,
+        "errors": load.errors + unanswered, "unanswered_after_30s": unanswered,
+        "client_limited": load.client_limited, "shed_503": load.statuses.get("503", 0),
         "p50_ms": round(percentile(ms, 50), 3) if ms else None,
         "p99_ms": round(percentile(ms, 99), 3) if ms else None,
         "p999_ms": round(percentile(ms, 99.9), 3) if ms else None,
         "max_ms": round(max(ms), 3) if ms else None,
-        "late_ms_p99": round(percentile([x * 1000 for x in late], 99), 3) if late else None,
+        "late_ms_p99": round(percentile([x * 1000 for x in load.late], 99), 3) if load.late else None,
     }
 
 

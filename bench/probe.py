@@ -4,6 +4,7 @@
 
 Appends one line per event to EVENTS, `<wall time> <kind> <detail>`:
 - `write PATH`: a file opened for writing (Python's audit event "open" with a write flag);
+- `change EVENT PATH`: a rename, link, symlink, removal, mkdir, chmod, chown, truncate or utime;
 - `spawn ARGV0`: a subprocess, an exec, a fork or a posix_spawn (audit events);
 - `nvml CALL GPU`: a mutating call into the simulated NVML (nvmlDevice/GpuInstance/ComputeInstance +
   Set*, Create*, Destroy*, Reset*, Clear*),
@@ -23,6 +24,9 @@ import time
 from typing import Any, Callable
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+_CHANGE_EVENTS = {"os.rename", "os.symlink", "os.link", "os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
+                  "os.truncate", "os.utime"}
+_REMOVALS = ("os.remove", "os.rmdir")
 _SPAWN_EVENTS = {"subprocess.Popen", "os.posix_spawn", "os.spawn", "os.exec", "os.fork", "os.forkpty"}
 _MUTATING = re.compile(r"^nvml(Device|GpuInstance|ComputeInstance)(Set|Create|Destroy|Reset|Clear)\w*$")
 
@@ -39,6 +43,15 @@ def _hook(fd: int) -> Callable[[str, tuple[Any, ...]], None]:
                 shown = os.fsdecode(path)
                 if not shown.startswith(("/dev/", "/proc/")):
                     _emit(fd, "write", shown)
+        elif event in _CHANGE_EVENTS:
+            first = args[0] if args else "?"
+            shown = os.fsdecode(first) if isinstance(first, (str, bytes)) else str(first)
+            # The hook runs before the call: a mkdir of a directory that exists (exist_ok) or a removal of
+            # nothing changes nothing, and is not counted.
+            exists = os.path.lexists(shown)
+            pointless = (event in ("os.mkdir", "os.symlink") and exists) or (event in _REMOVALS and not exists)
+            if not pointless and not shown.startswith(("/dev/pts", "/proc/")):
+                _emit(fd, "change", f"{event} {shown}")
         elif event in _SPAWN_EVENTS:
             first = args[0] if args else "?"
             _emit(fd, "spawn", os.fsdecode(first) if isinstance(first, (str, bytes)) else event)

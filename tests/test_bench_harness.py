@@ -53,3 +53,16 @@ def test_readme_block_is_replaced_between_markers_only() -> None:
 def test_readme_without_one_pair_of_markers_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="bench:begin"):
         replace_between_markers(text, "x")
+
+
+def test_load_generator_reads_content_length_and_chunked_responses() -> None:
+    from loadgen import parse_response
+
+    sized = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    assert parse_response(sized + b"HTTP/1.1 503") == (200, len(sized))
+    assert parse_response(sized[:-1]) is None  # body not all there yet
+    chunked = (b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"3\r\nabc\r\n2;x=1\r\nde\r\n0\r\n\r\n")
+    assert parse_response(chunked) == (503, len(chunked))
+    assert parse_response(chunked[:-2]) is None
+    assert parse_response(b"HTTP/1.1 204 No Content\r\n") is None
