@@ -206,7 +206,7 @@ def idle(scale: Scale, tmp: Path, peer: Optional[dict[str, float]]) -> list[Figu
             api = len(cluster.requests_between(api_start, time.time()))
     finally:
         cluster.close()
-    stage_names = [s.get("name") for s in stages] if isinstance(stages, list) else list(stages)
+    stage_names = {s.get("name"): s.get("state") or s.get("status") for s in stages if isinstance(s, dict)}
     peer_note = {"node_exporter": f"{peer['cpu_pct']:.2f} % CPU, {peer['rss_mib']:.1f} MiB RSS"} if peer else {}
     details = {"stages": stage_names, "seconds": scale.idle_s, "api_requests": api, **memory}
     return [
@@ -332,8 +332,9 @@ def endpoints(scale: Scale, tmp: Path) -> list[Figure]:
                 goal + "; no errors; watchdog gap ≤ 1 s", ok,
                 {"p50": f"{result['p50_ms']} ms", "p99.9": f"{result['p999_ms']} ms",
                  "served": f"{result['achieved_rps']} req/s", "shed 503": result["shed_503"],
-                 "errors": result["errors"], "watchdog gap": f"{result['watchdog_gap_max_s']} s",
-                 "generator floor p99": f"{floor['p99_ms']} ms"},
+                 "unsent (256 connections busy)": result["client_limited"], "errors": result["errors"],
+                 "watchdog gap": f"{result['watchdog_gap_max_s']} s", "generator floor p99": f"{floor['p99_ms']} ms",
+                 "machine busy": f"{result['machine_busy_pct']} % of {cores * 100} %"},
                 result))
     return figures
 

@@ -87,7 +87,7 @@ def fleet_section(steady: Optional[dict[str, Any]], storm: Optional[dict[str, An
         f"{KUBELET_REQUESTS_PER_HOUR:.0f} requests per node per hour, {kubelet_fleet:,.0f} req/s in all. "
         "Since node leases (KEP-589/0009) the kubelet posts its status only when it changes or every "
         "`nodeStatusReportFrequency` (5 min), so today's kubelet floor is nearer 372 per node per hour "
-        "(517 req/s at 5,000 nodes) and the agent's share twice the column above. Sources: "
+        "(517 req/s at 5,000 nodes), and the agent's share of it is 1.9× the last column. Sources: "
         "https://kubernetes.io/docs/concepts/architecture/nodes/#node-heartbeats, "
         "https://kubernetes.io/docs/reference/config-api/kubelet-config.v1beta1/ and "
         "https://github.com/kubernetes/enhancements/tree/master/keps/sig-node/589-efficient-node-heartbeats. "
@@ -192,7 +192,8 @@ def main() -> int:
         block = "\n\n".join([
             render_table(results),
             f"Measured {facts['date']} on {facts['cpu_count']} × {facts['cpu_model']}, Python {facts['python']}, "
-            f"load average {' '.join(facts['loadavg_at_start'])} at the start"
+            f"load average {' '.join(facts['loadavg_at_start'])} at the start and "
+            f"{' '.join(facts['loadavg_at_end'])} at the end (other work on the machine shows here)"
             + (" (QUICK run)" if args.quick else "") + ". " + " ".join(n.rstrip(".") + "." for n in notes[:-1]),
             HOW_TO_READ,
             fleet,
