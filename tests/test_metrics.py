@@ -27,6 +27,7 @@ CAPTURE = Path(__file__).parent / "data" / "captures" / "h100-580-vm"
 EXPECTED = {
     "DCGM_FI_DEV_SM_CLOCK": ("gauge", "SM clock frequency (in MHz)."),
     "DCGM_FI_DEV_MEM_CLOCK": ("gauge", "Memory clock frequency (in MHz)."),
+    "DCGM_FI_DEV_MEMORY_TEMP": ("gauge", "Memory temperature (in C)."),
     "DCGM_FI_DEV_GPU_TEMP": ("gauge", "GPU temperature (in C)."),
     "DCGM_FI_DEV_POWER_USAGE": ("gauge", "Power draw (in W)."),
     "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": ("counter", "Total energy consumption since boot (in mJ)."),
@@ -42,6 +43,7 @@ EXPECTED = {
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("counter", "Number of remapped rows for uncorrectable errors"),
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("counter", "Number of remapped rows for correctable errors"),
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("gauge", "Whether remapping of rows has failed"),
+    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("counter", "Total number of NVLink bandwidth counters for all lanes."),
 }
 
 
@@ -77,6 +79,7 @@ def node(tmp_path: Path) -> Iterator[Any]:
 def test_default_dcgm_counters_by_name_type_help_and_labels(node) -> None:
     n = node()
     n.sampler.sample()
+    n.sampler.sample()  # NVLink bandwidth is a rate: two readings
     families = n.scrape()
     assert {c.name for c in DEFAULT_COUNTERS + (XID_ERRORS,)} == set(EXPECTED)
     gpus = n.state.inventory.gpus

@@ -9,7 +9,15 @@ from typing import Callable, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.nvml.client import Nvml, XidWait, describe
-from gpu_agent.health.policy import after_xid, cleared, is_critical, meaning, recovered_in_time, recovers_at
+from gpu_agent.health.policy import (
+    LOST_XIDS,
+    after_xid,
+    cleared,
+    is_critical,
+    meaning,
+    recovered_in_time,
+    recovers_at,
+)
 from gpu_agent.nvml.model import GpuHealth, XidEvent
 from gpu_agent.state import AgentState
 
@@ -81,22 +89,38 @@ class XidWatcher:
                 self.record(event)
 
     def record(self, event: XidEvent) -> None:
-        """Apply one XID event: an ignored one is counted, a critical one makes the GPU unhealthy now."""
+        """Apply one XID event: an ignored one is counted, a critical one makes the GPU (or the MIG
+        devices of the GPU instance NVML attributes it to) unhealthy now."""
+        for uuid in self._affected(event):
+            self._record_on(uuid, event)
+        self.on_change()
+
+    def _affected(self, event: XidEvent) -> list[str]:
+        """The MIG devices of the event's GPU instance (and compute instance, when NVML names one), or
+        the whole GPU: for an event not on a MIG device, an instance no longer there, or a lost GPU."""
+        inventory = self.state.inventory or self.state.last_inventory
+        gpu = next((g for g in inventory.gpus if g.uuid == event.gpu_uuid), None) if inventory else None
+        if gpu is None or event.gpu_instance_id is None or event.xid in LOST_XIDS:
+            return [event.gpu_uuid]
+        devices = [device.uuid for device in gpu.mig.devices if device.gpu_instance_id == event.gpu_instance_id
+                   and event.compute_instance_id in (None, device.compute_instance_id)]
+        return devices or [event.gpu_uuid]
+
+    def _record_on(self, uuid: str, event: XidEvent) -> None:
         settings = self.state.config.config.health
         now = self.clock()
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
-        before = self.state.health.get(event.gpu_uuid)
-        after = self.state.update_health(event.gpu_uuid,
-                                         lambda health: after_xid(health, event.xid, now, settings, when))
-        gpu = self.state.gpu_name(event.gpu_uuid)
+        before = self.state.health.get(uuid)
+        after = self.state.update_health(uuid, lambda health: after_xid(health, event.xid, now, settings, when))
+        device = self.state.gpu_name(uuid)
         if not is_critical(event.xid, settings):
-            log.info("%s: XID %d (%s), caused by an application; GPU stays healthy", gpu, event.xid, meaning(event.xid))
+            log.info("%s: XID %d (%s), caused by an application; it stays healthy", device, event.xid,
+                     meaning(event.xid))
         elif before is None or before.healthy:
-            log.error("%s unhealthy: XID %d (%s); %s", gpu, event.xid, meaning(event.xid), self._outlook(after))
+            log.error("%s unhealthy: XID %d (%s); %s", device, event.xid, meaning(event.xid), self._outlook(after))
         else:
-            log.warning("%s still unhealthy: another XID %d (%s); %s", gpu, event.xid, meaning(event.xid),
+            log.warning("%s still unhealthy: another XID %d (%s); %s", device, event.xid, meaning(event.xid),
                         self._outlook(after))
-        self.on_change()
 
     def _outlook(self, health: GpuHealth) -> str:
         due = recovers_at(health, self.state.config.config.health)

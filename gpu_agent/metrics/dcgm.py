@@ -18,8 +18,7 @@ class Counter:
 DEFAULT_COUNTERS = (
     Counter("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", "sm_clock_mhz"),
     Counter("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz).", "memory_clock_mhz"),
-    # DCGM_FI_DEV_MEMORY_TEMP: only NVML's field values (NVML_FI_DEV_MEMORY_TEMP) have it, which the
-    # capture format cannot record yet; left out rather than simulated.
+    Counter("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C).", "memory_temperature_c"),
     Counter("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", "temperature_c"),
     Counter("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "power_w"),
     Counter("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "counter", "Total energy consumption since boot (in mJ).",
@@ -37,6 +36,9 @@ DEFAULT_COUNTERS = (
     Counter("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", "Number of remapped rows for correctable errors",
             "correctable_remapped_rows"),
     Counter("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed", "row_remap_failure"),
+    # Where the GPU has NVLink; the first sample has no value, a rate needs two.
+    Counter("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "counter",
+            "Total number of NVLink bandwidth counters for all lanes.", "nvlink_bandwidth_total"),
 )
 
 XID_ERRORS = Counter("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.", "")

@@ -16,6 +16,7 @@ from prometheus_client.utils import floatToGoString
 
 from gpu_agent import __version__
 from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, MIG_LABELS, XID_ERRORS, Counter, dcgm_bus_id
+from gpu_agent.metrics.pods import LABELS as POD_LABELS
 from gpu_agent.nvml.model import Gpu
 from gpu_agent.state import AgentState
 
@@ -110,20 +111,32 @@ class AgentCollector:
         labels = self._labels(gpu)
         if counter is XID_ERRORS:
             health = self.state.health.get(gpu.uuid)
-            yield _line(counter.name, LABELS, labels, health.last_xid if health and health.last_xid else 0)
+            yield from self._attributed(counter.name, LABELS, labels,
+                                        health.last_xid if health and health.last_xid else 0, gpu.uuid)
             return
         sample = self.state.samples.get(gpu.uuid)
         if sample is None:
             return
         value = getattr(sample, counter.field)
         if value is not None:
-            yield _line(counter.name, LABELS, labels, value)
+            yield from self._attributed(counter.name, LABELS, labels, value, gpu.uuid)
         if counter.per_gpu_instance:
             for instance in sample.mig:
                 value = getattr(instance, counter.field)
                 if value is not None:
-                    yield _line(counter.name, MIG_LABELS,
-                                labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:], value)
+                    yield from self._attributed(
+                        counter.name, MIG_LABELS,
+                        labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:], value,
+                        gpu.uuid, instance.gpu_instance_id)
+
+    def _attributed(self, name: str, names: tuple[str, ...], values: list[str], value: float, uuid: str,
+                    gpu_instance: Optional[int] = None) -> Iterator[str]:
+        """The series, or with metrics.pod_labels one per container holding the GPU or GPU instance."""
+        holders = self.state.pods.of(uuid, gpu_instance) if self.state.pods is not None else ()
+        if not holders:
+            yield _line(name, names, values, value)
+        for holder in holders:
+            yield _line(name, names + POD_LABELS, values + holder.labels, value)
 
     def _health_transitions(self) -> Metric:
         transitions = CounterMetricFamily("gpu_agent_gpu_health_transitions",

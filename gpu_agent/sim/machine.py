@@ -25,6 +25,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.sim.kernel import initial_kernel, render
 from gpu_agent.sim.mig import add_device
 from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
+from gpu_agent.sim.topology import UNKNOWN_NUMA, gpu_topology
 from gpu_agent.sim.userspace import install_driver_userspace
 
 STATE_DIR = "/var/lib/gpu-agent/sim"
@@ -44,6 +45,10 @@ class GpuSpec(_Spec):
     count: int = Field(1, ge=1)
     pci_bus_ids: Optional[list[str]] = None
     mig: MigSpec = MigSpec()
+    numa_node: Optional[int] = Field(None, ge=0, lt=1024, description="the CPU NUMA node these GPUs hang off")
+    pcie_switch: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$",
+        description="the PCIe switches above these GPUs, from the root port down: `sw0`, or `sw0/sw0.1`")
 
 
 class MachineSpec(_Spec):
@@ -52,6 +57,7 @@ class MachineSpec(_Spec):
     cuda_version: str = "12.4"
     gpus: list[GpuSpec] = Field(default_factory=list)
     nvswitches: int = Field(0, ge=0, le=32, description="NVSwitches, on buses c0 to df")
+    nvlinks: int = Field(0, ge=0, le=18, description="NVLinks from each GPU into the NVSwitches (all-to-all)")
     mellanox_nics: int = Field(0, ge=0, le=32, description="ConnectX NICs, for GPUDirect RDMA (nvidia_peermem), "
                                                            "on buses e0 to ff")
     nouveau: bool = Field(False, description="the distribution loaded nouveau at boot")
@@ -76,6 +82,8 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
         raise AgentError(f"{path}: {problems}") from None
     gpus: list[tuple[GpuModel, str]] = []
     mig: dict[int, MigSpec] = {}
+    numa: list[int] = []
+    paths: list[tuple[str, ...]] = []
     for n, gpu in enumerate(spec.gpus):
         model = MODELS.get(gpu.model)
         if model is None:
@@ -95,13 +103,18 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
             if nvml_bus in (b for _, b in gpus):
                 raise AgentError(f"{path}: gpus.{n}.pci_bus_ids.{i}: {bus} is already another GPU's")
             gpus.append((model, nvml_bus))
+            numa.append(UNKNOWN_NUMA if gpu.numa_node is None else gpu.numa_node)
+            paths.append(tuple(gpu.pcie_switch.split("/")) if gpu.pcie_switch else ())
+    if spec.nvlinks and not spec.nvswitches:
+        raise AgentError(f"{path}: nvlinks: NVLink all-to-all goes through NVSwitches; set nvswitches too")
     major, _, minor = spec.cuda_version.partition(".")
     if not (major.isdigit() and minor.isdigit()):
         raise AgentError(f"{path}: cuda_version: expected MAJOR.MINOR such as 12.4, got {spec.cuda_version!r}")
     machine = Machine(spec.name, spec.driver_version, int(major) * 1000 + int(minor) * 10, tuple(gpus),
                       nvswitches=tuple(f"0000:{0xc0 + n:02x}:00.0" for n in range(spec.nvswitches)),
                       mellanox_nics=tuple(f"0000:{0xe0 + n:02x}:00.0" for n in range(spec.mellanox_nics)),
-                      nouveau=spec.nouveau, product_name=spec.product_name)
+                      nouveau=spec.nouveau, product_name=spec.product_name,
+                      numa_nodes=tuple(numa), pcie_paths=tuple(paths), nvlinks=spec.nvlinks)
     return machine, mig
 
 
@@ -140,6 +153,9 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
             "model": model.key, "pci_bus_id": bus, "uuid": uuid, "minor": index,
             "mig": {"current": enabled, "pending": enabled, "gpu_instances": []},
             "processes": [],
+            "topology": gpu_topology(
+                machine.numa_nodes[index] if index < len(machine.numa_nodes) else UNKNOWN_NUMA,
+                machine.pcie_paths[index] if index < len(machine.pcie_paths) else (), machine.nvlinks),
         }
         for profile in spec.devices:
             add_device(gpu, model, profile)
