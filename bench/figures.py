@@ -102,9 +102,11 @@ class Cluster:
 
 
 def all_stages(workdir: Path, cluster: Cluster, mig_config: str = "all-1g") -> str:
-    """Settings with every stage on: driver, features, mig, discovery, toolkit, cdi, labels, owned files."""
+    """Settings with every stage on: driver, features, mig, discovery, toolkit, cdi, labels, owned files, and
+    the device plugin (its kubelet directory exists; no kubelet listens there, tests/kubelet_standin is Go and
+    built only by its tests, so the plugin waits for one as on a node whose kubelet is down)."""
     root = workdir / "root"
-    root.mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/kubelet/device-plugins").mkdir(parents=True, exist_ok=True)
     (root / "etc/gpu-agent").mkdir(parents=True, exist_ok=True)
     (root / "etc/gpu-agent/mig.yaml").write_text(MIG_YAML)
     return cluster.install(root) + f"mig:\n  config: {mig_config}\n"
@@ -197,7 +199,8 @@ def idle(scale: Scale, tmp: Path, peer: Optional[dict[str, float]]) -> list[Figu
         settings = all_stages(workdir, cluster)
         with Agent(workdir, AgentOptions(settings=settings)).start() as agent:
             time.sleep(5)  # first samples, the XID watcher, lazily imported request paths
-            stages = json.loads(http_get(agent.port, "/status")[1]).get("stages", [])
+            status = json.loads(http_get(agent.port, "/status")[1])
+            stages, plugin = status.get("stages", []), status.get("plugin")
             cpu_before, started = cpu_seconds(agent.pid), time.monotonic()
             api_start = time.time()
             time.sleep(scale.idle_s)
@@ -208,7 +211,7 @@ def idle(scale: Scale, tmp: Path, peer: Optional[dict[str, float]]) -> list[Figu
         cluster.close()
     stage_names = {s.get("name"): s.get("state") or s.get("status") for s in stages if isinstance(s, dict)}
     peer_note = {"node_exporter": f"{peer['cpu_pct']:.2f} % CPU, {peer['rss_mib']:.1f} MiB RSS"} if peer else {}
-    details = {"stages": stage_names, "seconds": scale.idle_s, "api_requests": api, **memory}
+    details = {"stages": stage_names, "plugin": plugin, "seconds": scale.idle_s, "api_requests": api, **memory}
     return [
         Figure(3, f"idle CPU over {scale.idle_s:g} s, all stages on", round(cpu_pct, 3), "% of a core", "≤ 0.1 %",
                cpu_pct <= 0.1, peer_note, details),
@@ -258,13 +261,13 @@ def noop_reconcile(scale: Scale, tmp: Path) -> list[Figure]:
     wall_ms = median([p["wall_ms"] for p in passes])
     counts = {k: max(len(p[k]) for p in counted) for k in ("writes", "spawns", "nvml_mutations", "api_requests")}
     zero = not any(counts.values())
-    text = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items())
+    text = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items()).replace("writes", "file changes")
     return [
         Figure(4, "no-op reconcile (SIGHUP): CPU (median)", round(cpu_ms, 2), "ms", "≤ 10 ms on dgx-h100",
                cpu_ms <= 10, {}, {"passes": passes, "cpu_from": "the daemon threads' schedstat, SIGHUP to READY=1"}),
         Figure(4, "no-op reconcile: wall time, SIGHUP → READY=1 (median)", round(wall_ms, 1), "ms", "—", None, {},
                {}),
-        Figure(4, "no-op reconcile: writes, spawns, NVML mutations, API requests (most in one pass)",
+        Figure(4, "no-op reconcile: file changes, spawns, NVML mutations, API requests (most in one pass)",
                float(sum(counts.values())), "", "0 of each", zero, {}, {"counts": counts, "passes": counted},
                note=text),
     ]
