@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from harness import (
     AGENT_CPU, BENCH, LOAD_CPU, PYTHON, REPO, Agent, AgentOptions, Figure, busy_jiffies, cpu_seconds,
-    free_port, http_get, median, memory_mib, percentile, pinned_to,
+    free_port, http_get, median, memory_mib, parse_importtime, percentile, pinned_to, wakeups,
 )
 
 GPU_AGENT = str(Path(PYTHON).parent / "gpu-agent")  # the console script a person types
@@ -167,12 +167,18 @@ def startup(scale: Scale, tmp: Path) -> list[Figure]:
             rss.append(memory_mib(agent.pid)["rss_mib"])
         finally:
             agent.stop()
+    profiled = Agent(workdir, AgentOptions(env={"PYTHONPROFILEIMPORTTIME": "1"}))
+    profiled.start().stop()
+    imports = parse_importtime(profiled.log_path.read_text(errors="replace"))
     ready, base = median(ready_ms), median(pass_ms)
     return [Figure(1, "spawn → READY=1, converged dgx-h100 (median)", round(ready, 1), "ms",
                    "≤ 500 ms and ≤ 8× python -c pass", ready <= 500 and ready <= 8 * base,
                    {"python3 -c pass": f"{base:.0f} ms", "import aiohttp.web": f"{median(web_ms):.0f} ms",
                     "ratio": f"{ready / base:.1f}×"},
-                   {"ready_ms": ready_ms, "pass_ms": pass_ms, "aiohttp_web_ms": web_ms, "rss_at_ready_mib": rss})]
+                   {"ready_ms": ready_ms, "pass_ms": pass_ms, "aiohttp_web_ms": web_ms, "rss_at_ready_mib": rss,
+                    "imports_one_start": imports},
+                   note=f"imports {imports['imports_ms']:.0f} ms of one start (-X importtime, which adds its own "
+                        f"cost); largest: {', '.join(imports['largest'][:4])}")]
 
 
 def cli_status(scale: Scale, tmp: Path) -> list[Figure]:
@@ -183,10 +189,14 @@ def cli_status(scale: Scale, tmp: Path) -> list[Figure]:
         spawn_wall_ms(argv)  # warm the page cache
         status_ms = [spawn_wall_ms(argv, cpu=LOAD_CPU) for _ in range(scale.cli_runs)]
         pass_ms = [spawn_wall_ms([PYTHON, "-c", "pass"], cpu=LOAD_CPU) for _ in range(scale.cli_runs)]
+        profile = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+    imports = parse_importtime(profile.stderr)
     value = median(status_ms)
     return [Figure(2, "`gpu-agent status`, daemon running (median)", round(value, 1), "ms", "≤ 150 ms",
                    value <= 150, {"python3 -c pass": f"{median(pass_ms):.0f} ms"},
-                   {"status_ms": status_ms, "pass_ms": pass_ms})]
+                   {"status_ms": status_ms, "pass_ms": pass_ms, "imports": imports},
+                   note=f"imports {imports['imports_ms']:.0f} ms; largest: {', '.join(imports['largest'][:4])}")]
 
 
 # --- 3, 4: idle and the no-op reconcile --------------------------------------------------------------------
@@ -201,20 +211,25 @@ def idle(scale: Scale, tmp: Path, peer: Optional[dict[str, float]]) -> list[Figu
             time.sleep(5)  # first samples, the XID watcher, lazily imported request paths
             status = json.loads(http_get(agent.port, "/status")[1])
             stages, plugin = status.get("stages", []), status.get("plugin")
-            cpu_before, started = cpu_seconds(agent.pid), time.monotonic()
+            cpu_before, started, woken = cpu_seconds(agent.pid), time.monotonic(), wakeups(agent.pid)
             api_start = time.time()
             time.sleep(scale.idle_s)
-            cpu_pct = (cpu_seconds(agent.pid) - cpu_before) / (time.monotonic() - started) * 100
+            elapsed = time.monotonic() - started
+            cpu_pct = (cpu_seconds(agent.pid) - cpu_before) / elapsed * 100
+            per_s = {name: round((n - woken.get(name, 0)) / elapsed, 1) for name, n in wakeups(agent.pid).items()}
+            per_s = {name: rate for name, rate in sorted(per_s.items(), key=lambda kv: -kv[1]) if rate > 0}
             memory = memory_mib(agent.pid)
             api = len(cluster.requests_between(api_start, time.time()))
     finally:
         cluster.close()
     stage_names = {s.get("name"): s.get("state") or s.get("status") for s in stages if isinstance(s, dict)}
     peer_note = {"node_exporter": f"{peer['cpu_pct']:.2f} % CPU, {peer['rss_mib']:.1f} MiB RSS"} if peer else {}
-    details = {"stages": stage_names, "plugin": plugin, "seconds": scale.idle_s, "api_requests": api, **memory}
+    details = {"stages": stage_names, "plugin": plugin, "seconds": scale.idle_s, "api_requests": api,
+               "wakeups_per_s_by_thread": per_s, **memory}
+    woke = ", ".join(f"{name} {rate}/s" for name, rate in list(per_s.items())[:5]) or "nothing"
     return [
         Figure(3, f"idle CPU over {scale.idle_s:g} s, all stages on", round(cpu_pct, 3), "% of a core", "≤ 0.1 %",
-               cpu_pct <= 0.1, peer_note, details),
+               cpu_pct <= 0.1, peer_note, details, note=f"thread wake-ups: {woke}"),
         Figure(3, "idle RSS / PSS, all stages on", round(memory["rss_mib"], 1), "MiB",
                "RSS ≤ 48 MiB", memory["rss_mib"] <= 48, {"PSS": f"{memory['pss_mib']:.1f} MiB", **peer_note},
                details),

@@ -168,6 +168,40 @@ def http_get(port: int, path: str, timeout: float = 10) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+def parse_importtime(text: str) -> dict[str, Any]:
+    """`python -X importtime`'s report: total import time (the sum of every module's own time) and the
+    top-level imports that cost the most, with everything they pulled in."""
+    total_us, top = 0, []
+    for line in text.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        own, cumulative, name = line[len("import time:"):].split("|", 2)
+        if not own.strip().isdigit():
+            continue  # the header line
+        total_us += int(own)
+        if not name[1:].startswith(" "):  # one space after the bar: imported by the program itself
+            top.append((int(cumulative), name.strip()))
+    top.sort(reverse=True)
+    return {"imports_ms": round(total_us / 1000, 1),
+            "largest": [f"{name} {us / 1000:.0f} ms" for us, name in top[:6]]}
+
+
+def wakeups(pid: int) -> dict[str, int]:
+    """Context switches so far by thread (voluntary + involuntary): a thread that wakes for a timer shows here,
+    so two readings apart tell how many threads keep an idle daemon busy, and how often. Python 3.11 does not
+    name its threads for the kernel, so threads are `main` (the event loop) and `thread-TID`."""
+    counts: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = "main" if task.name == str(pid) else f"thread-{task.name}"
+            fields = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
+            switches = int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+        except (OSError, KeyError, ValueError):
+            continue
+        counts[name] = counts.get(name, 0) + switches
+    return counts
+
+
 # --- the agent ---------------------------------------------------------------------------------------------
 
 class NotifyListener:

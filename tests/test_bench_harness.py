@@ -66,3 +66,20 @@ def test_load_generator_reads_content_length_and_chunked_responses() -> None:
     assert parse_response(chunked) == (503, len(chunked))
     assert parse_response(chunked[:-2]) is None
     assert parse_response(b"HTTP/1.1 204 No Content\r\n") is None
+
+
+def test_importtime_report_sums_own_times_and_ranks_top_level_imports() -> None:
+    from harness import parse_importtime
+
+    report = "\n".join([
+        "import time: self [us] | cumulative | imported package",
+        "import time:       100 |        100 |     _io",
+        "import time:      2000 |       2100 | encodings",
+        "import time:       500 |        500 |     pydantic_core",
+        "import time:     30000 |      30500 |   pydantic",
+        "import time:      1000 |      31500 | gpu_agent.config",
+        "some other stderr line",
+    ])
+    parsed = parse_importtime(report)
+    assert parsed["imports_ms"] == 33.6
+    assert parsed["largest"] == ["gpu_agent.config 32 ms", "encodings 2 ms"]
