@@ -109,3 +109,22 @@ def test_on_the_real_h100_capture_a_dry_run_changes_nothing_and_export_and_asser
     assert run("mig", "assert", "-f", SHIPPED, "-c", "all-disabled") == (0, "MIG config all-disabled is applied\n")
     code, out = run("mig", "assert", "-f", SHIPPED, "-c", "all-balanced")
     assert code == 1 and "GPU 0 (H100 80GB HBM3): 9 change(s) needed" in out
+
+
+def test_a_mode_change_waiting_for_a_reboot_exits_2_and_says_so(tmp_path: Path, capsys: Any) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "config.yaml").write_text("version: v1\ntoolkit: {enabled: false}\n"
+                                          "driver: {modules: {nvidia_drm: true}}\n")
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main(["--root", str(root), "--config", str(tmp_path / "config.yaml"), "--simulate", "dgx-a100", *argv])
+        return code, capsys.readouterr().out
+
+    assert run("apply", "--once")[0] == 0  # the driver loaded, nvidia_drm with it
+    code, out = run("mig", "apply", "-f", SHIPPED, "-c", "all-7g.40gb")
+    assert code == 2 and out.endswith("MIG config all-7g.40gb: rebooting\n")
+    assert "[~] GPU 0 (A100-SXM4-40GB): mode-changed, 1 NVML mutation(s): MIG enable is pending a GPU reset" in out
+    assert "nvidia_drm is loaded" in out
+    code, out = run("mig", "apply", "-f", SHIPPED, "-c", "all-7g.40gb", "--json")
+    assert code == 2 and {(g["state"], g["mutations"]) for g in json.loads(out)["gpus"]} == {("rebooting", 0)}

@@ -108,8 +108,9 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
     else:
         for result in results:
             mark = {FAILED: "-", PENDING: "~", REBOOTING: "~"}.get(result.state, "+")
-            print(f"[{mark}] {gpu_name(result.gpu, result.product)}: {result.action}, {result.mutations} NVML "
-                  f"mutation(s): {result.reason}")
+            name = gpu_name(result.gpu, result.product)
+            reason = result.reason.removeprefix(f"{name}: ")  # the line starts with the GPU already
+            print(f"[{mark}] {name}: {result.action}, {result.mutations} NVML mutation(s): {reason}")
             for change in result.changes:
                 print(f"    {'would' if not writes else 'did'}: {change.describe()}")
         print(f"MIG config {name}: {state}{' (dry run, nothing changed)' if not writes else ''}")
