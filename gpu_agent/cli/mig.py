@@ -108,9 +108,9 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
     else:
         for result in results:
             mark = {FAILED: "-", PENDING: "~", REBOOTING: "~"}.get(result.state, "+")
-            name = gpu_name(result.gpu, result.product)
-            reason = result.reason.removeprefix(f"{name}: ")  # the line starts with the GPU already
-            print(f"[{mark}] {name}: {result.action}, {result.mutations} NVML mutation(s): {reason}")
+            gpu = gpu_name(result.gpu, result.product)
+            reason = result.reason.removeprefix(f"{gpu}: ")  # the line starts with the GPU already
+            print(f"[{mark}] {gpu}: {result.action}, {result.mutations} NVML mutation(s): {reason}")
             for change in result.changes:
                 print(f"    {'would' if not writes else 'did'}: {change.describe()}")
         print(f"MIG config {name}: {state}{' (dry run, nothing changed)' if not writes else ''}")
