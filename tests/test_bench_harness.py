@@ -1,4 +1,4 @@
-"""The bench harness's arithmetic and rendering (bench/harness.py): nothing here times anything."""
+"""The bench harness's arithmetic and rendering (bench/benchkit.py): nothing here times anything."""
 from __future__ import annotations
 
 import sys
