@@ -34,6 +34,7 @@ class DevicePluginManager:
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.registered: dict[str, float] = {}  # resource: when the kubelet accepted it
         self.errors: dict[str, str] = {}  # resource: the last registration or serving error
+        self._registrations: dict[str, asyncio.Task[None]] = {}  # resource: its registration under way
         self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
         self._wake = asyncio.Event()
         self._last: Optional[Advertised] = None
@@ -102,8 +103,9 @@ class DevicePluginManager:
                 continue
             if kubelet is None:
                 self.errors[name] = f"waiting for the kubelet: no {DEVICE_PLUGIN_DIR}/{KUBELET_SOCKET}"
-            elif name not in self.registered:
-                await self._register(endpoint)
+            elif name not in self.registered and not self._registering(name):
+                # In the background: a kubelet that does not answer must not hold up the others' lists.
+                self._registrations[name] = asyncio.create_task(self._register(endpoint), name=f"register {name}")
         if kubelet is None:
             self.registered.clear()
         self._kubelet = kubelet
@@ -134,8 +136,16 @@ class DevicePluginManager:
                  len(endpoint.feed.resource.devices))
         self.registered[endpoint.name] = time.time()
         self.errors.pop(endpoint.name, None)
+        self.wake()  # /status shows it
+
+    def _registering(self, name: str) -> bool:
+        task = self._registrations.get(name)
+        return task is not None and not task.done()
 
     async def _remove(self, name: str) -> None:
+        task = self._registrations.pop(name, None)
+        if task is not None:
+            task.cancel()
         endpoint = self.endpoints.pop(name)
         self.registered.pop(name, None)
         self.errors.pop(name, None)
