@@ -36,7 +36,7 @@ class DevicePluginManager:
         self.errors: dict[str, str] = {}  # resource: the last registration or serving error
         self._registrations: dict[str, asyncio.Task[None]] = {}  # resource: its registration under way
         self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
-        self._wake = asyncio.Event()
+        self._wake: Optional[asyncio.Event] = None  # made in run(): asyncio objects belong to the loop (3.9)
         self._last: Optional[Advertised] = None
 
     @property
@@ -44,18 +44,20 @@ class DevicePluginManager:
         return self.state.config.config.plugin
 
     def wake(self) -> None:
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
 
     async def run(self) -> None:
+        self._wake = wake = asyncio.Event()
         try:
             while True:
-                self._wake.clear()
+                wake.clear()
                 try:
                     await self.sync()
                 except Exception:  # a bug: log it, keep serving what is served
                     log.exception("device plugin sync failed; this is a gpu-agent bug")
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=POLL_S)
+                    await asyncio.wait_for(wake.wait(), timeout=POLL_S)
                 except asyncio.TimeoutError:
                     pass
         finally:
