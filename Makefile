@@ -57,8 +57,9 @@ podresources-proto: $(BIN)/gpu-agent
 package: $(BIN)/gpu-agent
 	$(BIN)/python packaging/build.py --out dist
 
+# Every figure of issue 15 into bench/results.json and README.md's Performance table (~20 min; QUICK=1: short).
 bench: $(BIN)/gpu-agent
-	$(BIN)/python bench/startup.py
+	$(BIN)/python bench/run.py $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) .run build dist *.egg-info

@@ -101,17 +101,26 @@ def print_table(status: dict[str, Any]) -> None:
         for gpu in status["gpus"]:
             if gpu["health_reason"]:
                 print(f"GPU {gpu['index']} {gpu['health']}: {gpu['health_reason']}")
+            for device in gpu["mig"]["instances"]:
+                if device.get("health_reason"):
+                    print(f"GPU {gpu['index']} MIG device {device['uuid']} {device['health']}: "
+                          f"{device['health_reason']}; recovers {_recovery(device)}")
 
 
 def _recovery(gpu: dict[str, Any]) -> str:
-    """When an unhealthy GPU will be considered healthy again."""
+    """When an unhealthy GPU (or MIG device) will be considered healthy again: every reason has its own."""
     if gpu["health"] == "healthy":
         return "-"
+    when = []
     if gpu.get("lost"):
-        return f"when NVML sees it again at {gpu['pci_bus_id']}"
-    if gpu.get("recovers_at") is not None:
-        return time.strftime("at %Y-%m-%d %H:%M:%S %Z", time.localtime(gpu["recovers_at"]))
-    return "when NVML answers for it again"
+        when.append(f"when NVML sees it again at {gpu['pci_bus_id']}")
+    elif gpu.get("recovers_at") is not None:
+        when.append(time.strftime("at %Y-%m-%d %H:%M:%S %Z", time.localtime(gpu["recovers_at"])))
+    if gpu.get("failing_checks"):
+        when.append("when its checks pass")
+    if gpu.get("query_error"):
+        when.append("when NVML answers for it again")
+    return " and ".join(when) or "when NVML answers for it again"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:
