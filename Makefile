@@ -6,7 +6,7 @@ RUN_ROOT ?= .run/root
 SIMULATE ?= dgx-h100
 BIN := $(VENV)/bin
 
-.PHONY: run lint test test-all bench package e2e clean
+.PHONY: run lint test test-all bench package e2e clean proto
 
 $(BIN)/gpu-agent: pyproject.toml
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
@@ -47,11 +47,27 @@ test-all: lint
 e2e: $(BIN)/gpu-agent
 	$(BIN)/python -m pytest -q tests/e2e
 
+# The kubelet pod-resources API's Python stubs (gpu_agent/kube/podresources/, committed): Debian's protoc
+# (protobuf-compiler) with grpclib's plugin from the venv, as for the device plugin's. The .proto is
+# vendored unchanged from k8s.io/kubelet/pkg/apis/podresources/v1/api.proto.
+podresources-proto: $(BIN)/gpu-agent
+	protoc -I . --python_out=. --pyi_out=. --grpclib_python_out=. \
+	  --plugin=protoc-gen-grpclib_python=$(BIN)/protoc-gen-grpclib_python gpu_agent/kube/podresources/api.proto
+
 package: $(BIN)/gpu-agent
 	$(BIN)/python packaging/build.py --out dist
 
+# Every figure of issue 15 into bench/results.json and README.md's Performance table (~20 min; QUICK=1: short).
 bench: $(BIN)/gpu-agent
-	$(BIN)/python bench/startup.py
+	$(BIN)/python bench/run.py $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) .run build dist *.egg-info
+
+# The kubelet device plugin API's Python stubs (gpu_agent/plugin/proto/, committed): Debian's
+# protoc (protobuf-compiler) with grpclib's plugin from the venv. The .proto is vendored unchanged
+# from k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1/api.proto.
+PROTOS := gpu_agent/plugin/proto/deviceplugin.proto
+proto: $(BIN)/gpu-agent
+	protoc -I . --python_out=. --pyi_out=. --grpclib_python_out=. \
+	  --plugin=protoc-gen-grpclib_python=$(BIN)/protoc-gen-grpclib_python $(PROTOS)

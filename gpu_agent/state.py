@@ -8,9 +8,9 @@ from typing import Any, Callable, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import LoadedConfig
+from gpu_agent.health.policy import GPU_CHECKS, NVML_RESPONSIVE, gates_readiness, recovers_at
 from gpu_agent.health.policy import meaning as xid_meaning
-from gpu_agent.health.policy import recovers_at
-from gpu_agent.nvml.model import GpuHealth, GpuSample, Inventory, to_json
+from gpu_agent.nvml.model import Gpu, GpuHealth, GpuSample, Inventory, MigDevice, to_json
 
 PENDING, OK, FAILED, WAITING = "pending", "ok", "failed", "waiting"
 _PUBLISH = threading.Lock()  # the watcher threads' updates of the model, one at a time
@@ -59,6 +59,7 @@ class GpuProcess:
 class AgentState:
     config: LoadedConfig
     hardware: str = "real"  # or what the composition root put in its place, e.g. "simulated dgx-h100"
+    machine: Optional[str] = None  # the DMI product name, for the gpu.machine label
     started_at: float = field(default_factory=time.time)
     config_loaded_at: float = field(default_factory=time.time)
     config_error: Optional[str] = None  # the last rejected reload
@@ -68,16 +69,27 @@ class AgentState:
     runtimes: Optional[tuple[str, ...]] = None  # container runtimes found, as the toolkit stage last saw them
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
     mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
-    health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU UUID
+    health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU or MIG device UUID: see device_health()
+    gpu_checks: dict[str, dict[str, str]] = field(default_factory=dict)  # periodic check -> {GPU UUID: why it fails}
+    nvml_check: Optional[str] = None  # why NVML failed the last periodic check (hung), or None
+    checked_at: Optional[float] = None  # when the periodic checks last ran
     health_transitions: dict[tuple[str, str], int] = field(default_factory=dict)  # by (GPU UUID, "healthy"/"unhealthy")
     samples: dict[str, GpuSample] = field(default_factory=dict)  # by GPU UUID
     sampled_at: Optional[float] = None  # when `samples` were taken (unix time)
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
+    pods: Optional[Any] = None  # who holds each GPU (metrics.pods.PodAttribution); None: metrics.pod_labels off
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
+    plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
     reconciles: int = 0
     first_reconcile_done: bool = False
+    published: int = 0  # bumped each time the daemon publishes the model: the endpoints render again
+
+    @property
+    def version(self) -> Optional[int]:
+        """What the endpoints cache their renderings by; None (do not cache) before the first reconcile."""
+        return self.published if self.first_reconcile_done else None
 
     # --- what the watcher threads publish ------------------------------------------------------
 
@@ -94,10 +106,26 @@ class AgentState:
             return new
 
     def gpu_name(self, uuid: str) -> str:
-        """`GPU 3 (GPU-...)` for a log line, or the UUID alone for a GPU not in the inventory."""
+        """`GPU 3 (GPU-...)` or `GPU 3 MIG device 3g.40gb (GI 1, CI 0, MIG-...)` for a log line, or the
+        UUID alone for a device not in the inventory."""
         inventory = self.inventory or self.last_inventory
-        index = next((gpu.index for gpu in inventory.gpus if gpu.uuid == uuid), None) if inventory else None
-        return f"GPU {index} ({uuid})" if index is not None else f"GPU {uuid}"
+        for gpu in inventory.gpus if inventory else ():
+            if gpu.uuid == uuid:
+                return f"GPU {gpu.index} ({uuid})"
+            device = next((d for d in gpu.mig.devices if d.uuid == uuid), None)
+            if device is not None:
+                return _mig_name(gpu, device)
+        return f"GPU {uuid}"
+
+    def device_health(self, uuid: str) -> GpuHealth:
+        """The health of a GPU or of a MIG device, by UUID, as the device plugin should read it: a MIG
+        device is unhealthy when it is (an XID attributed to its GPU instance) or when its GPU is."""
+        own = self.health.get(uuid, GpuHealth())
+        inventory = self.inventory or self.last_inventory
+        parent = next((gpu.uuid for gpu in inventory.gpus if any(d.uuid == uuid for d in gpu.mig.devices)),
+                      None) if inventory else None
+        whole = self.health.get(parent, GpuHealth()) if parent else GpuHealth()
+        return own if not own.healthy or whole.healthy else whole
 
     # --- stage results (written by the engine only) ----------------------------------------------
 
@@ -125,21 +153,41 @@ class AgentState:
     def checks(self) -> list[Check]:
         checks = [Check(s.name, s.state == OK, s.message) for s in self.stages.values()]
         checks.append(self._gpu_health_check())
+        if self.checked_at is not None:  # the periodic checks, once they have run
+            checks.append(Check(NVML_RESPONSIVE, self.nvml_check is None,
+                                self.nvml_check or "NVML answers within its timeout"))
+            checks += [self._periodic_check(name, self.gpu_checks.get(name, {})) for name in GPU_CHECKS]
         return checks
 
     def _gpu_health_check(self) -> Check:
         if self.nvml_error:
             return Check("gpu-health", False, self.nvml_error)
-        if self.inventory is None:
+        inventory = self.inventory
+        if inventory is None:
             return Check("gpu-health", False, "no GPU discovered")
-        sick = [
-            f"GPU {gpu.index} ({gpu.uuid}): {self.health[gpu.uuid].reason}"
-            for gpu in self.inventory.gpus
-            if gpu.uuid in self.health and not self.health[gpu.uuid].healthy
-        ]
-        if sick:
-            return Check("gpu-health", False, "; ".join(sick))
-        return Check("gpu-health", True, f"{len(self.inventory.gpus)} GPUs healthy")
+        sick, failing = [], 0
+        for gpu in inventory.gpus:
+            health = self.health.get(gpu.uuid)
+            found = [f"GPU {gpu.index} ({gpu.uuid}): {health.reason}"] if health and not health.healthy else []
+            found += [f"{_mig_name(gpu, device)}: {self.health[device.uuid].reason}" for device in gpu.mig.devices
+                      if device.uuid in self.health and not self.health[device.uuid].healthy]
+            failing += bool(found)
+            sick += found
+        return self._gated("gpu-health", failing, len(inventory.gpus), "; ".join(sick),
+                           f"{len(inventory.gpus)} GPUs healthy")
+
+    def _periodic_check(self, name: str, failing: dict[str, str]) -> Check:
+        total = len(self.inventory.gpus) if self.inventory else 0
+        why = "; ".join(f"{self.gpu_name(uuid)}: {reason}" for uuid, reason in failing.items())
+        return self._gated(name, len(failing), total, why, f"{total} GPUs pass")
+
+    def _gated(self, name: str, failing: int, total: int, why: str, fine: str) -> Check:
+        """A GPU check as health.unready_when has it: with `all`, some GPUs failing is shown, not fatal."""
+        if not failing:
+            return Check(name, True, fine)
+        if gates_readiness(failing, total, self.config.config.health):
+            return Check(name, False, why)
+        return Check(name, True, f"{failing} of {total} GPUs failing, not all (health.unready_when: all): {why}")
 
     def readiness(self, within_pass: bool = False) -> tuple[bool, Optional[Check]]:
         """(ready, the first failing check that gates readiness): one consistent reading, as watcher
@@ -192,11 +240,25 @@ class AgentState:
                 "reload_error": self.config_error,
             },
             "driver": self._driver_json(),
+            "pod_labels": self.pods.to_json() if self.pods is not None else None,
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
+            "labels": self.labels(),
+            "plugin": self.plugin,
         }
+
+    def labels(self) -> dict[str, str]:
+        """The node labels this state gives (what `gpu-agent labels` prints), whether or not a sink sets them."""
+        from gpu_agent.config.plugin import mig_strategy
+        from gpu_agent.kube.labels import compute
+        from gpu_agent.plugin.devices import sharing
+
+        config = self.config.config
+        strategy = mig_strategy(config)
+        return compute(self.inventory, self.ready, strategy, self.machine,
+                       sharing(self.inventory, strategy, config.plugin))
 
     def _driver_json(self) -> Optional[dict[str, Any]]:
         """What NVML says of the driver, and what the driver stage saw of its kernel module."""
@@ -208,6 +270,11 @@ class AgentState:
         versions = {"version": inventory.driver_version, "cuda_version": inventory.cuda_version} if inventory else {}
         return {**versions, **{key: value for key, value in facts.items() if key != "module_version"}}
 
+    def _links_json(self, index: int) -> dict[str, str]:
+        """How this GPU reaches each other one, by index, as `nvidia-smi topo -m` writes it (NV18, PIX, SYS)."""
+        links = self.inventory.links if self.inventory else ()
+        return {str(link.b if link.a == index else link.a): link.kind for link in links if index in (link.a, link.b)}
+
     def _gpu_json(self, gpu: Any) -> dict[str, Any]:
         health = self.health.get(gpu.uuid, GpuHealth())
         settings = self.config.config.health
@@ -218,21 +285,42 @@ class AgentState:
             "product": gpu.product,
             "memory_mib": gpu.memory_mib,
             "compute_capability": "{}.{}".format(*gpu.compute_capability),
+            "numa_node": gpu.numa_node,
+            "links": self._links_json(gpu.index),
             "health": "healthy" if health.healthy else "unhealthy",
             "health_reason": health.reason or None,
             "last_xid": None if health.last_xid is None else {"xid": health.last_xid,
                                                               "meaning": xid_meaning(health.last_xid)},
             "recovers_at": recovers_at(health, settings),
             "lost": health.lost,  # off the bus: recovers only once NVML answers for it again at pci_bus_id
+            "query_error": health.query_error or None,  # NVML fails for it: healthy once it answers again
+            "failing_checks": health.check_reason or None,  # periodic checks: healthy once they pass
             "xid_counts": {str(xid): count for xid, count in health.xid_counts},
             "mig": {
                 "capable": gpu.mig.capable,
                 "mode": "enabled" if gpu.mig.enabled else "disabled",
                 "pending_mode": "enabled" if gpu.mig.pending_enabled else "disabled",
-                "instances": [to_json(device) for device in gpu.mig.devices],
+                "instances": [{**to_json(device), **self._device_health_json(device.uuid)}
+                              for device in gpu.mig.devices],
                 "gpu_instances": [to_json(instance) for instance in gpu.mig.gpu_instances],
                 "profiles": [to_json(profile) for profile in gpu.mig.profiles],
             },
             "processes": [to_json(process) for process in self.processes.get(gpu.uuid, ())],
             "metrics": to_json(self.samples[gpu.uuid]) if gpu.uuid in self.samples else None,
         }
+
+    def _device_health_json(self, uuid: str) -> dict[str, Any]:
+        """A MIG device's own health (XIDs attributed to its GPU instance); its GPU's is the GPU's."""
+        health = self.health.get(uuid, GpuHealth())
+        return {
+            "health": "healthy" if health.healthy else "unhealthy",
+            "health_reason": health.reason or None,
+            "last_xid": None if health.last_xid is None else {"xid": health.last_xid,
+                                                              "meaning": xid_meaning(health.last_xid)},
+            "recovers_at": recovers_at(health, self.config.config.health),
+        }
+
+
+def _mig_name(gpu: Gpu, device: MigDevice) -> str:
+    return (f"GPU {gpu.index} MIG device {device.profile} (GI {device.gpu_instance_id}, "
+            f"CI {device.compute_instance_id}, {device.uuid})")

@@ -13,7 +13,7 @@ from gpu_agent.host.files import MASK, unified_diff
 CANARY = "canary5f0c1d2e9a7b4c31"
 
 
-@pytest.mark.parametrize("line", [
+LINES = [
     f'  password = "{CANARY}"',                      # containerd's registry auth, TOML
     f"  identitytoken = '{CANARY}'",
     f'  auth = {{ username = "u", password = "{CANARY}" }}',
@@ -22,7 +22,10 @@ CANARY = "canary5f0c1d2e9a7b4c31"
     f"token: {CANARY} and more",                       # YAML, bare value with spaces
     f'  password = "a\\"{CANARY}"',                    # an escaped quote inside the value
     f"client_secret={CANARY}",
-])
+]
+
+
+@pytest.mark.parametrize("line", LINES, ids=[f"line{number}" for number in range(len(LINES))])
 def test_a_credential_in_a_changed_or_context_line_is_masked(line: str) -> None:
     before = f"a = 1\n{line}\nb = 2\n"
     for current, desired in ((before, before.replace("a = 1", "a = 3")), (None, before), (before, "")):

@@ -13,19 +13,22 @@ import pytest
 import yaml
 
 from gpu_agent.host.paths import Root
-from gpu_agent.mig.apply import FAILED, PENDING, SUCCESS, Applier, GpuResult, node_state
-from gpu_agent.mig.checkpoint import CheckpointStore
+from gpu_agent.host.ledger import Ledger
+from gpu_agent.mig.apply import FAILED, PENDING, REBOOTING, SUCCESS, Applier, GpuResult, node_state
+from gpu_agent.mig.checkpoint import Checkpoint, CheckpointStore
 from gpu_agent.mig.config import MigConfigFile, load_mig_config, parse_mig_config
 from gpu_agent.mig.export import export, geometry
 from gpu_agent.mig.hooks import Hooks
 from gpu_agent.mig.planner import not_applied, plans_for
 from gpu_agent.mig.profile import parse_profile
+from gpu_agent.mig.reset import NvidiaSmiReset, ResetImpossible
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.plan import CreateComputeInstance, CreateGpuInstance, DestroyComputeInstance, DestroyGpuInstance
 from gpu_agent.sim.fake import FakeNvml
 from gpu_agent.sim.kernel import SimModprobe
 from gpu_agent.sim.machine import MachineState
-from gpu_agent.sim.mig import SimGpuReset, SimUnits
+from gpu_agent.sim.mig import SimGpuReset, SimUnits, reboot, reload_driver
+from gpu_agent.sim.profiles import MODELS
 
 SHIPPED = Path(__file__).resolve().parent.parent / "packaging" / "mig.yaml"
 MUTATIONS = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance", "nvmlDeviceCreateGpuInstanceWithPlacement",
@@ -241,15 +244,116 @@ def test_export_applies_back_without_a_change(node: Any) -> None:
     assert [geometry(gpu) for gpu in fresh.gpus()] == [geometry(gpu) for gpu in n.gpus()]
 
 
-def test_a_reset_that_cannot_happen_leaves_the_gpu_pending_with_the_reason(node: Any) -> None:
+def test_a_reset_blocked_by_nvidia_drm_is_rebooting_until_the_reboot_applies_it(node: Any) -> None:
     n = node("dgx-a100")
     SimModprobe(n.machine, n.root).load("nvidia_drm")
-    results = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test")
-    assert results[0].state == PENDING and results[0].action == "mode-changed"
+    hooks = Hooks(["nvidia-dcgm.service"], SimUnits(n.machine))
+    results = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test", hooks=hooks)
+    assert results[0].state == REBOOTING and results[0].action == "mode-changed" and results[0].mutations == 1
     assert "pending a GPU reset" in results[0].reason and "nvidia_drm is loaded" in results[0].reason
+    assert results[0].reason.startswith("GPU 0 (A100-SXM4-40GB): ")
     gpu = n.gpus()[0]
     assert (gpu.mig.enabled, gpu.mig.pending_enabled) == (False, True)
-    assert node_state(results) == PENDING
+    assert node_state(results) == REBOOTING
+    before = n.mutations()
+    # The next pass sees that only a reboot helps: no NVML change, and the units are not stopped again.
+    again = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test", hooks=hooks)
+    assert again[0].state == REBOOTING and again[0].mutations == 0 and n.mutations() == before
+    assert "nvidia_drm is loaded" in again[0].reason
+    assert n.machine.read()["services"]["nvidia-dcgm.service"]["calls"] == ["stop", "start"]
+    with n.machine.edit() as state:
+        reboot(state["gpus"][0], MODELS["A100-SXM4-40GB"])  # the pending mode takes effect at boot
+    after = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test")
+    assert after[0].state == SUCCESS and after[0].action == "created" and n.fake.calls["nvmlDeviceSetMigMode"] == 1
+    assert geometry(n.gpus()[0]) == (True, (("7g.40gb", 1),))
+
+
+def test_a_passed_through_gpu_is_rebooting_and_a_forced_busy_one_pending_until_its_processes_exit(
+        node: Any) -> None:
+    vm = node("passthrough: true\ngpus:\n  - model: A100-SXM4-40GB\n    count: 2\n")  # a VM, its GPUs passed through
+    result = vm.apply(config({"7g.40gb": 1}, gpus=[1]), "test")[1]
+    assert result.state == REBOOTING and "passed through into this VM" in result.reason
+    assert "reboot the VM" in result.reason and "resets" not in vm.machine.read()
+    assert (vm.gpus()[1].mig.enabled, vm.gpus()[1].mig.pending_enabled) == (False, True)
+    n = node("dgx-a100")
+    with n.machine.edit() as state:
+        state["gpus"][2]["processes"].append({"pid": 4242, "name": "trainer", "used_mib": 1000})
+    refused = n.apply(config({}, gpus=[2]), "test")[2]
+    assert refused.state == FAILED and "4242 (trainer)" in refused.reason and refused.mutations == 0
+    with n.machine.edit() as state:  # the mode was asked for before the process started
+        state["gpus"][2]["mig"]["pending"] = 1
+    forced = n.apply(config({}, gpus=[2]), "test", force=True)[2]
+    assert forced.state == PENDING and forced.mutations == 0
+    assert "compute processes use it: 4242 (trainer); it is reset once they exit" in forced.reason
+    with n.machine.edit() as state:
+        state["gpus"][2]["processes"] = []
+    done = n.apply(config({}, gpus=[2]), "test")[2]
+    assert done.state == SUCCESS and n.machine.read()["resets"] == [2] and n.gpus()[2].mig.enabled
+
+
+def test_a_reset_on_another_root_is_pending_and_needs_no_reboot(tmp_path: Path) -> None:
+    with pytest.raises(ResetImpossible) as impossible:
+        NvidiaSmiReset(Root(tmp_path), timeout=5).reset(0, "00000000:07:00.0")
+    assert not impossible.value.until_reboot and str(tmp_path) in str(impossible.value)
+
+
+def test_a_driver_reload_clears_hopper_mig_mode_and_every_gpus_instances(node: Any) -> None:
+    for machine, model, keeps_mode in (("dgx-h100", "H100-80GB-HBM3", False), ("dgx-a100", "A100-SXM4-40GB", True)):
+        n = node(machine)
+        wanted = {"3g.40gb": 1, "1g.10gb": 1} if keeps_mode is False else {"3g.20gb": 1, "1g.5gb": 1}
+        n.apply(config(wanted, gpus=[0, 1]), "test")
+        before = n.layout(0)
+        with n.machine.edit() as state:
+            for gpu in state["gpus"]:
+                reload_driver(gpu, MODELS[model])
+        mig = n.gpus()[0].mig
+        assert (mig.enabled, mig.gpu_instances) == (keeps_mode, ())
+        modes = n.fake.calls["nvmlDeviceSetMigMode"]
+        results = n.apply(config(wanted, gpus=[0, 1]), "test")
+        assert [r.state for r in results[:2]] == [SUCCESS, SUCCESS] and n.layout(0) == before
+        assert n.fake.calls["nvmlDeviceSetMigMode"] - modes == (0 if keeps_mode else 2)
+
+
+def test_the_checkpoint_is_in_the_ledger_and_one_an_interrupted_change_left_is_restored(node: Any) -> None:
+    n = node(H100_X4)
+    n.apply(config({"3g.40gb": 2}, gpus=[2]), "test")
+    original, uuid = n.layout(2), n.gpus()[2].uuid
+    checkpoint = Checkpoint.of(n.gpus()[2].mig)
+    n.apply(config({"7g.80gb": 1}, gpus=[2]), "test")
+    store, ledger = CheckpointStore(n.root), Ledger(n.root)
+    assert ledger.mig_checkpoint(uuid) is None  # cleared once the change was made
+    whole = n.layout(2)
+    fail_once = {"id": 1, "call": "nvmlGpuInstanceCreateComputeInstanceWithPlacement", "gpu": 2, "error": "Unknown",
+                 "times": 1}
+    # A change that finished but was killed before clearing its checkpoint: the GPU is what it was
+    # making, so the next change records a new one, and a failure puts back the GPU as it is now.
+    store.save(uuid, 2, checkpoint, (True, (("7g.80gb", 1),)))
+    with n.machine.edit() as state:
+        state["faults"].append(dict(fail_once))
+    result = n.apply(config({"1g.10gb": 7}, gpus=[2]), "test")[2]
+    assert result.action == "restored" and n.layout(2) == whole and ledger.mig_checkpoint(uuid) is None
+    # A change killed midway: the GPU is not what it was making, so the next change keeps its checkpoint,
+    # and a failure puts back the geometry from before both, not the half-made one.
+    store.save(uuid, 2, checkpoint, (True, (("1g.10gb", 7),)))
+    with n.machine.edit() as state:
+        state["faults"].append(dict(fail_once))
+    result = n.apply(config({"1g.10gb": 7}, gpus=[2]), "test")[2]
+    assert result.action == "restored" and n.layout(2) == original and ledger.mig_checkpoint(uuid) is None
+    # Recorded before the first change, with placements and compute instances: a restore that fails
+    # too leaves it in the ledger, and says where.
+    n.apply(config({"2g.20gb": 2, "1c.2g.20gb": 2}, gpus=[1]), "test")
+    before = Checkpoint.of(n.gpus()[1].mig)
+    with n.machine.edit() as state:
+        state["faults"].append({"id": 2, "call": "nvmlDeviceCreateGpuInstanceWithPlacement", "gpu": 1,
+                                "error": "Unknown"})
+    failed = n.apply(config({"4g.40gb": 1}, gpus=[1]), "test")[1]
+    assert failed.state == FAILED and "restoring its previous MIG geometry failed too" in failed.reason
+    assert f"ledger.json (mig_checkpoints.{n.gpus()[1].uuid})" in failed.reason
+    assert store.load(n.gpus()[1].uuid) == before
+    entry = ledger.mig_checkpoint(n.gpus()[1].uuid)
+    assert entry is not None and entry["gpu"] == 1 and entry["checkpoint"]["gpu_instances"][0]["placement"] == [0, 2]
+    assert entry["toward"] == {"mig-enabled": True, "mig-devices": {"4g.40gb": 1}}
+    assert [len(gi.compute_instances) for gi in before.gpu_instances] == [1, 1, 2]
 
 
 def test_hooks_stop_units_before_and_always_start_them_after(node: Any) -> None:

@@ -1,4 +1,5 @@
-"""What the subcommands share: the root, the config they run with."""
+"""What the subcommands share: the root, the config they run with. The config loader (pydantic) is
+imported only by the commands that load the config: `--help` and `status` go without it."""
 from __future__ import annotations
 
 import argparse
@@ -6,10 +7,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from gpu_agent.config import DEFAULT_CONFIG_PATH, LoadedConfig, load_config
+from gpu_agent.config.endpoint import Endpoint, read_endpoint
+from gpu_agent.config.text import DEFAULT_CONFIG_PATH
 from gpu_agent.host.paths import Root
 
 if TYPE_CHECKING:
+    from gpu_agent.config import LoadedConfig
     from gpu_agent.daemon.app import Runtime
     from gpu_agent.daemon.engine import StageRun
     from gpu_agent.stages.base import Stage
@@ -27,8 +30,20 @@ def config_location(args: argparse.Namespace) -> tuple[Path, bool]:
 
 
 def config_of(args: argparse.Namespace) -> LoadedConfig:
+    from gpu_agent.config import load_config
+
     path, required = config_location(args)
     return load_config(path, required)
+
+
+def endpoint_of(args: argparse.Namespace) -> Endpoint:
+    """Where the daemon answers, as the config says: read cheaply, or (when the http section needs a
+    closer look) from the whole config, which raises ConfigError naming what is wrong."""
+    endpoint = read_endpoint(*config_location(args))
+    if endpoint is None:
+        http = config_of(args).config.http
+        endpoint = Endpoint(http.listen, http.socket)
+    return endpoint
 
 
 def plan_json(runs: Sequence[StageRun], loaded: LoadedConfig, root: Root, dry_run: bool) -> str:

@@ -1,10 +1,12 @@
-"""gpu-agent labels: the node labels the agent would set, computed here, without an API server."""
+"""gpu-agent labels: the node labels the agent would set, without an API server: the running daemon's
+(asked on its unix socket, so no config model or event loop is loaded here), or, when none answers,
+computed in this process by a dry-run pass."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from gpu_agent.cli.common import one_pass
+from gpu_agent.cli.status import fetch_status
 from gpu_agent.errors import EXIT_OK
 
 
@@ -13,16 +15,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpu_agent.kube.labels import compute
-    from gpu_agent.stages.labels import machine_name
-
-    runs, runtime = one_pass(args, dry_run=True)
-    loaded = runtime.state.config
-    runtime.engine.record_dry_run(runs)
-    ready, _ = runtime.state.readiness(within_pass=True)
-    labels = compute(runtime.state.inventory, ready, loaded.config.kubernetes.mig_strategy, machine_name(runtime.root))
+    status, _ = fetch_status(args, unix_only=True)
+    labels = status.get("labels") if isinstance(status, dict) else None
+    if not isinstance(labels, dict):
+        labels = _computed_here(args)
     if args.json:
         print(json.dumps(labels, indent=2, sort_keys=True))
     else:
         print("".join(f"{key}={value}\n" for key, value in sorted(labels.items())), end="")
     return EXIT_OK
+
+
+def _computed_here(args: argparse.Namespace) -> dict[str, str]:
+    from gpu_agent.cli.common import one_pass
+    from gpu_agent.config.plugin import mig_strategy
+    from gpu_agent.kube.labels import compute
+    from gpu_agent.plugin.devices import sharing
+    from gpu_agent.stages.labels import machine_name
+
+    runs, runtime = one_pass(args, dry_run=True)
+    config = runtime.state.config.config
+    runtime.engine.record_dry_run(runs)
+    ready, _ = runtime.state.readiness(within_pass=True)
+    inventory, strategy = runtime.state.inventory, mig_strategy(config)
+    return compute(inventory, ready, strategy, machine_name(runtime.root), sharing(inventory, strategy, config.plugin))

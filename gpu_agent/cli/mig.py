@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     apply = verbs.add_parser("apply", help="apply a MIG config to the GPUs it selects",
                              description="Per GPU: unchanged, created, destroyed, mode-changed, failed or restored "
                                          "(a failure puts that GPU's previous geometry back). Exit 0 applied, "
-                                         "1 failed, 2 pending a GPU reset.")
+                                         "1 failed, 2 pending a GPU reset (the agent's or a reboot's).")
     _file_and_config(apply)
     apply.add_argument("--dry-run", action="store_true", help="print the plan; make no NVML change")
     apply.add_argument("--json", action="store_true", help="per GPU: action, NVML mutation count, reason, changes")
@@ -73,11 +73,11 @@ def _export(runtime: Any, args: argparse.Namespace) -> int:
 
 
 def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writes: bool) -> int:
-    from gpu_agent.mig.apply import FAILED, PENDING, Applier, node_state
+    from gpu_agent.mig.apply import FAILED, PENDING, REBOOTING, Applier, node_state
     from gpu_agent.mig.checkpoint import CheckpointStore
     from gpu_agent.mig.config import load_mig_config
     from gpu_agent.mig.hooks import Hooks
-    from gpu_agent.mig.planner import not_applied, plans_for
+    from gpu_agent.mig.planner import gpu_name, not_applied, plans_for
 
     file = load_mig_config(Path(args.config_file))
     name = args.selected_config
@@ -107,10 +107,10 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
                           "gpus": [result.to_json() for result in results]}, indent=2))
     else:
         for result in results:
-            mark = {FAILED: "-", PENDING: "~"}.get(result.state, "+")
-            print(f"[{mark}] GPU {result.gpu} ({result.product}): {result.action}, {result.mutations} NVML "
+            mark = {FAILED: "-", PENDING: "~", REBOOTING: "~"}.get(result.state, "+")
+            print(f"[{mark}] {gpu_name(result.gpu, result.product)}: {result.action}, {result.mutations} NVML "
                   f"mutation(s): {result.reason}")
             for change in result.changes:
                 print(f"    {'would' if not writes else 'did'}: {change.describe()}")
         print(f"MIG config {name}: {state}{' (dry run, nothing changed)' if not writes else ''}")
-    return {FAILED: EXIT_ERROR, PENDING: EXIT_NOT_READY}.get(state, EXIT_OK)
+    return {FAILED: EXIT_ERROR, PENDING: EXIT_NOT_READY, REBOOTING: EXIT_NOT_READY}.get(state, EXIT_OK)

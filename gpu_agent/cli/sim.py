@@ -17,6 +17,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     xid = actions.add_parser("inject-xid", help="raise an XID event on a GPU")
     xid.add_argument("--gpu", type=int, required=True, metavar="N")
     xid.add_argument("--xid", type=int, required=True, metavar="X")
+    xid.add_argument("--gpu-instance", type=int, metavar="GI",
+                     help="on a MIG device: the GPU instance id the event names (default: the whole GPU)")
+    xid.add_argument("--compute-instance", type=int, metavar="CI",
+                     help="with --gpu-instance: the compute instance id the event names")
+    condition = actions.add_parser("set", help="what a GPU's health checks read: temperature, row remapping")
+    condition.add_argument("--gpu", type=int, required=True, metavar="N")
+    condition.add_argument("--temperature", type=int, metavar="C",
+                           help="the GPU temperature NVML reports (default: from its load)")
+    condition.add_argument("--pending-remaps", type=int, metavar="K",
+                           help="rows (or pages) waiting for a remap at the next GPU reset")
+    condition.add_argument("--remap-failure", type=int, choices=(0, 1), metavar="0|1",
+                           help="1: a row remapping failed")
     fail = actions.add_parser(
         "fail", help="make an NVML call or modprobe fail like a real driver or kernel",
         description="CALL is an NVML function (nvmlDeviceGetTemperature, ..., and every MIG call: "
@@ -42,7 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     process.add_argument("--pid", type=int, required=True, metavar="P")
     process.add_argument("--name", required=True)
     process.add_argument("--memory-mib", type=int, default=1024, metavar="MIB")
-    actions.add_parser("clear", help="remove injected faults, XID events and processes")
+    actions.add_parser("clear", help="remove injected faults, XID events, processes and `sim set` conditions")
+    actions.add_parser("reload-driver", help="unload and load the nvidia module: MIG instances are gone, "
+                                             "Hopper and later lose MIG mode (Ampere keeps it)")
+    actions.add_parser("reboot", help="reboot the node: processes end, pending MIG modes take effect, "
+                                      "then the driver loads as after reload-driver")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     if args.simulate:
         machine.ensure(args.simulate)
     handler = {"show": _show, "inject-xid": _inject_xid, "fail": _fail, "add-process": _add_process,
-               "clear": _clear}[args.sim_command]
+               "clear": _clear, "set": _set, "reload-driver": _reload_driver, "reboot": _reboot}[args.sim_command]
     handler(machine, args)
     return EXIT_OK
 
@@ -102,11 +118,35 @@ def _gpu_instance_text(gi: dict[str, Any]) -> str:
 
 
 def _inject_xid(machine: Any, args: argparse.Namespace) -> None:
+    if args.compute_instance is not None and args.gpu_instance is None:
+        raise AgentError("--compute-instance needs --gpu-instance: a compute instance lives in a GPU instance")
     with machine.edit() as state:
         gpu = _gpu_index(state, args.gpu)
-        state["xids"].append({"seq": state["next_seq"], "gpu": gpu, "xid": args.xid, "at": time.time()})
+        event = {"seq": state["next_seq"], "gpu": gpu, "xid": args.xid, "at": time.time()}
+        where = ""
+        if args.gpu_instance is not None:
+            event["gpu_instance_id"] = args.gpu_instance
+            where = f" GPU instance {args.gpu_instance}"
+        if args.compute_instance is not None:
+            event["compute_instance_id"] = args.compute_instance
+            where += f" compute instance {args.compute_instance}"
+        state["xids"].append(event)
         state["next_seq"] += 1
-    print(f"XID {args.xid} raised on GPU {args.gpu}")
+    print(f"XID {args.xid} raised on GPU {args.gpu}{where}")
+
+
+def _set(machine: Any, args: argparse.Namespace) -> None:
+    with machine.edit() as state:
+        gpu = state["gpus"][_gpu_index(state, args.gpu)]
+        if args.temperature is not None:
+            gpu["temperature_c"] = args.temperature
+        rows = gpu.setdefault("remapped_rows", {})
+        if args.pending_remaps is not None:
+            rows["pending"] = args.pending_remaps
+        if args.remap_failure is not None:
+            rows["failure"] = args.remap_failure
+    print(f"GPU {args.gpu}: temperature {gpu.get('temperature_c', 'from its load')}, "
+          f"pending remaps {rows.get('pending', 0)}, remap failure {rows.get('failure', 0)}")
 
 
 def _fail(machine: Any, args: argparse.Namespace) -> None:
@@ -180,5 +220,41 @@ def _clear(machine: Any, args: argparse.Namespace) -> None:
     with machine.edit() as state:
         for gpu in state["gpus"]:
             gpu["processes"] = []
+            gpu.pop("temperature_c", None)
+            gpu.pop("remapped_rows", None)
         state["faults"], state["xids"] = [], []
-    print("faults, XID events and processes cleared")
+    print("faults, XID events, processes and `sim set` conditions cleared")
+
+
+def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.mig import reload_driver
+
+    with machine.edit() as state:
+        busy = [f"{p['pid']} ({p['name']}) on GPU {index}" for index, gpu in enumerate(state["gpus"])
+                for p in gpu["processes"]]
+        if busy:
+            raise AgentError(f"rmmod: ERROR: Module nvidia is in use by {', '.join(busy)}; end them first "
+                             "(sim clear) or use sim reboot")
+        for gpu in state["gpus"]:
+            reload_driver(gpu, _model_of(state, gpu))
+    print("nvidia driver reloaded: MIG instances gone; Hopper and later GPUs lost MIG mode")
+
+
+def _reboot(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.mig import reboot
+
+    with machine.edit() as state:
+        for gpu in state["gpus"]:
+            reboot(gpu, _model_of(state, gpu))
+    print("rebooted: processes ended, pending MIG modes applied, driver loaded afresh")
+
+
+def _model_of(state: dict[str, Any], gpu: dict[str, Any]) -> Any:
+    from pathlib import Path
+
+    from gpu_agent.sim.profiles import MODELS
+    from gpu_agent.sim.replay import Capture
+
+    if "capture_index" in gpu:
+        return Capture.load(Path(state["capture"])).model(gpu["capture_index"])
+    return MODELS[gpu["model"]]

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from gpu_agent.cli.common import config_of, root_of
+from gpu_agent.cli.common import endpoint_of, root_of
 from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
 
 _POLL_S = 0.5
@@ -34,16 +34,17 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock.connect(self.unix_path)
 
 
-def fetch_status(args: argparse.Namespace) -> tuple[Optional[dict[str, Any]], str]:
-    """The daemon's /status, or None and why it could not be read."""
-    http_config = config_of(args).config.http
+def fetch_status(args: argparse.Namespace, unix_only: bool = False) -> tuple[Optional[dict[str, Any]], str]:
+    """The daemon's /status, or None and why it could not be read. `unix_only`: ask only the unix
+    socket under --root, which belongs to the daemon of that root (a TCP port may be anyone's)."""
+    endpoint = endpoint_of(args)
     endpoints: list[tuple[str, http.client.HTTPConnection]] = []
-    if http_config.socket:
-        path = str(root_of(args)(http_config.socket))
+    if endpoint.socket:
+        path = str(root_of(args)(endpoint.socket))
         endpoints.append((path, _UnixConnection(path, _REQUEST_TIMEOUT_S)))
-    if http_config.listen:
-        endpoints.append((http_config.listen, http.client.HTTPConnection(
-            http_config.host, http_config.port, timeout=_REQUEST_TIMEOUT_S)))
+    if endpoint.listen and not unix_only:
+        endpoints.append((endpoint.listen, http.client.HTTPConnection(
+            endpoint.host, endpoint.port, timeout=_REQUEST_TIMEOUT_S)))
     errors = []
     for where, connection in endpoints:
         try:
@@ -100,17 +101,26 @@ def print_table(status: dict[str, Any]) -> None:
         for gpu in status["gpus"]:
             if gpu["health_reason"]:
                 print(f"GPU {gpu['index']} {gpu['health']}: {gpu['health_reason']}")
+            for device in gpu["mig"]["instances"]:
+                if device.get("health_reason"):
+                    print(f"GPU {gpu['index']} MIG device {device['uuid']} {device['health']}: "
+                          f"{device['health_reason']}; recovers {_recovery(device)}")
 
 
 def _recovery(gpu: dict[str, Any]) -> str:
-    """When an unhealthy GPU will be considered healthy again."""
+    """When an unhealthy GPU (or MIG device) will be considered healthy again: every reason has its own."""
     if gpu["health"] == "healthy":
         return "-"
+    when = []
     if gpu.get("lost"):
-        return f"when NVML sees it again at {gpu['pci_bus_id']}"
-    if gpu.get("recovers_at") is not None:
-        return time.strftime("at %Y-%m-%d %H:%M:%S %Z", time.localtime(gpu["recovers_at"]))
-    return "when NVML answers for it again"
+        when.append(f"when NVML sees it again at {gpu['pci_bus_id']}")
+    elif gpu.get("recovers_at") is not None:
+        when.append(time.strftime("at %Y-%m-%d %H:%M:%S %Z", time.localtime(gpu["recovers_at"])))
+    if gpu.get("failing_checks"):
+        when.append("when its checks pass")
+    if gpu.get("query_error"):
+        when.append("when NVML answers for it again")
+    return " and ".join(when) or "when NVML answers for it again"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:

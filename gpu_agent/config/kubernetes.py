@@ -17,7 +17,8 @@ class KubernetesConfig(Section):
     node_name: Optional[str] = Field(
         None, max_length=253, description="This node's name in the cluster; default: the hostname."
     )
-    mig_strategy: Literal["none", "single", "mixed"] = Field("none", description="As GPU Feature Discovery's.")
+    mig_strategy: Optional[Literal["none", "single", "mixed"]] = Field(
+        None, description="Deprecated: use mig.strategy.")
     nfd_feature_file: bool = Field(
         False, description="Also write the labels to /etc/kubernetes/node-feature-discovery/features.d/gpu-agent.")
     request_timeout_seconds: float = seconds(10, 300, "How long one Kubernetes API request may take.")

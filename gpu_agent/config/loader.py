@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,13 +12,14 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from gpu_agent.config.plugin import conflicting_keys, deprecated_keys
 from gpu_agent.config.safe_yaml import load_yaml
 from gpu_agent.config.schema import AgentConfig
-from gpu_agent.config.section import shown
+from gpu_agent.config.text import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
+from gpu_agent.config.text import MAX_CONFIG_BYTES, read_config_text, shown
 from gpu_agent.errors import ConfigError
 
-DEFAULT_CONFIG_PATH = "/etc/gpu-agent/config.yaml"
-MAX_CONFIG_BYTES = 256 * 1024  # a full config is about 5 KiB; this bounds the cost of any file
+log = logging.getLogger(__name__)
 MAX_REPORTED_ERRORS = 20
 # What to write instead, when YAML read a value as a string but the setting needs another type.
 _TYPE_HINTS = {
@@ -46,39 +46,6 @@ def load_config(path: Path, required: bool) -> LoadedConfig:
     return _loaded(parse_config(text, str(path)), str(path))
 
 
-def read_config_text(path: Path, option: str = "--config") -> str | None:
-    """The file's text, or None when it does not exist. Only a regular file of at most MAX_CONFIG_BYTES
-    is read: a FIFO, a device or a directory is refused without blocking or reading from it. `option`
-    names what gave the path, for the message."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{path}: not a regular file (it is {_file_kind(info.st_mode)}); "
-                              f"{option} must name a YAML file")
-        if info.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path}: {info.st_size} bytes is too large for a config file "
-                              f"(at most {MAX_CONFIG_BYTES}); is this the right file?")
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_CONFIG_BYTES:  # it grew while we read it
-        raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES} bytes is too large for a config file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); is this the right file?") from None
-
-
 def parse_config(text: str, name: str) -> AgentConfig:
     if len(text) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{name}: more than {MAX_CONFIG_BYTES} characters is too large for a config file")
@@ -96,13 +63,20 @@ def parse_config(text: str, name: str) -> AgentConfig:
             "this agent reads version v1"
         )
     try:
-        return AgentConfig.model_validate(data)
+        config = AgentConfig.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         lines = [_describe(err, document, name) for err in errors[:MAX_REPORTED_ERRORS]]
         if len(errors) > MAX_REPORTED_ERRORS:
             lines.append(f"{name}: and {len(errors) - MAX_REPORTED_ERRORS} more errors")
         raise ConfigError("\n".join(lines)) from None
+    conflicts = [f"{name}:{line_of(document, loc)}: {'.'.join(loc)}: {reason}"
+                 for loc, reason in conflicting_keys(config)]
+    if conflicts:
+        raise ConfigError("\n".join(conflicts))
+    for loc, reason in deprecated_keys(config):
+        log.warning("%s:%s: %s: %s", name, line_of(document, loc), ".".join(loc), reason)
+    return config
 
 
 def _describe(error: Any, document: yaml.Node | None, name: str) -> str:
@@ -150,12 +124,6 @@ def line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
 def _kind(value: Any) -> str:
     return {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false"}.get(
         type(value), type(value).__name__)
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    return next((kind for test, kind in kinds if test(mode)), "not a plain file")
 
 
 def _loaded(config: AgentConfig, source: str) -> LoadedConfig:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import AfterValidator, Field
 
@@ -35,4 +35,7 @@ class MigConfig(Section):
     stop_units: list[Unit] = Field(
         [], max_length=32,
         description="systemd units stopped before a MIG change and started after it, e.g. nvidia-dcgm.service.")
+    strategy: Optional[Literal["none", "single", "mixed"]] = Field(
+        None, description="How MIG devices are advertised, as GPU Feature Discovery and NVIDIA's device plugin "
+                          "mean it: none, single or mixed; read by the labels and the device plugin. Default none.")
     reset_timeout_seconds: float = seconds(60, 600, "How long one GPU reset (nvidia-smi --gpu-reset) may take.")

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from yaml.constructor import ConstructorError
 
-from gpu_agent.config.section import shown
+from gpu_agent.config.text import shown
 from gpu_agent.errors import ConfigError
 
 MAX_DEPTH = 32

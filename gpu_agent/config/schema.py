@@ -6,8 +6,10 @@ from typing import Annotated, Literal, Optional
 from pydantic import Field, field_validator
 
 from gpu_agent.config.driver import DriverConfig
+from gpu_agent.config.endpoint import DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, valid_listen
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
+from gpu_agent.config.plugin import PluginConfig
 from gpu_agent.config.section import PATH_MAX, Section, absolute_path, seconds, shown
 from gpu_agent.config.toolkit import ToolkitConfig
 
@@ -22,21 +24,18 @@ class ReconcileConfig(Section):
 
 class HttpConfig(Section):
     listen: str = Field(
-        "127.0.0.1:9445", max_length=300,
+        DEFAULT_LISTEN, max_length=LISTEN_MAX,
         description='TCP address of the read-only endpoint, HOST:PORT; "" turns TCP off.',
     )
     socket: str = Field(
-        "/run/gpu-agent/agent.sock", max_length=PATH_MAX,
+        DEFAULT_SOCKET, max_length=PATH_MAX,
         description='Unix socket of the same endpoint (under --root); "" turns it off.',
     )
 
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        if value == "":
-            return value
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        if not valid_listen(value):
             raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9445, got {shown(value)}")
         return value
 
@@ -65,6 +64,9 @@ class MetricsConfig(Section):
     hostname: Optional[str] = Field(
         None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name."
     )
+    pod_labels: bool = Field(
+        False, description="Add pod, namespace and container labels to the GPU metrics, from the kubelet's "
+                           "pod-resources API (/var/lib/kubelet/pod-resources/kubelet.sock), as dcgm-exporter does.")
 
 
 class DiscoveryConfig(Section):
@@ -89,6 +91,11 @@ class HealthConfig(Section):
     recover_after_seconds: float = seconds(
         300, 86400, "A GPU made unhealthy by an XID is healthy again after this long without another critical "
         "XID; one off the bus (XID 79) only once NVML answers for it again at the same PCI bus id.")
+    check_interval_seconds: float = seconds(
+        30, 3600, "Run the periodic GPU checks this often: NVML answers in time, pending row remaps (or page "
+        "retirements), a row remapping failure, temperature at or above the slowdown threshold.")
+    unready_when: Literal["any", "all"] = Field(
+        "any", description="The node is not ready when any GPU is unhealthy (any), or only when every GPU is (all).")
 
 
 class AgentConfig(Section):
@@ -106,3 +113,4 @@ class AgentConfig(Section):
     discovery: DiscoveryConfig = DiscoveryConfig()
     health: HealthConfig = HealthConfig()
     mig: MigConfig = MigConfig()
+    plugin: PluginConfig = PluginConfig()

@@ -6,6 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from gpu_agent.config.text import shown
+
 PATH_MAX = 4096
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -14,12 +16,6 @@ class Section(BaseModel):
     """A config section: unknown keys are errors, values are immutable once loaded, no inf or NaN."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """`value` for an error message: repr'd, and cut short so a huge value cannot flood the output."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 4] + "...'"
 
 
 def absolute_path(value: str) -> str:

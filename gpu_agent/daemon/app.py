@@ -14,10 +14,14 @@ from typing import IO, Any, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig, load_config
+from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
+from gpu_agent.daemon.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
+from gpu_agent.health.reset import ResetHealsGpu
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
+from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.budget import RequestBudget
@@ -83,7 +87,7 @@ class Runtime:
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
-            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds)
+            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds, root)
             loader = SimModprobe(machine, root)
             services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
@@ -92,13 +96,16 @@ class Runtime:
         else:
             import pynvml
 
-            nvml = Nvml(pynvml, config.nvml.call_timeout_seconds)
+            nvml = Nvml(pynvml, config.nvml.call_timeout_seconds, root)
             loader = Modprobe(root, config.driver.modprobe_timeout_seconds)
             services = Systemd(root, config.toolkit.restart_timeout_seconds)
             packages = SystemPackages(root)
             gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
             units = Systemctl(root, config.toolkit.restart_timeout_seconds)
-        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real")
+        from gpu_agent.kube.labels import machine_name
+
+        state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
+        gpu_reset = ResetHealsGpu(gpu_reset, state)
         runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
         if runtime.real_root_simulated:
@@ -176,10 +183,12 @@ def take_lock(root: Root) -> IO[str]:
 
 class Daemon:
     def __init__(self, runtime: Runtime, config_path: Path, config_required: bool) -> None:
+        from gpu_agent.health.checks import HealthChecks
         from gpu_agent.health.xid import XidWatcher
         from gpu_agent.daemon.http import HttpServer, build_app
         from gpu_agent.metrics.exporter import AgentCollector, make_registry
         from gpu_agent.daemon.notify import Notifier
+        from gpu_agent.metrics.pods import PodLabels
         from gpu_agent.metrics.sampler import Sampler
 
         self.runtime = runtime
@@ -190,9 +199,14 @@ class Daemon:
         self.sampler = Sampler(runtime.nvml, self.state, runtime.root)
         self.collector = AgentCollector(self.state, lambda: runtime.nvml.timeouts,
                                         self.config.metrics.hostname)
+        self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,
+                                    lambda pods: setattr(self.state, "pods", pods),
+                                    lambda: self.config.metrics.pod_labels,
+                                    lambda: self.config.metrics.sample_interval_seconds)
         self.http = HttpServer(build_app(self.state, make_registry(self.collector), self._loop_alive),
                                runtime.root)
         self.xids = XidWatcher(runtime.nvml, self.state, self._threadsafe_publish)
+        self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
         self._force = False
         self._stopping = asyncio.Event()
@@ -200,6 +214,8 @@ class Daemon:
         self._last_ready: Optional[bool] = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
+        self._plugin_task: Optional[asyncio.Task[Any]] = None
 
     @property
     def config(self) -> AgentConfig:
@@ -214,13 +230,15 @@ class Daemon:
             self._loop.add_signal_handler(signum, self._stopping.set)
         self._loop.add_signal_handler(signal.SIGHUP, self._request_reload)
         await self.http.start(self.config.http)
-        self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler")]
+        self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler"),
+                       asyncio.create_task(self.pod_labels.run(), name="pod-labels")]
         interval = self.notifier.watchdog_interval()
         if interval:
             self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
         if self.runtime.machine is not None:
             self._tasks.append(asyncio.create_task(self._watch_simulator(self.runtime.machine), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
+        self._ensure_plugin()
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._tasks.append(reconciler)
         await self._stopping.wait()
@@ -283,10 +301,12 @@ class Daemon:
         if first:
             await asyncio.to_thread(self.sampler.sample)
             await asyncio.to_thread(self.xids.start)
+            self._tasks.append(asyncio.create_task(self._check_loop(), name="health-checks"))
             self.state.first_reconcile_done = True
             # What start-up built (modules, config models, stages) lives as long as the process: keep
             # it out of every garbage collection, so that a full one takes a millisecond, not 50.
             gc.freeze()
+            give_back()  # what start-up freed (config parsing, the first pass) leaves the resident set
             log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
         if first or reloading:
             self.notifier.ready(self.state.summary_line())
@@ -347,6 +367,10 @@ class Daemon:
     # --- outputs and watchers --------------------------------------------------------------------
 
     def publish(self) -> None:
+        self.state.published += 1
+        self._ensure_plugin()
+        if self.plugin is not None:
+            self.plugin.wake()  # health, MIG and inventory changes reach ListAndWatch now
         if not self.state.first_reconcile_done:
             return
         self.notifier.status(self.state.summary_line())
@@ -354,6 +378,22 @@ class Daemon:
         if ready != self._last_ready:
             self._last_ready = ready
             self.trigger()  # the sinks tell Kubernetes within seconds
+
+    def _ensure_plugin(self) -> None:
+        """The device plugin runs beside the reconcile loop, never inside it: a failure there is logged
+        and the service started again on the next publish, and the daemon goes on."""
+        if self._plugin_task is not None and not self._plugin_task.done():
+            return
+        if self._plugin_task is not None and not self._plugin_task.cancelled() and self._plugin_task.exception():
+            log.error("device plugin stopped: %s; starting it again", self._plugin_task.exception())
+        if not plugin_wanted(self.runtime.root, self.config.plugin):
+            return
+        from gpu_agent.plugin.service import DevicePluginManager  # grpclib and protobuf: only when on
+
+        if self.plugin is None:
+            self.plugin = DevicePluginManager(self.runtime.root, self.state)
+        self._plugin_task = asyncio.create_task(self.plugin.run(), name="device-plugin")
+        self._tasks.append(self._plugin_task)
 
     def _threadsafe_publish(self) -> None:
         if self._loop is not None:
@@ -370,6 +410,16 @@ class Daemon:
         except Exception:  # a bug: log it, keep sampling
             log.exception("sampling GPU metrics failed; this is a gpu-agent bug")
         self.publish()
+
+    async def _check_loop(self) -> None:
+        """The periodic health checks; a hung NVML call fails them after its timeout, on a worker thread."""
+        while True:
+            try:
+                await asyncio.to_thread(self.health_checks.run)
+            except Exception:  # a bug: log it, keep checking
+                log.exception("periodic GPU health checks failed; this is a gpu-agent bug")
+            self.publish()
+            await asyncio.sleep(self.config.health.check_interval_seconds)
 
     async def _watchdog_loop(self, interval: float) -> None:
         """Pings only while the reconcile loop lives, so systemd restarts an agent whose loop died."""
@@ -388,28 +438,40 @@ class Daemon:
             return {path: stamp_of(self.runtime.root(path))
                     for stage in self.runtime.engine.stages for path in stage.watched()}
 
-        last = stamps()
-        while True:
-            await asyncio.sleep(_DRIFT_POLL_S)
-            now = stamps()
-            changed = sorted(path for path, stamp in now.items()
-                             if stamp != last.get(path, stamp) and not written_by_us(self.runtime.root(path), stamp))
-            if changed:
-                log.info("%s changed on disk; reconciling", ", ".join(changed))
-                self.trigger()
-            last = now
+        changes = FileChanges("drift watch", _DRIFT_POLL_S)
+        try:
+            changes.watch_for(self.runtime.root(path) for path in stamps())
+            last = stamps()
+            while True:
+                await changes.wait()
+                changes.watch_for(self.runtime.root(path) for path in stamps())  # the stages may have changed
+                now = stamps()
+                changed = sorted(path for path, stamp in now.items()
+                                 if stamp != last.get(path, stamp)
+                                 and not written_by_us(self.runtime.root(path), stamp))
+                if changed:
+                    log.info("%s changed on disk; reconciling", ", ".join(changed))
+                    self.trigger()
+                last = now
+        finally:
+            changes.close()
 
     async def _watch_simulator(self, machine: Any) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
         hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
-        last = machine.stamp()
-        while True:
-            await asyncio.sleep(_SIM_POLL_S)
-            stamp = machine.stamp()
-            if stamp != last and not written_by_us(machine.path, stamp):
-                await self._sample()
-                self.trigger(force=True)
-            last = stamp
+        changes = FileChanges("simulator watch", _SIM_POLL_S)
+        try:
+            changes.watch_for([machine.path])
+            last = machine.stamp()
+            while True:
+                await changes.wait()
+                stamp = machine.stamp()
+                if stamp != last and not written_by_us(machine.path, stamp):
+                    await self._sample()
+                    self.trigger(force=True)
+                last = stamp
+        finally:
+            changes.close()
 
 
 def _same_stage(old: Stage, new: Stage) -> bool:
@@ -419,6 +481,7 @@ def _same_stage(old: Stage, new: Stage) -> bool:
 
 def run_daemon(root: Root, loaded: LoadedConfig, config_path: Path, config_required: bool,
                simulate: Optional[str]) -> int:
+    limit_arenas()  # before the worker threads start
     lock = take_lock(root)
     try:
         log.info("gpu-agent %s starting: root=%s config=%s%s", __version__, root.path, loaded.source,

@@ -9,13 +9,15 @@ import logging
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 from typing import Awaitable, Callable, Optional
 
-from aiohttp import web
+from gpu_agent.daemon.web import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from gpu_agent.config.schema import HttpConfig
+from gpu_agent.daemon.responses import Capped, RenderCache, cached_response
 from gpu_agent.daemon.listener import Listener, connection_limit, handling_request
 from gpu_agent.metrics.exporter import render
 from gpu_agent.errors import AgentError
@@ -25,17 +27,27 @@ from gpu_agent.state import AgentState
 log = logging.getLogger(__name__)
 
 _BACKLOG = 1024
+_NO_STORE = {"Cache-Control": "no-store"}  # a probe's answer is true now, never later
+# Requests each endpoint answers at once (a slow reader holds its place until its body is written).
+_LIGHT_LIMIT = 32
+_HEAVY_LIMIT = 16
+RENDER_CACHES = web.AppKey("render_caches", dict)
 _SHUTDOWN_TIMEOUT_S = 0.5  # for a request being answered at SIGTERM
 
 
 def build_app(state: AgentState, registry: CollectorRegistry, loop_alive: Callable[[], bool]) -> web.Application:
+    status_cache = RenderCache(lambda: (json.dumps(state.to_json(), indent=2) + "\n").encode(), lambda: state.version)
+    # A second at most: the body carries gpu_agent_sample_age_seconds.
+    metrics_cache = RenderCache(lambda: render(registry),
+                                lambda: None if state.version is None else (state.version, int(time.monotonic())))
+
     async def index(request: web.Request) -> web.Response:
         return web.Response(text="gpu-agent: /healthz /readyz /readyz?verbose /status /metrics\n")
 
     async def healthz(request: web.Request) -> web.Response:
         if not loop_alive():
-            return web.Response(status=500, text="reconcile loop stopped\n")
-        return web.Response(text="ok\n")
+            return web.Response(status=500, text="reconcile loop stopped\n", headers=_NO_STORE)
+        return web.Response(text="ok\n", headers=_NO_STORE)
 
     async def readyz(request: web.Request) -> web.Response:
         checks = state.checks() if state.first_reconcile_done else []
@@ -45,23 +57,22 @@ def build_app(state: AgentState, registry: CollectorRegistry, loop_alive: Callab
             if not state.first_reconcile_done:
                 lines.append("[-]startup failed: first reconcile in progress")
             lines.append("readyz check passed" if ready else "readyz check failed")
-            return web.Response(status=200 if ready else 503, text="\n".join(lines) + "\n")
-        return web.Response(text="ok\n")
+            return web.Response(status=200 if ready else 503, text="\n".join(lines) + "\n", headers=_NO_STORE)
+        return web.Response(text="ok\n", headers=_NO_STORE)
 
     async def status(request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(state.to_json(), indent=2) + "\n", content_type="application/json")
+        return cached_response(request, status_cache.get(), "application/json; charset=utf-8")
 
     async def metrics(request: web.Request) -> web.Response:
-        response = web.Response(body=render(registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
+        return cached_response(request, metrics_cache.get(), CONTENT_TYPE_LATEST)
 
     app = web.Application()
-    app.router.add_get("/", index)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/status", status)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", Capped(index, _LIGHT_LIMIT).handle)
+    app.router.add_get("/healthz", Capped(healthz, _LIGHT_LIMIT).handle)
+    app.router.add_get("/readyz", Capped(readyz, _LIGHT_LIMIT).handle)
+    app.router.add_get("/status", Capped(status, _HEAVY_LIMIT).handle)
+    app.router.add_get("/metrics", Capped(metrics, _HEAVY_LIMIT).handle)
+    app[RENDER_CACHES] = {"/status": status_cache, "/metrics": metrics_cache}
     return app
 
 

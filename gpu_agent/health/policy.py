@@ -34,6 +34,8 @@ XID_MEANINGS = {
 }
 
 LOST_XIDS = frozenset({79})
+NVML_RESPONSIVE = "nvml-responsive"  # the periodic checks' names, as /readyz?verbose shows them
+GPU_CHECKS = ("row-remap-pending", "row-remap-failure", "temperature")
 _THEN = "; then "  # the GPU is gone from the bus: time alone does not bring it back
 
 
@@ -76,3 +78,16 @@ def recovered_in_time(health: GpuHealth, now: float, settings: HealthConfig) -> 
 def cleared(health: GpuHealth) -> GpuHealth:
     """Healthy again as far as XIDs go (the counts and the last XID stay, for the metrics)."""
     return replace(health, xid_reason="", critical_at=None, lost=False, missing=False)
+
+
+def gates_readiness(failing: int, total: int, settings: HealthConfig) -> bool:
+    """Whether `failing` unhealthy GPUs out of `total` make the node unready (health.unready_when)."""
+    return failing > 0 and (settings.unready_when == "any" or failing >= total)
+
+
+def after_reset(health: GpuHealth) -> GpuHealth:
+    """Right after a GPU reset: an XID no longer counts against it. A lost GPU still has to answer
+    again at its bus id, which the next sample checks."""
+    if health.lost:
+        return replace(health, missing=True)
+    return cleared(health)

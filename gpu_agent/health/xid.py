@@ -9,13 +9,21 @@ from typing import Callable, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.nvml.client import Nvml, XidWait, describe
-from gpu_agent.health.policy import after_xid, cleared, is_critical, meaning, recovered_in_time, recovers_at
+from gpu_agent.health.policy import (
+    LOST_XIDS,
+    after_xid,
+    cleared,
+    is_critical,
+    meaning,
+    recovered_in_time,
+    recovers_at,
+)
 from gpu_agent.nvml.model import GpuHealth, XidEvent
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
-_WAIT_MS = 500
+_WAIT_MS = 10_000  # at most, between two looks at the inventory (a GPU to register) and at recoveries
 _RETRY_S = 5.0
 
 
@@ -66,9 +74,9 @@ class XidWatcher:
             try:
                 wait = self._register()
                 if wait is None:
-                    self._stop.wait(_WAIT_MS / 1000)
+                    self._stop.wait(self._wait_ms() / 1000)
                     continue
-                event = wait(_WAIT_MS)
+                event = wait(self._wait_ms())
             except (AgentError, self.nvml.lib.NVMLError) as exc:
                 self._unavailable(exc)
                 self._stop.wait(_RETRY_S)
@@ -80,23 +88,48 @@ class XidWatcher:
             if event is not None:
                 self.record(event)
 
+    def _wait_ms(self) -> int:
+        """Until the next GPU is due to recover (it wakes no sooner), at most _WAIT_MS."""
+        settings = self.state.config.config.health
+        dues = [due for due in (recovers_at(health, settings) for health in self.state.health.values())
+                if due is not None]
+        if not dues:
+            return _WAIT_MS
+        return max(1, min(_WAIT_MS, int((min(dues) - self.clock()) * 1000) + 1))
+
     def record(self, event: XidEvent) -> None:
-        """Apply one XID event: an ignored one is counted, a critical one makes the GPU unhealthy now."""
+        """Apply one XID event: an ignored one is counted, a critical one makes the GPU (or the MIG
+        devices of the GPU instance NVML attributes it to) unhealthy now."""
+        for uuid in self._affected(event):
+            self._record_on(uuid, event)
+        self.on_change()
+
+    def _affected(self, event: XidEvent) -> list[str]:
+        """The MIG devices of the event's GPU instance (and compute instance, when NVML names one), or
+        the whole GPU: for an event not on a MIG device, an instance no longer there, or a lost GPU."""
+        inventory = self.state.inventory or self.state.last_inventory
+        gpu = next((g for g in inventory.gpus if g.uuid == event.gpu_uuid), None) if inventory else None
+        if gpu is None or event.gpu_instance_id is None or event.xid in LOST_XIDS:
+            return [event.gpu_uuid]
+        devices = [device.uuid for device in gpu.mig.devices if device.gpu_instance_id == event.gpu_instance_id
+                   and event.compute_instance_id in (None, device.compute_instance_id)]
+        return devices or [event.gpu_uuid]
+
+    def _record_on(self, uuid: str, event: XidEvent) -> None:
         settings = self.state.config.config.health
         now = self.clock()
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
-        before = self.state.health.get(event.gpu_uuid)
-        after = self.state.update_health(event.gpu_uuid,
-                                         lambda health: after_xid(health, event.xid, now, settings, when))
-        gpu = self.state.gpu_name(event.gpu_uuid)
+        before = self.state.health.get(uuid)
+        after = self.state.update_health(uuid, lambda health: after_xid(health, event.xid, now, settings, when))
+        device = self.state.gpu_name(uuid)
         if not is_critical(event.xid, settings):
-            log.info("%s: XID %d (%s), caused by an application; GPU stays healthy", gpu, event.xid, meaning(event.xid))
+            log.info("%s: XID %d (%s), caused by an application; it stays healthy", device, event.xid,
+                     meaning(event.xid))
         elif before is None or before.healthy:
-            log.error("%s unhealthy: XID %d (%s); %s", gpu, event.xid, meaning(event.xid), self._outlook(after))
+            log.error("%s unhealthy: XID %d (%s); %s", device, event.xid, meaning(event.xid), self._outlook(after))
         else:
-            log.warning("%s still unhealthy: another XID %d (%s); %s", gpu, event.xid, meaning(event.xid),
+            log.warning("%s still unhealthy: another XID %d (%s); %s", device, event.xid, meaning(event.xid),
                         self._outlook(after))
-        self.on_change()
 
     def _outlook(self, health: GpuHealth) -> str:
         due = recovers_at(health, self.state.config.config.health)

@@ -11,6 +11,9 @@ under /var/lib/gpu-agent.
 - pending_restarts: runtime restarts the agent owes, recorded before a runtime's config is written and
   cleared once the runtime was restarted and answered. A pass that starts, even in a new process
   after a kill -9, performs them first.
+- mig_checkpoints: by GPU UUID, the GPU's whole MIG state (mode, GPU instances with placements, compute
+  instances) from before a MIG change, recorded before its first NVML change and cleared once the change
+  was made or undone (gpu_agent.mig.checkpoint).
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ class LedgerError(AgentError):
 
 
 class Ledger:
-    """`{"version": 1, "pending_restarts": {"containerd.service": {"since": "2025-01-06T10:00:00Z"}}}`"""
+    """`{"version": 1, "pending_restarts": {"containerd.service": {"since": "2025-01-06T10:00:00Z"}},
+    "owned": {...}, "mig_checkpoints": {...}}`"""
 
     def __init__(self, root: Root) -> None:
         self.path = root(PATH)
@@ -108,6 +112,24 @@ class Ledger:
         if document["pending_restarts"].pop(unit, None) is not None:
             self._write(document)
 
+    def mig_checkpoint(self, gpu_uuid: str) -> Optional[dict[str, Any]]:
+        """The MIG state recorded for a GPU before its change, or None."""
+        entry = self._read()["mig_checkpoints"].get(gpu_uuid)
+        return None if entry is None else dict(entry)
+
+    def save_mig_checkpoint(self, gpu_uuid: str, entry: dict[str, Any]) -> None:
+        """Durably, before the GPU's first MIG change."""
+        document = self._read()
+        if document["mig_checkpoints"].get(gpu_uuid) != entry:
+            document["mig_checkpoints"][gpu_uuid] = entry
+            self._write(document)
+
+    def clear_mig_checkpoint(self, gpu_uuid: str) -> None:
+        """Once the GPU's change was made or undone."""
+        document = self._read()
+        if document["mig_checkpoints"].pop(gpu_uuid, None) is not None:
+            self._write(document)
+
     # --- the file --------------------------------------------------------------------------------
 
     def _read(self) -> dict[str, Any]:
@@ -115,7 +137,7 @@ class Ledger:
             with open(self.path, "rb") as f:
                 raw = f.read(_MAX_BYTES + 1)
         except FileNotFoundError:
-            return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}}
+            return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {}}
         except OSError as exc:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
         if len(raw) > _MAX_BYTES:
@@ -148,9 +170,15 @@ class Ledger:
         pending = document.setdefault("pending_restarts", {})
         if not isinstance(pending, dict) or not all(isinstance(v, dict) for v in pending.values()):
             raise self._error('pending_restarts: expected an object of units, such as {"containerd.service": {}}')
+        checkpoints = document.setdefault("mig_checkpoints", {})
+        if not isinstance(checkpoints, dict) or not all(isinstance(v, dict) for v in checkpoints.values()):
+            raise self._error('mig_checkpoints: expected an object of GPU UUIDs, such as {"GPU-...": {"gpu": 0, '
+                              '"checkpoint": {...}}}')
         return document
 
     def _write(self, document: dict[str, Any]) -> None:
+        if not document.get("mig_checkpoints"):  # a node without MIG changes keeps the file as it was
+            document = {key: value for key, value in document.items() if key != "mig_checkpoints"}
         try:
             atomic_write(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", mode=0o600)
         except OSError as exc:
@@ -158,9 +186,10 @@ class Ledger:
                               f"nothing was changed: make {self.path.parent} writable") from None
 
     def _error(self, reason: str) -> LedgerError:
-        return LedgerError(f"{PATH}: {reason}. It records the files gpu-agent changed and the container runtime "
-                           "restarts it owes: restore it from a backup, or remove it (then gpu-agent can no longer "
-                           "undo its changes) and restart the runtimes whose configs gpu-agent changed")
+        return LedgerError(f"{PATH}: {reason}. It records the files gpu-agent changed, the container runtime "
+                           "restarts it owes and the MIG geometry of GPUs it is changing: restore it from a backup, "
+                           "or remove it (then gpu-agent can no longer undo its changes) and restart the runtimes "
+                           "whose configs gpu-agent changed")
 
 
 def _owned_entry(path: Any, entry: Any) -> bool:

@@ -59,3 +59,14 @@ def _hex(entry: Path, name: str) -> int:
     except ValueError:
         raise HostFormatError(f"/sys/bus/pci/devices/{entry.name}/{name}", 1, text,
                               "a hexadecimal number such as 0x10de") from None
+
+
+def numa_node(root: Root, address: str) -> Optional[int]:
+    """The NUMA node a PCI function hangs off, as the kernel (and so the kubelet) sees it; None where the
+    kernel does not know (-1: one node, a VM) or says something else."""
+    try:
+        text = root(f"/sys/bus/pci/devices/{address.lower()}/numa_node").read_bytes()[:32]
+        node = int(text.decode("ascii", errors="replace").strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
+from gpu_agent.host.files import read_text
+from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Gpu, Inventory, MigProfile
+
+if TYPE_CHECKING:
+    from gpu_agent.plugin.devices import Shared
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +47,16 @@ def family(major: int, minor: int) -> str:
             10: "blackwell", 12: "blackwell"}.get(major, "undefined")
 
 
-def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine: Optional[str]) -> dict[str, str]:
-    """Every label the agent owns, keys with the nvidia.com/ prefix."""
+def machine_name(root: Root) -> Optional[str]:
+    """The DMI product name, for gpu.machine."""
+    name = read_text(root("/sys/class/dmi/id/product_name"))
+    return name.strip() if name else None
+
+
+def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine: Optional[str],
+            shared: Optional[Mapping[str, Shared]] = None) -> dict[str, str]:
+    """Every label the agent owns, keys with the nvidia.com/ prefix. `shared`: the time-sliced
+    resources by name without nvidia.com/ (plugin/devices.py sharing())."""
     labels = {"gpu-agent.ready": str(ready).lower()}
     if inventory is None or not inventory.gpus:
         return _prefixed(labels)
@@ -68,7 +81,21 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
         labels.update(_mixed(inventory.gpus, product))
     elif strategy == "single" and any(gpu.mig.enabled for gpu in inventory.gpus):
         labels.update(_single(inventory.gpus, product))
+    labels.update(_sharing(labels, shared or {}))
     return _prefixed(labels)
+
+
+def _sharing(labels: dict[str, str], shared: Mapping[str, Shared]) -> dict[str, str]:
+    """As GFD writes time-slicing: the replica count and strategy, and -SHARED on the product of a
+    resource shared under its own name."""
+    changed = {}
+    for name, how in shared.items():
+        changed[f"{name}.replicas"] = str(how.replicas)
+        changed[f"{name}.sharing-strategy"] = "time-slicing"
+        product = labels.get(f"{name}.product")
+        if product and not how.renamed:
+            changed[f"{name}.product"] = sanitise(f"{product}-SHARED")
+    return changed
 
 
 def _versions(inventory: Inventory) -> dict[str, str]:

@@ -12,14 +12,13 @@ class Counter:
     kind: str  # "gauge" or "counter", as dcgm-exporter declares it
     help: str
     field: str  # of GpuSample
-    per_gpu_instance: bool = False  # also reported per GPU instance on a MIG GPU (framebuffer)
+    per_gpu_instance: bool = False  # also reported per GPU instance on a MIG GPU (framebuffer, GPM)
 
 
 DEFAULT_COUNTERS = (
     Counter("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", "sm_clock_mhz"),
     Counter("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz).", "memory_clock_mhz"),
-    # DCGM_FI_DEV_MEMORY_TEMP: only NVML's field values (NVML_FI_DEV_MEMORY_TEMP) have it, which the
-    # capture format cannot record yet; left out rather than simulated.
+    Counter("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (in C).", "memory_temperature_c"),
     Counter("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", "temperature_c"),
     Counter("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "power_w"),
     Counter("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "counter", "Total energy consumption since boot (in mJ).",
@@ -37,6 +36,20 @@ DEFAULT_COUNTERS = (
     Counter("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", "Number of remapped rows for correctable errors",
             "correctable_remapped_rows"),
     Counter("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed", "row_remap_failure"),
+    # Where the GPU has NVLink; the first sample has no value, a rate needs two.
+    Counter("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "counter",
+            "Total number of NVLink bandwidth counters for all lanes.", "nvlink_bandwidth_total"),
+    # From NVML GPM where the GPU has it (Hopper and later), over the interval between two samples.
+    Counter("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "Ratio of time the graphics engine is active.",
+            "gr_engine_active", True),
+    Counter("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "Ratio of cycles the tensor (HMMA) pipe is active.",
+            "pipe_tensor_active", True),
+    Counter("DCGM_FI_PROF_DRAM_ACTIVE", "gauge",
+            "Ratio of cycles the device memory interface is active sending or receiving data.", "dram_active", True),
+    Counter("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge", "The rate of data transmitted over the PCIe bus - including both "
+            "protocol headers and data payloads - in bytes per second.", "pcie_tx_bytes", True),
+    Counter("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge", "The rate of data received over the PCIe bus - including both "
+            "protocol headers and data payloads - in bytes per second.", "pcie_rx_bytes", True),
 )
 
 XID_ERRORS = Counter("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.", "")

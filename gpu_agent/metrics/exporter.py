@@ -16,6 +16,7 @@ from prometheus_client.utils import floatToGoString
 
 from gpu_agent import __version__
 from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, MIG_LABELS, XID_ERRORS, Counter, dcgm_bus_id
+from gpu_agent.metrics.pods import LABELS as POD_LABELS
 from gpu_agent.nvml.model import Gpu
 from gpu_agent.state import AgentState
 
@@ -107,23 +108,53 @@ class AgentCollector:
         return "".join(blocks)
 
     def _series(self, counter: Counter, gpu: Gpu) -> Iterator[str]:
+        """As dcgm-exporter's default (flex) monitoring: a GPU without GPU instances is one series; a GPU
+        with GPU instances is monitored through them only, one series each with GPU_I_PROFILE and GPU_I_ID:
+        its own value for what a GPU instance has (framebuffer, GPM), its GPU's for the rest."""
         labels = self._labels(gpu)
-        if counter is XID_ERRORS:
-            health = self.state.health.get(gpu.uuid)
-            yield _line(counter.name, LABELS, labels, health.last_xid if health and health.last_xid else 0)
-            return
         sample = self.state.samples.get(gpu.uuid)
-        if sample is None:
+        if counter is XID_ERRORS:
+            value: Optional[float] = self._last_xid(gpu.uuid)
+        elif sample is None:
             return
-        value = getattr(sample, counter.field)
-        if value is not None:
-            yield _line(counter.name, LABELS, labels, value)
-        if counter.per_gpu_instance:
-            for instance in sample.mig:
-                value = getattr(instance, counter.field)
-                if value is not None:
-                    yield _line(counter.name, MIG_LABELS,
-                                labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:], value)
+        else:
+            value = getattr(sample, counter.field)
+        instances = sample.mig if sample is not None else ()
+        if not instances:
+            if value is not None:
+                yield from self._attributed(counter.name, LABELS, labels, value, gpu.uuid)
+            return
+        for instance in instances:
+            own: Optional[float]
+            if counter is XID_ERRORS:
+                own = self._last_xid(gpu.uuid, self._devices_of(gpu, instance.gpu_instance_id))
+            else:
+                own = getattr(instance, counter.field) if counter.per_gpu_instance else value
+            if own is not None:
+                mig_labels = labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:]
+                yield from self._attributed(counter.name, MIG_LABELS, mig_labels, own, gpu.uuid,
+                                            instance.gpu_instance_id)
+
+    def _last_xid(self, uuid: str, mig_devices: tuple[str, ...] = ()) -> float:
+        """The last XID of a GPU, or of a GPU instance's MIG devices when they have one of their own."""
+        for device in mig_devices + (uuid,):
+            health = self.state.health.get(device)
+            if health is not None and health.last_xid:
+                return health.last_xid
+        return 0
+
+    @staticmethod
+    def _devices_of(gpu: Gpu, gpu_instance: int) -> tuple[str, ...]:
+        return tuple(device.uuid for device in gpu.mig.devices if device.gpu_instance_id == gpu_instance)
+
+    def _attributed(self, name: str, names: tuple[str, ...], values: list[str], value: float, uuid: str,
+                    gpu_instance: Optional[int] = None) -> Iterator[str]:
+        """The series, or with metrics.pod_labels one per container holding the GPU or GPU instance."""
+        holders = self.state.pods.of(uuid, gpu_instance) if self.state.pods is not None else ()
+        if not holders:
+            yield _line(name, names, values, value)
+        for holder in holders:
+            yield _line(name, names + POD_LABELS, values + holder.labels, value)
 
     def _health_transitions(self) -> Metric:
         transitions = CounterMetricFamily("gpu_agent_gpu_health_transitions",

@@ -9,6 +9,7 @@ from dataclasses import replace
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
 from gpu_agent.health.policy import cleared
+from gpu_agent.metrics.gpm import Profiling
 from gpu_agent.nvml.model import Gpu, GpuSample
 from gpu_agent.state import AgentState, GpuProcess
 
@@ -22,6 +23,8 @@ class Sampler:
         self.root = root
         self._running = threading.Lock()
         self._misplaced: set[str] = set()  # lost GPUs found answering at another bus id, already logged
+        self._nvlink: dict[str, tuple[float, float]] = {}  # by GPU UUID: the last NVLink counter (KiB) and when
+        self.profiling = Profiling(nvml)
 
     def sample(self) -> None:
         """Read every known GPU once; runs on a worker thread. A sample already in progress wins."""
@@ -41,7 +44,8 @@ class Sampler:
         try:
             for gpu in inventory.gpus:
                 try:
-                    samples[gpu.uuid] = self.nvml.sample(gpu.index, gpu.mig)
+                    sample = self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig))
+                    samples[gpu.uuid] = self.profiling.add_to(sample, gpu)
                     processes[gpu.uuid] = tuple(
                         GpuProcess(pid, self._process_name(pid), used)
                         for pid, used in self.nvml.processes(gpu.index)
@@ -57,10 +61,24 @@ class Sampler:
                 log.error("%s", exc)
             self.state.nvml_error = str(exc)
             return
+        self.profiling.keep_only(samples)
         self.state.nvml_error = None
         self.state.samples = samples
         self.state.sampled_at = time.time()
         self.state.processes = processes
+
+    def _nvlink_rate(self, uuid: str, sample: GpuSample) -> GpuSample:
+        """DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL as DCGM works it out: the NVLink data counter's growth since
+        the last sample, per second, divided by 1000. The first sample has none (never a made-up 0)."""
+        now = time.monotonic()
+        before = self._nvlink.pop(uuid, None)
+        if sample.nvlink_data_kib is None:
+            return sample
+        self._nvlink[uuid] = (sample.nvlink_data_kib, now)
+        if before is None or now <= before[1] or sample.nvlink_data_kib < before[0]:
+            return sample  # first reading, or the counter restarted (driver reload)
+        rate = (sample.nvlink_data_kib - before[0]) / (now - before[1]) / 1000.0
+        return replace(sample, nvlink_bandwidth_total=float(int(rate)))
 
     def _query_error(self, index: int, uuid: str, error: str) -> None:
         """Publish whether the GPU answers NVML queries; log only when that changes."""

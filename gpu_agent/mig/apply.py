@@ -2,10 +2,14 @@
 
 - A GPU that runs compute processes is never changed unless `force`; the refusal names the PIDs and
   process names (NVML's list, names from the process table under --root).
-- Before the first change, the GPU's whole MIG state is checkpointed. Any failure restores that
+- Before the first change, the GPU's whole MIG state is checkpointed in the agent's ledger (one that a
+  change killed midway left there stays: gpu_agent.mig.checkpoint). Any failure restores that
   checkpoint (placements included) instead of leaving the GPU empty, and says so.
-- A mode change NVML leaves pending (Ampere) resets that GPU alone; when it cannot be reset, the GPU is
-  reported pending, with the reason, and its instances wait for the reset.
+- A mode change NVML leaves pending (Ampere) resets that GPU alone. When it cannot be reset, its instances
+  wait and the GPU is `pending` while the agent can still reset it itself at a later pass (compute
+  processes use it: it is reset once they exit), or `rebooting` when only a reboot applies the mode
+  (nvidia_drm is loaded, the GPU is passed through into a VM, the reset failed). A mode already pending
+  is not set again: a later pass only retries the reset.
 - GPUs are independent: one GPU's failure does not undo another's success.
 - Optional systemd units are stopped before the first change and started after the last, failure included.
 """
@@ -37,7 +41,16 @@ log = logging.getLogger(__name__)
 
 UNCHANGED, CREATED, DESTROYED, MODE_CHANGED, FAILED, RESTORED = (
     "unchanged", "created", "destroyed", "mode-changed", "failed", "restored")
-SUCCESS, PENDING = "success", "pending"  # a GPU's state, and with FAILED the node's mig.config.state
+SUCCESS, PENDING, REBOOTING = "success", "pending", "rebooting"  # a GPU's state; with FAILED the node's
+ALREADY_PENDING = "asked for earlier, not yet in effect"
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A mode change that waits for a GPU reset: `pending` (the agent retries) or `rebooting`, and why."""
+
+    state: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -46,7 +59,7 @@ class GpuResult:
     uuid: str
     product: str
     action: str  # unchanged | created | destroyed | mode-changed | failed | restored
-    state: str  # success | pending | failed
+    state: str  # success | pending | rebooting | failed
     mutations: int  # NVML calls that changed the GPU, rollback included
     reason: str
     changes: tuple[Change, ...] = ()  # planned (dry run) or made
@@ -69,10 +82,14 @@ class Applier:
     def apply_all(self, gpus: Sequence[Gpu], plans: Sequence[GpuPlan], dry_run: bool = False,
                   hooks: Optional[Hooks] = None) -> list[GpuResult]:
         by_index = {gpu.index: gpu for gpu in gpus}
-        changing = [plan for plan in plans if plan.changes and not plan.refused]
         results: dict[int, GpuResult] = {}
+        for plan in plans if not dry_run else ():
+            waiting = self._only_a_reboot(by_index[plan.gpu], plan)
+            if waiting:  # settled without touching the GPU or stopping a unit
+                results[plan.gpu] = self._result(plan, MODE_CHANGED, REBOOTING, 0, waiting)
+        changing = [plan for plan in plans if plan.changes and not plan.refused and plan.gpu not in results]
         if dry_run or not changing or hooks is None:
-            return [self.apply(by_index[plan.gpu], plan, dry_run) for plan in plans]
+            return [results.get(plan.gpu) or self.apply(by_index[plan.gpu], plan, dry_run) for plan in plans]
         try:
             hooks.before()
         except AgentError as exc:
@@ -80,10 +97,11 @@ class Applier:
             reason = f"stopping {', '.join(hooks.units)} before the MIG change failed: {exc}"
             reason += "".join(f"; {failure}" for failure in failures)
             return [self._result(plan, FAILED, FAILED, 0, reason) if plan in changing
-                    else self.apply(by_index[plan.gpu], plan) for plan in plans]
+                    else results.get(plan.gpu) or self.apply(by_index[plan.gpu], plan) for plan in plans]
         try:
             for plan in plans:
-                results[plan.gpu] = self.apply(by_index[plan.gpu], plan)
+                if plan.gpu not in results:
+                    results[plan.gpu] = self.apply(by_index[plan.gpu], plan)
         finally:
             failures = hooks.after()
         if failures:
@@ -100,6 +118,9 @@ class Applier:
         if dry_run:
             return self._result(plan, _action(plan.changes), SUCCESS, 0,
                                 f"would make {len(plan.changes)} NVML change(s)", plan.changes)
+        until_reboot = self._only_a_reboot(gpu, plan)
+        if until_reboot:
+            return self._result(plan, MODE_CHANGED, REBOOTING, 0, until_reboot)
         try:
             busy = self._busy(gpu)
         except (AgentError, self.nvml.lib.NVMLError) as exc:
@@ -108,15 +129,20 @@ class Applier:
             return self._result(plan, FAILED, FAILED, 0,
                                 f"{plan.name} runs compute processes: {busy}; it is not repartitioned "
                                 "while they run (set mig.force: true to do it anyway)")
-        self.checkpoints.save(gpu.uuid, Checkpoint.of(gpu.mig))
+        try:
+            self.checkpoints.save(gpu.uuid, gpu.index, Checkpoint.of(gpu.mig), plan.target)
+        except AgentError as exc:
+            return self._result(plan, FAILED, FAILED, 0, f"{plan.name}: cannot checkpoint its MIG state, so it "
+                                f"is not changed: {exc}")
         done: list[Change] = []
         try:
-            pending = self._run(gpu, plan.changes, done)
+            waiting = self._run(gpu, plan.changes, done)
         except (AgentError, self.nvml.lib.NVMLError) as exc:
             return self._roll_back(gpu, plan, done, _reason(exc))
-        self.checkpoints.clear(gpu.uuid)
-        if pending:
-            return self._result(plan, MODE_CHANGED, PENDING, len(done), pending, tuple(done))
+        self._clear_checkpoint(gpu)
+        if waiting is not None:
+            return self._result(plan, MODE_CHANGED, waiting.state, len(done), f"{plan.name}: {waiting.reason}",
+                                tuple(done))
         return self._result(plan, _action(plan.changes), SUCCESS, len(done), f"made {len(done)} NVML change(s)",
                             tuple(done))
 
@@ -125,18 +151,21 @@ class Applier:
         pids = [pid for pid, _ in self.nvml.processes(gpu.index)]
         return ", ".join(process.describe() for process in processes.named(self.root, pids))
 
-    def _run(self, gpu: Gpu, changes: Sequence[Change], done: list[Change]) -> str:
-        """Make the changes in order, appending each one made to `done`; the reason when the rest must
-        wait for a GPU reset that cannot happen now, else ""."""
+    def _run(self, gpu: Gpu, changes: Sequence[Change], done: list[Change]) -> Optional[Waiting]:
+        """Make the changes in order, appending each one made to `done`; a Waiting when the rest must
+        wait for a GPU reset that cannot happen now, else None."""
         ids = {gi.placement: gi.id for gi in gpu.mig.gpu_instances}
         nvml, index = self.nvml, gpu.index
         for change in changes:
             if isinstance(change, SetMigMode):
-                pending = nvml.set_mig_mode(index, change.enabled)
-                done.append(change)
+                if awaits_reset(gpu, change):
+                    pending: Optional[str] = ALREADY_PENDING
+                else:
+                    pending = nvml.set_mig_mode(index, change.enabled)
+                    done.append(change)
                 if pending is not None:
                     waiting = self._reset(gpu, change.enabled, pending)
-                    if waiting:
+                    if waiting is not None:
                         return waiting
                 ids = {}  # a mode change leaves no instance behind
             elif isinstance(change, CreateGpuInstance):
@@ -154,26 +183,61 @@ class Applier:
                 done.append(change)
             else:
                 raise AgentError(f"{change.describe()}: not a MIG change")
-        return ""
+        return None
 
-    def _reset(self, gpu: Gpu, enabled: bool, pending: str) -> str:
-        """Reset a GPU whose new mode is pending; "" once it took effect, else why it still waits."""
+    def _only_a_reboot(self, gpu: Gpu, plan: GpuPlan) -> str:
+        """Why only a reboot can apply the mode change already pending on the GPU, learnt without touching
+        it, so a later pass stops no unit for a reset that cannot happen; "" when a reset may work."""
+        if plan.refused or not plan.changes or not awaits_reset(gpu, plan.changes[0]):
+            return ""
+        change = plan.changes[0]
+        assert isinstance(change, SetMigMode)
+        waiting = self._cannot_reset(gpu, change.enabled, ALREADY_PENDING)
+        return f"{plan.name}: {waiting.reason}" if waiting is not None and waiting.state == REBOOTING else ""
+
+    def _cannot_reset(self, gpu: Gpu, enabled: bool, pending: str) -> Optional[Waiting]:
+        """Why the GPU cannot be reset for its pending mode now, or None when it may be."""
+        waiting = f"MIG {'enable' if enabled else 'disable'} is pending a GPU reset ({pending})"
+        try:
+            passthrough = self.nvml.passthrough(gpu.index)
+            busy = "" if passthrough else self._busy(gpu)
+        except (AgentError, self.nvml.lib.NVMLError) as exc:
+            return Waiting(PENDING, f"{waiting}; whether it can be reset is unknown: {_reason(exc)}")
+        if passthrough:
+            return Waiting(REBOOTING, f"{waiting}: it is passed through into this VM, which cannot reset it; "
+                                      "reboot the VM for the MIG mode change")
+        if busy:
+            return Waiting(PENDING, f"{waiting}: compute processes use it: {busy}; it is reset once they exit")
+        blocker = self.reset.blocker(gpu.index, gpu.pci_bus_id)
+        if blocker is not None:
+            return Waiting(REBOOTING if blocker.until_reboot else PENDING, f"{waiting}: {blocker}")
+        return None
+
+    def _reset(self, gpu: Gpu, enabled: bool, pending: str) -> Optional[Waiting]:
+        """Reset a GPU whose new mode is pending; None once it took effect, else why it still waits."""
+        waiting = self._cannot_reset(gpu, enabled, pending)
+        if waiting is not None:
+            return waiting
         mode = "enable" if enabled else "disable"
         try:
             self.reset.reset(gpu.index, gpu.pci_bus_id)
         except ResetImpossible as exc:
-            return f"MIG {mode} is pending a GPU reset ({pending}): {exc}"
-        now = self.nvml.mig_state(gpu.index)
-        if now.enabled != enabled:
-            return f"MIG {mode} is still pending after a GPU reset; reboot the node"
+            return Waiting(REBOOTING if exc.until_reboot else PENDING,
+                           f"MIG {mode} is pending a GPU reset ({pending}): {exc}")
+        if self.nvml.mig_state(gpu.index).enabled != enabled:
+            return Waiting(REBOOTING, f"MIG {mode} is still pending after a GPU reset; reboot the node")
         log.info("%s: reset for MIG %s", gpu_name(gpu.index, gpu.product), mode)
-        return ""
+        return None
 
     def _roll_back(self, gpu: Gpu, plan: GpuPlan, done: list[Change], failure: str) -> GpuResult:
-        saved = self.checkpoints.load(gpu.uuid)
+        try:
+            saved = self.checkpoints.load(gpu.uuid)
+        except AgentError as exc:
+            return self._result(plan, FAILED, FAILED, len(done), f"{plan.name}: {failure}; its checkpoint "
+                                f"cannot be read: {exc}", tuple(done))
         made = len(done)
         if saved is None or not done:
-            self.checkpoints.clear(gpu.uuid)
+            self._clear_checkpoint(gpu)
             return self._result(plan, FAILED, FAILED, made, f"{plan.name}: {failure}; nothing was changed"
                                 if not done else f"{plan.name}: {failure}; no checkpoint to restore", tuple(done))
         undo: list[Change] = []
@@ -184,15 +248,24 @@ class Applier:
         except (AgentError, self.nvml.lib.NVMLError) as exc:
             return self._result(plan, FAILED, FAILED, made + len(undo),
                                 f"{plan.name}: {failure}; restoring its previous MIG geometry failed too: "
-                                f"{_reason(exc)} (checkpoint kept in {self.checkpoints.root.path})", tuple(done))
-        self.checkpoints.clear(gpu.uuid)
-        if waiting:
-            return self._result(plan, RESTORED, PENDING, made + len(undo),
-                                f"{plan.name}: {failure}; its previous MIG geometry is restored but {waiting}",
+                                f"{_reason(exc)} (its checkpoint stays in {self.checkpoints.where(gpu.uuid)})",
                                 tuple(done))
+        self._clear_checkpoint(gpu)
+        if waiting is not None:
+            return self._result(plan, RESTORED, waiting.state, made + len(undo),
+                                f"{plan.name}: {failure}; its previous MIG geometry is restored but "
+                                f"{waiting.reason}", tuple(done))
         log.warning("%s: %s; its previous MIG geometry is restored", plan.name, failure)
         return self._result(plan, RESTORED, FAILED, made + len(undo),
                             f"{plan.name}: {failure}; its previous MIG geometry is restored", tuple(done))
+
+    def _clear_checkpoint(self, gpu: Gpu) -> None:
+        """Once the change is made or undone; a checkpoint that cannot be cleared is only logged: the next
+        change of this GPU keeps it as the geometry to restore."""
+        try:
+            self.checkpoints.clear(gpu.uuid)
+        except AgentError as exc:
+            log.warning("%s: %s", gpu_name(gpu.index, gpu.product), exc)
 
     @staticmethod
     def _result(plan: GpuPlan, action: str, state: str, mutations: int, reason: str,
@@ -214,11 +287,17 @@ def _reason(exc: BaseException) -> str:
     return describe(exc) if isinstance(exc, Exception) else str(exc)
 
 
+def awaits_reset(gpu: Gpu, change: Change) -> bool:
+    """Whether `change` is a mode change NVML already holds pending on the GPU (only a reset is left)."""
+    return (isinstance(change, SetMigMode) and gpu.mig.pending_enabled == change.enabled
+            and gpu.mig.enabled != change.enabled)
+
+
 def node_state(results: Sequence[GpuResult]) -> str:
-    """The node's nvidia.com/mig.config.state: failed if any GPU failed, pending if one waits, else success."""
+    """The node's nvidia.com/mig.config.state: failed if any GPU failed, rebooting if one waits for a reboot,
+    pending if one waits for the agent, else success."""
     states = {result.state for result in results}
-    if FAILED in states:
-        return FAILED
-    if PENDING in states:
-        return PENDING
+    for state in (FAILED, REBOOTING, PENDING):
+        if state in states:
+            return state
     return SUCCESS

@@ -1,15 +1,18 @@
 """A GPU's whole MIG state, saved before it is changed so a failure can put it back.
 
-Kept under /var/lib/gpu-agent/mig/checkpoints/<GPU UUID>.json until the change succeeded or was undone.
-The interface is three calls (save, load, clear) so it can move onto the agent-wide ledger unchanged.
+Kept in the agent's ledger (/var/lib/gpu-agent/ledger.json, `mig_checkpoints`, by GPU UUID) from before
+the GPU's first NVML change until the change was made or undone, with the geometry the change was making.
+A checkpoint an interrupted change left behind (the agent was killed mid-apply) is kept by the next
+change while the GPU is not what that change was making: it is the geometry from before both.
 """
 from __future__ import annotations
 
-import json
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from gpu_agent.host.files import atomic_write, read_text
+from gpu_agent.host import ledger as ledger_file
+from gpu_agent.host.ledger import Ledger, LedgerError
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import MigState
 
@@ -46,6 +49,14 @@ class Checkpoint:
                                    for ci in gi.compute_instances))
             for gi in mig.gpu_instances))
 
+    def geometry(self) -> tuple[bool, tuple[tuple[str, int], ...]]:
+        """(MIG enabled, MIG device profile -> count), as mig.export.geometry gives a GPU's."""
+        counts: dict[str, int] = {}
+        for gi in self.gpu_instances if self.enabled else ():
+            for ci in gi.compute_instances:
+                counts[ci.profile] = counts.get(ci.profile, 0) + 1
+        return self.enabled, tuple(sorted(counts.items()))
+
     def to_json(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "gpu_instances": [
             {"profile": gi.profile, "profile_id": gi.profile_id, "placement": list(gi.placement),
@@ -64,29 +75,43 @@ class Checkpoint:
 
 
 class CheckpointStore:
+    """The ledger's mig_checkpoints; every call may raise LedgerError (an AgentError naming the file)."""
+
     def __init__(self, root: Root) -> None:
-        self.root = root
+        self.ledger = Ledger(root)
 
-    def _path(self, gpu_uuid: str) -> Any:
-        safe = "".join(c for c in gpu_uuid if c.isalnum() or c in "-_")
-        return self.root(f"{CHECKPOINT_DIR}/{safe}.json")
-
-    def save(self, gpu_uuid: str, checkpoint: Checkpoint) -> None:
-        atomic_write(self._path(gpu_uuid), json.dumps(checkpoint.to_json(), indent=1, sort_keys=True) + "\n",
-                     mode=0o600)
+    def save(self, gpu_uuid: str, gpu_index: int, checkpoint: Checkpoint,
+             toward: Optional[tuple[bool, tuple[tuple[str, int], ...]]]) -> None:
+        """Record the GPU's state before a change toward the geometry `toward`, unless a change killed
+        midway recorded one: the GPU is not what that change was making, so its checkpoint is the
+        geometry from before both. One whose change did finish (killed before it was cleared) is replaced."""
+        earlier = self.ledger.mig_checkpoint(gpu_uuid)
+        if earlier is not None and earlier.get("toward") != _geometry_json(checkpoint.geometry()):
+            return
+        self.ledger.save_mig_checkpoint(gpu_uuid, {
+            "gpu": gpu_index, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "checkpoint": checkpoint.to_json(), "toward": _geometry_json(toward) if toward is not None else None})
 
     def load(self, gpu_uuid: str) -> Optional[Checkpoint]:
-        """The saved checkpoint; None when there is none or it cannot be read (then there is nothing to undo)."""
-        text = read_text(self._path(gpu_uuid))
-        if text is None:
+        """The saved checkpoint; None when there is none."""
+        entry = self.ledger.mig_checkpoint(gpu_uuid)
+        if entry is None:
             return None
         try:
-            return Checkpoint.from_json(json.loads(text))
-        except (ValueError, KeyError, TypeError, IndexError):
-            return None
+            return Checkpoint.from_json(entry["checkpoint"])
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise LedgerError(f"{ledger_file.PATH}: mig_checkpoints.{gpu_uuid}: not a MIG checkpoint gpu-agent "
+                              f"wrote ({type(exc).__name__}: {exc}); the GPU's previous geometry is unknown: "
+                              "remove the entry and set the geometry by hand") from None
 
     def clear(self, gpu_uuid: str) -> None:
-        try:
-            self._path(gpu_uuid).unlink()
-        except FileNotFoundError:
-            pass
+        self.ledger.clear_mig_checkpoint(gpu_uuid)
+
+    @staticmethod
+    def where(gpu_uuid: str) -> str:
+        return f"{ledger_file.PATH} (mig_checkpoints.{gpu_uuid})"
+
+
+def _geometry_json(geometry: tuple[bool, tuple[tuple[str, int], ...]]) -> dict[str, Any]:
+    """As a mig-parted entry writes it: {"mig-enabled": true, "mig-devices": {"1g.10gb": 2}}."""
+    return {"mig-enabled": geometry[0], "mig-devices": dict(geometry[1])}

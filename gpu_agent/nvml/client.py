@@ -15,11 +15,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.pci import numa_node
+from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import (
     ComputeInstance,
     Gpu,
     GpuInstance,
+    GpuLink,
     GpuSample,
+    HealthReading,
     Inventory,
     MigProfile,
     MigSample,
@@ -30,6 +34,26 @@ from gpu_agent.nvml.model import (
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+_NO_INSTANCE = 0xFFFFFFFF  # an event's gpuInstanceId/computeInstanceId when it is not on a MIG device
+ALL_LINKS = 0xFFFFFFFF  # a field value's scopeId for "every NVLink of the GPU", as DCGM passes it
+
+# The NVML field values sampled: (GpuSample field or part of one, pynvml constant, scope).
+SAMPLED_FIELDS = (
+    ("memory_temperature_c", "NVML_FI_DEV_MEMORY_TEMP", 0),
+    ("nvlink_rx_kib", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", ALL_LINKS),
+    ("nvlink_tx_kib", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", ALL_LINKS),
+)
+# The NVML GPM metrics sampled: (GpuSample field, pynvml constant, factor to DCGM's unit). GPM answers
+# percentages where DCGM's PROF fields are ratios, and MiB/s where DCGM says bytes/s.
+GPM_METRICS = (
+    ("gr_engine_active", "NVML_GPM_METRIC_GRAPHICS_UTIL", 0.01),
+    ("pipe_tensor_active", "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 0.01),
+    ("dram_active", "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
+    ("pcie_tx_bytes", "NVML_GPM_METRIC_PCIE_TX_PER_SEC", float(MIB)),
+    ("pcie_rx_bytes", "NVML_GPM_METRIC_PCIE_RX_PER_SEC", float(MIB)),
+)
+# The union member each NVML_VALUE_TYPE_* is read from, by its number.
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 # NVML_GPU_INSTANCE_PROFILE_* constants worth asking about, in the order nvidia-smi lists them.
 _GI_PROFILE_CONSTANTS = (
@@ -55,6 +79,9 @@ _CI_PROFILE_BY_SLICES = {
     7: "NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE",
     8: "NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE",
 }
+
+# nvmlDeviceGetTopologyCommonAncestor's levels in nvidia-smi topo's words.
+_PCIE_LEVELS = {0: "BOARD", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 
 _INIT_REMEDIES = {
     "NVMLError_LibraryNotFound": "NVML library (libnvidia-ml.so.1) not found: the NVIDIA driver is not installed",
@@ -91,6 +118,7 @@ class _TimedCalls:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._on_worker = threading.local()
         for n in range(self._WORKERS):
             threading.Thread(target=self._work, name=f"nvml-{n}", daemon=True).start()
         self._lock = threading.Lock()
@@ -98,6 +126,10 @@ class _TimedCalls:
         self.timeouts = 0
 
     def __call__(self, name: str, fn: Callable[..., Any], *args: Any, extra_timeout: float = 0.0) -> Any:
+        batch = getattr(self._on_worker, "future", None)
+        if batch is not None:  # a call within a batch (Nvml.sample): the batch's timeout covers it
+            batch.current_call = name  # what a timeout of the batch names
+            return fn(*args)
         with self._lock:
             if self._stuck:
                 stuck_name, since = next(iter(self._stuck.values()))
@@ -111,6 +143,7 @@ class _TimedCalls:
         try:
             return future.result(timeout=self.timeout + extra_timeout)
         except FutureTimeout:
+            name = getattr(future, "current_call", name)
             with self._lock:
                 self.timeouts += 1
                 self._stuck[future] = (name, started)
@@ -132,10 +165,13 @@ class _TimedCalls:
             future, fn, args = job
             if not future.set_running_or_notify_cancel():
                 continue
+            self._on_worker.future = future
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to the caller, who decides
                 future.set_exception(exc)
+            finally:
+                self._on_worker.future = None
 
     def close(self) -> None:
         for _ in range(self._WORKERS):
@@ -143,14 +179,18 @@ class _TimedCalls:
 
 
 class Nvml:
-    def __init__(self, lib: Any, call_timeout: float = 5.0) -> None:
+    def __init__(self, lib: Any, call_timeout: float = 5.0, root: Optional[Root] = None) -> None:
+        """`root`: where the GPUs' NUMA nodes are read (sysfs); without it they are unknown."""
         self.lib = lib
+        self.root = root
         self._call = _TimedCalls(call_timeout)
         self._init_lock = threading.Lock()
         self._initialised = False
         self._static: dict[str, tuple[MigProfile, ...]] = {}  # MIG profile tables by GPU UUID
         self._ci_profiles: dict[tuple[str, int], tuple[Any, ...]] = {}  # by (GPU UUID, GPU instance profile id)
         self._memory_v2: Optional[bool] = None  # whether the driver has NVML's v2 memory info
+        self._links: dict[tuple[str, ...], tuple[GpuLink, ...]] = {}  # by the GPUs' bus ids: hardware, read once
+        self._links_complete = True  # no unexpected NVML error while reading them (else read again next time)
 
     @property
     def call_timeout(self) -> float:
@@ -201,8 +241,10 @@ class Nvml:
         driver = self._nvml("nvmlSystemGetDriverVersion")
         cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
         count = self._nvml("nvmlDeviceGetCount")
-        gpus = tuple(self._gpu(index) for index in range(count))
-        return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus)
+        # A GPU's queries (dozens with MIG) go to an NVML worker as one batch, under one timeout.
+        gpus = tuple(self._call(f"nvmlDevice*(GPU {index})", self._gpu, index) for index in range(count))
+        return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
+                         links=self.links(gpus))
 
     def _gpu(self, index: int) -> Gpu:
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
@@ -221,7 +263,77 @@ class Nvml:
             mig=self._mig(handle, uuid),
             pci_device_id=pci.pciDeviceId,
             pci_subsystem_id=pci.pciSubSystemId,
+            numa_node=numa_node(self.root, _short_bus_id(pci.busId)) if self.root else None,
         )
+
+    # --- topology --------------------------------------------------------------------------------
+
+    def links(self, gpus: tuple[Gpu, ...]) -> tuple[GpuLink, ...]:
+        """How each pair of GPUs is connected: NVLinks (direct, or through NVSwitch where NVML says the
+        pair can talk over NVLink) and their nearest common PCIe ancestor. Read once per set of GPUs,
+        as it changes only with the hardware; what NVML does not support stays unknown."""
+        key = tuple(gpu.pci_bus_id for gpu in gpus)
+        if key in self._links:
+            return self._links[key]
+        self._links_complete = True
+        handles = [self._nvml("nvmlDeviceGetHandleByIndex", gpu.index) for gpu in gpus]
+        reach = [self._nvlink_reach(handle) for handle in handles]
+        links = []
+        for i, a in enumerate(gpus):
+            for j in range(i + 1, len(gpus)):
+                b = gpus[j]
+                nvlinks = reach[i][0].get(b.pci_bus_id, 0)
+                if reach[i][1] and reach[j][1] and self._p2p_over_nvlink(handles[i], handles[j]):
+                    nvlinks += min(reach[i][1], reach[j][1])
+                level = self._optional("nvmlDeviceGetTopologyCommonAncestor", handles[i], handles[j])
+                links.append(GpuLink(a.index, b.index, nvlinks, _PCIE_LEVELS.get(level, "")))
+        if self._links_complete:
+            self._links[key] = tuple(links)
+        return tuple(links)
+
+    def _nvlink_reach(self, handle: Any) -> tuple[dict[str, int], int]:
+        """A GPU's active NVLinks: (links by the peer GPU's bus id, links into NVSwitches)."""
+        lib = self.lib
+        direct: dict[str, int] = {}
+        switched = 0
+        for link in range(getattr(lib, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                active = self._nvml("nvmlDeviceGetNvLinkState", handle, link)
+            except (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound, lib.NVMLError_InvalidArgument):
+                break  # no NVLink, or past this GPU's last link (they are numbered from 0)
+            except lib.NVMLError:
+                self._links_complete = False
+                break
+            if active != lib.NVML_FEATURE_ENABLED:
+                continue
+            kind = self._optional("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
+            if kind == getattr(lib, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2):
+                switched += 1
+            elif kind == getattr(lib, "NVML_NVLINK_DEVICE_TYPE_GPU", 0):
+                remote = self._optional("nvmlDeviceGetNvLinkRemotePciInfo", handle, link)
+                if remote is not None:
+                    peer = _short_bus_id(_text(remote.busId))
+                    direct[peer] = direct.get(peer, 0) + 1
+        return direct, switched
+
+    def _p2p_over_nvlink(self, a: Any, b: Any) -> bool:
+        """Whether NVML says two GPUs can talk over NVLink (through NVSwitch this needs the fabric up);
+        a driver that cannot say is taken at its links' word."""
+        status = self._optional("nvmlDeviceGetP2PStatus", a, b, getattr(self.lib, "NVML_P2P_CAPS_INDEX_NVLINK", 2))
+        return status is None or status == getattr(self.lib, "NVML_P2P_STATUS_OK", 0)
+
+    def _optional(self, name: str, *args: Any) -> Any:
+        """A topology answer, or None where NVML does not have one (an unexpected error also leaves the
+        topology unread for next time)."""
+        lib = self.lib
+        try:
+            return self._nvml(name, *args)
+        except (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound, lib.NVMLError_InvalidArgument):
+            return None
+        except lib.NVMLError as exc:
+            log.debug("%s", describe(exc))
+            self._links_complete = False
+            return None
 
     def _mig(self, handle: Any, uuid: str) -> MigState:
         try:
@@ -403,8 +515,12 @@ class Nvml:
 
     def sample(self, index: int, mig: Optional[MigState] = None) -> GpuSample:
         """One GPU's metrics (and its GPU instances' framebuffer, given its MIG state); a metric the GPU
-        does not support is left out, not faked."""
+        does not support is left out, not faked. Its calls go to an NVML worker as one batch, under
+        one timeout: a hop per call cost most of a sample's CPU."""
         self.init()
+        return self._call(f"nvmlDeviceGet*(GPU {index})", self._sample, index, mig)
+
+    def _sample(self, index: int, mig: Optional[MigState]) -> GpuSample:
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
         lib = self.lib
         values: dict[str, Any] = {}
@@ -428,6 +544,7 @@ class Nvml:
         read("nvmlDeviceGetRemappedRows", into=lambda rows: {
             "correctable_remapped_rows": float(rows[0]), "uncorrectable_remapped_rows": float(rows[1]),
             "row_remap_failure": float(bool(rows[3]))})
+        values.update(self._field_values(handle))
         try:
             values.update(_framebuffer(self._memory(handle)))
         except lib.NVMLError_NotSupported:
@@ -435,6 +552,25 @@ class Nvml:
         if mig is not None and mig.enabled:
             values["mig"] = self._mig_samples(handle, mig)
         return GpuSample(**values)
+
+    def _field_values(self, handle: Any) -> dict[str, float]:
+        """SAMPLED_FIELDS in one call; a field the GPU does not report (its own nvmlReturn) is left out,
+        and NVLink's counter only when both directions answer (no NVLink: no series)."""
+        lib = self.lib
+        wanted = [(key, getattr(lib, constant), scope) for key, constant, scope in SAMPLED_FIELDS
+                  if hasattr(lib, constant)]
+        try:
+            answered = self._nvml("nvmlDeviceGetFieldValues", handle, [(field, scope) for _, field, scope in wanted])
+        except (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound):
+            return {}
+        found = {}
+        for (key, _, _), value in zip(wanted, answered):
+            if value.nvmlReturn == lib.NVML_SUCCESS and 0 <= value.valueType < len(_VALUE_MEMBERS):
+                found[key] = float(getattr(value.value, _VALUE_MEMBERS[value.valueType]))
+        rx, tx = found.pop("nvlink_rx_kib", None), found.pop("nvlink_tx_kib", None)
+        if rx is not None and tx is not None:
+            found["nvlink_data_kib"] = rx + tx
+        return found
 
     def _mig_samples(self, handle: Any, mig: MigState) -> tuple[MigSample, ...]:
         samples = []
@@ -464,6 +600,77 @@ class Nvml:
                 return memory
         return self._nvml("nvmlDeviceGetMemoryInfo", handle)
 
+    def health_reading(self, index: int) -> HealthReading:
+        """What the periodic checks judge: pending and failed row remaps (or pending page retirements
+        on a GPU without row remapping), the temperature and the slowdown threshold."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        lib = self.lib
+        unsupported = (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound)
+        found: dict[str, Any] = {}
+        try:
+            rows = self._nvml("nvmlDeviceGetRemappedRows", handle)
+            found.update(pending_remaps=bool(rows[2]), remap_failed=bool(rows[3]))
+        except unsupported:
+            try:
+                pending = self._nvml("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+                found.update(pending_remaps=pending == lib.NVML_FEATURE_ENABLED, pending_kind="page retirement")
+            except unsupported:
+                pass
+        try:
+            found["temperature_c"] = int(self._nvml("nvmlDeviceGetTemperature", handle, lib.NVML_TEMPERATURE_GPU))
+            found["slowdown_c"] = int(self._nvml("nvmlDeviceGetTemperatureThreshold", handle,
+                                                 lib.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN))
+        except unsupported:
+            pass
+        return HealthReading(**found)
+
+    # --- GPM: the profiling metrics of Hopper and later, without DCGM ---------------------------
+
+    def gpm_unsupported(self, index: int) -> Optional[str]:
+        """None when the GPU has NVML GPM, else why not (the PROF series are then left out)."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        try:
+            support = self._nvml("nvmlGpmQueryDeviceSupport", handle)
+        except (self.lib.NVMLError_NotSupported, self.lib.NVMLError_FunctionNotFound) as exc:
+            return f"NVML GPM unavailable ({describe(exc)}); DCGM's profiling module would be needed"
+        if not support.isSupportedDevice:
+            return "NVML GPM is not supported on this GPU (Hopper and later have it); DCGM would be needed"
+        return None
+
+    def gpm_sample(self, index: int, gpu_instance: Optional[int] = None) -> Any:
+        """A new GPM sample of the GPU, or of one of its GPU instances; give it back with gpm_free()."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        sample = self._nvml("nvmlGpmSampleAlloc")
+        try:
+            if gpu_instance is not None:
+                return self._nvml("nvmlGpmMigSampleGet", handle, gpu_instance, sample)
+            return self._nvml("nvmlGpmSampleGet", handle, sample)
+        except BaseException:
+            self.gpm_free(sample)
+            raise
+
+    def gpm_free(self, sample: Any) -> None:
+        try:
+            self._nvml("nvmlGpmSampleFree", sample)
+        except (self.lib.NVMLError, NvmlHung) as exc:
+            log.debug("nvmlGpmSampleFree: %s", exc)
+
+    def gpm_metrics(self, first: Any, second: Any) -> dict[str, float]:
+        """GPM_METRICS over the interval between two samples; a metric NVML does not answer is left out."""
+        lib = self.lib
+        request = lib.c_nvmlGpmMetricsGet_t()
+        request.version = lib.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = first, second
+        for n, (_, constant, _) in enumerate(GPM_METRICS):
+            request.metrics[n].metricId = getattr(lib, constant)
+        answered = self._nvml("nvmlGpmMetricsGet", request)
+        return {key: answered.metrics[n].value * factor for n, (key, _, factor) in enumerate(GPM_METRICS)
+                if answered.metrics[n].nvmlReturn == lib.NVML_SUCCESS}
+
     def driver_version(self) -> str:
         self.init()
         return self._nvml("nvmlSystemGetDriverVersion")
@@ -484,6 +691,16 @@ class Nvml:
         self.init()
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
         self._nvml("nvmlDeviceSetPersistenceMode", handle, self.lib.NVML_FEATURE_ENABLED)
+
+    def passthrough(self, index: int) -> bool:
+        """Whether the GPU is passed through into this VM (NVML's virtualization mode): the VM cannot reset it."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        try:
+            mode = self._nvml("nvmlDeviceGetVirtualizationMode", handle)
+        except self.lib.NVMLError_NotSupported:
+            return False
+        return bool(mode == self.lib.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH)
 
     def processes(self, index: int) -> list[tuple[int, float]]:
         """(pid, MiB of GPU memory used) of each compute process on the GPU."""
@@ -521,7 +738,10 @@ class XidWait:
             return None
         if data.eventType != self._lib.nvmlEventTypeXidCriticalError:
             return None
-        return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time())
+        gi, ci = (getattr(data, name, _NO_INSTANCE) for name in ("gpuInstanceId", "computeInstanceId"))
+        return XidEvent(gpu_uuid=self._nvml("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time(),
+                        gpu_instance_id=None if gi == _NO_INSTANCE else gi,
+                        compute_instance_id=None if ci == _NO_INSTANCE or gi == _NO_INSTANCE else ci)
 
     def free(self) -> None:
         try:
@@ -545,6 +765,10 @@ def describe(exc: Exception) -> str:
     if text.startswith("NVML Error with code"):
         text = f"{type(exc).__name__.removeprefix('NVMLError_')} (NVML error {getattr(exc, 'value', '?')})"
     return f"{call}: {text}" if call else text
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _short_bus_id(bus_id: str) -> str:

@@ -92,10 +92,30 @@ class Gpu:
     mig: MigState
     pci_device_id: int = 0  # 0xDDDDVVVV, as mig-parted's device-filter writes it
     pci_subsystem_id: int = 0  # 0xSSSSssss
+    numa_node: Optional[int] = None  # the CPU NUMA node it hangs off (sysfs numa_node); None: unknown (-1, a VM)
 
     @property
     def device_node(self) -> str:
         return f"nvidia{self.minor_number}"
+
+
+# How far apart two GPUs are on PCIe, in nvidia-smi topo's words (NVML's nvmlGpuTopologyLevel_t), nearest first.
+PCIE_LEVELS = ("BOARD", "PIX", "PXB", "PHB", "NODE", "SYS")
+
+
+@dataclass(frozen=True)
+class GpuLink:
+    """How two GPUs (by index, a < b) reach each other."""
+
+    a: int
+    b: int
+    nvlinks: int = 0  # NVLink links joining them, directly or through NVSwitch; 0: none
+    pcie: str = ""  # their nearest common PCIe ancestor (PCIE_LEVELS); "": unknown
+
+    @property
+    def kind(self) -> str:
+        """`NV18`, `PIX`, `SYS`, ... as `nvidia-smi topo -m` writes it; `unknown` where NVML did not say."""
+        return f"NV{self.nvlinks}" if self.nvlinks else self.pcie or "unknown"
 
 
 @dataclass(frozen=True)
@@ -103,6 +123,12 @@ class Inventory:
     driver_version: str
     cuda_version: str  # "12.4"
     gpus: tuple[Gpu, ...] = ()
+    links: tuple[GpuLink, ...] = ()  # one per pair of GPUs NVML could relate; none on a one-GPU node
+
+    def link(self, a: int, b: int) -> Optional[GpuLink]:
+        """How GPUs `a` and `b` (indexes) are connected, or None where it is not known."""
+        low, high = min(a, b), max(a, b)
+        return next((link for link in self.links if (link.a, link.b) == (low, high)), None)
 
     def summary(self) -> str:
         """`8x H100 80GB HBM3, driver 550.90.07`, the way an operator names a node."""
@@ -116,13 +142,19 @@ class Inventory:
 
 @dataclass(frozen=True)
 class MigSample:
-    """Framebuffer of one GPU instance (read through its first MIG device), as dcgm-exporter reports it."""
+    """Framebuffer of one GPU instance (read through its first MIG device) and its GPM profiling metrics,
+    as dcgm-exporter reports them per GPU instance."""
 
     gpu_instance_id: int
     profile: str  # the GPU instance's profile, e.g. "3g.40gb"
     memory_used_mib: Optional[float] = None
     memory_free_mib: Optional[float] = None
     memory_reserved_mib: Optional[float] = None
+    gr_engine_active: Optional[float] = None  # GPM of the GPU instance (nvmlGpmMigSampleGet), as for a GpuSample
+    pipe_tensor_active: Optional[float] = None
+    dram_active: Optional[float] = None
+    pcie_tx_bytes: Optional[float] = None
+    pcie_rx_bytes: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +178,16 @@ class GpuSample:
     correctable_remapped_rows: Optional[float] = None
     uncorrectable_remapped_rows: Optional[float] = None
     row_remap_failure: Optional[float] = None  # 1 when a row remapping failed
+    memory_temperature_c: Optional[float] = None  # HBM temperature (NVML field value NVML_FI_DEV_MEMORY_TEMP)
+    nvlink_data_kib: Optional[float] = None  # NVLink data received and sent on all links, a counter; None: no NVLink
+    nvlink_bandwidth_total: Optional[float] = None  # from two samples' nvlink_data_kib, as DCGM works it out
+    # NVML GPM (Hopper and later) over the interval between two samples, in DCGM's units: ratios 0-1, bytes/s
+    gr_engine_active: Optional[float] = None
+    pipe_tensor_active: Optional[float] = None
+    dram_active: Optional[float] = None
+    pcie_tx_bytes: Optional[float] = None
+    pcie_rx_bytes: Optional[float] = None
+    profiling_unavailable: Optional[str] = None  # why the GPM series above are left out
     mig: tuple[MigSample, ...] = ()  # by GPU instance, where MIG is enabled
 
 
@@ -154,6 +196,19 @@ class XidEvent:
     gpu_uuid: str
     xid: int
     at: float  # unix time
+    gpu_instance_id: Optional[int] = None  # on a MIG device: the GPU instance NVML attributes it to
+    compute_instance_id: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class HealthReading:
+    """What the periodic health checks read from one GPU; None where the GPU does not report it."""
+
+    pending_remaps: Optional[bool] = None  # rows waiting for a remap (or pages for retirement) at next reset
+    pending_kind: str = "row remapping"  # or "page retirement", on GPUs without row remapping
+    remap_failed: Optional[bool] = None
+    temperature_c: Optional[int] = None
+    slowdown_c: Optional[int] = None  # the temperature at which the GPU slows itself down
 
 
 @dataclass(frozen=True)
@@ -167,14 +222,15 @@ class GpuHealth:
     critical_at: Optional[float] = None  # when the last critical XID was seen (unix time)
     lost: bool = False  # off the bus (XID 79): unhealthy until NVML answers for it again at its bus id
     missing: bool = False  # lost, and NVML has since failed to answer for it
+    check_reason: str = ""  # a periodic check fails (pending row remaps, temperature...); clears when it passes
 
     @property
     def healthy(self) -> bool:
-        return not (self.xid_reason or self.query_error)
+        return not (self.xid_reason or self.query_error or self.check_reason)
 
     @property
     def reason(self) -> str:
-        return "; ".join(r for r in (self.xid_reason, self.query_error) if r)
+        return "; ".join(r for r in (self.xid_reason, self.query_error, self.check_reason) if r)
 
 
 def to_json(value: Any) -> Any:

@@ -81,6 +81,8 @@ def _encode_argument(value: Any, ref_of: Callable[[Any], Optional[str]]) -> Any:
         return value
     if isinstance(value, ctypes._SimpleCData):
         return value.value
+    if isinstance(value, (list, tuple)):  # nvmlDeviceGetFieldValues' field ids, or (id, scope) pairs
+        return [_encode_argument(item, ref_of) for item in value]
     raise TypeError(f"cannot record an NVML argument of type {type(value).__name__}")
 
 
@@ -97,7 +99,7 @@ def encode(value: Any, ref_of: Callable[[Any], Optional[str]]) -> Any:
         return [encode(item, ref_of) for item in value]
     if isinstance(value, ctypes._SimpleCData):
         return encode(value.value, ref_of)
-    if isinstance(value, ctypes.Structure):
+    if isinstance(value, (ctypes.Structure, ctypes.Union)):  # a union: every member, read from the same bytes
         fields = {}
         for name, kind, *_ in value._fields_:
             if issubclass(kind, ctypes._Pointer):
@@ -128,7 +130,7 @@ def decode(value: Any, handle_of: Callable[[str], Any]) -> Any:
 
 def _structure(name: str, fields: dict[str, Any], handle_of: Callable[[str], Any]) -> Any:
     kind = getattr(pynvml, name, None)
-    if not (isinstance(kind, type) and issubclass(kind, ctypes.Structure)):
+    if not (isinstance(kind, type) and issubclass(kind, (ctypes.Structure, ctypes.Union))):
         raise TypeError(f"pynvml has no structure {name!r}")
     structure = kind()
     types = {field[0]: field[1] for field in kind._fields_}

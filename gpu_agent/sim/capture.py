@@ -256,6 +256,7 @@ def drive_nvml(nvml: CapturingNvml) -> list[str]:
     for gpu in inventory.gpus if inventory else ():
         attempt(f"GPU {gpu.index} sample", nvml.sample, gpu.index)
         attempt(f"GPU {gpu.index} processes", nvml.processes, gpu.index)
+        attempt(f"GPU {gpu.index} health reading", nvml.health_reading, gpu.index)
         attempt(f"GPU {gpu.index} static queries", nvml.static_queries, gpu.index)
     return problems
 

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 
 import pynvml
 
+from gpu_agent.host.inotify import DirectoryWatch
+from gpu_agent.sim import topology
 from gpu_agent.sim.kernel import loaded_version
 from gpu_agent.sim.machine import MachineState
 from gpu_agent.sim.mig import (
@@ -43,6 +45,11 @@ _CLOCKS_MHZ = {
     "T4": (300, 1590, 5000),
     "default": (300, 1500, 1500),
 }
+
+# The slowdown temperature threshold in C (NVML_TEMPERATURE_THRESHOLD_SLOWDOWN), by model: the H100's
+# is the real H100's with driver 580; the others are what nvidia-smi -q shows as "GPU Slowdown Temp".
+_SLOWDOWN_C = {"H100-80GB-HBM3": 89, "H200": 89, "A100-SXM4-40GB": 92, "A100-SXM4-80GB": 92, "A30": 92, "T4": 93,
+               "default": 90}
 
 HANG = "hang"  # a fault that blocks the call until the fault is cleared
 _HANG_LIMIT_S = 3600.0
@@ -85,6 +92,27 @@ class SimComputeInstance:
 class SimEventSet:
     after_seq: int
     gpus: set[int]
+    changes: Optional[DirectoryWatch] = None  # wakes a wait when the machine's state is written
+
+    def wait_for_change(self, state: MachineState, timeout: float) -> None:
+        """Block until the simulated machine changes (inotify) or `timeout` passes; poll if need be."""
+        if self.changes is None:
+            time.sleep(min(_POLL_S, timeout))
+        else:
+            self.changes.wait(timeout)
+
+    def watch(self, state: MachineState) -> None:
+        if self.changes is None:
+            try:
+                self.changes = DirectoryWatch()
+                self.changes.watch_for([state.path])
+            except OSError:
+                self.close()
+
+    def close(self) -> None:
+        if self.changes is not None:
+            self.changes.close()
+            self.changes = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,42 @@ class SimEventData:
     eventData: int
     gpuInstanceId: int
     computeInstanceId: int
+
+
+@dataclass
+class SimGpmSample:
+    """Stands in for a c_nvmlGpmSample_t: the GPU's load when it was taken."""
+
+    gpu: Optional[int] = None
+    load: int = 0
+    at: float = 0.0
+    freed: bool = False
+
+
+@dataclass
+class SimGpmMetric:
+    metricId: int = 0
+    nvmlReturn: int = 0
+    value: float = 0.0
+
+
+class SimGpmMetricsGet:
+    """The fields of pynvml's c_nvmlGpmMetricsGet_t that nvmlGpmMetricsGet reads and fills."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: Optional[SimGpmSample] = None
+        self.sample2: Optional[SimGpmSample] = None
+        self.metrics = [SimGpmMetric() for _ in range(pynvml.NVML_GPM_METRIC_MAX)]
+
+
+# What a GPM metric reads at a load of L %: the share of L each utilisation shows, and MiB/s per % for PCIe.
+_GPM_PER_LOAD = {
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: 1.0, pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 0.6,
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 0.5, pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 40.0,
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 60.0,
+}
 
 
 def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,6 +194,7 @@ class FakeNvml:
     # Arrays that nvmlDeviceGetGpuInstances and nvmlGpuInstanceGetComputeInstances fill.
     c_nvmlGpuInstance_t = _HandleSlot
     c_nvmlComputeInstance_t = _HandleSlot
+    c_nvmlGpmMetricsGet_t = SimGpmMetricsGet
 
     def __init__(self, state: MachineState) -> None:
         self._state = state
@@ -138,6 +203,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
+        self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data (KiB), when it was read
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
@@ -367,7 +433,49 @@ class FakeNvml:
         gpu = self._whole_gpu(handle)
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._temperature(gpu)
+
+    def _temperature(self, gpu: dict[str, Any]) -> int:
+        if gpu.get("temperature_c") is not None:  # `gpu-agent sim set --temperature`
+            return int(gpu["temperature_c"])
         return self._model(gpu).idle_temp_c + self._utilization(gpu) * 2 // 5
+
+    @_nvml
+    def nvmlDeviceGetFieldValues(self, handle: SimHandle, field_ids: list[Any]) -> Any:
+        """pynvml's answer: an array of c_nvmlFieldValue_t, each with its own nvmlReturn. The memory
+        temperature (HBM runs 2 C above the GPU: 35 against 33 on the real idle H100), and where the
+        GPU has NVLink (its topology) the NVLink data counters, which grow with its load; else NotSupported."""
+        gpu = self._whole_gpu(handle)
+        nvlink = bool(topology.of(gpu)["nvlinks"])
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for value, wanted in zip(values, field_ids):
+            value.fieldId, value.scopeId = wanted if isinstance(wanted, (list, tuple)) else (wanted, 0)
+            value.timestamp = int(time.time() * 1e6)
+            value.nvmlReturn = pynvml.NVML_SUCCESS
+            if value.fieldId == pynvml.NVML_FI_DEV_MEMORY_TEMP and self._model(gpu).mig_capable:  # HBM GPUs
+                value.valueType, value.value.uiVal = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, self._temperature(gpu) + 2
+            elif nvlink and value.fieldId in (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+                                              pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX):
+                value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                value.value.ullVal = int(self._nvlink_kib(handle.gpu, gpu) / 2)
+            else:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
+
+    def _nvlink_kib(self, index: int, gpu: dict[str, Any]) -> float:
+        """KiB sent and received over NVLink since this fake started: 1 GiB/s per % of load, never less."""
+        now = time.monotonic()
+        total, then = self._nvlink_counters.get(index, (0.0, now))
+        total += self._utilization(gpu) * 1024 * 1024 * (now - then)
+        self._nvlink_counters[index] = (total, now)
+        return total
+
+    @_nvml
+    def nvmlDeviceGetTemperatureThreshold(self, handle: SimHandle, threshold: int) -> int:
+        gpu = self._whole_gpu(handle)
+        if threshold != pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return _SLOWDOWN_C.get(gpu["model"], _SLOWDOWN_C["default"])
 
     @_nvml
     def nvmlDeviceGetPowerUsage(self, handle: SimHandle) -> int:
@@ -416,7 +524,17 @@ class FakeNvml:
         gpu = self._whole_gpu(handle)
         if not self._model(gpu).mig_capable:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [0, 0, 0, 0]
+        rows = gpu.get("remapped_rows", {})  # `gpu-agent sim set --pending-remaps/--remap-failure`
+        return [0, 0, int(rows.get("pending", 0)), int(rows.get("failure", 0))]
+
+    @_nvml
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: SimHandle) -> int:
+        """GPUs without HBM row remapping retire pages instead; the others answer NotSupported, as an H100 does."""
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).mig_capable:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        pending = gpu.get("remapped_rows", {}).get("pending", 0)
+        return pynvml.NVML_FEATURE_ENABLED if pending else pynvml.NVML_FEATURE_DISABLED
 
     @_nvml
     def nvmlDeviceGetComputeRunningProcesses(self, handle: SimHandle) -> list[Any]:
@@ -428,6 +546,57 @@ class FakeNvml:
                                        "computeInstanceId": p.get("compute_instance_id", 0xFFFFFFFF)})
             for p in gpu["processes"]
         ]
+
+    # --- GPM: Hopper and later (compute capability 9.0+) -------------------------------------
+
+    @_nvml
+    def nvmlGpmQueryDeviceSupport(self, handle: SimHandle) -> Any:
+        gpu = self._whole_gpu(handle)
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(self._model(gpu).compute_capability >= (9, 0))
+        return support
+
+    @_nvml
+    def nvmlGpmSampleAlloc(self) -> SimGpmSample:
+        return SimGpmSample()
+
+    @_nvml
+    def nvmlGpmSampleGet(self, handle: SimHandle, sample: SimGpmSample) -> SimGpmSample:
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).compute_capability < (9, 0):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        sample.gpu, sample.load, sample.at = handle.gpu, self._utilization(gpu), time.monotonic()
+        return sample
+
+    @_nvml
+    def nvmlGpmMigSampleGet(self, handle: SimHandle, gi_id: int, sample: SimGpmSample) -> SimGpmSample:
+        """A GPU instance's load: its own processes'."""
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).compute_capability < (9, 0) or not gpu["mig"]["current"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        find_gi(gpu, gi_id)
+        load = min(100, 35 * sum(1 for p in gpu["processes"] if p.get("gpu_instance_id") == gi_id))
+        sample.gpu, sample.load, sample.at = handle.gpu * 1000 + gi_id, load, time.monotonic()
+        return sample
+
+    @_nvml
+    def nvmlGpmSampleFree(self, sample: SimGpmSample) -> None:
+        sample.freed = True
+
+    @_nvml
+    def nvmlGpmMetricsGet(self, request: SimGpmMetricsGet) -> SimGpmMetricsGet:
+        """Each metric at the mean load of the two samples; two samples of one GPU, the second later."""
+        first, second = request.sample1, request.sample2
+        if (first is None or second is None or first.gpu is None or first.gpu != second.gpu
+                or first.freed or second.freed or second.at <= first.at):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        load = (first.load + second.load) / 2
+        for metric in request.metrics[:request.numMetrics]:
+            share = _GPM_PER_LOAD.get(metric.metricId)
+            metric.nvmlReturn = pynvml.NVML_SUCCESS if share is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            metric.value = load * share if share is not None else 0.0
+        return request
 
     # --- MIG -------------------------------------------------------------------------------
     # The rules (placements, ids, IN_USE, pending modes) are gpu_agent.sim.mig's; these calls hold the
@@ -441,6 +610,13 @@ class FakeNvml:
     def nvmlDeviceGetMigMode(self, handle: SimHandle) -> list[int]:
         gpu, _ = self._mig_capable(handle)
         return [gpu["mig"]["current"], gpu["mig"]["pending"]]
+
+    @_nvml
+    def nvmlDeviceGetVirtualizationMode(self, handle: SimHandle) -> int:
+        """NONE on bare metal; PASSTHROUGH for a GPU whose state says `"passthrough": true` (in a VM)."""
+        gpu = self._whole_gpu(handle)
+        return (pynvml.NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH if gpu.get("passthrough")
+                else pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)
 
     @_nvml
     def nvmlDeviceSetMigMode(self, handle: SimHandle, mode: int) -> int:
@@ -714,6 +890,49 @@ class FakeNvml:
         attributes.memorySizeMB = g.memory_mib
         return attributes
 
+    # --- topology (gpu_agent.sim.topology's rules) ---------------------------------------------
+
+    def _nvlink(self, handle: SimHandle, link: int) -> dict[str, Any]:
+        gpu = self._whole_gpu(handle)
+        links = topology.of(gpu)["nvlinks"]
+        if not links:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not 0 <= link < links:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return gpu
+
+    @_nvml
+    def nvmlDeviceGetNvLinkState(self, handle: SimHandle, link: int) -> int:
+        self._nvlink(handle, link)
+        return pynvml.NVML_FEATURE_ENABLED
+
+    @_nvml
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: SimHandle, link: int) -> int:
+        self._nvlink(handle, link)
+        return pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+
+    @_nvml
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: SimHandle, link: int) -> Any:
+        gpu = self._nvlink(handle, link)
+        switches = self._state.read()["pci"]["nvswitches"]
+        info = pynvml.nvmlPciInfo_t()
+        address = topology.nvswitch_of_link(link, topology.of(gpu)["nvlinks"], switches)
+        info.busId = f"0000{address}".upper().encode()
+        return info
+
+    @_nvml
+    def nvmlDeviceGetTopologyCommonAncestor(self, a: SimHandle, b: SimHandle) -> int:
+        return topology.common_ancestor(self._whole_gpu(a), self._whole_gpu(b))
+
+    @_nvml
+    def nvmlDeviceGetP2PStatus(self, a: SimHandle, b: SimHandle, index: int) -> int:
+        first, second = self._whole_gpu(a), self._whole_gpu(b)
+        nvlink = bool(topology.of(first)["nvlinks"] and topology.of(second)["nvlinks"])
+        if index == pynvml.NVML_P2P_CAPS_INDEX_NVLINK:
+            return pynvml.NVML_P2P_STATUS_OK if nvlink else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
+        near = topology.common_ancestor(first, second) <= pynvml.NVML_TOPOLOGY_MULTIPLE
+        return pynvml.NVML_P2P_STATUS_OK if nvlink or near else pynvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED
+
     # --- events ----------------------------------------------------------------------------
 
     @_nvml
@@ -730,21 +949,24 @@ class FakeNvml:
     @_nvml
     def nvmlEventSetWait_v2(self, event_set: SimEventSet, timeout_ms: int) -> SimEventData:
         deadline = time.monotonic() + timeout_ms / 1000
+        event_set.watch(self._state)  # before reading: an XID raised after the read wakes the wait
         while True:
             for xid in self._state.read()["xids"]:
                 if xid["seq"] >= event_set.after_seq and xid["gpu"] in event_set.gpus:
                     event_set.after_seq = xid["seq"] + 1
                     return SimEventData(SimHandle(xid["gpu"]), pynvml.nvmlEventTypeXidCriticalError, xid["xid"],
-                                        0xFFFFFFFF, 0xFFFFFFFF)
+                                        xid.get("gpu_instance_id", 0xFFFFFFFF),
+                                        xid.get("compute_instance_id", 0xFFFFFFFF))
             if time.monotonic() >= deadline:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
-            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            event_set.wait_for_change(self._state, max(0.0, deadline - time.monotonic()))
 
     nvmlEventSetWait = nvmlEventSetWait_v2
 
     @_nvml
     def nvmlEventSetFree(self, event_set: SimEventSet) -> None:
         event_set.gpus.clear()
+        event_set.close()
 
 
 def _deref(value: Any) -> Any:

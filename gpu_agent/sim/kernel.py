@@ -201,6 +201,7 @@ def _built_in(state: dict[str, Any]) -> dict[str, str]:
 
 
 def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) -> None:
+    from gpu_agent.sim import topology
     from gpu_agent.sim.profiles import MODELS
 
     names = loaded_names(state)
@@ -218,6 +219,9 @@ def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) ->
         files[f"{base}/vendor"] = f"0x{vendor:04x}\n"
         files[f"{base}/device"] = f"0x{device:04x}\n"
         files[f"{base}/class"] = f"0x{pci_class:06x}\n"
+    for gpu in state["gpus"]:
+        files[f"sys/bus/pci/devices/{_sysfs_address(gpu['pci_bus_id'])}/numa_node"] = \
+            f"{topology.of(gpu)['numa_node']}\n"
 
 
 def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> None:

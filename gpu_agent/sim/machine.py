@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import uuid as uuidlib
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.sim.kernel import initial_kernel, render
 from gpu_agent.sim.mig import add_device
 from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
+from gpu_agent.sim.topology import UNKNOWN_NUMA, gpu_topology
 from gpu_agent.sim.userspace import install_driver_userspace
 
 STATE_DIR = "/var/lib/gpu-agent/sim"
@@ -43,6 +45,10 @@ class GpuSpec(_Spec):
     count: int = Field(1, ge=1)
     pci_bus_ids: Optional[list[str]] = None
     mig: MigSpec = MigSpec()
+    numa_node: Optional[int] = Field(None, ge=0, lt=1024, description="the CPU NUMA node these GPUs hang off")
+    pcie_switch: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$",
+        description="the PCIe switches above these GPUs, from the root port down: `sw0`, or `sw0/sw0.1`")
 
 
 class MachineSpec(_Spec):
@@ -50,10 +56,13 @@ class MachineSpec(_Spec):
     driver_version: Optional[str] = "550.90.07"
     cuda_version: str = "12.4"
     gpus: list[GpuSpec] = Field(default_factory=list)
-    nvswitches: int = Field(0, ge=0)
-    mellanox_nics: int = Field(0, ge=0, description="ConnectX NICs, for GPUDirect RDMA (nvidia_peermem)")
+    nvswitches: int = Field(0, ge=0, le=32, description="NVSwitches, on buses c0 to df")
+    nvlinks: int = Field(0, ge=0, le=18, description="NVLinks from each GPU into the NVSwitches (all-to-all)")
+    mellanox_nics: int = Field(0, ge=0, le=32, description="ConnectX NICs, for GPUDirect RDMA (nvidia_peermem), "
+                                                           "on buses e0 to ff")
     nouveau: bool = Field(False, description="the distribution loaded nouveau at boot")
     product_name: str = Field("Standard PC", description="DMI product name (the gpu.machine label)")
+    passthrough: bool = Field(False, description="a VM with its GPUs passed through: it cannot reset them")
 
 
 def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
@@ -74,6 +83,8 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
         raise AgentError(f"{path}: {problems}") from None
     gpus: list[tuple[GpuModel, str]] = []
     mig: dict[int, MigSpec] = {}
+    numa: list[int] = []
+    paths: list[tuple[str, ...]] = []
     for n, gpu in enumerate(spec.gpus):
         model = MODELS.get(gpu.model)
         if model is None:
@@ -81,27 +92,53 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
         if gpu.pci_bus_ids is not None and len(gpu.pci_bus_ids) != gpu.count:
             raise AgentError(f"{path}: gpus.{n}.pci_bus_ids: {gpu.count} GPUs need {gpu.count} bus ids")
         for i in range(gpu.count):
-            bus = gpu.pci_bus_ids[i] if gpu.pci_bus_ids else f"{0x10 + len(gpus) * 0x10:02X}:00.0"
+            bus = gpu.pci_bus_ids[i] if gpu.pci_bus_ids else _default_bus_id(len(gpus))
             if gpu.mig.enabled or gpu.mig.devices:
                 if not model.mig_capable:
                     raise AgentError(f"{path}: gpus.{n}.mig: {model.name} is not MIG-capable")
                 mig[len(gpus)] = gpu.mig
-            gpus.append((model, _nvml_bus_id(bus)))
+            nvml_bus = _nvml_bus_id(bus)
+            if nvml_bus is None:
+                raise AgentError(f"{path}: gpus.{n}.pci_bus_ids.{i}: {bus!r} is not a PCI address: expected "
+                                 "[DOMAIN:]BUS:DEVICE.FUNCTION in hex, bus at most ff, device 1f, function 7")
+            if nvml_bus in (b for _, b in gpus):
+                raise AgentError(f"{path}: gpus.{n}.pci_bus_ids.{i}: {bus} is already another GPU's")
+            gpus.append((model, nvml_bus))
+            numa.append(UNKNOWN_NUMA if gpu.numa_node is None else gpu.numa_node)
+            paths.append(tuple(gpu.pcie_switch.split("/")) if gpu.pcie_switch else ())
+    if spec.nvlinks and not spec.nvswitches:
+        raise AgentError(f"{path}: nvlinks: NVLink all-to-all goes through NVSwitches; set nvswitches too")
     major, _, minor = spec.cuda_version.partition(".")
     if not (major.isdigit() and minor.isdigit()):
         raise AgentError(f"{path}: cuda_version: expected MAJOR.MINOR such as 12.4, got {spec.cuda_version!r}")
     machine = Machine(spec.name, spec.driver_version, int(major) * 1000 + int(minor) * 10, tuple(gpus),
                       nvswitches=tuple(f"0000:{0xc0 + n:02x}:00.0" for n in range(spec.nvswitches)),
                       mellanox_nics=tuple(f"0000:{0xe0 + n:02x}:00.0" for n in range(spec.mellanox_nics)),
-                      nouveau=spec.nouveau, product_name=spec.product_name)
+                      nouveau=spec.nouveau, product_name=spec.product_name,
+                      numa_nodes=tuple(numa), pcie_paths=tuple(paths), nvlinks=spec.nvlinks,
+                      passthrough=spec.passthrough)
     return machine, mig
 
 
-def _nvml_bus_id(bus: str) -> str:
-    """Any of 18:00.0, 0000:18:00.0, 00000000:18:00.0 as NVML writes it: 00000000:18:00.0."""
-    parts = bus.upper().split(":")
-    domain = parts[0] if len(parts) == 3 else "0"
-    return f"{int(domain, 16):08X}:{parts[-2]}:{parts[-1]}"
+_PCI_ADDRESS = re.compile(r"(?:([0-9A-F]{1,8}):)?([0-9A-F]{1,2}):([0-9A-F]{1,2})\.([0-7])")
+_GPUS_PER_DOMAIN = 11  # buses 10 ... B0 of a PCI domain (c0-df NVSwitches, e0-ff NICs); more GPUs span domains
+
+
+def _default_bus_id(index: int) -> str:
+    """The index-th GPU's address when the file names none: 0000:10:00.0, 0000:20:00.0 ... 0000:B0:00.0,
+    then 0001:10:00.0, as large machines spread GPUs over PCI domains (a bus number never exceeds ff)."""
+    domain, slot = divmod(index, _GPUS_PER_DOMAIN)
+    return f"{domain:04X}:{0x10 * (slot + 1):02X}:00.0"
+
+
+def _nvml_bus_id(bus: str) -> Optional[str]:
+    """Any of 18:00.0, 0000:18:00.0, 00000000:18:00.0 as NVML writes it: 00000000:18:00.0; None when `bus`
+    is no PCI address (a bus above ff, a device above 1f, a function above 7)."""
+    match = _PCI_ADDRESS.fullmatch(bus.strip().upper())
+    if match is None or int(match.group(3), 16) > 0x1F:
+        return None
+    domain, number, device, function = match.groups()
+    return f"{int(domain or '0', 16):08X}:{int(number, 16):02X}:{int(device, 16):02X}.{function}"
 
 
 def _gpu_uuid(machine: str, index: int, bus: str) -> str:
@@ -118,7 +155,12 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
             "model": model.key, "pci_bus_id": bus, "uuid": uuid, "minor": index,
             "mig": {"current": enabled, "pending": enabled, "gpu_instances": []},
             "processes": [],
+            "topology": gpu_topology(
+                machine.numa_nodes[index] if index < len(machine.numa_nodes) else UNKNOWN_NUMA,
+                machine.pcie_paths[index] if index < len(machine.pcie_paths) else (), machine.nvlinks),
         }
+        if machine.passthrough:
+            gpu["passthrough"] = True
         for profile in spec.devices:
             add_device(gpu, model, profile)
         gpus.append(gpu)

@@ -217,6 +217,29 @@ def reset(gpu: dict[str, Any]) -> None:
     mig["current"] = mig["pending"]
 
 
+def loses_mode_on_reload(model: GpuModel) -> bool:
+    """Hopper and later (compute capability 9.0+) forget MIG mode when the driver reloads; Ampere keeps it."""
+    return model.compute_capability >= (9, 0)
+
+
+def reload_driver(gpu: dict[str, Any], model: GpuModel) -> None:
+    """The nvidia module unloaded and loaded again: MIG instances are the driver's and are gone on every
+    GPU; Hopper and later come back with MIG disabled; Ampere keeps its mode, and a pending one stays
+    pending (only a GPU reset or a reboot applies it)."""
+    mig = gpu["mig"]
+    mig["gpu_instances"] = []
+    if loses_mode_on_reload(model):
+        mig["current"] = mig["pending"] = 0
+
+
+def reboot(gpu: dict[str, Any], model: GpuModel) -> None:
+    """A reboot: the processes are gone, a pending mode takes effect (the GPU is reset), then the driver
+    loads afresh."""
+    gpu["processes"] = []
+    reset(gpu)
+    reload_driver(gpu, model)
+
+
 def add_device(gpu: dict[str, Any], model: GpuModel, name: str) -> None:
     """A machine file's MIG device (`3g.40gb`, `1c.3g.40gb`): a GPU instance at its profile's first free
     placement, with one compute instance; AgentError naming the profile when it cannot be made."""
@@ -242,15 +265,27 @@ class SimGpuReset:
     def __init__(self, machine: Any) -> None:
         self.machine = machine
 
+    def blocker(self, index: int, bus_id: str) -> Optional[ResetImpossible]:
+        return self._blocker(self.machine.read(), index, bus_id)
+
+    @staticmethod
+    def _blocker(state: dict[str, Any], index: int, bus_id: str) -> Optional[ResetImpossible]:
+        gpu = state["gpus"][index]
+        if gpu["processes"]:
+            pids = ", ".join(str(p["pid"]) for p in gpu["processes"])
+            return ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while processes {pids} use it",
+                                   until_reboot=False)
+        if any(module["name"] == "nvidia_drm" for module in state["kernel"]["loaded"]):
+            return ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while nvidia_drm is loaded; "
+                                   "reboot the node (or unload nvidia_drm) for the MIG mode change")
+        return None
+
     def reset(self, index: int, bus_id: str) -> None:
         with self.machine.edit() as state:
+            blocked = self._blocker(state, index, bus_id)
+            if blocked is not None:
+                raise blocked
             gpu = state["gpus"][index]
-            if gpu["processes"]:
-                pids = ", ".join(str(p["pid"]) for p in gpu["processes"])
-                raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while processes {pids} use it")
-            if any(module["name"] == "nvidia_drm" for module in state["kernel"]["loaded"]):
-                raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while nvidia_drm is loaded; "
-                                      "reboot the node (or unload nvidia_drm) for the MIG mode change")
             reset(gpu)
             state.setdefault("resets", []).append(index)
 

@@ -149,6 +149,10 @@ class Machine:
     mellanox_nics: tuple[str, ...] = ()  # PCI addresses of ConnectX NICs (GPUDirect RDMA)
     nouveau: bool = False  # the distribution loaded nouveau at boot
     product_name: str = "Standard PC"  # DMI /sys/class/dmi/id/product_name
+    numa_nodes: tuple[int, ...] = ()  # each GPU's NUMA node, in GPU order; none given: unknown (-1)
+    pcie_paths: tuple[tuple[str, ...], ...] = ()  # each GPU's PCIe switches from its root port down
+    nvlinks: int = 0  # NVLinks from each GPU into the NVSwitch fabric (all-to-all); 0: no NVLink
+    passthrough: bool = False  # a VM whose GPUs are passed through (NVML's virtualization mode)
 
 
 _DGX_A100_BUSES = ("07", "0F", "47", "4E", "87", "90", "B7", "BD")
@@ -163,19 +167,29 @@ def _addresses(*buses: str) -> tuple[str, ...]:
     return tuple(f"0000:{bus}:00.0" for bus in buses)
 
 
+# DGX boards: two CPU sockets, GPUs 0-3 on NUMA node 0 and 4-7 on node 1, every GPU NVLinked to every
+# other through the NVSwitches (`nvidia-smi topo -m` shows NV12 on a DGX A100, NV18 on a DGX H100/H200).
+# A DGX A100 pairs its GPUs under two-level PCIe switches (GPUs 0-1, 2-3, 4-5, 6-7: PXB); a DGX H100
+# gives each GPU its own PCIe switch (with its NIC), so its GPUs meet only at the CPU (NODE or SYS).
+_DGX_NUMA = (0, 0, 0, 0, 1, 1, 1, 1)
+_DGX_A100_PCIE = tuple((f"pex{n // 2}", f"pex{n // 2}.{n % 2}") for n in range(8))
+_DGX_H100_PCIE = tuple((f"pex{n}",) for n in range(8))
+
+
 BUILT_IN = {
     "dgx-a100": Machine("dgx-a100", "550.90.07", 12040, _buses(A100_SXM4_40GB, _DGX_A100_BUSES),
                         nvswitches=_addresses("c4", "c5", "c6", "c7", "c8", "c9"),
                         mellanox_nics=_addresses("0c", "12", "54", "5a", "8d", "94", "ba", "cc"),
-                        product_name="DGXA100 920-23687-2530-000"),
+                        product_name="DGXA100 920-23687-2530-000",
+                        numa_nodes=_DGX_NUMA, pcie_paths=_DGX_A100_PCIE, nvlinks=12),
     "dgx-h100": Machine("dgx-h100", "550.90.07", 12040, _buses(H100_80GB_HBM3, _DGX_H100_BUSES),
                         nvswitches=_addresses("05", "06", "07", "08"),
                         mellanox_nics=_addresses("1a", "3c", "4d", "5e", "9c", "bc", "cc", "dc"),
-                        product_name="DGXH100"),
+                        product_name="DGXH100", numa_nodes=_DGX_NUMA, pcie_paths=_DGX_H100_PCIE, nvlinks=18),
     "dgx-h200": Machine("dgx-h200", "550.90.07", 12040, _buses(H200, _DGX_H100_BUSES),
                         nvswitches=_addresses("05", "06", "07", "08"),
                         mellanox_nics=_addresses("1a", "3c", "4d", "5e", "9c", "bc", "cc", "dc"),
-                        product_name="DGXH200"),
+                        product_name="DGXH200", numa_nodes=_DGX_NUMA, pcie_paths=_DGX_H100_PCIE, nvlinks=18),
     "a30": Machine("a30", "550.90.07", 12040, _buses(A30, ("3B",)), product_name="PowerEdge R750xa"),
     "t4": Machine("t4", "550.90.07", 12040, ((T4, "00000000:00:1E.0"),), product_name="g4dn.xlarge"),
     "none": Machine("none", None, 0, ()),

@@ -262,6 +262,18 @@ class Capture:
             raise AgentError(f"{self.directory / 'nvml.json'}: {name}: cannot replay the recorded answer: "
                              f"{exc}") from None
 
+    def field_values(self, ref: str) -> dict[tuple[int, int], Any]:
+        """Every field value the node answered for handle `ref`, in any nvmlDeviceGetFieldValues call,
+        by (field id, scope id)."""
+        found: dict[tuple[int, int], Any] = {}
+        for entry in self.calls.values():
+            asked = entry.call == "nvmlDeviceGetFieldValues" and entry.args[:1] == [{"handle": ref}]
+            if not asked or entry.error is not None:
+                continue
+            for value in answers.decode(entry.ok, handle_of) or ():
+                found[(value.fieldId, value.scopeId)] = value
+        return found
+
     def value(self, name: str, *args: Any, default: Any = None) -> Any:
         """The recorded answer, or `default` when it was an error or not recorded."""
         try:
@@ -672,12 +684,19 @@ class ReplayNvml(FakeNvml):
     nvmlSystemGetDriverVersion = _recorded("nvmlSystemGetDriverVersion")
     nvmlSystemGetNVMLVersion = _recorded("nvmlSystemGetNVMLVersion")
     nvmlSystemGetCudaDriverVersion = _recorded("nvmlSystemGetCudaDriverVersion")
+    # Topology is the hardware's: as recorded (a one-GPU capture has no pairs: NotSupported).
+    nvmlDeviceGetNvLinkState = _recorded("nvmlDeviceGetNvLinkState")
+    nvmlDeviceGetNvLinkRemoteDeviceType = _recorded("nvmlDeviceGetNvLinkRemoteDeviceType")
+    nvmlDeviceGetNvLinkRemotePciInfo = _recorded("nvmlDeviceGetNvLinkRemotePciInfo")
+    nvmlDeviceGetTopologyCommonAncestor = _recorded("nvmlDeviceGetTopologyCommonAncestor")
+    nvmlDeviceGetP2PStatus = _recorded("nvmlDeviceGetP2PStatus")
     nvmlDeviceGetCount = _recorded("nvmlDeviceGetCount")
     nvmlDeviceGetIndex = _recorded("nvmlDeviceGetIndex")
     nvmlDeviceGetMinorNumber = _recorded("nvmlDeviceGetMinorNumber")
     nvmlDeviceGetPciInfo = _recorded("nvmlDeviceGetPciInfo")
     nvmlDeviceGetCudaComputeCapability = _recorded("nvmlDeviceGetCudaComputeCapability")
     nvmlDeviceGetGpuInstanceProfileInfo = _recorded("nvmlDeviceGetGpuInstanceProfileInfo")
+    nvmlDeviceGetVirtualizationMode = _recorded("nvmlDeviceGetVirtualizationMode")
     # Metrics the fake simulates on built-in machines: here as the node answered, or NotSupported.
     nvmlDeviceGetClockInfo = _recorded("nvmlDeviceGetClockInfo")
     nvmlDeviceGetTotalEnergyConsumption = _recorded("nvmlDeviceGetTotalEnergyConsumption")
@@ -685,6 +704,24 @@ class ReplayNvml(FakeNvml):
     nvmlDeviceGetEncoderUtilization = _recorded("nvmlDeviceGetEncoderUtilization")
     nvmlDeviceGetDecoderUtilization = _recorded("nvmlDeviceGetDecoderUtilization")
     nvmlDeviceGetRemappedRows = _recorded("nvmlDeviceGetRemappedRows")
+    nvmlDeviceGetRetiredPagesPendingStatus = _recorded("nvmlDeviceGetRetiredPagesPendingStatus")
+    nvmlDeviceGetTemperatureThreshold = _recorded("nvmlDeviceGetTemperatureThreshold")
+    # GPM is not captured (its samples are opaque buffers): a replayed node says why its PROF series are missing.
+    nvmlGpmQueryDeviceSupport = _recorded("nvmlGpmQueryDeviceSupport")
+
+    @_nvml
+    def nvmlDeviceGetFieldValues(self, handle: SimHandle, field_ids: list[Any]) -> Any:
+        """Each field as the node answered it when it was asked for it; NotSupported for one it was not."""
+        recorded = self.capture.field_values(ref_of(handle) or "")
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for n, wanted in enumerate(field_ids):
+            field_id, scope = wanted if isinstance(wanted, (list, tuple)) else (wanted, 0)
+            if (field_id, scope) in recorded:
+                values[n] = recorded[(field_id, scope)]
+            else:
+                values[n].fieldId, values[n].scopeId = field_id, scope
+                values[n].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
 
     @_nvml
     def nvmlDeviceGetName(self, handle: SimHandle) -> str:

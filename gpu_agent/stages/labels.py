@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from gpu_agent.config.kubernetes import KubernetesConfig
+from gpu_agent.config.plugin import mig_strategy
 from gpu_agent.errors import StageError
 from gpu_agent.host import owned
 from gpu_agent.host.files import read_text
@@ -22,7 +23,9 @@ from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
+from gpu_agent.kube.labels import machine_name
 from gpu_agent.plan import PatchNode, WriteFile
+from gpu_agent.plugin.devices import Shared, sharing
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 
@@ -33,9 +36,10 @@ NODE_REFRESH_S = 300.0  # GET the node at most this often (and after a 409)
 MIG_STATE = "nvidia.com/mig.config.state"
 
 
-def machine_name(root: Root) -> Optional[str]:
-    name = read_text(root("/sys/class/dmi/id/product_name"))
-    return name.strip() if name else None
+def _strategy_and_sharing(agent: AgentState, inventory: Optional[Any]) -> tuple[str, dict[str, Shared]]:
+    config = agent.config.config
+    strategy = mig_strategy(config)
+    return strategy, sharing(inventory, strategy, config.plugin)
 
 
 @dataclass
@@ -67,7 +71,8 @@ class KubeSink(Stage):
         # they stay as last seen, with gpu-agent.ready=false, until the GPUs are seen again.
         inventory = self.inputs.get("inventory") or self.agent.last_inventory
         node = self._current_node()
-        wanted = gfd.compute(inventory, ready, self.settings.mig_strategy, machine_name(self.root))
+        strategy, shared = _strategy_and_sharing(self.agent, inventory)
+        wanted = gfd.compute(inventory, ready, strategy, machine_name(self.root), shared)
         if inventory is None and self.inputs.get("pci_gpus") != 0:
             wanted = {**_owned_labels(node), **wanted}  # GPUs on the bus, not seen yet: keep what the node has
         mig = self.inputs.get("mig")

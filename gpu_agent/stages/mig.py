@@ -2,7 +2,9 @@
 
 It runs before discovery, so the inventory, the CDI spec and the labels of the same pass see the new
 MIG devices. Its result ("mig") carries nvidia.com/mig.config.state for the labels stage: pending while
-a change is under way or waits for a GPU reset, success, or failed; the reasons go to /status.
+a change is under way or waits for a GPU reset the agent will make, rebooting when only a reboot applies
+a pending mode change, success, or failed; the reasons go to /status. Every pass compares the GPUs with
+the config again, so a geometry lost with a driver reload (Hopper forgets MIG mode) is made again.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 from gpu_agent.config.mig import MigConfig
 from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host.paths import Root
-from gpu_agent.mig.apply import FAILED, PENDING, SUCCESS, Applier, GpuResult, node_state
+from gpu_agent.mig.apply import FAILED, PENDING, SUCCESS, Applier, GpuResult, awaits_reset, node_state
 from gpu_agent.mig.checkpoint import CheckpointStore
 from gpu_agent.mig.config import load_mig_config
 from gpu_agent.mig.hooks import Hooks, UnitControl
@@ -44,7 +46,7 @@ class MigResult:
     """What the stage hands on: the node's state label and each GPU's outcome."""
 
     config: Optional[str]
-    state: str  # pending | success | failed
+    state: str  # pending | rebooting | success | failed
     reason: str
     gpus: tuple[GpuResult, ...] = ()
 
@@ -115,7 +117,11 @@ class Mig(Stage):
             self._apply(inventory, plans)  # every GPU's outcome, refused ones included
 
     def _apply(self, inventory: Inventory, plans: tuple[GpuPlan, ...]) -> None:
-        if self.announce is not None:
+        by_index = {gpu.index: gpu for gpu in inventory.gpus}
+        changing = [plan for plan in plans if plan.changes and not plan.refused]
+        # Only retrying the reset of a mode already pending changes nothing the node's users see: the state
+        # label stays what it is (rebooting) instead of flapping through pending every pass.
+        if self.announce is not None and not all(awaits_reset(by_index[p.gpu], p.changes[0]) for p in changing):
             try:
                 self.announce(PENDING)
             except AgentError as exc:

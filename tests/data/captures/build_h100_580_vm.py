@@ -18,7 +18,8 @@ Where each part comes from:
 - manifest.json: kernel release from uname.txt, no modprobe (binaries-on-path.txt), when from nvidia-smi-q.txt.
 - nvml.json: nvml-readonly-dump.json (the second machine of the same kind), except the GPU's UUID, which is
   the first machine's (nvidia-smi-L.txt, as in its /proc/driver/nvidia/gpus/*/information), and the MIG
-  placements, which the dump could not read: nvidia-smi-mig-lgipp.txt.
+  placements, which the dump could not read: nvidia-smi-mig-lgipp.txt. The dump's field values (each
+  with its own nvmlReturn) are one nvmlDeviceGetFieldValues call.
 """
 from __future__ import annotations
 
@@ -166,6 +167,8 @@ def nvml_part(shared: Path) -> list[dict[str, Any]]:
         elif key.startswith("ecc_"):
             error, counter = re.fullmatch(r"ecc_(NVML_MEMORY_ERROR_TYPE_\w+?)_(NVML_\w+_ECC)", key).groups()  # type: ignore[union-attr]
             add("nvmlDeviceGetTotalEccErrors", (GPU, getattr(pynvml, error), getattr(pynvml, counter)), result)
+    add("nvmlDeviceGetFieldValues", (GPU, [(getattr(pynvml, name), 0) for name in device["field_values"]]),
+        {"ok": [_field_value(getattr(pynvml, name), read) for name, read in device["field_values"].items()]})
     for profile in device["gi_profiles"].values():
         add("nvmlDeviceGetGpuInstanceProfileInfo", (GPU, profile["const"]), profile["info"],
             "c_nvmlGpuInstanceProfileInfo_v2_t")
@@ -176,6 +179,14 @@ def nvml_part(shared: Path) -> list[dict[str, Any]]:
             add(answers.PLACEMENTS_CALL, (GPU, int(match.group(1))),
                 {"ok": [[start, int(match.group(3))] for start in starts]})
     return calls
+
+
+def _field_value(field_id: int, read: dict[str, Any]) -> dict[str, Any]:
+    """One of the dump's field values ({ret, type, value}) as a recorded c_nvmlFieldValue_t."""
+    member = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")[read["type"]]
+    return {"struct": "c_nvmlFieldValue_t", "fields": {
+        "fieldId": field_id, "scopeId": 0, "timestamp": 0, "latencyUsec": 0, "valueType": read["type"],
+        "nvmlReturn": read["ret"], "value": {"struct": "c_nvmlValue_t", "fields": {member: read["value"]}}}}
 
 
 def manifest_part(shared: Path, problems: list[str]) -> dict[str, Any]:

@@ -1,0 +1,78 @@
+"""Where the running daemon answers, read without pydantic: `gpu-agent status` and `labels` only need
+the http section, and validating the whole config costs them more than the question they ask.
+
+Only a plainly valid http section is read here. Anything else gives None and the caller loads the
+config in full (config_of), which names the file, line and key at fault.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from gpu_agent.config.text import read_config_text
+from gpu_agent.errors import ConfigError
+
+DEFAULT_LISTEN = "127.0.0.1:9445"
+DEFAULT_SOCKET = "/run/gpu-agent/agent.sock"
+LISTEN_MAX = 300
+PATH_MAX = 4096
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def valid_listen(value: str) -> bool:
+    """HOST:PORT, or "" (TCP off)."""
+    if value == "":
+        return True
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+
+
+def valid_socket(value: str) -> bool:
+    """An absolute path without control characters, or "" (the socket off)."""
+    return value == "" or (value.startswith("/") and not _CONTROL.search(value))
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    listen: str = DEFAULT_LISTEN
+    socket: str = DEFAULT_SOCKET
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+def read_endpoint(path: Path, required: bool) -> Optional[Endpoint]:
+    """The endpoint the config at `path` gives (the defaults when an optional file is missing), or None
+    when that needs the full loader to say what is wrong."""
+    from gpu_agent.config.safe_yaml import load_yaml
+
+    try:
+        text = read_config_text(path)
+        if text is None:
+            return None if required else Endpoint()
+        _, data = load_yaml(text, str(path))
+    except ConfigError:
+        return None
+    if data is None:
+        return Endpoint()
+    if not isinstance(data, dict) or data.get("version") != "v1":
+        return None
+    return _endpoint(data.get("http", {}))
+
+
+def _endpoint(http: Any) -> Optional[Endpoint]:
+    if not isinstance(http, dict) or not set(http) <= {"listen", "socket"}:
+        return None
+    listen, socket = http.get("listen", DEFAULT_LISTEN), http.get("socket", DEFAULT_SOCKET)
+    if not (isinstance(listen, str) and len(listen) <= LISTEN_MAX and valid_listen(listen)):
+        return None
+    if not (isinstance(socket, str) and len(socket) <= PATH_MAX and valid_socket(socket)):
+        return None
+    return Endpoint(listen, socket)

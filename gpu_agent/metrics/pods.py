@@ -1,0 +1,177 @@
+"""Pod attribution of the DCGM series (`metrics.pod_labels: true`), as dcgm-exporter does it.
+
+The kubelet's pod-resources API (v1 List, on <root>/var/lib/kubelet/pod-resources/kubelet.sock) says
+which container holds which device. A device id is a GPU UUID, a MIG device UUID or a time-slicing
+replica `<uuid>::<n>`: the replica suffix is stripped, a GPU's holders label its whole-GPU series and a
+MIG device's holders label its GPU instance's series (GPU_I_ID), each with `pod`, `namespace` and
+`container`. A device several containers share (replicas) gets one series per holder, as dcgm-exporter
+writes them for shared GPUs; a device nobody holds keeps its series without those labels.
+
+The query runs on its own timer (the sample interval), never on a scrape, and is bounded by a timeout.
+When it fails, the series go without pod labels and /status says why.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from gpu_agent.host.paths import Root
+from gpu_agent.nvml.model import Inventory
+
+log = logging.getLogger(__name__)
+
+SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+TIMEOUT_S = 5.0
+SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+MAX_HOLDERS = 256  # per device: more containers than this on one GPU is not a real node's answer
+LABELS = ("container", "namespace", "pod")  # in the order dcgm-exporter writes them (its attributes, sorted)
+
+Key = tuple[str, Optional[int]]  # (GPU UUID, GPU instance id; None: the whole GPU)
+
+
+@dataclass(frozen=True, order=True)
+class Holder:
+    namespace: str
+    pod: str
+    container: str
+
+    @property
+    def labels(self) -> list[str]:
+        """Values of LABELS."""
+        return [self.container, self.namespace, self.pod]
+
+
+@dataclass(frozen=True)
+class PodAttribution:
+    """Replaced, never changed: the last answer of the kubelet, or why there is none."""
+
+    holders: dict[Key, tuple[Holder, ...]] = field(default_factory=dict)
+    error: Optional[str] = None
+    at: Optional[float] = None  # when the kubelet last answered (unix time)
+
+    def of(self, uuid: str, gpu_instance: Optional[int] = None) -> tuple[Holder, ...]:
+        return self.holders.get((uuid, gpu_instance), ())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "error": self.error,
+            "updated_at": self.at,
+            "devices": [
+                {"uuid": uuid, "gpu_instance_id": gi,
+                 "holders": [{"pod": h.pod, "namespace": h.namespace, "container": h.container} for h in holders]}
+                for (uuid, gi), holders in sorted(self.holders.items(), key=lambda item: (item[0][0], _gi(item[0][1])))
+            ],
+        }
+
+
+def _gi(value: Optional[int]) -> int:
+    return -1 if value is None else value
+
+
+def attribute(response: Any, inventory: Optional[Inventory]) -> dict[Key, tuple[Holder, ...]]:
+    """Who holds each of the inventory's GPUs and GPU instances, from a ListPodResourcesResponse."""
+    devices: dict[str, Key] = {}
+    for gpu in inventory.gpus if inventory else ():
+        devices[gpu.uuid] = (gpu.uuid, None)
+        for mig in gpu.mig.devices:
+            devices[mig.uuid] = (gpu.uuid, mig.gpu_instance_id)
+    found: dict[Key, set[Holder]] = {}
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            holder = Holder(pod.namespace, pod.name, container.name)
+            for device in container.devices:
+                for device_id in device.device_ids:
+                    key = devices.get(device_id.partition("::")[0])
+                    if key is not None:
+                        found.setdefault(key, set()).add(holder)
+    return {key: tuple(sorted(holders)[:MAX_HOLDERS]) for key, holders in found.items()}
+
+
+async def list_pod_resources(socket: Path, timeout: float) -> Any:
+    """The kubelet's ListPodResourcesResponse; raises OSError, asyncio.TimeoutError or a grpclib error."""
+    from grpclib.client import Channel
+
+    from gpu_agent.kube.podresources.api_grpc import PodResourcesListerStub
+    from gpu_agent.kube.podresources.api_pb2 import ListPodResourcesRequest
+
+    address, fd = _socket_address(socket)
+    channel = Channel(path=address)
+    try:
+        return await asyncio.wait_for(PodResourcesListerStub(channel).List(ListPodResourcesRequest(), timeout=timeout),
+                                      timeout)
+    finally:
+        channel.close()
+        if fd is not None:
+            os.close(fd)
+
+
+def _socket_address(path: Path) -> tuple[str, Optional[int]]:
+    """The socket's path, or for one longer than a socket address allows (a deep --root) the same file
+    through this process's descriptor of its directory, /proc/self/fd/N/name; the caller closes N."""
+    if len(os.fsencode(str(path))) <= SOCKET_PATH_MAX:
+        return str(path), None
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{fd}/{path.name}", fd
+
+
+class PodLabels:
+    """Asks the kubelet every `interval()` seconds while `enabled()`, and publishes the answer."""
+
+    def __init__(self, root: Root, inventory: Callable[[], Optional[Inventory]],
+                 publish: Callable[[Optional[PodAttribution]], None], enabled: Callable[[], bool],
+                 interval: Callable[[], float], timeout: float = TIMEOUT_S) -> None:
+        self.socket = root(SOCKET)
+        self.inventory = inventory
+        self.publish = publish
+        self.enabled = enabled
+        self.interval = interval
+        self.timeout = timeout
+        self._last_error: Optional[str] = None
+
+    async def run(self) -> None:
+        while True:
+            try:
+                if self.enabled():
+                    await self.refresh()
+                else:
+                    self.publish(None)
+            except Exception:  # a bug: log it and keep the loop, the metrics go on without pod labels
+                log.exception("pod labels: refresh failed; this is a gpu-agent bug")
+            await asyncio.sleep(self.interval())
+
+    async def refresh(self) -> PodAttribution:
+        """One query; a failure is published as the reason the series have no pod labels."""
+        try:
+            response = await list_pod_resources(self.socket, self.timeout)
+            attribution = PodAttribution(attribute(response, self.inventory()), None, time.time())
+        except asyncio.TimeoutError:
+            attribution = self._failed(f"the kubelet's pod-resources API at {self.socket} did not answer List "
+                                       f"within {self.timeout:g} s")
+        except FileNotFoundError:
+            attribution = self._failed(f"no kubelet pod-resources socket at {self.socket} (is the kubelet running "
+                                       "on this node, with its default --root-dir?)")
+        except Exception as exc:  # grpclib's errors, a refused connection, a malformed answer: all say why
+            attribution = self._failed(f"the kubelet's pod-resources API at {self.socket} failed: "
+                                       f"{type(exc).__name__}: {_short(str(exc))}")
+        else:
+            if self._last_error is not None:
+                log.info("pod labels: the kubelet's pod-resources API answers again")
+            self._last_error = None
+        self.publish(attribution)
+        return attribution
+
+    def _failed(self, reason: str) -> PodAttribution:
+        if reason != self._last_error:
+            log.warning("pod labels: %s; GPU metrics go without pod, namespace and container labels", reason)
+        self._last_error = reason
+        return PodAttribution({}, reason, None)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,60 @@
+"""Allocate's answer for one container: the devices named as the runtime expects them, or a refusal
+that names the device and the reason."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from gpu_agent.config.section import shown
+from gpu_agent.plugin.devices import Resource, base_id
+from gpu_agent.toolkit.cdi import KIND as CDI_KIND
+
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+
+
+class AllocationError(Exception):
+    """A request the plugin refuses; the message goes back to the kubelet (and the pod's events)."""
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    envs: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    cdi_devices: tuple[str, ...] = ()
+
+
+def allocate(resource: Resource, requested: Sequence[str], strategy: str,
+             fail_requests_greater_than_one: bool) -> ContainerAllocation:
+    """What the container gets for `requested` device ids of `resource` under `strategy`
+    (cdi-cri, cdi-annotations or envvar)."""
+    if not requested:
+        raise AllocationError(f"empty request for {resource.name}")
+    if fail_requests_greater_than_one and resource.shared and len(requested) > 1:
+        # NVIDIA's wording, so that existing alerts on it keep matching
+        raise AllocationError(f"request for '{resource.name}: {len(requested)}' too large: maximum request size "
+                              "for shared resources is 1")
+    devices = {device.id: device for device in resource.devices}
+    for device_id in requested:
+        device = devices.get(device_id)
+        if device is None:
+            raise AllocationError(f"unknown device {shown(device_id, 100)} for {resource.name}: this node advertises "
+                                  "no such device (a stale id after a MIG change or GPU replacement?)")
+        if not device.healthy:
+            raise AllocationError(f"device {device_id} of {resource.name} (GPU {device.gpu_index}) is unhealthy: "
+                                  f"{device.reason or 'see gpu-agent status'}")
+    uuids = tuple(dict.fromkeys(base_id(device_id) for device_id in requested))  # replicas share their GPU
+    names = tuple(f"{CDI_KIND}={uuid}" for uuid in uuids)
+    if strategy == "cdi-cri":
+        return ContainerAllocation(cdi_devices=names)
+    if strategy == "cdi-annotations":
+        return ContainerAllocation(annotations={annotation_key(requested): ",".join(names)})
+    return ContainerAllocation(envs={VISIBLE_DEVICES: ",".join(uuids)})
+
+
+def annotation_key(requested: Sequence[str]) -> str:
+    """cdi.k8s.io/gpu-agent_<id>, unique per request as the CDI annotation format asks (plugin name,
+    '_', a device id; at most 63 characters after the prefix)."""
+    digest = hashlib.sha256("\0".join(requested).encode()).hexdigest()[:16]
+    return f"{CDI_ANNOTATION_PREFIX}gpu-agent_{digest}"

@@ -1,0 +1,185 @@
+"""The device plugin as a long-lived service of the daemon, fed from the state model.
+
+Each sync computes what to advertise (devices.py) and makes the served set match it: a new resource
+gets a server and a registration, a vanished one is stopped (its socket removed, which is how the
+kubelet learns), a changed one streams its new list. It also watches the kubelet: a new kubelet.sock
+(the kubelet restarted and deleted our sockets) brings new sockets and a new registration. The daemon
+wakes it on every publish of the model (health, MIG, inventory); a 1 s poll covers the rest.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, PluginConfig, mig_strategy, plugin_wanted
+from gpu_agent.host.paths import Root
+from gpu_agent.plugin.devices import Advertised, advertised
+from gpu_agent.plugin.preferred import preferred
+from gpu_agent.plugin.server import PluginEndpoint
+from gpu_agent.state import AgentState
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+KUBELET_SOCKET = "kubelet.sock"
+
+
+class DevicePluginManager:
+    def __init__(self, root: Root, state: AgentState) -> None:
+        self.root = root
+        self.state = state
+        self.directory = root(DEVICE_PLUGIN_DIR)
+        self.endpoints: dict[str, PluginEndpoint] = {}
+        self.registered: dict[str, float] = {}  # resource: when the kubelet accepted it
+        self.errors: dict[str, str] = {}  # resource: the last registration or serving error
+        self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
+        self._wake = asyncio.Event()
+        self._last: Optional[Advertised] = None
+
+    @property
+    def settings(self) -> PluginConfig:
+        return self.state.config.config.plugin
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                try:
+                    await self.sync()
+                except Exception:  # a bug: log it, keep serving what is served
+                    log.exception("device plugin sync failed; this is a gpu-agent bug")
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await self.stop_all()
+
+    async def stop_all(self) -> None:
+        for name in list(self.endpoints):
+            await self._remove(name)
+
+    # --- one sync ----------------------------------------------------------------------------------
+
+    async def sync(self) -> None:
+        if not plugin_wanted(self.root, self.settings):
+            await self.stop_all()
+            self._publish(None, "off: plugin.enabled is false" if self.settings.enabled is False else
+                          f"off: {DEVICE_PLUGIN_DIR} does not exist (no kubelet on this node)")
+            return
+        if not self.directory.is_dir():
+            await self.stop_all()
+            self._publish(None, f"waiting for the kubelet: {DEVICE_PLUGIN_DIR} does not exist")
+            return
+        wanted = self.compute()
+        for name in [name for name in self.endpoints if name not in wanted.resources]:
+            log.info("device plugin: %s no longer advertised; unregistering", name)
+            await self._remove(name)
+        kubelet = self._kubelet_stamp()
+        kubelet_restarted = kubelet is not None and self._kubelet is not None and kubelet != self._kubelet
+        if kubelet_restarted:
+            log.info("device plugin: kubelet.sock was recreated (kubelet restarted); registering again")
+            self.registered.clear()
+        for name, resource in wanted.resources.items():
+            endpoint = self.endpoints.get(name)
+            try:
+                if endpoint is None:
+                    endpoint = PluginEndpoint(self.directory, resource, self._service_args())
+                    await endpoint.start()
+                    self.endpoints[name] = endpoint
+                elif endpoint.socket_gone():
+                    log.info("device plugin: socket %s was removed; serving it again", endpoint.path)
+                    await endpoint.restart()
+                    self.registered.pop(name, None)
+                await endpoint.feed.update(resource)
+            except OSError as exc:
+                self._fail(name, f"cannot serve {name}: {exc}")
+                continue
+            if kubelet is None:
+                self.errors[name] = f"waiting for the kubelet: no {DEVICE_PLUGIN_DIR}/{KUBELET_SOCKET}"
+            elif name not in self.registered:
+                await self._register(endpoint)
+        if kubelet is None:
+            self.registered.clear()
+        self._kubelet = kubelet
+        self._publish(wanted, "")
+
+    def compute(self) -> Advertised:
+        state = self.state
+        unavailable = state.nvml_error or ""
+        if state.inventory is None and not unavailable:
+            discovery = state.stages.get("discovery")
+            if discovery is not None and discovery.state == "failed":
+                unavailable = f"discovery failed: {discovery.message}"
+        return advertised(state.inventory, state.health, mig_strategy(state.config.config), self.settings,
+                          unavailable)
+
+    def _service_args(self) -> dict[str, Any]:
+        return {"list_strategy": lambda: self.settings.device_list_strategy,
+                "fail_greater_than_one": lambda: self.settings.sharing.time_slicing.fail_requests_greater_than_one,
+                "prefer": lambda available, must, size: preferred(available, must, size, self.state.inventory)}
+
+    async def _register(self, endpoint: PluginEndpoint) -> None:
+        try:
+            await endpoint.register(self.directory / KUBELET_SOCKET)
+        except Exception as exc:  # any failure of the kubelet's side: retried on the next sync
+            self._fail(endpoint.name, f"registration with the kubelet failed: {_describe(exc)}; retrying")
+            return
+        log.info("device plugin: registered %s (%d devices) with the kubelet", endpoint.name,
+                 len(endpoint.feed.resource.devices))
+        self.registered[endpoint.name] = time.time()
+        self.errors.pop(endpoint.name, None)
+
+    async def _remove(self, name: str) -> None:
+        endpoint = self.endpoints.pop(name)
+        self.registered.pop(name, None)
+        self.errors.pop(name, None)
+        await endpoint.stop()
+
+    def _fail(self, name: str, message: str) -> None:
+        if self.errors.get(name) != message:
+            log.warning("device plugin: %s", message)
+        self.errors[name] = message
+
+    def _kubelet_stamp(self) -> Optional[tuple[int, int]]:
+        try:
+            info = (self.directory / KUBELET_SOCKET).stat()
+        except OSError:
+            return None
+        return info.st_ino, info.st_ctime_ns
+
+    def _publish(self, wanted: Optional[Advertised], off: str) -> None:
+        """The /status `plugin` section."""
+        resources: list[dict[str, Any]] = []
+        for name in sorted(set(wanted.resources if wanted else ()) - set(self.endpoints)):
+            resources.append({"name": name, "socket": None, "devices": 0, "healthy": 0, "registered": False,
+                              "error": self.errors.get(name)})  # wanted, not served
+        for name, endpoint in sorted(self.endpoints.items()):
+            devices = endpoint.feed.resource.devices
+            resources.append({
+                "name": name, "socket": f"{DEVICE_PLUGIN_DIR}/{endpoint.path.name}",
+                "devices": len(devices), "healthy": sum(1 for device in devices if device.healthy),
+                "replicas": endpoint.feed.resource.replicas,
+                "registered": name in self.registered, "registered_at": self.registered.get(name),
+                "error": self.errors.get(name)})
+        section: dict[str, Any] = {"enabled": plugin_wanted(self.root, self.settings), "resources": resources}
+        if wanted is None:
+            section["reason"] = off
+        else:
+            section["mig_strategy"] = mig_strategy(self.state.config.config)
+            section["device_list_strategy"] = self.settings.device_list_strategy
+            section["withheld"] = dict(wanted.withheld)
+            section["reason"] = wanted.reason or None
+        if section != self.state.plugin:
+            self.state.plugin = section
+            self.state.published += 1  # the endpoints render /status again
+
+
+def _describe(exc: BaseException) -> str:
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {message}" if not isinstance(exc, OSError) else str(exc)
