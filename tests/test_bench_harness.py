@@ -1,13 +1,36 @@
 """The bench harness's arithmetic and rendering (bench/harness.py): nothing here times anything."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from harness import BEGIN, END, Figure, percentile, render_table, replace_between_markers
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+_SHARED_NAMES = ("harness", "loadgen")  # bench/harness.py would shadow tests/harness.py
+
+
+@contextlib.contextmanager
+def bench_modules() -> Iterator[None]:
+    """bench/ first on sys.path, as its scripts expect, only while importing from it: every other test
+    in this worker imports `harness` as tests/harness.py."""
+    saved_path = list(sys.path)
+    saved = {name: sys.modules.pop(name) for name in _SHARED_NAMES if name in sys.modules}
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        for name in _SHARED_NAMES:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+with bench_modules():
+    from harness import BEGIN, END, Figure, parse_importtime, percentile, render_table, replace_between_markers
+    from loadgen import parse_response
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -56,7 +79,6 @@ def test_readme_without_one_pair_of_markers_is_refused(text: str) -> None:
 
 
 def test_load_generator_reads_content_length_and_chunked_responses() -> None:
-    from loadgen import parse_response
 
     sized = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
     assert parse_response(sized + b"HTTP/1.1 503") == (200, len(sized))
@@ -69,7 +91,6 @@ def test_load_generator_reads_content_length_and_chunked_responses() -> None:
 
 
 def test_importtime_report_sums_own_times_and_ranks_top_level_imports() -> None:
-    from harness import parse_importtime
 
     report = "\n".join([
         "import time: self [us] | cumulative | imported package",
