@@ -94,3 +94,24 @@ def test_a_sample_makes_one_trip_to_an_nvml_worker_per_gpu(machine: Any) -> None
         nvml._call = calls
     assert trips[1:4] == ["nvmlSystemGetDriverVersion", "nvmlSystemGetCudaDriverVersion", "nvmlDeviceGetCount"]
     assert trips[4:] == [f"nvmlDevice*(GPU {index})" for index in range(8)]  # one batch per GPU
+
+
+def test_the_sampler_makes_one_trip_per_gpu_gpm_and_processes_included(tmp_path: Path) -> None:
+    node = Node(tmp_path, "{}")
+    node.sampler.sample()  # the first GPM sample of each GPU
+    trips: list[str] = []
+    calls = node.nvml._call
+    here = threading.current_thread()
+
+    def counting(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is here:
+            trips.append(name)
+        return calls(name, fn, *args, **kwargs)
+
+    node.nvml._call = counting  # type: ignore[assignment]
+    try:
+        node.sampler.sample()
+    finally:
+        node.nvml._call = calls
+    assert trips == [f"nvmlDevice*(GPU {index})" for index in range(8)]
+    assert len(node.state.samples) == 8 and len(node.state.processes) == 8

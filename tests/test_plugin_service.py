@@ -63,6 +63,10 @@ def test_registers_lists_and_unregisters_a_vanished_resource(tmp_path: Path) -> 
         manager = DevicePluginManager(Root(root), state)
         try:
             await manager.sync()
+            for _ in range(100):  # registration runs beside the sync
+                if manager.registered:
+                    break
+                await asyncio.sleep(0.05)
             plugin_address, plugin_fd = socket_address(directory / "nvidia-gpu.sock")
             descriptors.append(plugin_fd)
             channel = Channel(path=plugin_address)

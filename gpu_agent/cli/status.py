@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import socket
 import sys
@@ -23,25 +22,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --wait: give up after S seconds (exit 2, or 1 if the daemon never answered)")
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
-
-
 def fetch_status(args: argparse.Namespace, unix_only: bool = False) -> tuple[Optional[dict[str, Any]], str]:
     """The daemon's /status, or None and why it could not be read. `unix_only`: ask only the unix
     socket under --root, which belongs to the daemon of that root (a TCP port may be anyone's)."""
+    import http.client  # here, not at the top: every command's parser imports this module
+
+    class UnixConnection(http.client.HTTPConnection):
+        def __init__(self, path: str, timeout: float) -> None:
+            super().__init__("localhost", timeout=timeout)
+            self.unix_path = path
+
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(self.timeout)
+            self.sock.connect(self.unix_path)
+
     endpoint = endpoint_of(args)
     endpoints: list[tuple[str, http.client.HTTPConnection]] = []
     if endpoint.socket:
         path = str(root_of(args)(endpoint.socket))
-        endpoints.append((path, _UnixConnection(path, _REQUEST_TIMEOUT_S)))
+        endpoints.append((path, UnixConnection(path, _REQUEST_TIMEOUT_S)))
     if endpoint.listen and not unix_only:
         endpoints.append((endpoint.listen, http.client.HTTPConnection(
             endpoint.host, endpoint.port, timeout=_REQUEST_TIMEOUT_S)))

@@ -44,12 +44,9 @@ class Sampler:
         try:
             for gpu in inventory.gpus:
                 try:
-                    sample = self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig))
-                    samples[gpu.uuid] = self.profiling.add_to(sample, gpu)
-                    processes[gpu.uuid] = tuple(
-                        GpuProcess(pid, self._process_name(pid), used)
-                        for pid, used in self.nvml.processes(gpu.index)
-                    )
+                    # One trip to an NVML worker for all of the GPU's queries (hundreds with GPM and MIG).
+                    samples[gpu.uuid], processes[gpu.uuid] = self.nvml.batch(
+                        f"nvmlDevice*(GPU {gpu.index})", self._read, gpu)
                     self._back_on_the_bus(gpu)
                 except self.nvml.lib.NVMLError as exc:
                     self._query_error(gpu.index, gpu.uuid, f"NVML query failed: {describe(exc)}")
@@ -66,6 +63,11 @@ class Sampler:
         self.state.samples = samples
         self.state.sampled_at = time.time()
         self.state.processes = processes
+
+    def _read(self, gpu: Gpu) -> tuple[GpuSample, tuple[GpuProcess, ...]]:
+        sample = self.profiling.add_to(self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig)), gpu)
+        used = self.nvml.processes(gpu.index)
+        return sample, tuple(GpuProcess(pid, self._process_name(pid), mib) for pid, mib in used)
 
     def _nvlink_rate(self, uuid: str, sample: GpuSample) -> GpuSample:
         """DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL as DCGM works it out: the NVLink data counter's growth since

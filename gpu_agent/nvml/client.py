@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar, cast
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.pci import numa_node
@@ -31,6 +31,7 @@ from gpu_agent.nvml.model import (
     XidEvent,
 )
 
+_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
@@ -512,6 +513,12 @@ class Nvml:
         return self._nvml("nvmlDeviceGetGpuInstanceById", handle, gi_id)
 
     # --- metrics and events --------------------------------------------------------------------
+
+    def batch(self, name: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """fn(*args), whose NVML calls go to a worker together, under one timeout (a timeout names the
+        call that hung): for many quick queries, a thread hop each costs more than the queries."""
+        self.init()
+        return cast(_T, self._call(name, fn, *args))
 
     def sample(self, index: int, mig: Optional[MigState] = None) -> GpuSample:
         """One GPU's metrics (and its GPU instances' framebuffer, given its MIG state); a metric the GPU

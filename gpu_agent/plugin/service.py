@@ -34,8 +34,9 @@ class DevicePluginManager:
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.registered: dict[str, float] = {}  # resource: when the kubelet accepted it
         self.errors: dict[str, str] = {}  # resource: the last registration or serving error
+        self._registrations: dict[str, asyncio.Task[None]] = {}  # resource: its registration under way
         self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
-        self._wake = asyncio.Event()
+        self._wake: Optional[asyncio.Event] = None  # made in run(): asyncio objects belong to the loop (3.9)
         self._last: Optional[Advertised] = None
 
     @property
@@ -43,18 +44,20 @@ class DevicePluginManager:
         return self.state.config.config.plugin
 
     def wake(self) -> None:
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
 
     async def run(self) -> None:
+        self._wake = wake = asyncio.Event()
         try:
             while True:
-                self._wake.clear()
+                wake.clear()
                 try:
                     await self.sync()
                 except Exception:  # a bug: log it, keep serving what is served
                     log.exception("device plugin sync failed; this is a gpu-agent bug")
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=POLL_S)
+                    await asyncio.wait_for(wake.wait(), timeout=POLL_S)
                 except asyncio.TimeoutError:
                     pass
         finally:
@@ -102,8 +105,9 @@ class DevicePluginManager:
                 continue
             if kubelet is None:
                 self.errors[name] = f"waiting for the kubelet: no {DEVICE_PLUGIN_DIR}/{KUBELET_SOCKET}"
-            elif name not in self.registered:
-                await self._register(endpoint)
+            elif name not in self.registered and not self._registering(name):
+                # In the background: a kubelet that does not answer must not hold up the others' lists.
+                self._registrations[name] = asyncio.create_task(self._register(endpoint), name=f"register {name}")
         if kubelet is None:
             self.registered.clear()
         self._kubelet = kubelet
@@ -134,8 +138,16 @@ class DevicePluginManager:
                  len(endpoint.feed.resource.devices))
         self.registered[endpoint.name] = time.time()
         self.errors.pop(endpoint.name, None)
+        self.wake()  # /status shows it
+
+    def _registering(self, name: str) -> bool:
+        task = self._registrations.get(name)
+        return task is not None and not task.done()
 
     async def _remove(self, name: str) -> None:
+        task = self._registrations.pop(name, None)
+        if task is not None:
+            task.cancel()
         endpoint = self.endpoints.pop(name)
         self.registered.pop(name, None)
         self.errors.pop(name, None)

@@ -151,7 +151,25 @@ class SimGpmMetricsGet:
         self.numMetrics = 0
         self.sample1: Optional[SimGpmSample] = None
         self.sample2: Optional[SimGpmSample] = None
-        self.metrics = [SimGpmMetric() for _ in range(pynvml.NVML_GPM_METRIC_MAX)]
+        self.metrics = _GpmMetricSlots()
+
+
+class _GpmMetricSlots:
+    """NVML_GPM_METRIC_MAX metric slots, as the C array is; each made when first used (making them all,
+    at every request of every GPU instance, was most of a simulated sample's CPU)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, SimGpmMetric] = {}
+
+    def __len__(self) -> int:
+        return int(pynvml.NVML_GPM_METRIC_MAX)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return [self[n] for n in range(*key.indices(len(self)))]
+        if not 0 <= key < len(self):
+            raise IndexError(key)
+        return self._slots.setdefault(key, SimGpmMetric())
 
 
 # What a GPM metric reads at a load of L %: the share of L each utilisation shows, and MiB/s per % for PCIe.
