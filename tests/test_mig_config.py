@@ -133,3 +133,12 @@ def test_the_shipped_file_has_the_gpu_operator_names() -> None:
     assert balanced["0x233510DE"] == {"1g.18gb": 2, "2g.35gb": 1, "3g.71gb": 1}
     assert balanced["0x20B010DE"] == {"1g.5gb": 2, "2g.10gb": 1, "3g.20gb": 1}
     assert balanced["0x20B710DE"] == {"1g.6gb": 2, "2g.12gb": 1}
+
+
+def test_an_unquoted_yaml_boolean_as_a_config_name_says_to_quote_it() -> None:
+    with pytest.raises(MigConfigError) as error:
+        parse_mig_config("version: v1\nmig-configs:\n  off:\n    - devices: all\n      mig-enabled: false\n", "m.yaml")
+    assert str(error.value) == ("m.yaml:2: mig-configs: config name False is not a name (on, off, yes and no are "
+                                "YAML booleans: quote the name)")
+    assert list(parse_mig_config('version: v1\nmig-configs:\n  "off":\n    - devices: all\n'
+                                 '      mig-enabled: false\n', "m.yaml").configs) == ["off"]

@@ -145,7 +145,10 @@ class _Reader:
                                               f"list of entries (got {_kind(configs)})")
         read: dict[str, tuple[MigConfigEntry, ...]] = {}
         for key, entries in configs.items():
-            if isinstance(key, bool) or not isinstance(key, (str, int)) or str(key) == "":
+            if isinstance(key, bool):  # YAML 1.1 reads an unquoted on/off/yes/no as true or false
+                raise self.fail(("mig-configs",), f"config name {shown(key)} is not a name (on, off, yes and no "
+                                                  "are YAML booleans: quote the name)")
+            if not isinstance(key, (str, int)) or str(key) == "":
                 raise self.fail(("mig-configs",), f"config name {shown(key)} is not a name")
             config = str(key)
             if not isinstance(entries, list) or not entries:
