@@ -21,6 +21,8 @@ DEPENDENCIES = [
     ("PyYAML", "yaml"),
     ("prometheus_client", "prometheus_client"),
     ("tomlkit", "tomlkit"),
+    ("grpclib", "grpclib.server"),  # with h2, hpack, hyperframe, multidict; only when the device plugin is on
+    ("protobuf", "google.protobuf.message"),
 ]
 
 RSS = "import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from harness import (
+from benchkit import (
     AGENT_CPU, BENCH, LOAD_CPU, PYTHON, REPO, Agent, AgentOptions, Figure, busy_jiffies, cpu_seconds,
     free_port, http_get, median, memory_mib, parse_importtime, percentile, pinned_to, wakeups,
 )

@@ -23,7 +23,7 @@ import sys
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import percentile
+from benchkit import percentile
 
 
 class Connection(asyncio.Protocol):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import figures as fig
-from harness import LOAD_CPU, REPO, Figure, can_pin, machine_facts, render_table, update_readme, write_results
+from benchkit import LOAD_CPU, REPO, Figure, can_pin, machine_facts, render_table, update_readme, write_results
 
 IN_NETNS = "GPU_AGENT_BENCH_NETNS"
 KUBELET_REQUESTS_PER_HOUR = 3600 / 10 + 3600 / 10  # node status every 10 s + Lease renewal every 10 s

@@ -97,6 +97,18 @@ class CreateLink(Change):
 
 
 @dataclass(frozen=True)
+class RemoveLink(Change):
+    """Remove a symbolic link the agent created (and that still points where it made it point)."""
+
+    kind: ClassVar[str] = "RemoveLink"
+    path: str
+    target: str
+
+    def describe(self) -> str:
+        return f"remove link {self.path} -> {self.target}"
+
+
+@dataclass(frozen=True)
 class SetPersistenceMode(Change):
     kind: ClassVar[str] = "SetPersistenceMode"
     gpu: int

@@ -293,6 +293,8 @@ class AgentState:
                                                               "meaning": xid_meaning(health.last_xid)},
             "recovers_at": recovers_at(health, settings),
             "lost": health.lost,  # off the bus: recovers only once NVML answers for it again at pci_bus_id
+            "query_error": health.query_error or None,  # NVML fails for it: healthy once it answers again
+            "failing_checks": health.check_reason or None,  # periodic checks: healthy once they pass
             "xid_counts": {str(xid): count for xid, count in health.xid_counts},
             "mig": {
                 "capable": gpu.mig.capable,

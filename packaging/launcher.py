@@ -14,7 +14,9 @@ if not os.path.isdir(abi_dir):
         )
     )
     sys.exit(1)
-sys.dont_write_bytecode = True  # /usr is read-only to the service; keep dpkg's file list exact
+# The bytecode was compiled at install time (postinst); never written here, as /usr is read-only to
+# the service and what dpkg or rpm does not know of stays what the package scripts put there.
+sys.dont_write_bytecode = True
 sys.path[:0] = [LIB, abi_dir, os.path.join(LIB, "site-common")]
 
 from gpu_agent.cli import main  # noqa: E402

@@ -71,6 +71,12 @@ class _Guard:
 
 sys.addaudithook(_Guard.audit)
 
+# In this process, fsync returns at once (as eatmydata makes it): the in-process tests write sandbox
+# trees that nothing needs after a power cut, and a pass of the simulated node makes hundreds of
+# fsyncs that cost seconds on a busy disk. The agents the tests start as processes keep the real
+# fsync, and their kill -9 trials count every fsync as a crash point (gpu_agent/sim/crash.py).
+os.fsync = lambda fd: None
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "subprocess: the test may start real processes (the process contract)")

@@ -3,14 +3,16 @@ the `gpu-agent sim` commands called as the CLI would call them, without a subpro
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import yaml
 
-from gpu_agent.cli import build_parser
+from gpu_agent.cli import build_parser, main
 from gpu_agent.cli import sim as sim_cli
 from gpu_agent.config import load_config
 from gpu_agent.daemon.app import Runtime
@@ -21,6 +23,49 @@ from gpu_agent.sim.machine import MachineState
 from gpu_agent.state import AgentState
 
 KERNEL = "var/lib/gpu-agent/sim/kernel"
+
+
+@dataclass
+class CliResult:
+    """What `gpu-agent ARGS` returned and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*argv: str, root: Path, config: Optional[Path] = None,
+            env: Optional[dict[str, str]] = None) -> CliResult:
+    """`gpu-agent --root ROOT [--config CONFIG] ARGV` in this process: the CLI's main() with its output
+    captured, for the commands' output and exit codes without a Python start-up per call. The
+    process contract (signals, notify, the daemon) keeps conftest's cli() and agent fixtures."""
+    prefix = ["--root", str(root)] + (["--config", str(config)] if config is not None else [])
+    out, err = io.StringIO(), io.StringIO()
+    with _environment(env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(prefix + list(argv))
+        except SystemExit as exc:  # argparse's usage errors and --help
+            code = exc.code if isinstance(exc.code, int) else 1
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ with `env` set and the agent's own variables (GPU_AGENT_*, NOTIFY_SOCKET, WATCHDOG_*)
+    cleared, as cli() runs the command; restored afterwards."""
+    ours = [key for key in os.environ if key.startswith(("GPU_AGENT_", "NOTIFY_SOCKET", "WATCHDOG_"))]
+    saved = {key: os.environ.get(key) for key in [*ours, *env]}
+    for key in ours:
+        del os.environ[key]
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass
@@ -80,20 +125,14 @@ class SimNode:
               stages: Optional[Callable[[Runtime], list[Any]]] = None) -> Pass:
         config = self.root.parent / "config.yaml"
         config.write_text(yaml.safe_dump({"version": "v1", **settings}))
-        saved = {key: os.environ.get(key) for key in env or {}}
-        os.environ.update(env or {})
-        runtime = Runtime.build(Root(self.root), load_config(config, required=True), self.simulate)
-        try:
-            if stages is not None:
-                runtime.engine.set_stages(stages(runtime))
-            runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=dry_run))
-        finally:
-            runtime.nvml.close()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        with _environment(env or {}):
+            runtime = Runtime.build(Root(self.root), load_config(config, required=True), self.simulate)
+            try:
+                if stages is not None:
+                    runtime.engine.set_stages(stages(runtime))
+                runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=dry_run))
+            finally:
+                runtime.nvml.close()
         return Pass(runs, runtime.state)
 
     def check(self, settings: Optional[dict[str, Any]] = None) -> Pass:

@@ -1,8 +1,9 @@
 """A Kubernetes API server emulator for the agent's tests.
 
-It serves the calls a node agent makes with its kubelet's credentials: GET, PATCH and PUT of
-/api/v1/nodes/{name} and /api/v1/nodes/{name}/status (and a list with a metadata.name field
-selector), over TLS with client-certificate or bearer-token authentication. It reproduces what a
+It serves the calls the agent makes with its kubelet's credentials: GET and PATCH of
+/api/v1/nodes/{name} and PATCH of /api/v1/nodes/{name}/status, over TLS with client-certificate or
+bearer-token authentication; anything else a kube-apiserver serves (PUT, lists and watches, JSON
+patch and server-side apply, discovery) is answered 404, 405 or 415. It reproduces what a
 kube-apiserver with --authorization-mode=Node,RBAC and the NodeRestriction admission plugin does:
 
 * authentication: x509 client certificates (CN is the user, each O a group) verified against the
@@ -15,10 +16,10 @@ kube-apiserver with --authorization-mode=Node,RBAC and the NodeRestriction admis
 * the Node registry strategy: a PATCH/PUT of the Node resets status to the stored status, a
   PATCH/PUT of nodes/status resets spec (metadata changes made through /status are kept, as the
   real server keeps them); uid is immutable, creationTimestamp and generation are the server's.
-* patches: application/merge-patch+json (RFC 7386), application/strategic-merge-patch+json with
+* patches: application/merge-patch+json (RFC 7386) and application/strategic-merge-patch+json with
   the Node's merge keys (status.conditions and status.addresses by "type", ownerReferences by
-  "uid"; finalizers and spec.podCIDRs merge as sets; other lists replace; $patch, $retainKeys,
-  $setElementOrder and $deleteFromPrimitiveList directives), and application/json-patch+json.
+  "uid"; other lists replace; the $patch directive), what the agent sends for labels, annotations
+  and conditions.
 * optimistic concurrency: a body whose metadata.resourceVersion differs from the stored one gets
   409 Conflict; a change that leaves the object as it was does not bump resourceVersion.
 * validation: label keys and values, annotation keys and size (422 Invalid); unknown fields are
@@ -725,11 +726,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
 # Strategic merge patch metadata for v1.Node (patchStrategy / patchMergeKey struct tags).
 _SMP_MERGE_KEYS: dict[tuple[str, ...], str] = {("metadata", "ownerReferences"): "uid", ("status", "conditions"): "type",
                    ("status", "addresses"): "type"}
-_SMP_PRIMITIVE_MERGE: set[tuple[str, ...]] = {("metadata", "finalizers"), ("spec", "podCIDRs")}
 _DIRECTIVE = "$patch"
-_RETAIN_KEYS = "$retainKeys"
-_SET_ORDER = "$setElementOrder/"
-_DELETE_PRIMITIVE = "$deleteFromPrimitiveList/"
 
 
 class _SMPError(Exception):
@@ -784,25 +781,8 @@ def _smp_map(original: Any, patch: dict[str, Any], path: tuple[str, ...]) -> Any
         if directive != "merge":
             message = f"Internal error occurred: unknown patch type: {directive} in map: {_go_map(patch)}"
             raise _SMPError(ApiError(500, message, "InternalError"))
-    retain = patch.get(_RETAIN_KEYS)
-    if retain is not None and not (isinstance(retain, list) and all(isinstance(k, str) for k in retain)):
-        raise _SMPError(_bad_request("invalid patch format of retainKeys"))
-    orders: dict[str, list[Any]] = {}
     for key, value in patch.items():
-        if key in (_DIRECTIVE, _RETAIN_KEYS):
-            continue
-        if key.startswith(_SET_ORDER):
-            if not isinstance(value, list):
-                raise _SMPError(_bad_request("invalid patch format of setElementOrder list"))
-            orders[key[len(_SET_ORDER):]] = value
-            continue
-        if key.startswith(_DELETE_PRIMITIVE):
-            name = key[len(_DELETE_PRIMITIVE):]
-            if not isinstance(value, list):
-                raise _SMPError(_bad_request("invalid patch format of primitive list"))
-            current = original.get(name)
-            if isinstance(current, list):
-                original[name] = [v for v in current if v not in value]
+        if key == _DIRECTIVE:
             continue
         if key.startswith("$"):
             raise _SMPError(ApiError(500, f"Internal error occurred: unknown directive {key}", "InternalError"))
@@ -819,11 +799,6 @@ def _smp_map(original: Any, patch: dict[str, Any], path: tuple[str, ...]) -> Any
             original[key] = _smp_list(original.get(key), value, sub)
         else:
             original[key] = value
-    for name, order in orders.items():
-        if isinstance(original.get(name), list):
-            original[name] = _apply_order(original[name], order, _SMP_MERGE_KEYS.get(path + (name,)))
-    if retain is not None:
-        original = {k: v for k, v in original.items() if k in retain}
     return original
 
 
@@ -853,122 +828,7 @@ def _smp_list(original: Any, patch: list[Any], path: tuple[str, ...]) -> list[An
             else:
                 current[index] = _smp_map(current[index], item, path)
         return current
-    if path in _SMP_PRIMITIVE_MERGE:
-        if any(isinstance(i, dict) and i.get(_DIRECTIVE) == "replace" for i in patch):
-            return [i for i in patch if not isinstance(i, dict)]
-        for item in patch:
-            if item not in current:
-                current.append(item)
-        return current
     return [_strip_directives(i) for i in patch]
-
-
-def _apply_order(items: list[Any], order: list[Any], merge_key: Optional[str]) -> list[Any]:
-    def ident(item: Any) -> Any:
-        return item.get(merge_key) if merge_key and isinstance(item, dict) else item
-
-    wanted = [o.get(merge_key) if merge_key and isinstance(o, dict) else o for o in order]
-    ordered = [i for w in wanted for i in items if ident(i) == w]
-    rest = [i for i in items if ident(i) not in wanted]
-    return ordered + rest
-
-
-def _pointer(path: str) -> list[str]:
-    if path == "":
-        return []
-    if not path.startswith("/"):
-        raise ApiError(422, f"JSON pointer must be empty or start with a \"/\": {path!r}", "Invalid")
-    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
-
-
-def json_patch(doc: Any, operations: Any) -> Any:
-    """RFC 6902 JSON patch (errors as 422, the way kube-apiserver answers them)."""
-    if not isinstance(operations, list):
-        raise _bad_request("json: cannot unmarshal object into Go value of type jsonpatch.Patch")
-    doc = copy.deepcopy(doc)
-
-    def fail(message: str) -> ApiError:
-        return ApiError(422, message, "Invalid")
-
-    def resolve(tokens: list[str], op: str) -> tuple[Any, str]:
-        container = doc
-        for token in tokens[:-1]:
-            if isinstance(container, dict) and token in container:
-                container = container[token]
-            elif isinstance(container, list) and token.isdigit() and int(token) < len(container):
-                container = container[int(token)]
-            else:
-                raise fail(f"{op} operation does not apply: doc is missing path: "
-                           f"\"/{'/'.join(tokens)}\": missing value")
-        return container, tokens[-1]
-
-    def get(tokens: list[str], op: str) -> Any:
-        if not tokens:
-            return doc
-        container, last = resolve(tokens, op)
-        if isinstance(container, dict) and last in container:
-            return container[last]
-        if isinstance(container, list) and last.isdigit() and int(last) < len(container):
-            return container[int(last)]
-        raise fail(f"{op} operation does not apply: doc is missing path: \"/{'/'.join(tokens)}\": missing value")
-
-    def remove(tokens: list[str], op: str) -> Any:
-        container, last = resolve(tokens, op)
-        if isinstance(container, dict) and last in container:
-            return container.pop(last)
-        if isinstance(container, list) and last.isdigit() and int(last) < len(container):
-            return container.pop(int(last))
-        raise fail(f"{op} operation does not apply: doc is missing path: \"/{'/'.join(tokens)}\": missing value")
-
-    def add(tokens: list[str], value: Any, op: str, replace: bool = False) -> None:
-        nonlocal doc
-        if not tokens:
-            doc = value
-            return
-        container, last = resolve(tokens, op)
-        if isinstance(container, dict):
-            if replace and last not in container:
-                raise fail(f"replace operation does not apply: doc is missing key: /{'/'.join(tokens)}: missing value")
-            container[last] = value
-        elif isinstance(container, list):
-            if last == "-" and not replace:
-                container.append(value)
-            elif last.isdigit() and int(last) <= len(container) - (1 if replace else 0):
-                if replace:
-                    container[int(last)] = value
-                else:
-                    container.insert(int(last), value)
-            else:
-                raise fail(f"{op} operation does not apply: doc is missing path: "
-                           f"\"/{'/'.join(tokens)}\": missing value")
-        else:
-            raise fail(f"{op} operation does not apply: doc is missing path: \"/{'/'.join(tokens)}\": missing value")
-
-    for operation in operations:
-        if not isinstance(operation, dict) or "op" not in operation or "path" not in operation:
-            raise _bad_request("json patch operation is missing op or path")
-        op, tokens = operation["op"], _pointer(operation["path"])
-        if op == "add":
-            add(tokens, copy.deepcopy(operation.get("value")), op)
-        elif op == "remove":
-            remove(tokens, op)
-        elif op == "replace":
-            add(tokens, copy.deepcopy(operation.get("value")), op, replace=True)
-        elif op == "move":
-            value = remove(_pointer(operation.get("from", "")), op)
-            add(tokens, value, op)
-        elif op == "copy":
-            add(tokens, copy.deepcopy(get(_pointer(operation.get("from", "")), op)), op)
-        elif op == "test":
-            try:
-                current = get(tokens, op)
-            except ApiError:
-                current = None
-            if current != operation.get("value"):
-                raise fail(f"testing value {operation['path']} failed: test failed")
-        else:
-            raise fail(f"Unexpected kind: {op}")
-    return doc
 
 
 # --------------------------------------------------------------------------------------------
@@ -1174,13 +1034,12 @@ class KubeEmulator:
 
     def __init__(self, directory: Union[str, Path, None] = None, *, pki: Optional[KubePKI] = None,
                  nodes: Sequence[str] = ("gpu-node-1", "gpu-node-2"), anonymous_auth: bool = False,
-                 authorize_node_with_selectors: bool = True, version: str = "v1.32.2",
+                 authorize_node_with_selectors: bool = True,
                  hang_seconds: float = 10.0, idle_timeout: float = 30.0) -> None:
         self._owns_pki = pki is None
         self.pki = pki or KubePKI(directory)
         self.anonymous_auth = anonymous_auth
         self.authorize_node_with_selectors = authorize_node_with_selectors
-        self.version = version
         self.hang_seconds = hang_seconds
         self.idle_timeout = idle_timeout
         self._lock = threading.RLock()
@@ -1804,141 +1663,62 @@ class KubeEmulator:
         if user is None:
             raise ApiError(401, "Unauthorized", "Unauthorized")
         parts = [p for p in path.split("/") if p]
-        if parts and parts[0] in ("healthz", "livez", "readyz", "version", "api", "apis") and \
-                not (len(parts) >= 3 and parts[:3] == ["api", "v1", "nodes"]):
-            return self._non_resource(method, path, parts, user)
         if parts[:3] != ["api", "v1", "nodes"] or len(parts) > 5 or (len(parts) == 5 and parts[4] != "status"):
             raise ApiError(404, "the server could not find the requested resource", "NotFound", {})
         name = parts[3] if len(parts) >= 4 else ""
         subresource = parts[4] if len(parts) == 5 else ""
-        watch = query.get("watch", ["false"])[-1].lower() in ("1", "true")
         verb = {"GET": "get", "HEAD": "get", "PATCH": "patch", "PUT": "update", "POST": "create",
                 "DELETE": "delete"}.get(method, method.lower())
         if verb == "get" and not name:
-            verb = "watch" if watch else "list"
-            selector_name = _field_selector_name(query)
-            name_for_authz = selector_name or ""
-        else:
-            name_for_authz = name
-        allowed, reason = self._authorize(user, verb, "nodes", subresource, name_for_authz)
+            verb = "list"
+        allowed, reason = self._authorize(user, verb, "nodes", subresource, name)
         if not allowed:
-            raise self._forbid(user, verb, subresource, name_for_authz, reason)
-        if verb == "list":
-            return 200, self._list(query), {}
+            raise self._forbid(user, verb, subresource, name, reason)
         if verb == "get":
             with self._lock:
                 node = self._nodes.get(name)
                 if node is None:
                     raise _not_found(name)
                 return 200, copy.deepcopy(node), {}
-        if verb in ("patch", "update"):
-            return self._write(verb, name, subresource, query, body, handler, user)
+        if verb == "patch":
+            return self._write(name, subresource, query, body, handler, user)
         raise ApiError(405, "the server does not allow this method on the requested resource "
-                            "(the emulator serves get, list, patch and update of nodes)", "MethodNotAllowed", {})
+                            "(the emulator serves what the agent sends: get and patch of a node)",
+                       "MethodNotAllowed", {})
 
-    def _non_resource(self, method: str, path: str, parts: list[str], user: User) -> tuple[int, Any, dict[str, str]]:
-        public = parts[0] in ("healthz", "livez", "readyz", "version")
-        if not public and AUTHENTICATED_GROUP not in user.groups:
-            raise ApiError(403, f'forbidden: User "{user.name}" cannot get path "{path}"', "Forbidden", {})
-        if method not in ("GET", "HEAD"):
-            raise ApiError(
-                405, "the server does not allow this method on the requested resource", "MethodNotAllowed", {}
-            )
-        if parts[0] in ("healthz", "livez", "readyz"):
-            return 200, "ok", {}  # kube answers text/plain "ok"; JSON-encoded here
-        if parts == ["version"]:
-            major, minor = self.version.lstrip("v").split(".")[:2]
-            return 200, {"major": major, "minor": minor, "gitVersion": self.version, "gitCommit": "0" * 40,
-                         "gitTreeState": "clean", "buildDate": "2025-02-12T21:17:52Z", "goVersion": "go1.23.6",
-                         "compiler": "gc", "platform": "linux/amd64"}, {}
-        if parts == ["api"]:
-            return 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
-                {"clientCIDR": "0.0.0.0/0", "serverAddress": f"127.0.0.1:{self.port}"}]}, {}
-        if parts == ["api", "v1"]:
-            return 200, {"kind": "APIResourceList", "groupVersion": "v1", "resources": [
-                {"name": "nodes", "singularName": "node", "namespaced": False, "kind": "Node",
-                 "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
-                 "shortNames": ["no"]},
-                {"name": "nodes/status", "singularName": "", "namespaced": False, "kind": "Node",
-                 "verbs": ["get", "patch", "update"]}]}, {}
-        raise ApiError(404, "the server could not find the requested resource", "NotFound", {})
-
-    def _list(self, query: dict[str, list[str]]) -> dict[str, Any]:
-        wanted = _field_selector_name(query)
-        raw_fields = query.get("fieldSelector", [""])[-1]
-        if raw_fields and wanted is None:
-            raise _bad_request(f'"{raw_fields}" is not a known field selector: only "metadata.name" is supported')
-        matcher = _label_selector(query.get("labelSelector", [""])[-1])
-        with self._lock:
-            items = []
-            for name in sorted(self._nodes):
-                node = self._nodes[name]
-                if wanted is not None and name != wanted:
-                    continue
-                if not matcher(node["metadata"].get("labels", {})):
-                    continue
-                item = copy.deepcopy(node)
-                item.pop("kind", None)
-                item.pop("apiVersion", None)
-                items.append(item)
-            return {"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._rv)},
-                    "items": items}
-
-    def _write(self, verb: str, name: str, subresource: str, query: dict[str, list[str]], body: bytes,
+    def _write(self, name: str, subresource: str, query: dict[str, list[str]], body: bytes,
                handler: _Handler, user: User) -> tuple[int, Any, dict[str, str]]:
         content_type = (handler.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
-        if verb == "patch":
-            if content_type not in (MERGE_PATCH, STRATEGIC_MERGE_PATCH, JSON_PATCH):
-                raise ApiError(415, "the body of the request was in an unknown format - accepted media types include: "
-                                    f"{JSON_PATCH}, {MERGE_PATCH}, {APPLY_PATCH}, {STRATEGIC_MERGE_PATCH}",
-                               "UnsupportedMediaType")
-        elif content_type not in (JSON, ""):
-            raise ApiError(415, f"the body of the request was in an unknown format - accepted media types include: "
-                                f"{JSON}, application/yaml, application/vnd.kubernetes.protobuf",
+        if content_type not in (MERGE_PATCH, STRATEGIC_MERGE_PATCH):  # json-patch and apply: not served here
+            raise ApiError(415, "the body of the request was in an unknown format - accepted media types include: "
+                                f"{JSON_PATCH}, {MERGE_PATCH}, {APPLY_PATCH}, {STRATEGIC_MERGE_PATCH}",
                            "UnsupportedMediaType")
         try:
             document = json.loads(body.decode("utf-8")) if body else None
         except (UnicodeDecodeError, ValueError) as exc:
-            if verb == "patch" and content_type == MERGE_PATCH:
+            if content_type == MERGE_PATCH:
                 raise _bad_request("Invalid JSON Patch") from exc
-            raise _bad_request(f"error decoding patch: {exc}" if verb == "patch" else
-                               f"couldn't get version/kind; json parse error: {exc}") from exc
-        if verb == "patch" and content_type != JSON_PATCH and not isinstance(document, dict):
+            raise _bad_request(f"error decoding patch: {exc}") from exc
+        if not isinstance(document, dict):
             raise _bad_request("invalid JSON document" if content_type == STRATEGIC_MERGE_PATCH
                                else "Invalid JSON Patch")
-        if verb == "update" and not isinstance(document, dict):
-            raise _bad_request("Object 'Kind' is missing in '" + body.decode("utf-8", "replace") + "'")
-        if verb == "update" and isinstance(document, dict):
-            kind, api_version = document.get("kind"), document.get("apiVersion")
-            if kind != "Node" or api_version != "v1":
-                raise _bad_request(f"the API version in the data ({api_version}) does not match the expected "
-                                   f"API version (v1)" if kind == "Node" else
-                                   f"Object 'Kind' is missing in or does not match the resource: {kind}")
         field_validation = query.get("fieldValidation", ["Warn"])[-1]
-        dry_run = "All" in query.get("dryRun", [])
         warnings: list[str] = []
         with self._lock:
             existing = self._nodes.get(name)
             if existing is None:
                 raise _not_found(name)
-            if verb == "update":
-                patched: Any = copy.deepcopy(document)
-            elif content_type == MERGE_PATCH:
+            if content_type == MERGE_PATCH:
                 patched = merge_patch(copy.deepcopy(existing), document)
-            elif content_type == STRATEGIC_MERGE_PATCH:
+            else:
                 try:
-                    assert isinstance(document, dict)
                     patched = strategic_merge_patch(copy.deepcopy(existing), document)
                 except _SMPError as exc:
                     raise exc.error from None
-            else:
-                patched = json_patch(existing, document)
             conformer = _Conformer()
             try:
                 candidate = conformer.node(patched)
             except _DecodeError as exc:
-                if verb == "update":
-                    raise _bad_request(str(exc)) from None
                 compact = json.dumps(patched, separators=(",", ":"))
                 raise _invalid("", [_FieldError("patch", "FieldValueInvalid",
                                                 f"Invalid value: {json.dumps(compact)}: {exc}")], kind="") from None
@@ -1949,8 +1729,6 @@ class KubeEmulator:
                 if field_validation != "Ignore":
                     warnings.extend(f'unknown field "{u}"' for u in conformer.unknown)
             new_name = candidate["metadata"].get("name", "")
-            if verb == "update" and not new_name:
-                raise _bad_request("name is required")  # rest.Update: "the name of the object () does not match..."
             if new_name != name:
                 raise _bad_request(f"the name of the object ({new_name}) does not match the name on the URL ({name})")
             node_identity = user.node_name
@@ -1986,9 +1764,6 @@ class KubeEmulator:
             headers = {"Warning": ", ".join(f'299 - {json.dumps(w)}' for w in warnings)} if warnings else {}
             if candidate == existing:
                 return 200, copy.deepcopy(existing), headers
-            if dry_run:
-                candidate["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
-                return 200, candidate, headers
             return 200, self._store(name, candidate), headers
 
     def _admit(self, node_name: str, requested: str, old: dict[str, Any], new: dict[str, Any]) -> None:
@@ -2029,40 +1804,6 @@ def _node_name_from_path(path: str) -> Optional[str]:
     if parts[:3] == ["api", "v1", "nodes"] and len(parts) >= 4:
         return parts[3]
     return None
-
-
-def _field_selector_name(query: dict[str, list[str]]) -> Optional[str]:
-    raw = query.get("fieldSelector", [""])[-1]
-    if not raw:
-        return None
-    match = re.fullmatch(r"metadata\.name(?:==|=)([^,]+)", raw.strip())
-    return match.group(1) if match else None
-
-
-def _label_selector(raw: str) -> Callable[[Mapping[str, str]], bool]:
-    """Equality-based label selectors: k=v, k==v, k!=v, k, !k (comma-separated)."""
-    terms: list[tuple[str, str, str]] = []  # (operator, key, value)
-    for term in filter(None, (t.strip() for t in raw.split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            terms.append(("!=", key.strip(), value.strip()))
-        elif "=" in term:
-            key, value = term.replace("==", "=").split("=", 1)
-            terms.append(("=", key.strip(), value.strip()))
-        elif term.startswith("!"):
-            terms.append(("!", term[1:].strip(), ""))
-        elif re.fullmatch(r"[A-Za-z0-9./_-]+", term):
-            terms.append(("exists", term, ""))
-        else:
-            raise _bad_request(f"unable to parse requirement: {term} (the emulator supports equality-based selectors)")
-
-    def matches(labels: Mapping[str, str]) -> bool:
-        for op, key, value in terms:
-            if (op == "=" and labels.get(key) != value) or (op == "!=" and labels.get(key) == value) \
-                    or (op == "!" and key in labels) or (op == "exists" and key not in labels):
-                return False
-        return True
-    return matches
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The bench harness's arithmetic and rendering (bench/harness.py): nothing here times anything."""
+"""The bench harness's arithmetic and rendering (bench/benchkit.py): nothing here times anything."""
 from __future__ import annotations
 
 import sys
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from harness import BEGIN, END, Figure, percentile, render_table, replace_between_markers
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # after tests/: its modules never shadow ours
+from benchkit import BEGIN, END, Figure, percentile, render_table, replace_between_markers
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -69,7 +69,7 @@ def test_load_generator_reads_content_length_and_chunked_responses() -> None:
 
 
 def test_importtime_report_sums_own_times_and_ranks_top_level_imports() -> None:
-    from harness import parse_importtime
+    from benchkit import parse_importtime
 
     report = "\n".join([
         "import time: self [us] | cumulative | imported package",

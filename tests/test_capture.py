@@ -287,6 +287,10 @@ def test_apply_converges_without_modprobe_and_adds_only_the_dev_char_links(tmp_p
     kernel = machine.kernel_dir.relative_to(tmp_path / "root")
     changed = {path: after.get(path) for path in set(before) | set(after)
                if before.get(path) != after.get(path) and not path.startswith(f"{kernel.parent}/machine")}
+    ledger = changed.pop("var/lib/gpu-agent/ledger.json")  # the links, recorded so that uninstall removes them
+    assert ledger is not None and json.loads(ledger[1])["links"] == {
+        link: {"owner": "driver", "target": os.path.relpath(target, "/dev/char")}
+        for link, target in DEV_CHAR_LINKS.items()}
     assert changed == {f"{kernel}/dev/char": ("dir", 0o755), **{
         f"{kernel}{link}": ("link", os.path.relpath(target, "/dev/char")) for link, target in DEV_CHAR_LINKS.items()}}
     assert [action for run in second for action in run.planned] == []

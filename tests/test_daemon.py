@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from conftest import cli
+from harness import run_cli
 
 # The process contract: the daemon as systemd runs it (signals, notify, endpoints, exit codes).
 pytestmark = pytest.mark.subprocess
@@ -104,7 +105,7 @@ def test_sighup_reloads_and_an_invalid_reload_keeps_the_running_config(agent) ->
 def test_simulated_faults_reach_the_running_daemon_within_a_second(agent, root: Path) -> None:
     daemon = agent("dgx-h100")
     daemon.wait_ready()
-    assert cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root).returncode == 0
+    assert run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root).returncode == 0
     _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503, timeout=1.0)
     assert "[-]gpu-health failed: GPU 3" in body and "XID 79 (GPU has fallen off the bus)" in body
     daemon.wait_message(lambda m: m.startswith("STATUS=not ready: gpu-health: GPU 3"), timeout=1.0)
@@ -112,7 +113,7 @@ def test_simulated_faults_reach_the_running_daemon_within_a_second(agent, root: 
     assert any(line.startswith("DCGM_FI_DEV_XID_ERRORS{") and 'gpu="3"' in line and line.endswith(" 79.0")
                for line in metrics.splitlines())
 
-    assert cli("sim", "add-process", "--gpu", "1", "--pid", "4242", "--name", "python3", root=root).returncode == 0
+    assert run_cli("sim", "add-process", "--gpu", "1", "--pid", "4242", "--name", "python3", root=root).returncode == 0
     _, body = daemon.wait_http("/status", lambda _, b: bool(json.loads(b)["gpus"][1]["processes"]), timeout=1.0)
     gpu = json.loads(body)["gpus"][1]
     assert gpu["processes"] == [{"pid": 4242, "name": "python3", "used_mib": 1024.0}]
@@ -122,13 +123,13 @@ def test_simulated_faults_reach_the_running_daemon_within_a_second(agent, root: 
 def test_application_xids_do_not_make_a_gpu_unhealthy(agent, root: Path) -> None:
     daemon = agent("dgx-a100")
     daemon.wait_ready()
-    cli("sim", "inject-xid", "--gpu", "0", "--xid", "13", root=root)
+    run_cli("sim", "inject-xid", "--gpu", "0", "--xid", "13", root=root)
     daemon.wait_http("/status", lambda _, b: json.loads(b)["gpus"][0]["xid_counts"] == {"13": 1})
     assert daemon.get("/readyz")[0] == 200
 
 
 def test_a_failing_stage_is_retried_with_backoff_and_recovers(agent, root: Path) -> None:
-    cli("--simulate", "dgx-h100", "sim", "fail", "nvmlDeviceGetCount", "--times", "2", "--error", "Unknown",
+    run_cli("--simulate", "dgx-h100", "sim", "fail", "nvmlDeviceGetCount", "--times", "2", "--error", "Unknown",
         root=root)
     daemon = agent("dgx-h100", settings={"reconcile": {"backoff_initial_seconds": 0.2}})
     assert "NVML query failed: nvmlDeviceGetCount: Unknown Error" in daemon.wait_ready()
@@ -142,11 +143,11 @@ def test_a_hung_driver_fails_readiness_but_not_the_daemon(agent, root: Path) -> 
     daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 0.3},
                                          "metrics": {"sample_interval_seconds": 0.2}})
     daemon.wait_ready()
-    cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
+    run_cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
     _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503)
     assert "[-]gpu-health failed: NVML call nvmlDeviceGetTemperature" in body and "(the driver looks hung)" in body
     assert daemon.get("/healthz")[0] == 200
-    cli("sim", "clear", root=root)
+    run_cli("sim", "clear", root=root)
     daemon.wait_http("/readyz", lambda status, _: status == 200)
     assert "gpu_agent_nvml_call_timeouts_total 1.0" in daemon.get("/metrics")[1]
 
@@ -222,7 +223,7 @@ def test_sigterm_exits_promptly_even_with_an_nvml_call_hung(agent, root: Path) -
     daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 0.3},
                                          "metrics": {"sample_interval_seconds": 0.2}})
     daemon.wait_ready()
-    cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
+    run_cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
     daemon.wait_http("/readyz", lambda status, _: status == 503)
     started = time.monotonic()
     assert daemon.stop(timeout=10) == 0
@@ -242,7 +243,7 @@ def test_an_unreadable_config_on_reload_keeps_the_loop_alive(agent) -> None:
 
 
 def test_the_daemons_own_use_of_a_counted_fault_does_not_skip_backoff(agent, root: Path) -> None:
-    cli("--simulate", "t4", "sim", "fail", "nvmlSystemGetDriverVersion", "--times", "5", root=root)
+    run_cli("--simulate", "t4", "sim", "fail", "nvmlSystemGetDriverVersion", "--times", "5", root=root)
     daemon = agent("t4", settings={"reconcile": {"backoff_initial_seconds": 3}})
     daemon.wait_ready()
     time.sleep(1.5)
@@ -276,7 +277,7 @@ def test_a_notify_socket_nobody_reads_never_blocks_the_sender(tmp_path, monkeypa
 
 def _hung_calls(root: Path) -> int:
     """Calls now held by hang faults set with --times 1: a spent hang stays listed with times 0."""
-    faults = json.loads(cli("sim", "show", "--json", root=root).stdout)["faults"]
+    faults = json.loads(run_cli("sim", "show", "--json", root=root).stdout)["faults"]
     return sum(1 for fault in faults if fault["error"] == "hang" and fault.get("times") == 0)
 
 
@@ -284,7 +285,7 @@ def test_sigterm_stops_within_seconds_while_a_stage_is_blocked_in_nvml(agent, ro
     daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 120}})
     daemon.wait_ready()
     # The driver stage's next pass (the simulator's change wakes it) hangs in the driver for 120 s.
-    cli("sim", "fail", "nvmlSystemGetDriverVersion", "--error", "hang", "--times", "1", root=root)
+    run_cli("sim", "fail", "nvmlSystemGetDriverVersion", "--error", "hang", "--times", "1", root=root)
     deadline = time.monotonic() + 10
     while _hung_calls(root) == 0:
         assert time.monotonic() < deadline, "no stage reached the hung call"
@@ -292,7 +293,7 @@ def test_sigterm_stops_within_seconds_while_a_stage_is_blocked_in_nvml(agent, ro
     try:
         assert daemon.stop(timeout=10) == 0  # the stage's worker thread is abandoned, not joined
     finally:
-        cli("sim", "clear", root=root)
+        run_cli("sim", "clear", root=root)
     assert any("STOPPING=1" in m.splitlines() for m in daemon.messages)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from harness import run_cli
 
 pytestmark = pytest.mark.subprocess
 
@@ -16,7 +16,7 @@ def test_a_critical_xid_recovers_after_the_quiet_period_and_xid_79_does_not(agen
     daemon = agent("dgx-h100", settings={"health": {"recover_after_seconds": 2}})
     daemon.wait_ready()
 
-    assert cli("sim", "inject-xid", "--gpu", "2", "--xid", "48", root=root).returncode == 0
+    assert run_cli("sim", "inject-xid", "--gpu", "2", "--xid", "48", root=root).returncode == 0
     _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503, timeout=1.0)
     assert "[-]gpu-health failed: GPU 2" in body and "XID 48 (double-bit ECC error)" in body
     gpu = json.loads(daemon.get("/status")[1])["gpus"][2]
@@ -26,9 +26,9 @@ def test_a_critical_xid_recovers_after_the_quiet_period_and_xid_79_does_not(agen
     assert any(line.startswith("gpu_agent_gpu_health_transitions_total{") and 'gpu="2"' in line
                and 'to="healthy"' in line and line.endswith(" 1.0") for line in metrics.splitlines())
 
-    assert cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root).returncode == 0
+    assert run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root).returncode == 0
     daemon.wait_http("/readyz", lambda status, _: status == 503, timeout=1.0)
-    cli("sim", "inject-xid", "--gpu", "3", "--xid", "13", root=root)  # ignored: changes nothing
+    run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "13", root=root)  # ignored: changes nothing
     daemon.wait_http("/status", lambda _, b: json.loads(b)["gpus"][3]["xid_counts"] == {"13": 1, "79": 1})
     with pytest.raises(AssertionError):  # well past the quiet period, the lost GPU is still unhealthy
         daemon.wait_http("/readyz", lambda status, _: status == 200, timeout=4.0)

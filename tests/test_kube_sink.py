@@ -11,14 +11,13 @@ from typing import Iterator
 import pytest
 
 from conftest import cli
-from gpu_agent.config import load_config
-from gpu_agent.daemon.app import Runtime
-from gpu_agent.host.paths import Root
+from harness import Pass, SimNode, run_cli
 from kube_emulator import KubeEmulator
 from test_labels import DGX_A100
 
-# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
-pytestmark = pytest.mark.subprocess
+from gpu_agent.config import load_config
+from gpu_agent.daemon.app import Runtime
+from gpu_agent.host.paths import Root
 
 NODE = "gpu-node-1"
 KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure"}
@@ -43,10 +42,21 @@ def settings(**kubernetes: object) -> dict:
             "reconcile": {"backoff_initial_seconds": 0.2}}
 
 
-def test_dgx_a100_labels_and_condition_reach_the_node(api: KubeEmulator, kube_root: Path, write_config) -> None:
+def apply(root: Path, simulate: str = "dgx-a100", **kubernetes: object) -> Pass:
+    """`gpu-agent apply --once`, in this process."""
+    return SimNode(root, simulate, settings(**kubernetes)).apply()
+
+
+def labels_failed(done: Pass) -> str:
+    run = done.stage("labels")
+    assert run.state == "failed", (run.state, run.message)
+    return run.message
+
+
+def test_dgx_a100_labels_and_condition_reach_the_node(api: KubeEmulator, kube_root: Path) -> None:
     api.set_labels({"team": "ml", "nvidia.com/someone-elses": "keep"})
-    result = cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=write_config(settings()))
-    assert result.returncode == 0, result.stdout + result.stderr
+    done = apply(kube_root)
+    assert done.ok, [(run.stage, run.message) for run in done.runs]
     labels = api.labels()
     assert {k: v for k, v in labels.items() if k in DGX_A100 or k.startswith("nvidia.com/gpu")} == DGX_A100
     assert labels["team"] == "ml" and labels["nvidia.com/someone-elses"] == "keep"
@@ -59,15 +69,16 @@ def test_dgx_a100_labels_and_condition_reach_the_node(api: KubeEmulator, kube_ro
     assert users == {"system:node:gpu-node-1"}
 
 
-def test_stale_labels_go_and_others_stay(api: KubeEmulator, kube_root: Path, write_config) -> None:
+def test_stale_labels_go_and_others_stay(api: KubeEmulator, kube_root: Path) -> None:
     api.set_labels({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/old.feature": "true",
                     "nvidia.com/not-ours": "x"})
     api.set_annotations({"nvidia.com/gpu-agent.managed-labels": "nvidia.com/gpu.product,nvidia.com/old.feature"})
-    cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=write_config(settings()))
+    assert apply(kube_root).ok
     labels = api.labels()
     assert "nvidia.com/old.feature" not in labels and labels["nvidia.com/not-ours"] == "x"
 
 
+@pytest.mark.subprocess  # the daemon's own passes, forced by SIGHUP
 def test_a_noop_reconcile_sends_no_request(agent, api: KubeEmulator, kube_root: Path) -> None:
     daemon = agent("dgx-a100", settings=settings())
     daemon.wait_ready()
@@ -80,6 +91,7 @@ def test_a_noop_reconcile_sends_no_request(agent, api: KubeEmulator, kube_root: 
     assert api.requests == []
 
 
+@pytest.mark.subprocess  # the daemon, its SIGHUPs and `gpu-agent status`
 def test_a_fault_storm_is_survived_at_a_bounded_rate(agent, api: KubeEmulator, kube_root: Path, root: Path,
                                                      write_config) -> None:
     api.fail_next("*", 500, count=None)
@@ -87,7 +99,7 @@ def test_a_fault_storm_is_survived_at_a_bounded_rate(agent, api: KubeEmulator, k
     daemon.wait_ready()
     _, body = daemon.wait_http("/readyz?verbose", lambda _, b: "[-]labels failed" in b)
     assert daemon.get("/readyz")[0] == 200  # the GPUs are fine: the sink only degrades the agent
-    status = cli("status", root=root, config=daemon.config)
+    status = cli("status", root=root, config=daemon.config)  # the command's exit code, against the daemon
     assert status.returncode == 2 and "degraded: labels" in status.stdout
     api.clear_faults()
     daemon.signal(signal.SIGHUP)
@@ -120,22 +132,20 @@ def test_clients_built_again_share_the_nodes_request_budget(api: KubeEmulator, k
     assert "not sent: 12 requests" in runtime.state.stages["labels"].message
 
 
-def test_a_conflict_is_followed_by_a_fresh_read(api: KubeEmulator, kube_root: Path, write_config) -> None:
+def test_a_conflict_is_followed_by_a_fresh_read(api: KubeEmulator, kube_root: Path) -> None:
     api.fail_next("/api/v1/nodes/gpu-node-1", 409, method="PATCH")
-    config = write_config(settings())
-    first = cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=config)
-    assert first.returncode == 2 and "409" in first.stdout
-    second = cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=config)
-    assert second.returncode == 0 and api.labels()["nvidia.com/gpu.count"] == "8"
+    assert "409" in labels_failed(apply(kube_root))
+    assert apply(kube_root).ok and api.labels()["nvidia.com/gpu.count"] == "8"
 
 
+@pytest.mark.subprocess  # the daemon
 def test_the_condition_turns_false_within_two_seconds_of_readyz(agent, api: KubeEmulator, kube_root: Path,
                                                                root: Path) -> None:
     daemon = agent("dgx-a100", settings=settings())
     daemon.wait_ready()
     daemon.wait_http("/status", lambda _, b: json.loads(b)["stages"][-1]["state"] == "ok")
     api.kubelet_heartbeat()
-    cli("sim", "inject-xid", "--gpu", "2", "--xid", "79", root=root)
+    assert run_cli("sim", "inject-xid", "--gpu", "2", "--xid", "79", root=root).returncode == 0
     daemon.wait_http("/readyz", lambda status, _: status == 503)
     turned = time.monotonic()
     while (api.condition("GPUAgentReady") or {}).get("status") != "False":
@@ -147,31 +157,31 @@ def test_the_condition_turns_false_within_two_seconds_of_readyz(agent, api: Kube
     assert api.labels()["nvidia.com/gpu-agent.ready"] == "false"
 
 
-def test_forbidden_names_the_identity(api: KubeEmulator, root: Path, write_config) -> None:
+def test_forbidden_names_the_identity(api: KubeEmulator, root: Path) -> None:
     api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", user="system:node:gpu-node-2", mode="cert-data")
-    result = cli("--simulate", "t4", "apply", "--once", root=root, config=write_config(settings()))
-    assert result.returncode == 2
-    assert "403 Forbidden" in result.stdout and "user 'system:node:gpu-node-2'" in result.stdout
+    message = labels_failed(apply(root, "t4"))
+    assert "403 Forbidden" in message and "user 'system:node:gpu-node-2'" in message
 
 
-def test_nfd_feature_file_is_written(api: KubeEmulator, kube_root: Path, write_config) -> None:
-    cli("--simulate", "t4", "apply", "--once", root=kube_root, config=write_config(settings(nfd_feature_file=True)))
+def test_nfd_feature_file_is_written(api: KubeEmulator, kube_root: Path) -> None:
+    assert apply(kube_root, "t4", nfd_feature_file=True).ok
     text = (kube_root / "etc/kubernetes/node-feature-discovery/features.d/gpu-agent").read_text()
     assert "nvidia.com/gpu.product=Tesla-T4\n" in text and "nvidia.com/gpu-agent.ready=true\n" in text
 
 
-def test_a_token_file_identity_works(api: KubeEmulator, root: Path, write_config) -> None:
+def test_a_token_file_identity_works(api: KubeEmulator, root: Path) -> None:
     api.add_token("s3cr3t-node-token", "system:node:gpu-node-1", ["system:nodes"])
     (root / "var/lib/kubelet").mkdir(parents=True)
     (root / "var/lib/kubelet/token").write_text("s3cr3t-node-token\n")
     config = api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", mode="token", token="unused")
     text = config.read_text().replace("token: unused", "tokenFile: /var/lib/kubelet/token")
     config.write_text(text)
-    result = cli("--simulate", "t4", "apply", "--once", root=root, config=write_config(settings()))
-    assert result.returncode == 0, result.stdout
+    done = apply(root, "t4")
+    assert done.ok, done.stage("labels").message
     assert {r.user for r in api.requests} == {"system:node:gpu-node-1"}
 
 
+@pytest.mark.subprocess  # the daemon
 def test_a_rotated_client_certificate_is_used_from_the_next_request(agent, api: KubeEmulator, root: Path) -> None:
     ours = api.node_credentials("gpu-node-1")
     pki = root / "var/lib/kubelet/pki"
@@ -192,19 +202,17 @@ def test_a_rotated_client_certificate_is_used_from_the_next_request(agent, api: 
     daemon.wait_http("/status", lambda _, b: json.loads(b)["stages"][-1]["state"] == "ok")
     other = api.node_credentials("gpu-node-2")  # the kubelet rotated to a certificate of another name
     current.write_bytes(other.cert_pem + other.key_pem)
-    cli("sim", "inject-xid", "--gpu", "0", "--xid", "48", root=root)  # something to tell the API
+    run_cli("sim", "inject-xid", "--gpu", "0", "--xid", "48", root=root)  # something to tell the API
     _, body = daemon.wait_http("/readyz?verbose", lambda _, b: "[-]labels failed" in b)
     assert "403" in body and "/var/lib/kubelet/pki/kubelet-client-current.pem" in body
     assert api.requests[-1].user == "system:node:gpu-node-2"
 
 
-def test_an_nvml_hiccup_keeps_the_gpu_labels(api: KubeEmulator, kube_root: Path, write_config) -> None:
-    config = write_config(settings())
-    cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=config)
+def test_an_nvml_hiccup_keeps_the_gpu_labels(api: KubeEmulator, kube_root: Path) -> None:
+    assert apply(kube_root).ok
     assert api.labels()["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB"
-    cli("sim", "fail", "nvmlDeviceGetCount", "--times", "5", root=kube_root)
-    failing = cli("--simulate", "dgx-a100", "apply", "--once", root=kube_root, config=config)
-    assert failing.returncode == 2
+    assert run_cli("sim", "fail", "nvmlDeviceGetCount", "--times", "5", root=kube_root).returncode == 0
+    assert not apply(kube_root).ok
     labels = api.labels()
     assert labels["nvidia.com/gpu-agent.ready"] == "false"
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB"  # nodeSelectors keep matching

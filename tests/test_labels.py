@@ -1,18 +1,13 @@
 """GFD-compatible labels from the state model, and `gpu-agent labels`."""
 from __future__ import annotations
 
-import pytest
-
 import json
 from pathlib import Path
 
-from conftest import cli
+from harness import SimNode, run_cli
 
 from gpu_agent.kube.labels import compute, family, sanitise, valid_key, valid_value
 from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuInstance, Inventory, MigProfile, MigState
-
-# Stage behaviour through the CLI and the daemon; to be moved in-process (issue 10).
-pytestmark = pytest.mark.subprocess
 
 DGX_A100 = {
     "nvidia.com/cuda.driver-version.full": "550.90.07", "nvidia.com/cuda.driver-version.major": "550",
@@ -30,15 +25,15 @@ DGX_A100 = {
 
 
 def test_dgx_a100_labels_are_exact(root: Path) -> None:
-    assert cli("--simulate", "dgx-a100", "apply", "--once", root=root).returncode == 0
-    result = cli("--simulate", "dgx-a100", "labels", "--json", root=root)
-    assert json.loads(result.stdout) == DGX_A100
-    plain = cli("--simulate", "dgx-a100", "labels", root=root).stdout
+    assert SimNode(root, "dgx-a100").apply().ok
+    result = run_cli("--simulate", "dgx-a100", "labels", "--json", root=root)
+    assert result.returncode == 0 and json.loads(result.stdout) == DGX_A100
+    plain = run_cli("--simulate", "dgx-a100", "labels", root=root).stdout
     assert "nvidia.com/gpu.product=NVIDIA-A100-SXM4-40GB\n" in plain
 
 
 def test_without_gpus_only_the_readiness_label_remains(root: Path) -> None:
-    result = cli("--simulate", "none", "labels", "--json", root=root)
+    result = run_cli("--simulate", "none", "labels", "--json", root=root)
     assert json.loads(result.stdout) == {"nvidia.com/gpu-agent.ready": "false"}
 
 

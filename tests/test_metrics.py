@@ -44,6 +44,14 @@ EXPECTED = {
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("counter", "Number of remapped rows for correctable errors"),
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("gauge", "Whether remapping of rows has failed"),
     "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("counter", "Total number of NVLink bandwidth counters for all lanes."),
+    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("gauge", "Ratio of time the graphics engine is active."),
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
+    "DCGM_FI_PROF_DRAM_ACTIVE": ("gauge",
+                                 "Ratio of cycles the device memory interface is active sending or receiving data."),
+    "DCGM_FI_PROF_PCIE_TX_BYTES": ("gauge", "The rate of data transmitted over the PCIe bus - including both protocol "
+                                   "headers and data payloads - in bytes per second."),
+    "DCGM_FI_PROF_PCIE_RX_BYTES": ("gauge", "The rate of data received over the PCIe bus - including both protocol "
+                                   "headers and data payloads - in bytes per second."),
 }
 
 
@@ -79,7 +87,7 @@ def node(tmp_path: Path) -> Iterator[Any]:
 def test_default_dcgm_counters_by_name_type_help_and_labels(node) -> None:
     n = node()
     n.sampler.sample()
-    n.sampler.sample()  # NVLink bandwidth is a rate: two readings
+    n.sampler.sample()  # NVLink bandwidth and the GPM (PROF) series are over an interval: two readings
     families = n.scrape()
     assert {c.name for c in DEFAULT_COUNTERS + (XID_ERRORS,)} == set(EXPECTED)
     gpus = n.state.inventory.gpus
@@ -128,7 +136,9 @@ def test_busy_gpu_reads_higher_and_the_energy_counter_grows(node) -> None:
     assert at(busy, energy, "1") >= at(idle, energy, "1")
 
 
-def test_gpu_instances_get_their_own_framebuffer_series(node) -> None:
+def test_a_gpu_with_gpu_instances_is_reported_per_gpu_instance(node) -> None:
+    """dcgm-exporter's default (flex) monitoring: a GPU with GPU instances is monitored through them only;
+    framebuffer per GPU instance, the GPU's own value for the whole-GPU counters."""
     n = node()
     assert n.nvml.set_mig_mode(0, True) is None
     profiles = {p.name: p for p in n.nvml.mig_state(0).profiles}
@@ -140,12 +150,15 @@ def test_gpu_instances_get_their_own_framebuffer_series(node) -> None:
     families = n.scrape()
     used = families["DCGM_FI_DEV_FB_USED"].samples
     mig = [s for s in used if "GPU_I_ID" in s.labels]
-    assert len(used) == 10 and len(mig) == 2
+    assert len(used) == 9 and len(mig) == 2 and not any(s.labels["gpu"] == "0" and "GPU_I_ID" not in s.labels
+                                                        for s in used)
     assert all(list(s.labels) == list(MIG_LABELS) for s in mig)
     assert {(s.labels["gpu"], s.labels["GPU_I_PROFILE"]) for s in mig} == {("0", "3g.40gb")}
     assert {s.labels["GPU_I_ID"] for s in mig} == {str(gi.id) for gi in n.state.inventory.gpus[0].mig.gpu_instances}
     assert all(s.value == 0 for s in mig)
-    assert len(families["DCGM_FI_DEV_SM_CLOCK"].samples) == 8  # whole-GPU counters stay per GPU
+    clocks = [s for s in families["DCGM_FI_DEV_SM_CLOCK"].samples if s.labels["gpu"] == "0"]
+    assert len(clocks) == 2 and all("GPU_I_ID" in s.labels and s.value == 345 for s in clocks)
+    assert len(families["DCGM_FI_DEV_SM_CLOCK"].samples) == 9
 
 
 def test_what_a_gpu_does_not_report_is_left_out_not_faked(node) -> None:

@@ -247,7 +247,8 @@ def test_export_applies_back_without_a_change(node: Any) -> None:
 def test_a_reset_blocked_by_nvidia_drm_is_rebooting_until_the_reboot_applies_it(node: Any) -> None:
     n = node("dgx-a100")
     SimModprobe(n.machine, n.root).load("nvidia_drm")
-    results = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test")
+    hooks = Hooks(["nvidia-dcgm.service"], SimUnits(n.machine))
+    results = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test", hooks=hooks)
     assert results[0].state == REBOOTING and results[0].action == "mode-changed" and results[0].mutations == 1
     assert "pending a GPU reset" in results[0].reason and "nvidia_drm is loaded" in results[0].reason
     assert results[0].reason.startswith("GPU 0 (A100-SXM4-40GB): ")
@@ -255,8 +256,11 @@ def test_a_reset_blocked_by_nvidia_drm_is_rebooting_until_the_reboot_applies_it(
     assert (gpu.mig.enabled, gpu.mig.pending_enabled) == (False, True)
     assert node_state(results) == REBOOTING
     before = n.mutations()
-    again = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test")  # the next pass only retries the reset
+    # The next pass sees that only a reboot helps: no NVML change, and the units are not stopped again.
+    again = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test", hooks=hooks)
     assert again[0].state == REBOOTING and again[0].mutations == 0 and n.mutations() == before
+    assert "nvidia_drm is loaded" in again[0].reason
+    assert n.machine.read()["services"]["nvidia-dcgm.service"]["calls"] == ["stop", "start"]
     with n.machine.edit() as state:
         reboot(state["gpus"][0], MODELS["A100-SXM4-40GB"])  # the pending mode takes effect at boot
     after = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test")
@@ -266,12 +270,12 @@ def test_a_reset_blocked_by_nvidia_drm_is_rebooting_until_the_reboot_applies_it(
 
 def test_a_passed_through_gpu_is_rebooting_and_a_forced_busy_one_pending_until_its_processes_exit(
         node: Any) -> None:
-    n = node("dgx-a100")
-    with n.machine.edit() as state:
-        state["gpus"][1]["passthrough"] = True  # a GPU passed through into a VM
-    result = n.apply(config({"7g.40gb": 1}, gpus=[1]), "test")[1]
+    vm = node("passthrough: true\ngpus:\n  - model: A100-SXM4-40GB\n    count: 2\n")  # a VM, its GPUs passed through
+    result = vm.apply(config({"7g.40gb": 1}, gpus=[1]), "test")[1]
     assert result.state == REBOOTING and "passed through into this VM" in result.reason
-    assert "reboot the VM" in result.reason and "resets" not in n.machine.read()
+    assert "reboot the VM" in result.reason and "resets" not in vm.machine.read()
+    assert (vm.gpus()[1].mig.enabled, vm.gpus()[1].mig.pending_enabled) == (False, True)
+    n = node("dgx-a100")
     with n.machine.edit() as state:
         state["gpus"][2]["processes"].append({"pid": 4242, "name": "trainer", "used_mib": 1000})
     refused = n.apply(config({}, gpus=[2]), "test")[2]
@@ -318,12 +322,21 @@ def test_the_checkpoint_is_in_the_ledger_and_one_an_interrupted_change_left_is_r
     n.apply(config({"7g.80gb": 1}, gpus=[2]), "test")
     store, ledger = CheckpointStore(n.root), Ledger(n.root)
     assert ledger.mig_checkpoint(uuid) is None  # cleared once the change was made
-    # A change killed mid-apply left its checkpoint in the ledger: the next change keeps it as the
-    # geometry to restore, so a failure puts back the geometry from before both, not the half-made one.
-    store.save(uuid, 2, checkpoint)
+    whole = n.layout(2)
+    fail_once = {"id": 1, "call": "nvmlGpuInstanceCreateComputeInstanceWithPlacement", "gpu": 2, "error": "Unknown",
+                 "times": 1}
+    # A change that finished but was killed before clearing its checkpoint: the GPU is what it was
+    # making, so the next change records a new one, and a failure puts back the GPU as it is now.
+    store.save(uuid, 2, checkpoint, (True, (("7g.80gb", 1),)))
     with n.machine.edit() as state:
-        state["faults"].append({"id": 1, "call": "nvmlGpuInstanceCreateComputeInstanceWithPlacement", "gpu": 2,
-                                "error": "Unknown", "times": 1})
+        state["faults"].append(dict(fail_once))
+    result = n.apply(config({"1g.10gb": 7}, gpus=[2]), "test")[2]
+    assert result.action == "restored" and n.layout(2) == whole and ledger.mig_checkpoint(uuid) is None
+    # A change killed midway: the GPU is not what it was making, so the next change keeps its checkpoint,
+    # and a failure puts back the geometry from before both, not the half-made one.
+    store.save(uuid, 2, checkpoint, (True, (("1g.10gb", 7),)))
+    with n.machine.edit() as state:
+        state["faults"].append(dict(fail_once))
     result = n.apply(config({"1g.10gb": 7}, gpus=[2]), "test")[2]
     assert result.action == "restored" and n.layout(2) == original and ledger.mig_checkpoint(uuid) is None
     # Recorded before the first change, with placements and compute instances: a restore that fails
@@ -339,6 +352,7 @@ def test_the_checkpoint_is_in_the_ledger_and_one_an_interrupted_change_left_is_r
     assert store.load(n.gpus()[1].uuid) == before
     entry = ledger.mig_checkpoint(n.gpus()[1].uuid)
     assert entry is not None and entry["gpu"] == 1 and entry["checkpoint"]["gpu_instances"][0]["placement"] == [0, 2]
+    assert entry["toward"] == {"mig-enabled": True, "mig-devices": {"4g.40gb": 1}}
     assert [len(gi.compute_instances) for gi in before.gpu_instances] == [1, 1, 2]
 
 

@@ -80,3 +80,32 @@ def test_usage_errors_name_what_to_do(gpu_agent: Any, tmp_path: Path) -> None:
         assert gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-disabled", "--dry-run")[0] == 0  # reads only
     finally:
         lock.close()
+
+
+def test_on_the_real_h100_capture_a_dry_run_changes_nothing_and_export_and_assert_read_it(
+        tmp_path: Path, capsys: Any) -> None:
+    from gpu_agent.sim.machine import MachineState
+
+    capture = str(Path(__file__).resolve().parent / "data" / "captures" / "h100-580-vm")
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "config.yaml").write_text("version: v1\n")
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main(["--root", str(root), "--config", str(tmp_path / "config.yaml"), "--simulate", capture, *argv])
+        return code, capsys.readouterr().out
+
+    code, out = run("mig", "export")
+    assert code == 0 and yaml.safe_load(out)["mig-configs"]["current"] == [{"devices": "all", "mig-enabled": False}]
+    before = MachineState(Root(root)).read()["gpus"]
+    code, out = run("mig", "apply", "-f", SHIPPED, "-c", "all-balanced", "--dry-run")
+    assert code == 0 and "[+] GPU 0 (H100 80GB HBM3): mode-changed, 0 NVML mutation(s)" in out
+    assert "would: enable MIG mode on GPU 0" in out and "would: create GPU instance 3g.40gb at 4:4 on GPU 0" in out
+    assert out.endswith("MIG config all-balanced: success (dry run, nothing changed)\n")
+    code, out = run("mig", "apply", "-f", SHIPPED, "-c", "all-1g.10gb", "--dry-run", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["dry_run"] and [len(g["changes"]) for g in plan["gpus"]] == [1 + 7 + 7]
+    assert MachineState(Root(root)).read()["gpus"] == before
+    assert run("mig", "assert", "-f", SHIPPED, "-c", "all-disabled") == (0, "MIG config all-disabled is applied\n")
+    code, out = run("mig", "assert", "-f", SHIPPED, "-c", "all-balanced")
+    assert code == 1 and "GPU 0 (H100 80GB HBM3): 9 change(s) needed" in out

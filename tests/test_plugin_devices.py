@@ -2,6 +2,7 @@
 what Allocate answers, the plugin config section and the sharing labels."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Optional
@@ -15,8 +16,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.kube.labels import compute
 from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuHealth, GpuInstance, Inventory, MigState
 from gpu_agent.plugin.allocate import AllocationError, allocate
-from gpu_agent.plugin.devices import GPU_RESOURCE, advertised, mig_resource, numa_reader, sharing
-from gpu_agent.plugin.service import spread
+from gpu_agent.plugin.devices import GPU_RESOURCE, advertised, mig_resource, sharing
 from gpu_agent.toolkit import cdi
 
 from harness import SimNode
@@ -45,8 +45,8 @@ def plugin(**settings: Any) -> PluginConfig:
 
 
 def ads(inv: Optional[Inventory], strategy: str = "none", settings: Optional[PluginConfig] = None,
-        health: Optional[dict[str, GpuHealth]] = None, numa: Any = lambda g: None, unavailable: str = "") -> Any:
-    return advertised(inv, health or {}, strategy, settings or plugin(), numa, unavailable)
+        health: Optional[dict[str, GpuHealth]] = None, unavailable: str = "") -> Any:
+    return advertised(inv, health or {}, strategy, settings or plugin(), unavailable)
 
 
 def ids(result: Any, name: str = GPU_RESOURCE) -> list[str]:
@@ -117,17 +117,13 @@ def test_a_sick_mig_device_or_its_sick_gpu_marks_it_unhealthy() -> None:
         [first, second])
 
 
-def test_one_sick_gpu_marks_only_its_devices_and_numa_comes_from_sysfs(tmp_path: Path) -> None:
+def test_one_sick_gpu_marks_only_its_devices_and_each_device_has_its_gpus_numa_node() -> None:
     sick = {EIGHT.gpus[2].uuid: GpuHealth(xid_reason="XID 79 (fallen off the bus)", lost=True)}
     four = plugin(sharing={"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}})
     devices = ads(EIGHT, settings=four, health=sick).resources[GPU_RESOURCE].devices
     assert sorted(d.id for d in devices if not d.healthy) == [f"{EIGHT.gpus[2].uuid}::{n}" for n in range(4)]
-    for index, node in ((0, "0\n"), (5, "1\n"), (6, "-1\n")):
-        path = tmp_path / f"sys/bus/pci/devices/0000:{0x18 + index:02x}:00.0/numa_node"
-        path.parent.mkdir(parents=True)
-        path.write_text(node)
-    numa = numa_reader(Root(tmp_path))
-    assert [numa(EIGHT.gpus[i]) for i in (0, 5, 6, 7)] == [0, 1, None, None]
+    placed = inventory(*(dataclasses.replace(g, numa_node=None if g.index == 7 else g.index // 4) for g in EIGHT.gpus))
+    assert [d.numa_node for d in ads(placed).resources[GPU_RESOURCE].devices] == [0, 0, 0, 0, 1, 1, 1, None]
 
 
 # --- Allocate ------------------------------------------------------------------------------------------------
@@ -178,13 +174,6 @@ def test_every_allocated_name_is_a_device_of_the_cdi_spec(tmp_path: Path) -> Non
     for resource in result.resources.values():
         for device in resource.devices:
             assert set(allocate(resource, [device.id], "cdi-cri", False).cdi_devices) <= names
-
-
-def test_preferred_spreads_replicas_over_gpus_and_keeps_must_include() -> None:
-    available = [f"GPU-{g}::{n}" for g in "abc" for n in range(3)]
-    assert spread(available, [], 3) == ["GPU-a::0", "GPU-b::0", "GPU-c::0"]
-    assert spread(available, ["GPU-b::2"], 2) == ["GPU-b::2", "GPU-a::0"]
-    assert len(spread(available, [], 20)) == 9
 
 
 # --- config and labels ---------------------------------------------------------------------------------------

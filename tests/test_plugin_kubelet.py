@@ -172,6 +172,7 @@ def test_eight_gpus_registered_and_allocated_in_every_list_strategy(agent, kubel
     devices = kubelet.latest_list(GPU)
     assert [d["id"] for d in devices] == uuids and len(uuids) == 8
     assert all(d["health"] == "Healthy" for d in devices)
+    assert [d["numa"] for d in devices] == [[0]] * 4 + [[1]] * 4  # a DGX H100: GPUs 0-3 on node 0, 4-7 on 1
 
     answer = kubelet.send(op="allocate", resource=GPU, ids=[uuids[1], uuids[5]])
     assert answer["ok"] and answer["cdi_devices"] == [f"nvidia.com/gpu={uuids[1]}", f"nvidia.com/gpu={uuids[5]}"]
@@ -183,6 +184,7 @@ def test_eight_gpus_registered_and_allocated_in_every_list_strategy(agent, kubel
 
     preferred = kubelet.send(op="preferred", resource=GPU, available=uuids, must=[uuids[3]], size=2)
     assert preferred["ok"] and len(preferred["ids"]) == 2 and uuids[3] in preferred["ids"]
+    assert {uuids.index(uuid) for uuid in preferred["ids"]} <= {0, 1, 2, 3}  # NVLink all-to-all: then NUMA
 
     reload(daemon, write_config, {"plugin": {"device_list_strategy": "envvar"}})
     answer = kubelet.send(op="allocate", resource=GPU, ids=[uuids[2]])

@@ -145,9 +145,12 @@ def test_series_carry_the_holders_labels_from_the_kubelet(node: Node, kubelet: K
     result = asyncio.run(node.labels().refresh())
     assert result.error is None and kubelet.calls == 1
     temp = node.series("DCGM_FI_DEV_GPU_TEMP")
-    assert [(s["UUID"], s.get("namespace"), s.get("pod"), s.get("container")) for s in temp] == [
-        (gpu0, "ml", "trainer", "main"), (gpu1, "ml", "a", "c"), (gpu1, "ml", "b", "c"),
-        (node.gpus[2].uuid, None, None, None)]
+    held_gi, free_gi = str(node.mig[0].gpu_instance_id), str(node.mig[1].gpu_instance_id)
+    # GPU 2 has GPU instances: as dcgm-exporter, one series per GPU instance, each with its own holders
+    assert sorted((s["UUID"], s.get("GPU_I_ID"), s.get("namespace"), s.get("pod"), s.get("container"))
+                  for s in temp) == sorted([
+        (gpu0, None, "ml", "trainer", "main"), (gpu1, None, "ml", "a", "c"), (gpu1, None, "ml", "b", "c"),
+        (node.gpus[2].uuid, held_gi, "dev", "notebook", "nb"), (node.gpus[2].uuid, free_gi, None, None, None)])
     assert list(temp[0]) == ["gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname",
                              "DCGM_FI_DRIVER_VERSION", "container", "namespace", "pod"]
     instances = [s for s in node.series("DCGM_FI_DEV_FB_USED") if "GPU_I_ID" in s]
@@ -172,7 +175,7 @@ def test_a_kubelet_that_does_not_answer_in_time_is_a_reason_not_a_hang(node: Nod
     result = asyncio.run(node.labels(timeout=0.3).refresh())
     assert time.monotonic() - started < 1.4
     assert "did not answer List within 0.3 s" in str(result.error)
-    assert len(node.series("DCGM_FI_DEV_GPU_TEMP")) == 3
+    assert len(node.series("DCGM_FI_DEV_GPU_TEMP")) == 4  # two GPUs, and the two GPU instances of the third
 
 
 def test_a_socket_that_is_not_grpc_is_a_reason(node: Node) -> None:

@@ -1,54 +1,51 @@
 """gpu-agent sim: the commands that rehearse failures, and their errors."""
 from __future__ import annotations
 
-import pytest
-
 import json
 from pathlib import Path
 
-from conftest import cli
+from harness import run_cli
 
-# The sim subcommands as a user runs them.
-pytestmark = pytest.mark.subprocess
+# The sim subcommands as a user runs them, in this process: their output and exit codes.
 
 
 def test_sim_commands_change_the_shared_machine(root: Path) -> None:
-    assert cli("--simulate", "dgx-a100", "sim", "show", root=root).returncode == 0
-    assert cli("sim", "fail", "nvmlDeviceGetPowerUsage", "--gpu", "2", "--times", "3", "--error", "GpuIsLost",
+    assert run_cli("--simulate", "dgx-a100", "sim", "show", root=root).returncode == 0
+    assert run_cli("sim", "fail", "nvmlDeviceGetPowerUsage", "--gpu", "2", "--times", "3", "--error", "GpuIsLost",
                root=root).returncode == 0
-    assert cli("sim", "add-process", "--gpu", "0", "--pid", "77", "--name", "a-very-long-process-name",
+    assert run_cli("sim", "add-process", "--gpu", "0", "--pid", "77", "--name", "a-very-long-process-name",
                root=root).returncode == 0
-    state = json.loads(cli("sim", "show", "--json", root=root).stdout)
+    state = json.loads(run_cli("sim", "show", "--json", root=root).stdout)
     assert state["faults"] == [{"id": 1, "call": "nvmlDeviceGetPowerUsage", "gpu": 2, "times": 3,
                                 "error": "GpuIsLost"}]
     assert state["gpus"][0]["processes"] == [{"pid": 77, "name": "a-very-long-process-name", "used_mib": 1024}]
     comm = root / "var/lib/gpu-agent/sim/kernel/proc/77/comm"  # the simulated kernel's /proc
     assert comm.read_text() == "a-very-long-pro\n"  # the kernel keeps 15 characters
-    shown = cli("sim", "show", root=root).stdout
+    shown = run_cli("sim", "show", root=root).stdout
     assert "fault: nvmlDeviceGetPowerUsage on GPU 2 -> GpuIsLost, 3 more call(s)" in shown
 
-    assert cli("sim", "clear", root=root).returncode == 0
-    state = json.loads(cli("sim", "show", "--json", root=root).stdout)
+    assert run_cli("sim", "clear", root=root).returncode == 0
+    state = json.loads(run_cli("sim", "show", "--json", root=root).stdout)
     assert state["faults"] == [] and state["gpus"][0]["processes"] == []
     assert not comm.exists()
 
 
 def test_sim_rejects_what_it_cannot_simulate(root: Path) -> None:
-    missing = cli("sim", "show", root=root)
+    missing = run_cli("sim", "show", root=root)
     assert missing.returncode == 1 and "no simulated machine under" in missing.stderr
-    cli("--simulate", "t4", "sim", "show", root=root)
-    unknown_call = cli("sim", "fail", "nvmlDeviceGetFrobnication", root=root)
+    run_cli("--simulate", "t4", "sim", "show", root=root)
+    unknown_call = run_cli("sim", "fail", "nvmlDeviceGetFrobnication", root=root)
     assert unknown_call.returncode == 1
     assert "not modprobe nor an NVML call the simulator implements" in unknown_call.stderr
-    unknown_error = cli("sim", "fail", "nvmlDeviceGetCount", "--error", "Oops", root=root)
+    unknown_error = run_cli("sim", "fail", "nvmlDeviceGetCount", "--error", "Oops", root=root)
     assert unknown_error.returncode == 1 and "--error Oops: unknown" in unknown_error.stderr
-    bad_gpu = cli("sim", "inject-xid", "--gpu", "1", "--xid", "79", root=root)
+    bad_gpu = run_cli("sim", "inject-xid", "--gpu", "1", "--xid", "79", root=root)
     assert bad_gpu.returncode == 1 and "--gpu 1: the simulated machine has 1 GPU(s)" in bad_gpu.stderr
-    bad_profile = cli("--simulate", "dgx-z900", "sim", "show", root=root)
+    bad_profile = run_cli("--simulate", "dgx-z900", "sim", "show", root=root)
     assert bad_profile.returncode == 1 and "neither a built-in profile" in bad_profile.stderr
 
 
 def test_switching_profile_on_a_root_builds_the_new_machine(root: Path) -> None:
-    cli("--simulate", "dgx-h100", "sim", "show", root=root)
-    state = json.loads(cli("--simulate", "a30", "sim", "show", "--json", root=root).stdout)
+    run_cli("--simulate", "dgx-h100", "sim", "show", root=root)
+    state = json.loads(run_cli("--simulate", "a30", "sim", "show", "--json", root=root).stdout)
     assert state["machine"] == "a30" and len(state["gpus"]) == 1

@@ -10,7 +10,7 @@ import pytest
 
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.plan import RemoveFile, RestartService, RestoreFile
+from gpu_agent.plan import CreateLink, RemoveFile, RemoveLink, RestartService, RestoreFile
 from harness import SimNode
 from test_toolkit import CONTAINERD_V2, CONTAINERD_V3
 
@@ -107,6 +107,38 @@ def test_uninstall_returns_the_node_to_its_pre_install_bytes(node: SimNode, fixt
     assert not node.kernel("/etc/modprobe.d/gpu-agent-nvidia.conf").exists()
     assert not node.kernel("/etc/modprobe.d/blacklist-nouveau.conf").exists()
     assert node.uninstall().changes("owned-files") == []
+
+
+def test_uninstall_removes_the_device_links_it_created_and_only_those(tmp_path: Path) -> None:
+    (tmp_path / "root").mkdir()
+    node = SimNode(tmp_path / "root", "t4")
+    node.sim("show")
+    theirs = node.kernel("/dev/char/195:255")  # udev's, made before the agent ran: not ours to remove
+    theirs.parent.mkdir(parents=True, exist_ok=True)
+    theirs.symlink_to("../nvidiactl")
+    done = node.apply()
+    assert done.ok, [(run.stage, run.message) for run in done.runs]
+    created = {c.path for c in done.changes("driver") if isinstance(c, CreateLink)}
+    assert "/dev/char/195:0" in created and "/dev/char/195:255" not in created
+    ledger = Ledger(Root(node.root))
+    assert {path: link.target for path, link in ledger.links().items()} == {
+        path: os.readlink(node.kernel(path)) for path in created}
+    assert not any(isinstance(c, RemoveLink) for c in node.apply().changes("owned-files"))  # still wanted
+
+    repointed = sorted(created - {"/dev/char/195:0"})[0]  # someone pointed one of ours elsewhere since
+    node.kernel(repointed).unlink()
+    node.kernel(repointed).symlink_to("../null")
+    ours = created - {repointed}
+    dry = node.uninstall(dry_run=True)
+    assert {c.path for c in dry.changes("owned-files") if isinstance(c, RemoveLink)} == ours
+    assert all(node.kernel(path).is_symlink() for path in created)  # a dry run changes nothing
+    uninstalled = node.uninstall()
+    assert uninstalled.stage("owned-files").state == "ok", uninstalled.stage("owned-files").message
+    assert not any(os.path.lexists(node.kernel(path)) for path in ours)
+    assert os.readlink(theirs) == "../nvidiactl" and os.readlink(node.kernel(repointed)) == "../null"
+    assert repointed in uninstalled.stage("owned-files").message  # left as it is, and said so
+    assert node.kernel("/dev/nvidia0").exists()  # the device nodes are the driver's, not undone
+    assert ledger.links() == {} and node.uninstall().changes("owned-files") == []
 
 
 @pytest.mark.parametrize("setting, file", [

@@ -77,7 +77,7 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
     from gpu_agent.mig.checkpoint import CheckpointStore
     from gpu_agent.mig.config import load_mig_config
     from gpu_agent.mig.hooks import Hooks
-    from gpu_agent.mig.planner import not_applied, plans_for
+    from gpu_agent.mig.planner import gpu_name, not_applied, plans_for
 
     file = load_mig_config(Path(args.config_file))
     name = args.selected_config
@@ -108,7 +108,7 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
     else:
         for result in results:
             mark = {FAILED: "-", PENDING: "~", REBOOTING: "~"}.get(result.state, "+")
-            print(f"[{mark}] GPU {result.gpu} ({result.product}): {result.action}, {result.mutations} NVML "
+            print(f"[{mark}] {gpu_name(result.gpu, result.product)}: {result.action}, {result.mutations} NVML "
                   f"mutation(s): {result.reason}")
             for change in result.changes:
                 print(f"    {'would' if not writes else 'did'}: {change.describe()}")

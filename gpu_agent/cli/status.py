@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import socket
 import sys
@@ -23,25 +22,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --wait: give up after S seconds (exit 2, or 1 if the daemon never answered)")
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.unix_path)
-
-
 def fetch_status(args: argparse.Namespace, unix_only: bool = False) -> tuple[Optional[dict[str, Any]], str]:
     """The daemon's /status, or None and why it could not be read. `unix_only`: ask only the unix
     socket under --root, which belongs to the daemon of that root (a TCP port may be anyone's)."""
+    import http.client  # here, not at the top: every command's parser imports this module
+
+    class UnixConnection(http.client.HTTPConnection):
+        def __init__(self, path: str, timeout: float) -> None:
+            super().__init__("localhost", timeout=timeout)
+            self.unix_path = path
+
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(self.timeout)
+            self.sock.connect(self.unix_path)
+
     endpoint = endpoint_of(args)
     endpoints: list[tuple[str, http.client.HTTPConnection]] = []
     if endpoint.socket:
         path = str(root_of(args)(endpoint.socket))
-        endpoints.append((path, _UnixConnection(path, _REQUEST_TIMEOUT_S)))
+        endpoints.append((path, UnixConnection(path, _REQUEST_TIMEOUT_S)))
     if endpoint.listen and not unix_only:
         endpoints.append((endpoint.listen, http.client.HTTPConnection(
             endpoint.host, endpoint.port, timeout=_REQUEST_TIMEOUT_S)))
@@ -101,17 +101,26 @@ def print_table(status: dict[str, Any]) -> None:
         for gpu in status["gpus"]:
             if gpu["health_reason"]:
                 print(f"GPU {gpu['index']} {gpu['health']}: {gpu['health_reason']}")
+            for device in gpu["mig"]["instances"]:
+                if device.get("health_reason"):
+                    print(f"GPU {gpu['index']} MIG device {device['uuid']} {device['health']}: "
+                          f"{device['health_reason']}; recovers {_recovery(device)}")
 
 
 def _recovery(gpu: dict[str, Any]) -> str:
-    """When an unhealthy GPU will be considered healthy again."""
+    """When an unhealthy GPU (or MIG device) will be considered healthy again: every reason has its own."""
     if gpu["health"] == "healthy":
         return "-"
+    when = []
     if gpu.get("lost"):
-        return f"when NVML sees it again at {gpu['pci_bus_id']}"
-    if gpu.get("recovers_at") is not None:
-        return time.strftime("at %Y-%m-%d %H:%M:%S %Z", time.localtime(gpu["recovers_at"]))
-    return "when NVML answers for it again"
+        when.append(f"when NVML sees it again at {gpu['pci_bus_id']}")
+    elif gpu.get("recovers_at") is not None:
+        when.append(time.strftime("at %Y-%m-%d %H:%M:%S %Z", time.localtime(gpu["recovers_at"])))
+    if gpu.get("failing_checks"):
+        when.append("when its checks pass")
+    if gpu.get("query_error"):
+        when.append("when NVML answers for it again")
+    return " and ".join(when) or "when NVML answers for it again"
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:

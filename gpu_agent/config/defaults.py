@@ -34,7 +34,7 @@ def _setting(key: str, value: Any, description: str | None, depth: int) -> list[
     if isinstance(value, BaseModel):
         lines.append(f"{indent}{key}:")
         for sub, field in type(value).model_fields.items():
-            lines += _setting(sub, getattr(value, sub), field.description, depth + 1)
+            lines += _setting(field.alias or sub, getattr(value, sub), field.description, depth + 1)
     else:
         lines.append(f"{indent}{key}: {_yaml(value)}")
     return lines

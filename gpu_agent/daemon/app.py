@@ -16,10 +16,12 @@ from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig, load_config
 from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
+from gpu_agent.daemon.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
 from gpu_agent.health.reset import ResetHealsGpu
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
+from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.budget import RequestBudget
@@ -100,7 +102,7 @@ class Runtime:
             packages = SystemPackages(root)
             gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
             units = Systemctl(root, config.toolkit.restart_timeout_seconds)
-        from gpu_agent.stages.labels import machine_name
+        from gpu_agent.kube.labels import machine_name
 
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
         gpu_reset = ResetHealsGpu(gpu_reset, state)
@@ -304,6 +306,7 @@ class Daemon:
             # What start-up built (modules, config models, stages) lives as long as the process: keep
             # it out of every garbage collection, so that a full one takes a millisecond, not 50.
             gc.freeze()
+            give_back()  # what start-up freed (config parsing, the first pass) leaves the resident set
             log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
         if first or reloading:
             self.notifier.ready(self.state.summary_line())
@@ -435,28 +438,40 @@ class Daemon:
             return {path: stamp_of(self.runtime.root(path))
                     for stage in self.runtime.engine.stages for path in stage.watched()}
 
-        last = stamps()
-        while True:
-            await asyncio.sleep(_DRIFT_POLL_S)
-            now = stamps()
-            changed = sorted(path for path, stamp in now.items()
-                             if stamp != last.get(path, stamp) and not written_by_us(self.runtime.root(path), stamp))
-            if changed:
-                log.info("%s changed on disk; reconciling", ", ".join(changed))
-                self.trigger()
-            last = now
+        changes = FileChanges("drift watch", _DRIFT_POLL_S)
+        try:
+            changes.watch_for(self.runtime.root(path) for path in stamps())
+            last = stamps()
+            while True:
+                await changes.wait()
+                changes.watch_for(self.runtime.root(path) for path in stamps())  # the stages may have changed
+                now = stamps()
+                changed = sorted(path for path, stamp in now.items()
+                                 if stamp != last.get(path, stamp)
+                                 and not written_by_us(self.runtime.root(path), stamp))
+                if changed:
+                    log.info("%s changed on disk; reconciling", ", ".join(changed))
+                    self.trigger()
+                last = now
+        finally:
+            changes.close()
 
     async def _watch_simulator(self, machine: Any) -> None:
         """A change to the simulated machine made by someone else (`gpu-agent sim`) is like a
         hardware event: resample and reconcile now. The agent's own writes (a fault used up) are not."""
-        last = machine.stamp()
-        while True:
-            await asyncio.sleep(_SIM_POLL_S)
-            stamp = machine.stamp()
-            if stamp != last and not written_by_us(machine.path, stamp):
-                await self._sample()
-                self.trigger(force=True)
-            last = stamp
+        changes = FileChanges("simulator watch", _SIM_POLL_S)
+        try:
+            changes.watch_for([machine.path])
+            last = machine.stamp()
+            while True:
+                await changes.wait()
+                stamp = machine.stamp()
+                if stamp != last and not written_by_us(machine.path, stamp):
+                    await self._sample()
+                    self.trigger(force=True)
+                last = stamp
+        finally:
+            changes.close()
 
 
 def _same_stage(old: Stage, new: Stage) -> bool:
@@ -466,6 +481,7 @@ def _same_stage(old: Stage, new: Stage) -> bool:
 
 def run_daemon(root: Root, loaded: LoadedConfig, config_path: Path, config_required: bool,
                simulate: Optional[str]) -> int:
+    limit_arenas()  # before the worker threads start
     lock = take_lock(root)
     try:
         log.info("gpu-agent %s starting: root=%s config=%s%s", __version__, root.path, loaded.source,

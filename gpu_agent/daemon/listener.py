@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
+from gpu_agent.host.memory import give_back
+
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 5.0  # to send a complete request, after connecting or after the previous response
@@ -321,6 +323,7 @@ class _GarbageAfterChurn:
         self._pending, self._closed = None, 0
         self._last = self._loop.time()
         gc.collect()
+        give_back()  # and what the collection freed leaves the resident set (RSS back to idle after a flood)
 
 
 class _Connection(asyncio.Protocol):

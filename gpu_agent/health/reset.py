@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 
 from gpu_agent.health.policy import after_reset
-from gpu_agent.mig.reset import GpuReset
+from typing import Optional
+
+from gpu_agent.mig.reset import GpuReset, ResetImpossible
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -15,6 +17,9 @@ class ResetHealsGpu:
     def __init__(self, reset: GpuReset, state: AgentState) -> None:
         self.inner = reset
         self.state = state
+
+    def blocker(self, index: int, bus_id: str) -> Optional[ResetImpossible]:
+        return self.inner.blocker(index, bus_id)
 
     def reset(self, index: int, bus_id: str) -> None:
         self.inner.reset(index, bus_id)  # ResetImpossible: nothing happened, nothing to heal

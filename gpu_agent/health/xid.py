@@ -23,7 +23,7 @@ from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
-_WAIT_MS = 500
+_WAIT_MS = 10_000  # at most, between two looks at the inventory (a GPU to register) and at recoveries
 _RETRY_S = 5.0
 
 
@@ -74,9 +74,9 @@ class XidWatcher:
             try:
                 wait = self._register()
                 if wait is None:
-                    self._stop.wait(_WAIT_MS / 1000)
+                    self._stop.wait(self._wait_ms() / 1000)
                     continue
-                event = wait(_WAIT_MS)
+                event = wait(self._wait_ms())
             except (AgentError, self.nvml.lib.NVMLError) as exc:
                 self._unavailable(exc)
                 self._stop.wait(_RETRY_S)
@@ -87,6 +87,15 @@ class XidWatcher:
                 continue
             if event is not None:
                 self.record(event)
+
+    def _wait_ms(self) -> int:
+        """Until the next GPU is due to recover (it wakes no sooner), at most _WAIT_MS."""
+        settings = self.state.config.config.health
+        dues = [due for due in (recovers_at(health, settings) for health in self.state.health.values())
+                if due is not None]
+        if not dues:
+            return _WAIT_MS
+        return max(1, min(_WAIT_MS, int((min(dues) - self.clock()) * 1000) + 1))
 
     def record(self, event: XidEvent) -> None:
         """Apply one XID event: an ignored one is counted, a critical one makes the GPU (or the MIG

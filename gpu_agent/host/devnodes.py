@@ -115,11 +115,16 @@ def create_node(root: Root, node: DeviceNode) -> None:
     os.rename(temporary, path)
 
 
+def link_target(node: DeviceNode) -> str:
+    """What the node's /dev/char link holds: ../<node>, relative as udev writes it."""
+    return os.path.relpath(node.path, os.path.dirname(node.char_link))
+
+
 def create_link(root: Root, node: DeviceNode) -> None:
     """/dev/char/MAJ:MIN -> ../<node>, replacing whatever file or link is there."""
     link = root(node.char_link)
     link.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    target = os.path.relpath(node.path, os.path.dirname(node.char_link))
+    target = link_target(node)
     if link.is_symlink() or link.is_file():
         link.unlink()
     elif link.exists():

@@ -5,6 +5,9 @@ under /var/lib/gpu-agent.
   agent created the file), the digest of what it last wrote, and the unit to restart when it is
   undone. Recorded (fsynced) before the file is written. When the config stops asking for a file,
   or at `gpu-agent uninstall`, it is removed or its original put back.
+- links: every symbolic link the agent created (the driver's /dev/char/MAJ:MIN links), with its owner
+  and the target it was given. Recorded before the link is made; `gpu-agent uninstall` removes
+  those that still point there.
 - pending_restarts: runtime restarts the agent owes, recorded before a runtime's config is written and
   cleared once the runtime was restarted and answered. A pass that starts, even in a new process
   after a kill -9, performs them first.
@@ -37,6 +40,13 @@ class Owned:
     restart: Optional[str] = None  # the unit that reads it: restarted after the file is undone
 
 
+@dataclass(frozen=True)
+class OwnedLink:
+    path: str  # host path of the link
+    owner: str  # the stage that made it
+    target: str  # what the agent made it point to, as written in the link
+
+
 class LedgerError(AgentError):
     """The ledger cannot be read or written; the message names the file and what to do."""
 
@@ -66,6 +76,23 @@ class Ledger:
     def disown(self, path: str) -> None:
         document = self._read()
         if document["owned"].pop(path, None) is not None:
+            self._write(document)
+
+    def links(self) -> dict[str, OwnedLink]:
+        """The symbolic links the agent created, by host path."""
+        return {path: OwnedLink(path=path, **entry) for path, entry in self._read()["links"].items()}
+
+    def own_link(self, entry: OwnedLink) -> None:
+        """Record (durably, before the link is made) that the agent creates `entry.path`."""
+        document = self._read()
+        fields = {"owner": entry.owner, "target": entry.target}
+        if document["links"].get(entry.path) != fields:
+            document["links"][entry.path] = fields
+            self._write(document)
+
+    def disown_link(self, path: str) -> None:
+        document = self._read()
+        if document["links"].pop(path, None) is not None:
             self._write(document)
 
     def pending_restarts(self) -> set[str]:
@@ -110,7 +137,7 @@ class Ledger:
             with open(self.path, "rb") as f:
                 raw = f.read(_MAX_BYTES + 1)
         except FileNotFoundError:
-            return {"version": VERSION, "pending_restarts": {}, "owned": {}, "mig_checkpoints": {}}
+            return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {}}
         except OSError as exc:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
         if len(raw) > _MAX_BYTES:
@@ -136,6 +163,10 @@ class Ledger:
         if not isinstance(owned, dict) or not all(_owned_entry(path, entry) for path, entry in owned.items()):
             raise self._error('owned: expected an object of host paths, such as {"/etc/x.conf": {"owner": "driver", '
                               '"original": null, "written": "sha256:...", "restart": null}}')
+        links = document.setdefault("links", {})
+        if not isinstance(links, dict) or not all(_link_entry(path, entry) for path, entry in links.items()):
+            raise self._error('links: expected an object of host paths, such as {"/dev/char/195:0": '
+                              '{"owner": "driver", "target": "../nvidia0"}}')
         pending = document.setdefault("pending_restarts", {})
         if not isinstance(pending, dict) or not all(isinstance(v, dict) for v in pending.values()):
             raise self._error('pending_restarts: expected an object of units, such as {"containerd.service": {}}')
@@ -169,3 +200,9 @@ def _owned_entry(path: Any, entry: Any) -> bool:
             and isinstance(entry["owner"], str) and isinstance(entry["written"], str)
             and (entry["original"] is None or text(entry["original"]))
             and (entry["restart"] is None or isinstance(entry["restart"], str)))
+
+
+def _link_entry(path: Any, entry: Any) -> bool:
+    return (isinstance(path, str) and path.startswith("/") and isinstance(entry, dict)
+            and set(entry) == {"owner", "target"} and isinstance(entry["owner"], str)
+            and isinstance(entry["target"], str) and entry["target"] != "")

@@ -1,9 +1,10 @@
-"""Files the agent owns: written through the ledger, so that every one can be undone.
+"""Files and links the agent owns: written through the ledger, so that every one can be undone.
 
 The first time the agent writes a file it saves the original (or notes that there was none), and
 before every write it records the digest of what it writes. Undoing a file removes it, or puts the
 original back, only while it still holds what the agent wrote: a file someone changed since is left
-as it is, and said so.
+as it is, and said so. A link the agent created is removed while it still points where the agent
+made it point.
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import logging
 import os
 import stat
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from gpu_agent.host.files import atomic_write, read_bytes, remove
-from gpu_agent.host.ledger import Ledger, Owned
+from gpu_agent.host.ledger import Ledger, Owned, OwnedLink
 from gpu_agent.host.paths import Root
 from gpu_agent.plan import digest
 
@@ -82,6 +83,34 @@ def carry_out(root: Root, ledger: Ledger, undo: Undo) -> None:
         return
     ledger.disown(entry.path)
     _drop_original(root, entry.path)
+
+
+def make_link(ledger: Ledger, owner: str, host_path: str, target: str, create: Callable[[], None]) -> None:
+    """Create the link `host_path` -> `target` (by calling `create`) as a link `owner` owns: recorded
+    first, so that a crash between the two leaves nothing the ledger does not know."""
+    ledger.own_link(OwnedLink(host_path, owner, target))
+    create()
+
+
+@dataclass(frozen=True)
+class LinkUndo:
+    entry: OwnedLink
+    how: str  # REMOVE, FORGET (gone already) or CHANGED (it points elsewhere now, or is no link: left alone)
+
+
+def link_undo_of(root: Root, entry: OwnedLink) -> LinkUndo:
+    path = root(entry.path)
+    if not path.is_symlink():
+        return LinkUndo(entry, CHANGED if os.path.lexists(path) else FORGET)
+    return LinkUndo(entry, REMOVE if os.readlink(path) == entry.target else CHANGED)
+
+
+def carry_out_link(root: Root, ledger: Ledger, undo: LinkUndo) -> None:
+    if undo.how == REMOVE:
+        remove(root(undo.entry.path))
+    elif undo.how == CHANGED:
+        log.warning("%s changed since gpu-agent linked it to %s: left as it is", undo.entry.path, undo.entry.target)
+    ledger.disown_link(undo.entry.path)
 
 
 def _save_original(root: Root, host_path: str) -> Optional[str]:

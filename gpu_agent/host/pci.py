@@ -38,7 +38,7 @@ def scan(root: Root) -> PciInventory:
     found = []
     for entry in sorted(devices.iterdir()) if devices.is_dir() else ():
         try:
-            vendor, device, pci_class = (_hex(entry, name) for name in ("vendor", "device", "class"))
+            vendor, device, pci_class = _ids(entry)
         except OSError:
             continue  # a device that vanished or is not readable is not ours to judge
         bound = entry / "driver"
@@ -49,6 +49,38 @@ def scan(root: Root) -> PciInventory:
         nvswitches=tuple(d for d in found if d.vendor == NVIDIA and d.pci_class == BRIDGE_CLASS),
         mellanox_nics=tuple(d for d in found if d.vendor == MELLANOX and d.pci_class in NETWORK_CLASSES),
     )
+
+
+# A device's vendor, device and class cannot change while it is on the bus: they are read again only
+# when its sysfs entry is made again (hotplug, a rescan) or announces a change (a uevent), not at every
+# pass. By the entry's path: its identity then, and the three numbers.
+_Identity = tuple[int, int, int, Optional[tuple[int, int]]]
+_known_ids: dict[str, tuple[_Identity, tuple[int, int, int]]] = {}
+_KNOWN_MAX = 4096  # more PCI functions than a node has; beyond it (many roots: tests), start over
+
+
+def _ids(entry: Path) -> tuple[int, int, int]:
+    identity = _identity(entry)
+    known = _known_ids.get(str(entry))
+    if known is not None and known[0] == identity:
+        return known[1]
+    ids = (_hex(entry, "vendor"), _hex(entry, "device"), _hex(entry, "class"))
+    if len(_known_ids) >= _KNOWN_MAX:
+        _known_ids.clear()
+    _known_ids[str(entry)] = (identity, ids)
+    return ids
+
+
+def _identity(entry: Path) -> _Identity:
+    """The entry (a symlink in sysfs, made anew when the device is), and its uevent file, written when
+    the kernel announces a change of the device."""
+    link = os.lstat(entry)
+    try:
+        uevent = os.stat(entry / "uevent")
+        announced: Optional[tuple[int, int]] = (uevent.st_ino, uevent.st_mtime_ns)
+    except OSError:
+        announced = None
+    return (link.st_ino, link.st_mtime_ns, link.st_ctime_ns, announced)
 
 
 def _hex(entry: Path, name: str) -> int:

@@ -6,6 +6,8 @@ import logging
 import re
 from typing import TYPE_CHECKING, Mapping, Optional
 
+from gpu_agent.host.files import read_text
+from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Gpu, Inventory, MigProfile
 
 if TYPE_CHECKING:
@@ -43,6 +45,12 @@ def family(major: int, minor: int) -> str:
         return "ampere" if minor < 9 else "ada-lovelace"
     return {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 9: "hopper",
             10: "blackwell", 12: "blackwell"}.get(major, "undefined")
+
+
+def machine_name(root: Root) -> Optional[str]:
+    """The DMI product name, for gpu.machine."""
+    name = read_text(root("/sys/class/dmi/id/product_name"))
+    return name.strip() if name else None
 
 
 def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine: Optional[str],

@@ -12,7 +12,7 @@ class Counter:
     kind: str  # "gauge" or "counter", as dcgm-exporter declares it
     help: str
     field: str  # of GpuSample
-    per_gpu_instance: bool = False  # also reported per GPU instance on a MIG GPU (framebuffer)
+    per_gpu_instance: bool = False  # also reported per GPU instance on a MIG GPU (framebuffer, GPM)
 
 
 DEFAULT_COUNTERS = (
@@ -39,6 +39,17 @@ DEFAULT_COUNTERS = (
     # Where the GPU has NVLink; the first sample has no value, a rate needs two.
     Counter("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "counter",
             "Total number of NVLink bandwidth counters for all lanes.", "nvlink_bandwidth_total"),
+    # From NVML GPM where the GPU has it (Hopper and later), over the interval between two samples.
+    Counter("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gauge", "Ratio of time the graphics engine is active.",
+            "gr_engine_active", True),
+    Counter("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "gauge", "Ratio of cycles the tensor (HMMA) pipe is active.",
+            "pipe_tensor_active", True),
+    Counter("DCGM_FI_PROF_DRAM_ACTIVE", "gauge",
+            "Ratio of cycles the device memory interface is active sending or receiving data.", "dram_active", True),
+    Counter("DCGM_FI_PROF_PCIE_TX_BYTES", "gauge", "The rate of data transmitted over the PCIe bus - including both "
+            "protocol headers and data payloads - in bytes per second.", "pcie_tx_bytes", True),
+    Counter("DCGM_FI_PROF_PCIE_RX_BYTES", "gauge", "The rate of data received over the PCIe bus - including both "
+            "protocol headers and data payloads - in bytes per second.", "pcie_rx_bytes", True),
 )
 
 XID_ERRORS = Counter("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.", "")

@@ -108,26 +108,44 @@ class AgentCollector:
         return "".join(blocks)
 
     def _series(self, counter: Counter, gpu: Gpu) -> Iterator[str]:
+        """As dcgm-exporter's default (flex) monitoring: a GPU without GPU instances is one series; a GPU
+        with GPU instances is monitored through them only, one series each with GPU_I_PROFILE and GPU_I_ID:
+        its own value for what a GPU instance has (framebuffer, GPM), its GPU's for the rest."""
         labels = self._labels(gpu)
-        if counter is XID_ERRORS:
-            health = self.state.health.get(gpu.uuid)
-            yield from self._attributed(counter.name, LABELS, labels,
-                                        health.last_xid if health and health.last_xid else 0, gpu.uuid)
-            return
         sample = self.state.samples.get(gpu.uuid)
-        if sample is None:
+        if counter is XID_ERRORS:
+            value: Optional[float] = self._last_xid(gpu.uuid)
+        elif sample is None:
             return
-        value = getattr(sample, counter.field)
-        if value is not None:
-            yield from self._attributed(counter.name, LABELS, labels, value, gpu.uuid)
-        if counter.per_gpu_instance:
-            for instance in sample.mig:
-                value = getattr(instance, counter.field)
-                if value is not None:
-                    yield from self._attributed(
-                        counter.name, MIG_LABELS,
-                        labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:], value,
-                        gpu.uuid, instance.gpu_instance_id)
+        else:
+            value = getattr(sample, counter.field)
+        instances = sample.mig if sample is not None else ()
+        if not instances:
+            if value is not None:
+                yield from self._attributed(counter.name, LABELS, labels, value, gpu.uuid)
+            return
+        for instance in instances:
+            own: Optional[float]
+            if counter is XID_ERRORS:
+                own = self._last_xid(gpu.uuid, self._devices_of(gpu, instance.gpu_instance_id))
+            else:
+                own = getattr(instance, counter.field) if counter.per_gpu_instance else value
+            if own is not None:
+                mig_labels = labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:]
+                yield from self._attributed(counter.name, MIG_LABELS, mig_labels, own, gpu.uuid,
+                                            instance.gpu_instance_id)
+
+    def _last_xid(self, uuid: str, mig_devices: tuple[str, ...] = ()) -> float:
+        """The last XID of a GPU, or of a GPU instance's MIG devices when they have one of their own."""
+        for device in mig_devices + (uuid,):
+            health = self.state.health.get(device)
+            if health is not None and health.last_xid:
+                return health.last_xid
+        return 0
+
+    @staticmethod
+    def _devices_of(gpu: Gpu, gpu_instance: int) -> tuple[str, ...]:
+        return tuple(device.uuid for device in gpu.mig.devices if device.gpu_instance_id == gpu_instance)
 
     def _attributed(self, name: str, names: tuple[str, ...], values: list[str], value: float, uuid: str,
                     gpu_instance: Optional[int] = None) -> Iterator[str]:
@@ -168,7 +186,11 @@ class AgentRegistry(CollectorRegistry):
 
 
 def make_registry(collector: AgentCollector) -> AgentRegistry:
-    return AgentRegistry(collector)
+    from gpu_agent.metrics.own_process import OwnProcessCollector  # psutil: loaded by the daemon, not every CLI
+
+    registry = AgentRegistry(collector)
+    registry.register(OwnProcessCollector())
+    return registry
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
 from gpu_agent.health.policy import cleared
+from gpu_agent.metrics.gpm import Profiling
 from gpu_agent.nvml.model import Gpu, GpuSample
 from gpu_agent.state import AgentState, GpuProcess
 
@@ -23,6 +24,7 @@ class Sampler:
         self._running = threading.Lock()
         self._misplaced: set[str] = set()  # lost GPUs found answering at another bus id, already logged
         self._nvlink: dict[str, tuple[float, float]] = {}  # by GPU UUID: the last NVLink counter (KiB) and when
+        self.profiling = Profiling(nvml)
 
     def sample(self) -> None:
         """Read every known GPU once; runs on a worker thread. A sample already in progress wins."""
@@ -42,11 +44,9 @@ class Sampler:
         try:
             for gpu in inventory.gpus:
                 try:
-                    samples[gpu.uuid] = self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig))
-                    processes[gpu.uuid] = tuple(
-                        GpuProcess(pid, self._process_name(pid), used)
-                        for pid, used in self.nvml.processes(gpu.index)
-                    )
+                    # One trip to an NVML worker for all of the GPU's queries (hundreds with GPM and MIG).
+                    samples[gpu.uuid], processes[gpu.uuid] = self.nvml.batch(
+                        f"nvmlDevice*(GPU {gpu.index})", self._read, gpu)
                     self._back_on_the_bus(gpu)
                 except self.nvml.lib.NVMLError as exc:
                     self._query_error(gpu.index, gpu.uuid, f"NVML query failed: {describe(exc)}")
@@ -58,10 +58,16 @@ class Sampler:
                 log.error("%s", exc)
             self.state.nvml_error = str(exc)
             return
+        self.profiling.keep_only(samples)
         self.state.nvml_error = None
         self.state.samples = samples
         self.state.sampled_at = time.time()
         self.state.processes = processes
+
+    def _read(self, gpu: Gpu) -> tuple[GpuSample, tuple[GpuProcess, ...]]:
+        sample = self.profiling.add_to(self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig)), gpu)
+        used = self.nvml.processes(gpu.index)
+        return sample, tuple(GpuProcess(pid, self._process_name(pid), mib) for pid, mib in used)
 
     def _nvlink_rate(self, uuid: str, sample: GpuSample) -> GpuSample:
         """DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL as DCGM works it out: the NVLink data counter's growth since

@@ -2,8 +2,8 @@
 
 - A GPU that runs compute processes is never changed unless `force`; the refusal names the PIDs and
   process names (NVML's list, names from the process table under --root).
-- Before the first change, the GPU's whole MIG state is checkpointed in the agent's ledger (a checkpoint
-  an interrupted change left there stays: it is the geometry from before it). Any failure restores that
+- Before the first change, the GPU's whole MIG state is checkpointed in the agent's ledger (one that a
+  change killed midway left there stays: gpu_agent.mig.checkpoint). Any failure restores that
   checkpoint (placements included) instead of leaving the GPU empty, and says so.
 - A mode change NVML leaves pending (Ampere) resets that GPU alone. When it cannot be reset, its instances
   wait and the GPU is `pending` while the agent can still reset it itself at a later pass (compute
@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
-from gpu_agent.host.procfs import read
+from gpu_agent.host import processes
 from gpu_agent.mig.checkpoint import Checkpoint, CheckpointStore
 from gpu_agent.mig.hooks import Hooks
 from gpu_agent.mig.planner import GpuPlan, gpu_name, plan_restore
@@ -82,10 +82,14 @@ class Applier:
     def apply_all(self, gpus: Sequence[Gpu], plans: Sequence[GpuPlan], dry_run: bool = False,
                   hooks: Optional[Hooks] = None) -> list[GpuResult]:
         by_index = {gpu.index: gpu for gpu in gpus}
-        changing = [plan for plan in plans if plan.changes and not plan.refused]
         results: dict[int, GpuResult] = {}
+        for plan in plans if not dry_run else ():
+            waiting = self._only_a_reboot(by_index[plan.gpu], plan)
+            if waiting:  # settled without touching the GPU or stopping a unit
+                results[plan.gpu] = self._result(plan, MODE_CHANGED, REBOOTING, 0, waiting)
+        changing = [plan for plan in plans if plan.changes and not plan.refused and plan.gpu not in results]
         if dry_run or not changing or hooks is None:
-            return [self.apply(by_index[plan.gpu], plan, dry_run) for plan in plans]
+            return [results.get(plan.gpu) or self.apply(by_index[plan.gpu], plan, dry_run) for plan in plans]
         try:
             hooks.before()
         except AgentError as exc:
@@ -93,10 +97,11 @@ class Applier:
             reason = f"stopping {', '.join(hooks.units)} before the MIG change failed: {exc}"
             reason += "".join(f"; {failure}" for failure in failures)
             return [self._result(plan, FAILED, FAILED, 0, reason) if plan in changing
-                    else self.apply(by_index[plan.gpu], plan) for plan in plans]
+                    else results.get(plan.gpu) or self.apply(by_index[plan.gpu], plan) for plan in plans]
         try:
             for plan in plans:
-                results[plan.gpu] = self.apply(by_index[plan.gpu], plan)
+                if plan.gpu not in results:
+                    results[plan.gpu] = self.apply(by_index[plan.gpu], plan)
         finally:
             failures = hooks.after()
         if failures:
@@ -113,6 +118,9 @@ class Applier:
         if dry_run:
             return self._result(plan, _action(plan.changes), SUCCESS, 0,
                                 f"would make {len(plan.changes)} NVML change(s)", plan.changes)
+        until_reboot = self._only_a_reboot(gpu, plan)
+        if until_reboot:
+            return self._result(plan, MODE_CHANGED, REBOOTING, 0, until_reboot)
         try:
             busy = self._busy(gpu)
         except (AgentError, self.nvml.lib.NVMLError) as exc:
@@ -122,7 +130,7 @@ class Applier:
                                 f"{plan.name} runs compute processes: {busy}; it is not repartitioned "
                                 "while they run (set mig.force: true to do it anyway)")
         try:
-            self.checkpoints.save(gpu.uuid, gpu.index, Checkpoint.of(gpu.mig))
+            self.checkpoints.save(gpu.uuid, gpu.index, Checkpoint.of(gpu.mig), plan.target)
         except AgentError as exc:
             return self._result(plan, FAILED, FAILED, 0, f"{plan.name}: cannot checkpoint its MIG state, so it "
                                 f"is not changed: {exc}")
@@ -140,12 +148,8 @@ class Applier:
 
     def _busy(self, gpu: Gpu) -> str:
         """`1234 (python3), 5678 (trainer)` of the compute processes on the GPU; "" when there are none."""
-        found = self.nvml.processes(gpu.index)
-        names = []
-        for pid, _ in found:
-            comm = read(self.root, f"/proc/{pid}/comm")
-            names.append(f"{pid} ({comm.strip() if comm else 'process name unknown'})")
-        return ", ".join(names)
+        pids = [pid for pid, _ in self.nvml.processes(gpu.index)]
+        return ", ".join(process.describe() for process in processes.named(self.root, pids))
 
     def _run(self, gpu: Gpu, changes: Sequence[Change], done: list[Change]) -> Optional[Waiting]:
         """Make the changes in order, appending each one made to `done`; a Waiting when the rest must
@@ -181,8 +185,18 @@ class Applier:
                 raise AgentError(f"{change.describe()}: not a MIG change")
         return None
 
-    def _reset(self, gpu: Gpu, enabled: bool, pending: str) -> Optional[Waiting]:
-        """Reset a GPU whose new mode is pending; None once it took effect, else why it still waits."""
+    def _only_a_reboot(self, gpu: Gpu, plan: GpuPlan) -> str:
+        """Why only a reboot can apply the mode change already pending on the GPU, learnt without touching
+        it, so a later pass stops no unit for a reset that cannot happen; "" when a reset may work."""
+        if plan.refused or not plan.changes or not awaits_reset(gpu, plan.changes[0]):
+            return ""
+        change = plan.changes[0]
+        assert isinstance(change, SetMigMode)
+        waiting = self._cannot_reset(gpu, change.enabled, ALREADY_PENDING)
+        return f"{plan.name}: {waiting.reason}" if waiting is not None and waiting.state == REBOOTING else ""
+
+    def _cannot_reset(self, gpu: Gpu, enabled: bool, pending: str) -> Optional[Waiting]:
+        """Why the GPU cannot be reset for its pending mode now, or None when it may be."""
         waiting = f"MIG {'enable' if enabled else 'disable'} is pending a GPU reset ({pending})"
         try:
             passthrough = self.nvml.passthrough(gpu.index)
@@ -194,13 +208,25 @@ class Applier:
                                       "reboot the VM for the MIG mode change")
         if busy:
             return Waiting(PENDING, f"{waiting}: compute processes use it: {busy}; it is reset once they exit")
+        blocker = self.reset.blocker(gpu.index, gpu.pci_bus_id)
+        if blocker is not None:
+            return Waiting(REBOOTING if blocker.until_reboot else PENDING, f"{waiting}: {blocker}")
+        return None
+
+    def _reset(self, gpu: Gpu, enabled: bool, pending: str) -> Optional[Waiting]:
+        """Reset a GPU whose new mode is pending; None once it took effect, else why it still waits."""
+        waiting = self._cannot_reset(gpu, enabled, pending)
+        if waiting is not None:
+            return waiting
+        mode = "enable" if enabled else "disable"
         try:
             self.reset.reset(gpu.index, gpu.pci_bus_id)
         except ResetImpossible as exc:
-            return Waiting(REBOOTING if exc.until_reboot else PENDING, f"{waiting}: {exc}")
+            return Waiting(REBOOTING if exc.until_reboot else PENDING,
+                           f"MIG {mode} is pending a GPU reset ({pending}): {exc}")
         if self.nvml.mig_state(gpu.index).enabled != enabled:
-            return Waiting(REBOOTING, f"{waiting}: still pending after a GPU reset; reboot the node")
-        log.info("%s: reset for MIG %s", gpu_name(gpu.index, gpu.product), "enable" if enabled else "disable")
+            return Waiting(REBOOTING, f"MIG {mode} is still pending after a GPU reset; reboot the node")
+        log.info("%s: reset for MIG %s", gpu_name(gpu.index, gpu.product), mode)
         return None
 
     def _roll_back(self, gpu: Gpu, plan: GpuPlan, done: list[Change], failure: str) -> GpuResult:

@@ -1,8 +1,9 @@
 """A GPU's whole MIG state, saved before it is changed so a failure can put it back.
 
 Kept in the agent's ledger (/var/lib/gpu-agent/ledger.json, `mig_checkpoints`, by GPU UUID) from before
-the GPU's first NVML change until the change was made or undone. A checkpoint an interrupted change left
-behind (the agent was killed mid-apply) is kept by the next change: it is the geometry from before both.
+the GPU's first NVML change until the change was made or undone, with the geometry the change was making.
+A checkpoint an interrupted change left behind (the agent was killed mid-apply) is kept by the next
+change while the GPU is not what that change was making: it is the geometry from before both.
 """
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ class Checkpoint:
                                    for ci in gi.compute_instances))
             for gi in mig.gpu_instances))
 
+    def geometry(self) -> tuple[bool, tuple[tuple[str, int], ...]]:
+        """(MIG enabled, MIG device profile -> count), as mig.export.geometry gives a GPU's."""
+        counts: dict[str, int] = {}
+        for gi in self.gpu_instances if self.enabled else ():
+            for ci in gi.compute_instances:
+                counts[ci.profile] = counts.get(ci.profile, 0) + 1
+        return self.enabled, tuple(sorted(counts.items()))
+
     def to_json(self) -> dict[str, Any]:
         return {"enabled": self.enabled, "gpu_instances": [
             {"profile": gi.profile, "profile_id": gi.profile_id, "placement": list(gi.placement),
@@ -71,12 +80,17 @@ class CheckpointStore:
     def __init__(self, root: Root) -> None:
         self.ledger = Ledger(root)
 
-    def save(self, gpu_uuid: str, gpu_index: int, checkpoint: Checkpoint) -> None:
-        """Record the GPU's state before its change, unless an interrupted change already recorded one."""
-        if self.ledger.mig_checkpoint(gpu_uuid) is None:
-            self.ledger.save_mig_checkpoint(gpu_uuid, {
-                "gpu": gpu_index, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "checkpoint": checkpoint.to_json()})
+    def save(self, gpu_uuid: str, gpu_index: int, checkpoint: Checkpoint,
+             toward: Optional[tuple[bool, tuple[tuple[str, int], ...]]]) -> None:
+        """Record the GPU's state before a change toward the geometry `toward`, unless a change killed
+        midway recorded one: the GPU is not what that change was making, so its checkpoint is the
+        geometry from before both. One whose change did finish (killed before it was cleared) is replaced."""
+        earlier = self.ledger.mig_checkpoint(gpu_uuid)
+        if earlier is not None and earlier.get("toward") != _geometry_json(checkpoint.geometry()):
+            return
+        self.ledger.save_mig_checkpoint(gpu_uuid, {
+            "gpu": gpu_index, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "checkpoint": checkpoint.to_json(), "toward": _geometry_json(toward) if toward is not None else None})
 
     def load(self, gpu_uuid: str) -> Optional[Checkpoint]:
         """The saved checkpoint; None when there is none."""
@@ -96,3 +110,8 @@ class CheckpointStore:
     @staticmethod
     def where(gpu_uuid: str) -> str:
         return f"{ledger_file.PATH} (mig_checkpoints.{gpu_uuid})"
+
+
+def _geometry_json(geometry: tuple[bool, tuple[tuple[str, int], ...]]) -> dict[str, Any]:
+    """As a mig-parted entry writes it: {"mig-enabled": true, "mig-devices": {"1g.10gb": 2}}."""
+    return {"mig-enabled": geometry[0], "mig-devices": dict(geometry[1])}

@@ -41,6 +41,7 @@ class GpuPlan:
     changes: tuple[Change, ...] = ()
     refused: str = ""
     note: str = ""
+    target: Optional[Geometry] = None  # what the entry asks for; None: no entry, or not MIG-capable
 
     @property
     def name(self) -> str:
@@ -61,6 +62,9 @@ class _Placed:
     wanted: _Wanted
     placement: tuple[int, int]
     kept: Optional[GpuInstance] = None
+
+
+Geometry = tuple[bool, tuple[tuple[str, int], ...]]  # MIG enabled, MIG device profile -> count (sorted)
 
 
 class Refused(Exception):
@@ -107,6 +111,7 @@ def plan_gpu(gpu: Gpu, entry: Optional[MigConfigEntry]) -> GpuPlan:
         if entry.mig_enabled:
             return _with(base, refused=f"{base.name} is not MIG-capable; its entry ({entry.where}) enables MIG")
         return _with(base, note="not MIG-capable")
+    base = _with(base, target=(entry.mig_enabled, tuple(sorted(entry.wanted.items())) if entry.mig_enabled else ()))
     if not entry.mig_enabled:
         if not mig.enabled and not mig.pending_enabled:
             return base

@@ -8,7 +8,7 @@ When a reset cannot happen, ResetImpossible says why and whether the agent can s
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import proc
@@ -25,6 +25,9 @@ class ResetImpossible(AgentError):
 
 
 class GpuReset(Protocol):
+    def blocker(self, index: int, bus_id: str) -> Optional[ResetImpossible]:
+        """What is known, without trying, to stop a reset of the GPU now; None when it may work."""
+
     def reset(self, index: int, bus_id: str) -> None:
         """Reset the GPU; ResetImpossible when something holds it."""
 
@@ -36,13 +39,19 @@ class NvidiaSmiReset:
         self.root = root
         self.timeout = timeout
 
-    def reset(self, index: int, bus_id: str) -> None:
+    def blocker(self, index: int, bus_id: str) -> Optional[ResetImpossible]:
         if not self.root.is_running_system:
-            raise ResetImpossible(f"GPU {index} ({bus_id}) is not reset while --root is {self.root.path}",
-                                  until_reboot=False)
+            return ResetImpossible(f"GPU {index} ({bus_id}) is not reset while --root is {self.root.path}",
+                                   until_reboot=False)
         if "nvidia_drm" in KernelModules(self.root).loaded():
-            raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while nvidia_drm is loaded; "
-                                  "reboot the node (or unload nvidia_drm) for the MIG mode change")
+            return ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while nvidia_drm is loaded; "
+                                   "reboot the node (or unload nvidia_drm) for the MIG mode change")
+        return None
+
+    def reset(self, index: int, bus_id: str) -> None:
+        blocked = self.blocker(index, bus_id)
+        if blocked is not None:
+            raise blocked
         try:
             done = proc.run(["nvidia-smi", "--gpu-reset", "-i", str(index)], timeout=self.timeout)
         except AgentError as exc:  # nvidia-smi missing, or the reset hung

@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar, cast
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.pci import numa_node
@@ -31,6 +31,7 @@ from gpu_agent.nvml.model import (
     XidEvent,
 )
 
+_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
@@ -42,6 +43,15 @@ SAMPLED_FIELDS = (
     ("memory_temperature_c", "NVML_FI_DEV_MEMORY_TEMP", 0),
     ("nvlink_rx_kib", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", ALL_LINKS),
     ("nvlink_tx_kib", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", ALL_LINKS),
+)
+# The NVML GPM metrics sampled: (GpuSample field, pynvml constant, factor to DCGM's unit). GPM answers
+# percentages where DCGM's PROF fields are ratios, and MiB/s where DCGM says bytes/s.
+GPM_METRICS = (
+    ("gr_engine_active", "NVML_GPM_METRIC_GRAPHICS_UTIL", 0.01),
+    ("pipe_tensor_active", "NVML_GPM_METRIC_ANY_TENSOR_UTIL", 0.01),
+    ("dram_active", "NVML_GPM_METRIC_DRAM_BW_UTIL", 0.01),
+    ("pcie_tx_bytes", "NVML_GPM_METRIC_PCIE_TX_PER_SEC", float(MIB)),
+    ("pcie_rx_bytes", "NVML_GPM_METRIC_PCIE_RX_PER_SEC", float(MIB)),
 )
 # The union member each NVML_VALUE_TYPE_* is read from, by its number.
 _VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
@@ -109,6 +119,7 @@ class _TimedCalls:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._on_worker = threading.local()
         for n in range(self._WORKERS):
             threading.Thread(target=self._work, name=f"nvml-{n}", daemon=True).start()
         self._lock = threading.Lock()
@@ -116,6 +127,10 @@ class _TimedCalls:
         self.timeouts = 0
 
     def __call__(self, name: str, fn: Callable[..., Any], *args: Any, extra_timeout: float = 0.0) -> Any:
+        batch = getattr(self._on_worker, "future", None)
+        if batch is not None:  # a call within a batch (Nvml.sample): the batch's timeout covers it
+            batch.current_call = name  # what a timeout of the batch names
+            return fn(*args)
         with self._lock:
             if self._stuck:
                 stuck_name, since = next(iter(self._stuck.values()))
@@ -129,6 +144,7 @@ class _TimedCalls:
         try:
             return future.result(timeout=self.timeout + extra_timeout)
         except FutureTimeout:
+            name = getattr(future, "current_call", name)
             with self._lock:
                 self.timeouts += 1
                 self._stuck[future] = (name, started)
@@ -150,10 +166,13 @@ class _TimedCalls:
             future, fn, args = job
             if not future.set_running_or_notify_cancel():
                 continue
+            self._on_worker.future = future
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # handed to the caller, who decides
                 future.set_exception(exc)
+            finally:
+                self._on_worker.future = None
 
     def close(self) -> None:
         for _ in range(self._WORKERS):
@@ -223,7 +242,8 @@ class Nvml:
         driver = self._nvml("nvmlSystemGetDriverVersion")
         cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
         count = self._nvml("nvmlDeviceGetCount")
-        gpus = tuple(self._gpu(index) for index in range(count))
+        # A GPU's queries (dozens with MIG) go to an NVML worker as one batch, under one timeout.
+        gpus = tuple(self._call(f"nvmlDevice*(GPU {index})", self._gpu, index) for index in range(count))
         return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
                          links=self.links(gpus))
 
@@ -494,10 +514,20 @@ class Nvml:
 
     # --- metrics and events --------------------------------------------------------------------
 
+    def batch(self, name: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """fn(*args), whose NVML calls go to a worker together, under one timeout (a timeout names the
+        call that hung): for many quick queries, a thread hop each costs more than the queries."""
+        self.init()
+        return cast(_T, self._call(name, fn, *args))
+
     def sample(self, index: int, mig: Optional[MigState] = None) -> GpuSample:
         """One GPU's metrics (and its GPU instances' framebuffer, given its MIG state); a metric the GPU
-        does not support is left out, not faked."""
+        does not support is left out, not faked. Its calls go to an NVML worker as one batch, under
+        one timeout: a hop per call cost most of a sample's CPU."""
         self.init()
+        return self._call(f"nvmlDeviceGet*(GPU {index})", self._sample, index, mig)
+
+    def _sample(self, index: int, mig: Optional[MigState]) -> GpuSample:
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
         lib = self.lib
         values: dict[str, Any] = {}
@@ -601,6 +631,52 @@ class Nvml:
         except unsupported:
             pass
         return HealthReading(**found)
+
+    # --- GPM: the profiling metrics of Hopper and later, without DCGM ---------------------------
+
+    def gpm_unsupported(self, index: int) -> Optional[str]:
+        """None when the GPU has NVML GPM, else why not (the PROF series are then left out)."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        try:
+            support = self._nvml("nvmlGpmQueryDeviceSupport", handle)
+        except (self.lib.NVMLError_NotSupported, self.lib.NVMLError_FunctionNotFound) as exc:
+            return f"NVML GPM unavailable ({describe(exc)}); DCGM's profiling module would be needed"
+        if not support.isSupportedDevice:
+            return "NVML GPM is not supported on this GPU (Hopper and later have it); DCGM would be needed"
+        return None
+
+    def gpm_sample(self, index: int, gpu_instance: Optional[int] = None) -> Any:
+        """A new GPM sample of the GPU, or of one of its GPU instances; give it back with gpm_free()."""
+        self.init()
+        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        sample = self._nvml("nvmlGpmSampleAlloc")
+        try:
+            if gpu_instance is not None:
+                return self._nvml("nvmlGpmMigSampleGet", handle, gpu_instance, sample)
+            return self._nvml("nvmlGpmSampleGet", handle, sample)
+        except BaseException:
+            self.gpm_free(sample)
+            raise
+
+    def gpm_free(self, sample: Any) -> None:
+        try:
+            self._nvml("nvmlGpmSampleFree", sample)
+        except (self.lib.NVMLError, NvmlHung) as exc:
+            log.debug("nvmlGpmSampleFree: %s", exc)
+
+    def gpm_metrics(self, first: Any, second: Any) -> dict[str, float]:
+        """GPM_METRICS over the interval between two samples; a metric NVML does not answer is left out."""
+        lib = self.lib
+        request = lib.c_nvmlGpmMetricsGet_t()
+        request.version = lib.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(GPM_METRICS)
+        request.sample1, request.sample2 = first, second
+        for n, (_, constant, _) in enumerate(GPM_METRICS):
+            request.metrics[n].metricId = getattr(lib, constant)
+        answered = self._nvml("nvmlGpmMetricsGet", request)
+        return {key: answered.metrics[n].value * factor for n, (key, _, factor) in enumerate(GPM_METRICS)
+                if answered.metrics[n].nvmlReturn == lib.NVML_SUCCESS}
 
     def driver_version(self) -> str:
         self.init()

@@ -142,13 +142,19 @@ class Inventory:
 
 @dataclass(frozen=True)
 class MigSample:
-    """Framebuffer of one GPU instance (read through its first MIG device), as dcgm-exporter reports it."""
+    """Framebuffer of one GPU instance (read through its first MIG device) and its GPM profiling metrics,
+    as dcgm-exporter reports them per GPU instance."""
 
     gpu_instance_id: int
     profile: str  # the GPU instance's profile, e.g. "3g.40gb"
     memory_used_mib: Optional[float] = None
     memory_free_mib: Optional[float] = None
     memory_reserved_mib: Optional[float] = None
+    gr_engine_active: Optional[float] = None  # GPM of the GPU instance (nvmlGpmMigSampleGet), as for a GpuSample
+    pipe_tensor_active: Optional[float] = None
+    dram_active: Optional[float] = None
+    pcie_tx_bytes: Optional[float] = None
+    pcie_rx_bytes: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,13 @@ class GpuSample:
     memory_temperature_c: Optional[float] = None  # HBM temperature (NVML field value NVML_FI_DEV_MEMORY_TEMP)
     nvlink_data_kib: Optional[float] = None  # NVLink data received and sent on all links, a counter; None: no NVLink
     nvlink_bandwidth_total: Optional[float] = None  # from two samples' nvlink_data_kib, as DCGM works it out
+    # NVML GPM (Hopper and later) over the interval between two samples, in DCGM's units: ratios 0-1, bytes/s
+    gr_engine_active: Optional[float] = None
+    pipe_tensor_active: Optional[float] = None
+    dram_active: Optional[float] = None
+    pcie_tx_bytes: Optional[float] = None
+    pcie_rx_bytes: Optional[float] = None
+    profiling_unavailable: Optional[str] = None  # why the GPM series above are left out
     mig: tuple[MigSample, ...] = ()  # by GPU instance, where MIG is enabled
 
 

@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from gpu_agent.config.section import shown
 from gpu_agent.plugin.devices import Resource, base_id
 from gpu_agent.toolkit.cdi import KIND as CDI_KIND
 
@@ -38,8 +39,8 @@ def allocate(resource: Resource, requested: Sequence[str], strategy: str,
     for device_id in requested:
         device = devices.get(device_id)
         if device is None:
-            raise AllocationError(f"unknown device {device_id!r} for {resource.name}: this node advertises no such "
-                                  "device (a stale id after a MIG change or GPU replacement?)")
+            raise AllocationError(f"unknown device {shown(device_id, 100)} for {resource.name}: this node advertises "
+                                  "no such device (a stale id after a MIG change or GPU replacement?)")
         if not device.healthy:
             raise AllocationError(f"device {device_id} of {resource.name} (GPU {device.gpu_index}) is unhealthy: "
                                   f"{device.reason or 'see gpu-agent status'}")

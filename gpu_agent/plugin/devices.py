@@ -1,15 +1,14 @@
 """What the device plugin advertises, computed from the state model alone: resources, their devices
-(GPU or MIG UUIDs, `<uuid>::<n>` replicas when shared), each device's health and NUMA node.
+(GPU or MIG UUIDs, `<uuid>::<n>` replicas when shared), each device's health and its GPU's NUMA node.
 
 A pure function of its inputs, so that every strategy and sharing rule is tested without gRPC.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 from gpu_agent.config.plugin import RESOURCE_PREFIX, PluginConfig, TimeSlicedResource
-from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Gpu, GpuHealth, Inventory
 
 GPU_RESOURCE = RESOURCE_PREFIX + "gpu"
@@ -22,7 +21,7 @@ class PluginDevice:
     uuid: str  # the GPU or MIG device it gives: its CDI device name and NVIDIA_VISIBLE_DEVICES value
     gpu_uuid: str  # the GPU it is on
     gpu_index: int
-    numa_node: Optional[int]
+    numa_node: Optional[int]  # its GPU's (discovery reads sysfs numa_node): the topology kubelet sees
     healthy: bool
     reason: str = ""  # why it is unhealthy
 
@@ -60,19 +59,6 @@ def base_id(device_id: str) -> str:
     return device_id.split(REPLICA_SEPARATOR, 1)[0]
 
 
-def numa_reader(root: Root) -> Callable[[Gpu], Optional[int]]:
-    """The GPU's NUMA node as the kernel reports it (sysfs numa_node); None where it has none (-1)."""
-    def numa_node(gpu: Gpu) -> Optional[int]:
-        domain, _, rest = gpu.pci_bus_id.lower().partition(":")
-        try:
-            text = root(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/numa_node").read_text()
-            node = int(text.strip())
-        except (OSError, ValueError):
-            return None
-        return node if node >= 0 else None
-    return numa_node
-
-
 @dataclass(frozen=True)
 class _Base:
     resource: str
@@ -81,8 +67,7 @@ class _Base:
 
 
 def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], strategy: str,
-               settings: PluginConfig, numa_node: Callable[[Gpu], Optional[int]],
-               unavailable: str = "") -> Advertised:
+               settings: PluginConfig, unavailable: str = "") -> Advertised:
     """The resources to serve. `health`: by GPU UUID, and by MIG device UUID where the health model
     tracks a MIG device on its own; a MIG device is unhealthy when it or its GPU is.
     `unavailable`: why there is no inventory (NVML failing), for /status."""
@@ -91,7 +76,6 @@ def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], 
     if not inventory.gpus:
         return Advertised(reason="NVML reports no GPU on this node")
     bases, withheld = _bases(inventory, strategy)
-    numa = {gpu.uuid: numa_node(gpu) for gpu in inventory.gpus}
     grouped: dict[str, list[PluginDevice]] = {}
     replicas_of: dict[str, int] = {}
     slicing = settings.sharing.time_slicing
@@ -105,7 +89,7 @@ def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], 
                     f"{base.resource}.shared" if slicing.rename_by_default else base.resource)
         ids = [base.uuid] if replicas == 1 else [f"{base.uuid}{REPLICA_SEPARATOR}{n}" for n in range(replicas)]
         grouped.setdefault(name, []).extend(
-            PluginDevice(device_id, base.uuid, base.gpu.uuid, base.gpu.index, numa[base.gpu.uuid], state.healthy,
+            PluginDevice(device_id, base.uuid, base.gpu.uuid, base.gpu.index, base.gpu.numa_node, state.healthy,
                          state.reason) for device_id in ids)
         replicas_of[name] = max(replicas_of.get(name, 1), replicas)
     resources = {name: Resource(name, tuple(devices), replicas_of[name]) for name, devices in sorted(grouped.items())}

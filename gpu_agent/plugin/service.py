@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, PluginConfig, mig_strategy, plugin_wanted
 from gpu_agent.host.paths import Root
-from gpu_agent.plugin.devices import Advertised, advertised, base_id, numa_reader
+from gpu_agent.plugin.devices import Advertised, advertised
+from gpu_agent.plugin.preferred import preferred
 from gpu_agent.plugin.server import PluginEndpoint
 from gpu_agent.state import AgentState
 
@@ -23,22 +24,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 KUBELET_SOCKET = "kubelet.sock"
-
-
-def spread(available: list[str], must_include: list[str], size: int) -> list[str]:
-    """The must-include devices, then one device per GPU in turn, so that replicas spread over GPUs."""
-    chosen = list(dict.fromkeys(device for device in must_include if device in available))[:size]
-    by_gpu: dict[str, list[str]] = {}
-    for device in available:
-        if device not in chosen:
-            by_gpu.setdefault(base_id(device), []).append(device)
-    used = {base_id(device) for device in chosen}
-    queues = sorted(by_gpu.items(), key=lambda item: (item[0] in used, item[0]))
-    while len(chosen) < size and any(queue for _, queue in queues):
-        for _, queue in queues:
-            if queue and len(chosen) < size:
-                chosen.append(queue.pop(0))
-    return chosen
 
 
 class DevicePluginManager:
@@ -49,9 +34,9 @@ class DevicePluginManager:
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.registered: dict[str, float] = {}  # resource: when the kubelet accepted it
         self.errors: dict[str, str] = {}  # resource: the last registration or serving error
+        self._registrations: dict[str, asyncio.Task[None]] = {}  # resource: its registration under way
         self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
-        self._wake = asyncio.Event()
-        self._numa = numa_reader(root)
+        self._wake: Optional[asyncio.Event] = None  # made in run(): asyncio objects belong to the loop (3.9)
         self._last: Optional[Advertised] = None
 
     @property
@@ -59,18 +44,20 @@ class DevicePluginManager:
         return self.state.config.config.plugin
 
     def wake(self) -> None:
-        self._wake.set()
+        if self._wake is not None:
+            self._wake.set()
 
     async def run(self) -> None:
+        self._wake = wake = asyncio.Event()
         try:
             while True:
-                self._wake.clear()
+                wake.clear()
                 try:
                     await self.sync()
                 except Exception:  # a bug: log it, keep serving what is served
                     log.exception("device plugin sync failed; this is a gpu-agent bug")
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=POLL_S)
+                    await asyncio.wait_for(wake.wait(), timeout=POLL_S)
                 except asyncio.TimeoutError:
                     pass
         finally:
@@ -87,6 +74,10 @@ class DevicePluginManager:
             await self.stop_all()
             self._publish(None, "off: plugin.enabled is false" if self.settings.enabled is False else
                           f"off: {DEVICE_PLUGIN_DIR} does not exist (no kubelet on this node)")
+            return
+        if not self.directory.is_dir():
+            await self.stop_all()
+            self._publish(None, f"waiting for the kubelet: {DEVICE_PLUGIN_DIR} does not exist")
             return
         wanted = self.compute()
         for name in [name for name in self.endpoints if name not in wanted.resources]:
@@ -112,11 +103,12 @@ class DevicePluginManager:
             except OSError as exc:
                 self._fail(name, f"cannot serve {name}: {exc}")
                 continue
-            if name not in self.registered and kubelet is not None:
-                await self._register(endpoint)
+            if kubelet is None:
+                self.errors[name] = f"waiting for the kubelet: no {DEVICE_PLUGIN_DIR}/{KUBELET_SOCKET}"
+            elif name not in self.registered and not self._registering(name):
+                # In the background: a kubelet that does not answer must not hold up the others' lists.
+                self._registrations[name] = asyncio.create_task(self._register(endpoint), name=f"register {name}")
         if kubelet is None:
-            for name in wanted.resources:
-                self.errors[name] = f"waiting for the kubelet: no {self.directory / KUBELET_SOCKET}"
             self.registered.clear()
         self._kubelet = kubelet
         self._publish(wanted, "")
@@ -129,12 +121,12 @@ class DevicePluginManager:
             if discovery is not None and discovery.state == "failed":
                 unavailable = f"discovery failed: {discovery.message}"
         return advertised(state.inventory, state.health, mig_strategy(state.config.config), self.settings,
-                          self._numa, unavailable)
+                          unavailable)
 
     def _service_args(self) -> dict[str, Any]:
         return {"list_strategy": lambda: self.settings.device_list_strategy,
                 "fail_greater_than_one": lambda: self.settings.sharing.time_slicing.fail_requests_greater_than_one,
-                "prefer": spread}
+                "prefer": lambda available, must, size: preferred(available, must, size, self.state.inventory)}
 
     async def _register(self, endpoint: PluginEndpoint) -> None:
         try:
@@ -146,8 +138,16 @@ class DevicePluginManager:
                  len(endpoint.feed.resource.devices))
         self.registered[endpoint.name] = time.time()
         self.errors.pop(endpoint.name, None)
+        self.wake()  # /status shows it
+
+    def _registering(self, name: str) -> bool:
+        task = self._registrations.get(name)
+        return task is not None and not task.done()
 
     async def _remove(self, name: str) -> None:
+        task = self._registrations.pop(name, None)
+        if task is not None:
+            task.cancel()
         endpoint = self.endpoints.pop(name)
         self.registered.pop(name, None)
         self.errors.pop(name, None)
@@ -167,7 +167,10 @@ class DevicePluginManager:
 
     def _publish(self, wanted: Optional[Advertised], off: str) -> None:
         """The /status `plugin` section."""
-        resources = []
+        resources: list[dict[str, Any]] = []
+        for name in sorted(set(wanted.resources if wanted else ()) - set(self.endpoints)):
+            resources.append({"name": name, "socket": None, "devices": 0, "healthy": 0, "registered": False,
+                              "error": self.errors.get(name)})  # wanted, not served
         for name, endpoint in sorted(self.endpoints.items()):
             devices = endpoint.feed.resource.devices
             resources.append({
@@ -176,7 +179,7 @@ class DevicePluginManager:
                 "replicas": endpoint.feed.resource.replicas,
                 "registered": name in self.registered, "registered_at": self.registered.get(name),
                 "error": self.errors.get(name)})
-        section: dict[str, Any] = {"enabled": wanted is not None, "resources": resources}
+        section: dict[str, Any] = {"enabled": plugin_wanted(self.root, self.settings), "resources": resources}
         if wanted is None:
             section["reason"] = off
         else:
@@ -184,7 +187,9 @@ class DevicePluginManager:
             section["device_list_strategy"] = self.settings.device_list_strategy
             section["withheld"] = dict(wanted.withheld)
             section["reason"] = wanted.reason or None
-        self.state.plugin = section
+        if section != self.state.plugin:
+            self.state.plugin = section
+            self.state.published += 1  # the endpoints render /status again
 
 
 def _describe(exc: BaseException) -> str:

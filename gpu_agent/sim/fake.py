@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import pynvml
 
+from gpu_agent.host.inotify import DirectoryWatch
 from gpu_agent.sim import topology
 from gpu_agent.sim.kernel import loaded_version
 from gpu_agent.sim.machine import MachineState
@@ -91,6 +92,27 @@ class SimComputeInstance:
 class SimEventSet:
     after_seq: int
     gpus: set[int]
+    changes: Optional[DirectoryWatch] = None  # wakes a wait when the machine's state is written
+
+    def wait_for_change(self, state: MachineState, timeout: float) -> None:
+        """Block until the simulated machine changes (inotify) or `timeout` passes; poll if need be."""
+        if self.changes is None:
+            time.sleep(min(_POLL_S, timeout))
+        else:
+            self.changes.wait(timeout)
+
+    def watch(self, state: MachineState) -> None:
+        if self.changes is None:
+            try:
+                self.changes = DirectoryWatch()
+                self.changes.watch_for([state.path])
+            except OSError:
+                self.close()
+
+    def close(self) -> None:
+        if self.changes is not None:
+            self.changes.close()
+            self.changes = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +124,60 @@ class SimEventData:
     eventData: int
     gpuInstanceId: int
     computeInstanceId: int
+
+
+@dataclass
+class SimGpmSample:
+    """Stands in for a c_nvmlGpmSample_t: the GPU's load when it was taken."""
+
+    gpu: Optional[int] = None
+    load: int = 0
+    at: float = 0.0
+    freed: bool = False
+
+
+@dataclass
+class SimGpmMetric:
+    metricId: int = 0
+    nvmlReturn: int = 0
+    value: float = 0.0
+
+
+class SimGpmMetricsGet:
+    """The fields of pynvml's c_nvmlGpmMetricsGet_t that nvmlGpmMetricsGet reads and fills."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: Optional[SimGpmSample] = None
+        self.sample2: Optional[SimGpmSample] = None
+        self.metrics = _GpmMetricSlots()
+
+
+class _GpmMetricSlots:
+    """NVML_GPM_METRIC_MAX metric slots, as the C array is; each made when first used (making them all,
+    at every request of every GPU instance, was most of a simulated sample's CPU)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, SimGpmMetric] = {}
+
+    def __len__(self) -> int:
+        return int(pynvml.NVML_GPM_METRIC_MAX)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return [self[n] for n in range(*key.indices(len(self)))]
+        if not 0 <= key < len(self):
+            raise IndexError(key)
+        return self._slots.setdefault(key, SimGpmMetric())
+
+
+# What a GPM metric reads at a load of L %: the share of L each utilisation shows, and MiB/s per % for PCIe.
+_GPM_PER_LOAD = {
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: 1.0, pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 0.6,
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: 0.5, pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 40.0,
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 60.0,
+}
 
 
 def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,6 +212,7 @@ class FakeNvml:
     # Arrays that nvmlDeviceGetGpuInstances and nvmlGpuInstanceGetComputeInstances fill.
     c_nvmlGpuInstance_t = _HandleSlot
     c_nvmlComputeInstance_t = _HandleSlot
+    c_nvmlGpmMetricsGet_t = SimGpmMetricsGet
 
     def __init__(self, state: MachineState) -> None:
         self._state = state
@@ -144,7 +221,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
-        self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data counter (KiB) and when it was read
+        self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data (KiB), when it was read
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(pynvml, name)
@@ -384,10 +461,10 @@ class FakeNvml:
     @_nvml
     def nvmlDeviceGetFieldValues(self, handle: SimHandle, field_ids: list[Any]) -> Any:
         """pynvml's answer: an array of c_nvmlFieldValue_t, each with its own nvmlReturn. The memory
-        temperature (HBM runs 2 C above the GPU: 35 against 33 on the real idle H100), and on NVSwitch
-        machines the NVLink data counters, which grow with the GPU's load; anything else NotSupported."""
+        temperature (HBM runs 2 C above the GPU: 35 against 33 on the real idle H100), and where the
+        GPU has NVLink (its topology) the NVLink data counters, which grow with its load; else NotSupported."""
         gpu = self._whole_gpu(handle)
-        nvlink = bool(self._state.read()["pci"]["nvswitches"])
+        nvlink = bool(topology.of(gpu)["nvlinks"])
         values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
         for value, wanted in zip(values, field_ids):
             value.fieldId, value.scopeId = wanted if isinstance(wanted, (list, tuple)) else (wanted, 0)
@@ -487,6 +564,57 @@ class FakeNvml:
                                        "computeInstanceId": p.get("compute_instance_id", 0xFFFFFFFF)})
             for p in gpu["processes"]
         ]
+
+    # --- GPM: Hopper and later (compute capability 9.0+) -------------------------------------
+
+    @_nvml
+    def nvmlGpmQueryDeviceSupport(self, handle: SimHandle) -> Any:
+        gpu = self._whole_gpu(handle)
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = int(self._model(gpu).compute_capability >= (9, 0))
+        return support
+
+    @_nvml
+    def nvmlGpmSampleAlloc(self) -> SimGpmSample:
+        return SimGpmSample()
+
+    @_nvml
+    def nvmlGpmSampleGet(self, handle: SimHandle, sample: SimGpmSample) -> SimGpmSample:
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).compute_capability < (9, 0):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        sample.gpu, sample.load, sample.at = handle.gpu, self._utilization(gpu), time.monotonic()
+        return sample
+
+    @_nvml
+    def nvmlGpmMigSampleGet(self, handle: SimHandle, gi_id: int, sample: SimGpmSample) -> SimGpmSample:
+        """A GPU instance's load: its own processes'."""
+        gpu = self._whole_gpu(handle)
+        if self._model(gpu).compute_capability < (9, 0) or not gpu["mig"]["current"]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        find_gi(gpu, gi_id)
+        load = min(100, 35 * sum(1 for p in gpu["processes"] if p.get("gpu_instance_id") == gi_id))
+        sample.gpu, sample.load, sample.at = handle.gpu * 1000 + gi_id, load, time.monotonic()
+        return sample
+
+    @_nvml
+    def nvmlGpmSampleFree(self, sample: SimGpmSample) -> None:
+        sample.freed = True
+
+    @_nvml
+    def nvmlGpmMetricsGet(self, request: SimGpmMetricsGet) -> SimGpmMetricsGet:
+        """Each metric at the mean load of the two samples; two samples of one GPU, the second later."""
+        first, second = request.sample1, request.sample2
+        if (first is None or second is None or first.gpu is None or first.gpu != second.gpu
+                or first.freed or second.freed or second.at <= first.at):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        load = (first.load + second.load) / 2
+        for metric in request.metrics[:request.numMetrics]:
+            share = _GPM_PER_LOAD.get(metric.metricId)
+            metric.nvmlReturn = pynvml.NVML_SUCCESS if share is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            metric.value = load * share if share is not None else 0.0
+        return request
 
     # --- MIG -------------------------------------------------------------------------------
     # The rules (placements, ids, IN_USE, pending modes) are gpu_agent.sim.mig's; these calls hold the
@@ -839,6 +967,7 @@ class FakeNvml:
     @_nvml
     def nvmlEventSetWait_v2(self, event_set: SimEventSet, timeout_ms: int) -> SimEventData:
         deadline = time.monotonic() + timeout_ms / 1000
+        event_set.watch(self._state)  # before reading: an XID raised after the read wakes the wait
         while True:
             for xid in self._state.read()["xids"]:
                 if xid["seq"] >= event_set.after_seq and xid["gpu"] in event_set.gpus:
@@ -848,13 +977,14 @@ class FakeNvml:
                                         xid.get("compute_instance_id", 0xFFFFFFFF))
             if time.monotonic() >= deadline:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
-            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            event_set.wait_for_change(self._state, max(0.0, deadline - time.monotonic()))
 
     nvmlEventSetWait = nvmlEventSetWait_v2
 
     @_nvml
     def nvmlEventSetFree(self, event_set: SimEventSet) -> None:
         event_set.gpus.clear()
+        event_set.close()
 
 
 def _deref(value: Any) -> Any:

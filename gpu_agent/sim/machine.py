@@ -62,6 +62,7 @@ class MachineSpec(_Spec):
                                                            "on buses e0 to ff")
     nouveau: bool = Field(False, description="the distribution loaded nouveau at boot")
     product_name: str = Field("Standard PC", description="DMI product name (the gpu.machine label)")
+    passthrough: bool = Field(False, description="a VM with its GPUs passed through: it cannot reset them")
 
 
 def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
@@ -114,7 +115,8 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
                       nvswitches=tuple(f"0000:{0xc0 + n:02x}:00.0" for n in range(spec.nvswitches)),
                       mellanox_nics=tuple(f"0000:{0xe0 + n:02x}:00.0" for n in range(spec.mellanox_nics)),
                       nouveau=spec.nouveau, product_name=spec.product_name,
-                      numa_nodes=tuple(numa), pcie_paths=tuple(paths), nvlinks=spec.nvlinks)
+                      numa_nodes=tuple(numa), pcie_paths=tuple(paths), nvlinks=spec.nvlinks,
+                      passthrough=spec.passthrough)
     return machine, mig
 
 
@@ -157,6 +159,8 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
                 machine.numa_nodes[index] if index < len(machine.numa_nodes) else UNKNOWN_NUMA,
                 machine.pcie_paths[index] if index < len(machine.pcie_paths) else (), machine.nvlinks),
         }
+        if machine.passthrough:
+            gpu["passthrough"] = True
         for profile in spec.devices:
             add_device(gpu, model, profile)
         gpus.append(gpu)

@@ -265,16 +265,27 @@ class SimGpuReset:
     def __init__(self, machine: Any) -> None:
         self.machine = machine
 
+    def blocker(self, index: int, bus_id: str) -> Optional[ResetImpossible]:
+        return self._blocker(self.machine.read(), index, bus_id)
+
+    @staticmethod
+    def _blocker(state: dict[str, Any], index: int, bus_id: str) -> Optional[ResetImpossible]:
+        gpu = state["gpus"][index]
+        if gpu["processes"]:
+            pids = ", ".join(str(p["pid"]) for p in gpu["processes"])
+            return ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while processes {pids} use it",
+                                   until_reboot=False)
+        if any(module["name"] == "nvidia_drm" for module in state["kernel"]["loaded"]):
+            return ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while nvidia_drm is loaded; "
+                                   "reboot the node (or unload nvidia_drm) for the MIG mode change")
+        return None
+
     def reset(self, index: int, bus_id: str) -> None:
         with self.machine.edit() as state:
+            blocked = self._blocker(state, index, bus_id)
+            if blocked is not None:
+                raise blocked
             gpu = state["gpus"][index]
-            if gpu["processes"]:
-                pids = ", ".join(str(p["pid"]) for p in gpu["processes"])
-                raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while processes {pids} use it",
-                                      until_reboot=False)
-            if any(module["name"] == "nvidia_drm" for module in state["kernel"]["loaded"]):
-                raise ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while nvidia_drm is loaded; "
-                                      "reboot the node (or unload nvidia_drm) for the MIG mode change")
             reset(gpu)
             state.setdefault("resets", []).append(index)
 

@@ -706,6 +706,8 @@ class ReplayNvml(FakeNvml):
     nvmlDeviceGetRemappedRows = _recorded("nvmlDeviceGetRemappedRows")
     nvmlDeviceGetRetiredPagesPendingStatus = _recorded("nvmlDeviceGetRetiredPagesPendingStatus")
     nvmlDeviceGetTemperatureThreshold = _recorded("nvmlDeviceGetTemperatureThreshold")
+    # GPM is not captured (its samples are opaque buffers): a replayed node says why its PROF series are missing.
+    nvmlGpmQueryDeviceSupport = _recorded("nvmlGpmQueryDeviceSupport")
 
     @_nvml
     def nvmlDeviceGetFieldValues(self, handle: SimHandle, field_ids: list[Any]) -> Any:

@@ -147,7 +147,7 @@ class Driver(Stage):
                               functools.partial(self._device_file, devnodes.create_node, nodes[path]))
                     for path, problem in state.node_problems.items()]
         actions += [Action.of(CreateLink(nodes[path].char_link, path, problem),
-                              functools.partial(self._device_file, devnodes.create_link, nodes[path]))
+                              functools.partial(self._device_file, self._create_link, nodes[path]))
                     for path, problem in state.link_problems.items()]
         if state.persistence is not None and not state.persistenced:
             actions += [Action.of(SetPersistenceMode(index, True), functools.partial(self._persist, index))
@@ -171,6 +171,11 @@ class Driver(Stage):
                              "(the agent needs root with CAP_MKNOD and CAP_CHOWN)") from None
         except OSError as exc:
             raise StageError(f"cannot create {node.describe()}: {exc.strerror or exc}") from None
+
+    def _create_link(self, root: Root, node: devnodes.DeviceNode) -> None:
+        """The /dev/char link, recorded in the ledger so that `gpu-agent uninstall` removes it."""
+        owned.make_link(self.ledger, self.name, node.char_link, devnodes.link_target(node),
+                        functools.partial(devnodes.create_link, root, node))
 
     def _persist(self, index: int) -> None:
         if not self.may_change_gpus:

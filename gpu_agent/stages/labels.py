@@ -23,6 +23,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
+from gpu_agent.kube.labels import machine_name
 from gpu_agent.plan import PatchNode, WriteFile
 from gpu_agent.plugin.devices import Shared, sharing
 from gpu_agent.stages.base import Action, Stage
@@ -39,11 +40,6 @@ def _strategy_and_sharing(agent: AgentState, inventory: Optional[Any]) -> tuple[
     config = agent.config.config
     strategy = mig_strategy(config)
     return strategy, sharing(inventory, strategy, config.plugin)
-
-
-def machine_name(root: Root) -> Optional[str]:
-    name = read_text(root("/sys/class/dmi/id/product_name"))
-    return name.strip() if name else None
 
 
 @dataclass

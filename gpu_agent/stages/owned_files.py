@@ -1,7 +1,8 @@
 """Owned files: what the config no longer asks for is undone. Every file the agent wrote is in the
 ledger with its owner; one whose stage is off, or no longer claims it, is removed (the agent created
-it) or its original put back, and the runtime that reads it restarted once. `gpu-agent uninstall` is
-this stage with nothing claimed.
+it) or its original put back, and the runtime that reads it restarted once. The links the agent
+created (/dev/char) are removed when their stage is off. `gpu-agent uninstall` is this stage with
+nothing claimed.
 
 It runs after every other stage and gates nothing: a file it cannot undo degrades the agent.
 """
@@ -15,7 +16,7 @@ from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host import owned
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.plan import Change, RemoveFile, RestartService, RestoreFile
+from gpu_agent.plan import Change, RemoveFile, RemoveLink, RestartService, RestoreFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.toolkit.services import ServiceControl
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class OwnedState:
     undo: list[owned.Undo] = field(default_factory=list)
+    links: list[owned.LinkUndo] = field(default_factory=list)
     restarts: list[str] = field(default_factory=list)  # units that read an undone file and run
     kept: int = 0  # files still wanted
 
@@ -55,6 +57,9 @@ class OwnedFiles(Stage):
                 state.kept += 1  # still asked for, or its stage cannot tell now
                 continue
             state.undo.append(owned.undo_of(self.root, entry))
+        for link in self.ledger.links().values():  # a link stays while its stage runs: nothing claims links
+            if self.uninstall or link.owner not in self.enabled:
+                state.links.append(owned.link_undo_of(self.root, link))
         units = {u.entry.restart for u in state.undo if u.entry.restart and u.how in (owned.REMOVE, owned.RESTORE)}
         for unit in sorted(units):
             try:
@@ -72,8 +77,9 @@ class OwnedFiles(Stage):
                 changes.append(RemoveFile(undo.entry.path))
             elif undo.how == owned.RESTORE and undo.entry.original is not None:
                 changes.append(RestoreFile(undo.entry.path, undo.entry.original))
+        changes += [RemoveLink(u.entry.path, u.entry.target) for u in state.links if u.how == owned.REMOVE]
         changes += [RestartService(unit) for unit in state.restarts]
-        if not state.undo:
+        if not state.undo and not state.links:
             return []
         return [Action(tuple(changes), lambda: self._undo(state))]
 
@@ -89,6 +95,15 @@ class OwnedFiles(Stage):
                 if undo.how == owned.CHANGED:
                     self._left.append(undo.entry.path)
                 log.info("%s: %s (gpu-agent no longer manages it)", undo.entry.path, undo.how)
+        for link in state.links:
+            try:
+                owned.carry_out_link(self.root, self.ledger, link)
+            except (OSError, AgentError) as exc:
+                self._failures.append(f"cannot remove the link {link.entry.path}: "
+                                      f"{getattr(exc, 'strerror', None) or exc}")
+            else:
+                if link.how == owned.CHANGED:
+                    self._left.append(link.entry.path)
         for unit in state.restarts:
             try:
                 self.services.restart(unit)
@@ -100,7 +115,8 @@ class OwnedFiles(Stage):
     def verify(self, state: OwnedState) -> str:
         if self._failures:
             raise StageError("; ".join(self._failures))
-        changed = self._left + [u.entry.path for u in state.undo if u.how == owned.CHANGED]
+        changed = (self._left + [u.entry.path for u in state.undo if u.how == owned.CHANGED]
+                   + [u.entry.path for u in state.links if u.how == owned.CHANGED])
         note = f"; left as they are, changed since gpu-agent wrote them: {', '.join(changed)}" if changed else ""
         if self.uninstall:
             return f"nothing of gpu-agent's is left to undo{note}"

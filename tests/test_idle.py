@@ -1,0 +1,117 @@
+"""Idle means idle: watchers block on inotify instead of polling, the simulated NVML event wait too,
+the XID watcher sleeps until a recovery is due, and a GPU's NVML queries make one trip to a worker."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from test_health import Node
+from test_nvml_client import machine  # noqa: F401  (a fixture)
+
+from gpu_agent.host.inotify import DirectoryWatch
+
+
+def test_a_directory_watch_wakes_on_a_write_and_on_a_missing_files_directory_appearing(tmp_path: Path) -> None:
+    watch = DirectoryWatch()
+    try:
+        existing, missing = tmp_path / "a" / "config.toml", tmp_path / "b" / "c" / "daemon.json"
+        existing.parent.mkdir()
+        watch.watch_for([existing, missing])
+        assert not watch.wait(0)
+        (existing.parent / "other").write_text("x")  # not a watched entry
+        assert not watch.wait(0)
+        existing.write_text("x")
+        assert watch.wait(5) and not watch.wait(0)  # drained: one wake per burst
+        missing.parent.parent.mkdir()  # the nearest existing ancestor (tmp_path) is watched
+        assert watch.wait(5)
+        watch.watch_for([missing])  # now b/ is the nearest; a/ is no longer watched
+        existing.write_text("y")
+        assert not watch.wait(0)
+        missing.parent.mkdir()
+        assert watch.wait(5)
+    finally:
+        watch.close()
+
+
+def test_the_simulated_event_wait_blocks_instead_of_polling(machine: Any) -> None:  # noqa: F811
+    state, nvml = machine("dgx-h100")
+    uuids = [gpu.uuid for gpu in nvml.inventory().gpus]
+    reads = 0
+    read = state.read
+
+    def counting() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return read()
+
+    wait = nvml.watch_xids()
+    state.read = counting  # type: ignore[method-assign]
+    assert wait(300) is None
+    assert reads <= 3  # polling every 50 ms read it 8 times
+
+    def inject() -> None:
+        with state.edit() as doc:
+            doc["xids"].append({"seq": doc["next_seq"], "gpu": 5, "xid": 48, "at": 0.0})
+            doc["next_seq"] += 1
+
+    timer = threading.Timer(0.2, inject)
+    timer.start()
+    event = wait(30_000)  # the write wakes it, long before the timeout
+    timer.join()
+    assert event is not None and event.gpu_uuid == uuids[5] and event.xid == 48
+
+
+def test_the_xid_watcher_waits_until_the_next_recovery_is_due(tmp_path: Path) -> None:
+    node = Node(tmp_path, "{recover_after_seconds: 30}")
+    assert node.watcher._wait_ms() == 10_000  # nothing due: the longest wait
+    node.xid(3, 79)  # lost: time alone does not bring it back
+    node.xid(1, 48)
+    node.clock.now += 25
+    assert node.watcher._wait_ms() == 5_001
+    node.later(6)
+    assert node.gpu_json(1)["health"] == "healthy" and node.watcher._wait_ms() == 10_000
+
+
+def test_a_sample_makes_one_trip_to_an_nvml_worker_per_gpu(machine: Any) -> None:  # noqa: F811
+    _, nvml = machine("dgx-h100")
+    nvml.inventory()
+    trips: list[str] = []
+    calls = nvml._call
+    here = threading.current_thread()
+
+    def counting(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is here:  # not a call within a batch, on the worker
+            trips.append(name)
+        return calls(name, fn, *args, **kwargs)
+
+    nvml._call = counting  # type: ignore[assignment]
+    try:
+        sample = nvml.sample(4)
+        assert sample.temperature_c is not None and len(trips) == 1
+        nvml.inventory()
+    finally:
+        nvml._call = calls
+    assert trips[1:4] == ["nvmlSystemGetDriverVersion", "nvmlSystemGetCudaDriverVersion", "nvmlDeviceGetCount"]
+    assert trips[4:] == [f"nvmlDevice*(GPU {index})" for index in range(8)]  # one batch per GPU
+
+
+def test_the_sampler_makes_one_trip_per_gpu_gpm_and_processes_included(tmp_path: Path) -> None:
+    node = Node(tmp_path, "{}")
+    node.sampler.sample()  # the first GPM sample of each GPU
+    trips: list[str] = []
+    calls = node.nvml._call
+    here = threading.current_thread()
+
+    def counting(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is here:
+            trips.append(name)
+        return calls(name, fn, *args, **kwargs)
+
+    node.nvml._call = counting  # type: ignore[assignment]
+    try:
+        node.sampler.sample()
+    finally:
+        node.nvml._call = calls
+    assert trips == [f"nvmlDevice*(GPU {index})" for index in range(8)]
+    assert len(node.state.samples) == 8 and len(node.state.processes) == 8

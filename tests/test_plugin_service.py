@@ -1,0 +1,110 @@
+"""The device plugin service in-process, with a grpclib kubelet (the Go stand-in tests, which need go,
+are in test_plugin_kubelet.py): it follows the state model, and what fails is reported, not fatal."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from grpclib.client import Channel
+from grpclib.server import Server, Stream
+
+from gpu_agent.host.paths import Root
+from gpu_agent.plugin.proto import deviceplugin_pb2 as api
+from gpu_agent.plugin.proto.deviceplugin_grpc import DevicePluginStub, RegistrationBase
+from gpu_agent.plugin.server import socket_address
+from gpu_agent.plugin.service import DevicePluginManager
+from gpu_agent.state import AgentState
+
+from harness import SimNode
+
+PLUGIN_DIR = "var/lib/kubelet/device-plugins"
+
+
+class Registrations(RegistrationBase):
+    def __init__(self) -> None:
+        self.requests: list[api.RegisterRequest] = []
+
+    async def Register(self, stream: Stream[api.RegisterRequest, api.Empty]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        self.requests.append(request)
+        await stream.send_message(api.Empty())
+
+
+def sim_state(tmp_path: Path) -> tuple[Path, AgentState]:
+    root = tmp_path / "r"
+    state = SimNode(root, "dgx-h100").apply({"toolkit": {"enabled": False}}).state
+    return root, state
+
+
+def test_without_the_kubelet_directory_it_waits_and_says_so(tmp_path: Path) -> None:
+    root, state = sim_state(tmp_path)
+    state.config = dataclasses.replace(state.config, config=state.config.config.model_copy(
+        update={"plugin": state.config.config.plugin.model_copy(update={"enabled": True})}))
+    asyncio.run(DevicePluginManager(Root(root), state).sync())
+    assert state.plugin is not None and state.plugin["enabled"] is True and state.plugin["resources"] == []
+    assert state.plugin["reason"] == "waiting for the kubelet: /var/lib/kubelet/device-plugins does not exist"
+
+
+def test_registers_lists_and_unregisters_a_vanished_resource(tmp_path: Path) -> None:
+    root, state = sim_state(tmp_path)
+    directory = root / PLUGIN_DIR
+    directory.mkdir(parents=True)
+
+    async def scenario() -> dict[str, Any]:
+        registrations = Registrations()
+        kubelet = Server([registrations])
+        address, fd = socket_address(directory / "kubelet.sock")  # the test's directory is deep
+        descriptors = [fd]
+        await kubelet.start(path=address)
+        manager = DevicePluginManager(Root(root), state)
+        try:
+            await manager.sync()
+            for _ in range(100):  # registration runs beside the sync
+                if manager.registered:
+                    break
+                await asyncio.sleep(0.05)
+            plugin_address, plugin_fd = socket_address(directory / "nvidia-gpu.sock")
+            descriptors.append(plugin_fd)
+            channel = Channel(path=plugin_address)
+            stub = DevicePluginStub(channel)
+            async with stub.ListAndWatch.open() as stream:
+                await stream.send_message(api.Empty(), end=True)
+                first = await stream.recv_message()
+                assert state.inventory is not None
+                state.inventory = dataclasses.replace(state.inventory, gpus=())  # every GPU gone
+                await manager.sync()
+                after = await asyncio.wait_for(stream.recv_message(), timeout=5)
+            channel.close()
+            return {"registered": [r.resource_name for r in registrations.requests],
+                    "endpoint": registrations.requests[0].endpoint,
+                    "preferred": registrations.requests[0].options.get_preferred_allocation_available,
+                    "first": [d.ID for d in first.devices] if first else None, "after": after,
+                    "socket_left": (directory / "nvidia-gpu.sock").exists(), "status": state.plugin}
+        finally:
+            await manager.stop_all()
+            kubelet.close()
+            await kubelet.wait_closed()
+            for descriptor in descriptors:
+                if descriptor is not None:
+                    os.close(descriptor)
+
+    result = asyncio.run(scenario())
+    assert result["registered"] == ["nvidia.com/gpu"] and result["endpoint"] == "nvidia-gpu.sock"
+    assert result["preferred"] is True and len(result["first"]) == 8
+    assert result["after"] is None and not result["socket_left"]  # the stream ended, the socket is gone
+    assert result["status"]["resources"] == [] and "no GPU" in result["status"]["reason"]
+
+
+def test_a_socket_that_cannot_be_served_is_reported_and_the_service_goes_on(tmp_path: Path) -> None:
+    root, state = sim_state(tmp_path)
+    (root / PLUGIN_DIR / "nvidia-gpu.sock").mkdir(parents=True)  # in the way: not ours to remove
+    manager = DevicePluginManager(Root(root), state)
+    asyncio.run(manager.sync())
+    assert state.plugin is not None
+    (resource,) = state.plugin["resources"]
+    assert resource["name"] == "nvidia.com/gpu" and resource["socket"] is None
+    assert resource["error"].startswith("cannot serve nvidia.com/gpu: ")
