@@ -318,19 +318,19 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
     for gone in [relative for relative in known if relative not in files]:
         del known[gone]
     for relative, content in files.items():
-        path = os.path.join(directory, relative)
-        stamp = _stamp(path)
+        name = os.path.join(directory, relative)
+        stamp = _stamp(name)
         if stamp is not None and known.get(relative) == (content, stamp):
             continue
         try:
-            with open(path, encoding="utf-8") as current:
+            with open(name, encoding="utf-8") as current:
                 if current.read() == content:
                     known[relative] = (content, stamp)  # type: ignore[assignment]  # it exists: it was read
                     continue
         except (FileNotFoundError, NotADirectoryError):
             pass
-        atomic_write(Path(path), content)
-        written = _stamp(path)
+        atomic_write(Path(name), content)
+        written = _stamp(name)
         if written is not None:
             known[relative] = (content, written)
     for relative, target in links.items():
