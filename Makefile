@@ -37,17 +37,22 @@ lint: $(BIN)/gpu-agent
 	$(BIN)/ruff check gpu_agent tests bench packaging
 	$(BIN)/mypy
 
+# pytest-xdist workers: twice the CPUs, since about half of the suite's time is spent waiting on the
+# daemons it starts (quiet periods, backoff, timeouts) while using no CPU.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/e2e
+
 # The developer loop: everything but the tests marked slow (pyproject's markers), under 90 s on 2 cores.
 test: lint
-	$(BIN)/python -m pytest -q -n auto --ignore=tests/e2e -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The slow part alone: sweeps over every config and machine, the other kill -9 trials, storms (CI runs it).
 test-slow: $(BIN)/gpu-agent
-	$(BIN)/python -m pytest -q -n auto --ignore=tests/e2e -m slow
+	$(PYTEST) -m slow
 
 # The whole suite with its long trials at full length (200 kill -9 trials instead of 20).
 test-all: lint
-	GPU_AGENT_TEST_ALL=1 $(BIN)/python -m pytest -q -n auto --ignore=tests/e2e
+	GPU_AGENT_TEST_ALL=1 $(PYTEST)
 
 # The packages installed and run under a booted Debian 12 (root; debootstrap, systemd-nspawn, lintian, rpm).
 e2e: $(BIN)/gpu-agent
