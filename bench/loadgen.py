@@ -6,7 +6,8 @@ stalls is charged for every request that queued behind the stall).
     python bench/loadgen.py --serve PORT                                         # a do-nothing server
 
 Each due request takes an idle keep-alive connection, or opens one (up to --max-connections; beyond that
-the request counts as `client_limited`, a sign of a stalled server, not sent late). `late_ms_p99` is how late
+it waits here for the first connection to come free, and its latency still runs from when it was due;
+`queued_for_a_connection` counts them, a sign of a stalled server). `late_ms_p99` is how late
 the generator itself sent requests: when it grows, the generator, not the server, is the bottleneck. The
 `--serve` mode answers every request with a fixed 200 at once; the bench drives it to measure this
 generator's own capacity.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import sys
@@ -100,8 +102,9 @@ class Load:
         self.latencies: list[float] = []
         self.late: list[float] = []
         self.statuses: dict[str, int] = {}
-        self.errors = 0
-        self.client_limited = 0
+        self.errors = {"connect": 0, "closed_before_answer": 0}
+        self.queued: collections.deque[float] = collections.deque()  # due times waiting for a connection
+        self.client_queued = 0
         self.last_answer = 0.0
 
     def fire(self, due: float) -> None:
@@ -113,8 +116,17 @@ class Load:
             conn = Connection(self)
             conn.due = due
             self.loop.create_task(self._connect(conn))
-        else:
-            self.client_limited += 1
+        else:  # every connection busy: wait for one, still charged from `due`
+            self.client_queued += 1
+            self.in_flight += 1
+            self.queued.append(due)
+
+    def _next_queued(self, conn: Connection) -> bool:
+        if not self.queued or conn.closed:
+            return False
+        self.in_flight -= 1  # send() counts it again
+        self.send(conn, self.queued.popleft(), waited=True)
+        return True
 
     async def _connect(self, conn: Connection) -> None:
         try:
@@ -123,13 +135,14 @@ class Load:
             conn.due = None
             self.open -= 1
             self.in_flight -= 1
-            self.errors += 1
+            self.errors["connect"] += 1
 
-    def send(self, conn: Connection, due: float) -> None:
+    def send(self, conn: Connection, due: float, waited: bool = False) -> None:
         if conn.due is None:
             conn.due = due
             self.in_flight += 1
-        self.late.append(self.loop.time() - due)
+        if not waited:  # lateness is the generator's own; a wait for a busy connection is the server's
+            self.late.append(self.loop.time() - due)
         assert conn.transport is not None
         conn.transport.write(self.request)
 
@@ -139,18 +152,26 @@ class Load:
         self.latencies.append(self.last_answer - due)
         key = str(status)
         self.statuses[key] = self.statuses.get(key, 0) + 1
-        if not conn.closed:
+        if not conn.closed and not self._next_queued(conn):
             self.idle.append(conn)
 
     def failed(self, conn: Connection, due: float) -> None:
         self.in_flight -= 1
-        self.errors += 1
+        self.errors["closed_before_answer"] += 1
         self.open -= 1
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """A connection went away: requests waiting for one get a new one."""
+        while self.queued and self.open < self.max_connections:
+            self.in_flight -= 1  # fire() counts it again
+            self.fire(self.queued.popleft())
 
     def dropped(self, conn: Connection) -> None:
         if conn in self.idle:
             self.idle.remove(conn)
         self.open -= 1
+        self._reopen()
 
 
 async def run_load(host: str, port: int, path: str, rate: float, seconds: float, max_connections: int,
@@ -179,8 +200,9 @@ async def run_load(host: str, port: int, path: str, rate: float, seconds: float,
     return {
         "path": path, "rate": rate, "seconds": seconds, "scheduled": total, "completed": len(ms),
         "achieved_rps": round(len(ms) / max(elapsed, 1e-9), 1), "statuses": load.statuses,
-        "errors": load.errors + unanswered, "unanswered_after_30s": unanswered,
-        "client_limited": load.client_limited, "shed_503": load.statuses.get("503", 0),
+        "errors": sum(load.errors.values()) + unanswered, "error_kinds": load.errors,
+        "unanswered_after_30s": unanswered, "queued_for_a_connection": load.client_queued,
+        "max_connections": load.max_connections, "shed_503": load.statuses.get("503", 0),
         "p50_ms": round(percentile(ms, 50), 3) if ms else None,
         "p99_ms": round(percentile(ms, 99), 3) if ms else None,
         "p999_ms": round(percentile(ms, 99.9), 3) if ms else None,
@@ -214,7 +236,10 @@ def main() -> None:
     parser.add_argument("--path", default="/readyz")
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--max-connections", type=int, default=256)
+    parser.add_argument("--max-connections", type=int, default=48,
+                        help="at most this many connections (default 48: below the agent's cap of 64, which "
+                             "closes the longest idle beyond it); further requests queue here, still charged "
+                             "from when they were due")
     parser.add_argument("--gzip", action="store_true", help="send Accept-Encoding: gzip, as Prometheus does")
     args = parser.parse_args()
     if args.serve:

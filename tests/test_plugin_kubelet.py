@@ -265,9 +265,12 @@ def test_mixed_mig_resources_and_a_mig_change_relists(agent, kubelet: Kubelet, r
     reload(daemon, write_config, {"mig": {"config": "half-1g", "strategy": "mixed"}})
     kubelet.wait(lambda e: e["event"] == "list-closed" and e["resource"] == MIG_3G, since=mark, timeout=30.0)
     assert len(kubelet.latest_list("nvidia.com/mig-1g.10gb", since=mark, timeout=30.0)) == 28
-    resources = {r["name"] for r in status(daemon)["plugin"]["resources"]}
-    assert resources == {GPU, "nvidia.com/mig-1g.10gb"}
-    assert not (root / PLUGIN_DIR / "nvidia-mig-3g.40gb.sock").exists()
+    daemon.wait_http("/status", lambda _, body: {r["name"] for r in json.loads(body)["plugin"]["resources"]}
+                     == {GPU, "nvidia.com/mig-1g.10gb"}, timeout=30)
+    deadline = time.monotonic() + 30
+    while (root / PLUGIN_DIR / "nvidia-mig-3g.40gb.sock").exists():
+        assert time.monotonic() < deadline, "the vanished resource's socket was not removed"
+        time.sleep(0.05)
 
 
 def test_a_kubelet_restart_brings_re_registration(agent, kubelet: Kubelet) -> None:

@@ -42,6 +42,7 @@ def test_status_and_labels_ask_the_daemon_without_pydantic_or_asyncio(agent, roo
     assert status.returncode == 0, status.stderr[-2000:]
     assert "ready: 1x A30" in status.stdout
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+    assert "yaml" not in modules  # the socket at its default path answered: no config to read
 
     labels, modules = imported("labels", root=root, config=daemon.config)
     assert labels.returncode == 0, labels.stderr[-2000:]
@@ -53,6 +54,14 @@ def test_status_and_labels_ask_the_daemon_without_pydantic_or_asyncio(agent, roo
     here = cli("--simulate", "a30", "labels", root=root, config=daemon.config)
     assert here.returncode == 0, here.stderr
     assert here.stdout == from_daemon  # the daemon's labels are the ones a pass in this process computes
+
+
+@pytest.mark.subprocess
+def test_status_finds_a_socket_the_config_moved(agent, root: Path) -> None:
+    daemon = agent("a30", settings={"http": {"listen": "", "socket": "/run/elsewhere/agent.sock"}})
+    daemon.wait_ready()
+    result = cli("status", root=root, config=daemon.config)
+    assert result.returncode == 0 and "ready: 1x A30" in result.stdout, result.stderr
 
 
 def test_status_with_a_bad_http_section_names_the_key(root: Path, write_config, capsys) -> None:

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
+import stat
 import sys
 import time
 from typing import Any, Optional
 
 from gpu_agent.cli.common import endpoint_of, root_of
+from gpu_agent.config.endpoint import DEFAULT_SOCKET
 from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
 
 _POLL_S = 0.5
@@ -37,6 +40,25 @@ def fetch_status(args: argparse.Namespace, unix_only: bool = False) -> tuple[Opt
             self.sock.settimeout(self.timeout)
             self.sock.connect(self.unix_path)
 
+    def ask(connection: http.client.HTTPConnection) -> Optional[dict[str, Any]]:
+        try:
+            connection.request("GET", "/status")
+            response = connection.getresponse()
+            document = json.loads(response.read())
+            return document if isinstance(document, dict) else None
+        finally:
+            connection.close()
+
+    # The socket at its default path answers for the daemon of this root (one per root: its lock):
+    # asked first, it spares reading the config (YAML) in the common case.
+    default = str(root_of(args)(DEFAULT_SOCKET))
+    if stat.S_ISSOCK(_mode(default)):
+        try:
+            answer = ask(UnixConnection(default, _REQUEST_TIMEOUT_S))
+        except (OSError, ValueError, http.client.HTTPException):
+            answer = None
+        if answer is not None:
+            return answer, default
     endpoint = endpoint_of(args)
     endpoints: list[tuple[str, http.client.HTTPConnection]] = []
     if endpoint.socket:
@@ -48,14 +70,21 @@ def fetch_status(args: argparse.Namespace, unix_only: bool = False) -> tuple[Opt
     errors = []
     for where, connection in endpoints:
         try:
-            connection.request("GET", "/status")
-            response = connection.getresponse()
-            return json.loads(response.read()), where
+            answer = ask(connection)
         except (OSError, ValueError, http.client.HTTPException) as exc:
             errors.append(f"{where}: {exc}")
-        finally:
-            connection.close()
+            continue
+        if answer is not None:
+            return answer, where
+        errors.append(f"{where}: the answer is not a status document")
     return None, "; ".join(errors) or "http.listen and http.socket are both off"
+
+
+def _mode(path: str) -> int:
+    try:
+        return os.stat(path).st_mode
+    except OSError:
+        return 0
 
 
 def main(args: argparse.Namespace) -> int:

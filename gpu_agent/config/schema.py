@@ -6,7 +6,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import Field, field_validator
 
 from gpu_agent.config.driver import DriverConfig
-from gpu_agent.config.endpoint import DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, valid_listen
+from gpu_agent.config.endpoint import DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, Endpoint, valid_listen
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
 from gpu_agent.config.plugin import PluginConfig
@@ -45,12 +45,16 @@ class HttpConfig(Section):
         return absolute_path(value) if value else value
 
     @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.listen, self.socket)
+
+    @property
     def host(self) -> str:
-        return self.listen.rpartition(":")[0].strip("[]")
+        return self.endpoint.host
 
     @property
     def port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
+        return self.endpoint.port
 
 
 class NvmlConfig(Section):

@@ -80,14 +80,13 @@ class Runtime:
             from gpu_agent.sim.machine import MachineState
             from gpu_agent.sim.mig import SimGpuReset, SimUnits
             from gpu_agent.sim.packages import SimPackages
-            from gpu_agent.sim.replay import simulated_nvml
             from gpu_agent.sim.services import SimServices
 
             arm_from_environment()  # kill -9 trials
             machine = MachineState(root)
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
-            nvml = Nvml(simulated_nvml(machine), config.nvml.call_timeout_seconds, root)
+            nvml = Nvml(_simulated_nvml(machine), config.nvml.call_timeout_seconds, root)
             loader = SimModprobe(machine, root)
             services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
@@ -157,6 +156,18 @@ class Runtime:
         if not self.real_root_simulated:
             stages.append(OwnedFiles(self.root, self.services, {stage.name for stage in stages}))
         return stages
+
+
+def _simulated_nvml(machine: Any) -> Any:
+    """The fake NVML of a built-in profile or machine file; a captured node's replay (whose module, with
+    its capture schema, costs a built-in profile 20 ms and 1 MiB) only for a capture."""
+    if machine.read().get("capture"):
+        from gpu_agent.sim.replay import simulated_nvml
+
+        return simulated_nvml(machine)
+    from gpu_agent.sim.fake import FakeNvml
+
+    return FakeNvml(machine)
 
 
 def take_lock(root: Root) -> IO[str]:
