@@ -298,7 +298,7 @@ _KNOWN_TREES = 16  # the trees of the last few machines this process drove
 
 def _stamp(path: str) -> Optional[_Stamp]:
     try:
-        st = os.lstat(path)
+        st = os.stat(path)  # what a reader of the file sees, through a link too
     except (FileNotFoundError, NotADirectoryError):
         return None
     return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
@@ -307,10 +307,12 @@ def _stamp(path: str) -> Optional[_Stamp]:
 def _known(directory: Path) -> dict[str, tuple[str, _Stamp]]:
     key = str(directory)
     known = _KNOWN.pop(key, None)
-    _KNOWN[key] = known if known is not None else {}
+    if known is None:
+        known = {}
+    _KNOWN[key] = known
     while len(_KNOWN) > _KNOWN_TREES:
         _KNOWN.popitem(last=False)
-    return _KNOWN[key]
+    return known
 
 
 def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
