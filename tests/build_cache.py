@@ -14,16 +14,28 @@ from typing import Callable, Iterable
 CACHE = Path(tempfile.gettempdir()) / f"gpu-agent-test-builds-{os.getuid()}"
 
 
+# Installing or upgrading any Debian package (Go's own, or the Go sources under /usr/share/gocode that
+# a build compiles) rewrites this file: a build made before is not trusted after.
+PACKAGES = Path("/var/lib/dpkg/status")
+
+
+def _stat(path: str) -> str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return f"{path}:absent"
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
 def _digest(inputs: Iterable[Path], tools: Iterable[str]) -> str:
-    """Every input file's bytes, and each tool's resolved path, size and mtime (a new Go is a new build)."""
+    """Every input file's bytes, each tool's resolved path, size and mtime, and the package database's."""
     digest = hashlib.sha256()
     for path in inputs:
         digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
     for tool in tools:
         found = shutil.which(tool)
-        real = os.path.realpath(found) if found else ""
-        stat = os.stat(real) if real else None
-        digest.update(f"{tool}={real}:{stat.st_size if stat else 0}:{stat.st_mtime_ns if stat else 0}\0".encode())
+        digest.update(f"{tool}={_stat(os.path.realpath(found)) if found else 'absent'}\0".encode())
+    digest.update(_stat(str(PACKAGES)).encode())
     return digest.hexdigest()[:16]
 
 
