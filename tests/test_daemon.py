@@ -140,7 +140,9 @@ def test_a_failing_stage_is_retried_with_backoff_and_recovers(agent, root: Path)
 
 
 def test_a_hung_driver_fails_readiness_but_not_the_daemon(agent, root: Path) -> None:
-    daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 0.3},
+    # 1 s, not less: a sample of one GPU is one batch of calls, and a loaded test machine can take a few
+    # hundred ms over it, which a shorter timeout would call a hang long after `sim clear`
+    daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 1.0},
                                          "metrics": {"sample_interval_seconds": 0.2}})
     daemon.wait_ready()
     run_cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
@@ -220,7 +222,9 @@ def test_a_port_in_use_is_a_clear_start_up_error(agent, root: Path, tmp_path: Pa
 
 
 def test_sigterm_exits_promptly_even_with_an_nvml_call_hung(agent, root: Path) -> None:
-    daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 0.3},
+    # 1 s, not less: a sample of one GPU is one batch of calls, and a loaded test machine can take a few
+    # hundred ms over it, which a shorter timeout would call a hang long after `sim clear`
+    daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 1.0},
                                          "metrics": {"sample_interval_seconds": 0.2}})
     daemon.wait_ready()
     run_cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
