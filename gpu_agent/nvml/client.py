@@ -6,6 +6,7 @@ call runs on a worker thread with a timeout so a hung driver cannot hang the age
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ from gpu_agent.nvml.model import (
 )
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
@@ -93,6 +95,20 @@ _INIT_REMEDIES = {
         "reload the nvidia modules or reboot"
     ),
 }
+
+
+def _changes_gpus(method: _F) -> _F:
+    """A call that changes the GPUs' MIG geometry: the inventory read before it is not reused, even when
+    the call fails half-way."""
+
+    @functools.wraps(method)
+    def changing(self: Nvml, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.forget_inventory()
+
+    return cast(_F, changing)
 
 
 class NvmlUnavailable(AgentError):
@@ -192,6 +208,13 @@ class Nvml:
         self._memory_v2: Optional[bool] = None  # whether the driver has NVML's v2 memory info
         self._links: dict[tuple[str, ...], tuple[GpuLink, ...]] = {}  # by the GPUs' bus ids: hardware, read once
         self._links_complete = True  # no unexpected NVML error while reading them (else read again next time)
+        # The inventory read last in this reconcile pass, kept for the next stage that wants one (discovery
+        # after the mig stage) while nothing changed the GPUs since. `_generation` counts the pass starts and
+        # the changes this agent made: a reading taken across one of them is not kept. Generation 0: no
+        # pass has begun (a one-shot command, a test's engine), so nothing is kept.
+        self._generation = 0
+        self._reading: Optional[Inventory] = None
+        self._reading_lock = threading.Lock()
 
     @property
     def call_timeout(self) -> float:
@@ -238,14 +261,38 @@ class Nvml:
     # --- inventory ---------------------------------------------------------------------------
 
     def inventory(self) -> Inventory:
+        """Every GPU and its MIG geometry, read now."""
         self.init()
+        generation = self._generation
         driver = self._nvml("nvmlSystemGetDriverVersion")
         cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
         count = self._nvml("nvmlDeviceGetCount")
         # A GPU's queries (dozens with MIG) go to an NVML worker as one batch, under one timeout.
         gpus = tuple(self._call(f"nvmlDevice*(GPU {index})", self._gpu, index) for index in range(count))
-        return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
-                         links=self.links(gpus))
+        inventory = Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
+                              links=self.links(gpus))
+        with self._reading_lock:
+            if generation and generation == self._generation:
+                self._reading = inventory
+        return inventory
+
+    def pass_inventory(self) -> Inventory:
+        """The inventory read earlier in this reconcile pass (the mig stage reads it just before discovery)
+        when nothing the agent did has changed the GPUs since; else one read now. With MIG, a reading is
+        hundreds of NVML calls."""
+        reading = self._reading
+        return reading if reading is not None else self.inventory()
+
+    def begin_pass(self) -> None:
+        """A reconcile pass starts: what was read before it is not reused (another tool may have changed
+        the GPUs between passes)."""
+        self.forget_inventory()
+
+    def forget_inventory(self) -> None:
+        """The GPUs changed (a MIG change, a GPU reset): the next pass_inventory() reads them again."""
+        with self._reading_lock:
+            self._generation += 1
+            self._reading = None
 
     def _gpu(self, index: int) -> Gpu:
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
@@ -394,12 +441,16 @@ class Nvml:
 
         devices = self._mig_device_uuids(handle)
         found = []
+        taken: list[tuple[int, int]] = []  # the memory slices (start, size) of the GPU instances found so far
         for profile in profiles:
+            if profile.placements and not any(_free(placement, taken) for placement in profile.placements):
+                continue  # no GPU instance of this profile can sit beside those found: no need to ask NVML
             handles = (self.lib.c_nvmlGpuInstance_t * max(profile.instances, 1))()
             count = ctypes.c_uint(0)
             self._nvml("nvmlDeviceGetGpuInstances", handle, profile.id, handles, ctypes.byref(count))
             for gpu_instance in handles[: count.value]:
                 info = self._nvml("nvmlGpuInstanceGetInfo", gpu_instance)
+                taken.append((info.placement.start, info.placement.size))
                 found.append(GpuInstance(
                     id=info.id, profile_id=profile.id, profile=profile.name, slices=profile.slices,
                     placement=(info.placement.start, info.placement.size), memory_mib=profile.memory_mib,
@@ -461,6 +512,7 @@ class Nvml:
 
     # --- MIG changes -----------------------------------------------------------------------------
 
+    @_changes_gpus
     def set_mig_mode(self, index: int, enabled: bool) -> Optional[str]:
         """Ask for MIG mode; None when it took effect, else why it is pending (NVML's activation status:
         Ampere needs a GPU reset, Hopper and later do not)."""
@@ -472,6 +524,7 @@ class Nvml:
             return None
         return describe(self.lib.NVMLError(status))
 
+    @_changes_gpus
     def create_gpu_instance(self, index: int, profile_id: int, placement: tuple[int, int]) -> int:
         """A GPU instance of the profile at exactly this placement; its id."""
         self.init()
@@ -483,6 +536,7 @@ class Nvml:
         gpu_instance = self._nvml("nvmlDeviceCreateGpuInstanceWithPlacement", handle, profile_id, ctypes.byref(where))
         return int(self._nvml("nvmlGpuInstanceGetInfo", gpu_instance).id)
 
+    @_changes_gpus
     def create_compute_instance(self, index: int, gi_id: int, slices: int, start: int) -> int:
         """A compute instance of `slices` compute slices at `start` in GPU instance `gi_id`; its id."""
         import ctypes
@@ -499,11 +553,13 @@ class Nvml:
                                       ctypes.byref(where))
         return int(self._nvml("nvmlComputeInstanceGetInfo", compute_instance).id)
 
+    @_changes_gpus
     def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
         gpu_instance = self._gpu_instance(index, gi_id)
         compute_instance = self._nvml("nvmlGpuInstanceGetComputeInstanceById", gpu_instance, ci_id)
         self._nvml("nvmlComputeInstanceDestroy", compute_instance)
 
+    @_changes_gpus
     def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
         self._nvml("nvmlGpuInstanceDestroy", self._gpu_instance(index, gi_id))
 
@@ -755,6 +811,12 @@ class XidWait:
             self._nvml("nvmlEventSetFree", self._event_set)
         except (self._lib.NVMLError, NvmlHung) as exc:
             log.debug("nvmlEventSetFree: %s", exc)
+
+
+def _free(placement: tuple[int, int], taken: list[tuple[int, int]]) -> bool:
+    """Whether a placement (start, size in memory slices) overlaps none of the taken ones."""
+    start, size = placement
+    return all(start + size <= other or other + other_size <= start for other, other_size in taken)
 
 
 def _framebuffer(memory: Any) -> dict[str, float]:
