@@ -188,9 +188,13 @@ def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
         if self._init_count == 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         self.calls[fn.__name__] += 1
-        gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
-        self._fault(fn.__name__, gpu)
-        return fn(self, *args, **kwargs)
+        state = self._state.read()
+        if state["faults"]:
+            gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
+            self._fault(fn.__name__, gpu)
+            state = self._state.read()  # the fault may have changed it
+        with self._state.holding(state):  # one state for the whole call, and one look at the file
+            return fn(self, *args, **kwargs)
 
     return call
 
@@ -969,7 +973,7 @@ class FakeNvml:
         deadline = time.monotonic() + timeout_ms / 1000
         event_set.watch(self._state)  # before reading: an XID raised after the read wakes the wait
         while True:
-            for xid in self._state.read()["xids"]:
+            for xid in self._state.read(fresh=True)["xids"]:
                 if xid["seq"] >= event_set.after_seq and xid["gpu"] in event_set.gpus:
                     event_set.after_seq = xid["seq"] + 1
                     return SimEventData(SimHandle(xid["gpu"]), pynvml.nvmlEventTypeXidCriticalError, xid["xid"],

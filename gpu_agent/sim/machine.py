@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid as uuidlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,6 +184,8 @@ class MachineState:
         self.kernel_dir = self.dir / "kernel"  # proc/, sys/ and dev/ of the simulated kernel
         self._cache: Optional[dict[str, Any]] = None
         self._cache_key: Optional[tuple[int, int, int]] = None
+        self._path = str(self.path)  # os.stat is faster on a str than on a Path
+        self._held = threading.local()  # a thread's reading while it holds one (holding())
 
     def exists(self) -> bool:
         return self.path.exists()
@@ -221,8 +224,12 @@ class MachineState:
         self._write(capture_state(source, capture))
         install_captured_host(self.root, self.kernel_dir, capture)
 
-    def read(self) -> dict[str, Any]:
-        """The current state; cheap when nothing changed (one stat)."""
+    def read(self, fresh: bool = False) -> dict[str, Any]:
+        """The current state; cheap when nothing changed (one stat). While this thread holds a reading
+        (holding()), that one, unless `fresh` (a loop that waits for a change)."""
+        held = None if fresh else getattr(self._held, "state", None)
+        if held is not None:
+            return held
         key = self.stamp()
         if key is None:
             raise AgentError(
@@ -232,6 +239,16 @@ class MachineState:
             self._cache = json.loads(self.path.read_text())
             self._cache_key = key
         return self._cache
+
+    @contextlib.contextmanager
+    def holding(self, state: Optional[dict[str, Any]] = None) -> Iterator[None]:
+        """This thread's reads see one reading (`state`, or one taken now) until it writes or leaves:
+        one simulated NVML call sees one state, and checks the file once instead of at every read."""
+        self._held.state = state if state is not None else self.read(fresh=True)
+        try:
+            yield
+        finally:
+            self._held.state = None
 
     @contextlib.contextmanager
     def edit(self) -> Iterator[dict[str, Any]]:
@@ -245,11 +262,12 @@ class MachineState:
         render(self.kernel_dir, state)
         atomic_write(self.path, json.dumps(state, indent=1, sort_keys=True) + "\n")
         self._cache = None
+        self._held.state = None  # what this thread reads next includes its own write
 
     def stamp(self) -> Optional[tuple[int, int, int]]:
         """Identity of the current state file; changes with every write."""
         try:
-            st = os.stat(self.path)
+            st = os.stat(self._path)
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
