@@ -739,14 +739,18 @@ class Nvml:
         return self._nvml("nvmlSystemGetDriverVersion")
 
     def bus_ids(self) -> list[str]:
-        """PCI bus id of every GPU NVML sees: a few calls, where inventory() makes dozens."""
-        self.init()
+        """PCI bus id of every GPU NVML sees: a few calls (one batch), where inventory() makes dozens."""
+        return self.batch("nvmlDeviceGetPciInfo(every GPU)", self._bus_ids)
+
+    def _bus_ids(self) -> list[str]:
         handles = [self._nvml("nvmlDeviceGetHandleByIndex", i) for i in range(self._nvml("nvmlDeviceGetCount"))]
         return [_short_bus_id(self._nvml("nvmlDeviceGetPciInfo", handle).busId) for handle in handles]
 
     def persistence_modes(self) -> list[bool]:
-        """Persistence mode of each GPU, by index."""
-        self.init()
+        """Persistence mode of each GPU, by index (one batch)."""
+        return self.batch("nvmlDeviceGetPersistenceMode(every GPU)", self._persistence_modes)
+
+    def _persistence_modes(self) -> list[bool]:
         handles = [self._nvml("nvmlDeviceGetHandleByIndex", i) for i in range(self._nvml("nvmlDeviceGetCount"))]
         return [self._nvml("nvmlDeviceGetPersistenceMode", h) == self.lib.NVML_FEATURE_ENABLED for h in handles]
 
