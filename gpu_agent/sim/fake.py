@@ -193,8 +193,11 @@ def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
             gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
             self._fault(fn.__name__, gpu)
             state = self._state.read()  # the fault may have changed it
-        with self._state.holding(state):  # one state for the whole call, and one look at the file
+        self._state.hold(state)  # one state for the whole call, and one look at the file
+        try:
             return fn(self, *args, **kwargs)
+        finally:
+            self._state.release()
 
     return call
 
@@ -225,6 +228,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
+        self._devices_memo: Optional[tuple[dict[str, Any], list[Any]]] = None  # (GPU as read, its MIG devices)
         self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data (KiB), when it was read
 
     def __getattr__(self, name: str) -> Any:
@@ -289,10 +293,18 @@ class FakeNvml:
         gpu = self._gpu(handle)
         if handle.mig is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        devices = mig_devices(gpu)
+        devices = self._mig_devices(gpu)
         if handle.mig >= len(devices):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return devices[handle.mig]
+
+    def _mig_devices(self, gpu: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """mig_devices() of a GPU as read (never of one being edited), once per reading: a reading is
+        never changed (an edit parses its own), and an inventory asks 4 times per MIG device."""
+        memo = self._devices_memo
+        if memo is None or memo[0] is not gpu:
+            memo = self._devices_memo = (gpu, mig_devices(gpu))
+        return memo[1]
 
     def _ci_profile_of(self, handle: SimHandle) -> CiProfile:
         gi, ci = self._mig_device(handle)
@@ -873,7 +885,7 @@ class FakeNvml:
         gpu, _ = self._mig_capable(handle)
         if not gpu["mig"]["current"]:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if not 0 <= index < len(mig_devices(gpu)):
+        if not 0 <= index < len(self._mig_devices(gpu)):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return SimHandle(handle.gpu, index)
 

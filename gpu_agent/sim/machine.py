@@ -240,15 +240,13 @@ class MachineState:
             self._cache_key = key
         return self._cache
 
-    @contextlib.contextmanager
-    def holding(self, state: Optional[dict[str, Any]] = None) -> Iterator[None]:
-        """This thread's reads see one reading (`state`, or one taken now) until it writes or leaves:
-        one simulated NVML call sees one state, and checks the file once instead of at every read."""
-        self._held.state = state if state is not None else self.read(fresh=True)
-        try:
-            yield
-        finally:
-            self._held.state = None
+    def hold(self, state: dict[str, Any]) -> None:
+        """This thread's reads see `state` (a reading) until it writes or release(): one simulated NVML
+        call sees one state, and checks the file once instead of at every read."""
+        self._held.state = state
+
+    def release(self) -> None:
+        self._held.state = None
 
     @contextlib.contextmanager
     def edit(self) -> Iterator[dict[str, Any]]:
