@@ -983,9 +983,10 @@ class FakeNvml:
     @_nvml
     def nvmlEventSetWait_v2(self, event_set: SimEventSet, timeout_ms: int) -> SimEventData:
         deadline = time.monotonic() + timeout_ms / 1000
+        self._state.release()  # it waits for a change: each read looks at the file
         event_set.watch(self._state)  # before reading: an XID raised after the read wakes the wait
         while True:
-            for xid in self._state.read(fresh=True)["xids"]:
+            for xid in self._state.read()["xids"]:
                 if xid["seq"] >= event_set.after_seq and xid["gpu"] in event_set.gpus:
                     event_set.after_seq = xid["seq"] + 1
                     return SimEventData(SimHandle(xid["gpu"]), pynvml.nvmlEventTypeXidCriticalError, xid["xid"],

@@ -224,10 +224,10 @@ class MachineState:
         self._write(capture_state(source, capture))
         install_captured_host(self.root, self.kernel_dir, capture)
 
-    def read(self, fresh: bool = False) -> dict[str, Any]:
+    def read(self) -> dict[str, Any]:
         """The current state; cheap when nothing changed (one stat). While this thread holds a reading
-        (holding()), that one, unless `fresh` (a loop that waits for a change)."""
-        held = None if fresh else getattr(self._held, "state", None)
+        (hold()), that one."""
+        held = getattr(self._held, "state", None)
         if held is not None:
             return held
         key = self.stamp()
