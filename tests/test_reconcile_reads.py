@@ -25,11 +25,11 @@ from gpu_agent.sim.machine import MachineState
 SHIPPED = Path(__file__).resolve().parent.parent / "packaging" / "mig.yaml"
 GPUS, DEVICES_PER_GPU = 8, 7
 MIG_DEVICES = GPUS * DEVICES_PER_GPU
-# What one inventory costs: per MIG device its handle, GPU and compute instance ids and UUID, and per GPU
-# instance its info, its compute instances and their info (a 1g GPU instance has one compute instance);
-# per GPU a dozen calls (handle, UUID, PCI, memory, MIG mode, device count, one profile's GPU instances).
-# A second reading in the same pass would double it.
-ONE_READING = 7 * MIG_DEVICES + 12 * GPUS
+# What one inventory costs: per MIG device its handle and UUID (its GPU and compute instance ids only when
+# the UUID is new), and per GPU instance its info, its compute instances and their info (a 1g GPU instance
+# has one compute instance); per GPU a dozen calls (handle, UUID, PCI, memory, MIG mode, device count, one
+# profile's GPU instances). A second reading in the same pass would double it.
+ONE_READING = 5 * MIG_DEVICES + 12 * GPUS
 OTHER_STAGES = 40  # the driver stage's persistence modes and bus ids, and the like
 
 
@@ -69,7 +69,8 @@ def test_a_no_op_pass_reads_the_mig_geometry_once(runtime: Runtime) -> None:
     calls.clear()
     runs = reconcile(runtime)
     assert not any(run.applied for run in runs)
-    assert calls["nvmlDeviceGetComputeInstanceId"] == MIG_DEVICES  # one reading: the mig stage's, reused
+    assert calls["nvmlDeviceGetMigDeviceHandleByIndex"] == MIG_DEVICES  # one reading: the mig stage's, reused
+    assert calls["nvmlDeviceGetComputeInstanceId"] == 0  # the devices' UUIDs are those of the last reading
     assert calls["nvmlDeviceGetGpuInstances"] == GPUS  # 7 GPU instances fill each GPU: no other profile asked
     assert sum(calls.values()) <= ONE_READING + OTHER_STAGES, calls.most_common(12)
 

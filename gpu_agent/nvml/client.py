@@ -205,6 +205,7 @@ class Nvml:
         self._initialised = False
         self._static: dict[str, tuple[MigProfile, ...]] = {}  # MIG profile tables by GPU UUID
         self._ci_profiles: dict[tuple[str, int], tuple[Any, ...]] = {}  # by (GPU UUID, GPU instance profile id)
+        self._mig_ids: dict[str, dict[str, tuple[int, int]]] = {}  # by GPU UUID: MIG device UUID -> (GI, CI id)
         self._memory_v2: Optional[bool] = None  # whether the driver has NVML's v2 memory info
         self._links: dict[tuple[str, ...], tuple[GpuLink, ...]] = {}  # by the GPUs' bus ids: hardware, read once
         self._links_complete = True  # no unexpected NVML error while reading them (else read again next time)
@@ -439,7 +440,7 @@ class Nvml:
         """Every GPU instance, by profile, and under each its compute instances, as mig-parted walks them."""
         import ctypes
 
-        devices = self._mig_device_uuids(handle)
+        devices = self._mig_device_uuids(handle, uuid)
         found = []
         taken: list[tuple[int, int]] = []  # the memory slices (start, size) of the GPU instances found so far
         for profile in profiles:
@@ -492,16 +493,25 @@ class Nvml:
                 ))
         return tuple(sorted(found, key=lambda ci: ci.id))
 
-    def _mig_device_uuids(self, handle: Any) -> dict[tuple[int, int], tuple[int, str]]:
-        """(GPU instance id, compute instance id) -> (MIG device index, UUID)."""
+    def _mig_device_uuids(self, handle: Any, gpu_uuid: str) -> dict[tuple[int, int], tuple[int, str]]:
+        """(GPU instance id, compute instance id) -> (MIG device index, UUID). A MIG device's UUID is made
+        with its compute instance and never names another, so its two ids are asked once per device:
+        kept by UUID for the devices of the GPU's last reading."""
+        known = self._mig_ids.get(gpu_uuid, {})
+        seen: dict[str, tuple[int, int]] = {}
         devices = {}
         for slot in range(self._nvml("nvmlDeviceGetMaxMigDeviceCount", handle)):
             try:
                 mig = self._nvml("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
             except self.lib.NVMLError_NotFound:
                 continue
-            ids = (self._nvml("nvmlDeviceGetGpuInstanceId", mig), self._nvml("nvmlDeviceGetComputeInstanceId", mig))
-            devices[ids] = (slot, self._nvml("nvmlDeviceGetUUID", mig))
+            uuid = self._nvml("nvmlDeviceGetUUID", mig)
+            ids = known.get(uuid)
+            if ids is None:
+                ids = (self._nvml("nvmlDeviceGetGpuInstanceId", mig), self._nvml("nvmlDeviceGetComputeInstanceId", mig))
+            seen[uuid] = ids
+            devices[ids] = (slot, uuid)
+        self._mig_ids[gpu_uuid] = seen
         return devices
 
     def mig_state(self, index: int) -> MigState:
