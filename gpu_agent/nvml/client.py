@@ -265,17 +265,20 @@ class Nvml:
         """Every GPU and its MIG geometry, read now."""
         self.init()
         generation = self._generation
-        driver = self._nvml("nvmlSystemGetDriverVersion")
-        cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
-        count = self._nvml("nvmlDeviceGetCount")
-        # A GPU's queries (dozens with MIG) go to an NVML worker as one batch, under one timeout.
-        gpus = tuple(self._call(f"nvmlDevice*(GPU {index})", self._gpu, index) for index in range(count))
-        inventory = Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
-                              links=self.links(gpus))
+        # Its queries (hundreds with MIG) go to an NVML worker as one batch, under one timeout that names
+        # the call that hung: a thread hop per GPU or per call cost more than the queries.
+        inventory = self._call("nvmlDevice*(inventory)", self._inventory)
         with self._reading_lock:
             if generation and generation == self._generation:
                 self._reading = inventory
         return inventory
+
+    def _inventory(self) -> Inventory:
+        driver = self._nvml("nvmlSystemGetDriverVersion")
+        cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
+        gpus = tuple(self._gpu(index) for index in range(self._nvml("nvmlDeviceGetCount")))
+        return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
+                         links=self.links(gpus))
 
     def pass_inventory(self) -> Inventory:
         """The inventory read earlier in this reconcile pass (the mig stage reads it just before discovery)
