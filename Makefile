@@ -1,12 +1,13 @@
-# gpu-agent: `make run` starts the agent on a simulated DGX H100; `make test` runs the whole suite,
-# `make test-all` with its long trials.
+# gpu-agent: `make run` starts the agent on a simulated DGX H100; `make test` runs the suite but its
+# slow cases (one case of each slow family stays), `make test-slow` only those, `make test-all` everything
+# with its long trials at full length.
 PYTHON ?= python3
 VENV ?= .venv
 RUN_ROOT ?= .run/root
 SIMULATE ?= dgx-h100
 BIN := $(VENV)/bin
 
-.PHONY: run lint test test-all bench package e2e clean proto
+.PHONY: run lint test test-slow test-all bench package e2e clean proto
 
 $(BIN)/gpu-agent: pyproject.toml
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
@@ -36,12 +37,22 @@ lint: $(BIN)/gpu-agent
 	$(BIN)/ruff check gpu_agent tests bench packaging
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/python -m pytest -q -n auto --ignore=tests/e2e
+# pytest-xdist workers: twice the CPUs, since about half of the suite's time is spent waiting on the
+# daemons it starts (quiet periods, backoff, timeouts) while using no CPU.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/e2e
 
-# The same suite with its long trials at full length (200 kill -9 trials instead of 20).
+# The developer loop: everything but the tests marked slow (pyproject's markers), under 90 s on 2 cores.
+test: lint
+	$(PYTEST) -m "not slow"
+
+# The slow part alone: sweeps over every config and machine, the other kill -9 trials, storms (CI runs it).
+test-slow: $(BIN)/gpu-agent
+	$(PYTEST) -m slow
+
+# The whole suite with its long trials at full length (200 kill -9 trials instead of 20).
 test-all: lint
-	GPU_AGENT_TEST_ALL=1 $(BIN)/python -m pytest -q -n auto --ignore=tests/e2e
+	GPU_AGENT_TEST_ALL=1 $(PYTEST)
 
 # The packages installed and run under a booted Debian 12 (root; debootstrap, systemd-nspawn, lintian, rpm).
 e2e: $(BIN)/gpu-agent

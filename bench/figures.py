@@ -85,7 +85,8 @@ class Cluster:
     NODE = "gpu-node-1"
 
     def __init__(self, directory: Path) -> None:
-        sys.path.insert(0, str(REPO / "tests"))
+        if str(REPO / "tests") not in sys.path:
+            sys.path.append(str(REPO / "tests"))  # after bench/: neither shadows the other
         from kube_emulator import KubeEmulator
 
         self.api = KubeEmulator(directory / "pki", nodes=(self.NODE,)).start()

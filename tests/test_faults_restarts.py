@@ -143,8 +143,10 @@ def test_a_runtime_that_does_not_come_back(root: Path, tmp_path: Path, runtime: 
     assert owed(root) == {} and "nvidia" in (node.text(OURS[runtime]) or "")
 
 
-@pytest.mark.parametrize("runtime, error", [pytest.param("containerd", "failed", marks=RUNS_CONTAINERD),
-                                            ("docker", "failed"), ("crio", "failed"), ("docker", "not-ready")])
+@pytest.mark.parametrize("runtime, error", [  # `make test` runs docker-failed; the others are slow
+    pytest.param("containerd", "failed", marks=[RUNS_CONTAINERD, pytest.mark.slow]), ("docker", "failed"),
+    pytest.param("crio", "failed", marks=pytest.mark.slow),
+    pytest.param("docker", "not-ready", marks=pytest.mark.slow)])
 def test_no_restart_storm_with_a_drift_trigger_every_second(root: Path, tmp_path: Path, monkeypatch,
                                                              runtime: str, error: str) -> None:
     """60 s of a runtime that never comes back, with the default backoff and a drift trigger every second
@@ -285,12 +287,14 @@ def _contents(root: Path) -> dict[str, Optional[bytes]]:
             for path in MANAGED}
 
 
-def _trials() -> list[tuple[str, float]]:
+def _trials() -> list[Any]:
     """(scenario, how far through its crash points): one random point in each equal slice of a pass, so
-    that the 100 trials a scenario gets under `make test-all` reach every one of its points."""
+    that the 100 trials a scenario gets under `make test-all` reach every one of its points. `make test`
+    runs the first of each scenario; the others are marked slow (`make test-slow`, CI)."""
     rng = random.Random(9)
     slices = TRIALS // 2
-    return [(scenario, (n + rng.random()) / slices) for n in range(slices) for scenario in ("fresh", "configured")]
+    return [pytest.param(scenario, (n + rng.random()) / slices, marks=[pytest.mark.slow] if n else [])
+            for n in range(slices) for scenario in ("fresh", "configured")]
 
 
 @pytest.mark.subprocess

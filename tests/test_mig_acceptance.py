@@ -27,7 +27,8 @@ MIXED = {"dgx-a100": (("1g.5gb", 2), ("2g.10gb", 1), ("3g.20gb", 1)),
          "dgx-h100": (("1g.10gb", 2), ("2g.20gb", 1), ("3g.40gb", 1))}
 
 
-@pytest.fixture(params=["dgx-a100", "dgx-h100"])
+# `make test` runs each case on the DGX H100; the DGX A100 runs are slow (`make test-slow`, CI).
+@pytest.fixture(params=[pytest.param("dgx-a100", marks=pytest.mark.slow), "dgx-h100"])
 def node(request: Any, tmp_path: Path) -> SimNode:
     root = tmp_path / "root"
     (root / "etc/gpu-agent").mkdir(parents=True)

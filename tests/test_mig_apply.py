@@ -107,6 +107,7 @@ def fits(gpu: Any, wanted: dict[str, int]) -> bool:
     return all(parse_profile(name).gpu_instance in have for name in wanted)
 
 
+@pytest.mark.slow  # a sweep; the other tests here apply configs to each kind of GPU
 def test_every_shipped_config_on_every_gpu_it_fits(node: Any) -> None:
     n = node(EVERY_MODEL_NODE)
     shipped = load_mig_config(SHIPPED)

@@ -6,6 +6,7 @@ The files live in the machine's kernel directory (proc/, sys/, dev/), which the 
 """
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 from pathlib import Path
@@ -286,20 +287,59 @@ def _sysfs_address(nvml_bus_id: str) -> str:
     return f"{domain[-4:]}:{rest}".lower()
 
 
+# What each kernel tree's files held when this process last wrote or read them, with their stat
+# stamps: a file whose stamp is unchanged still holds that content, so a MIG call that changes two
+# files of the tree neither reads nor rewrites the other hundreds. Any other writer (a test, another
+# process) changes the stamp: a rename gives a new inode, an edit in place a new mtime or size.
+_Stamp = tuple[int, int, int, int]
+_KNOWN: collections.OrderedDict[str, dict[str, tuple[str, _Stamp]]] = collections.OrderedDict()
+_KNOWN_TREES = 16  # the trees of the last few machines this process drove
+
+
+def _stamp(path: str) -> Optional[_Stamp]:
+    try:
+        st = os.stat(path)  # what a reader of the file sees, through a link too
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+
+def _known(directory: Path) -> dict[str, tuple[str, _Stamp]]:
+    key = str(directory)
+    known = _KNOWN.pop(key, None)
+    if known is None:
+        known = {}
+    _KNOWN[key] = known
+    while len(_KNOWN) > _KNOWN_TREES:
+        _KNOWN.popitem(last=False)
+    return known
+
+
 def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
                   directories: Optional[list[str]] = None) -> None:
     """Make `directory` hold exactly `files`, `links` and `directories` (which may be empty);
     unchanged entries are not rewritten."""
     for relative in directories or ():
         (directory / relative).mkdir(parents=True, exist_ok=True)
+    known = _known(directory)
+    for gone in [relative for relative in known if relative not in files]:
+        del known[gone]
     for relative, content in files.items():
-        path = directory / relative
+        name = os.path.join(directory, relative)
+        stamp = _stamp(name)
+        if stamp is not None and known.get(relative) == (content, stamp):
+            continue
         try:
-            if path.read_text() == content:
-                continue
+            with open(name, encoding="utf-8") as current:
+                if current.read() == content:
+                    known[relative] = (content, stamp)  # type: ignore[assignment]  # it exists: it was read
+                    continue
         except (FileNotFoundError, NotADirectoryError):
             pass
-        atomic_write(path, content)
+        atomic_write(Path(name), content)
+        written = _stamp(name)
+        if written is not None:
+            known[relative] = (content, written)
     for relative, target in links.items():
         path = directory / relative
         if path.is_symlink() and os.readlink(path) == target:
@@ -317,15 +357,20 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         while parent and parent not in wanted_dirs:
             wanted_dirs.add(parent)
             parent = os.path.dirname(parent)
-    if not directory.is_dir():
-        return
-    for current, subdirs, names in os.walk(directory, topdown=False):
-        here = os.path.relpath(current, directory)
-        for name in names + [d for d in subdirs if os.path.islink(os.path.join(current, d))]:
-            relative = os.path.normpath(os.path.join(here, name))
-            if relative not in wanted:
-                os.unlink(os.path.join(current, name))
-        for name in subdirs:
-            relative = os.path.normpath(os.path.join(here, name))
-            if not os.path.islink(os.path.join(current, name)) and relative not in wanted_dirs:
-                shutil.rmtree(os.path.join(current, name), ignore_errors=True)
+    if directory.is_dir():
+        _remove_unwanted(str(directory), "", wanted, wanted_dirs)
+
+
+def _remove_unwanted(directory: str, prefix: str, wanted: set[str], wanted_dirs: set[str]) -> None:
+    """Remove what under `directory` (`prefix` relative to the tree) is neither a wanted file or link
+    nor a wanted directory; one scandir per directory, no stat beyond what it already knows."""
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            relative = prefix + entry.name
+            if entry.is_dir(follow_symlinks=False):
+                if relative in wanted_dirs:
+                    _remove_unwanted(entry.path, relative + "/", wanted, wanted_dirs)
+                else:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+            elif relative not in wanted:
+                os.unlink(entry.path)

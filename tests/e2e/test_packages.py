@@ -26,6 +26,10 @@ def test_install_enables_per_preset_but_does_not_start(container: Container) -> 
     assert container.exec("systemd-analyze", "verify", "gpu-agent.service").returncode == 0
     conffiles = container.exec("cat", "/var/lib/dpkg/info/gpu-agent.conffiles").stdout.split()
     assert conffiles == ["/etc/gpu-agent/config.yaml", "/etc/gpu-agent/mig.yaml"]
+    # postinst compiled the bytecode for the installed python3 (3.11 on Debian 12), so the daemon starts from it
+    for directory in ("gpu_agent", "site-common", "site-cp311"):
+        found = container.sh(f"find /usr/lib/gpu-agent/{directory} -name '*.cpython-311.pyc' | head -1").stdout
+        assert found.strip(), f"no bytecode under /usr/lib/gpu-agent/{directory}"
 
 
 def test_without_a_gpu_the_unit_is_active_alive_and_not_ready(container: Container) -> None:
