@@ -105,7 +105,8 @@ class Runtime:
 
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
         gpu_reset = ResetHealsGpu(gpu_reset, state)
-        runtime = cls(root, nvml, loader, services, packages, state, Engine([], state, config.reconcile), machine,
+        engine = Engine([], state, config.reconcile, begin_pass=nvml.begin_pass)
+        runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "

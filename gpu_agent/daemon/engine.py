@@ -6,7 +6,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.errors import AgentError
@@ -35,9 +35,12 @@ class StageRun:
 
 
 class Engine:
-    def __init__(self, stages: Sequence[Stage], state: AgentState, settings: ReconcileConfig) -> None:
+    def __init__(self, stages: Sequence[Stage], state: AgentState, settings: ReconcileConfig,
+                 begin_pass: Callable[[], None] = lambda: None) -> None:
+        """`begin_pass`: called as each pass starts (what a pass may reuse from earlier in it is forgotten)."""
         self.state = state
         self.settings = settings
+        self.begin_pass = begin_pass
         self.stages: list[Stage] = []
         self.set_stages(stages)
 
@@ -57,6 +60,7 @@ class Engine:
 
     async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
         """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything."""
+        self.begin_pass()
         runs: list[StageRun] = []
         results = {name: self.state.output(name) for stage in self.stages for name in stage.consumes
                    if name != CLAIMS}

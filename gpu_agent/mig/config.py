@@ -13,6 +13,7 @@ the agent's own config (size, nesting, aliases: gpu_agent.config.safe_yaml).
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,7 @@ def load_mig_config(path: Path, option: str = "-f") -> MigConfigFile:
         raise MigConfigError(str(exc)) from None
     if text is None:
         raise MigConfigError(f"{path}: no such file")
-    return parse_mig_config(text, str(path))
+    return _parsed(text, str(path))
 
 
 def parse_mig_config(text: str, name: str) -> MigConfigFile:
@@ -113,6 +114,11 @@ def parse_mig_config(text: str, name: str) -> MigConfigFile:
     except ConfigError as exc:
         raise MigConfigError(str(exc)) from None
     return _Reader(name, document).file(data)
+
+
+# The mig stage reads its config file every pass; the file rarely changes, its parse costs milliseconds.
+# What the parse gives is immutable, and a file that fails raises again (exceptions are not cached).
+_parsed = functools.lru_cache(maxsize=4)(parse_mig_config)
 
 
 class _Reader:

@@ -13,6 +13,7 @@ talks to NVML. Per GPU:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import Optional, Sequence
@@ -76,7 +77,7 @@ NOT_SELECTED = "no entry of the config selects this GPU"
 
 def plans_for(gpus: Sequence[Gpu], entries: Sequence[MigConfigEntry]) -> list[GpuPlan]:
     """Each GPU's plan for a config's entries (the last entry selecting a GPU applies)."""
-    return [plan_gpu(gpu, entry_for(tuple(entries), gpu.index, gpu.pci_device_id, gpu.pci_subsystem_id))
+    return [_plan_gpu(gpu, entry_for(tuple(entries), gpu.index, gpu.pci_device_id, gpu.pci_subsystem_id))
             for gpu in gpus]
 
 
@@ -126,6 +127,13 @@ def plan_gpu(gpu: Gpu, entry: Optional[MigConfigEntry]) -> GpuPlan:
         changes.append(SetMigMode(gpu.index, gpu.uuid, True))
     changes += _changes(gpu, placed)
     return _with(base, changes=tuple(changes))
+
+
+
+# The mig stage plans every GPU each pass and the geometry rarely changes. A plan depends on nothing but
+# the GPU as NVML read it and its config entry (all frozen), so the same pair is planned once: hashing
+# them costs a few microseconds, planning a GPU with MIG devices a fraction of a millisecond.
+_plan_gpu = functools.lru_cache(maxsize=256)(plan_gpu)
 
 
 def _with(plan: GpuPlan, **fields: object) -> GpuPlan:

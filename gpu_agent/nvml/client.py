@@ -6,6 +6,7 @@ call runs on a worker thread with a timeout so a hung driver cannot hang the age
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ from gpu_agent.nvml.model import (
 )
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
@@ -93,6 +95,20 @@ _INIT_REMEDIES = {
         "reload the nvidia modules or reboot"
     ),
 }
+
+
+def _changes_gpus(method: _F) -> _F:
+    """A call that changes the GPUs' MIG geometry: the inventory read before it is not reused, even when
+    the call fails half-way."""
+
+    @functools.wraps(method)
+    def changing(self: Nvml, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.forget_inventory()
+
+    return cast(_F, changing)
 
 
 class NvmlUnavailable(AgentError):
@@ -189,9 +205,17 @@ class Nvml:
         self._initialised = False
         self._static: dict[str, tuple[MigProfile, ...]] = {}  # MIG profile tables by GPU UUID
         self._ci_profiles: dict[tuple[str, int], tuple[Any, ...]] = {}  # by (GPU UUID, GPU instance profile id)
+        self._mig_ids: dict[str, dict[str, tuple[int, int]]] = {}  # by GPU UUID: MIG device UUID -> (GI, CI id)
         self._memory_v2: Optional[bool] = None  # whether the driver has NVML's v2 memory info
         self._links: dict[tuple[str, ...], tuple[GpuLink, ...]] = {}  # by the GPUs' bus ids: hardware, read once
         self._links_complete = True  # no unexpected NVML error while reading them (else read again next time)
+        # The inventory read last in this reconcile pass, kept for the next stage that wants one (discovery
+        # after the mig stage) while nothing changed the GPUs since. `_generation` counts the pass starts and
+        # the changes this agent made: a reading taken across one of them is not kept. Generation 0: no
+        # pass has begun (a one-shot command, a test's engine), so nothing is kept.
+        self._generation = 0
+        self._reading: Optional[Inventory] = None
+        self._reading_lock = threading.Lock()
 
     @property
     def call_timeout(self) -> float:
@@ -238,14 +262,41 @@ class Nvml:
     # --- inventory ---------------------------------------------------------------------------
 
     def inventory(self) -> Inventory:
+        """Every GPU and its MIG geometry, read now."""
         self.init()
+        generation = self._generation
+        # Its queries (hundreds with MIG) go to an NVML worker as one batch, under one timeout that names
+        # the call that hung: a thread hop per GPU or per call cost more than the queries.
+        inventory = self._call("nvmlDevice*(inventory)", self._inventory)
+        with self._reading_lock:
+            if generation and generation == self._generation:
+                self._reading = inventory
+        return inventory
+
+    def _inventory(self) -> Inventory:
         driver = self._nvml("nvmlSystemGetDriverVersion")
         cuda = self._nvml("nvmlSystemGetCudaDriverVersion")
-        count = self._nvml("nvmlDeviceGetCount")
-        # A GPU's queries (dozens with MIG) go to an NVML worker as one batch, under one timeout.
-        gpus = tuple(self._call(f"nvmlDevice*(GPU {index})", self._gpu, index) for index in range(count))
+        gpus = tuple(self._gpu(index) for index in range(self._nvml("nvmlDeviceGetCount")))
         return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
                          links=self.links(gpus))
+
+    def pass_inventory(self) -> Inventory:
+        """The inventory read earlier in this reconcile pass (the mig stage reads it just before discovery)
+        when nothing the agent did has changed the GPUs since; else one read now. With MIG, a reading is
+        hundreds of NVML calls."""
+        reading = self._reading
+        return reading if reading is not None else self.inventory()
+
+    def begin_pass(self) -> None:
+        """A reconcile pass starts: what was read before it is not reused (another tool may have changed
+        the GPUs between passes)."""
+        self.forget_inventory()
+
+    def forget_inventory(self) -> None:
+        """The GPUs changed (a MIG change, a GPU reset): the next pass_inventory() reads them again."""
+        with self._reading_lock:
+            self._generation += 1
+            self._reading = None
 
     def _gpu(self, index: int) -> Gpu:
         handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
@@ -392,14 +443,18 @@ class Nvml:
         """Every GPU instance, by profile, and under each its compute instances, as mig-parted walks them."""
         import ctypes
 
-        devices = self._mig_device_uuids(handle)
+        devices = self._mig_device_uuids(handle, uuid)
         found = []
+        taken: list[tuple[int, int]] = []  # the memory slices (start, size) of the GPU instances found so far
         for profile in profiles:
+            if profile.placements and not any(_free(placement, taken) for placement in profile.placements):
+                continue  # no GPU instance of this profile can sit beside those found: no need to ask NVML
             handles = (self.lib.c_nvmlGpuInstance_t * max(profile.instances, 1))()
             count = ctypes.c_uint(0)
             self._nvml("nvmlDeviceGetGpuInstances", handle, profile.id, handles, ctypes.byref(count))
             for gpu_instance in handles[: count.value]:
                 info = self._nvml("nvmlGpuInstanceGetInfo", gpu_instance)
+                taken.append((info.placement.start, info.placement.size))
                 found.append(GpuInstance(
                     id=info.id, profile_id=profile.id, profile=profile.name, slices=profile.slices,
                     placement=(info.placement.start, info.placement.size), memory_mib=profile.memory_mib,
@@ -441,16 +496,25 @@ class Nvml:
                 ))
         return tuple(sorted(found, key=lambda ci: ci.id))
 
-    def _mig_device_uuids(self, handle: Any) -> dict[tuple[int, int], tuple[int, str]]:
-        """(GPU instance id, compute instance id) -> (MIG device index, UUID)."""
+    def _mig_device_uuids(self, handle: Any, gpu_uuid: str) -> dict[tuple[int, int], tuple[int, str]]:
+        """(GPU instance id, compute instance id) -> (MIG device index, UUID). A MIG device's UUID is made
+        with its compute instance and never names another, so its two ids are asked once per device:
+        kept by UUID for the devices of the GPU's last reading."""
+        known = self._mig_ids.get(gpu_uuid, {})
+        seen: dict[str, tuple[int, int]] = {}
         devices = {}
         for slot in range(self._nvml("nvmlDeviceGetMaxMigDeviceCount", handle)):
             try:
                 mig = self._nvml("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
             except self.lib.NVMLError_NotFound:
                 continue
-            ids = (self._nvml("nvmlDeviceGetGpuInstanceId", mig), self._nvml("nvmlDeviceGetComputeInstanceId", mig))
-            devices[ids] = (slot, self._nvml("nvmlDeviceGetUUID", mig))
+            uuid = self._nvml("nvmlDeviceGetUUID", mig)
+            ids = known.get(uuid)
+            if ids is None:
+                ids = (self._nvml("nvmlDeviceGetGpuInstanceId", mig), self._nvml("nvmlDeviceGetComputeInstanceId", mig))
+            seen[uuid] = ids
+            devices[ids] = (slot, uuid)
+        self._mig_ids[gpu_uuid] = seen
         return devices
 
     def mig_state(self, index: int) -> MigState:
@@ -461,6 +525,7 @@ class Nvml:
 
     # --- MIG changes -----------------------------------------------------------------------------
 
+    @_changes_gpus
     def set_mig_mode(self, index: int, enabled: bool) -> Optional[str]:
         """Ask for MIG mode; None when it took effect, else why it is pending (NVML's activation status:
         Ampere needs a GPU reset, Hopper and later do not)."""
@@ -472,6 +537,7 @@ class Nvml:
             return None
         return describe(self.lib.NVMLError(status))
 
+    @_changes_gpus
     def create_gpu_instance(self, index: int, profile_id: int, placement: tuple[int, int]) -> int:
         """A GPU instance of the profile at exactly this placement; its id."""
         self.init()
@@ -483,6 +549,7 @@ class Nvml:
         gpu_instance = self._nvml("nvmlDeviceCreateGpuInstanceWithPlacement", handle, profile_id, ctypes.byref(where))
         return int(self._nvml("nvmlGpuInstanceGetInfo", gpu_instance).id)
 
+    @_changes_gpus
     def create_compute_instance(self, index: int, gi_id: int, slices: int, start: int) -> int:
         """A compute instance of `slices` compute slices at `start` in GPU instance `gi_id`; its id."""
         import ctypes
@@ -499,11 +566,13 @@ class Nvml:
                                       ctypes.byref(where))
         return int(self._nvml("nvmlComputeInstanceGetInfo", compute_instance).id)
 
+    @_changes_gpus
     def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
         gpu_instance = self._gpu_instance(index, gi_id)
         compute_instance = self._nvml("nvmlGpuInstanceGetComputeInstanceById", gpu_instance, ci_id)
         self._nvml("nvmlComputeInstanceDestroy", compute_instance)
 
+    @_changes_gpus
     def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
         self._nvml("nvmlGpuInstanceDestroy", self._gpu_instance(index, gi_id))
 
@@ -683,14 +752,18 @@ class Nvml:
         return self._nvml("nvmlSystemGetDriverVersion")
 
     def bus_ids(self) -> list[str]:
-        """PCI bus id of every GPU NVML sees: a few calls, where inventory() makes dozens."""
-        self.init()
+        """PCI bus id of every GPU NVML sees: a few calls (one batch), where inventory() makes dozens."""
+        return self.batch("nvmlDeviceGetPciInfo(every GPU)", self._bus_ids)
+
+    def _bus_ids(self) -> list[str]:
         handles = [self._nvml("nvmlDeviceGetHandleByIndex", i) for i in range(self._nvml("nvmlDeviceGetCount"))]
         return [_short_bus_id(self._nvml("nvmlDeviceGetPciInfo", handle).busId) for handle in handles]
 
     def persistence_modes(self) -> list[bool]:
-        """Persistence mode of each GPU, by index."""
-        self.init()
+        """Persistence mode of each GPU, by index (one batch)."""
+        return self.batch("nvmlDeviceGetPersistenceMode(every GPU)", self._persistence_modes)
+
+    def _persistence_modes(self) -> list[bool]:
         handles = [self._nvml("nvmlDeviceGetHandleByIndex", i) for i in range(self._nvml("nvmlDeviceGetCount"))]
         return [self._nvml("nvmlDeviceGetPersistenceMode", h) == self.lib.NVML_FEATURE_ENABLED for h in handles]
 
@@ -755,6 +828,12 @@ class XidWait:
             self._nvml("nvmlEventSetFree", self._event_set)
         except (self._lib.NVMLError, NvmlHung) as exc:
             log.debug("nvmlEventSetFree: %s", exc)
+
+
+def _free(placement: tuple[int, int], taken: list[tuple[int, int]]) -> bool:
+    """Whether a placement (start, size in memory slices) overlaps none of the taken ones."""
+    start, size = placement
+    return all(start + size <= other or other + other_size <= start for other, other_size in taken)
 
 
 def _framebuffer(memory: Any) -> dict[str, float]:

@@ -188,9 +188,16 @@ def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
         if self._init_count == 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         self.calls[fn.__name__] += 1
-        gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
-        self._fault(fn.__name__, gpu)
-        return fn(self, *args, **kwargs)
+        state = self._state.read()
+        if state["faults"]:
+            gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
+            self._fault(fn.__name__, gpu)
+            state = self._state.read()  # the fault may have changed it
+        self._state.hold(state)  # one state for the whole call, and one look at the file
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._state.release()
 
     return call
 
@@ -221,6 +228,7 @@ class FakeNvml:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
+        self._devices_memo: Optional[tuple[dict[str, Any], list[Any]]] = None  # (GPU as read, its MIG devices)
         self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data (KiB), when it was read
 
     def __getattr__(self, name: str) -> Any:
@@ -285,10 +293,18 @@ class FakeNvml:
         gpu = self._gpu(handle)
         if handle.mig is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        devices = mig_devices(gpu)
+        devices = self._mig_devices(gpu)
         if handle.mig >= len(devices):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return devices[handle.mig]
+
+    def _mig_devices(self, gpu: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """mig_devices() of a GPU as read (never of one being edited), once per reading: a reading is
+        never changed (an edit parses its own), and an inventory asks 4 times per MIG device."""
+        memo = self._devices_memo
+        if memo is None or memo[0] is not gpu:
+            memo = self._devices_memo = (gpu, mig_devices(gpu))
+        return memo[1]
 
     def _ci_profile_of(self, handle: SimHandle) -> CiProfile:
         gi, ci = self._mig_device(handle)
@@ -869,7 +885,7 @@ class FakeNvml:
         gpu, _ = self._mig_capable(handle)
         if not gpu["mig"]["current"]:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if not 0 <= index < len(mig_devices(gpu)):
+        if not 0 <= index < len(self._mig_devices(gpu)):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return SimHandle(handle.gpu, index)
 
@@ -967,6 +983,7 @@ class FakeNvml:
     @_nvml
     def nvmlEventSetWait_v2(self, event_set: SimEventSet, timeout_ms: int) -> SimEventData:
         deadline = time.monotonic() + timeout_ms / 1000
+        self._state.release()  # it waits for a change: each read looks at the file
         event_set.watch(self._state)  # before reading: an XID raised after the read wakes the wait
         while True:
             for xid in self._state.read()["xids"]:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid as uuidlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,6 +184,8 @@ class MachineState:
         self.kernel_dir = self.dir / "kernel"  # proc/, sys/ and dev/ of the simulated kernel
         self._cache: Optional[dict[str, Any]] = None
         self._cache_key: Optional[tuple[int, int, int]] = None
+        self._path = str(self.path)  # os.stat is faster on a str than on a Path
+        self._held = threading.local()  # a thread's reading while it holds one (holding())
 
     def exists(self) -> bool:
         return self.path.exists()
@@ -222,7 +225,11 @@ class MachineState:
         install_captured_host(self.root, self.kernel_dir, capture)
 
     def read(self) -> dict[str, Any]:
-        """The current state; cheap when nothing changed (one stat)."""
+        """The current state; cheap when nothing changed (one stat). While this thread holds a reading
+        (hold()), that one."""
+        held = getattr(self._held, "state", None)
+        if held is not None:
+            return held
         key = self.stamp()
         if key is None:
             raise AgentError(
@@ -232,6 +239,14 @@ class MachineState:
             self._cache = json.loads(self.path.read_text())
             self._cache_key = key
         return self._cache
+
+    def hold(self, state: dict[str, Any]) -> None:
+        """This thread's reads see `state` (a reading) until it writes or release(): one simulated NVML
+        call sees one state, and checks the file once instead of at every read."""
+        self._held.state = state
+
+    def release(self) -> None:
+        self._held.state = None
 
     @contextlib.contextmanager
     def edit(self) -> Iterator[dict[str, Any]]:
@@ -247,11 +262,12 @@ class MachineState:
         # every simulated MIG call); `python -m json.tool` shows it indented.
         atomic_write(self.path, json.dumps(state, sort_keys=True) + "\n")
         self._cache = None
+        self._held.state = None  # what this thread reads next includes its own write
 
     def stamp(self) -> Optional[tuple[int, int, int]]:
         """Identity of the current state file; changes with every write."""
         try:
-            st = os.stat(self.path)
+            st = os.stat(self._path)
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)

@@ -20,7 +20,7 @@ class Discovery(Stage):
 
     def observe(self) -> Inventory:
         try:
-            return self.nvml.inventory()
+            return self.nvml.pass_inventory()  # the mig stage's reading of this pass, if nothing changed since
         except NvmlUnavailable as exc:
             if exc.no_driver:
                 raise StageError(f"no NVIDIA GPU was found: {exc}") from None

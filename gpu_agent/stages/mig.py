@@ -127,7 +127,10 @@ class Mig(Stage):
             except AgentError as exc:
                 log.warning("cannot set %s=pending before the MIG change: %s", STATE_LABEL, exc)
         hooks = Hooks(self.settings.stop_units, self.units) if self.settings.stop_units else None
-        self._results = tuple(self.applier.apply_all(inventory.gpus, plans, hooks=hooks))
+        try:
+            self._results = tuple(self.applier.apply_all(inventory.gpus, plans, hooks=hooks))
+        finally:
+            self.nvml.forget_inventory()  # a GPU reset changes MIG outside NVML's calls
         for result in self._results:
             if result.changes or result.state != SUCCESS:
                 log.log(logging.INFO if result.state == SUCCESS else logging.ERROR, "GPU %d: %s: %s",
