@@ -14,7 +14,7 @@ from grpclib.server import Server, Stream
 from gpu_agent.host.paths import Root
 from gpu_agent.plugin.proto import deviceplugin_pb2 as api
 from gpu_agent.plugin.proto.deviceplugin_grpc import DevicePluginStub, RegistrationBase
-from gpu_agent.plugin.server import socket_address
+from gpu_agent.host.sockets import socket_address
 from gpu_agent.plugin.service import DevicePluginManager
 from gpu_agent.state import AgentState
 

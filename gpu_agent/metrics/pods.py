@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from gpu_agent.host.sockets import socket_address
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Inventory
 
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 
 SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 TIMEOUT_S = 5.0
-SOCKET_PATH_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 MAX_HOLDERS = 256  # per device: more containers than this on one GPU is not a real node's answer
 LABELS = ("container", "namespace", "pod")  # in the order dcgm-exporter writes them (its attributes, sorted)
 
@@ -99,7 +99,7 @@ async def list_pod_resources(socket: Path, timeout: float) -> Any:
     from gpu_agent.kube.podresources.api_grpc import PodResourcesListerStub
     from gpu_agent.kube.podresources.api_pb2 import ListPodResourcesRequest
 
-    address, fd = _socket_address(socket)
+    address, fd = socket_address(socket)
     channel = Channel(path=address)
     try:
         return await asyncio.wait_for(PodResourcesListerStub(channel).List(ListPodResourcesRequest(), timeout=timeout),
@@ -108,15 +108,6 @@ async def list_pod_resources(socket: Path, timeout: float) -> Any:
         channel.close()
         if fd is not None:
             os.close(fd)
-
-
-def _socket_address(path: Path) -> tuple[str, Optional[int]]:
-    """The socket's path, or for one longer than a socket address allows (a deep --root) the same file
-    through this process's descriptor of its directory, /proc/self/fd/N/name; the caller closes N."""
-    if len(os.fsencode(str(path))) <= SOCKET_PATH_MAX:
-        return str(path), None
-    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    return f"/proc/self/fd/{fd}/{path.name}", fd
 
 
 class PodLabels:

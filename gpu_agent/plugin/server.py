@@ -14,6 +14,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 
+from gpu_agent.host.sockets import socket_address
 from gpu_agent.plugin.allocate import AllocationError, allocate
 from gpu_agent.plugin.devices import Resource
 from gpu_agent.plugin.proto import deviceplugin_pb2 as api
@@ -23,20 +24,9 @@ log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 5.0
-SOCKET_PATH_MAX = 107  # sun_path, less its terminating NUL
 
 # (available, must_include, size) -> the preferred device ids
 Preference = Callable[[list[str], list[str], int], list[str]]
-
-
-def socket_address(path: Path) -> tuple[str, Optional[int]]:
-    """An address for the unix socket at `path`: the path itself, or for one longer than a socket
-    address allows (a deep --root), the same file through an open descriptor of its directory,
-    /proc/self/fd/N/name (this process's own descriptor, not a host path). The caller closes N."""
-    if len(os.fsencode(str(path))) <= SOCKET_PATH_MAX:
-        return str(path), None
-    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    return f"/proc/self/fd/{fd}/{path.name}", fd
 
 
 class DeviceFeed:
