@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 
 from gpu_agent.host.paths import Root
+from gpu_agent.host.processes import named
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
 from gpu_agent.health.policy import cleared
 from gpu_agent.metrics.gpm import Profiling
@@ -67,7 +68,8 @@ class Sampler:
     def _read(self, gpu: Gpu) -> tuple[GpuSample, tuple[GpuProcess, ...]]:
         sample = self.profiling.add_to(self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig)), gpu)
         used = self.nvml.processes(gpu.index)
-        return sample, tuple(GpuProcess(pid, self._process_name(pid), mib) for pid, mib in used)
+        names = named(self.root, [pid for pid, _ in used])
+        return sample, tuple(GpuProcess(pid, process.name or "?", mib) for (pid, mib), process in zip(used, names))
 
     def _nvlink_rate(self, uuid: str, sample: GpuSample) -> GpuSample:
         """DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL as DCGM works it out: the NVLink data counter's growth since
@@ -117,9 +119,3 @@ class Sampler:
         self.state.update_health(gpu.uuid, lambda h: cleared(h) if h.lost and h.missing else h)
         log.info("%s is back on the bus at %s; healthy again as far as XIDs go",
                  self.state.gpu_name(gpu.uuid), gpu.pci_bus_id)
-
-    def _process_name(self, pid: int) -> str:
-        try:
-            return self.root(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            return "?"
