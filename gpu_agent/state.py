@@ -249,16 +249,23 @@ class AgentState:
             "plugin": self.plugin,
         }
 
-    def labels(self) -> dict[str, str]:
-        """The node labels this state gives (what `gpu-agent labels` prints), whether or not a sink sets them."""
-        from gpu_agent.config.plugin import mig_strategy
+    def labels(self, ready: Optional[bool] = None) -> dict[str, str]:
+        """The node labels this state gives (what `gpu-agent labels` prints), whether or not a sink sets them;
+        `ready`: as a pass in progress sees it, where that differs from the model's."""
         from gpu_agent.kube.labels import compute
+
+        strategy, shared = self.strategy_and_sharing(self.inventory)
+        return compute(self.inventory, self.ready if ready is None else ready, strategy, self.machine, shared)
+
+    def strategy_and_sharing(self, inventory: Optional[Inventory]) -> tuple[str, dict[str, Any]]:
+        """mig.strategy (or its deprecated alias) and the time-shared resources: what the labels and the
+        device plugin are computed from."""
+        from gpu_agent.config.plugin import mig_strategy
         from gpu_agent.plugin.devices import sharing
 
         config = self.config.config
         strategy = mig_strategy(config)
-        return compute(self.inventory, self.ready, strategy, self.machine,
-                       sharing(self.inventory, strategy, config.plugin))
+        return strategy, sharing(inventory, strategy, config.plugin)
 
     def _driver_json(self) -> Optional[dict[str, Any]]:
         """What NVML says of the driver, and what the driver stage saw of its kernel module."""

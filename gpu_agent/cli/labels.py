@@ -28,14 +28,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _computed_here(args: argparse.Namespace) -> dict[str, str]:
     from gpu_agent.cli.common import one_pass
-    from gpu_agent.config.plugin import mig_strategy
-    from gpu_agent.kube.labels import compute
-    from gpu_agent.plugin.devices import sharing
-    from gpu_agent.stages.labels import machine_name
 
     runs, runtime = one_pass(args, dry_run=True)
-    config = runtime.state.config.config
     runtime.engine.record_dry_run(runs)
     ready, _ = runtime.state.readiness(within_pass=True)
-    inventory, strategy = runtime.state.inventory, mig_strategy(config)
-    return compute(inventory, ready, strategy, machine_name(runtime.root), sharing(inventory, strategy, config.plugin))
+    return runtime.state.labels(ready=ready)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from gpu_agent.config.kubernetes import KubernetesConfig
-from gpu_agent.config.plugin import mig_strategy
 from gpu_agent.errors import StageError
 from gpu_agent.host import owned
 from gpu_agent.host.files import read_text
@@ -25,7 +24,6 @@ from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
 from gpu_agent.kube.labels import machine_name
 from gpu_agent.plan import PatchNode, WriteFile
-from gpu_agent.plugin.devices import Shared, sharing
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
 
@@ -34,12 +32,6 @@ CONDITION = "GPUAgentReady"
 NFD_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
 NODE_REFRESH_S = 300.0  # GET the node at most this often (and after a 409)
 MIG_STATE = "nvidia.com/mig.config.state"
-
-
-def _strategy_and_sharing(agent: AgentState, inventory: Optional[Any]) -> tuple[str, dict[str, Shared]]:
-    config = agent.config.config
-    strategy = mig_strategy(config)
-    return strategy, sharing(inventory, strategy, config.plugin)
 
 
 @dataclass
@@ -71,7 +63,7 @@ class KubeSink(Stage):
         # they stay as last seen, with gpu-agent.ready=false, until the GPUs are seen again.
         inventory = self.inputs.get("inventory") or self.agent.last_inventory
         node = self._current_node()
-        strategy, shared = _strategy_and_sharing(self.agent, inventory)
+        strategy, shared = self.agent.strategy_and_sharing(inventory)
         wanted = gfd.compute(inventory, ready, strategy, machine_name(self.root), shared)
         if inventory is None and self.inputs.get("pci_gpus") != 0:
             wanted = {**_owned_labels(node), **wanted}  # GPUs on the bus, not seen yet: keep what the node has
