@@ -3,13 +3,17 @@ the XID watcher sleeps until a recovery is due, and a GPU's NVML queries make on
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from test_health import Node
+from test_metrics_fields import built
 from test_nvml_client import machine  # noqa: F401  (a fixture)
 
 from gpu_agent.host.inotify import DirectoryWatch
+from gpu_agent.host.threads import daemon_thread
+from gpu_agent.metrics.sampler import Sampler
 
 
 def test_a_directory_watch_wakes_on_a_write_and_on_a_missing_files_directory_appearing(tmp_path: Path) -> None:
@@ -114,3 +118,40 @@ def test_the_sampler_makes_one_trip_per_gpu_gpm_and_processes_included(tmp_path:
         node.nvml._call = calls
     assert trips == [f"nvmlDevice*(GPU {index})" for index in range(8)]
     assert len(node.state.samples) == 8 and len(node.state.processes) == 8
+
+
+def test_the_agents_threads_carry_their_names_for_the_kernel(machine: Any) -> None:  # noqa: F811
+    _, nvml = machine("dgx-h100")
+    seen: list[str] = []
+    thread = daemon_thread(lambda: seen.append(Path("/proc/thread-self/comm").read_text().strip()), "xid-watcher")
+    thread.start()
+    thread.join(5)
+    assert seen == ["xid-watcher"] and thread.name == "xid-watcher"
+    names = {task.read_text().strip() for task in Path("/proc/self/task").glob("*/comm")}
+    assert {"nvml-0", "nvml-1", "nvml-2", "nvml-3"} <= names  # top -H and bench's wake-up counts name them
+
+
+def test_a_sample_asks_for_a_handle_once_per_gpu_and_for_mig_devices_once_per_layout(tmp_path: Path) -> None:
+    spec = tmp_path / "mig.yaml"
+    spec.write_text("gpus:\n  - model: H100-80GB-HBM3\n    count: 2\n    mig:\n      enabled: true\n"
+                    "      devices: [1g.10gb, 1g.10gb, 1g.10gb, 2g.20gb]\n")
+    runtime = built(tmp_path, str(spec))
+    try:
+        sampler = Sampler(runtime.nvml, runtime.state, runtime.root)
+        calls = runtime.nvml.lib.calls
+        calls.clear()  # the reconcile pass's
+        sampler.sample()
+        first = Counter(calls)
+        sampler.sample()
+        second = Counter(calls) - first
+        runtime.nvml.forget_inventory()  # a reconcile pass begins: the layout may have changed meanwhile
+        sampler.sample()
+        third = Counter(calls) - first - second
+    finally:
+        runtime.nvml.close()
+    assert first["nvmlDeviceGetMigDeviceHandleByIndex"] == 8 and third["nvmlDeviceGetMigDeviceHandleByIndex"] == 8
+    assert second["nvmlDeviceGetMigDeviceHandleByIndex"] == 0
+    assert second["nvmlDeviceGetHandleByIndex"] == 2  # metrics, processes and 5 GPM samples per GPU share it
+    assert second["nvmlDeviceGetMemoryInfo"] == 2 + 8  # what does change is read at every sample
+    assert len(runtime.state.samples) == 2
+    assert all(len(sample.mig) == 4 and sample.mig[0].memory_free_mib for sample in runtime.state.samples.values())

@@ -13,6 +13,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
+from gpu_agent.host.threads import daemon_thread
+
 
 class DaemonThreadPool(ThreadPoolExecutor):
     """Same contract as ThreadPoolExecutor's submit(); its own threads and queue.
@@ -40,7 +42,7 @@ class DaemonThreadPool(ThreadPoolExecutor):
             self._jobs.put((future, fn, args, kwargs))
             if not self._idle.acquire(blocking=False) and self._workers < self._limit:
                 self._workers += 1
-                threading.Thread(target=self._work, name=f"{self._name}-{self._workers}", daemon=True).start()
+                daemon_thread(self._work, f"{self._name}-{self._workers}").start()
             return future
 
     def _work(self) -> None:

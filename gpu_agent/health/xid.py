@@ -8,6 +8,7 @@ import time
 from typing import Callable, Optional
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.threads import daemon_thread
 from gpu_agent.nvml.client import Nvml, XidWait, describe
 from gpu_agent.health.policy import (
     LOST_XIDS,
@@ -35,7 +36,7 @@ class XidWatcher:
         self.on_change = on_change
         self.clock = clock
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="xid-watcher", daemon=True)
+        self._thread = daemon_thread(self._run, "xid-watcher")
         self._lock = threading.Lock()
         self._watched: Optional[tuple[str, ...]] = None
         self._wait: Optional[XidWait] = None

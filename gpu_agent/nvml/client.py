@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, TypeVar, cast
 from gpu_agent.errors import AgentError
 from gpu_agent.host.pci import numa_node
 from gpu_agent.host.paths import Root
+from gpu_agent.host.threads import daemon_thread
 from gpu_agent.nvml.model import (
     ComputeInstance,
     Gpu,
@@ -137,7 +138,7 @@ class _TimedCalls:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._on_worker = threading.local()
         for n in range(self._WORKERS):
-            threading.Thread(target=self._work, name=f"nvml-{n}", daemon=True).start()
+            daemon_thread(self._work, f"nvml-{n}").start()
         self._lock = threading.Lock()
         self._stuck: dict[Future[Any], tuple[str, float]] = {}
         self.timeouts = 0
@@ -216,6 +217,11 @@ class Nvml:
         self._generation = 0
         self._reading: Optional[Inventory] = None
         self._reading_lock = threading.Lock()
+        self._batch = threading.local()  # `handles`: the GPU handles asked for in the batch running on this thread
+        # By GPU index: the MIG layout sampled last and its MIG devices' handles by device index. A MIG
+        # device's handle lasts as long as the device; a new layout, or a pass's start, asks again.
+        self._mig_handles: dict[int, tuple[MigState, dict[int, Any]]] = {}
+        self._gpm_metric_ids: Optional[tuple[int, ...]] = None  # GPM_METRICS' ids in this library
 
     @property
     def call_timeout(self) -> float:
@@ -238,6 +244,8 @@ class Nvml:
 
     def init(self) -> None:
         """Initialise NVML once per process; later calls are free. Raises NvmlUnavailable."""
+        if self._initialised:
+            return
         with self._init_lock:
             if self._initialised:
                 return
@@ -267,7 +275,7 @@ class Nvml:
         generation = self._generation
         # Its queries (hundreds with MIG) go to an NVML worker as one batch, under one timeout that names
         # the call that hung: a thread hop per GPU or per call cost more than the queries.
-        inventory = self._call("nvmlDevice*(inventory)", self._inventory)
+        inventory = self._call("nvmlDevice*(inventory)", self._batched, self._inventory)
         with self._reading_lock:
             if generation and generation == self._generation:
                 self._reading = inventory
@@ -297,9 +305,10 @@ class Nvml:
         with self._reading_lock:
             self._generation += 1
             self._reading = None
+            self._mig_handles = {}
 
     def _gpu(self, index: int) -> Gpu:
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         uuid = self._nvml("nvmlDeviceGetUUID", handle)
         pci = self._nvml("nvmlDeviceGetPciInfo", handle)
         memory = self._nvml("nvmlDeviceGetMemoryInfo", handle)
@@ -328,7 +337,7 @@ class Nvml:
         if key in self._links:
             return self._links[key]
         self._links_complete = True
-        handles = [self._nvml("nvmlDeviceGetHandleByIndex", gpu.index) for gpu in gpus]
+        handles = [self._handle(gpu.index) for gpu in gpus]
         reach = [self._nvlink_reach(handle) for handle in handles]
         links = []
         for i, a in enumerate(gpus):
@@ -520,7 +529,7 @@ class Nvml:
     def mig_state(self, index: int) -> MigState:
         """One GPU's MIG mode and instances, read now (after a change)."""
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         return self._mig(handle, self._nvml("nvmlDeviceGetUUID", handle))
 
     # --- MIG changes -----------------------------------------------------------------------------
@@ -530,7 +539,7 @@ class Nvml:
         """Ask for MIG mode; None when it took effect, else why it is pending (NVML's activation status:
         Ampere needs a GPU reset, Hopper and later do not)."""
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         mode = self.lib.NVML_DEVICE_MIG_ENABLE if enabled else self.lib.NVML_DEVICE_MIG_DISABLE
         status = self._nvml("nvmlDeviceSetMigMode", handle, mode)
         if status == self.lib.NVML_SUCCESS:
@@ -541,7 +550,7 @@ class Nvml:
     def create_gpu_instance(self, index: int, profile_id: int, placement: tuple[int, int]) -> int:
         """A GPU instance of the profile at exactly this placement; its id."""
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         where = self.lib.c_nvmlGpuInstancePlacement_t()
         where.start, where.size = placement
         import ctypes
@@ -578,7 +587,7 @@ class Nvml:
 
     def _gpu_instance(self, index: int, gi_id: int) -> Any:
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         return self._nvml("nvmlDeviceGetGpuInstanceById", handle, gi_id)
 
     # --- metrics and events --------------------------------------------------------------------
@@ -587,17 +596,38 @@ class Nvml:
         """fn(*args), whose NVML calls go to a worker together, under one timeout (a timeout names the
         call that hung): for many quick queries, a thread hop each costs more than the queries."""
         self.init()
-        return cast(_T, self._call(name, fn, *args))
+        return cast(_T, self._call(name, self._batched, fn, *args))
 
     def sample(self, index: int, mig: Optional[MigState] = None) -> GpuSample:
         """One GPU's metrics (and its GPU instances' framebuffer, given its MIG state); a metric the GPU
         does not support is left out, not faked. Its calls go to an NVML worker as one batch, under
         one timeout: a hop per call cost most of a sample's CPU."""
         self.init()
-        return self._call(f"nvmlDeviceGet*(GPU {index})", self._sample, index, mig)
+        return self._call(f"nvmlDeviceGet*(GPU {index})", self._batched, self._sample, index, mig)
+
+    def _batched(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """fn(*args) on an NVML worker, asking for each GPU's handle once (a sample asks for it in every
+        group of queries: metrics, processes, a GPM sample per GPU instance)."""
+        if getattr(self._batch, "handles", None) is not None:  # a batch within a batch: the outer one's
+            return fn(*args)
+        self._batch.handles = {}
+        try:
+            return fn(*args)
+        finally:
+            self._batch.handles = None
+
+    def _handle(self, index: int) -> Any:
+        """The GPU's NVML handle; within a batch, asked for once."""
+        handles: Optional[dict[int, Any]] = getattr(self._batch, "handles", None)
+        if handles is None:
+            return self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = handles.get(index)
+        if handle is None:
+            handle = handles[index] = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        return handle
 
     def _sample(self, index: int, mig: Optional[MigState]) -> GpuSample:
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         lib = self.lib
         values: dict[str, Any] = {}
 
@@ -626,7 +656,7 @@ class Nvml:
         except lib.NVMLError_NotSupported:
             pass
         if mig is not None and mig.enabled:
-            values["mig"] = self._mig_samples(handle, mig)
+            values["mig"] = self._mig_samples(index, handle, mig)
         return GpuSample(**values)
 
     def _field_values(self, handle: Any) -> dict[str, float]:
@@ -648,19 +678,29 @@ class Nvml:
             found["nvlink_data_kib"] = rx + tx
         return found
 
-    def _mig_samples(self, handle: Any, mig: MigState) -> tuple[MigSample, ...]:
+    def _mig_samples(self, index: int, handle: Any, mig: MigState) -> tuple[MigSample, ...]:
         samples = []
         for gi in mig.gpu_instances:
             first = min((ci.device_index for ci in gi.compute_instances if ci.device_index >= 0), default=None)
             if first is None:
                 continue  # no compute instance: no MIG device to ask
             try:
-                device = self._nvml("nvmlDeviceGetMigDeviceHandleByIndex", handle, first)
+                device = self._mig_device_handle(index, handle, mig, first)
                 memory = _framebuffer(self._nvml("nvmlDeviceGetMemoryInfo", device))
             except self.lib.NVMLError_NotSupported:
                 memory = {}
             samples.append(MigSample(gi.id, gi.profile, **memory))
         return tuple(samples)
+
+    def _mig_device_handle(self, index: int, handle: Any, mig: MigState, device_index: int) -> Any:
+        """A MIG device's handle, asked once per MIG layout of the GPU (and pass: see forget_inventory)."""
+        known = self._mig_handles.get(index)
+        if known is None or (known[0] is not mig and known[0] != mig):
+            known = self._mig_handles[index] = (mig, {})
+        device = known[1].get(device_index)
+        if device is None:
+            device = known[1][device_index] = self._nvml("nvmlDeviceGetMigDeviceHandleByIndex", handle, device_index)
+        return device
 
     def _memory(self, handle: Any) -> Any:
         """NVML's v2 memory info, which reports the driver's reserved memory apart from `used` (v1
@@ -680,7 +720,7 @@ class Nvml:
         """What the periodic checks judge: pending and failed row remaps (or pending page retirements
         on a GPU without row remapping), the temperature and the slowdown threshold."""
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         lib = self.lib
         unsupported = (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound)
         found: dict[str, Any] = {}
@@ -706,7 +746,7 @@ class Nvml:
     def gpm_unsupported(self, index: int) -> Optional[str]:
         """None when the GPU has NVML GPM, else why not (the PROF series are then left out)."""
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         try:
             support = self._nvml("nvmlGpmQueryDeviceSupport", handle)
         except (self.lib.NVMLError_NotSupported, self.lib.NVMLError_FunctionNotFound) as exc:
@@ -718,7 +758,7 @@ class Nvml:
     def gpm_sample(self, index: int, gpu_instance: Optional[int] = None) -> Any:
         """A new GPM sample of the GPU, or of one of its GPU instances; give it back with gpm_free()."""
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         sample = self._nvml("nvmlGpmSampleAlloc")
         try:
             if gpu_instance is not None:
@@ -737,15 +777,23 @@ class Nvml:
     def gpm_metrics(self, first: Any, second: Any) -> dict[str, float]:
         """GPM_METRICS over the interval between two samples; a metric NVML does not answer is left out."""
         lib = self.lib
+        if self._gpm_metric_ids is None:
+            self._gpm_metric_ids = tuple(getattr(lib, constant) for _, constant, _ in GPM_METRICS)
         request = lib.c_nvmlGpmMetricsGet_t()
         request.version = lib.NVML_GPM_METRICS_GET_VERSION
         request.numMetrics = len(GPM_METRICS)
         request.sample1, request.sample2 = first, second
-        for n, (_, constant, _) in enumerate(GPM_METRICS):
-            request.metrics[n].metricId = getattr(lib, constant)
-        answered = self._nvml("nvmlGpmMetricsGet", request)
-        return {key: answered.metrics[n].value * factor for n, (key, _, factor) in enumerate(GPM_METRICS)
-                if answered.metrics[n].nvmlReturn == lib.NVML_SUCCESS}
+        slots = request.metrics
+        for n, metric_id in enumerate(self._gpm_metric_ids):
+            slots[n].metricId = metric_id
+        answered = self._nvml("nvmlGpmMetricsGet", request).metrics
+        success = lib.NVML_SUCCESS
+        found = {}
+        for n, (key, _, factor) in enumerate(GPM_METRICS):
+            metric = answered[n]
+            if metric.nvmlReturn == success:
+                found[key] = metric.value * factor
+        return found
 
     def driver_version(self) -> str:
         self.init()
@@ -756,7 +804,7 @@ class Nvml:
         return self.batch("nvmlDeviceGetPciInfo(every GPU)", self._bus_ids)
 
     def _bus_ids(self) -> list[str]:
-        handles = [self._nvml("nvmlDeviceGetHandleByIndex", i) for i in range(self._nvml("nvmlDeviceGetCount"))]
+        handles = [self._handle(i) for i in range(self._nvml("nvmlDeviceGetCount"))]
         return [_short_bus_id(self._nvml("nvmlDeviceGetPciInfo", handle).busId) for handle in handles]
 
     def persistence_modes(self) -> list[bool]:
@@ -764,18 +812,18 @@ class Nvml:
         return self.batch("nvmlDeviceGetPersistenceMode(every GPU)", self._persistence_modes)
 
     def _persistence_modes(self) -> list[bool]:
-        handles = [self._nvml("nvmlDeviceGetHandleByIndex", i) for i in range(self._nvml("nvmlDeviceGetCount"))]
+        handles = [self._handle(i) for i in range(self._nvml("nvmlDeviceGetCount"))]
         return [self._nvml("nvmlDeviceGetPersistenceMode", h) == self.lib.NVML_FEATURE_ENABLED for h in handles]
 
     def enable_persistence(self, index: int) -> None:
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         self._nvml("nvmlDeviceSetPersistenceMode", handle, self.lib.NVML_FEATURE_ENABLED)
 
     def passthrough(self, index: int) -> bool:
         """Whether the GPU is passed through into this VM (NVML's virtualization mode): the VM cannot reset it."""
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         try:
             mode = self._nvml("nvmlDeviceGetVirtualizationMode", handle)
         except self.lib.NVMLError_NotSupported:
@@ -785,7 +833,7 @@ class Nvml:
     def processes(self, index: int) -> list[tuple[int, float]]:
         """(pid, MiB of GPU memory used) of each compute process on the GPU."""
         self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        handle = self._handle(index)
         found = self._nvml("nvmlDeviceGetComputeRunningProcesses", handle)
         return [(p.pid, (p.usedGpuMemory or 0) / (1024 * 1024)) for p in found]
 
@@ -794,7 +842,7 @@ class Nvml:
         self.init()
         event_set = self._nvml("nvmlEventSetCreate")
         for index in range(self._nvml("nvmlDeviceGetCount")):
-            handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+            handle = self._handle(index)
             try:
                 self._nvml("nvmlDeviceRegisterEvents", handle, self.lib.nvmlEventTypeXidCriticalError, event_set)
             except self.lib.NVMLError_NotSupported:
