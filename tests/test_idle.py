@@ -2,18 +2,23 @@
 the XID watcher sleeps until a recovery is due, and a GPU's NVML queries make one trip to a worker."""
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from test_health import Node
 from test_metrics_fields import built
 from test_nvml_client import machine  # noqa: F401  (a fixture)
+from test_plugin_service import sim_state
 
 from gpu_agent.host.inotify import DirectoryWatch
+from gpu_agent.host.paths import Root
 from gpu_agent.host.threads import daemon_thread
 from gpu_agent.metrics.sampler import Sampler
+from gpu_agent.plugin.service import DevicePluginManager
 
 
 def test_a_directory_watch_wakes_on_a_write_and_on_a_missing_files_directory_appearing(tmp_path: Path) -> None:
@@ -155,3 +160,45 @@ def test_a_sample_asks_for_a_handle_once_per_gpu_and_for_mig_devices_once_per_la
     assert second["nvmlDeviceGetMemoryInfo"] == 2 + 8  # what does change is read at every sample
     assert len(runtime.state.samples) == 2
     assert all(len(sample.mig) == 4 and sample.mig[0].memory_free_mib for sample in runtime.state.samples.values())
+
+
+def test_the_device_plugin_sleeps_until_the_kubelet_comes_and_retries_only_what_failed(tmp_path: Path) -> None:
+    root, state = sim_state(tmp_path)
+    directory = root / "var/lib/kubelet/device-plugins"
+    directory.mkdir(parents=True)
+    manager = DevicePluginManager(Root(root), state)
+    syncs: list[float] = []
+    sync = manager.sync
+
+    async def counted() -> None:
+        syncs.append(time.monotonic())
+        await sync()
+
+    manager.sync = counted  # type: ignore[method-assign]
+
+    async def until(condition: Callable[[], bool]) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the plugin did not get there in 10 s")
+
+    async def scenario() -> tuple[int, int]:
+        task = asyncio.create_task(manager.run())
+        try:
+            await until(lambda: state.plugin is not None)
+            await asyncio.sleep(2.5)  # a poll every second would have synced twice more
+            waiting = len(syncs)
+            (directory / "kubelet.sock").write_text("")  # a kubelet.sock that is no socket: registration fails
+            await until(lambda: "registration with the kubelet failed" in str(manager.errors))
+            failed = len(syncs)
+            await until(lambda: len(syncs) >= failed + 2)  # retried while it fails
+            manager.wake()  # a publish of the model
+            return waiting, failed
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    waiting, failed = asyncio.run(scenario())
+    assert waiting == 1  # waiting for the kubelet, it slept
+    assert failed >= 2  # kubelet.sock's creation woke it (inotify); the failed registration is retried

@@ -4,7 +4,9 @@ Each sync computes what to advertise (devices.py) and makes the served set match
 gets a server and a registration, a vanished one is stopped (its socket removed, which is how the
 kubelet learns), a changed one streams its new list. It also watches the kubelet: a new kubelet.sock
 (the kubelet restarted and deleted our sockets) brings new sockets and a new registration. The daemon
-wakes it on every publish of the model (health, MIG, inventory); a 1 s poll covers the rest.
+wakes it on every publish of the model (health, MIG, inventory), inotify on the kubelet's directory when
+kubelet.sock or one of our sockets comes or goes; it looks again every second only while something it
+wants is not done yet (a registration or a socket that failed), so an idle node's plugin sleeps.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 from typing import Any, Optional
 
 from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, PluginConfig, mig_strategy, plugin_wanted
+from gpu_agent.daemon.watch import FileChanges
 from gpu_agent.host.paths import Root
 from gpu_agent.plugin.devices import Advertised, advertised
 from gpu_agent.plugin.preferred import preferred
@@ -22,7 +25,7 @@ from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
-POLL_S = 1.0
+POLL_S = 1.0  # the retry of what failed; and the look at the directory where inotify cannot be had
 KUBELET_SOCKET = "kubelet.sock"
 
 
@@ -34,6 +37,7 @@ class DevicePluginManager:
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.registered: dict[str, float] = {}  # resource: when the kubelet accepted it
         self.errors: dict[str, str] = {}  # resource: the last registration or serving error
+        self._retry: Optional[asyncio.TimerHandle] = None  # the next sync after a failure
         self._registrations: dict[str, asyncio.Task[None]] = {}  # resource: its registration under way
         self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
         self._wake: Optional[asyncio.Event] = None  # made in run(): asyncio objects belong to the loop (3.9)
@@ -49,6 +53,7 @@ class DevicePluginManager:
 
     async def run(self) -> None:
         self._wake = wake = asyncio.Event()
+        changes = FileChanges("device plugin", POLL_S)
         try:
             while True:
                 wake.clear()
@@ -56,12 +61,23 @@ class DevicePluginManager:
                     await self.sync()
                 except Exception:  # a bug: log it, keep serving what is served
                     log.exception("device plugin sync failed; this is a gpu-agent bug")
-                try:
-                    await asyncio.wait_for(wake.wait(), timeout=POLL_S)
-                except asyncio.TimeoutError:
-                    pass
+                changes.watch_for([self.directory / KUBELET_SOCKET, *(e.path for e in self.endpoints.values())])
+                await self._sleep(wake, changes)
         finally:
+            changes.close()
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
             await self.stop_all()
+
+    async def _sleep(self, wake: asyncio.Event, changes: FileChanges) -> None:
+        """Until the daemon or a retry wakes it, or the kubelet's directory changes."""
+        waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(changes.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     async def stop_all(self) -> None:
         for name in list(self.endpoints):
@@ -157,6 +173,12 @@ class DevicePluginManager:
         if self.errors.get(name) != message:
             log.warning("device plugin: %s", message)
         self.errors[name] = message
+        if self._retry is None:  # one retry armed at a time
+            self._retry = asyncio.get_running_loop().call_later(POLL_S, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry = None
+        self.wake()
 
     def _kubelet_stamp(self) -> Optional[tuple[int, int]]:
         try:
