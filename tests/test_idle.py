@@ -17,6 +17,7 @@ from test_plugin_service import sim_state
 from gpu_agent.host.inotify import DirectoryWatch
 from gpu_agent.host.paths import Root
 from gpu_agent.host.threads import daemon_thread
+from gpu_agent.metrics.pods import PodLabels
 from gpu_agent.metrics.sampler import Sampler
 from gpu_agent.plugin.service import DevicePluginManager
 
@@ -202,3 +203,29 @@ def test_the_device_plugin_sleeps_until_the_kubelet_comes_and_retries_only_what_
     waiting, failed = asyncio.run(scenario())
     assert waiting == 1  # waiting for the kubelet, it slept
     assert failed >= 2  # kubelet.sock's creation woke it (inotify); the failed registration is retried
+
+
+def test_pod_labels_turned_off_sleep_until_a_reload_turns_them_on(tmp_path: Path) -> None:
+    enabled = [False]
+    published: list[Any] = []
+    labels = PodLabels(Root(tmp_path), lambda: None, published.append, lambda: enabled[0], lambda: 0.05)
+
+    async def scenario() -> tuple[int, list[Any]]:
+        task = asyncio.create_task(labels.run())
+        try:
+            await asyncio.sleep(0.5)  # ten intervals
+            off = len(published)
+            enabled[0] = True
+            labels.reconfigured()
+            for _ in range(200):
+                if len(published) >= off + 2:
+                    break
+                await asyncio.sleep(0.05)
+            return off, published[off:]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    off, on = asyncio.run(scenario())
+    assert off == 1 and published[0] is None  # said once that there are none, then slept
+    assert len(on) >= 2 and all(pods is not None and "no kubelet pod-resources socket" in pods.error for pods in on)

@@ -373,6 +373,7 @@ class Daemon:
         runtime.engine.settings = config.reconcile
         runtime.engine.set_stages(stages)
         self.collector.hostname = config.metrics.hostname or self.collector.hostname
+        self.pod_labels.reconfigured()
         logging.getLogger().setLevel(config.log_level.upper())
         log.info("configuration %s loaded from %s", loaded.digest[:19], loaded.source)
 

@@ -111,7 +111,8 @@ async def list_pod_resources(socket: Path, timeout: float) -> Any:
 
 
 class PodLabels:
-    """Asks the kubelet every `interval()` seconds while `enabled()`, and publishes the answer."""
+    """Asks the kubelet every `interval()` seconds while `enabled()`, and publishes the answer; while
+    disabled it sleeps until reconfigured() (a configuration reload) instead of waking to look."""
 
     def __init__(self, root: Root, inventory: Callable[[], Optional[Inventory]],
                  publish: Callable[[Optional[PodAttribution]], None], enabled: Callable[[], bool],
@@ -123,17 +124,30 @@ class PodLabels:
         self.interval = interval
         self.timeout = timeout
         self._last_error: Optional[str] = None
+        self._reconfigured: Optional[asyncio.Event] = None  # made in run(): asyncio objects belong to the loop
+
+    def reconfigured(self) -> None:
+        """The configuration changed: look at enabled() and interval() again now."""
+        if self._reconfigured is not None:
+            self._reconfigured.set()
 
     async def run(self) -> None:
+        self._reconfigured = reconfigured = asyncio.Event()
         while True:
+            reconfigured.clear()
+            enabled = False
             try:
-                if self.enabled():
+                enabled = self.enabled()
+                if enabled:
                     await self.refresh()
                 else:
                     self.publish(None)
             except Exception:  # a bug: log it and keep the loop, the metrics go on without pod labels
                 log.exception("pod labels: refresh failed; this is a gpu-agent bug")
-            await asyncio.sleep(self.interval())
+            try:
+                await asyncio.wait_for(reconfigured.wait(), timeout=self.interval() if enabled else None)
+            except asyncio.TimeoutError:
+                pass
 
     async def refresh(self) -> PodAttribution:
         """One query; a failure is published as the reason the series have no pod labels."""

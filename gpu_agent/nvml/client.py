@@ -718,8 +718,10 @@ class Nvml:
 
     def health_reading(self, index: int) -> HealthReading:
         """What the periodic checks judge: pending and failed row remaps (or pending page retirements
-        on a GPU without row remapping), the temperature and the slowdown threshold."""
-        self.init()
+        on a GPU without row remapping), the temperature and the slowdown threshold. One trip to a worker."""
+        return self.batch(f"nvmlDeviceGet*(GPU {index} health)", self._health_reading, index)
+
+    def _health_reading(self, index: int) -> HealthReading:
         handle = self._handle(index)
         lib = self.lib
         unsupported = (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound)
