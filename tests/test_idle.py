@@ -14,6 +14,7 @@ from test_metrics_fields import built
 from test_nvml_client import machine  # noqa: F401  (a fixture)
 from test_plugin_service import sim_state
 
+from gpu_agent.health.checks import HealthChecks
 from gpu_agent.host.inotify import DirectoryWatch
 from gpu_agent.host.paths import Root
 from gpu_agent.host.threads import daemon_thread
@@ -105,7 +106,7 @@ def test_a_sample_makes_one_trip_to_an_nvml_worker_per_gpu(machine: Any) -> None
     assert trips[1:] == ["nvmlDevice*(inventory)"]  # the whole inventory, 8 GPUs, in one batch
 
 
-def test_the_sampler_makes_one_trip_per_gpu_gpm_and_processes_included(tmp_path: Path) -> None:
+def test_a_sample_and_a_round_of_health_checks_make_one_trip_each_for_every_gpu(tmp_path: Path) -> None:
     node = Node(tmp_path, "{}")
     node.sampler.sample()  # the first GPM sample of each GPU
     trips: list[str] = []
@@ -119,11 +120,13 @@ def test_the_sampler_makes_one_trip_per_gpu_gpm_and_processes_included(tmp_path:
 
     node.nvml._call = counting  # type: ignore[assignment]
     try:
-        node.sampler.sample()
+        node.sampler.sample()  # GPM and processes included
+        HealthChecks(node.nvml, node.state).run()
     finally:
         node.nvml._call = calls
-    assert trips == [f"nvmlDevice*(GPU {index})" for index in range(8)]
+    assert trips == ["nvmlDeviceGet*(every GPU)", "nvmlDeviceGet*(health of every GPU)"]
     assert len(node.state.samples) == 8 and len(node.state.processes) == 8
+    assert node.state.checked_at is not None and node.state.nvml_check is None
 
 
 def test_the_agents_threads_carry_their_names_for_the_kernel(machine: Any) -> None:  # noqa: F811

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Callable, Union
 
 from gpu_agent.health.policy import GPU_CHECKS, NVML_RESPONSIVE
 from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
-from gpu_agent.nvml.model import GpuHealth, HealthReading
+from gpu_agent.nvml.model import Gpu, GpuHealth, HealthReading
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -51,22 +51,28 @@ class HealthChecks:
         if inventory is None:
             return
         failing: dict[str, dict[str, str]] = {name: {} for name in GPU_CHECKS}
-        hung: Optional[str] = None
-        for gpu in inventory.gpus:
-            try:
-                reading = self.nvml.health_reading(gpu.index)
-            except (NvmlHung, NvmlUnavailable) as exc:
-                hung = str(exc)
-                break
-            except self.nvml.lib.NVMLError as exc:  # this GPU does not answer: the sampler says so
-                log.debug("GPU %d health checks skipped: %s", gpu.index, describe(exc))
-                continue
-            for name, reason in judge(reading).items():
-                failing[name][gpu.uuid] = reason
-        if hung is not None:
-            self._publish_hung(hung)
+        try:
+            readings = self.nvml.batch("nvmlDeviceGet*(health of every GPU)", self._read_every, inventory.gpus)
+        except (NvmlHung, NvmlUnavailable) as exc:
+            self._publish_hung(str(exc))
             return
+        for gpu, reading in zip(inventory.gpus, readings):
+            if isinstance(reading, HealthReading):
+                for name, reason in judge(reading).items():
+                    failing[name][gpu.uuid] = reason
+            else:  # this GPU does not answer: the sampler says so
+                log.debug("GPU %d health checks skipped: %s", gpu.index, describe(reading))
         self._publish(failing)
+
+    def _read_every(self, gpus: tuple[Gpu, ...]) -> list[Union[HealthReading, Exception]]:
+        """On an NVML worker, in one trip: each GPU's reading, or the NVMLError it answered."""
+        readings: list[Union[HealthReading, Exception]] = []
+        for gpu in gpus:
+            try:
+                readings.append(self.nvml.health_reading(gpu.index))
+            except self.nvml.lib.NVMLError as exc:
+                readings.append(exc)
+        return readings
 
     def _publish_hung(self, reason: str) -> None:
         """NVML did not answer in time: that check fails; the GPU checks keep their last results."""

@@ -5,6 +5,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from typing import Any
 
 from gpu_agent.host.paths import Root
 from gpu_agent.host.processes import named
@@ -43,11 +44,14 @@ class Sampler:
         samples: dict[str, GpuSample] = {}
         processes: dict[str, tuple[GpuProcess, ...]] = {}
         try:
-            for gpu in inventory.gpus:
+            # One trip to an NVML worker for every GPU's queries (hundreds with GPM and MIG): a trip per
+            # GPU woke two threads, and handed the GIL between them, eight times a sample.
+            results = self.nvml.batch("nvmlDeviceGet*(every GPU)", self._read_every, inventory.gpus)
+            for gpu, result in zip(inventory.gpus, results):
                 try:
-                    # One trip to an NVML worker for all of the GPU's queries (hundreds with GPM and MIG).
-                    samples[gpu.uuid], processes[gpu.uuid] = self.nvml.batch(
-                        f"nvmlDevice*(GPU {gpu.index})", self._read, gpu)
+                    if isinstance(result, BaseException):
+                        raise result
+                    samples[gpu.uuid], processes[gpu.uuid] = result
                     self._back_on_the_bus(gpu)
                 except self.nvml.lib.NVMLError as exc:
                     self._query_error(gpu.index, gpu.uuid, f"NVML query failed: {describe(exc)}")
@@ -64,6 +68,16 @@ class Sampler:
         self.state.samples = samples
         self.state.sampled_at = time.time()
         self.state.processes = processes
+
+    def _read_every(self, gpus: tuple[Gpu, ...]) -> list[Any]:
+        """On the NVML worker: each GPU's reading, or the NVMLError it answered (the others go on)."""
+        results: list[Any] = []
+        for gpu in gpus:
+            try:
+                results.append(self._read(gpu))
+            except self.nvml.lib.NVMLError as exc:
+                results.append(exc)
+        return results
 
     def _read(self, gpu: Gpu) -> tuple[GpuSample, tuple[GpuProcess, ...]]:
         sample = self.profiling.add_to(self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig)), gpu)
