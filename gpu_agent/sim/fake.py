@@ -154,22 +154,33 @@ class SimGpmMetricsGet:
         self.metrics = _GpmMetricSlots()
 
 
+_GPM_METRIC_SLOTS = int(pynvml.NVML_GPM_METRIC_MAX)
+
+
 class _GpmMetricSlots:
     """NVML_GPM_METRIC_MAX metric slots, as the C array is; each made when first used (making them all,
     at every request of every GPU instance, was most of a simulated sample's CPU)."""
+
+    __slots__ = ("_slots",)
 
     def __init__(self) -> None:
         self._slots: dict[int, SimGpmMetric] = {}
 
     def __len__(self) -> int:
-        return int(pynvml.NVML_GPM_METRIC_MAX)
+        return _GPM_METRIC_SLOTS
 
     def __getitem__(self, key: Any) -> Any:
+        if key.__class__ is int:
+            slot = self._slots.get(key)
+            if slot is not None:
+                return slot
+            if not 0 <= key < _GPM_METRIC_SLOTS:
+                raise IndexError(key)
+            slot = self._slots[key] = SimGpmMetric()
+            return slot
         if isinstance(key, slice):
-            return [self[n] for n in range(*key.indices(len(self)))]
-        if not 0 <= key < len(self):
-            raise IndexError(key)
-        return self._slots.setdefault(key, SimGpmMetric())
+            return [self[n] for n in range(*key.indices(_GPM_METRIC_SLOTS))]
+        raise TypeError(f"metric slots are indexed by int or slice, not {type(key).__name__}")
 
 
 # What a GPM metric reads at a load of L %: the share of L each utilisation shows, and MiB/s per % for PCIe.
@@ -183,21 +194,24 @@ _GPM_PER_LOAD = {
 def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Every fake call: NVML must be initialised, and an injected fault for it fires first."""
 
+    name = fn.__name__
+
     @functools.wraps(fn)
     def call(self: FakeNvml, *args: Any, **kwargs: Any) -> Any:
         if self._init_count == 0:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
-        self.calls[fn.__name__] += 1
-        state = self._state.read()
+        self.calls[name] += 1
+        machine = self._state
+        state = machine.read()
         if state["faults"]:
             gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
-            self._fault(fn.__name__, gpu)
-            state = self._state.read()  # the fault may have changed it
-        self._state.hold(state)  # one state for the whole call, and one look at the file
+            self._fault(name, gpu)
+            state = machine.read()  # the fault may have changed it
+        machine.hold(state)  # one state for the whole call, and one look at the file
         try:
             return fn(self, *args, **kwargs)
         finally:
-            self._state.release()
+            machine.release()
 
     return call
 
@@ -513,7 +527,9 @@ class FakeNvml:
 
     @_nvml
     def nvmlDeviceGetPowerUsage(self, handle: SimHandle) -> int:
-        gpu = self._whole_gpu(handle)
+        return self._power_mw(self._whole_gpu(handle))
+
+    def _power_mw(self, gpu: dict[str, Any]) -> int:
         model = self._model(gpu)
         watts = model.idle_power_w + (model.max_power_w - model.idle_power_w) * self._utilization(gpu) * 0.8 / 100
         return int(watts * 1000)
@@ -533,7 +549,7 @@ class FakeNvml:
     @_nvml
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: SimHandle) -> int:
         """mJ since this fake started, at the power the GPU draws now: it only grows, like the driver's."""
-        watts = self.nvmlDeviceGetPowerUsage(handle) / 1000
+        watts = self._power_mw(self._whole_gpu(handle)) / 1000
         return int(watts * 1000 * (time.monotonic() - self._started))
 
     @_nvml
@@ -626,7 +642,9 @@ class FakeNvml:
                 or first.freed or second.freed or second.at <= first.at):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         load = (first.load + second.load) / 2
-        for metric in request.metrics[:request.numMetrics]:
+        metrics = request.metrics
+        for n in range(min(request.numMetrics, _GPM_METRIC_SLOTS)):
+            metric = metrics[n]
             share = _GPM_PER_LOAD.get(metric.metricId)
             metric.nvmlReturn = pynvml.NVML_SUCCESS if share is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
             metric.value = load * share if share is not None else 0.0
