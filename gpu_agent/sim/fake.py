@@ -246,11 +246,15 @@ class FakeNvml:
         self._nvlink_counters: dict[int, tuple[float, float]] = {}  # by GPU: NVLink data (KiB), when it was read
 
     def __getattr__(self, name: str) -> Any:
+        """pynvml's constants, structures and errors; its functions this fake lacks answer FunctionNotFound.
+        Kept once looked up (they never change): the agent asks for NVML_SUCCESS and the errors hundreds
+        of times a sample."""
         value = getattr(pynvml, name)
         if name.startswith("nvml") and callable(value):
             def not_simulated(*args: Any, **kwargs: Any) -> Any:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-            return not_simulated
+            value = not_simulated
+        self.__dict__[name] = value
         return value
 
     # --- faults ----------------------------------------------------------------------------
