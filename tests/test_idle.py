@@ -21,6 +21,7 @@ from gpu_agent.host.threads import daemon_thread
 from gpu_agent.metrics.pods import PodLabels
 from gpu_agent.metrics.sampler import Sampler
 from gpu_agent.plugin.service import DevicePluginManager
+from gpu_agent.sim.machine import MachineState
 
 
 def test_a_directory_watch_wakes_on_a_write_and_on_a_missing_files_directory_appearing(tmp_path: Path) -> None:
@@ -232,3 +233,32 @@ def test_pod_labels_turned_off_sleep_until_a_reload_turns_them_on(tmp_path: Path
     off, on = asyncio.run(scenario())
     assert off == 1 and published[0] is None  # said once that there are none, then slept
     assert len(on) >= 2 and all(pods is not None and "no kubelet pod-resources socket" in pods.error for pods in on)
+
+
+def test_a_simulated_call_sees_another_writers_change_at_once_without_a_stat_each_time(tmp_path: Path) -> None:
+    writer, reader = MachineState(Root(tmp_path)), MachineState(Root(tmp_path))  # as `gpu-agent sim` and the agent
+    writer.ensure("dgx-h100")
+    stamps = 0
+    stamp = reader.stamp
+
+    def counting() -> Any:
+        nonlocal stamps
+        stamps += 1
+        return stamp()
+
+    reader.stamp = counting  # type: ignore[method-assign]
+    first = reader.read()
+    assert all(reader.read() is first for _ in range(100)) and stamps == 1  # the mapped counter said: unchanged
+    with writer.edit() as doc:
+        doc["gpus"][2]["temperature_c"] = 91
+    assert reader.read()["gpus"][2]["temperature_c"] == 91 and stamps == 2
+
+    old_root = Root(tmp_path / "older")  # a state written before the counter existed: reads look at the file
+    MachineState(old_root).ensure("dgx-h100")
+    MachineState(old_root).writes_path.unlink()
+    older = MachineState(old_root)
+    assert older.read()["gpus"][2].get("temperature_c") is None and older.read() is older.read()
+    with MachineState(old_root).edit() as doc:  # its next write makes the counter, and readers map it
+        doc["gpus"][2]["temperature_c"] = 40
+    assert older.read()["gpus"][2]["temperature_c"] == 40 and older.read() is older.read()
+    assert older._writes is not None

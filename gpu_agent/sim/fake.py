@@ -105,7 +105,7 @@ class SimEventSet:
         if self.changes is None:
             try:
                 self.changes = DirectoryWatch()
-                self.changes.watch_for([state.path])
+                self.changes.watch_for([state.path, state.writes_path])  # a wait reads at either's change
             except OSError:
                 self.close()
 

@@ -1,16 +1,20 @@
 """The simulated machine's state, kept under --root so CLI calls and a running daemon share one machine.
 
 The state is a JSON document under <root>/var/lib/gpu-agent/sim/. Readers reload it when its
-mtime changes; writers take an flock, edit, and replace it atomically.
+mtime changes; writers take an flock, edit, and replace it atomically. Beside it, a write counter that
+readers map into memory tells them that nothing changed without a system call: a simulated NVML call
+looks at the state, and a sample of 8 GPUs x 7 MIG devices makes hundreds of them.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import json
+import mmap
 import os
 import re
 import shutil
+import struct
 import threading
 import uuid as uuidlib
 from collections.abc import Iterator
@@ -30,6 +34,7 @@ from gpu_agent.sim.topology import UNKNOWN_NUMA, gpu_topology
 from gpu_agent.sim.userspace import install_driver_userspace
 
 STATE_DIR = "/var/lib/gpu-agent/sim"
+_WRITES = struct.Struct("=Q")  # the write counter: one native unsigned 64-bit number
 
 
 class _Spec(BaseModel):
@@ -186,6 +191,9 @@ class MachineState:
         self._cache_key: Optional[tuple[int, int, int]] = None
         self._path = str(self.path)  # os.stat is faster on a str than on a Path
         self._held = threading.local()  # a thread's reading while it holds one (holding())
+        self.writes_path = self.dir / "machine.writes"  # changes with every write, as `path` does
+        self._writes: Optional[mmap.mmap] = None  # the write counter, mapped (None: not there yet)
+        self._cache_writes: Optional[int] = None  # its value when _cache was read
 
     def exists(self) -> bool:
         return self.path.exists()
@@ -225,11 +233,15 @@ class MachineState:
         install_captured_host(self.root, self.kernel_dir, capture)
 
     def read(self) -> dict[str, Any]:
-        """The current state; cheap when nothing changed (one stat). While this thread holds a reading
-        (hold()), that one."""
+        """The current state; cheap when nothing changed (a look at the mapped write counter, or one
+        stat). While this thread holds a reading (hold()), that one."""
         held = getattr(self._held, "state", None)
         if held is not None:
             return held
+        writes = self._writes
+        if writes is not None and self._cache is not None and _WRITES.unpack_from(writes)[0] == self._cache_writes:
+            return self._cache
+        count = self._count_of_writes()
         key = self.stamp()
         if key is None:
             raise AgentError(
@@ -238,7 +250,19 @@ class MachineState:
         if self._cache is None or key != self._cache_key:
             self._cache = json.loads(self.path.read_text())
             self._cache_key = key
+        self._cache_writes = count
         return self._cache
+
+    def _count_of_writes(self) -> Optional[int]:
+        """The write counter, mapped on first use; None where there is none yet (a state written before
+        it existed: its next write makes one)."""
+        if self._writes is None:
+            try:
+                with open(self.writes_path, "rb") as counter:
+                    self._writes = mmap.mmap(counter.fileno(), _WRITES.size, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # missing, or shorter than a counter
+                return None
+        return int(_WRITES.unpack_from(self._writes)[0])
 
     def hold(self, state: dict[str, Any]) -> None:
         """This thread's reads see `state` (a reading) until it writes or release(): one simulated NVML
@@ -258,11 +282,26 @@ class MachineState:
 
     def _write(self, state: dict[str, Any]) -> None:
         render(self.kernel_dir, state)
+        # Counted before and after: a reader that looked between the count and the rename read the old
+        # state under the first count, and the second makes it look again.
+        self._count_write()
         # One line: json's C encoder writes it (indent= takes the Python one, several times slower on
         # every simulated MIG call); `python -m json.tool` shows it indented.
         atomic_write(self.path, json.dumps(state, sort_keys=True) + "\n")
+        self._count_write()
         self._cache = None
         self._held.state = None  # what this thread reads next includes its own write
+
+    def _count_write(self) -> None:
+        """Add one to the write counter, in place: readers map the file, so it is never replaced (a new
+        file would leave their mappings on the old one). Called with the machine's lock held."""
+        fd = os.open(self.writes_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            before = os.pread(fd, _WRITES.size, 0)
+            count = _WRITES.unpack(before)[0] + 1 if len(before) == _WRITES.size else 1
+            os.pwrite(fd, _WRITES.pack(count), 0)
+        finally:
+            os.close(fd)
 
     def stamp(self) -> Optional[tuple[int, int, int]]:
         """Identity of the current state file; changes with every write."""
