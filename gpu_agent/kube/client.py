@@ -152,14 +152,12 @@ class KubeClient:
             context = ssl.create_default_context()
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-        elif credentials.ca_data or credentials.ca_file:
-            # The cluster's CA alone, as client-go does: a certificate from any public CA for the API
-            # server's name is not the cluster (and the system bundle costs a MiB held in memory).
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-            if credentials.ca_data:
-                context.load_verify_locations(cadata=_pem_text(credentials.ca_data))
-            else:
-                context.load_verify_locations(cafile=str(self.root(credentials.ca_file)))
+        elif credentials.ca_data:
+            context = _cluster_ca_only()
+            context.load_verify_locations(cadata=_pem_text(credentials.ca_data))
+        elif credentials.ca_file:
+            context = _cluster_ca_only()
+            context.load_verify_locations(cafile=str(self.root(credentials.ca_file)))
         else:
             context = ssl.create_default_context()
         if credentials.cert_file:
@@ -175,6 +173,12 @@ class KubeClient:
             finally:
                 os.unlink(chain.name)
         return context
+
+
+def _cluster_ca_only() -> ssl.SSLContext:
+    """A context trusting only the CA loaded into it next, as client-go does: a certificate from any
+    public CA for the API server's name is not the cluster (and the system bundle is a MiB held in memory)."""
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
 def _stamp(root: Root, path: str) -> tuple[int, int]:
