@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 from gpu_agent.config.text import DEFAULT_CONFIG_PATH
 
 if TYPE_CHECKING:
-    from gpu_agent.config.loader import LoadedConfig, load_config
+    from gpu_agent.config.loaded import LoadedConfig
+    from gpu_agent.config.loader import load_config
     from gpu_agent.config.schema import AgentConfig
 
 __all__ = ["AgentConfig", "DEFAULT_CONFIG_PATH", "LoadedConfig", "load_config"]
 
-_LAZY = {"AgentConfig": "gpu_agent.config.schema", "LoadedConfig": "gpu_agent.config.loader",
+_LAZY = {"AgentConfig": "gpu_agent.config.schema", "LoadedConfig": "gpu_agent.config.loaded",
          "load_config": "gpu_agent.config.loader"}
 
 

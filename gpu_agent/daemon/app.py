@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import gc
 import logging
@@ -128,7 +129,7 @@ class Runtime:
         if config.driver.enabled:
             driver = config.driver
             if self.real_root_simulated:
-                driver = driver.model_copy(update={"validate_cuda": False})
+                driver = dataclasses.replace(driver, validate_cuda=False)
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
         sink = None
