@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -35,3 +36,34 @@ def run(argv: Sequence[str], timeout: float, env: Optional[Mapping[str, str]] = 
     except subprocess.TimeoutExpired:
         raise AgentError(f"{' '.join(argv)} did not finish within {timeout:g} s and was killed") from None
     return Completed(argv, done.returncode, done.stdout, done.stderr)
+
+
+class Started:
+    """A process `start` began, running beside this one: `wait` collects it."""
+
+    def __init__(self, argv: tuple[str, ...], timeout: float, process: subprocess.Popen[str]) -> None:
+        self.argv, self.timeout, self.process = argv, timeout, process
+        self.deadline = time.monotonic() + timeout
+
+    def wait(self) -> Completed:
+        """Its outcome; past the timeout given to `start` (counted from the start) it is killed and
+        AgentError raised."""
+        try:
+            stdout, stderr = self.process.communicate(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            raise AgentError(f"{' '.join(self.argv)} did not finish within {self.timeout:g} s and was killed") \
+                from None
+        return Completed(self.argv, self.process.returncode, stdout, stderr)
+
+
+def start(argv: Sequence[str], timeout: float) -> Started:
+    """Start `argv` and return at once (run() waits): this process goes on while it runs."""
+    argv = tuple(argv)
+    try:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        raise AgentError(f"cannot run {argv[0]}: not installed or not on PATH") from None
+    return Started(argv, timeout, process)
