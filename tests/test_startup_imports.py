@@ -95,9 +95,9 @@ EVERY_SECTION = {
     "plugin": {"enabled": True, "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}},
                "gpu_replicas": {"0": 1}},
 }
-# pydantic, and the config's YAML reading. (PyYAML itself the daemon imports anyway: the CDI spec is
-# written with it, as are kubeconfig and mig-parted files read.)
-DAEMON_NEVER = ("pydantic", "pydantic_core", "gpu_agent.config.loader", "gpu_agent.config.safe_yaml")
+# pydantic, and the config's loader. (PyYAML the daemon imports anyway: the CDI spec is written with it,
+# kubeconfig and mig-parted files are read with it.)
+DAEMON_NEVER = ("pydantic", "pydantic_core", "gpu_agent.config.loader")
 
 
 def _imported_by(output: str) -> set[str]:
@@ -111,7 +111,7 @@ def _imported_by(output: str) -> set[str]:
 @pytest.mark.subprocess
 def test_the_daemon_runs_and_reloads_its_config_without_pydantic(agent, root: Path) -> None:
     """The config is validated by a child (first start, an edited file) or read back from the cache
-    (an unchanged file): the daemon itself never imports pydantic, nor the config's YAML reader."""
+    (an unchanged file): the daemon itself never imports pydantic, nor the config's loader."""
     import json
     import signal
 
@@ -142,3 +142,24 @@ def test_the_daemon_runs_and_reloads_its_config_without_pydantic(agent, root: Pa
     assert again.stop() == 0
     assert cache.stat().st_mtime_ns == validated  # the same file: read back from the cache, not validated
     assert not _imported_by(again.output()) & set(DAEMON_NEVER)
+
+
+# The modules that validate a file with pydantic: the config loader (the CLI's one-shot commands, the
+# daemon's validation child), a simulated machine file and a capture. No other module may import it.
+VALIDATORS = ("gpu_agent.config.loader", "gpu_agent.sim.machine_file", "gpu_agent.sim.replay")
+
+
+@pytest.mark.subprocess
+def test_only_the_validating_modules_import_pydantic() -> None:
+    """Whatever stages a config turns on, the modules the daemon runs import no pydantic."""
+    code = ("import importlib, pkgutil, sys, gpu_agent\n"
+            f"validators = {VALIDATORS!r}\n"
+            "names = [m.name for m in pkgutil.walk_packages(gpu_agent.__path__, 'gpu_agent.')\n"
+            "         if m.name not in validators and not m.name.endswith('__main__')]\n"
+            "for name in names:\n"
+            "    importlib.import_module(name)\n"
+            "    assert 'pydantic' not in sys.modules, name\n"
+            "print(len(names))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout) > 100  # every module, not an empty walk

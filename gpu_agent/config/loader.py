@@ -5,7 +5,6 @@ in-process, the daemon in a child (config/validate.py) so that it never imports 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,13 +13,14 @@ from pydantic import TypeAdapter, ValidationError
 
 from gpu_agent.config.loaded import BUILT_IN, LoadedConfig, loaded
 from gpu_agent.config.plugin import conflicting_keys, deprecated_keys
-from gpu_agent.config.safe_yaml import load_yaml
+from gpu_agent.config.safe_yaml import line_of, load_yaml
 from gpu_agent.config.schema import AgentConfig
 from gpu_agent.config.text import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
 from gpu_agent.config.text import MAX_CONFIG_BYTES, read_config_text, shown
 from gpu_agent.errors import ConfigError
 
-__all__ = ["DEFAULT_CONFIG_PATH", "LoadedConfig", "check_config", "load_config", "parse_config", "validated"]
+__all__ = ["DEFAULT_CONFIG_PATH", "LoadedConfig", "check_config", "line_of", "load_config", "parse_config",
+           "validated"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ADAPTERS: dict[type, TypeAdapter[Any]] = {}  # building one costs milliseconds: once per section
@@ -115,28 +115,6 @@ def _describe(error: Any, document: yaml.Node | None, name: str) -> str:
 def _key_part(part: str | int) -> str:
     text = str(part)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
-    """The 1-based line of the key or list item at `loc`, or of its nearest parent in the file."""
-    if node is None:
-        return None
-    line = node.start_mark.line + 1
-    for part in loc:
-        if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-            continue
-        if not isinstance(node, yaml.MappingNode):
-            break
-        for key_node, value_node in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.value == str(part):
-                line = key_node.start_mark.line + 1
-                node = value_node
-                break
-        else:
-            break
-    return line
 
 
 def _kind(value: Any) -> str:
