@@ -145,3 +145,17 @@ def test_a_missing_optional_file_gives_the_defaults_without_a_child(root: Path, 
     with pytest.raises(ConfigError, match="missing.yaml: no such file"):
         validate.load_daemon_config(tmp_path / "missing.yaml", True, Root(root))
     assert no_child == []
+
+
+@pytest.mark.subprocess
+def test_a_forked_child_answers_as_the_spawned_one(root: Path, tmp_path: Path) -> None:
+    """What `gpu-agent run` does at start: the same config, message and cache as a spawned child."""
+    config = tmp_path / "config.yaml"
+    config.write_text(GOOD)
+    assert validate.start(config, True, Root(root), fork=True).result() == load_config(config, required=True)
+    assert cache_of(root).exists()
+    config.write_text("version: v1\nhttp:\n  listen: nowhere\n")
+    with pytest.raises(ConfigError) as forked:
+        validate.start(config, True, Root(root), fork=True).result()
+    assert str(forked.value).endswith("config.yaml:3: http.listen: expected HOST:PORT such as 127.0.0.1:9445, "
+                                      "got 'nowhere'")

@@ -16,7 +16,8 @@ def main(args: argparse.Namespace) -> int:
     from gpu_agent.config import validate
 
     path, required = config_location(args)
-    loading = validate.start(path, required, root_of(args))  # a child validates while the daemon imports
+    # A forked child validates while this process imports the daemon (single-threaded still).
+    loading = validate.start(path, required, root_of(args), fork=True)
     from gpu_agent.daemon.app import run_daemon
 
     try:

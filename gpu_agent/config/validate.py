@@ -1,17 +1,18 @@
 """The daemon's config, without pydantic or PyYAML in the daemon's process.
 
 `gpu-agent run` and a SIGHUP reload call start(): a file validated before (the cache, config/cache.py)
-is read back at once; any other is validated by a child, `python -m gpu_agent.config.validate PATH`,
-which runs config/loader.py (pydantic) and prints the config's canonical JSON, or the ConfigError's
-text with exit status INVALID. `gpu-agent run` starts it before importing the daemon, so on two
-cores the validation and the daemon's imports run side by side. The daemon builds the dataclasses
-from that JSON (config/build.py) and remembers it (config/cache.py). The CLI's one-shot commands
-validate in their own process (config/loader.py), as they exit anyway.
+is read back at once; any other is validated by a child, which runs config/loader.py (pydantic) and
+answers the config's canonical JSON, or the ConfigError's text with exit status INVALID. The daemon
+builds the dataclasses from that JSON (config/build.py) and remembers it (config/cache.py). The CLI's
+one-shot commands validate in their own process (config/loader.py), as they exit anyway.
 
-Why a child and not os.fork() at start: a fork would inherit the parent's imports (none of pydantic)
-and still import pydantic afterwards, saving only the interpreter's own start (~20 ms of CPU, on the
-other core); the child also serves a reload, when the daemon has threads and forking is unsafe. So
-one mechanism for both, measured in the README's startup figure.
+Which child, by measurement (this 2-core machine, pinned to one core, a minimal config): a new
+interpreter (`python -m gpu_agent.config.validate PATH`) costs 185-265 ms of CPU, as it starts Python
+and imports gpu_agent's config again; os.fork() at start costs 83-85 ms, the same as validating in
+the daemon's own process. So `gpu-agent run` forks, before it imports the daemon (it is single-threaded
+then, and the validation runs beside those imports on the other core). A reload spawns the new
+interpreter: the daemon has threads by then, and a forked copy of one of them could deadlock on a lock
+another held.
 
 A child that fails for another reason (killed, timed out, unreadable output) is not a verdict on the
 file: the daemon then validates in its own process, paying pydantic's memory rather than refusing a
@@ -23,7 +24,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from gpu_agent.config.build import NotAConfig, build
 from gpu_agent.config.cache import Validated, cache_key, read_cache, write_cache
@@ -42,11 +43,11 @@ log = logging.getLogger(__name__)
 class Loading:
     """A config being loaded for the daemon: result() gives it, or raises ConfigError naming what is wrong."""
 
-    def __init__(self, path: Path, required: bool, root: Root) -> None:
+    def __init__(self, path: Path, required: bool, root: Root, fork: bool = False) -> None:
         self.path, self.required, self.root = path, required, root
         self._error: Optional[ConfigError] = None
         self._done: Optional[Validated] = None
-        self._child: Optional[proc.Started] = None
+        self._child: Optional[Union[proc.Started, proc.Forked]] = None
         self._missing = False  # an optional file that is not there: the built-in defaults
         try:
             text = read_config_text(path)
@@ -60,8 +61,11 @@ class Loading:
         self._done = read_cache(root, cache_key(path, _sha256(text)))
         if self._done is None:
             try:
-                self._child = proc.start([sys.executable, "-m", __name__, str(path)], CHILD_TIMEOUT)
-            except AgentError as exc:
+                if fork:
+                    self._child = proc.fork(f"validating {path}", lambda: _verdict(path), CHILD_TIMEOUT)
+                else:
+                    self._child = proc.start([sys.executable, "-m", __name__, str(path)], CHILD_TIMEOUT)
+            except (AgentError, OSError) as exc:
                 log.warning("cannot start the config validation child (%s); validating in this process", exc)
 
     def result(self) -> LoadedConfig:
@@ -105,10 +109,11 @@ class Loading:
         return Validated(*check_config(text, str(self.path)))
 
 
-def start(path: Path, required: bool, root: Root) -> Loading:
+def start(path: Path, required: bool, root: Root, fork: bool = False) -> Loading:
     """Begin loading the config at `path` for the daemon (a missing file gives the built-in defaults
-    unless `required`); Loading.result() waits for it."""
-    return Loading(path, required, root)
+    unless `required`); Loading.result() waits for it. `fork`: validate in a forked child rather than a
+    new interpreter, only while this process has a single thread (gpu-agent run's start)."""
+    return Loading(path, required, root, fork)
 
 
 def load_daemon_config(path: Path, required: bool, root: Root) -> LoadedConfig:
@@ -120,23 +125,28 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def main(argv: Sequence[str]) -> int:
-    """The child: validate the file argv[0] names; print its canonical JSON, or why it is invalid."""
+def _verdict(path: Path) -> tuple[int, str]:
+    """What the child answers about the file at `path`: 0 and its canonical JSON (with the sha256 of the
+    text validated, and the warnings), or INVALID and why."""
     from gpu_agent.config.loader import check_config
 
-    path = Path(argv[0])
     try:
         text = read_config_text(path)
         if text is None:
             raise ConfigError(f"{path}: no such file")
         config, warnings = check_config(text, str(path))
     except ConfigError as exc:
-        print(exc)
-        return INVALID
+        return INVALID, str(exc)
     answer: dict[str, Any] = {"sha256": _sha256(text), "config": json.loads(canonical_json(config)),
                               "warnings": warnings}
-    print(json.dumps(answer))
-    return 0
+    return 0, json.dumps(answer)
+
+
+def main(argv: Sequence[str]) -> int:
+    """The child: validate the file argv[0] names; print its canonical JSON, or why it is invalid."""
+    code, text = _verdict(Path(argv[0]))
+    print(text)
+    return code
 
 
 if __name__ == "__main__":
