@@ -148,14 +148,20 @@ class KubeClient:
                 raise ValueError(f"{path} not found")
             if not self.root(path).is_file():  # OpenSSL would wait forever on a FIFO
                 raise ValueError(f"{path} is not a regular file")
-        context = ssl.create_default_context()
         if credentials.insecure:
+            context = ssl.create_default_context()
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
-        elif credentials.ca_data:
-            context.load_verify_locations(cadata=_pem_text(credentials.ca_data))
-        elif credentials.ca_file:
-            context.load_verify_locations(cafile=str(self.root(credentials.ca_file)))
+        elif credentials.ca_data or credentials.ca_file:
+            # The cluster's CA alone, as client-go does: a certificate from any public CA for the API
+            # server's name is not the cluster (and the system bundle costs a MiB held in memory).
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            if credentials.ca_data:
+                context.load_verify_locations(cadata=_pem_text(credentials.ca_data))
+            else:
+                context.load_verify_locations(cafile=str(self.root(credentials.ca_file)))
+        else:
+            context = ssl.create_default_context()
         if credentials.cert_file:
             key = str(self.root(credentials.key_file)) if credentials.key_file else None
             context.load_cert_chain(str(self.root(credentials.cert_file)), key, password=_encrypted_key)
