@@ -1,4 +1,6 @@
-"""The agent's configuration: a `version: v1` YAML file validated with pydantic.
+"""The agent's configuration: a `version: v1` YAML file, its schema frozen dataclasses (config/schema.py)
+validated with pydantic by config/loader.py alone. The daemon never imports pydantic: config/validate.py
+has a child validate the file, or reads the result back from a cache (config/cache.py).
 
 The names below load on first use, so that what needs only the endpoint's address (config/endpoint.py:
 `gpu-agent status`, `labels`) does not pay for pydantic."""
