@@ -159,3 +159,30 @@ def test_a_forked_child_answers_as_the_spawned_one(root: Path, tmp_path: Path) -
         validate.start(config, True, Root(root), fork=True).result()
     assert str(forked.value).endswith("config.yaml:3: http.listen: expected HOST:PORT such as 127.0.0.1:9445, "
                                       "got 'nowhere'")
+
+
+@pytest.mark.subprocess
+def test_a_forked_child_that_fails_leaves_the_validation_to_this_process(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(GOOD)
+
+    def crash(path: Path) -> tuple[int, str]:
+        raise MemoryError("the child ran out")
+
+    monkeypatch.setattr(validate, "_verdict", crash)  # the forked child inherits it
+    assert validate.start(config, True, Root(root), fork=True).result() == load_config(config, required=True)
+    assert "exit status 70" in caplog.text and "validating" in caplog.text
+
+
+@pytest.mark.subprocess
+def test_a_forked_child_past_its_timeout_is_killed() -> None:
+    import time
+
+    from gpu_agent.host import proc
+
+    child = proc.fork("a slow answer", lambda: (time.sleep(30), (0, ""))[1], timeout=0.2)
+    with pytest.raises(AgentError, match="a slow answer did not finish within 0.2 s and was killed"):
+        child.wait()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child.pid, os.WNOHANG)  # reaped, not left a zombie
