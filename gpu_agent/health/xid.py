@@ -24,7 +24,11 @@ from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
-_WAIT_MS = 10_000  # at most, between two looks at the inventory (a GPU to register) and at recoveries
+# At most, between two looks at the inventory and at recoveries: how late a GPU that comes (a driver
+# reload, a GPU back on the bus) has its events registered, and a reload's shorter recover_after_seconds
+# applies. An event ends the wait at once and a due recovery shortens it, so the bound is only that:
+# 6 wake-ups a minute of an idle agent's watcher (and of the NVML worker that waits for it).
+_WAIT_MS = 10_000
 _RETRY_S = 5.0
 
 
