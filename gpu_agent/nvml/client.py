@@ -221,7 +221,7 @@ class Nvml:
         # By GPU index: the MIG layout sampled last and its MIG devices' handles by device index. A MIG
         # device's handle lasts as long as the device; a new layout, or a pass's start, asks again.
         self._mig_handles: dict[int, tuple[MigState, dict[int, Any]]] = {}
-        self._gpm_metric_ids: Optional[tuple[int, ...]] = None  # GPM_METRICS' ids in this library
+        self._gpm_request = threading.local()  # `request`: this thread's nvmlGpmMetricsGet request
 
     @property
     def call_timeout(self) -> float:
@@ -779,15 +779,14 @@ class Nvml:
     def gpm_metrics(self, first: Any, second: Any) -> dict[str, float]:
         """GPM_METRICS over the interval between two samples; a metric NVML does not answer is left out."""
         lib = self.lib
-        if self._gpm_metric_ids is None:
-            self._gpm_metric_ids = tuple(getattr(lib, constant) for _, constant, _ in GPM_METRICS)
-        request = lib.c_nvmlGpmMetricsGet_t()
-        request.version = lib.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
+        request = getattr(self._gpm_request, "request", None)
+        if request is None:  # made once per thread (NVML fills its metrics in at each call): a sample asks 64 times
+            request = self._gpm_request.request = lib.c_nvmlGpmMetricsGet_t()
+            request.version = lib.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(GPM_METRICS)
+            for n, (_, constant, _) in enumerate(GPM_METRICS):
+                request.metrics[n].metricId = getattr(lib, constant)
         request.sample1, request.sample2 = first, second
-        slots = request.metrics
-        for n, metric_id in enumerate(self._gpm_metric_ids):
-            slots[n].metricId = metric_id
         answered = self._nvml("nvmlGpmMetricsGet", request).metrics
         success = lib.NVML_SUCCESS
         found = {}
