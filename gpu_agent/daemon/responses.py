@@ -59,10 +59,6 @@ class Response:
     def text(cls, text: str, status: int = 200, headers: Sequence[tuple[str, str]] = ()) -> Response:
         return cls(status, text.encode(), headers)
 
-    def header(self, name: str) -> Optional[str]:
-        lower = name.lower()
-        return next((value for key, value in self.headers if key.lower() == lower), None)
-
 
 class Rendered:
     """One rendering of an endpoint's body, with its ETag and (made on first use) its gzip."""
