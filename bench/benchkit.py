@@ -269,6 +269,7 @@ class AgentOptions:
     probe: Optional[Path] = None  # run under bench/probe.py, writing its event log here
     pin: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    port: Optional[int] = None  # the same port (and so the same config file) as an earlier start
 
 
 class Agent:
@@ -277,7 +278,7 @@ class Agent:
     def __init__(self, workdir: Path, options: Optional[AgentOptions] = None) -> None:
         self.options = options or AgentOptions()
         self.workdir = workdir
-        self.port = free_port()
+        self.port = self.options.port or free_port()
         self.root = workdir / "root"
         self.root.mkdir(exist_ok=True)
         self.config = workdir / "config.yaml"

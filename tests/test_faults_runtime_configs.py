@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 import pytest
 
-from gpu_agent.config import load_config
+from gpu_agent.config.loader import load_config, validated
 from gpu_agent.config.toolkit import ToolkitConfig
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.host.paths import Root
@@ -325,7 +325,7 @@ def run_stage(root: Path, tmp_path: Path, runtimes: tuple[str, ...], settings: d
     """One reconcile of the toolkit stage alone, by the engine (internal errors included)."""
     agent = AgentState(load_config(tmp_path / "no-config.yaml", required=False))
     services = RecordingServices()
-    config = ToolkitConfig(**{"runtimes": list(runtimes), "cdi": {"enabled": False}, **settings})
+    config = validated(ToolkitConfig, {"runtimes": list(runtimes), "cdi": {"enabled": False}, **settings})
     stage = Toolkit(Root(root), services, NoPackages(), agent, config)
     stage.requires = ()  # type: ignore[assignment]  # run alone: discovery is not part of this test
     engine = Engine([stage], agent, agent.config.config.reconcile)

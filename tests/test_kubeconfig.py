@@ -110,3 +110,20 @@ def test_a_request_that_cannot_be_formed_spends_none_of_the_budget(root: Path) -
         with pytest.raises(AgentError, match="token file /var/lib/kubelet/token not found"):
             client.get_node("gpu-node-1")
     assert budget.take() and not budget.take()
+
+
+def test_a_kubeconfigs_ca_is_the_only_one_trusted(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With certificate-authority(-data) set, a server certificate from another CA fails, even one the
+    system's bundle trusts (SSL_CERT_FILE stands for that bundle here), as client-go's RootCAs do."""
+    from kube_emulator import KubeEmulator, write_kubeconfig
+
+    with KubeEmulator(root.parent / "cluster-pki") as cluster, KubeEmulator(root.parent / "public-pki") as impostor:
+        monkeypatch.setenv("SSL_CERT_FILE", str(impostor.pki.ca_path))
+        node = cluster.node_credentials("gpu-node-1")
+        write_kubeconfig(root / PATH.lstrip("/"), impostor.url, user=node, ca_pem=cluster.pki.ca_pem)
+        with pytest.raises(ApiError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            KubeClient(Root(root), PATH, 5, RequestBudget()).get_node("gpu-node-1")
+        assert impostor.requests == []
+        write_kubeconfig(root / PATH.lstrip("/"), cluster, user=node)
+        node_object = KubeClient(Root(root), PATH, 5, RequestBudget()).get_node("gpu-node-1")
+        assert node_object["metadata"]["name"] == "gpu-node-1"

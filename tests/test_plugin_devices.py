@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import pytest
 
-from gpu_agent.config.loader import parse_config
+from gpu_agent.config.loader import parse_config, validated
 from gpu_agent.config.plugin import PluginConfig, mig_strategy
 from gpu_agent.errors import ConfigError
 from gpu_agent.host.paths import Root
@@ -41,7 +41,7 @@ EIGHT = inventory(*(gpu(i) for i in range(8)))
 
 
 def plugin(**settings: Any) -> PluginConfig:
-    return PluginConfig.model_validate(settings)
+    return validated(PluginConfig, settings)
 
 
 def ads(inv: Optional[Inventory], strategy: str = "none", settings: Optional[PluginConfig] = None,

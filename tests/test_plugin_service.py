@@ -42,8 +42,9 @@ def sim_state(tmp_path: Path) -> tuple[Path, AgentState]:
 
 def test_without_the_kubelet_directory_it_waits_and_says_so(tmp_path: Path) -> None:
     root, state = sim_state(tmp_path)
-    state.config = dataclasses.replace(state.config, config=state.config.config.model_copy(
-        update={"plugin": state.config.config.plugin.model_copy(update={"enabled": True})}))
+    config = state.config.config
+    state.config = dataclasses.replace(state.config, config=dataclasses.replace(
+        config, plugin=dataclasses.replace(config.plugin, enabled=True)))
     asyncio.run(DevicePluginManager(Root(root), state).sync())
     assert state.plugin is not None and state.plugin["enabled"] is True and state.plugin["resources"] == []
     assert state.plugin["reason"] == "waiting for the kubelet: /var/lib/kubelet/device-plugins does not exist"

@@ -81,3 +81,84 @@ def test_the_daemon_imports_no_aiohttp() -> None:
             "assert not leaked, leaked\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
+
+
+# Every stage's section, each with a setting of its own (the daemon's config, validated outside it).
+EVERY_SECTION = {
+    "log_level": "info", "reconcile": {"interval_seconds": 45}, "nvml": {"call_timeout_seconds": 4},
+    "metrics": {"sample_interval_seconds": 6, "pod_labels": False}, "discovery": {"expected_gpus": 8},
+    "driver": {"parameters": {"nvidia": {"NVreg_EnableGpuFirmware": 0}}, "modules": {"nvidia_fs": False}},
+    "toolkit": {"runtimes": "auto", "cdi": {"enabled": True}}, "kubernetes": {"enabled": False},
+    "health": {"ignored_xids": [13, 31], "unready_when": "any"},
+    "mig": {"strategy": "single", "stop_units": ["nvidia-dcgm.service"]},
+    "plugin": {"enabled": True, "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}},
+               "gpu_replicas": {"0": 1}},
+}
+# pydantic, and the config's loader. (PyYAML the daemon imports anyway: the CDI spec is written with it,
+# kubeconfig and mig-parted files are read with it.)
+DAEMON_NEVER = ("pydantic", "pydantic_core", "gpu_agent.config.loader")
+
+
+def _imported_by(output: str) -> set[str]:
+    """The modules, and their top-level packages, that a process run with PYTHONPROFILEIMPORTTIME=1
+    imported, from its output."""
+    names = {line.rsplit("|", 1)[1].strip()
+             for line in output.splitlines() if line.startswith("import time:") and "|" in line}
+    return names | {name.split(".")[0] for name in names}
+
+
+@pytest.mark.subprocess
+def test_the_daemon_runs_and_reloads_its_config_without_pydantic(agent, root: Path) -> None:
+    """The config is validated by a child (first start, an edited file) or read back from the cache
+    (an unchanged file): the daemon itself never imports pydantic, nor the config's loader."""
+    import json
+    import signal
+
+    from gpu_agent.config.cache import CACHE_PATH
+    from gpu_agent.config.loader import load_config
+
+    profiled = {"PYTHONPROFILEIMPORTTIME": "1"}
+    daemon = agent("dgx-h100", settings=EVERY_SECTION, env=profiled)
+    daemon.wait_ready()
+    cache = root / CACHE_PATH.lstrip("/")
+    assert json.loads(cache.read_text())["config"]["reconcile"]["interval_seconds"] == 45.0
+    _, body = daemon.get("/status")
+    assert json.loads(body)["config"]["digest"] == load_config(daemon.config, required=True).digest
+
+    daemon.config.write_text(daemon.config.read_text().replace("interval_seconds: 45", "interval_seconds: 50"))
+    edited = load_config(daemon.config, required=True).digest
+    daemon.signal(signal.SIGHUP)  # an edited file: validated again, never the cached result
+    daemon.wait_http("/status", lambda _, body: json.loads(body)["config"]["digest"] == edited)
+    assert json.loads(cache.read_text())["config"]["reconcile"]["interval_seconds"] == 50.0
+    assert daemon.stop() == 0
+    output = daemon.output()
+    assert "import time:" in output and "gpu_agent.daemon.app" in output, output[-2000:]
+    assert not _imported_by(output) & set(DAEMON_NEVER), sorted(_imported_by(output) & set(DAEMON_NEVER))
+
+    validated = cache.stat().st_mtime_ns
+    again = agent("dgx-h100", settings={**EVERY_SECTION, "reconcile": {"interval_seconds": 50}}, env=profiled)
+    again.wait_ready()
+    assert again.stop() == 0
+    assert cache.stat().st_mtime_ns == validated  # the same file: read back from the cache, not validated
+    assert not _imported_by(again.output()) & set(DAEMON_NEVER)
+
+
+# The modules that validate a file with pydantic: the config loader (the CLI's one-shot commands, the
+# daemon's validation child), a simulated machine file and a capture. No other module may import it.
+VALIDATORS = ("gpu_agent.config.loader", "gpu_agent.sim.machine_file", "gpu_agent.sim.replay")
+
+
+@pytest.mark.subprocess
+def test_only_the_validating_modules_import_pydantic() -> None:
+    """Whatever stages a config turns on, the modules the daemon runs import no pydantic."""
+    code = ("import importlib, pkgutil, sys, gpu_agent\n"
+            f"validators = {VALIDATORS!r}\n"
+            "names = [m.name for m in pkgutil.walk_packages(gpu_agent.__path__, 'gpu_agent.')\n"
+            "         if m.name not in validators and not m.name.endswith('__main__')]\n"
+            "for name in names:\n"
+            "    importlib.import_module(name)\n"
+            "    assert 'pydantic' not in sys.modules, name\n"
+            "print(len(names))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout) > 100  # every module, not an empty walk

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from gpu_agent.cli.common import config_location, config_of, root_of
+from gpu_agent.cli.common import config_location, root_of
 from gpu_agent.errors import ConfigError, EXIT_ERROR
 
 
@@ -13,13 +13,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from gpu_agent.config import validate
+
+    path, required = config_location(args)
+    # A forked child validates while this process imports the daemon (single-threaded still).
+    loading = validate.start(path, required, root_of(args), fork=True)
     from gpu_agent.daemon.app import run_daemon
 
     try:
-        loaded = config_of(args)
+        loaded = loading.result()
     except ConfigError as exc:
         logging.getLogger("gpu_agent").error("refusing to start: %s", exc)
         return EXIT_ERROR
     logging.getLogger().setLevel(loaded.config.log_level.upper())
-    path, required = config_location(args)
     return run_daemon(root_of(args), loaded, path, required, args.simulate)

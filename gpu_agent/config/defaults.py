@@ -1,11 +1,10 @@
 """The shipped /etc/gpu-agent/config.yaml: every setting at its default, commented out, with its meaning."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 from typing import Any
-
-from pydantic import BaseModel
 
 from gpu_agent.config.schema import AgentConfig
 
@@ -20,10 +19,10 @@ version: v1
 def render_defaults() -> str:
     lines = [HEADER.rstrip("\n")]
     defaults = AgentConfig()
-    for name, field in AgentConfig.model_fields.items():
-        if name != "version":
+    for field in dataclasses.fields(AgentConfig):
+        if field.name != "version":
             lines.append("")
-            lines += _setting(name, getattr(defaults, name), field.description, depth=0)
+            lines += _setting(field.name, getattr(defaults, field.name), field.metadata.get("description"), depth=0)
     return "\n".join(lines) + "\n"
 
 
@@ -31,10 +30,11 @@ def _setting(key: str, value: Any, description: str | None, depth: int) -> list[
     """`#` then the YAML line at its depth; descriptions as comments inside the commented block."""
     indent = "#" + "  " * depth
     lines = [f"{indent}# {line}" for line in textwrap.wrap(description or "", 92)]
-    if isinstance(value, BaseModel):
+    if dataclasses.is_dataclass(value):
         lines.append(f"{indent}{key}:")
-        for sub, field in type(value).model_fields.items():
-            lines += _setting(field.alias or sub, getattr(value, sub), field.description, depth + 1)
+        for field in dataclasses.fields(value):
+            lines += _setting(field.metadata.get("alias", field.name), getattr(value, field.name),
+                              field.metadata.get("description"), depth + 1)
     else:
         lines.append(f"{indent}{key}: {_yaml(value)}")
     return lines

@@ -1,25 +1,29 @@
-"""Read and validate the config file; every error names the file, the key path, the line and the reason."""
+"""Read and validate the config file; every error names the file, the key path, the line and the reason.
+
+This is the one module that validates, with pydantic and PyYAML: the CLI's one-shot commands call it
+in-process, the daemon in a child (config/validate.py) so that it never imports either."""
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
+from gpu_agent.config.loaded import BUILT_IN, LoadedConfig, loaded
 from gpu_agent.config.plugin import conflicting_keys, deprecated_keys
-from gpu_agent.config.safe_yaml import load_yaml
+from gpu_agent.config.safe_yaml import line_of, load_yaml
 from gpu_agent.config.schema import AgentConfig
 from gpu_agent.config.text import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
 from gpu_agent.config.text import MAX_CONFIG_BYTES, read_config_text, shown
 from gpu_agent.errors import ConfigError
 
+__all__ = ["DEFAULT_CONFIG_PATH", "LoadedConfig", "check_config", "line_of", "load_config", "parse_config",
+           "validated"]
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {}  # building one costs milliseconds: once per section
 MAX_REPORTED_ERRORS = 20
 # What to write instead, when YAML read a value as a string but the setting needs another type.
 _TYPE_HINTS = {
@@ -27,13 +31,8 @@ _TYPE_HINTS = {
     "int_type": "write a whole number without quotes",
     "bool_type": "write true or false without quotes",
 }
-
-
-@dataclass(frozen=True)
-class LoadedConfig:
-    config: AgentConfig
-    source: str  # the file it came from, or "built-in defaults"
-    digest: str
+# A key the section does not have: pydantic's type for a model, then for a dataclass.
+_UNKNOWN_KEY = ("extra_forbidden", "unexpected_keyword_argument")
 
 
 def load_config(path: Path, required: bool) -> LoadedConfig:
@@ -42,11 +41,28 @@ def load_config(path: Path, required: bool) -> LoadedConfig:
     if text is None:
         if required:
             raise ConfigError(f"{path}: no such file")
-        return _loaded(AgentConfig(), "built-in defaults")
-    return _loaded(parse_config(text, str(path)), str(path))
+        return loaded(AgentConfig(), BUILT_IN)
+    return loaded(parse_config(text, str(path)), str(path))
 
 
 def parse_config(text: str, name: str) -> AgentConfig:
+    """The config `text` (from the file `name`) says; its deprecated keys are logged as warnings."""
+    config, warnings = check_config(text, name)
+    for warning in warnings:
+        log.warning("%s", warning)
+    return config
+
+
+def validated(cls: type[T], data: Any) -> T:
+    """`data` validated as the config section `cls` (a dataclass of config/); raises ValidationError."""
+    adapter = _ADAPTERS.get(cls)
+    if adapter is None:
+        adapter = _ADAPTERS[cls] = TypeAdapter(cls)
+    return adapter.validate_python(data)
+
+
+def check_config(text: str, name: str) -> tuple[AgentConfig, list[str]]:
+    """The config `text` says, and a warning for each deprecated key it uses; ConfigError when invalid."""
     if len(text) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{name}: more than {MAX_CONFIG_BYTES} characters is too large for a config file")
     document, data = load_yaml(text, name)
@@ -63,7 +79,7 @@ def parse_config(text: str, name: str) -> AgentConfig:
             "this agent reads version v1"
         )
     try:
-        config = AgentConfig.model_validate(data)
+        config = validated(AgentConfig, data)
     except ValidationError as exc:
         errors = exc.errors()
         lines = [_describe(err, document, name) for err in errors[:MAX_REPORTED_ERRORS]]
@@ -74,9 +90,9 @@ def parse_config(text: str, name: str) -> AgentConfig:
                  for loc, reason in conflicting_keys(config)]
     if conflicts:
         raise ConfigError("\n".join(conflicts))
-    for loc, reason in deprecated_keys(config):
-        log.warning("%s:%s: %s: %s", name, line_of(document, loc), ".".join(loc), reason)
-    return config
+    warnings = [f"{name}:{line_of(document, loc)}: {'.'.join(loc)}: {reason}"
+                for loc, reason in deprecated_keys(config)]
+    return config, warnings
 
 
 def _describe(error: Any, document: yaml.Node | None, name: str) -> str:
@@ -84,8 +100,10 @@ def _describe(error: Any, document: yaml.Node | None, name: str) -> str:
     key = ".".join(_key_part(part) for part in loc) or "(top level)"
     line = line_of(document, loc)
     where = f"{name}:{line}" if line else name
-    if error["type"] == "extra_forbidden":
+    if error["type"] in _UNKNOWN_KEY:
         reason = "unknown key"
+    elif error["type"] == "dataclass_type":  # a section given as a list or a value: as pydantic says it of a model
+        reason = f"Input should be a valid dictionary or instance of {error['ctx']['class_name']}"
     else:
         reason = error["msg"].removeprefix("Value error, ")
         hint = _TYPE_HINTS.get(error["type"])
@@ -99,33 +117,6 @@ def _key_part(part: str | int) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
-    """The 1-based line of the key or list item at `loc`, or of its nearest parent in the file."""
-    if node is None:
-        return None
-    line = node.start_mark.line + 1
-    for part in loc:
-        if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-            continue
-        if not isinstance(node, yaml.MappingNode):
-            break
-        for key_node, value_node in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.value == str(part):
-                line = key_node.start_mark.line + 1
-                node = value_node
-                break
-        else:
-            break
-    return line
-
-
 def _kind(value: Any) -> str:
     return {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true or false"}.get(
         type(value), type(value).__name__)
-
-
-def _loaded(config: AgentConfig, source: str) -> LoadedConfig:
-    canonical = json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return LoadedConfig(config, source, "sha256:" + hashlib.sha256(canonical.encode()).hexdigest())

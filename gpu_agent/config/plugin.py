@@ -6,11 +6,12 @@ NVIDIA config can be pasted unchanged; `gpu_replicas` (ours) sets replica counts
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal, Optional, Union
 
-from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
+import annotated_types as at
 
-from gpu_agent.config.section import Section, shown
+from gpu_agent.config.section import Check, Section, setting, shown
 
 if TYPE_CHECKING:
     from gpu_agent.config.schema import AgentConfig
@@ -47,95 +48,88 @@ def _device_ref(value: Union[int, str]) -> Union[int, str]:
     raise ValueError(f"{shown(value)} is neither a GPU index nor a GPU-/MIG- UUID")
 
 
-# NVIDIA's keys are camelCase; the snake_case names are accepted too (what defaults.py writes).
-_CAMEL = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True, populate_by_name=True)
-ResourceName = Annotated[str, Field(max_length=80), AfterValidator(_resource_name)]
-DeviceRef = Annotated[Union[Annotated[int, Field(ge=0, le=1023)], Annotated[str, Field(max_length=80)]],
-                      AfterValidator(_device_ref)]
+def _bounded(value: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
+    if isinstance(value, list) and len(value) > 1024:
+        raise ValueError(f"{len(value)} devices is more than any node has (at most 1024)")
+    return value
 
 
+ResourceName = Annotated[str, at.MaxLen(80), Check(_resource_name)]
+DeviceRef = Annotated[Union[Annotated[int, at.Ge(0), at.Le(1023)], Annotated[str, at.MaxLen(80)]],
+                      Check(_device_ref)]
+
+
+# NVIDIA's keys are camelCase (each field's alias); the snake_case names are accepted too.
+@dataclass(frozen=True)
 class TimeSlicedResource(Section):
-    name: ResourceName = Field(description="The resource to share: nvidia.com/gpu or nvidia.com/mig-<profile>.")
-    replicas: int = Field(ge=1, le=MAX_REPLICAS, description="Devices advertised per GPU (or MIG device).")
-    rename: Optional[Annotated[str, Field(max_length=80), AfterValidator(_renamed)]] = Field(
-        None, description="Advertise the shared devices under this name instead.")
-    devices: Union[Literal["all"], list[DeviceRef]] = Field(
-        "all", description='"all", or the GPUs (index or UUID) and MIG devices (UUID) to share.')
-
-    @field_validator("devices")
-    @classmethod
-    def _bounded(cls, value: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
-        if isinstance(value, list) and len(value) > 1024:
-            raise ValueError(f"{len(value)} devices is more than any node has (at most 1024)")
-        return value
+    name: ResourceName = setting(description="The resource to share: nvidia.com/gpu or nvidia.com/mig-<profile>.")
+    replicas: int = setting(description="Devices advertised per GPU (or MIG device).", ge=1, le=MAX_REPLICAS)
+    rename: Optional[Annotated[str, at.MaxLen(80), Check(_renamed)]] = setting(
+        None, "Advertise the shared devices under this name instead.")
+    devices: Annotated[Union[Literal["all"], list[DeviceRef]], Check(_bounded)] = setting(
+        "all", '"all", or the GPUs (index or UUID) and MIG devices (UUID) to share.')
 
 
+@dataclass(frozen=True)
 class TimeSlicing(Section):
-    model_config = _CAMEL
+    rename_by_default: bool = setting(False, "Advertise shared resources as <name>.shared.", alias="renameByDefault")
+    fail_requests_greater_than_one: bool = setting(
+        False, "Refuse an Allocate asking for more than one device of a shared resource.",
+        alias="failRequestsGreaterThanOne")
+    resources: list[TimeSlicedResource] = setting([], max_length=64)
 
-    rename_by_default: bool = Field(False, alias="renameByDefault",
-                                    description="Advertise shared resources as <name>.shared.")
-    fail_requests_greater_than_one: bool = Field(
-        False, alias="failRequestsGreaterThanOne",
-        description="Refuse an Allocate asking for more than one device of a shared resource.")
-    resources: list[TimeSlicedResource] = Field([], max_length=64)
-
-    @model_validator(mode="after")
-    def _one_entry_per_resource(self) -> TimeSlicing:
+    def __post_init__(self) -> None:
         seen: set[str] = set()
         for entry in self.resources:
             if entry.name in seen:
                 raise ValueError(f"{entry.name} is listed twice in timeSlicing.resources; merge the entries")
             seen.add(entry.name)
-        return self
 
 
+def _no_mps(value: Optional[dict[str, object]]) -> None:
+    if value:
+        raise ValueError("MPS sharing is not supported by gpu-agent; use timeSlicing or remove mps")
+    return None
+
+
+@dataclass(frozen=True)
 class Sharing(Section):
-    model_config = _CAMEL
-
-    time_slicing: TimeSlicing = Field(TimeSlicing(), alias="timeSlicing")
-    mps: Optional[dict[str, object]] = Field(None, description="Not supported: MPS sharing is out of scope.")
-
-    @field_validator("mps")
-    @classmethod
-    def _no_mps(cls, value: Optional[dict[str, object]]) -> None:
-        if value:
-            raise ValueError("MPS sharing is not supported by gpu-agent; use timeSlicing or remove mps")
-        return None
+    time_slicing: TimeSlicing = setting(TimeSlicing(), alias="timeSlicing")
+    mps: Annotated[Optional[dict[str, object]], Check(_no_mps)] = setting(
+        None, "Not supported: MPS sharing is out of scope.")
 
 
-GpuKey = Annotated[str, Field(max_length=80)]
+def _index_keys(value: object) -> object:
+    """`0: 4` in YAML is an int key: the index as written."""
+    if isinstance(value, dict):
+        return {str(key) if isinstance(key, int) and not isinstance(key, bool) else key: count
+                for key, count in value.items()}
+    return value
 
 
+def _gpu_keys(value: dict[str, int]) -> dict[str, int]:
+    for key in value:
+        if not (key.isdigit() or re.fullmatch(r"GPU-[0-9A-Fa-f-]{8,64}", key)):
+            raise ValueError(f"key {shown(key)} is neither a GPU index such as \"0\" nor a GPU UUID")
+    return value
+
+
+GpuKey = Annotated[str, at.MaxLen(80)]
+GpuReplicas = Annotated[dict[GpuKey, Annotated[int, at.Ge(1), at.Le(MAX_REPLICAS)]],
+                        Check(_gpu_keys), Check(_index_keys, before=True)]
+
+
+@dataclass(frozen=True)
 class PluginConfig(Section):
-    enabled: Union[bool, Literal["auto"]] = Field(
-        "auto", description="Serve the kubelet device plugin; auto: when <root>/var/lib/kubelet/device-plugins "
-                            "exists.")
-    device_list_strategy: Literal["cdi-cri", "cdi-annotations", "envvar"] = Field(
-        "cdi-cri", description="How Allocate names devices: cdi-cri (CDI devices in the CRI), cdi-annotations "
-                               "(cdi.k8s.io/ annotations) or envvar (NVIDIA_VISIBLE_DEVICES).")
-    sharing: Sharing = Field(Sharing(), description="NVIDIA k8s-device-plugin's sharing block, pasted unchanged.")
-    gpu_replicas: dict[GpuKey, Annotated[int, Field(ge=1, le=MAX_REPLICAS)]] = Field(
-        {}, max_length=1024,
-        description='Replicas per GPU, by index ("0") or UUID; overrides timeSlicing for that GPU and its MIG '
-                    "devices. 1 takes the GPU out of sharing.")
-
-    @field_validator("gpu_replicas", mode="before")
-    @classmethod
-    def _index_keys(cls, value: object) -> object:
-        """`0: 4` in YAML is an int key: the index as written."""
-        if isinstance(value, dict):
-            return {str(key) if isinstance(key, int) and not isinstance(key, bool) else key: count
-                    for key, count in value.items()}
-        return value
-
-    @field_validator("gpu_replicas")
-    @classmethod
-    def _gpu_keys(cls, value: dict[str, int]) -> dict[str, int]:
-        for key in value:
-            if not (key.isdigit() or re.fullmatch(r"GPU-[0-9A-Fa-f-]{8,64}", key)):
-                raise ValueError(f"key {shown(key)} is neither a GPU index such as \"0\" nor a GPU UUID")
-        return value
+    enabled: Union[bool, Literal["auto"]] = setting(
+        "auto", "Serve the kubelet device plugin; auto: when <root>/var/lib/kubelet/device-plugins exists.")
+    device_list_strategy: Literal["cdi-cri", "cdi-annotations", "envvar"] = setting(
+        "cdi-cri", "How Allocate names devices: cdi-cri (CDI devices in the CRI), cdi-annotations "
+                   "(cdi.k8s.io/ annotations) or envvar (NVIDIA_VISIBLE_DEVICES).")
+    sharing: Sharing = setting(Sharing(), "NVIDIA k8s-device-plugin's sharing block, pasted unchanged.")
+    gpu_replicas: GpuReplicas = setting(
+        {}, 'Replicas per GPU, by index ("0") or UUID; overrides timeSlicing for that GPU and its MIG '
+            "devices. 1 takes the GPU out of sharing.", max_length=1024)
 
 
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"

@@ -9,7 +9,7 @@ convert cheaply. Building then refuses duplicate keys. Every refusal is a Config
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import yaml
@@ -162,3 +162,25 @@ def _events(text: str) -> Iterator[yaml.Event]:
             yield loader.get_event()
     finally:
         loader.dispose()
+
+
+def line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
+    """The 1-based line of the key or list item at `loc`, or of its nearest parent in the file."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+            continue
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value == str(part):
+                line = key_node.start_mark.line + 1
+                node = value_node
+                break
+        else:
+            break
+    return line

@@ -1,48 +1,49 @@
-"""Schema of /etc/gpu-agent/config.yaml, version v1. Unknown keys are errors, never ignored."""
+"""Schema of /etc/gpu-agent/config.yaml, version v1. Unknown keys are errors, never ignored.
+
+The sections are frozen dataclasses (config/section.py): the types the daemon runs with, built by
+pydantic in the process that validates (config/loader.py) and from the validated JSON in the daemon
+(config/build.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, field_validator
+import annotated_types as at
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.config.endpoint import DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, Endpoint, valid_listen
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
 from gpu_agent.config.plugin import PluginConfig
-from gpu_agent.config.section import PATH_MAX, Section, absolute_path, seconds, shown
+from gpu_agent.config.section import PATH_MAX, Check, Section, absolute_path, seconds, setting, shown
 from gpu_agent.config.toolkit import ToolkitConfig
 
 MAX_GPUS = 1024  # more than any node has: catches a typo, not a machine
 
 
+@dataclass(frozen=True)
 class ReconcileConfig(Section):
     interval_seconds: float = seconds(60, 86400, "Re-reconcile every stage this often.")
     backoff_initial_seconds: float = seconds(5, 3600, "First retry delay of a failing stage.")
     backoff_max_seconds: float = seconds(300, 86400, "Retry delay cap of a failing stage.")
 
 
+def _host_port(value: str) -> str:
+    if not valid_listen(value):
+        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9445, got {shown(value)}")
+    return value
+
+
+def _absolute_or_off(value: str) -> str:
+    return absolute_path(value) if value else value
+
+
+@dataclass(frozen=True)
 class HttpConfig(Section):
-    listen: str = Field(
-        DEFAULT_LISTEN, max_length=LISTEN_MAX,
-        description='TCP address of the read-only endpoint, HOST:PORT; "" turns TCP off.',
-    )
-    socket: str = Field(
-        DEFAULT_SOCKET, max_length=PATH_MAX,
-        description='Unix socket of the same endpoint (under --root); "" turns it off.',
-    )
-
-    @field_validator("listen")
-    @classmethod
-    def _host_port(cls, value: str) -> str:
-        if not valid_listen(value):
-            raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9445, got {shown(value)}")
-        return value
-
-    @field_validator("socket")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        return absolute_path(value) if value else value
+    listen: Annotated[str, Check(_host_port)] = setting(
+        DEFAULT_LISTEN, 'TCP address of the read-only endpoint, HOST:PORT; "" turns TCP off.', max_length=LISTEN_MAX)
+    socket: Annotated[str, Check(_absolute_or_off)] = setting(
+        DEFAULT_SOCKET, 'Unix socket of the same endpoint (under --root); "" turns it off.', max_length=PATH_MAX)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -57,64 +58,63 @@ class HttpConfig(Section):
         return self.endpoint.port
 
 
+@dataclass(frozen=True)
 class NvmlConfig(Section):
     call_timeout_seconds: float = seconds(
         5, 300, "An NVML call that takes longer is abandoned and the driver reported hung.")
 
 
+@dataclass(frozen=True)
 class MetricsConfig(Section):
     sample_interval_seconds: float = seconds(
         5, 3600, "How often GPU metrics are sampled; a scrape never calls NVML.")
-    hostname: Optional[str] = Field(
-        None, max_length=253, description="Hostname label of the GPU metrics; default: this host's name."
-    )
-    pod_labels: bool = Field(
-        False, description="Add pod, namespace and container labels to the GPU metrics, from the kubelet's "
-                           "pod-resources API (/var/lib/kubelet/pod-resources/kubelet.sock), as dcgm-exporter does.")
+    hostname: Optional[str] = setting(
+        None, "Hostname label of the GPU metrics; default: this host's name.", max_length=253)
+    pod_labels: bool = setting(
+        False, "Add pod, namespace and container labels to the GPU metrics, from the kubelet's "
+               "pod-resources API (/var/lib/kubelet/pod-resources/kubelet.sock), as dcgm-exporter does.")
 
 
+@dataclass(frozen=True)
 class DiscoveryConfig(Section):
-    expected_gpus: Optional[int] = Field(
-        None,
-        ge=0,
-        le=MAX_GPUS,
-        description="Fail discovery unless exactly this many GPUs are visible (catches a GPU off the bus).",
-    )
+    expected_gpus: Optional[int] = setting(
+        None, "Fail discovery unless exactly this many GPUs are visible (catches a GPU off the bus).",
+        ge=0, le=MAX_GPUS)
 
 
+Xid = Annotated[int, at.Ge(0), at.Le(65535)]
+
+
+@dataclass(frozen=True)
 class HealthConfig(Section):
-    ignored_xids: list[Annotated[int, Field(ge=0, le=65535)]] = Field(
-        [13, 31, 43, 45, 68, 109], max_length=1024,
-        description="XIDs caused by applications, not the GPU (the Kubernetes device plugin's list, as "
-        "DP_DISABLE_HEALTHCHECKS); any other XID marks the GPU unhealthy.",
-    )
-    extra_critical_xids: list[Annotated[int, Field(ge=0, le=65535)]] = Field(
-        [], max_length=1024,
-        description="XIDs that mark the GPU unhealthy even when ignored_xids lists them (as DP_ENABLE_HEALTHCHECKS).",
-    )
+    ignored_xids: list[Xid] = setting(
+        [13, 31, 43, 45, 68, 109], "XIDs caused by applications, not the GPU (the Kubernetes device plugin's "
+        "list, as DP_DISABLE_HEALTHCHECKS); any other XID marks the GPU unhealthy.", max_length=1024)
+    extra_critical_xids: list[Xid] = setting(
+        [], "XIDs that mark the GPU unhealthy even when ignored_xids lists them (as DP_ENABLE_HEALTHCHECKS).",
+        max_length=1024)
     recover_after_seconds: float = seconds(
         300, 86400, "A GPU made unhealthy by an XID is healthy again after this long without another critical "
         "XID; one off the bus (XID 79) only once NVML answers for it again at the same PCI bus id.")
     check_interval_seconds: float = seconds(
         30, 3600, "Run the periodic GPU checks this often: NVML answers in time, pending row remaps (or page "
         "retirements), a row remapping failure, temperature at or above the slowdown threshold.")
-    unready_when: Literal["any", "all"] = Field(
-        "any", description="The node is not ready when any GPU is unhealthy (any), or only when every GPU is (all).")
+    unready_when: Literal["any", "all"] = setting(
+        "any", "The node is not ready when any GPU is unhealthy (any), or only when every GPU is (all).")
 
 
+@dataclass(frozen=True)
 class AgentConfig(Section):
     version: Literal["v1"] = "v1"
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="debug, info, warning or error."
-    )
-    reconcile: ReconcileConfig = ReconcileConfig()
-    http: HttpConfig = HttpConfig()
-    nvml: NvmlConfig = NvmlConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    driver: DriverConfig = DriverConfig()
-    toolkit: ToolkitConfig = ToolkitConfig()
-    kubernetes: KubernetesConfig = KubernetesConfig()
-    discovery: DiscoveryConfig = DiscoveryConfig()
-    health: HealthConfig = HealthConfig()
-    mig: MigConfig = MigConfig()
-    plugin: PluginConfig = PluginConfig()
+    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "debug, info, warning or error.")
+    reconcile: ReconcileConfig = setting(ReconcileConfig())
+    http: HttpConfig = setting(HttpConfig())
+    nvml: NvmlConfig = setting(NvmlConfig())
+    metrics: MetricsConfig = setting(MetricsConfig())
+    driver: DriverConfig = setting(DriverConfig())
+    toolkit: ToolkitConfig = setting(ToolkitConfig())
+    kubernetes: KubernetesConfig = setting(KubernetesConfig())
+    discovery: DiscoveryConfig = setting(DiscoveryConfig())
+    health: HealthConfig = setting(HealthConfig())
+    mig: MigConfig = setting(MigConfig())
+    plugin: PluginConfig = setting(PluginConfig())

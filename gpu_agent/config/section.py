@@ -1,10 +1,16 @@
-"""What every config section shares: strictness, and the value types with their bounds."""
+"""What every config section shares: strictness, and the value types with their bounds.
+
+The sections are frozen stdlib dataclasses, the daemon's runtime types. pydantic validates them (see
+config/loader.py), but only the validating process imports it: the bounds are annotated_types metadata
+or field metadata (pydantic passes a dataclass field's metadata to its Field), and the checks below
+are metadata whose pydantic hook imports pydantic_core when a schema is built, never at class creation."""
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable, ClassVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+import annotated_types as at
 
 from gpu_agent.config.text import shown
 
@@ -12,10 +18,45 @@ PATH_MAX = 4096
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-class Section(BaseModel):
-    """A config section: unknown keys are errors, values are immutable once loaded, no inf or NaN."""
+class Section:
+    """A config section (each one a frozen dataclass): unknown keys are errors, no inf or NaN, and no
+    value is coerced from another type ("5" is not a number). Only the section itself may be given as a
+    mapping, which pydantic's strict mode refuses for a dataclass; the hook below allows that alone."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+    __pydantic_config__: ClassVar[dict[str, Any]] = {
+        "extra": "forbid", "strict": True, "allow_inf_nan": False, "populate_by_name": True}
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        schema = handler(source)
+        handler.resolve_ref_schema(schema)["strict"] = False
+        return schema
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """Annotated metadata: `check(value)` after pydantic validated the type; a ValueError is the error."""
+
+    check: Callable[[Any], Any]
+    before: bool = False  # run on the input, before the type is validated
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        if self.before:
+            return core_schema.no_info_before_validator_function(self.check, handler(source))
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+
+def setting(default: Any = dataclasses.MISSING, description: str = "", **bounds: Any) -> Any:
+    """A field: its default (a list or dict copied for each instance), its description for the shipped
+    config (config/defaults.py), and bounds pydantic checks (gt, ge, le, min_length, max_length, alias)."""
+    metadata = {"description": description, **bounds} if description else dict(bounds)
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        factory: Callable[[], Any] = (lambda: type(default)(default)) if isinstance(default, (list, dict)) \
+            else type(default)
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def absolute_path(value: str) -> str:
@@ -27,9 +68,9 @@ def absolute_path(value: str) -> str:
 
 
 # A host path, resolved under --root by whoever uses it.
-AbsolutePath = Annotated[str, Field(max_length=PATH_MAX), AfterValidator(absolute_path)]
+AbsolutePath = Annotated[str, at.MaxLen(PATH_MAX), Check(absolute_path)]
 
 
 def seconds(default: float, most: float, description: str = "") -> Any:
     """A duration in seconds: more than 0 and at most `most` (which the description states)."""
-    return Field(float(default), gt=0, le=most, description=f"{description} At most {most:g} s.".lstrip())
+    return setting(float(default), f"{description} At most {most:g} s.".lstrip(), gt=0, le=most)

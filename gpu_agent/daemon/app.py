@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import gc
 import logging
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import IO, Any, Optional
 
 from gpu_agent import __version__
-from gpu_agent.config import AgentConfig, LoadedConfig, load_config
+from gpu_agent.config import AgentConfig, LoadedConfig
+from gpu_agent.config.validate import load_daemon_config
 from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.daemon.watch import FileChanges
@@ -128,7 +130,7 @@ class Runtime:
         if config.driver.enabled:
             driver = config.driver
             if self.real_root_simulated:
-                driver = driver.model_copy(update={"validate_cuda": False})
+                driver = dataclasses.replace(driver, validate_cuda=False)
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
         sink = None
@@ -341,7 +343,8 @@ class Daemon:
         self.notifier.reloading()
         log.info("reloading configuration from %s", self.config_path)
         try:
-            loaded = await asyncio.to_thread(load_config, self.config_path, self.config_required)
+            loaded = await asyncio.to_thread(load_daemon_config, self.config_path, self.config_required,
+                                             self.runtime.root)
             stages = self._stages_for(loaded.config)
             await self.http.restart(loaded.config.http)
         except AgentError as exc:

@@ -148,14 +148,18 @@ class KubeClient:
                 raise ValueError(f"{path} not found")
             if not self.root(path).is_file():  # OpenSSL would wait forever on a FIFO
                 raise ValueError(f"{path} is not a regular file")
-        context = ssl.create_default_context()
         if credentials.insecure:
+            context = ssl.create_default_context()
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         elif credentials.ca_data:
+            context = _cluster_ca_only()
             context.load_verify_locations(cadata=_pem_text(credentials.ca_data))
         elif credentials.ca_file:
+            context = _cluster_ca_only()
             context.load_verify_locations(cafile=str(self.root(credentials.ca_file)))
+        else:
+            context = ssl.create_default_context()
         if credentials.cert_file:
             key = str(self.root(credentials.key_file)) if credentials.key_file else None
             context.load_cert_chain(str(self.root(credentials.cert_file)), key, password=_encrypted_key)
@@ -169,6 +173,12 @@ class KubeClient:
             finally:
                 os.unlink(chain.name)
         return context
+
+
+def _cluster_ca_only() -> ssl.SSLContext:
+    """A context trusting only the CA loaded into it next, as client-go does: a certificate from any
+    public CA for the API server's name is not the cluster (and the system bundle is a MiB held in memory)."""
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
 def _stamp(root: Root, path: str) -> tuple[int, int]:

@@ -21,8 +21,8 @@ from typing import Any, Union
 
 import yaml
 
-from gpu_agent.config.loader import MAX_CONFIG_BYTES, line_of, read_config_text
-from gpu_agent.config.safe_yaml import load_yaml
+from gpu_agent.config.safe_yaml import line_of, load_yaml
+from gpu_agent.config.text import MAX_CONFIG_BYTES, read_config_text
 from gpu_agent.config.section import shown
 from gpu_agent.errors import ConfigError
 from gpu_agent.mig.profile import ProfileName, parse_profile

@@ -15,10 +15,7 @@ import threading
 import uuid as uuidlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
-
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import TYPE_CHECKING, Any, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
@@ -29,45 +26,19 @@ from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
 from gpu_agent.sim.topology import UNKNOWN_NUMA, gpu_topology
 from gpu_agent.sim.userspace import install_driver_userspace
 
+if TYPE_CHECKING:
+    from gpu_agent.sim.machine_file import MigSpec
+
 STATE_DIR = "/var/lib/gpu-agent/sim"
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class MigSpec(_Spec):
-    enabled: bool = False
-    devices: list[str] = Field(default_factory=list, description="MIG devices (3g.40gb, 1c.3g.40gb), placed first-fit")
-
-
-class GpuSpec(_Spec):
-    model: str
-    count: int = Field(1, ge=1)
-    pci_bus_ids: Optional[list[str]] = None
-    mig: MigSpec = MigSpec()
-    numa_node: Optional[int] = Field(None, ge=0, lt=1024, description="the CPU NUMA node these GPUs hang off")
-    pcie_switch: Optional[str] = Field(
-        None, pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$",
-        description="the PCIe switches above these GPUs, from the root port down: `sw0`, or `sw0/sw0.1`")
-
-
-class MachineSpec(_Spec):
-    name: str = "custom"
-    driver_version: Optional[str] = "550.90.07"
-    cuda_version: str = "12.4"
-    gpus: list[GpuSpec] = Field(default_factory=list)
-    nvswitches: int = Field(0, ge=0, le=32, description="NVSwitches, on buses c0 to df")
-    nvlinks: int = Field(0, ge=0, le=18, description="NVLinks from each GPU into the NVSwitches (all-to-all)")
-    mellanox_nics: int = Field(0, ge=0, le=32, description="ConnectX NICs, for GPUDirect RDMA (nvidia_peermem), "
-                                                           "on buses e0 to ff")
-    nouveau: bool = Field(False, description="the distribution loaded nouveau at boot")
-    product_name: str = Field("Standard PC", description="DMI product name (the gpu.machine label)")
-    passthrough: bool = Field(False, description="a VM with its GPUs passed through: it cannot reset them")
 
 
 def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
     """A custom machine from YAML; errors name the file, the key and the reason."""
+    import yaml
+    from pydantic import ValidationError
+
+    from gpu_agent.sim.machine_file import MachineSpec
+
     try:
         data = yaml.safe_load(path.read_text()) or {}
         spec = MachineSpec.model_validate(data)
@@ -150,8 +121,9 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
     gpus = []
     for index, (model, bus) in enumerate(machine.gpus):
         uuid = _gpu_uuid(machine.name, index, bus)
-        spec = mig.get(index, MigSpec())
-        enabled = int(spec.enabled or bool(spec.devices))
+        spec = mig.get(index)
+        devices = spec.devices if spec is not None else []
+        enabled = int(spec is not None and (spec.enabled or bool(devices)))
         gpu = {
             "model": model.key, "pci_bus_id": bus, "uuid": uuid, "minor": index,
             "mig": {"current": enabled, "pending": enabled, "gpu_instances": []},
@@ -162,7 +134,7 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
         }
         if machine.passthrough:
             gpu["passthrough"] = True
-        for profile in spec.devices:
+        for profile in devices:
             add_device(gpu, model, profile)
         gpus.append(gpu)
     return {

@@ -1,0 +1,34 @@
+"""A config as the agent runs it, and its canonical JSON: what every way of loading one returns (the
+validating loader, a validation child, the validated-config cache), and none of them needs pydantic."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_agent.config.schema import AgentConfig
+
+BUILT_IN = "built-in defaults"
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    config: AgentConfig
+    source: str  # the file it came from, or "built-in defaults"
+    digest: str
+
+
+def canonical_json(config: AgentConfig) -> str:
+    """Every setting, keys sorted, no spaces: equal configs give equal text (and digest)."""
+    return json.dumps(dataclasses.asdict(config), sort_keys=True, separators=(",", ":"), default=_plain)
+
+
+def loaded(config: AgentConfig, source: str) -> LoadedConfig:
+    return LoadedConfig(config, source, "sha256:" + hashlib.sha256(canonical_json(config).encode()).hexdigest())
+
+
+def _plain(value: Any) -> str:
+    """A YAML value JSON has no type for (a date in toolkit.runtime_config), as pydantic writes it."""
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
