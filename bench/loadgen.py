@@ -9,7 +9,7 @@ Each due request takes an idle keep-alive connection, or opens one (up to --max-
 it waits here for the first connection to come free, and its latency still runs from when it was due;
 `queued_for_a_connection` counts them, a sign of a stalled server). A keep-alive connection the server
 closes as idle just as a request goes out on it loses that request: as HTTP clients do (RFC 9112 9.3.1),
-such a GET is sent again once, on another connection, still charged from when it was due, and counted in
+such a GET is sent again once, on a new connection, still charged from when it was due, and counted in
 `retried_after_idle_close`, not as an error. `late_ms_p99` is how late
 the generator itself sent requests: when it grows, the generator, not the server, is the bottleneck. The
 `--serve` mode answers every request with a fixed 200 at once; the bench drives it to measure this
@@ -117,19 +117,22 @@ class Load:
         self.client_queued = 0
         self.last_answer = 0.0
 
-    def fire(self, due: float, resent: bool = False) -> None:
+    def fire(self, due: float) -> None:
         if self.idle:
-            self.send(self.idle.pop(), due, resent=resent)
+            self.send(self.idle.pop(), due)
         elif self.open < self.max_connections:
-            self.open += 1
-            self.in_flight += 1
-            conn = Connection(self)
-            conn.due, conn.resent = due, resent
-            self.loop.create_task(self._connect(conn))
+            self._open_for(due)
         else:  # every connection busy: wait for one, still charged from `due`
             self.client_queued += 1
             self.in_flight += 1
             self.queued.append(due)
+
+    def _open_for(self, due: float, resent: bool = False) -> None:
+        self.open += 1
+        self.in_flight += 1
+        conn = Connection(self)
+        conn.due, conn.resent = due, resent
+        self.loop.create_task(self._connect(conn))
 
     def _next_queued(self, conn: Connection) -> bool:
         if not self.queued or conn.closed:
@@ -147,12 +150,12 @@ class Load:
             self.in_flight -= 1
             self.errors["connect"] += 1
 
-    def send(self, conn: Connection, due: float, waited: bool = False, resent: bool = False) -> None:
+    def send(self, conn: Connection, due: float, waited: bool = False) -> None:
         if conn.due is None:
             conn.due = due
-            conn.resent = resent
+            conn.resent = False
             self.in_flight += 1
-        if not waited and not resent:  # lateness is the generator's own; a wait for a busy connection is the server's
+        if not waited and not conn.resent:  # the generator's own lateness (a wait for a connection is the server's)
             self.late.append(self.loop.time() - due)
         assert conn.transport is not None
         conn.transport.write(self.request)
@@ -173,11 +176,12 @@ class Load:
         self._reopen()
 
     def resend(self, due: float) -> None:
-        """The request went out on a keep-alive connection the server was closing as idle: once more."""
+        """The request went out on a keep-alive connection the server was closing as idle: once more, on a
+        new connection (in the place of the one closed), where a failure is the server's."""
         self.in_flight -= 1
         self.open -= 1
         self.resent += 1
-        self.fire(due, resent=True)
+        self._open_for(due, resent=True)
 
     def _reopen(self) -> None:
         """A connection went away: requests waiting for one get a new one."""
