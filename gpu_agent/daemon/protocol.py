@@ -7,8 +7,9 @@ keeps its place in its endpoint's cap, the listener sees the connection busy, an
 read from it: a client that does not read costs one answer's bytes, for at most SEND_TIMEOUT_S.
 
 What the endpoint does not serve is refused at once: an unknown path 404, another method than GET or
-HEAD 405. A request the connection cannot go on after (malformed 400, a request line and headers
-over MAX_HEAD_BYTES 431, a body 413: none is read) is answered and the connection closed; it reads
+HEAD 405. A request the connection cannot go on after (malformed 400, or 501/505 for a transfer coding
+or an HTTP version not served, a request line and headers over MAX_HEAD_BYTES 431, a body 413: none
+is read) is answered and the connection closed; it reads
 and drops what the client still sends until the client closes too, so the answer is not lost to a
 reset (the listener's idle timeout bounds that wait).
 """
