@@ -17,7 +17,7 @@ DEPENDENCIES = [
     ("pydantic-core", "pydantic_core"),
     ("psutil", "psutil"),
     ("sdnotify", "sdnotify"),
-    ("aiohttp", "aiohttp.web"),
+    ("h11", "h11"),
     ("PyYAML", "yaml"),
     ("prometheus_client", "prometheus_client"),
     ("tomlkit", "tomlkit"),

@@ -363,6 +363,7 @@ def endpoints(scale: Scale, tmp: Path) -> list[Figure]:
                 {"p50": f"{result['p50_ms']} ms", "p99.9": f"{result['p999_ms']} ms",
                  "served": f"{result['achieved_rps']} req/s", "shed 503": result["shed_503"],
                  "queued for a connection": result["queued_for_a_connection"], "errors": result["errors"],
+                 "sent again after an idle close": result.get("retried_after_idle_close", 0),
                  "watchdog gap": f"{result['watchdog_gap_max_s']} s", "generator floor p99": f"{floor['p99_ms']} ms",
                  "machine busy": f"{result['machine_busy_pct']} % of {cores * 100} %"},
                 result))

@@ -7,7 +7,10 @@ stalls is charged for every request that queued behind the stall).
 
 Each due request takes an idle keep-alive connection, or opens one (up to --max-connections; beyond that
 it waits here for the first connection to come free, and its latency still runs from when it was due;
-`queued_for_a_connection` counts them, a sign of a stalled server). `late_ms_p99` is how late
+`queued_for_a_connection` counts them, a sign of a stalled server). A keep-alive connection the server
+closes as idle just as a request goes out on it loses that request: as HTTP clients do (RFC 9112 9.3.1),
+such a GET is sent again once, on a new connection, still charged from when it was due, and counted in
+`retried_after_idle_close`, not as an error. `late_ms_p99` is how late
 the generator itself sent requests: when it grows, the generator, not the server, is the bottleneck. The
 `--serve` mode answers every request with a fixed 200 at once; the bench drives it to measure this
 generator's own capacity.
@@ -36,6 +39,8 @@ class Connection(asyncio.Protocol):
         self.buffer = b""
         self.due: Optional[float] = None  # when the request in flight was due
         self.closed = False
+        self.answers = 0  # answers received on this connection
+        self.resent = False  # the request in flight is a second try
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -53,13 +58,17 @@ class Connection(asyncio.Protocol):
         status, used = parsed
         self.buffer = self.buffer[used:]
         due, self.due = self.due, None
+        self.answers += 1
         self.load.answered(self, due, status)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self.closed = True
         if self.due is not None:
             due, self.due = self.due, None
-            self.load.failed(self, due)
+            if self.answers and not self.buffer and not self.resent:  # closed as idle: nothing of it was read
+                self.load.resend(due)
+            else:
+                self.load.failed(self, due)
         else:
             self.load.dropped(self)
 
@@ -103,6 +112,7 @@ class Load:
         self.late: list[float] = []
         self.statuses: dict[str, int] = {}
         self.errors = {"connect": 0, "closed_before_answer": 0}
+        self.resent = 0
         self.queued: collections.deque[float] = collections.deque()  # due times waiting for a connection
         self.client_queued = 0
         self.last_answer = 0.0
@@ -111,15 +121,18 @@ class Load:
         if self.idle:
             self.send(self.idle.pop(), due)
         elif self.open < self.max_connections:
-            self.open += 1
-            self.in_flight += 1
-            conn = Connection(self)
-            conn.due = due
-            self.loop.create_task(self._connect(conn))
+            self._open_for(due)
         else:  # every connection busy: wait for one, still charged from `due`
             self.client_queued += 1
             self.in_flight += 1
             self.queued.append(due)
+
+    def _open_for(self, due: float, resent: bool = False) -> None:
+        self.open += 1
+        self.in_flight += 1
+        conn = Connection(self)
+        conn.due, conn.resent = due, resent
+        self.loop.create_task(self._connect(conn))
 
     def _next_queued(self, conn: Connection) -> bool:
         if not self.queued or conn.closed:
@@ -140,8 +153,9 @@ class Load:
     def send(self, conn: Connection, due: float, waited: bool = False) -> None:
         if conn.due is None:
             conn.due = due
+            conn.resent = False
             self.in_flight += 1
-        if not waited:  # lateness is the generator's own; a wait for a busy connection is the server's
+        if not waited and not conn.resent:  # the generator's own lateness (a wait for a connection is the server's)
             self.late.append(self.loop.time() - due)
         assert conn.transport is not None
         conn.transport.write(self.request)
@@ -160,6 +174,14 @@ class Load:
         self.errors["closed_before_answer"] += 1
         self.open -= 1
         self._reopen()
+
+    def resend(self, due: float) -> None:
+        """The request went out on a keep-alive connection the server was closing as idle: once more, on a
+        new connection (in the place of the one closed), where a failure is the server's."""
+        self.in_flight -= 1
+        self.open -= 1
+        self.resent += 1
+        self._open_for(due, resent=True)
 
     def _reopen(self) -> None:
         """A connection went away: requests waiting for one get a new one."""
@@ -201,6 +223,7 @@ async def run_load(host: str, port: int, path: str, rate: float, seconds: float,
         "path": path, "rate": rate, "seconds": seconds, "scheduled": total, "completed": len(ms),
         "achieved_rps": round(len(ms) / max(elapsed, 1e-9), 1), "statuses": load.statuses,
         "errors": sum(load.errors.values()) + unanswered, "error_kinds": load.errors,
+        "retried_after_idle_close": load.resent,
         "unanswered_after_30s": unanswered, "queued_for_a_connection": load.client_queued,
         "max_connections": load.max_connections, "shed_503": load.statuses.get("503", 0),
         "p50_ms": round(percentile(ms, 50), 3) if ms else None,

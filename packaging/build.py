@@ -1,7 +1,7 @@
 """Build dist/gpu-agent_<version>_amd64.deb and dist/gpu-agent-<version>-1.x86_64.rpm with nfpm.
 
 The packages carry the agent and its Python dependencies, so installing needs no network. The
-compiled dependencies (pydantic-core, aiohttp, PyYAML, ...) are per Python ABI, so wheels are
+compiled dependencies (pydantic-core, PyYAML, psutil, ...) are per Python ABI, so wheels are
 fetched for each supported ABI (3.9 RHEL 9, 3.10 Ubuntu 22.04, 3.11 Debian 12, 3.12 Ubuntu 24.04)
 and installed into /usr/lib/gpu-agent/site-cpXY; whatever is byte-identical across all of them
 moves to site-common. /usr/bin/gpu-agent picks the directory of the python3 it runs on.

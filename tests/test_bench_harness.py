@@ -83,3 +83,55 @@ def test_importtime_report_sums_own_times_and_ranks_top_level_imports() -> None:
     parsed = parse_importtime(report)
     assert parsed["imports_ms"] == 33.6
     assert parsed["largest"] == ["gpu_agent.config 32 ms", "encodings 2 ms"]
+
+
+class _ClosingServer:
+    """Answers the first `answered` requests of each connection, then closes it at the next one without
+    an answer, as a server closing an idle keep-alive connection just as a request arrives."""
+
+    def __init__(self, answered: int) -> None:
+        self.answered = answered
+
+    def protocol(self) -> object:
+        import asyncio
+
+        server = self
+
+        class Closing(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                self.transport, self.seen = transport, 0
+
+            def data_received(self, data: bytes) -> None:
+                self.seen += data.count(b"\r\n\r\n")
+                if self.seen > server.answered:
+                    self.transport.abort()
+                else:
+                    self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+        return Closing()
+
+
+def _load_against(answered: int) -> dict:
+    import asyncio
+
+    from loadgen import run_load
+
+    async def run() -> dict:
+        server = await asyncio.get_running_loop().create_server(_ClosingServer(answered).protocol, "127.0.0.1", 0)
+        async with server:
+            port = server.sockets[0].getsockname()[1]
+            return await run_load("127.0.0.1", port, "/", 200.0, 0.25, 4, False)
+
+    return asyncio.run(run())
+
+
+def test_load_generator_sends_again_a_request_lost_to_a_keep_alive_close_and_counts_it() -> None:
+    result = _load_against(answered=1)  # every connection's second request is lost
+    assert result["errors"] == 0 and result["completed"] == result["scheduled"] == 50
+    assert result["retried_after_idle_close"] >= 1
+
+
+def test_load_generator_counts_a_connection_closed_before_any_answer_as_an_error() -> None:
+    result = _load_against(answered=0)  # never answers: nothing to send again
+    assert result["error_kinds"]["closed_before_answer"] == result["scheduled"] == 50
+    assert result["retried_after_idle_close"] == 0 and result["completed"] == 0

@@ -72,7 +72,7 @@ def test_once_per_minute_logs_once_and_counts_the_rest(caplog: pytest.LogCapture
 
 
 class _Echo(asyncio.Protocol):
-    """A stand-in for aiohttp's protocol: answers each line at once; "busy" is answered when the
+    """A stand-in for the HTTP protocol: answers each line at once; "busy" is answered when the
     test says so; a request ending in a blank line is answered 0.3 s later, as by a backed-up loop."""
 
     def __init__(self, busy: asyncio.Event) -> None:
@@ -208,7 +208,7 @@ def test_blank_lines_are_not_a_request_and_do_not_protect_from_eviction() -> Non
     async def scenario() -> None:
         with _serving(limit=2) as listener:
             first, second = await _connect(listener), await _connect(listener)
-            first[1].write(b"\r\n\r\n\r\n\r\n")  # aiohttp skips blank lines before a request
+            first[1].write(b"\r\n\r\n\r\n\r\n")  # h11 skips blank lines before a request
             second[1].write(b"GET /readyz HTTP/1.1\r\n")
             second[1].write(b"Host: x\r\n\r\n")
             await _until(lambda: listener.connections == 2 and len(listener._idle) == 1)  # second's request is in

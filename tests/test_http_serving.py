@@ -1,20 +1,22 @@
 """Serving: /status and /metrics rendered once per published state and served as cached bytes (gzip
-when asked, ETag and 304), probes never cached, and each endpoint capped with 503 + Retry-After."""
+when asked, ETag and 304), probes never cached, and each endpoint capped with 503 + Retry-After.
+Everything here goes through the real server on a real socket (tests/served.py)."""
 from __future__ import annotations
 
-import asyncio
 import gzip
 import json
+import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from served import Served, read_responses
 
 from gpu_agent.config import load_config
-from gpu_agent.daemon.http import RENDER_CACHES, build_app
-from gpu_agent.daemon.responses import Capped
-from gpu_agent.daemon.web import web
+from gpu_agent.daemon.http import Endpoints, build_app
+from gpu_agent.daemon.responses import Capped, Response
 from gpu_agent.host.paths import Root
 from gpu_agent.metrics.exporter import AgentCollector, make_registry
 from gpu_agent.metrics.sampler import Sampler
@@ -40,109 +42,129 @@ def agent_state(tmp_path: Path) -> Any:
     nvml.close()
 
 
-def serve(app: web.Application, scenario: Callable[[TestClient], Awaitable[None]]) -> None:
-    async def run() -> None:
-        async with TestClient(TestServer(app)) as client:
-            await scenario(client)
-
-    asyncio.run(run())
-
-
-def app_of(state: AgentState) -> web.Application:
+def app_of(state: AgentState) -> Endpoints:
     return build_app(state, make_registry(AgentCollector(state, lambda: 0, "node-1")), lambda: True)
 
 
-def test_status_is_rendered_once_per_published_state(agent_state: AgentState) -> None:
-    app = app_of(agent_state)
-    cache = app[RENDER_CACHES]["/status"]
-
-    async def scenario(client: TestClient) -> None:
-        bodies = [await (await client.get("/status")).text() for _ in range(5)]
-        assert cache.renders == 1 and len(set(bodies)) == 1
-        assert json.loads(bodies[0])["gpus"][0]["product"] == "NVIDIA H100 80GB HBM3"
-        agent_state.stages["discovery"] = StageStatus("discovery", OK, "changed")
-        assert json.loads(await (await client.get("/status")).text())["stages"][0]["message"] == "8 GPUs found"
-        agent_state.published += 1  # what Daemon.publish does
-        assert json.loads(await (await client.get("/status")).text())["stages"][0]["message"] == "changed"
-        assert cache.renders == 2
-
-    serve(app, scenario)
+@pytest.fixture
+def served(agent_state: AgentState, tmp_path: Path) -> Iterator[Served]:
+    server = Served(app_of(agent_state), tmp_path)
+    yield server
+    server.close()
 
 
-def test_before_the_first_reconcile_status_is_rendered_every_time(agent_state: AgentState) -> None:
+def test_status_is_rendered_once_per_published_state(agent_state: AgentState, served: Served) -> None:
+    cache = served.endpoints.caches["/status"]
+    bodies = [served.get("/status")[1] for _ in range(5)]
+    assert cache.renders == 1 and len(set(bodies)) == 1
+    assert json.loads(bodies[0])["gpus"][0]["product"] == "NVIDIA H100 80GB HBM3"
+    agent_state.stages["discovery"] = StageStatus("discovery", OK, "changed")
+    assert json.loads(served.get("/status")[1])["stages"][0]["message"] == "8 GPUs found"
+    agent_state.published += 1  # what Daemon.publish does
+    assert json.loads(served.get("/status")[1])["stages"][0]["message"] == "changed"
+    assert cache.renders == 2
+
+
+def test_before_the_first_reconcile_status_is_rendered_every_time(agent_state: AgentState, served: Served) -> None:
     agent_state.first_reconcile_done = False
-    app = app_of(agent_state)
-
-    async def scenario(client: TestClient) -> None:
-        for _ in range(3):
-            await client.get("/status")
-        assert app[RENDER_CACHES]["/status"].renders == 3
-
-    serve(app, scenario)
+    for _ in range(3):
+        assert served.get("/status")[0].status == 200
+    assert served.endpoints.caches["/status"].renders == 3
 
 
-def test_gzip_when_asked_etag_and_304(agent_state: AgentState) -> None:
-    async def scenario(client: TestClient) -> None:
-        plain = await client.get("/metrics", headers={"Accept-Encoding": "identity"})
-        body = await plain.read()
-        assert plain.status == 200 and "Content-Encoding" not in plain.headers
-        assert b"DCGM_FI_DEV_GPU_TEMP" in body
-        etag = plain.headers["ETag"]
-        zipped = await client.get("/metrics", headers={"Accept-Encoding": "gzip, deflate"}, auto_decompress=False)
-        assert zipped.headers["Content-Encoding"] == "gzip" and zipped.headers["Vary"] == "Accept-Encoding"
-        assert gzip.decompress(await zipped.read()) == body and zipped.headers["ETag"] != etag
-        again = await client.get("/metrics", headers={"Accept-Encoding": "identity", "If-None-Match": etag})
-        assert again.status == 304 and await again.read() == b"" and again.headers["ETag"] == etag
-        other = await client.get("/metrics", headers={"Accept-Encoding": "identity", "If-None-Match": '"other"'})
-        assert other.status == 200
-        refused = await client.get("/status", headers={"Accept-Encoding": "gzip;q=0"})
-        assert "Content-Encoding" not in refused.headers
-
-    serve(app_of(agent_state), scenario)
+def test_gzip_when_asked_etag_and_304(served: Served) -> None:
+    plain, body = served.get("/metrics", {"Accept-Encoding": "identity"})
+    assert plain.status == 200 and plain.getheader("Content-Encoding") is None
+    assert b"DCGM_FI_DEV_GPU_TEMP" in body and plain.getheader("Content-Length") == str(len(body))
+    etag = plain.getheader("ETag")
+    zipped, zipped_body = served.get("/metrics", {"Accept-Encoding": "gzip, deflate"})
+    assert zipped.getheader("Content-Encoding") == "gzip" and zipped.getheader("Vary") == "Accept-Encoding"
+    assert gzip.decompress(zipped_body) == body and zipped.getheader("ETag") != etag
+    again, again_body = served.get("/metrics", {"Accept-Encoding": "identity", "If-None-Match": etag})
+    assert again.status == 304 and again_body == b"" and again.getheader("ETag") == etag
+    weak, _ = served.get("/metrics", {"If-None-Match": f'"x", W/{etag}'})
+    assert weak.status == 304
+    other, _ = served.get("/metrics", {"Accept-Encoding": "identity", "If-None-Match": '"other"'})
+    assert other.status == 200
+    refused, _ = served.get("/status", {"Accept-Encoding": "gzip;q=0"})
+    assert refused.getheader("Content-Encoding") is None
 
 
-def test_probes_are_never_cached(agent_state: AgentState) -> None:
-    async def scenario(client: TestClient) -> None:
-        for path in ("/readyz", "/readyz?verbose", "/healthz"):
-            response = await client.get(path)
-            assert response.headers["Cache-Control"] == "no-store", path
-        agent_state.stages["driver"] = StageStatus("driver", "failed", "no module")
-        response = await client.get("/readyz")  # readiness is never served from a cache
-        assert response.status == 503 and "[-]driver failed: no module" in await response.text()
+def test_probes_are_never_cached(agent_state: AgentState, served: Served) -> None:
+    for path in ("/readyz", "/readyz?verbose", "/healthz"):
+        response, _ = served.get(path)
+        assert response.getheader("Cache-Control") == "no-store", path
+    verbose, text = served.get("/readyz?verbose")
+    assert verbose.status == 200 and text.endswith(b"readyz check passed\n") and b"[+]" in text
+    assert served.get("/readyz?other=1&verbose")[1] == text
+    assert served.get("/readyz")[1] == b"ok\n"
+    agent_state.stages["driver"] = StageStatus("driver", "failed", "no module")
+    response, text = served.get("/readyz")  # readiness is never served from a cache
+    assert response.status == 503 and b"[-]driver failed: no module" in text
 
-    serve(app_of(agent_state), scenario)
+
+def test_healthz_says_when_the_reconcile_loop_stopped(agent_state: AgentState, tmp_path: Path) -> None:
+    alive = [True]
+    server = Served(build_app(agent_state, make_registry(AgentCollector(agent_state, lambda: 0, "node-1")),
+                              lambda: alive[0]), tmp_path)
+    try:
+        assert served_text(server, "/healthz") == (200, b"ok\n")
+        alive[0] = False
+        assert served_text(server, "/healthz") == (500, b"reconcile loop stopped\n")
+        assert served_text(server, "/") == (200, b"gpu-agent: /healthz /readyz /readyz?verbose /status /metrics\n")
+    finally:
+        server.close()
 
 
-def test_an_endpoint_beyond_its_cap_answers_503_with_retry_after() -> None:
-    release = asyncio.Event
+def served_text(server: Served, path: str) -> tuple[int, bytes]:
+    response, body = server.get(path)
+    return response.status, body
 
-    async def scenario_with(client: TestClient, gate: asyncio.Event, capped: Capped) -> None:
-        slow = [asyncio.ensure_future(client.get("/slow")) for _ in range(2)]
-        while capped.busy < 2:
-            await asyncio.sleep(0.01)
-        shed = await client.get("/slow")
-        assert shed.status == 503 and shed.headers["Retry-After"] == "1"
-        assert (await client.get("/other")).status == 200  # other endpoints are not affected
-        gate.set()
-        assert [r.status for r in await asyncio.gather(*slow)] == [200, 200]
-        assert capped.busy == 0 and capped.shed == 1
-        assert (await client.get("/slow")).status == 200
 
-    async def run() -> None:
-        gate = release()
+def _endpoints(**routes: Capped) -> Endpoints:
+    return Endpoints({"/" + name: capped for name, capped in routes.items()}, {})
 
-        async def slow(request: web.Request) -> web.Response:
-            await gate.wait()
-            return web.Response(text="done\n")
 
-        async def other(request: web.Request) -> web.Response:
-            return web.Response(text="ok\n")
+def test_an_endpoint_beyond_its_cap_answers_503_with_retry_after_while_slow_readers_hold_it(tmp_path: Path
+                                                                                          ) -> None:
+    """A request holds its place until its answer is written: two clients that do not read a body too
+    big for the kernel's buffers fill a cap of 2; a third gets 503 at once, other endpoints answer, and
+    once the two read, the places are free again."""
+    big = b"x" * (1 << 20)
+    slow = Capped(lambda request: Response(body=big), 2)
+    other = Capped(lambda request: Response.text("ok\n"), 2)
+    server = Served(_endpoints(slow=slow, other=other), tmp_path)
+    server.small_send_buffers()
+    readers: list[socket.socket] = []
+    try:
+        for _ in range(2):
+            reader = socket.socket()
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.settimeout(10)
+            reader.connect(("127.0.0.1", server.port))
+            reader.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            readers.append(reader)
+        _until(lambda: server.on_loop(lambda: slow.busy) == 2)
+        shed, text = server.get("/slow")
+        assert shed.status == 503 and shed.getheader("Retry-After") == "1" and text.startswith(b"busy")
+        assert shed.getheader("Cache-Control") == "no-store"
+        assert server.get("/other")[0].status == 200  # other endpoints are not affected
+        assert server.on_loop(lambda: (slow.busy, slow.shed)) == (2, 1)
+        for reader in readers:  # they read: their answers are written, their places freed
+            reader.settimeout(10)
+            [(status, _, body)] = read_responses(reader, 1)
+            assert status == 200 and body == big
+        _until(lambda: server.on_loop(lambda: slow.busy) == 0)
+        assert server.get("/slow")[0].status == 200
+        assert server.on_loop(lambda: (slow.busy, slow.shed)) == (0, 1)
+    finally:
+        for reader in readers:
+            reader.close()
+        server.close()
 
-        capped = Capped(slow, 2)
-        app = web.Application()
-        app.router.add_get("/slow", capped.handle)
-        app.router.add_get("/other", Capped(other, 2).handle)
-        async with TestClient(TestServer(app)) as client:
-            await scenario_with(client, gate, capped)
 
-    asyncio.run(run())
+def _until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the server never got there"
+        time.sleep(0.01)

@@ -50,8 +50,7 @@ def agent_state(tmp_path: Path) -> Any:
 
 
 def routes(state: AgentState) -> set[str]:
-    app = build_app(state, make_registry(AgentCollector(state, lambda: 0, "node-1")), lambda: True)
-    return {resource.canonical for resource in app.router.resources()}
+    return set(build_app(state, make_registry(AgentCollector(state, lambda: 0, "node-1")), lambda: True).routes)
 
 
 def test_the_shim_probes_the_agents_default_listener(agent_state: AgentState) -> None:

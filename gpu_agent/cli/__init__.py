@@ -1,4 +1,4 @@
-"""The gpu-agent command line. One module per subcommand; each imports its heavy parts (aiohttp,
+"""The gpu-agent command line. One module per subcommand; each imports its heavy parts (pydantic,
 pynvml, the daemon) inside its main(), so `gpu-agent status` starts fast."""
 from __future__ import annotations
 
@@ -75,7 +75,6 @@ def setup_logging(level: str = "INFO") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
-    logging.getLogger("aiohttp").setLevel(logging.WARNING)
 
 
 class _JournalFormatter(logging.Formatter):

@@ -5,9 +5,8 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
-import annotated_types as at
 
-from gpu_agent.config.section import AbsolutePath, Check, Section, seconds, setting, shown
+from gpu_agent.config.section import AbsolutePath, Bounds, Check, Section, seconds, setting, shown
 
 _UNIT = re.compile(r"[A-Za-z0-9:_.@\\-]+\.(service|socket|target)")
 
@@ -18,7 +17,7 @@ def _unit_name(value: str) -> str:
     return value
 
 
-Unit = Annotated[str, at.MaxLen(256), Check(_unit_name)]
+Unit = Annotated[str, Bounds(max_length=256), Check(_unit_name)]
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal, Optional, Union
 
-import annotated_types as at
 
-from gpu_agent.config.section import Check, Section, setting, shown
+from gpu_agent.config.section import Bounds, Check, Section, setting, shown
 
 if TYPE_CHECKING:
     from gpu_agent.config.schema import AgentConfig
@@ -54,8 +53,8 @@ def _bounded(value: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[
     return value
 
 
-ResourceName = Annotated[str, at.MaxLen(80), Check(_resource_name)]
-DeviceRef = Annotated[Union[Annotated[int, at.Ge(0), at.Le(1023)], Annotated[str, at.MaxLen(80)]],
+ResourceName = Annotated[str, Bounds(max_length=80), Check(_resource_name)]
+DeviceRef = Annotated[Union[Annotated[int, Bounds(ge=0, le=1023)], Annotated[str, Bounds(max_length=80)]],
                       Check(_device_ref)]
 
 
@@ -64,7 +63,7 @@ DeviceRef = Annotated[Union[Annotated[int, at.Ge(0), at.Le(1023)], Annotated[str
 class TimeSlicedResource(Section):
     name: ResourceName = setting(description="The resource to share: nvidia.com/gpu or nvidia.com/mig-<profile>.")
     replicas: int = setting(description="Devices advertised per GPU (or MIG device).", ge=1, le=MAX_REPLICAS)
-    rename: Optional[Annotated[str, at.MaxLen(80), Check(_renamed)]] = setting(
+    rename: Optional[Annotated[str, Bounds(max_length=80), Check(_renamed)]] = setting(
         None, "Advertise the shared devices under this name instead.")
     devices: Annotated[Union[Literal["all"], list[DeviceRef]], Check(_bounded)] = setting(
         "all", '"all", or the GPUs (index or UUID) and MIG devices (UUID) to share.')
@@ -114,8 +113,8 @@ def _gpu_keys(value: dict[str, int]) -> dict[str, int]:
     return value
 
 
-GpuKey = Annotated[str, at.MaxLen(80)]
-GpuReplicas = Annotated[dict[GpuKey, Annotated[int, at.Ge(1), at.Le(MAX_REPLICAS)]],
+GpuKey = Annotated[str, Bounds(max_length=80)]
+GpuReplicas = Annotated[dict[GpuKey, Annotated[int, Bounds(ge=1, le=MAX_REPLICAS)]],
                         Check(_gpu_keys), Check(_index_keys, before=True)]
 
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
-import annotated_types as at
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.config.endpoint import DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, Endpoint, valid_listen
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
 from gpu_agent.config.plugin import PluginConfig
-from gpu_agent.config.section import PATH_MAX, Check, Section, absolute_path, seconds, setting, shown
+from gpu_agent.config.section import PATH_MAX, Bounds, Check, Section, absolute_path, seconds, setting, shown
 from gpu_agent.config.toolkit import ToolkitConfig
 
 MAX_GPUS = 1024  # more than any node has: catches a typo, not a machine
@@ -82,7 +81,7 @@ class DiscoveryConfig(Section):
         ge=0, le=MAX_GPUS)
 
 
-Xid = Annotated[int, at.Ge(0), at.Le(65535)]
+Xid = Annotated[int, Bounds(ge=0, le=65535)]
 
 
 @dataclass(frozen=True)

@@ -116,14 +116,24 @@ class Listener:
     def start(self) -> None:
         self._watch(True)
 
-    def close(self) -> None:
-        """Stop accepting and close every connection; aiohttp cancels what they were doing."""
+    @property
+    def answering(self) -> int:
+        """Connections with a request being answered (its answer not yet written)."""
+        return sum(1 for connection in self._open if connection.handling)
+
+    def stop_accepting(self) -> None:
+        """Close the listening socket; the connections already open go on."""
         for timer in (self._retry, self._recheck):
             if timer is not None:
                 timer.cancel()
-        self._garbage.cancel()
+        self._retry = self._recheck = None
         self._watch(False)
         self.sock.close()
+
+    def close(self) -> None:
+        """Stop accepting and close every connection, answers being written included."""
+        self.stop_accepting()
+        self._garbage.cancel()
         for task in list(self._attaching):
             task.cancel()
         for connection in list(self._open):
@@ -327,7 +337,7 @@ class _GarbageAfterChurn:
 
 
 class _Connection(asyncio.Protocol):
-    """aiohttp's protocol for one connection, seen by the listener: when it opens, works, idles, ends.
+    """The HTTP protocol of one connection, seen by the listener: when it opens, works, idles, ends.
 
     A connection is idle, and evictable, until a whole request has arrived (the end of its headers):
     one whose request waits for a busy event loop is kept, so a burst of real requests is served
@@ -363,7 +373,7 @@ class _Connection(asyncio.Protocol):
         self.inner.data_received(data)
 
     def _requests_ended_by(self, data: bytes) -> int:
-        """Header ends in `data` that close a request; blank lines alone (which aiohttp skips) do not."""
+        """Header ends in `data` that close a request; blank lines alone (which h11 skips) do not."""
         seen, ended, start = self._tail + data, 0, 0
         while True:
             end = seen.find(_HEADERS_END, start)
@@ -404,20 +414,34 @@ def _unread_bytes(sock: Any) -> int:
         return 0
 
 
-@contextmanager
-def handling_request(transport: Optional[asyncio.BaseTransport]) -> Iterator[None]:
-    """Wraps the handling of one request (an aiohttp middleware): the connection is busy meanwhile."""
+def request_started(transport: Optional[asyncio.BaseTransport]) -> Callable[[], None]:
+    """Marks the connection busy with one request (never evicted, no idle timer) until the function
+    returned is called, once its answer is written."""
     connection = transport.get_protocol() if transport is not None else None
     if not isinstance(connection, _Connection):
-        yield
-        return
+        return _nothing
     listener = connection.listener
     connection.arrived = max(0, connection.arrived - 1)
     connection.handling += 1
     listener._request_started(connection)
-    try:
-        yield
-    finally:
+
+    def finished() -> None:
         connection.handling -= 1
         if not connection.handling:
             listener._request_done(connection)
+
+    return finished
+
+
+def _nothing() -> None:
+    pass
+
+
+@contextmanager
+def handling_request(transport: Optional[asyncio.BaseTransport]) -> Iterator[None]:
+    """request_started for a block: the connection is busy while it runs."""
+    finished = request_started(transport)
+    try:
+        yield
+    finally:
+        finished()

@@ -8,18 +8,56 @@ an If-None-Match that matches. A scrape flood then costs the loop the HTTP excha
 Each endpoint answers at most `limit` requests at once (a request counts until its body is written,
 so a client that reads slowly holds its place); beyond that it answers 503 with Retry-After at once,
 so a flood of one endpoint neither queues without bound nor delays the others or the watchdog.
+
+A handler is a plain function from a `Request` to a `Response`: every answer is ready at once (the
+bodies are rendered in memory), and protocol.py writes it.
 """
 from __future__ import annotations
 
 import gzip
 import hashlib
 from collections.abc import Hashable
-from typing import Awaitable, Callable, Optional
-
-from gpu_agent.daemon.web import web
+from typing import Callable, Optional, Sequence
+from urllib.parse import parse_qsl
 
 RETRY_AFTER_S = 1
 _GZIP_LEVEL = 6
+TEXT = "text/plain; charset=utf-8"
+
+
+class Request:
+    """What a handler sees of a request: its method, path (percent-decoded), query and headers
+    (names in lower case; a repeated header's values joined with ", ")."""
+
+    __slots__ = ("method", "path", "query_string", "headers")
+
+    def __init__(self, method: str, path: str, query_string: str = "", headers: Optional[dict[str, str]] = None
+                 ) -> None:
+        self.method = method
+        self.path = path
+        self.query_string = query_string
+        self.headers = headers or {}
+
+    @property
+    def query(self) -> dict[str, str]:
+        """The query's parameters; a bare name (`?verbose`) has the value ""."""
+        return dict(parse_qsl(self.query_string, keep_blank_values=True))
+
+
+class Response:
+    """A whole answer: status, body and headers (Content-Length and Connection are the protocol's)."""
+
+    __slots__ = ("status", "body", "headers")
+
+    def __init__(self, status: int = 200, body: bytes = b"", headers: Sequence[tuple[str, str]] = (),
+                 content_type: Optional[str] = TEXT) -> None:
+        self.status = status
+        self.body = body
+        self.headers = [("Content-Type", content_type), *headers] if content_type else list(headers)
+
+    @classmethod
+    def text(cls, text: str, status: int = 200, headers: Sequence[tuple[str, str]] = ()) -> Response:
+        return cls(status, text.encode(), headers)
 
 
 class Rendered:
@@ -57,18 +95,16 @@ class RenderCache:
         return rendered
 
 
-def cached_response(request: web.Request, rendered: Rendered, content_type: str) -> web.Response:
+def cached_response(request: Request, rendered: Rendered, content_type: str) -> Response:
     """200 with the body (gzipped when accepted), or 304 when the client holds this version."""
-    gzipped = accepts_gzip(request.headers.get("Accept-Encoding", ""))
+    gzipped = accepts_gzip(request.headers.get("accept-encoding", ""))
     etag = rendered.etag[:-1] + '-gz"' if gzipped else rendered.etag
-    headers = {"ETag": etag, "Vary": "Accept-Encoding", "Cache-Control": "no-cache"}
-    if etag in _tags(request.headers.get("If-None-Match", "")):
-        return web.Response(status=304, headers=headers)
+    headers = [("ETag", etag), ("Vary", "Accept-Encoding"), ("Cache-Control", "no-cache")]
+    if etag in _tags(request.headers.get("if-none-match", "")):
+        return Response(304, headers=headers, content_type=None)
     if gzipped:
-        headers["Content-Encoding"] = "gzip"
-    response = web.Response(body=rendered.gzipped if gzipped else rendered.body, headers=headers)
-    response.headers["Content-Type"] = content_type
-    return response
+        headers.append(("Content-Encoding", "gzip"))
+    return Response(body=rendered.gzipped if gzipped else rendered.body, headers=headers, content_type=content_type)
 
 
 def accepts_gzip(header: str) -> bool:
@@ -93,11 +129,16 @@ def _tags(header: str) -> set[str]:
     return tags | {tag[2:] for tag in tags if tag.startswith("W/")}
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[[Request], Response]
+_BUSY = Response.text("busy: too many requests to this endpoint at once; retry\n", 503,
+                      [("Retry-After", str(RETRY_AFTER_S)), ("Cache-Control", "no-store")])
 
 
 class Capped:
-    """An endpoint's handler answering at most `limit` requests at once; 503 with Retry-After beyond."""
+    """An endpoint's handler answering at most `limit` requests at once; 503 with Retry-After beyond.
+
+    `answer` takes a place for the request; whoever writes the answer calls `release` once it is written.
+    """
 
     def __init__(self, handler: Handler, limit: int) -> None:
         self.handler = handler
@@ -105,16 +146,14 @@ class Capped:
         self.busy = 0
         self.shed = 0
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    def answer(self, request: Request) -> tuple[Response, bool]:
+        """The answer, and whether it holds a place (to release once written): not when it is the 503."""
         if self.busy >= self.limit:
             self.shed += 1
-            return web.Response(status=503, text="busy: too many requests to this endpoint at once; retry\n",
-                                headers={"Retry-After": str(RETRY_AFTER_S), "Cache-Control": "no-store"})
+            return _BUSY, False
+        response = self.handler(request)
         self.busy += 1
-        try:
-            response = await self.handler(request)
-            await response.prepare(request)  # the body is written while this request holds its place
-            await response.write_eof()
-            return response
-        finally:
-            self.busy -= 1
+        return response, True
+
+    def release(self) -> None:
+        self.busy -= 1
