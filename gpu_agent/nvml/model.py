@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any, Optional
 
 
@@ -69,9 +70,10 @@ class MigState:
     gpu_instances: tuple[GpuInstance, ...] = ()
     profiles: tuple[MigProfile, ...] = ()
 
-    @property
+    @cached_property
     def devices(self) -> tuple[MigDevice, ...]:
-        """The MIG devices (one per compute instance), in NVML's order."""
+        """The MIG devices (one per compute instance), in NVML's order; worked out once per reading (the
+        readiness checks ask for them at every publish of the model)."""
         found = [
             (ci.device_index, MigDevice(ci.uuid, gi.id, ci.id, ci.profile, gi.memory_mib, ci.multiprocessors,
                                         gi.placement))
