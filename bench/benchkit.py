@@ -188,18 +188,25 @@ def parse_importtime(text: str) -> dict[str, Any]:
 
 def wakeups(pid: int) -> dict[str, int]:
     """Context switches so far by thread (voluntary + involuntary): a thread that wakes for a timer shows here,
-    so two readings apart tell how many threads keep an idle daemon busy, and how often. Python 3.11 does not
-    name its threads for the kernel, so threads are `main` (the event loop) and `thread-TID`."""
+    so two readings apart tell how many threads keep an idle daemon busy, and how often. Threads go by the
+    names the agent gives the kernel (gpu_agent/host/threads.py: nvml-N, stage-N, xid-watcher ...), `main`
+    for the event loop; an unnamed one (a library's) is `thread-TID`."""
     counts: dict[str, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            name = "main" if task.name == str(pid) else f"thread-{task.name}"
+            name = "main" if task.name == str(pid) else _thread_name(task)
             fields = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines() if ":" in line)
             switches = int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
         except (OSError, KeyError, ValueError):
             continue
         counts[name] = counts.get(name, 0) + switches
     return counts
+
+
+def _thread_name(task: Path) -> str:
+    comm = (task / "comm").read_text().strip()
+    # an unnamed thread keeps the process's name (python3): tell those apart by TID
+    return f"thread-{task.name}" if comm.startswith("python") else comm
 
 
 # --- the agent ---------------------------------------------------------------------------------------------
