@@ -42,7 +42,26 @@ def test_hopper_gets_the_prof_series_from_two_gpm_samples(tmp_path: Path) -> Non
     assert series(runtime.state, "DCGM_FI_PROF_GR_ENGINE_ACTIVE")["0"] == 0
     assert series(runtime.state, "DCGM_FI_PROF_PCIE_TX_BYTES")["1"] == pytest.approx(35 * 40 * 1024 * 1024)  # B/s
     assert status["profiling_unavailable"] is None and status["dram_active"] == pytest.approx(0.175)
-    assert calls["nvmlGpmSampleAlloc"] == 24 and calls["nvmlGpmSampleFree"] == 16  # the last 8 are kept
+    # two buffers per GPU, allocated once and taken in turns: three samples take 24, allocate 16, free none
+    assert calls["nvmlGpmSampleGet"] == 24 and calls["nvmlGpmMetricsGet"] == 16
+    assert calls["nvmlGpmSampleAlloc"] == 16 and calls["nvmlGpmSampleFree"] == 0
+
+
+
+def test_the_buffers_of_a_gpu_no_longer_sampled_are_given_back(tmp_path: Path) -> None:
+    runtime = built(tmp_path, "dgx-h100")
+    try:
+        sampler = Sampler(runtime.nvml, runtime.state, runtime.root)
+        for _ in range(3):
+            sampler.sample()
+        sampler.profiling.keep_only({})  # as when the GPUs are gone from a sample
+        calls = dict(runtime.nvml.lib.calls)
+        sampler.sample()  # and back: new buffers, the first sample waits for a second
+        again = dict(runtime.nvml.lib.calls)
+    finally:
+        runtime.nvml.close()
+    assert calls["nvmlGpmSampleFree"] == calls["nvmlGpmSampleAlloc"] == 16
+    assert again["nvmlGpmSampleAlloc"] == 24 and again["nvmlGpmMetricsGet"] == calls["nvmlGpmMetricsGet"]
 
 
 def test_ampere_has_no_gpm_and_status_says_why(tmp_path: Path) -> None:

@@ -757,18 +757,17 @@ class Nvml:
             return "NVML GPM is not supported on this GPU (Hopper and later have it); DCGM would be needed"
         return None
 
-    def gpm_sample(self, index: int, gpu_instance: Optional[int] = None) -> Any:
-        """A new GPM sample of the GPU, or of one of its GPU instances; give it back with gpm_free()."""
+    def gpm_alloc(self) -> Any:
+        """A GPM sample buffer, filled by gpm_fill() as often as wanted; give it back with gpm_free()."""
+        return self._nvml("nvmlGpmSampleAlloc")
+
+    def gpm_fill(self, sample: Any, index: int, gpu_instance: Optional[int] = None) -> Any:
+        """Take a GPM sample of the GPU, or of one of its GPU instances, into `sample` (NVML overwrites it)."""
         self.init()
         handle = self._handle(index)
-        sample = self._nvml("nvmlGpmSampleAlloc")
-        try:
-            if gpu_instance is not None:
-                return self._nvml("nvmlGpmMigSampleGet", handle, gpu_instance, sample)
-            return self._nvml("nvmlGpmSampleGet", handle, sample)
-        except BaseException:
-            self.gpm_free(sample)
-            raise
+        if gpu_instance is not None:
+            return self._nvml("nvmlGpmMigSampleGet", handle, gpu_instance, sample)
+        return self._nvml("nvmlGpmSampleGet", handle, sample)
 
     def gpm_free(self, sample: Any) -> None:
         try:
