@@ -66,7 +66,8 @@ class NvmlConfig(Section):
 @dataclass(frozen=True)
 class MetricsConfig(Section):
     sample_interval_seconds: float = seconds(
-        5, 3600, "How often GPU metrics are sampled; a scrape never calls NVML.")
+        15, 3600, "How often GPU metrics are sampled; a scrape never calls NVML. 15 s suits a 15-30 s scrape "
+        "interval (dcgm-exporter collects every 30 s); each sample of 8 GPUs x 7 MIG devices costs about 4 ms.")
     hostname: Optional[str] = setting(
         None, "Hostname label of the GPU metrics; default: this host's name.", max_length=253)
     pod_labels: bool = setting(
