@@ -217,8 +217,8 @@ class Daemon:
                                     lambda pods: setattr(self.state, "pods", pods),
                                     lambda: self.config.metrics.pod_labels,
                                     lambda: self.config.metrics.sample_interval_seconds)
-        self.http = HttpServer(build_app(self.state, make_registry(self.collector), self._loop_alive),
-                               runtime.root)
+        self.registry = make_registry(self.collector)
+        self.http = HttpServer(build_app(self.state, self.registry, self._loop_alive), runtime.root)
         self.xids = XidWatcher(runtime.nvml, self.state, self._threadsafe_publish)
         self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
@@ -324,6 +324,8 @@ class Daemon:
             log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
         if first or reloading:
             self.notifier.ready(self.state.summary_line())
+        if first:  # what the first scrape needs (prometheus_client), loaded beside the loop, after READY
+            asyncio.get_running_loop().run_in_executor(None, self.registry.prepare)
         self.publish()
 
     async def _sleep_until_next(self) -> None:

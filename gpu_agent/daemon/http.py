@@ -14,15 +14,13 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
-
 from gpu_agent.config.schema import HttpConfig
 from gpu_agent.daemon.listener import Listener, connection_limit
 from gpu_agent.daemon.protocol import HttpProtocol
 from gpu_agent.daemon.responses import Capped, RenderCache, Request, Response, cached_response
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
-from gpu_agent.metrics.exporter import render
+from gpu_agent.metrics.exporter import AgentRegistry, content_type, render
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -43,7 +41,7 @@ class Endpoints:
         self.caches = caches
 
 
-def build_app(state: AgentState, registry: CollectorRegistry, loop_alive: Callable[[], bool]) -> Endpoints:
+def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[], bool]) -> Endpoints:
     status_cache = RenderCache(lambda: (json.dumps(state.to_json(), indent=2) + "\n").encode(), lambda: state.version)
     # A second at most: the body carries gpu_agent_sample_age_seconds.
     metrics_cache = RenderCache(lambda: render(registry),
@@ -72,7 +70,7 @@ def build_app(state: AgentState, registry: CollectorRegistry, loop_alive: Callab
         return cached_response(request, status_cache.get(), "application/json; charset=utf-8")
 
     def metrics(request: Request) -> Response:
-        return cached_response(request, metrics_cache.get(), CONTENT_TYPE_LATEST)
+        return cached_response(request, metrics_cache.get(), content_type())
 
     routes = {"/": Capped(index, _LIGHT_LIMIT), "/healthz": Capped(healthz, _LIGHT_LIMIT),
               "/readyz": Capped(readyz, _LIGHT_LIMIT), "/status": Capped(status, _HEAVY_LIMIT),

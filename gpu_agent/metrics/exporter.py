@@ -3,22 +3,24 @@
 Everything is read from the state model at scrape time; the GPU values come from the background
 sampler, so a scrape never calls NVML. The DCGM series are written by this module, not by
 prometheus_client, which would name a counter X_total where dcgm-exporter names it X.
+prometheus_client is imported at the first render, not at the daemon's start (about 30 ms of it:
+its package imports an HTTP server, WSGI and urllib).
 """
 from __future__ import annotations
 
 import socket
 import time
-from typing import Callable, Iterator, Optional
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from gpu_agent import __version__
 from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, MIG_LABELS, XID_ERRORS, Counter, dcgm_bus_id
 from gpu_agent.metrics.pods import LABELS as POD_LABELS
 from gpu_agent.nvml.model import Gpu
 from gpu_agent.state import AgentState
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
 
 class AgentCollector:
     def __init__(self, state: AgentState, nvml_timeouts: Callable[[], int], hostname: Optional[str]) -> None:
@@ -33,6 +35,8 @@ class AgentCollector:
         yield self._health_transitions()
 
     def _agent(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         state = self.state
         info = GaugeMetricFamily("gpu_agent_build_info", "gpu-agent version.", labels=["version"])
         info.add_metric([__version__], 1)
@@ -53,6 +57,8 @@ class AgentCollector:
         yield restarts
 
     def _stages(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         up = GaugeMetricFamily("gpu_agent_stage_ok", "1 when the stage converged on its last run.", labels=["stage"])
         failures = GaugeMetricFamily("gpu_agent_stage_consecutive_failures", "Failed runs since the last success.",
                                      labels=["stage"])
@@ -71,6 +77,8 @@ class AgentCollector:
         yield from (up, failures, duration, last_run, changes)
 
     def _gpus(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         inventory = self.state.inventory
         if inventory is None:
             return
@@ -157,6 +165,8 @@ class AgentCollector:
             yield _line(name, names + POD_LABELS, values + holder.labels, value)
 
     def _health_transitions(self) -> Metric:
+        from prometheus_client.core import CounterMetricFamily
+
         transitions = CounterMetricFamily("gpu_agent_gpu_health_transitions",
                                           "GPU health changes, by the state the GPU went to.",
                                           labels=["gpu", "UUID", "to"])
@@ -168,6 +178,8 @@ class AgentCollector:
 
 
 def _line(name: str, names: tuple[str, ...], values: list[str], value: float) -> str:
+    from prometheus_client.utils import floatToGoString
+
     pairs = ",".join(f'{key}="{_escape(text)}"' for key, text in zip(names, values))
     return f"{name}{{{pairs}}} {floatToGoString(value)}\n"
 
@@ -176,25 +188,39 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-class AgentRegistry(CollectorRegistry):
-    """The agent's registry, which also knows the collector that writes the DCGM series."""
+class AgentRegistry:
+    """The agent's prometheus_client registry, made at the first render (or by prepare()), with the
+    collector that also writes the DCGM series."""
 
     def __init__(self, collector: AgentCollector) -> None:
-        super().__init__(auto_describe=False)
-        self.register(collector)
         self.collector = collector
+        self._registry: Optional[CollectorRegistry] = None
+
+    def prepare(self) -> CollectorRegistry:
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry
+
+            from gpu_agent.metrics.own_process import OwnProcessCollector  # psutil: the daemon's, not every CLI's
+
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(self.collector)
+            registry.register(OwnProcessCollector())
+            self._registry = registry
+        return self._registry
 
 
 def make_registry(collector: AgentCollector) -> AgentRegistry:
-    from gpu_agent.metrics.own_process import OwnProcessCollector  # psutil: loaded by the daemon, not every CLI
-
-    registry = AgentRegistry(collector)
-    registry.register(OwnProcessCollector())
-    return registry
+    return AgentRegistry(collector)
 
 
-def render(registry: CollectorRegistry) -> bytes:
-    text = generate_latest(registry)
-    if isinstance(registry, AgentRegistry):
-        text += registry.collector.dcgm_text().encode()
-    return text
+def render(registry: AgentRegistry) -> bytes:
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry.prepare()) + registry.collector.dcgm_text().encode()
+
+
+def content_type() -> str:
+    """The text format's Content-Type, as prometheus_client writes it."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return CONTENT_TYPE_LATEST
