@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 from typing import Any, Callable
 
@@ -14,6 +17,8 @@ from gpu_agent.config.cache import CACHE_PATH, _checksum
 from gpu_agent.config.loader import load_config
 from gpu_agent.errors import AgentError, ConfigError
 from gpu_agent.host.paths import Root
+
+REPO = Path(__file__).resolve().parent.parent
 
 GOOD = "version: v1\nreconcile:\n  interval_seconds: 30\nkubernetes:\n  mig_strategy: mixed\n"
 
@@ -186,3 +191,24 @@ def test_a_forked_child_past_its_timeout_is_killed() -> None:
         child.wait()
     with pytest.raises(ChildProcessError):
         os.waitpid(child.pid, os.WNOHANG)  # reaped, not left a zombie
+
+
+@pytest.mark.subprocess
+def test_a_reload_child_imports_from_where_the_packaged_launcher_put_the_agent(tmp_path: Path) -> None:
+    """As /usr/bin/gpu-agent runs: an interpreter outside any venv, the agent and its dependencies put on
+    sys.path in-process. The reload's child interpreter must find them too, so that it validates and
+    pydantic never enters the daemon."""
+    base_python = os.path.realpath(sys.executable)  # a venv's python is a link to its base interpreter
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\nlog_level: debug\n")
+    (tmp_path / "root").mkdir()
+    code = (f"import sys\nsys.path[:0] = [{str(REPO)!r}, {sysconfig.get_paths()['purelib']!r}]\n"
+            "from pathlib import Path\n"
+            "from gpu_agent.config.validate import load_daemon_config\n"
+            "from gpu_agent.host.paths import Root\n"
+            f"loaded = load_daemon_config(Path({str(config)!r}), True, Root({str(tmp_path / 'root')!r}))\n"
+            "print(loaded.config.log_level, 'pydantic' in sys.modules)\n")
+    done = subprocess.run([base_python, "-I", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["debug", "False"], done.stderr[-2000:]

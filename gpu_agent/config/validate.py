@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -64,7 +65,8 @@ class Loading:
                 if fork:
                     self._child = proc.fork(f"validating {path}", lambda: _verdict(path), CHILD_TIMEOUT)
                 else:
-                    self._child = proc.start([sys.executable, "-m", __name__, str(path)], CHILD_TIMEOUT)
+                    self._child = proc.start([sys.executable, "-m", __name__, str(path)], CHILD_TIMEOUT,
+                                             env=child_environment())
             except (AgentError, OSError) as exc:
                 log.warning("cannot start the config validation child (%s); validating in this process", exc)
 
@@ -119,6 +121,16 @@ def start(path: Path, required: bool, root: Root, fork: bool = False) -> Loading
 def load_daemon_config(path: Path, required: bool, root: Root) -> LoadedConfig:
     """The config at `path`, as start() then result() give it: for a reload, run in a worker thread."""
     return start(path, required, root).result()
+
+
+def child_environment() -> dict[str, str]:
+    """What the validation interpreter needs to import what this process imports: the packaged agent's
+    launcher (/usr/bin/gpu-agent) puts its private site directories on sys.path itself, which a new
+    interpreter would not see, and writes no bytecode there."""
+    env = {"PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry)}
+    if sys.dont_write_bytecode:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
 
 
 def _sha256(text: str) -> str:

@@ -60,12 +60,13 @@ class Started:
         return Completed(self.argv, self.process.returncode, stdout, stderr)
 
 
-def start(argv: Sequence[str], timeout: float) -> Started:
-    """Start `argv` and return at once (run() waits): this process goes on while it runs."""
+def start(argv: Sequence[str], timeout: float, env: Optional[Mapping[str, str]] = None) -> Started:
+    """Start `argv` and return at once (run() waits): this process goes on while it runs. `env`: variables
+    set for it on top of this process's environment."""
     argv = tuple(argv)
     try:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
+                                   stderr=subprocess.PIPE, text=True, env={**os.environ, **env} if env else None)
     except FileNotFoundError:
         raise AgentError(f"cannot run {argv[0]}: not installed or not on PATH") from None
     return Started(argv, timeout, process)
