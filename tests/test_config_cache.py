@@ -28,7 +28,7 @@ def no_child(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Fail any validation child started; the list records the attempts."""
     started: list[str] = []
 
-    def refuse(argv: Any, timeout: float) -> None:
+    def refuse(argv: Any, timeout: float, env: Any = None) -> None:
         started.append(argv[-1])
         raise AgentError("this test expected no validation child")
 
@@ -55,7 +55,7 @@ def test_an_unchanged_file_is_read_back_without_a_child(root: Path, tmp_path: Pa
     assert oct(cache_of(root).stat().st_mode & 0o777) == "0o600"
 
     started: list[str] = []
-    monkeypatch.setattr(validate.proc, "start", lambda argv, timeout: started.append(argv) or 1 / 0)
+    monkeypatch.setattr(validate.proc, "start", lambda argv, timeout, env: started.append(argv) or 1 / 0)
     caplog.clear()
     assert load(root, config) == first and started == []
     assert "kubernetes.mig_strategy: deprecated: write mig.strategy: mixed instead" in caplog.text  # logged again
@@ -117,7 +117,8 @@ def test_a_damaged_or_tampered_cache_is_ignored_and_the_file_validated_again(
     tamper(cache_of(root))
     started: list[Any] = []
     real_start = validate.proc.start
-    monkeypatch.setattr(validate.proc, "start", lambda argv, timeout: started.append(argv) or real_start(argv, timeout))
+    monkeypatch.setattr(validate.proc, "start",
+                        lambda argv, timeout, env: started.append(argv) or real_start(argv, timeout, env))
     assert load(root, config) == expected
     assert len(started) == 1  # validated again, by a child
 
