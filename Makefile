@@ -42,7 +42,7 @@ lint: $(BIN)/gpu-agent
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/e2e
 
-# The developer loop: everything but the tests marked slow (pyproject's markers), under 90 s on 2 cores.
+# The developer loop: everything but the tests marked slow (pyproject's markers), about 90-100 s on 2 cores.
 test: lint
 	$(PYTEST) -m "not slow"
 
