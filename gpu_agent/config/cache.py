@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from gpu_agent import __version__
-from gpu_agent.config.build import NotAConfig, build
-from gpu_agent.config.loaded import canonical_json
+from gpu_agent.config.build import NotAConfig
+from gpu_agent.config.loaded import from_canonical
 from gpu_agent.config.schema import AgentConfig
 from gpu_agent.config.text import read_config_text
 from gpu_agent.errors import AgentError, ConfigError
@@ -68,12 +68,9 @@ def read_cache(root: Root, key: str) -> Optional[Validated]:
         log.info("%s: ignored (damaged), validating the config again", path)
         return None
     try:
-        config = build(AgentConfig, settings)
+        config = from_canonical(settings)
     except NotAConfig as exc:
         log.info("%s: ignored (not this schema's: %s), validating the config again", path, exc)
-        return None
-    if canonical_json(config) != json.dumps(settings, sort_keys=True, separators=(",", ":")):
-        log.info("%s: ignored (settings do not read back the same), validating the config again", path)
         return None
     return Validated(config, list(warnings))
 

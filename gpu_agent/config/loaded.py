@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_agent.config.build import NotAConfig, build
 from gpu_agent.config.schema import AgentConfig
 
 BUILT_IN = "built-in defaults"
@@ -23,6 +24,15 @@ class LoadedConfig:
 def canonical_json(config: AgentConfig) -> str:
     """Every setting, keys sorted, no spaces: equal configs give equal text (and digest)."""
     return json.dumps(dataclasses.asdict(config), sort_keys=True, separators=(",", ":"), default=_plain)
+
+
+def from_canonical(settings: Any) -> AgentConfig:
+    """The config that a validation's canonical JSON (parsed) describes. NotAConfig unless it has the
+    schema's shape and reads back to exactly that JSON: such JSON came from this agent's validation only."""
+    config = build(AgentConfig, settings)
+    if canonical_json(config) != json.dumps(settings, sort_keys=True, separators=(",", ":")):
+        raise NotAConfig("the settings do not read back the same")
+    return config
 
 
 def loaded(config: AgentConfig, source: str) -> LoadedConfig:

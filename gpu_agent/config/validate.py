@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from gpu_agent.config.build import NotAConfig, build
+from gpu_agent.config.build import NotAConfig
 from gpu_agent.config.cache import Validated, cache_key, read_cache, write_cache
-from gpu_agent.config.loaded import BUILT_IN, LoadedConfig, canonical_json, loaded
+from gpu_agent.config.loaded import BUILT_IN, LoadedConfig, canonical_json, from_canonical, loaded
 from gpu_agent.config.schema import AgentConfig
 from gpu_agent.config.text import read_config_text
 from gpu_agent.errors import AgentError, ConfigError
@@ -91,9 +91,7 @@ class Loading:
                 raise AgentError(f"exit status {done.returncode}: {done.stderr.strip()[-500:]}")
             answer = json.loads(done.stdout)
             settings, warnings, text_sha256 = answer["config"], answer["warnings"], answer["sha256"]
-            config = build(AgentConfig, settings)
-            if canonical_json(config) != json.dumps(settings, sort_keys=True, separators=(",", ":")):
-                raise AgentError("its settings do not read back the same")
+            config = from_canonical(settings)
         except (AgentError, NotAConfig, ValueError, KeyError, TypeError) as exc:
             if isinstance(exc, ConfigError):
                 raise
