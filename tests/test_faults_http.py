@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Optional
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,18 @@ from gpu_agent.daemon.listener import (
     Listener,
     OncePer,
     connection_limit,
-    handling_request,
+    request_started,
 )
+
+
+@contextmanager
+def handling_request(transport: Optional[asyncio.BaseTransport]) -> Iterator[None]:
+    """The connection is busy with a request while the block runs, as the HTTP protocol marks it."""
+    finished = request_started(transport)
+    try:
+        yield
+    finally:
+        finished()
 
 # --- the connection limit ------------------------------------------------------------------------
 

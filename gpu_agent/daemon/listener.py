@@ -30,8 +30,6 @@ import socket
 import struct
 import termios
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 from gpu_agent.host.memory import give_back
@@ -435,13 +433,3 @@ def request_started(transport: Optional[asyncio.BaseTransport]) -> Callable[[], 
 
 def _nothing() -> None:
     pass
-
-
-@contextmanager
-def handling_request(transport: Optional[asyncio.BaseTransport]) -> Iterator[None]:
-    """request_started for a block: the connection is busy while it runs."""
-    finished = request_started(transport)
-    try:
-        yield
-    finally:
-        finished()
