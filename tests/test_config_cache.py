@@ -213,3 +213,44 @@ def test_a_reload_child_imports_from_where_the_packaged_launcher_put_the_agent(t
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["debug", "False"], done.stderr[-2000:]
+
+
+def test_a_reload_of_the_same_text_loads_nothing(root: Path, tmp_path: Path, no_child: list[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(GOOD)
+    running = load_config(config, required=True)
+    monkeypatch.setattr(validate, "read_cache", lambda *args: pytest.fail("an unchanged file was loaded again"))
+    assert validate.reload_config(config, True, Root(root), running) is None
+    assert no_child == []
+
+
+@pytest.mark.subprocess
+def test_a_reload_of_other_text_loads_it(root: Path, tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(GOOD)
+    running = load_config(config, required=True)
+    config.write_text(GOOD + "\n")  # one byte more, the same settings: still a file to validate
+    again = validate.reload_config(config, True, Root(root), running)
+    assert again is not None and again.digest == running.digest and again.text_sha256 != running.text_sha256
+    config.write_text(GOOD.replace("30", "31"))
+    changed = validate.reload_config(config, True, Root(root), running)
+    assert changed is not None and changed.config.reconcile.interval_seconds == 31.0
+
+
+def test_a_reload_is_judged_by_the_file_and_its_text(root: Path, tmp_path: Path, no_child: list[str]) -> None:
+    config = tmp_path / "config.yaml"
+    defaults = load_config(config, required=False)
+    assert validate.reload_config(config, False, Root(root), defaults) is None  # still absent
+    config.write_text(GOOD)
+    running = load_config(config, required=True)
+    other = tmp_path / "other.yaml"
+    other.write_text(GOOD)  # the same text at another path is another file (its messages name it)
+    elsewhere = validate.reload_config(other, True, Root(root), running)  # validated (in-process: no child here)
+    assert elsewhere is not None and elsewhere.source == str(other) and no_child == [str(other)]
+    config.unlink()
+    with pytest.raises(ConfigError, match="config.yaml: no such file"):
+        validate.reload_config(config, True, Root(root), running)
+    config.mkdir()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        validate.reload_config(config, True, Root(root), running)

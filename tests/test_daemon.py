@@ -82,7 +82,8 @@ def test_sighup_reloads_and_an_invalid_reload_keeps_the_running_config(agent) ->
     daemon.wait_ready()
     digest = json.loads(daemon.get("/status")[1])["config"]["digest"]
 
-    daemon.config.write_text(daemon.config.read_text() + "bogus: 1\n")
+    good = daemon.config.read_text()
+    daemon.config.write_text(good + "bogus: 1\n")
     daemon.messages.clear()
     daemon.signal(signal.SIGHUP)
     daemon.wait_message(lambda m: "RELOADING=1" in m.splitlines())
@@ -92,8 +93,14 @@ def test_sighup_reloads_and_an_invalid_reload_keeps_the_running_config(agent) ->
     assert document["config"]["digest"] == digest
     assert daemon.get("/readyz")[0] == 200
 
-    text = daemon.config.read_text().replace("bogus: 1\n", "discovery:\n  expected_gpus: 7\n")
-    daemon.config.write_text(text)
+    daemon.config.write_text(good)  # the running config's own text again: nothing to load, nothing wrong
+    daemon.messages.clear()
+    daemon.signal(signal.SIGHUP)
+    daemon.wait_message(lambda m: "READY=1" in m.splitlines())
+    document = json.loads(daemon.get("/status")[1])
+    assert document["config"]["reload_error"] is None and document["config"]["digest"] == digest
+
+    daemon.config.write_text(good + "discovery:\n  expected_gpus: 7\n")
     daemon.signal(signal.SIGHUP)
     _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503)
     assert "expected 7 GPUs (discovery.expected_gpus) but NVML reports 8" in body

@@ -276,13 +276,13 @@ def test_a_reload_that_fails_inside_the_loader_keeps_the_running_config(
     loaded = load_config(config, required=True)
     runtime = app.Runtime.build(Root(root), loaded, "t4")
 
-    def broken(path: Path, required: bool, root: Root) -> None:
+    def broken(path: Path, required: bool, root: Root, running: object) -> None:
         raise RecursionError("maximum recursion depth exceeded")
 
     async def reload() -> app.Daemon:
         daemon = app.Daemon(runtime, config, config_required=True)
         stages = list(runtime.engine.stages)
-        monkeypatch.setattr(app, "load_daemon_config", broken)
+        monkeypatch.setattr(app, "reload_config", broken)
         await daemon._reload()
         assert runtime.engine.stages == stages
         return daemon

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from gpu_agent.config.build import NotAConfig, build
 from gpu_agent.config.schema import AgentConfig
@@ -19,6 +19,7 @@ class LoadedConfig:
     config: AgentConfig
     source: str  # the file it came from, or "built-in defaults"
     digest: str
+    text_sha256: Optional[str] = None  # of the file's text, when the daemon loaded it from one
 
 
 def canonical_json(config: AgentConfig) -> str:
@@ -35,8 +36,14 @@ def from_canonical(settings: Any) -> AgentConfig:
     return config
 
 
-def loaded(config: AgentConfig, source: str) -> LoadedConfig:
-    return LoadedConfig(config, source, "sha256:" + hashlib.sha256(canonical_json(config).encode()).hexdigest())
+def loaded(config: AgentConfig, source: str, text_sha256: Optional[str] = None) -> LoadedConfig:
+    return LoadedConfig(config, source, "sha256:" + hashlib.sha256(canonical_json(config).encode()).hexdigest(),
+                        text_sha256)
+
+
+def text_sha256(text: str) -> str:
+    """What identifies a config file's text: a reload of the same text has nothing to load."""
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _plain(value: Any) -> str:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from gpu_agent.config.loaded import BUILT_IN, LoadedConfig, loaded
+from gpu_agent.config.loaded import BUILT_IN, LoadedConfig, loaded, text_sha256
 from gpu_agent.config.plugin import conflicting_keys, deprecated_keys
 from gpu_agent.config.safe_yaml import line_of, load_yaml
 from gpu_agent.config.schema import AgentConfig
@@ -42,7 +42,7 @@ def load_config(path: Path, required: bool) -> LoadedConfig:
         if required:
             raise ConfigError(f"{path}: no such file")
         return loaded(AgentConfig(), BUILT_IN)
-    return loaded(parse_config(text, str(path)), str(path))
+    return loaded(parse_config(text, str(path)), str(path), text_sha256(text))
 
 
 def parse_config(text: str, name: str) -> AgentConfig:

@@ -19,7 +19,6 @@ file: the daemon then validates in its own process, paying pydantic's memory rat
 config it cannot judge."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,7 +28,8 @@ from typing import Any, Optional, Sequence, Union
 
 from gpu_agent.config.build import NotAConfig
 from gpu_agent.config.cache import Validated, cache_key, read_cache, write_cache
-from gpu_agent.config.loaded import BUILT_IN, LoadedConfig, canonical_json, from_canonical, loaded
+from gpu_agent.config.loaded import (BUILT_IN, LoadedConfig, canonical_json, from_canonical, loaded,
+                                     text_sha256)
 from gpu_agent.config.schema import AgentConfig
 from gpu_agent.config.text import read_config_text
 from gpu_agent.errors import AgentError, ConfigError
@@ -50,6 +50,7 @@ class Loading:
         self._done: Optional[Validated] = None
         self._child: Optional[Union[proc.Started, proc.Forked]] = None
         self._missing = False  # an optional file that is not there: the built-in defaults
+        self._text_sha256: Optional[str] = None
         try:
             text = read_config_text(path)
         except ConfigError as exc:
@@ -59,7 +60,8 @@ class Loading:
             self._error = ConfigError(f"{path}: no such file") if required else None
             self._missing = not required
             return
-        self._done = read_cache(root, cache_key(path, _sha256(text)))
+        self._text_sha256 = text_sha256(text)
+        self._done = read_cache(root, cache_key(path, self._text_sha256))
         if self._done is None:
             try:
                 if fork:
@@ -78,7 +80,7 @@ class Loading:
         validated = self._done or self._from_child()
         for warning in validated.warnings:
             log.warning("%s", warning)
-        return loaded(validated.config, str(self.path))
+        return loaded(validated.config, str(self.path), self._text_sha256)
 
     def _from_child(self) -> Validated:
         try:
@@ -90,14 +92,14 @@ class Loading:
             if done.returncode != 0:
                 raise AgentError(f"exit status {done.returncode}: {done.stderr.strip()[-500:]}")
             answer = json.loads(done.stdout)
-            settings, warnings, text_sha256 = answer["config"], answer["warnings"], answer["sha256"]
+            settings, warnings, answered_sha256 = answer["config"], answer["warnings"], answer["sha256"]
             config = from_canonical(settings)
         except (AgentError, NotAConfig, ValueError, KeyError, TypeError) as exc:
             if isinstance(exc, ConfigError):
                 raise
             log.warning("the config validation child failed (%s); validating %s in this process", exc, self.path)
             return self._in_process()
-        write_cache(self.root, cache_key(self.path, text_sha256), settings, list(warnings))
+        write_cache(self.root, cache_key(self.path, answered_sha256), settings, list(warnings))
         return Validated(config, list(warnings))
 
     def _in_process(self) -> Validated:
@@ -121,6 +123,19 @@ def load_daemon_config(path: Path, required: bool, root: Root) -> LoadedConfig:
     return start(path, required, root).result()
 
 
+def reload_config(path: Path, required: bool, root: Root, running: LoadedConfig) -> Optional[LoadedConfig]:
+    """A SIGHUP's config: None when the file still holds exactly the text `running` came from (or is still
+    absent, for the built-in defaults), as there is nothing to load; else load_daemon_config's answer."""
+    try:
+        text = read_config_text(path)
+    except ConfigError:
+        text, unchanged = None, False
+    else:
+        unchanged = (running.source == BUILT_IN if text is None
+                     else running.source == str(path) and running.text_sha256 == text_sha256(text))
+    return None if unchanged else load_daemon_config(path, required, root)
+
+
 def child_environment() -> dict[str, str]:
     """What the validation interpreter needs to import what this process imports: the packaged agent's
     launcher (/usr/bin/gpu-agent) puts its private site directories on sys.path itself, which a new
@@ -129,10 +144,6 @@ def child_environment() -> dict[str, str]:
     if sys.dont_write_bytecode:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _verdict(path: Path) -> tuple[int, str]:
@@ -147,7 +158,7 @@ def _verdict(path: Path) -> tuple[int, str]:
         config, warnings = check_config(text, str(path))
     except ConfigError as exc:
         return INVALID, str(exc)
-    answer: dict[str, Any] = {"sha256": _sha256(text), "config": json.loads(canonical_json(config)),
+    answer: dict[str, Any] = {"sha256": text_sha256(text), "config": json.loads(canonical_json(config)),
                               "warnings": warnings}
     return 0, json.dumps(answer)
 

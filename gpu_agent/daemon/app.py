@@ -15,7 +15,7 @@ from typing import IO, Any, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig
-from gpu_agent.config.validate import load_daemon_config
+from gpu_agent.config.validate import reload_config
 from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.daemon.watch import FileChanges
@@ -345,8 +345,12 @@ class Daemon:
         self.notifier.reloading()
         log.info("reloading configuration from %s", self.config_path)
         try:
-            loaded = await asyncio.to_thread(load_daemon_config, self.config_path, self.config_required,
-                                             self.runtime.root)
+            loaded = await asyncio.to_thread(reload_config, self.config_path, self.config_required,
+                                             self.runtime.root, self.state.config)
+            if loaded is None:
+                self.state.config_error = None
+                log.info("configuration file unchanged; keeping configuration %s", self.state.config.digest[:19])
+                return
             stages = self._stages_for(loaded.config)
             await self.http.restart(loaded.config.http)
         except AgentError as exc:
