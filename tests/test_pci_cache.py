@@ -19,8 +19,8 @@ def test_ids_are_read_once_per_device_until_its_entry_changes(tmp_path: Path, mo
     reads: list[str] = []
     hex_of = pci._hex
 
-    def counting(entry: Path, name: str) -> int:
-        reads.append(f"{entry.name}/{name}")
+    def counting(entry: str, name: str) -> int:
+        reads.append(f"{os.path.basename(entry)}/{name}")
         return hex_of(entry, name)
 
     monkeypatch.setattr(pci, "_hex", counting)

@@ -67,12 +67,15 @@ def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules:
 
 def gpu_minors(root: Root) -> dict[str, int]:
     """Device minor of each GPU by PCI address, from /proc/driver/nvidia/gpus/*/information."""
-    gpus = root("/proc/driver/nvidia/gpus")
+    try:
+        addresses = sorted(os.listdir(root("/proc/driver/nvidia/gpus")))
+    except (FileNotFoundError, NotADirectoryError):
+        addresses = []
     minors = {}
-    for entry in sorted(gpus.iterdir()) if gpus.is_dir() else ():
-        info = driver_file(root, f"/proc/driver/nvidia/gpus/{entry.name}/information")
+    for address in addresses:
+        info = driver_file(root, f"/proc/driver/nvidia/gpus/{address}/information")
         if "Device Minor" in info:
-            minors[entry.name.lower()] = info.integer("Device Minor", 0)
+            minors[address.lower()] = info.integer("Device Minor", 0)
     return minors
 
 
@@ -122,6 +125,8 @@ def create_node(root: Root, node: DeviceNode) -> None:
 
 def link_target(node: DeviceNode) -> str:
     """What the node's /dev/char link holds: ../<node>, relative as udev writes it."""
+    if node.path.startswith("/dev/") and "/." not in node.path and "//" not in node.path:
+        return "../" + node.path[len("/dev/"):]
     return os.path.relpath(node.path, os.path.dirname(node.char_link))
 
 

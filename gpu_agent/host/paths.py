@@ -14,13 +14,25 @@ KERNEL_TREES = ("/proc", "/sys", "/dev", "/etc/modprobe.d", "/run/nvidia-persist
 class Root:
     """The directory every host path is resolved under; "/" on a real node."""
 
+    _MAPPED_MAX = 4096  # more distinct host paths than the agent reads; beyond it (/proc/PID/...), start over
+
     def __init__(self, path: str | os.PathLike[str] = "/", kernel: Optional[Path] = None) -> None:
         self.path = Path(path).resolve()
         self.kernel = kernel  # holds proc/, sys/ and dev/ of a kernel that is not the running one
+        self._mapped: dict[str, Path] = {}  # a reconcile pass maps the same hundred paths each time
 
     def __call__(self, host_path: str | os.PathLike[str]) -> Path:
         """Map an absolute host path such as /etc/gpu-agent/config.yaml to its place under the root."""
         host_path = str(host_path)
+        mapped = self._mapped.get(host_path)
+        if mapped is None:
+            mapped = self._map(host_path)
+            if len(self._mapped) >= self._MAPPED_MAX:
+                self._mapped.clear()
+            self._mapped[host_path] = mapped
+        return mapped
+
+    def _map(self, host_path: str) -> Path:
         if not host_path.startswith("/"):
             raise ValueError(f"host path must be absolute: {host_path!r}")
         normal = os.path.normpath(host_path)

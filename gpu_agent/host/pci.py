@@ -3,7 +3,6 @@ driver is diagnosed as such and never mistaken for "no GPU"."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,16 +33,23 @@ class PciInventory:
 
 
 def scan(root: Root) -> PciInventory:
-    devices = root("/sys/bus/pci/devices")
+    devices = str(root("/sys/bus/pci/devices"))
+    try:
+        entries = sorted(entry.name for entry in os.scandir(devices))
+    except (FileNotFoundError, NotADirectoryError):
+        entries = []
     found = []
-    for entry in sorted(devices.iterdir()) if devices.is_dir() else ():
+    for name in entries:
+        entry = f"{devices}/{name}"
         try:
             vendor, device, pci_class = _ids(entry)
         except OSError:
             continue  # a device that vanished or is not readable is not ours to judge
-        bound = entry / "driver"
-        driver = os.path.basename(os.readlink(bound)) if bound.is_symlink() else None
-        found.append(PciDevice(entry.name.lower(), vendor, device, pci_class >> 8, driver))
+        try:
+            driver: Optional[str] = os.path.basename(os.readlink(f"{entry}/driver"))
+        except OSError:  # no driver bound (or the link is not one)
+            driver = None
+        found.append(PciDevice(name.lower(), vendor, device, pci_class >> 8, driver))
     return PciInventory(
         gpus=tuple(d for d in found if d.vendor == NVIDIA and d.pci_class in GPU_CLASSES),
         nvswitches=tuple(d for d in found if d.vendor == NVIDIA and d.pci_class == BRIDGE_CLASS),
@@ -59,37 +65,38 @@ _known_ids: dict[str, tuple[_Identity, tuple[int, int, int]]] = {}
 _KNOWN_MAX = 4096  # more PCI functions than a node has; beyond it (many roots: tests), start over
 
 
-def _ids(entry: Path) -> tuple[int, int, int]:
+def _ids(entry: str) -> tuple[int, int, int]:
     identity = _identity(entry)
-    known = _known_ids.get(str(entry))
+    known = _known_ids.get(entry)
     if known is not None and known[0] == identity:
         return known[1]
     ids = (_hex(entry, "vendor"), _hex(entry, "device"), _hex(entry, "class"))
     if len(_known_ids) >= _KNOWN_MAX:
         _known_ids.clear()
-    _known_ids[str(entry)] = (identity, ids)
+    _known_ids[entry] = (identity, ids)
     return ids
 
 
-def _identity(entry: Path) -> _Identity:
+def _identity(entry: str) -> _Identity:
     """The entry (a symlink in sysfs, made anew when the device is), and its uevent file, written when
     the kernel announces a change of the device."""
     link = os.lstat(entry)
     try:
-        uevent = os.stat(entry / "uevent")
+        uevent = os.stat(f"{entry}/uevent")
         announced: Optional[tuple[int, int]] = (uevent.st_ino, uevent.st_mtime_ns)
     except OSError:
         announced = None
     return (link.st_ino, link.st_mtime_ns, link.st_ctime_ns, announced)
 
 
-def _hex(entry: Path, name: str) -> int:
+def _hex(entry: str, name: str) -> int:
     """One of sysfs' hexadecimal attributes (vendor 0x10de, class 0x030200)."""
-    text = entry.joinpath(name).read_bytes().decode("ascii", errors="replace").strip()
+    with open(f"{entry}/{name}", "rb") as attribute:
+        text = attribute.read(64).decode("ascii", errors="replace").strip()
     try:
         return int(text, 16)
     except ValueError:
-        raise HostFormatError(f"/sys/bus/pci/devices/{entry.name}/{name}", 1, text,
+        raise HostFormatError(f"/sys/bus/pci/devices/{os.path.basename(entry)}/{name}", 1, text,
                               "a hexadecimal number such as 0x10de") from None
 
 

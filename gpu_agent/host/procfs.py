@@ -17,7 +17,8 @@ def read(root: Root, host_path: str) -> Optional[str]:
     """A kernel or driver file's text; None when it does not exist. Bytes that are not UTF-8 are
     replaced, so they fail the parser with its message instead of a decoding error."""
     try:
-        return root(host_path).read_bytes().decode("utf-8", errors="replace")
+        with open(root(host_path), "rb") as handle:
+            return handle.read().decode("utf-8", errors="replace")
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:

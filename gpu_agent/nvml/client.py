@@ -13,7 +13,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Optional, TypeVar, cast
+from typing import Any, Callable, NamedTuple, Optional, TypeVar, cast
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.pci import numa_node
@@ -107,9 +107,21 @@ def _changes_gpus(method: _F) -> _F:
         try:
             return method(self, *args, **kwargs)
         finally:
+            self._identities = {}
             self.forget_inventory()
 
     return cast(_F, changing)
+
+
+class _GpuIdentity(NamedTuple):
+    uuid: str
+    pci_bus_id: str
+    product: str
+    compute_capability: tuple[int, int]
+    minor_number: int
+    pci_device_id: int
+    pci_subsystem_id: int
+    numa_node: Optional[int]
 
 
 class NvmlUnavailable(AgentError):
@@ -222,6 +234,9 @@ class Nvml:
         # device's handle lasts as long as the device; a new layout, or a pass's start, asks again.
         self._mig_handles: dict[int, tuple[MigState, dict[int, Any]]] = {}
         self._gpm_request = threading.local()  # `request`: this thread's nvmlGpmMetricsGet request
+        # By GPU index: what cannot change while NVML is initialised (the board, its bus id and minor
+        # number), read once rather than at every pass; a MIG change or reset by this agent reads it again.
+        self._identities: dict[int, _GpuIdentity] = {}
 
     @property
     def call_timeout(self) -> float:
@@ -255,6 +270,7 @@ class Nvml:
                 kind = type(exc).__name__
                 reason = _INIT_REMEDIES.get(kind, f"NVML initialisation failed: {exc}")
                 raise NvmlUnavailable(reason, no_driver=kind == "NVMLError_LibraryNotFound") from None
+            self._identities = {}
             self._initialised = True
 
     def close(self) -> None:
@@ -309,22 +325,34 @@ class Nvml:
 
     def _gpu(self, index: int) -> Gpu:
         handle = self._handle(index)
-        uuid = self._nvml("nvmlDeviceGetUUID", handle)
-        pci = self._nvml("nvmlDeviceGetPciInfo", handle)
+        identity = self._identities.get(index)
+        if identity is None:
+            identity = self._identities[index] = self._identity(handle)
         memory = self._nvml("nvmlDeviceGetMemoryInfo", handle)
-        major, minor = self._nvml("nvmlDeviceGetCudaComputeCapability", handle)
         return Gpu(
             index=index,
-            uuid=uuid,
-            pci_bus_id=_short_bus_id(pci.busId),
-            product=self._nvml("nvmlDeviceGetName", handle),
+            uuid=identity.uuid,
+            pci_bus_id=identity.pci_bus_id,
+            product=identity.product,
             memory_mib=memory.total // (1024 * 1024),
-            compute_capability=(major, minor),
-            minor_number=self._nvml("nvmlDeviceGetMinorNumber", handle),
-            mig=self._mig(handle, uuid),
-            pci_device_id=pci.pciDeviceId,
-            pci_subsystem_id=pci.pciSubSystemId,
-            numa_node=numa_node(self.root, _short_bus_id(pci.busId)) if self.root else None,
+            compute_capability=identity.compute_capability,
+            minor_number=identity.minor_number,
+            mig=self._mig(handle, identity.uuid),
+            pci_device_id=identity.pci_device_id,
+            pci_subsystem_id=identity.pci_subsystem_id,
+            numa_node=identity.numa_node,
+        )
+
+    def _identity(self, handle: Any) -> _GpuIdentity:
+        uuid = self._nvml("nvmlDeviceGetUUID", handle)
+        pci = self._nvml("nvmlDeviceGetPciInfo", handle)
+        major, minor = self._nvml("nvmlDeviceGetCudaComputeCapability", handle)
+        bus_id = _short_bus_id(pci.busId)
+        return _GpuIdentity(
+            uuid=uuid, pci_bus_id=bus_id, product=self._nvml("nvmlDeviceGetName", handle),
+            compute_capability=(major, minor), minor_number=self._nvml("nvmlDeviceGetMinorNumber", handle),
+            pci_device_id=pci.pciDeviceId, pci_subsystem_id=pci.pciSubSystemId,
+            numa_node=numa_node(self.root, bus_id) if self.root else None,
         )
 
     # --- topology --------------------------------------------------------------------------------
