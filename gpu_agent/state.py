@@ -68,6 +68,7 @@ class AgentState:
     last_inventory: Optional[Inventory] = None  # the last good one: labels outlive a failing discovery
     runtimes: Optional[tuple[str, ...]] = None  # container runtimes found, as the toolkit stage last saw them
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
+    mellanox_nics: Optional[int] = None  # Mellanox NICs on the PCI bus, as the driver stage last saw them
     mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU or MIG device UUID: see device_health()
     gpu_checks: dict[str, dict[str, str]] = field(default_factory=dict)  # periodic check -> {GPU UUID: why it fails}
@@ -130,8 +131,10 @@ class AgentState:
     # --- stage results (written by the engine only) ----------------------------------------------
 
     def output(self, name: str) -> Any:
-        """A stage result as last recorded: inventory (discovery), pci_gpus (driver), mig (mig), runtimes (toolkit)."""
-        outputs = {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mig": self.mig, "runtimes": self.runtimes}
+        """A stage result as last recorded: inventory (discovery), pci_gpus and mellanox_nics (driver), mig
+        (mig), runtimes (toolkit)."""
+        outputs = {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mellanox_nics": self.mellanox_nics,
+                   "mig": self.mig, "runtimes": self.runtimes}
         return outputs[name]
 
     def record_output(self, name: str, value: Any) -> None:
@@ -141,6 +144,8 @@ class AgentState:
                 self.last_inventory = value
         elif name == "pci_gpus":
             self.pci_gpus = value
+        elif name == "mellanox_nics":
+            self.mellanox_nics = value
         elif name == "mig":
             self.mig = value
         elif name == "runtimes":

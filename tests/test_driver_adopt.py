@@ -9,6 +9,7 @@ import pytest
 
 from gpu_agent.config.driver import DriverConfig, DriverModules
 from gpu_agent.errors import AgentError, StageError
+from gpu_agent.host import pci
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.sim.fake import FakeNvml
@@ -86,6 +87,20 @@ def test_nvidia_modeset_comes_only_with_nvidia_drm_unless_asked(preloaded: tuple
         "nvidia_modeset", "nvidia_peermem", "nvidia_drm")
     assert DriverFeatures(root, NoModprobe(), DriverModules(nvidia_modeset=True, nvidia_peermem=False)
                           ).observe().wanted == ("nvidia_modeset",)
+
+
+def test_peermem_auto_follows_the_driver_stages_count_of_mellanox_nics(preloaded: tuple[Root, Nvml],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    root, nvml = preloaded
+    driver = Driver(root, nvml, NoModprobe(), DriverConfig())
+    features = DriverFeatures(root, NoModprobe(), DriverModules())
+    assert "nvidia_peermem" in features.observe().wanted  # its own scan: the node has Mellanox NICs
+    features.inputs = driver.outputs(driver.observe())  # as the engine hands them on in a pass
+    assert features.inputs["mellanox_nics"] == 8
+    monkeypatch.setattr(pci, "scan", lambda root: pytest.fail("the bus was scanned twice in one pass"))
+    assert "nvidia_peermem" in features.observe().wanted
+    features.inputs = {"mellanox_nics": 0}
+    assert "nvidia_peermem" not in features.observe().wanted
 
 
 def test_a_missing_core_module_without_modprobe_says_so(preloaded: tuple[Root, Nvml], tmp_path: Path) -> None:

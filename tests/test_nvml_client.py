@@ -287,3 +287,26 @@ def test_memory_falls_back_to_v1_without_a_reserved_figure(machine: Any) -> None
     finally:
         nvml.close()
     assert (sample.memory_used_mib, sample.memory_reserved_mib) == (480, None)
+
+
+def test_a_gpus_identity_is_read_once_until_its_mig_mode_changes(machine: Any) -> None:
+    """UUID, bus id, name, compute capability and minor cannot change while NVML is initialised, except
+    where a MIG mode change rebinds the GPU (NVML's nvmlDeviceSetMigMode: "attributes ... such as minor
+    number, might change"): a pass asks only for what can change."""
+    state, nvml = machine("dgx-h100")
+    identity_calls = ("nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo", "nvmlDeviceGetName",
+                      "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMinorNumber")
+    first = nvml.inventory()
+    calls = nvml.lib.calls
+    asked = {name: calls[name] for name in identity_calls}
+    assert all(count >= 8 for count in asked.values())
+    nvml.begin_pass()
+    assert nvml.inventory() == first
+    assert {name: calls[name] for name in identity_calls} == asked
+
+    with state.edit() as doc:  # another tool turns MIG on for GPU 2
+        doc["gpus"][2]["mig"]["current"] = doc["gpus"][2]["mig"]["pending"] = 1
+    nvml.begin_pass()
+    changed = nvml.inventory()
+    assert changed.gpus[2].mig.enabled and changed.gpus[2].uuid == first.gpus[2].uuid
+    assert {name: calls[name] - asked[name] for name in identity_calls} == dict.fromkeys(identity_calls, 1)

@@ -343,14 +343,15 @@ class Daemon:
         """Load the config file again and switch to it; any failure keeps the running config and is
         shown as the reload error in /status, never a crash of the loop."""
         self.notifier.reloading()
-        log.info("reloading configuration from %s", self.config_path)
         try:
             loaded = await asyncio.to_thread(reload_config, self.config_path, self.config_required,
                                              self.runtime.root, self.state.config)
             if loaded is None:
                 self.state.config_error = None
-                log.info("configuration file unchanged; keeping configuration %s", self.state.config.digest[:19])
+                log.info("reloading configuration from %s: the file is unchanged; keeping configuration %s",
+                         self.config_path, self.state.config.digest[:19])
                 return
+            log.info("reloading configuration from %s", self.config_path)
             stages = self._stages_for(loaded.config)
             await self.http.restart(loaded.config.http)
         except AgentError as exc:

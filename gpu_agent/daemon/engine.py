@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -59,13 +60,36 @@ class Engine:
             self.state.stages[stage.name].gates_readiness = stage.gates_readiness
 
     async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
-        """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything."""
+        """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything.
+
+        The stages run in order on one worker thread (a thread hop each cost a no-op pass more CPU than
+        most stages' own work), and each outcome is recorded on the event loop as its stage ends, so
+        /status follows a long pass. Cancelled (the daemon stopping), the pass ends with the stage running."""
         self.begin_pass()
+        stop = threading.Event()
+        try:
+            runs = await asyncio.to_thread(self._pass, force, dry_run, asyncio.get_running_loop(), stop)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+        if not dry_run:
+            self.state.reconciles += 1
+        return runs
+
+    def _pass(self, force: bool, dry_run: bool, loop: asyncio.AbstractEventLoop,
+              stop: threading.Event) -> list[StageRun]:
         runs: list[StageRun] = []
         results = {name: self.state.output(name) for stage in self.stages for name in stage.consumes
                    if name != CLAIMS}
         claims = dict(self.state.claims)  # by stage: this pass's, else the last known
+
+        def on_loop(record: Callable[..., None], *args: Any) -> None:
+            if not dry_run and not stop.is_set():
+                loop.call_soon_threadsafe(record, *args)
+
         for stage in self.stages:
+            if stop.is_set():
+                break
             stage.inputs = {name: claims if name == CLAIMS else results.get(name) for name in stage.consumes}
             status = self.state.stages[stage.name]
             now = time.time()
@@ -77,20 +101,15 @@ class Engine:
                        if this_pass.get(name, self.state.stages[name].state) != OK]
             if blocked:
                 message = f"waiting for {', '.join(blocked)}"
-                if not dry_run:
-                    status.record(WAITING, message, None, now)
-                    status.next_retry = None
+                on_loop(_waiting, status, message, now)
                 runs.append(StageRun(stage.name, WAITING, message))
                 continue
-            run = await asyncio.to_thread(self._run_stage, stage, dry_run)
+            run = self._run_stage(stage, dry_run)
             results.update(run.outputs)
             if run.claims is not None:
                 claims[stage.name] = run.claims
-            if not dry_run:
-                self._record(stage, status, run, started=now)
+            on_loop(self._record, stage, status, run, now)
             runs.append(run)
-        if not dry_run:
-            self.state.reconciles += 1
         return runs
 
     def record_dry_run(self, runs: Sequence[StageRun]) -> None:
@@ -184,6 +203,11 @@ class Engine:
     def next_retry(self) -> Optional[float]:
         retries = [s.next_retry for s in self.state.stages.values() if s.next_retry is not None]
         return min(retries) if retries else None
+
+
+def _waiting(status: StageStatus, message: str, now: float) -> None:
+    status.record(WAITING, message, None, now)
+    status.next_retry = None
 
 
 def _facts(stage: Stage, observed: Any) -> dict[str, Any]:

@@ -122,6 +122,13 @@ class _GpuIdentity(NamedTuple):
     pci_device_id: int
     pci_subsystem_id: int
     numa_node: Optional[int]
+    mig_mode: Optional[tuple[int, int]]  # as it was read with the rest
+
+
+class DriverView(NamedTuple):
+    version: str
+    bus_ids: list[str]
+    persistence: Optional[list[bool]]  # by GPU index, when asked for
 
 
 class NvmlUnavailable(AgentError):
@@ -325,9 +332,10 @@ class Nvml:
 
     def _gpu(self, index: int) -> Gpu:
         handle = self._handle(index)
+        mode = self._mig_mode(handle)
         identity = self._identities.get(index)
-        if identity is None:
-            identity = self._identities[index] = self._identity(handle)
+        if identity is None or identity.mig_mode != mode:  # a MIG mode change may rebind the GPU (a new minor)
+            identity = self._identities[index] = self._identity(handle, mode)
         memory = self._nvml("nvmlDeviceGetMemoryInfo", handle)
         return Gpu(
             index=index,
@@ -337,13 +345,13 @@ class Nvml:
             memory_mib=memory.total // (1024 * 1024),
             compute_capability=identity.compute_capability,
             minor_number=identity.minor_number,
-            mig=self._mig(handle, identity.uuid),
+            mig=self._mig(handle, identity.uuid, mode),
             pci_device_id=identity.pci_device_id,
             pci_subsystem_id=identity.pci_subsystem_id,
             numa_node=identity.numa_node,
         )
 
-    def _identity(self, handle: Any) -> _GpuIdentity:
+    def _identity(self, handle: Any, mig_mode: Optional[tuple[int, int]]) -> _GpuIdentity:
         uuid = self._nvml("nvmlDeviceGetUUID", handle)
         pci = self._nvml("nvmlDeviceGetPciInfo", handle)
         major, minor = self._nvml("nvmlDeviceGetCudaComputeCapability", handle)
@@ -352,7 +360,7 @@ class Nvml:
             uuid=uuid, pci_bus_id=bus_id, product=self._nvml("nvmlDeviceGetName", handle),
             compute_capability=(major, minor), minor_number=self._nvml("nvmlDeviceGetMinorNumber", handle),
             pci_device_id=pci.pciDeviceId, pci_subsystem_id=pci.pciSubSystemId,
-            numa_node=numa_node(self.root, bus_id) if self.root else None,
+            numa_node=numa_node(self.root, bus_id) if self.root else None, mig_mode=mig_mode,
         )
 
     # --- topology --------------------------------------------------------------------------------
@@ -424,11 +432,18 @@ class Nvml:
             self._links_complete = False
             return None
 
-    def _mig(self, handle: Any, uuid: str) -> MigState:
+    def _mig_mode(self, handle: Any) -> Optional[tuple[int, int]]:
+        """(current, pending) MIG mode; None where the GPU has no MIG."""
         try:
             current, pending = self._nvml("nvmlDeviceGetMigMode", handle)
         except self.lib.NVMLError_NotSupported:
+            return None
+        return current, pending
+
+    def _mig(self, handle: Any, uuid: str, mode: Optional[tuple[int, int]]) -> MigState:
+        if mode is None:
             return MigState(capable=False)
+        current, pending = mode
         enabled = current == self.lib.NVML_DEVICE_MIG_ENABLE
         if uuid not in self._static:
             self._static[uuid] = self._mig_profiles(handle)
@@ -558,7 +573,7 @@ class Nvml:
         """One GPU's MIG mode and instances, read now (after a change)."""
         self.init()
         handle = self._handle(index)
-        return self._mig(handle, self._nvml("nvmlDeviceGetUUID", handle))
+        return self._mig(handle, self._nvml("nvmlDeviceGetUUID", handle), self._mig_mode(handle))
 
     # --- MIG changes -----------------------------------------------------------------------------
 
@@ -834,6 +849,16 @@ class Nvml:
     def _bus_ids(self) -> list[str]:
         handles = [self._handle(i) for i in range(self._nvml("nvmlDeviceGetCount"))]
         return [_short_bus_id(self._nvml("nvmlDeviceGetPciInfo", handle).busId) for handle in handles]
+
+    def driver_view(self, persistence: bool) -> DriverView:
+        """What the driver stage asks NVML, in one batch: the driver's version, every GPU's bus id, and
+        (when `persistence`) their persistence modes."""
+        return self.batch("nvmlSystemGetDriverVersion, nvmlDeviceGetPciInfo(every GPU)", self._driver_view,
+                          persistence)
+
+    def _driver_view(self, persistence: bool) -> DriverView:
+        return DriverView(self._nvml("nvmlSystemGetDriverVersion"), self._bus_ids(),
+                          self._persistence_modes() if persistence else None)
 
     def persistence_modes(self) -> list[bool]:
         """Persistence mode of each GPU, by index (one batch)."""

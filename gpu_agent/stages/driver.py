@@ -67,7 +67,7 @@ class DriverState:
 
 class Driver(Stage):
     name = "driver"
-    produces = ("pci_gpus",)
+    produces = ("pci_gpus", "mellanox_nics")
 
     def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig,
                  may_change_gpus: bool = True) -> None:
@@ -97,10 +97,10 @@ class Driver(Stage):
         state.link_problems = {n.path: p for n in state.nodes if (p := devnodes.link_problem(self.root, n))}
         state.module_version = self.kernel.version("nvidia")
         try:
-            state.nvml_version = self.nvml.driver_version()
-            state.nvml_bus_ids = self.nvml.bus_ids()
-            if self.settings.persistence:
-                state.persistence = self.nvml.persistence_modes()
+            view = self.nvml.driver_view(persistence=self.settings.persistence)
+            state.nvml_version, state.nvml_bus_ids = view.version, view.bus_ids
+            if view.persistence is not None:
+                state.persistence = view.persistence
                 state.persistenced = self._persistenced_running()
         except NvmlUnavailable as exc:
             state.nvml_error = str(exc)
@@ -230,7 +230,7 @@ class Driver(Stage):
         return set(state.files)
 
     def outputs(self, state: DriverState) -> dict[str, object]:
-        return {"pci_gpus": len(state.pci.gpus)}
+        return {"pci_gpus": len(state.pci.gpus), "mellanox_nics": len(state.pci.mellanox_nics)}
 
     def facts(self, state: DriverState) -> dict[str, object]:
         return {

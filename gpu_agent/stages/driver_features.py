@@ -32,6 +32,7 @@ class FeatureState:
 class DriverFeatures(Stage):
     name = "driver-features"
     requires = ("driver",)
+    consumes = ("mellanox_nics",)
     gates_readiness = False
 
     def __init__(self, root: Root, loader: ModuleLoader, settings: DriverModules) -> None:
@@ -45,15 +46,18 @@ class DriverFeatures(Stage):
         self._failures = {}
 
     def observe(self) -> FeatureState:
-        return FeatureState(self.wanted(pci.scan(self.root)), frozenset(self.kernel.loaded()))
+        nics = self.inputs.get("mellanox_nics")  # the driver stage's scan of the bus, this pass
+        if nics is None:
+            nics = len(pci.scan(self.root).mellanox_nics)
+        return FeatureState(self.wanted(nics), frozenset(self.kernel.loaded()))
 
-    def wanted(self, inventory: pci.PciInventory) -> tuple[str, ...]:
+    def wanted(self, mellanox_nics: int) -> tuple[str, ...]:
         settings = self.settings
         drm = settings.nvidia_drm
         wanted = {
             "nvidia_modeset": settings.nvidia_modeset is True or (settings.nvidia_modeset == "auto" and drm),
             "nvidia_peermem": settings.nvidia_peermem is True
-            or (settings.nvidia_peermem == "auto" and bool(inventory.mellanox_nics)),
+            or (settings.nvidia_peermem == "auto" and mellanox_nics > 0),
             "nvidia_fs": settings.nvidia_fs,
             "gdrdrv": settings.gdrdrv,
             "nvidia_drm": drm,
