@@ -43,6 +43,10 @@ def test_status_and_labels_ask_the_daemon_without_pydantic_or_asyncio(agent, roo
     assert "ready: 1x A30" in status.stdout
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
     assert "yaml" not in modules  # the socket at its default path answered: no config to read
+    # Nor what a one-shot GET and a table do not need (they were a third of its start: http.client with
+    # email and ssl, logging, shutil for argparse's width, dataclasses with inspect).
+    assert not modules & {"http", "email", "ssl", "logging", "shutil", "dataclasses", "inspect"}, sorted(
+        modules & {"http", "email", "ssl", "logging", "shutil", "dataclasses", "inspect"})
 
     labels, modules = imported("labels", root=root, config=daemon.config)
     assert labels.returncode == 0, labels.stderr[-2000:]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from gpu_agent.cli.common import config_location, root_of
 from gpu_agent.errors import ConfigError, EXIT_ERROR
@@ -13,6 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging  # here: every command's parser imports this module, and `status` needs no logging
+
     from gpu_agent.config import validate
 
     path, required = config_location(args)

@@ -8,8 +8,9 @@ import socket
 import stat
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
+from gpu_agent.cli import local_http
 from gpu_agent.cli.common import endpoint_of, root_of
 from gpu_agent.config.endpoint import DEFAULT_SOCKET
 from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
@@ -28,56 +29,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def fetch_status(args: argparse.Namespace, unix_only: bool = False) -> tuple[Optional[dict[str, Any]], str]:
     """The daemon's /status, or None and why it could not be read. `unix_only`: ask only the unix
     socket under --root, which belongs to the daemon of that root (a TCP port may be anyone's)."""
-    import http.client  # here, not at the top: every command's parser imports this module
-
-    class UnixConnection(http.client.HTTPConnection):
-        def __init__(self, path: str, timeout: float) -> None:
-            super().__init__("localhost", timeout=timeout)
-            self.unix_path = path
-
-        def connect(self) -> None:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(self.timeout)
-            self.sock.connect(self.unix_path)
-
-    def ask(connection: http.client.HTTPConnection) -> Optional[dict[str, Any]]:
-        try:
-            connection.request("GET", "/status")
-            response = connection.getresponse()
-            document = json.loads(response.read())
-            return document if isinstance(document, dict) else None
-        finally:
-            connection.close()
+    def ask(address: Union[str, tuple[str, int]]) -> Optional[dict[str, Any]]:
+        with _connect(address) as sock:
+            _, body = local_http.get(sock, "/status", "localhost", _REQUEST_TIMEOUT_S)
+        document = json.loads(body)
+        return document if isinstance(document, dict) else None
 
     # The socket at its default path answers for the daemon of this root (one per root: its lock):
     # asked first, it spares reading the config (YAML) in the common case.
     default = str(root_of(args)(DEFAULT_SOCKET))
     if stat.S_ISSOCK(_mode(default)):
         try:
-            answer = ask(UnixConnection(default, _REQUEST_TIMEOUT_S))
-        except (OSError, ValueError, http.client.HTTPException):
+            answer = ask(default)
+        except (OSError, ValueError):  # local_http.BadResponse and JSON errors are ValueErrors
             answer = None
         if answer is not None:
             return answer, default
     endpoint = endpoint_of(args)
-    endpoints: list[tuple[str, http.client.HTTPConnection]] = []
+    endpoints: list[tuple[str, Union[str, tuple[str, int]]]] = []
     if endpoint.socket:
         path = str(root_of(args)(endpoint.socket))
-        endpoints.append((path, UnixConnection(path, _REQUEST_TIMEOUT_S)))
+        endpoints.append((path, path))
     if endpoint.listen and not unix_only:
-        endpoints.append((endpoint.listen, http.client.HTTPConnection(
-            endpoint.host, endpoint.port, timeout=_REQUEST_TIMEOUT_S)))
+        endpoints.append((endpoint.listen, (endpoint.host, endpoint.port)))
     errors = []
-    for where, connection in endpoints:
+    for where, address in endpoints:
         try:
-            answer = ask(connection)
-        except (OSError, ValueError, http.client.HTTPException) as exc:
+            answer = ask(address)
+        except (OSError, ValueError) as exc:
             errors.append(f"{where}: {exc}")
             continue
         if answer is not None:
             return answer, where
         errors.append(f"{where}: the answer is not a status document")
     return None, "; ".join(errors) or "http.listen and http.socket are both off"
+
+
+def _connect(address: Union[str, tuple[str, int]]) -> socket.socket:
+    """A connection to a unix socket's path, or to a (host, port)."""
+    if not isinstance(address, str):
+        return socket.create_connection(address, _REQUEST_TIMEOUT_S)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(_REQUEST_TIMEOUT_S)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _mode(path: str) -> int:

@@ -7,9 +7,8 @@ config in full (config_of), which names the file, line and key at fault.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from gpu_agent.config.text import read_config_text
 from gpu_agent.errors import ConfigError
@@ -34,8 +33,7 @@ def valid_socket(value: str) -> bool:
     return value == "" or (value.startswith("/") and not _CONTROL.search(value))
 
 
-@dataclass(frozen=True)
-class Endpoint:
+class Endpoint(NamedTuple):  # not a dataclass: `gpu-agent status` would import dataclasses (and inspect) for it
     listen: str = DEFAULT_LISTEN
     socket: str = DEFAULT_SOCKET
 

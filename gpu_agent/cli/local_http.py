@@ -1,0 +1,95 @@
+"""One GET to the agent's own endpoint, for `gpu-agent status` and `labels`: HTTP/1.1 over a socket the
+caller connected, without http.client (which imports email and ssl: a fifth of the command's start).
+It reads what the agent's server (daemon/protocol.py) sends: a status line, headers, and a body sized
+by Content-Length, or chunked, or ended by the close that `Connection: close` asks for."""
+from __future__ import annotations
+
+import socket
+import time
+
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # /status of 64 GPUs with MIG is a few MiB
+
+
+class BadResponse(ValueError):
+    """The answer is not an HTTP/1.x response this client can read."""
+
+
+def get(sock: socket.socket, path: str, host: str, timeout: float) -> tuple[int, bytes]:
+    """(status code, body) of `GET path` on the connected `sock`, within `timeout` seconds in all.
+    Raises OSError (socket.timeout included) or BadResponse."""
+    deadline = time.monotonic() + timeout
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode("ascii"))
+    data = b""
+    while True:
+        head, separator, body = data.partition(b"\r\n\r\n")
+        if separator:
+            code, length, chunked = _head(head)
+            if length is not None and len(body) >= length:
+                return code, body[:length]
+            if chunked:
+                decoded = _dechunked(body)
+                if decoded is not None:
+                    return code, decoded
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout(f"no whole answer within {timeout:g} s")
+        sock.settimeout(remaining)
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > MAX_RESPONSE_BYTES:
+            raise BadResponse(f"the answer is larger than {MAX_RESPONSE_BYTES} bytes")
+    head, separator, body = data.partition(b"\r\n\r\n")
+    if not separator:
+        raise BadResponse("the connection closed before the answer's headers ended")
+    code, length, chunked = _head(head)
+    if length is not None:
+        raise BadResponse(f"the connection closed after {len(body)} of {length} bytes")
+    if chunked:
+        raise BadResponse("the connection closed inside a chunked answer")  # a whole one returned above
+    return code, body
+
+
+def _head(head: bytes) -> tuple[int, int | None, bool]:
+    """Status code, Content-Length (None when absent) and whether the body is chunked."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
+        raise BadResponse(f"not an HTTP/1.x status line: {lines[0][:60]!r}")
+    length: int | None = None
+    chunked = False
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon:
+            raise BadResponse(f"not a header line: {line[:60]!r}")
+        name, value = name.strip().lower(), value.strip()
+        if name == b"content-length":
+            if not value.isdigit():
+                raise BadResponse(f"Content-Length is not a number: {value[:20]!r}")
+            length = int(value)
+        elif name == b"transfer-encoding":
+            chunked = value.lower().endswith(b"chunked")
+    return int(parts[1]), (None if chunked else length), chunked
+
+
+def _dechunked(body: bytes) -> bytes | None:
+    """A whole chunked body's data; None when `body` does not hold all of it yet (or is not chunked)."""
+    out: list[bytes] = []
+    at = 0
+    while True:
+        end = body.find(b"\r\n", at)
+        if end < 0:
+            return None
+        size_text = body[at:end].split(b";", 1)[0].strip()
+        try:
+            size = int(size_text, 16)
+        except ValueError:
+            raise BadResponse(f"not a chunk size: {size_text[:20]!r}") from None
+        if size == 0:
+            return b"".join(out)
+        start = end + 2
+        if len(body) < start + size + 2:
+            return None
+        out.append(body[start:start + size])
+        at = start + size + 2
