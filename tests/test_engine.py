@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -264,3 +265,59 @@ def test_a_failed_producer_hands_none_not_a_stale_result(state: AgentState) -> N
     producer.fail = StageError("NVML is gone")
     reconcile(engine, force=True)
     assert log[-1] == "toolkit got None" and state.inventory is None and state.last_inventory == "seen 0"
+
+
+class Slow(FakeStage):
+    """Observes only once the test lets it, and says when it started."""
+
+    def __init__(self, name: str, log: list[str], started: threading.Event, go: threading.Event) -> None:
+        super().__init__(name, log)
+        self.started, self.go = started, go
+
+    def observe(self) -> Any:
+        self.started.set()
+        assert self.go.wait(10)
+        return super().observe()
+
+
+def test_a_pass_runs_its_stages_on_one_thread_and_the_loop_sees_each_outcome_as_it_ends(state: AgentState) -> None:
+    log: list[str] = []
+    started, go = threading.Event(), threading.Event()
+    engine = Engine([FakeStage("a", log), Slow("b", log, started, go)], state, SETTINGS)
+    threads: set[str] = set()
+    for stage in engine.stages:
+        observe = stage.observe
+        stage.observe = lambda observe=observe: threads.add(threading.current_thread().name) or observe()  # type: ignore
+
+    async def watch() -> tuple[Optional[str], Optional[str]]:
+        task = asyncio.create_task(engine.reconcile())
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # "a" ended before "b" began: its outcome is on the loop by now
+        seen = (state.stages["a"].state, state.stages["b"].state)
+        go.set()
+        await task
+        return seen
+
+    seen = asyncio.run(watch())
+    assert seen == (OK, PENDING)
+    assert state.stages["b"].state == OK and state.reconciles == 1
+    assert len(threads) == 1 and threading.current_thread().name not in threads
+
+
+def test_a_cancelled_pass_ends_with_the_stage_it_was_running(state: AgentState) -> None:
+    log: list[str] = []
+    started, go = threading.Event(), threading.Event()
+    engine = Engine([Slow("a", log, started, go), FakeStage("b", log)], state, SETTINGS)
+
+    async def cancel() -> None:
+        task = asyncio.create_task(engine.reconcile())
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+
+    asyncio.run(cancel())  # asyncio.run waits for the worker thread to finish the stage
+    assert log == ["a"] and state.reconciles == 0

@@ -84,8 +84,12 @@ class Engine:
         claims = dict(self.state.claims)  # by stage: this pass's, else the last known
 
         def on_loop(record: Callable[..., None], *args: Any) -> None:
-            if not dry_run and not stop.is_set():
+            if dry_run or stop.is_set():
+                return
+            try:
                 loop.call_soon_threadsafe(record, *args)
+            except RuntimeError:  # the loop closed: the daemon is stopping, and its state with it
+                stop.set()
 
         for stage in self.stages:
             if stop.is_set():
