@@ -7,7 +7,7 @@ RUN_ROOT ?= .run/root
 SIMULATE ?= dgx-h100
 BIN := $(VENV)/bin
 
-.PHONY: run lint test test-slow test-all bench package e2e clean proto
+.PHONY: run lint test test-slow test-all bench package e2e clean kubelet-api-stubs
 
 $(BIN)/gpu-agent: pyproject.toml
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
@@ -58,13 +58,6 @@ test-all: lint
 e2e: $(BIN)/gpu-agent
 	$(BIN)/python -m pytest -q tests/e2e
 
-# The kubelet pod-resources API's Python stubs (gpu_agent/kube/podresources/, committed): Debian's protoc
-# (protobuf-compiler) with grpclib's plugin from the venv, as for the device plugin's. The .proto is
-# vendored unchanged from k8s.io/kubelet/pkg/apis/podresources/v1/api.proto.
-podresources-proto: $(BIN)/gpu-agent
-	protoc -I . --python_out=. --pyi_out=. --grpclib_python_out=. \
-	  --plugin=protoc-gen-grpclib_python=$(BIN)/protoc-gen-grpclib_python gpu_agent/kube/podresources/api.proto
-
 package: $(BIN)/gpu-agent
 	$(BIN)/python packaging/build.py --out dist
 
@@ -75,10 +68,10 @@ bench: $(BIN)/gpu-agent
 clean:
 	rm -rf $(VENV) .run build dist *.egg-info
 
-# The kubelet device plugin API's Python stubs (gpu_agent/plugin/proto/, committed): Debian's
-# protoc (protobuf-compiler) with grpclib's plugin from the venv. The .proto is vendored unchanged
-# from k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1/api.proto.
-PROTOS := gpu_agent/plugin/proto/deviceplugin.proto
-proto: $(BIN)/gpu-agent
-	protoc -I . --python_out=. --pyi_out=. --grpclib_python_out=. \
-	  --plugin=protoc-gen-grpclib_python=$(BIN)/protoc-gen-grpclib_python $(PROTOS)
+# protobuf's own Python classes for the kubelet APIs the agent speaks (tests/kubelet_api/, committed): the
+# tests' kubelet peers and the yardstick for gpu_agent/proto3.py. Debian's protoc (protobuf-compiler) with
+# grpclib's plugin from the venv; the .proto files are vendored unchanged from k8s.io/kubelet/pkg/apis/
+# (deviceplugin/v1beta1/api.proto, podresources/v1/api.proto).
+kubelet-api-stubs: $(BIN)/gpu-agent
+	protoc -I tests --python_out=tests --pyi_out=tests --grpclib_python_out=tests \
+	  --plugin=protoc-gen-grpclib_python=$(BIN)/protoc-gen-grpclib_python tests/kubelet_api/*.proto

@@ -22,7 +22,6 @@ DEPENDENCIES = [
     ("prometheus_client", "prometheus_client"),
     ("tomlkit", "tomlkit"),
     ("grpclib", "grpclib.server"),  # with h2, hpack, hyperframe, multidict; only when the device plugin is on
-    ("protobuf", "google.protobuf.message"),
 ]
 
 RSS = "import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"

@@ -1,5 +1,5 @@
 """What the device plugin costs in resident memory: the agent's idle RSS on a simulated DGX H100 with
-plugin.enabled false, then true (grpclib + protobuf imported, one server per resource). With
+plugin.enabled false, then true (grpclib imported, one server per resource). With
 --standin (the Go kubelet stand-in: tests/kubelet_standin/build.sh OUT WORKDIR), a kubelet is there
 too: the plugin registers and a ListAndWatch stream stays open, as on a real node.
 The target (issue 14): at most 10 MiB more with the plugin on. Not part of `make test`.

@@ -56,7 +56,7 @@ def standin() -> Path:
         assert built.returncode == 0, f"building the kubelet stand-in failed:\n{built.stdout}\n{built.stderr}"
 
     sources = [HERE / "kubelet_standin" / "build.sh", HERE / "kubelet_standin" / "main.go",
-               HERE.parent / "gpu_agent/plugin/proto/deviceplugin.proto"]
+               HERE / "kubelet_api/deviceplugin.proto"]
     return cached_build("kubelet-standin", sources, ("go", "protoc", "protoc-gen-go"), build)
 
 

@@ -12,8 +12,8 @@ from grpclib.client import Channel
 from grpclib.server import Server, Stream
 
 from gpu_agent.host.paths import Root
-from gpu_agent.plugin.proto import deviceplugin_pb2 as api
-from gpu_agent.plugin.proto.deviceplugin_grpc import DevicePluginStub, RegistrationBase
+from kubelet_api import deviceplugin_pb2 as api
+from kubelet_api.deviceplugin_grpc import DevicePluginStub, RegistrationBase
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.plugin.service import DevicePluginManager
 from gpu_agent.state import AgentState

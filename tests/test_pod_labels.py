@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_agent.config import load_config
 from gpu_agent.host.paths import Root
-from gpu_agent.kube.podresources.api_pb2 import ListPodResourcesRequest, ListPodResourcesResponse
+from gpu_agent.kube import podresources
+from kubelet_api.podresources_pb2 import ListPodResourcesRequest, ListPodResourcesResponse
 from gpu_agent.metrics.exporter import AgentCollector, make_registry, render
 from gpu_agent.metrics.pods import SOCKET, Holder, PodAttribution, PodLabels, attribute
 from gpu_agent.metrics.sampler import Sampler
@@ -126,13 +127,14 @@ def test_device_ids_map_to_gpus_and_gpu_instances(node: Node) -> None:
         ("dev", "notebook", {"nb": {"nvidia.com/mig-3g.40gb": [node.mig[1].uuid], "example.com/fpga": ["fpga-0"]}}),
         ("dev", "stranger", {"x": {"nvidia.com/gpu": ["GPU-not-on-this-node"]}}),
     )
-    holders = attribute(answer, node.state.inventory)
+    decoded = podresources.ListPodResourcesResponse.decode(answer.SerializeToString())  # as the kubelet sent it
+    holders = attribute(decoded, node.state.inventory)
     assert holders == {
         (gpu0, None): (Holder("ml", "trainer", "main"),),
         (gpu1, None): (Holder("ml", "shared-b", "a"), Holder("ml", "shared-b", "b")),
         (node.gpus[2].uuid, node.mig[1].gpu_instance_id): (Holder("dev", "notebook", "nb"),),
     }
-    assert attribute(answer, None) == {}
+    assert attribute(decoded, None) == {}
 
 
 def test_series_carry_the_holders_labels_from_the_kubelet(node: Node, kubelet: Kubelet) -> None:

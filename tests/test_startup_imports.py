@@ -87,6 +87,23 @@ def test_the_daemon_imports_no_aiohttp() -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.subprocess
+def test_the_kubelet_apis_need_no_protobuf_runtime() -> None:
+    """The device plugin and pod labels speak gRPC through gpu_agent.proto3: protobuf's runtime (5 MiB
+    resident) stays out of the daemon."""
+    code = ("import sys, asyncio, gpu_agent.plugin.service, gpu_agent.metrics.pods as pods\n"
+            "from pathlib import Path\n"
+            "try:\n"
+            "    asyncio.run(pods.list_pod_resources(Path('/nonexistent/kubelet.sock'), 1))\n"
+            "except OSError:\n"
+            "    pass\n"
+            "assert 'grpclib.server' in sys.modules and 'gpu_agent.kube.podresources' in sys.modules\n"
+            "leaked = sorted(name for name in sys.modules if name.split('.')[0] == 'google')\n"
+            "assert not leaked, leaked\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+
+
 # Every stage's section, each with a setting of its own (the daemon's config, validated outside it).
 EVERY_SECTION = {
     "log_level": "info", "reconcile": {"interval_seconds": 45}, "nvml": {"call_timeout_seconds": 4},

@@ -411,7 +411,7 @@ class Daemon:
             log.error("device plugin stopped: %s; starting it again", self._plugin_task.exception())
         if not plugin_wanted(self.runtime.root, self.config.plugin):
             return
-        from gpu_agent.plugin.service import DevicePluginManager  # grpclib and protobuf: only when on
+        from gpu_agent.plugin.service import DevicePluginManager  # grpclib: only when on
 
         if self.plugin is None:
             self.plugin = DevicePluginManager(self.runtime.root, self.state)

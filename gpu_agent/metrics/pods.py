@@ -18,11 +18,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Inventory
+
+if TYPE_CHECKING:
+    from gpu_agent.kube.podresources import ListPodResourcesResponse
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def _gi(value: Optional[int]) -> int:
     return -1 if value is None else value
 
 
-def attribute(response: Any, inventory: Optional[Inventory]) -> dict[Key, tuple[Holder, ...]]:
+def attribute(response: ListPodResourcesResponse, inventory: Optional[Inventory]) -> dict[Key, tuple[Holder, ...]]:
     """Who holds each of the inventory's GPUs and GPU instances, from a ListPodResourcesResponse."""
     devices: dict[str, Key] = {}
     for gpu in inventory.gpus if inventory else ():
@@ -92,18 +95,17 @@ def attribute(response: Any, inventory: Optional[Inventory]) -> dict[Key, tuple[
     return {key: tuple(sorted(holders)[:MAX_HOLDERS]) for key, holders in found.items()}
 
 
-async def list_pod_resources(socket: Path, timeout: float) -> Any:
+async def list_pod_resources(socket: Path, timeout: float) -> ListPodResourcesResponse:
     """The kubelet's ListPodResourcesResponse; raises OSError, asyncio.TimeoutError or a grpclib error."""
     from grpclib.client import Channel
 
-    from gpu_agent.kube.podresources.api_grpc import PodResourcesListerStub
-    from gpu_agent.kube.podresources.api_pb2 import ListPodResourcesRequest
+    from gpu_agent.kube.podresources import ListPodResourcesRequest, list_method
+    from gpu_agent.proto3 import Codec
 
     address, fd = socket_address(socket)
-    channel = Channel(path=address)
+    channel = Channel(path=address, codec=Codec())
     try:
-        return await asyncio.wait_for(PodResourcesListerStub(channel).List(ListPodResourcesRequest(), timeout=timeout),
-                                      timeout)
+        return await asyncio.wait_for(list_method(channel)(ListPodResourcesRequest(), timeout=timeout), timeout)
     finally:
         channel.close()
         if fd is not None:

@@ -15,10 +15,10 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 
 from gpu_agent.host.sockets import socket_address
+from gpu_agent.plugin import api
 from gpu_agent.plugin.allocate import AllocationError, allocate
 from gpu_agent.plugin.devices import Resource
-from gpu_agent.plugin.proto import deviceplugin_pb2 as api
-from gpu_agent.plugin.proto.deviceplugin_grpc import DevicePluginBase, RegistrationStub
+from gpu_agent.proto3 import Codec, DecodeError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class DeviceFeed:
             await self._changed.wait_for(lambda: self.version != version or self.closed)
 
 
-class DevicePluginService(DevicePluginBase):
+class DevicePluginService(api.DevicePluginBase):
     """The DevicePlugin service of one resource."""
 
     def __init__(self, feed: DeviceFeed, list_strategy: Callable[[], str], fail_greater_than_one: Callable[[], bool],
@@ -72,11 +72,11 @@ class DevicePluginService(DevicePluginBase):
         self.idle.set()
 
     async def GetDevicePluginOptions(self, stream: Stream[api.Empty, api.DevicePluginOptions]) -> None:
-        await stream.recv_message()
+        await request_of(stream)
         await stream.send_message(options())
 
     async def ListAndWatch(self, stream: Stream[api.Empty, api.ListAndWatchResponse]) -> None:
-        await stream.recv_message()
+        await request_of(stream)
         self.streams += 1
         self.idle.clear()
         try:
@@ -95,8 +95,7 @@ class DevicePluginService(DevicePluginBase):
 
     async def GetPreferredAllocation(
             self, stream: Stream[api.PreferredAllocationRequest, api.PreferredAllocationResponse]) -> None:
-        request = await stream.recv_message()
-        assert request is not None
+        request = await request_of(stream)
         answers = []
         for container in request.container_requests:
             chosen = self.prefer(list(container.available_deviceIDs), list(container.must_include_deviceIDs),
@@ -105,8 +104,7 @@ class DevicePluginService(DevicePluginBase):
         await stream.send_message(api.PreferredAllocationResponse(container_responses=answers))
 
     async def Allocate(self, stream: Stream[api.AllocateRequest, api.AllocateResponse]) -> None:
-        request = await stream.recv_message()
-        assert request is not None
+        request = await request_of(stream)
         resource = self.feed.resource
         answers = []
         for container in request.container_requests:
@@ -123,8 +121,20 @@ class DevicePluginService(DevicePluginBase):
 
     async def PreStartContainer(
             self, stream: Stream[api.PreStartContainerRequest, api.PreStartContainerResponse]) -> None:
-        await stream.recv_message()  # never asked for: options() says pre_start_required=false
+        await request_of(stream)  # never asked for: options() says pre_start_required=false
         await stream.send_message(api.PreStartContainerResponse())
+
+
+async def request_of(stream: Stream[Any, Any]) -> Any:
+    """The call's one request; a malformed one is the caller's error (INVALID_ARGUMENT), not ours."""
+    try:
+        request = await stream.recv_message()
+    except DecodeError as exc:
+        log.warning("device plugin: a malformed request: %s", exc)
+        raise GRPCError(Status.INVALID_ARGUMENT, f"malformed request: {exc}") from None
+    if request is None:
+        raise GRPCError(Status.INVALID_ARGUMENT, "the request carried no message")
+    return request
 
 
 def options() -> api.DevicePluginOptions:
@@ -155,7 +165,7 @@ class PluginEndpoint:
 
     async def start(self) -> None:
         self.path.unlink(missing_ok=True)  # ours from a previous run, or a stale one: the name is ours
-        self.server = Server([self.service])
+        self.server = Server([self.service], codec=Codec())
         address, fd = socket_address(self.path)
         try:
             await self.server.start(path=address)
@@ -195,9 +205,9 @@ class PluginEndpoint:
 
     async def register(self, kubelet_socket: Path) -> None:
         address, fd = socket_address(kubelet_socket)
-        channel = Channel(path=address)
+        channel = Channel(path=address, codec=Codec())
         try:
-            await RegistrationStub(channel).Register(
+            await api.register_method(channel)(
                 api.RegisterRequest(version=API_VERSION, endpoint=self.path.name, resource_name=self.name,
                                     options=options()),
                 timeout=REGISTER_TIMEOUT_S)

@@ -9,7 +9,7 @@ out=$1
 work=$2
 pkg="$work/src/k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 mkdir -p "$pkg" "$work/src/kubelet_standin" "$work/cache"
-cp "$repo/gpu_agent/plugin/proto/deviceplugin.proto" "$pkg/api.proto"
+cp "$repo/tests/kubelet_api/deviceplugin.proto" "$pkg/api.proto"
 (cd "$pkg" && protoc -I . --go_out=plugins=grpc,paths=source_relative:. api.proto)
 cp "$here/main.go" "$work/src/kubelet_standin/main.go"
 cd "$work/src/kubelet_standin"

@@ -11,7 +11,7 @@
 //	{"op": "quit"}
 //
 // Built offline in GOPATH mode from Debian's golang-google-grpc-dev and golang-goprotobuf-dev, with
-// stubs generated from gpu_agent/plugin/proto/deviceplugin.proto (see tests/test_plugin_kubelet.py).
+// stubs generated from tests/kubelet_api/deviceplugin.proto (see tests/test_plugin_kubelet.py).
 package main
 
 import (
