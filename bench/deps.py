@@ -19,7 +19,6 @@ DEPENDENCIES = [
     ("sdnotify", "sdnotify"),
     ("h11", "h11"),
     ("PyYAML", "yaml"),
-    ("prometheus_client", "prometheus_client"),
     ("tomlkit", "tomlkit"),
     ("grpclib", "grpclib.server"),  # with h2, hpack, hyperframe, multidict; only when the device plugin is on
 ]

@@ -115,9 +115,10 @@ EVERY_SECTION = {
     "plugin": {"enabled": True, "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}},
                "gpu_replicas": {"0": 1}},
 }
-# pydantic, and the config's loader. (PyYAML the daemon imports anyway: the CDI spec is written with it,
-# kubeconfig and mig-parted files are read with it.)
-DAEMON_NEVER = ("pydantic", "pydantic_core", "gpu_agent.config.loader")
+# pydantic, and the config's loader; prometheus_client (its package brings an HTTP server, WSGI, urllib and
+# email: metrics/text.py writes the format) and protobuf (gpu_agent/proto3.py). (PyYAML the daemon imports
+# anyway: the CDI spec is written with it, kubeconfig and mig-parted files are read with it.)
+DAEMON_NEVER = ("pydantic", "pydantic_core", "gpu_agent.config.loader", "prometheus_client", "google")
 
 
 def _imported_by(output: str) -> set[str]:
@@ -145,6 +146,8 @@ def test_the_daemon_runs_and_reloads_its_config_without_pydantic(agent, root: Pa
     assert json.loads(cache.read_text())["config"]["reconcile"]["interval_seconds"] == 45.0
     _, body = daemon.get("/status")
     assert json.loads(body)["config"]["digest"] == load_config(daemon.config, required=True).digest
+    code, body = daemon.get("/metrics")
+    assert code == 200 and "\ngpu_agent_reconciles_total " in body and "\nDCGM_FI_DEV_GPU_TEMP{" in body
 
     daemon.config.write_text(daemon.config.read_text().replace("interval_seconds: 45", "interval_seconds: 50"))
     edited = load_config(daemon.config, required=True).digest

@@ -324,7 +324,7 @@ class Daemon:
             log.info("first reconcile done in %.2f s: %s", time.monotonic() - started, self.state.summary_line())
         if first or reloading:
             self.notifier.ready(self.state.summary_line())
-        if first:  # what the first scrape needs (prometheus_client), loaded beside the loop, after READY
+        if first:  # what the first scrape needs (psutil's process), made beside the loop, after READY
             asyncio.get_running_loop().run_in_executor(None, self.registry.prepare)
         self.publish()
 

@@ -1,10 +1,9 @@
 """/metrics: the agent's own gpu_agent_* series and dcgm-exporter-compatible GPU series.
 
 Everything is read from the state model at scrape time; the GPU values come from the background
-sampler, so a scrape never calls NVML. The DCGM series are written by this module, not by
-prometheus_client, which would name a counter X_total where dcgm-exporter names it X.
-prometheus_client is imported at the first render, not at the daemon's start (about 30 ms of it:
-its package imports an HTTP server, WSGI and urllib).
+sampler, so a scrape never calls NVML. The agent's own families are written as prometheus_client
+would write them (metrics/text.py); the DCGM series as dcgm-exporter does, which names a counter X
+where a client library would name it X_total, and keeps its own label order.
 """
 from __future__ import annotations
 
@@ -15,12 +14,13 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 from gpu_agent import __version__
 from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, MIG_LABELS, XID_ERRORS, Counter, dcgm_bus_id
 from gpu_agent.metrics.pods import LABELS as POD_LABELS
+from gpu_agent.metrics import text
+from gpu_agent.metrics.text import CONTENT_TYPE, Family, sample
 from gpu_agent.nvml.model import Gpu
 from gpu_agent.state import AgentState
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.core import Metric
+    from gpu_agent.metrics.own_process import OwnProcessCollector
 
 class AgentCollector:
     def __init__(self, state: AgentState, nvml_timeouts: Callable[[], int], hostname: Optional[str]) -> None:
@@ -28,72 +28,66 @@ class AgentCollector:
         self.nvml_timeouts = nvml_timeouts
         self.hostname = hostname or socket.gethostname()
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         yield from self._agent()
         yield from self._stages()
         yield from self._gpus()
         yield self._health_transitions()
 
-    def _agent(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
+    def _agent(self) -> Iterator[Family]:
         state = self.state
-        info = GaugeMetricFamily("gpu_agent_build_info", "gpu-agent version.", labels=["version"])
-        info.add_metric([__version__], 1)
+        info = text.gauge("gpu_agent_build_info", "gpu-agent version.", labels=["version"])
+        info.add([__version__], 1)
         yield info
-        yield GaugeMetricFamily("gpu_agent_ready", "1 when every stage converged and every GPU is healthy.",
-                                value=int(state.ready))
-        yield GaugeMetricFamily("gpu_agent_config_reload_failed", "1 when the last configuration reload was rejected.",
-                                value=int(state.config_error is not None))
-        yield CounterMetricFamily("gpu_agent_reconciles", "Reconcile passes run.", value=state.reconciles)
-        yield CounterMetricFamily("gpu_agent_nvml_call_timeouts", "NVML calls abandoned after their timeout.",
-                                  value=self.nvml_timeouts())
-        yield GaugeMetricFamily("gpu_agent_gpus", "GPUs visible through NVML.",
-                                value=len(state.inventory.gpus) if state.inventory else 0)
-        restarts = CounterMetricFamily("gpu_agent_runtime_restarts", "Container runtime restarts by the agent.",
-                                       labels=["runtime"])
+        yield text.gauge("gpu_agent_ready", "1 when every stage converged and every GPU is healthy.",
+                         value=int(state.ready))
+        yield text.gauge("gpu_agent_config_reload_failed", "1 when the last configuration reload was rejected.",
+                         value=int(state.config_error is not None))
+        yield text.counter("gpu_agent_reconciles", "Reconcile passes run.", value=state.reconciles)
+        yield text.counter("gpu_agent_nvml_call_timeouts", "NVML calls abandoned after their timeout.",
+                           value=self.nvml_timeouts())
+        yield text.gauge("gpu_agent_gpus", "GPUs visible through NVML.",
+                         value=len(state.inventory.gpus) if state.inventory else 0)
+        restarts = text.counter("gpu_agent_runtime_restarts", "Container runtime restarts by the agent.",
+                                labels=["runtime"])
         for runtime, count in sorted(state.runtime_restarts.items()):
-            restarts.add_metric([runtime], count)
+            restarts.add([runtime], count)
         yield restarts
 
-    def _stages(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        up = GaugeMetricFamily("gpu_agent_stage_ok", "1 when the stage converged on its last run.", labels=["stage"])
-        failures = GaugeMetricFamily("gpu_agent_stage_consecutive_failures", "Failed runs since the last success.",
-                                     labels=["stage"])
-        duration = GaugeMetricFamily("gpu_agent_stage_duration_seconds", "Duration of the stage's last run.",
-                                     labels=["stage"])
-        last_run = GaugeMetricFamily("gpu_agent_stage_last_run_timestamp_seconds", "When the stage last ran.",
-                                     labels=["stage"])
-        changes = CounterMetricFamily("gpu_agent_stage_changes", "Changes the stage applied to the host.",
-                                      labels=["stage"])
+    def _stages(self) -> Iterator[Family]:
+        up = text.gauge("gpu_agent_stage_ok", "1 when the stage converged on its last run.", labels=["stage"])
+        failures = text.gauge("gpu_agent_stage_consecutive_failures", "Failed runs since the last success.",
+                              labels=["stage"])
+        duration = text.gauge("gpu_agent_stage_duration_seconds", "Duration of the stage's last run.",
+                              labels=["stage"])
+        last_run = text.gauge("gpu_agent_stage_last_run_timestamp_seconds", "When the stage last ran.",
+                              labels=["stage"])
+        changes = text.counter("gpu_agent_stage_changes", "Changes the stage applied to the host.",
+                               labels=["stage"])
         for stage in self.state.stages.values():
-            up.add_metric([stage.name], int(stage.state == "ok"))
-            failures.add_metric([stage.name], stage.failures)
-            duration.add_metric([stage.name], stage.duration_seconds)
-            last_run.add_metric([stage.name], stage.last_run or 0)
-            changes.add_metric([stage.name], stage.changes_applied)
+            up.add([stage.name], int(stage.state == "ok"))
+            failures.add([stage.name], stage.failures)
+            duration.add([stage.name], stage.duration_seconds)
+            last_run.add([stage.name], stage.last_run or 0)
+            changes.add([stage.name], stage.changes_applied)
         yield from (up, failures, duration, last_run, changes)
 
-    def _gpus(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
+    def _gpus(self) -> Iterator[Family]:
         inventory = self.state.inventory
         if inventory is None:
             return
-        xid_total = CounterMetricFamily("gpu_agent_xid_events", "XID events seen, by XID.",
-                                        labels=["gpu", "UUID", "xid"])
-        healthy = GaugeMetricFamily("gpu_agent_gpu_healthy", "1 when the GPU is healthy.", labels=list(LABELS))
+        xid_total = text.counter("gpu_agent_xid_events", "XID events seen, by XID.",
+                                 labels=["gpu", "UUID", "xid"])
+        healthy = text.gauge("gpu_agent_gpu_healthy", "1 when the GPU is healthy.", labels=list(LABELS))
         for gpu in inventory.gpus:
             health = self.state.health.get(gpu.uuid)
-            healthy.add_metric(self._labels(gpu), int(health.healthy) if health else 1)
+            healthy.add(self._labels(gpu), int(health.healthy) if health else 1)
             for code, count in health.xid_counts if health else ():
-                xid_total.add_metric([str(gpu.index), gpu.uuid, str(code)], count)
+                xid_total.add([str(gpu.index), gpu.uuid, str(code)], count)
         yield from (xid_total, healthy)
         if self.state.sampled_at is not None:
-            yield GaugeMetricFamily("gpu_agent_sample_age_seconds", "Age of the GPU metrics sample /metrics shows.",
-                                    value=max(0.0, time.time() - self.state.sampled_at))
+            yield text.gauge("gpu_agent_sample_age_seconds", "Age of the GPU metrics sample /metrics shows.",
+                             value=max(0.0, time.time() - self.state.sampled_at))
 
     def _labels(self, gpu: Gpu) -> list[str]:
         """dcgm-exporter's labels of a whole GPU, in LABELS' order."""
@@ -164,49 +158,38 @@ class AgentCollector:
         for holder in holders:
             yield _line(name, names + POD_LABELS, values + holder.labels, value)
 
-    def _health_transitions(self) -> Metric:
-        from prometheus_client.core import CounterMetricFamily
-
-        transitions = CounterMetricFamily("gpu_agent_gpu_health_transitions",
-                                          "GPU health changes, by the state the GPU went to.",
-                                          labels=["gpu", "UUID", "to"])
+    def _health_transitions(self) -> Family:
+        transitions = text.counter("gpu_agent_gpu_health_transitions",
+                                   "GPU health changes, by the state the GPU went to.", labels=["gpu", "UUID", "to"])
         inventory = self.state.inventory or self.state.last_inventory
         index = {gpu.uuid: str(gpu.index) for gpu in inventory.gpus} if inventory else {}
         for (uuid, to), count in sorted(self.state.health_transitions.items()):
-            transitions.add_metric([index.get(uuid, ""), uuid, to], count)
+            transitions.add([index.get(uuid, ""), uuid, to], count)
         return transitions
 
 
 def _line(name: str, names: tuple[str, ...], values: list[str], value: float) -> str:
-    from prometheus_client.utils import floatToGoString
-
-    pairs = ",".join(f'{key}="{_escape(text)}"' for key, text in zip(names, values))
-    return f"{name}{{{pairs}}} {floatToGoString(value)}\n"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return sample(name, names, values, value)
 
 
 class AgentRegistry:
-    """The agent's prometheus_client registry, made at the first render (or by prepare()), with the
-    collector that also writes the DCGM series."""
+    """What /metrics shows: the agent's collector (its own families, then the DCGM series) and the
+    process' own resources, whose collector (psutil) is made at the first render or by prepare()."""
 
     def __init__(self, collector: AgentCollector) -> None:
         self.collector = collector
-        self._registry: Optional[CollectorRegistry] = None
+        self._own: Optional[OwnProcessCollector] = None
 
-    def prepare(self) -> CollectorRegistry:
-        if self._registry is None:
-            from prometheus_client import CollectorRegistry
-
+    def prepare(self) -> OwnProcessCollector:
+        if self._own is None:
             from gpu_agent.metrics.own_process import OwnProcessCollector  # psutil: the daemon's, not every CLI's
 
-            registry = CollectorRegistry(auto_describe=False)
-            registry.register(self.collector)
-            registry.register(OwnProcessCollector())
-            self._registry = registry
-        return self._registry
+            self._own = OwnProcessCollector()
+        return self._own
+
+    def families(self) -> Iterator[Family]:
+        yield from self.collector.collect()
+        yield from self.prepare().collect()
 
 
 def make_registry(collector: AgentCollector) -> AgentRegistry:
@@ -214,13 +197,8 @@ def make_registry(collector: AgentCollector) -> AgentRegistry:
 
 
 def render(registry: AgentRegistry) -> bytes:
-    from prometheus_client import generate_latest
-
-    return generate_latest(registry.prepare()) + registry.collector.dcgm_text().encode()
+    return (text.render(registry.families()) + registry.collector.dcgm_text()).encode()
 
 
 def content_type() -> str:
-    """The text format's Content-Type, as prometheus_client writes it."""
-    from prometheus_client import CONTENT_TYPE_LATEST
-
-    return CONTENT_TYPE_LATEST
+    return CONTENT_TYPE

@@ -7,9 +7,9 @@ import logging
 from typing import Iterator
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpu_agent.host import processes
+from gpu_agent.metrics.text import Family, counter, gauge
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ class OwnProcessCollector:
         with processes.procfs(PROC):
             self._process = psutil.Process()
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Family]:
         try:
             with processes.procfs(PROC), self._process.oneshot():
                 rss = self._process.memory_info().rss
@@ -31,8 +31,8 @@ class OwnProcessCollector:
         except (psutil.Error, OSError) as exc:  # /proc not mounted in the agent's namespace
             log.debug("own resource metrics unavailable: %s", exc)
             return
-        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.", value=rss)
-        yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
-                                  value=times.user + times.system)
-        yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=fds)
-        yield GaugeMetricFamily("process_threads", "Number of OS threads in the process.", value=threads)
+        yield gauge("process_resident_memory_bytes", "Resident memory size in bytes.", value=rss)
+        yield counter("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
+                      value=times.user + times.system)
+        yield gauge("process_open_fds", "Number of open file descriptors.", value=fds)
+        yield gauge("process_threads", "Number of OS threads in the process.", value=threads)
