@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from grpclib.client import Channel
 from grpclib.const import Status
@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 5.0
+
+Request = TypeVar("Request")
 
 # (available, must_include, size) -> the preferred device ids
 Preference = Callable[[list[str], list[str], int], list[str]]
@@ -125,7 +127,7 @@ class DevicePluginService(api.DevicePluginBase):
         await stream.send_message(api.PreStartContainerResponse())
 
 
-async def request_of(stream: Stream[Any, Any]) -> Any:
+async def request_of(stream: Stream[Request, Any]) -> Request:
     """The call's one request; a malformed one is the caller's error (INVALID_ARGUMENT), not ours."""
     try:
         request = await stream.recv_message()
