@@ -126,6 +126,14 @@ def test_one_sick_gpu_marks_only_its_devices_and_each_device_has_its_gpus_numa_n
     assert [d.numa_node for d in ads(placed).resources[GPU_RESOURCE].devices] == [0, 0, 0, 0, 1, 1, 1, None]
 
 
+def test_a_gpu_failing_a_periodic_check_is_advertised_unhealthy_with_the_checks_reason() -> None:
+    """health/checks.py puts a failing periodic check (row remaps, temperature) into the GPU's health."""
+    reason = "row-remap-failure: row remapping failed (no spare rows left): replace the GPU"
+    failing = {EIGHT.gpus[5].uuid: GpuHealth(check_reason=reason)}
+    devices = ads(EIGHT, health=failing).resources[GPU_RESOURCE].devices
+    assert [(d.id, d.reason) for d in devices if not d.healthy] == [(EIGHT.gpus[5].uuid, reason)]
+
+
 # --- Allocate ------------------------------------------------------------------------------------------------
 
 def test_allocate_in_each_list_strategy() -> None:
