@@ -12,10 +12,10 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from gpu_agent import __version__
+from gpu_agent.metrics import text
 from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, MIG_LABELS, XID_ERRORS, Counter, dcgm_bus_id
 from gpu_agent.metrics.pods import LABELS as POD_LABELS
-from gpu_agent.metrics import text
-from gpu_agent.metrics.text import CONTENT_TYPE, Family, sample
+from gpu_agent.metrics.text import Family
 from gpu_agent.nvml.model import Gpu
 from gpu_agent.state import AgentState
 
@@ -154,9 +154,9 @@ class AgentCollector:
         """The series, or with metrics.pod_labels one per container holding the GPU or GPU instance."""
         holders = self.state.pods.of(uuid, gpu_instance) if self.state.pods is not None else ()
         if not holders:
-            yield _line(name, names, values, value)
+            yield text.sample(name, names, values, value)
         for holder in holders:
-            yield _line(name, names + POD_LABELS, values + holder.labels, value)
+            yield text.sample(name, names + POD_LABELS, values + holder.labels, value)
 
     def _health_transitions(self) -> Family:
         transitions = text.counter("gpu_agent_gpu_health_transitions",
@@ -166,10 +166,6 @@ class AgentCollector:
         for (uuid, to), count in sorted(self.state.health_transitions.items()):
             transitions.add([index.get(uuid, ""), uuid, to], count)
         return transitions
-
-
-def _line(name: str, names: tuple[str, ...], values: list[str], value: float) -> str:
-    return sample(name, names, values, value)
 
 
 class AgentRegistry:
@@ -201,4 +197,4 @@ def render(registry: AgentRegistry) -> bytes:
 
 
 def content_type() -> str:
-    return CONTENT_TYPE
+    return text.CONTENT_TYPE
