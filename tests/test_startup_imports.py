@@ -104,6 +104,19 @@ def test_the_kubelet_apis_need_no_protobuf_runtime() -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.subprocess
+def test_the_kube_client_needs_no_http_client() -> None:
+    """The kube client frames its requests with h11 (gpu_agent/kube/exchange.py): http.client, and the email
+    and datetime packages it imports (1.3 MiB resident), stay out of the daemon."""
+    code = ("import sys, gpu_agent.stages.labels, gpu_agent.kube.client, gpu_agent.daemon.app\n"
+            "import gpu_agent.plugin.server, gpu_agent.metrics.pods\n"
+            "assert 'gpu_agent.kube.exchange' in sys.modules\n"
+            "leaked = sorted(name for name in sys.modules if name == 'http.client' or name.split('.')[0] == 'email')\n"
+            "assert not leaked, leaked\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+
+
 # Every stage's section, each with a setting of its own (the daemon's config, validated outside it).
 EVERY_SECTION = {
     "log_level": "info", "reconcile": {"interval_seconds": 45}, "nvml": {"call_timeout_seconds": 4},

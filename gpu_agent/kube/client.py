@@ -6,7 +6,6 @@ node's RequestBudget. Nothing the server answers reaches a message with the toke
 """
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import ssl
@@ -14,9 +13,12 @@ import tempfile
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+import h11
+
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.budget import RequestBudget
+from gpu_agent.kube.exchange import exchange
 from gpu_agent.kube.kubeconfig import Credentials, load, read_token
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -88,31 +90,23 @@ class KubeClient:
 
     def _send(self, credentials: Credentials, token: Optional[str], context: Optional[ssl.SSLContext], method: str,
               path: str, body: Optional[bytes], content_type: Optional[str]) -> tuple[int, bytes]:
-        url = urlsplit(credentials.server)
-        headers = {"Accept": "application/json", "User-Agent": "gpu-agent"}
+        headers = [("Accept", "application/json"), ("User-Agent", "gpu-agent")]
         if content_type:
-            headers["Content-Type"] = content_type
+            headers.append(("Content-Type", content_type))
         if token:
-            headers["Authorization"] = f"Bearer {token}"
+            headers.append(("Authorization", f"Bearer {token}"))
         where = f"{method} {credentials.server}{path}"
-        if context is not None:
-            connection: http.client.HTTPConnection = http.client.HTTPSConnection(
-                url.hostname or "", url.port or 443, timeout=self.timeout, context=context)
-        else:
-            connection = http.client.HTTPConnection(url.hostname or "", url.port or 80, timeout=self.timeout)
+        url = urlsplit(credentials.server)
         try:
-            connection.request(method, url.path + path, body=body, headers=headers)
-            response = connection.getresponse()
-            payload = response.read(MAX_RESPONSE_BYTES + 1)
-        except (OSError, http.client.HTTPException) as exc:
+            status, payload = exchange(url, context, method, url.path.rstrip("/") + path, headers, body, self.timeout,
+                                       MAX_RESPONSE_BYTES)
+        except (OSError, h11.RemoteProtocolError) as exc:  # TLS verification failures included
             raise ApiError(f"{where}: {exc}") from None
-        except ValueError:  # a header or host name that HTTP cannot carry; the values stay unsaid
+        except ValueError:  # CannotForm, a host name IDNA cannot encode: the values stay unsaid
             raise ApiError(f"{where}: the request cannot be formed from the kubeconfig's values") from None
-        finally:
-            connection.close()
         if len(payload) > MAX_RESPONSE_BYTES:
-            raise ApiError(f"{where}: the answer is larger than {MAX_RESPONSE_BYTES >> 20} MiB", response.status)
-        return response.status, payload
+            raise ApiError(f"{where}: the answer is larger than {MAX_RESPONSE_BYTES >> 20} MiB", status)
+        return status, payload
 
     @staticmethod
     def _error(method: str, path: str, status: int, document: Any, payload: bytes, credentials: Credentials,
