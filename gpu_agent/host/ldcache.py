@@ -13,7 +13,7 @@ Entries are sorted in descending _dl_cache_libcmp order, because the loader bise
 """
 from __future__ import annotations
 
-import platform
+import os
 import re
 import struct
 from collections.abc import Iterable
@@ -70,7 +70,7 @@ class CacheEntry:
 
 def native_flags() -> int:
     """The flags ldconfig gives this machine's own (64-bit) libraries."""
-    machine = platform.machine()
+    machine = os.uname().machine
     if machine not in _NATIVE:
         raise AgentError(f"ld.so.cache: no known library ABI for machine type {machine!r}")
     return FLAG_ELF_LIBC6 | _NATIVE[machine]

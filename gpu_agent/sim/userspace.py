@@ -6,7 +6,6 @@ Only for sandbox roots: it writes real files under the root it is given.
 from __future__ import annotations
 
 import os
-import platform
 import posixpath
 import shutil
 from pathlib import Path
@@ -28,7 +27,7 @@ _TRIPLETS = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu", "ppc6
 
 
 def lib_dir() -> str:
-    return f"/usr/lib/{_TRIPLETS.get(platform.machine(), 'x86_64-linux-gnu')}"
+    return f"/usr/lib/{_TRIPLETS.get(os.uname().machine, 'x86_64-linux-gnu')}"
 
 
 def install_driver_userspace(root_path: Path, version: str) -> list[str]:
