@@ -449,6 +449,31 @@ def test_relative_links_and_linked_directories_are_followed_too(tmp_path: Path) 
     assert written["log-driver"] == "journald" and written["runtimes"]["nvidia"]["path"] == BINARY
 
 
+def test_a_missing_file_under_a_linked_directory_is_created_there(tmp_path: Path) -> None:
+    """Only a link that leads to nothing is refused; a file not made yet under a directory reached
+    through a link (/etc/docker -> /srv/docker, no daemon.json yet) is a file to create."""
+    root = tmp_path / "root"
+    root.mkdir()
+    make_node(root)
+    place(root, {"srv/docker/.keep": "", "etc/docker": link("/srv/docker")})
+    outcome = run_stage(root, tmp_path, ("docker",), {})
+    assert outcome.state == OK, outcome.message
+    assert json.loads((root / "srv/docker/daemon.json").read_text())["runtimes"]["nvidia"]["path"] == BINARY
+    assert (root / "etc/docker").is_symlink()
+
+
+def test_a_linked_directory_that_leads_to_nothing_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    make_node(root)
+    place(root, {"etc/docker": link("/srv/gone")})
+    before = snapshot(tmp_path)
+    outcome = run_stage(root, tmp_path, ("docker",), {})
+    assert outcome.state == FAILED
+    assert f"/{DAEMON_JSON} (a link to /srv/gone/daemon.json): the link leads to nothing" in outcome.message
+    assert snapshot(tmp_path) == before
+
+
 def test_a_link_never_leads_out_of_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()

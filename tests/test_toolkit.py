@@ -288,6 +288,17 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
     assert {"0:0", mig_uuid} <= {device["name"] for device in spec["devices"]}
 
 
+def test_the_cdi_spec_goes_through_var_run_linked_to_run(node: Path) -> None:
+    """Debian, Ubuntu and RHEL make /var/run an absolute link to /run: the spec is written there, once."""
+    containerd_config(node, CONTAINERD_V2)
+    (node / "run").mkdir()
+    (node / "var/run").symlink_to("/run")
+    first = apply(node)
+    assert first.ok, failed(first, "cdi")
+    assert (node / "var/run").is_symlink() and yaml.safe_load((node / "run/cdi/nvidia.yaml").read_text())["devices"]
+    assert not any(run.planned for run in apply(node).runs)
+
+
 def test_a_missing_toolkit_is_installed_when_asked(root: Path) -> None:
     containerd_config(root, CONTAINERD_V2)
     settings = {"toolkit": {"install": True}}

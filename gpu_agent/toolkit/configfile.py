@@ -55,14 +55,21 @@ def printable(path: str) -> str:
 def resolve(root: Root, host_path: str) -> str:
     """`host_path` with every symbolic link in it followed, the Root acting as `/` (as in a chroot).
     A part that does not exist ends the walk; the rest is joined as written."""
+    return _walk(root, host_path)[0]
+
+
+def _walk(root: Root, host_path: str) -> tuple[str, bool]:
+    """resolve()'s path, and whether the walk ended at a part that a link named: a link that leads to
+    nothing (as opposed to a missing file or directory in a path whose links all lead somewhere,
+    such as /var/run/cdi/nvidia.yaml on a node where /var/run links to /run and /run/cdi is not made yet)."""
     if "\0" in host_path:
         raise StageError(f"{printable(host_path)}: a path cannot hold a NUL character; {_UNCHANGED}")
-    pending = [part for part in host_path.split("/") if part]
+    pending = [(part, False) for part in host_path.split("/") if part]  # (part, named by a link)
     pending.reverse()  # a stack: the next part on top
     resolved = "/"
     links = 0
     while pending:
-        part = pending.pop()
+        part, from_link = pending.pop()
         if part == ".":
             continue
         if part == "..":
@@ -72,8 +79,8 @@ def resolve(root: Root, host_path: str) -> str:
         try:
             info = os.lstat(root(candidate))
         except (FileNotFoundError, NotADirectoryError):
-            rest = list(reversed(pending))
-            return posixpath.normpath(posixpath.join(candidate, *rest))
+            rest = [name for name, _ in reversed(pending)]
+            return posixpath.normpath(posixpath.join(candidate, *rest)), from_link
         except OSError as exc:
             raise StageError(f"{printable(host_path)}: cannot look up {printable(candidate)}: {exc.strerror or exc}; "
                              f"{_UNCHANGED}") from None
@@ -90,21 +97,21 @@ def resolve(root: Root, host_path: str) -> str:
                              f"{exc.strerror or exc}; {_UNCHANGED}") from None
         if target.startswith("/"):
             resolved = "/"
-        pending.extend(reversed([p for p in target.split("/") if p]))
-    return resolved
+        pending.extend(reversed([(p, True) for p in target.split("/") if p]))
+    return resolved, False
 
 
 def read(root: Root, host_path: str, why: str = "") -> ConfigFile:
     """The file's text, or None for a file that does not exist; a StageError for anything else
     that is not a readable UTF-8 text file of at most MAX_BYTES. `why` (such as "imported by
     /etc/containerd/config.toml") follows the file's name in messages."""
-    target = resolve(root, host_path)
+    target, dangling = _walk(root, host_path)
     name = describe(host_path, target)
     shown = name + (f" ({why})" if why else "")
     try:
         fd = os.open(root(target), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
-        if target != posixpath.normpath(host_path):
+        if dangling:
             raise StageError(f"{shown}: the link leads to nothing: point it at a file or remove it; "
                              f"{_UNCHANGED}") from None
         return ConfigFile(host_path, target, None)
