@@ -474,6 +474,19 @@ def test_a_linked_directory_that_leads_to_nothing_is_refused(tmp_path: Path) -> 
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.subprocess  # the real containerd validates, where installed
+def test_a_runtime_whose_config_directory_is_a_link_is_found(tmp_path: Path) -> None:
+    """/etc/containerd -> /opt/containerd is the node's /opt: followed under the root, never on this machine."""
+    root = tmp_path / "root"
+    root.mkdir()
+    make_node(root)
+    place(root, {"opt/containerd/config.toml": V2, "etc/containerd": link("/opt/containerd")})
+    outcome = run_stage(root, tmp_path, (), {"runtimes": "auto"})
+    assert outcome.state == OK, outcome.message
+    assert outcome.services.restarts == ["containerd.service"]
+    assert (root / "opt/containerd/conf.d/99-nvidia.toml").is_file()
+
+
 def test_a_link_never_leads_out_of_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()

@@ -87,7 +87,7 @@ class Toolkit(Stage):
         if not runtimes:
             return state
         binaries = [self.settings.runtime_binary, HOOK] + ([cdi.HOOK] if self._cdi() else [])
-        state.missing = [b for b in binaries if not self.root(b).exists()]
+        state.missing = [b for b in binaries if not self._present(b)]
         state.version = self._version()
         if state.missing or self._too_old(state.version):
             return state
@@ -129,7 +129,12 @@ class Toolkit(Stage):
     def _runtimes(self) -> list[str]:
         if self.settings.runtimes != "auto":
             return list(self.settings.runtimes)
-        return [name for name, kind in RUNTIMES.items() if any(self.root(m).exists() for m in kind.markers)]
+        return [name for name, kind in RUNTIMES.items() if any(self._present(m) for m in kind.markers)]
+
+    def _present(self, host_path: str) -> bool:
+        """Whether the node has `host_path`, its links followed under the root (/etc/containerd may link to
+        /opt/containerd: that is the node's /opt, not this machine's)."""
+        return self.root(configfile.resolve(self.root, host_path)).exists()
 
     def _version(self) -> Optional[str]:
         """From the package database under the root; on the running system, nvidia-ctk --version."""
