@@ -139,6 +139,22 @@ def test_a_second_run_changes_no_file_and_restarts_nothing(node: Path) -> None:
     assert restarts(node) == 1
 
 
+@needs_containerd
+def test_a_bom_and_crlf_line_ends_are_read_as_containerd_reads_them(node: Path, tmp_path: Path) -> None:
+    """containerd skips a byte order mark and reads CRLF files; the line the agent adds ends as the file's
+    lines do (the mark goes: tomlkit refuses it, and containerd needs no mark)."""
+    path = node / "etc/containerd/config.toml"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\xef\xbb\xbf" + CONTAINERD_V2.replace("\n", "\r\n").encode())
+    done = apply(node)
+    assert done.ok, failed(done)
+    after = path.read_bytes()
+    assert after.count(b"\n") == after.count(b"\r\n") and not after.startswith(b"\xef\xbb\xbf")
+    assert b'imports = ["/etc/containerd/conf.d/*.toml"]  # added by gpu-agent\r\n' in after
+    assert effective(node, tmp_path)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvidia"]
+    assert not any(run.planned for run in apply(node).runs)
+
+
 def test_containerd_v3_and_v1_drop_ins_keep_their_versions(node: Path) -> None:
     containerd_config(node, CONTAINERD_V3)
     assert apply(node).ok

@@ -38,7 +38,7 @@ from gpu_agent.toolkit.document import (
     TABLE,
     Document,
 )
-from gpu_agent.toolkit.tomldoc import deep_merge, load, parse
+from gpu_agent.toolkit.tomldoc import deep_merge, load, parse, without_bom
 
 ROOT_CONFIG = "/etc/containerd/config.toml"
 DROP_IN_DIR = "/etc/containerd/conf.d"
@@ -258,11 +258,13 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
 
 def with_import(text: str, has_imports: bool) -> str:
     """The root config with the conf.d glob added to `imports`; every other byte as it was."""
+    text = without_bom(text)
     if has_imports:
         document = tomlkit.parse(text)
         document["imports"].append(IMPORT_GLOB)
         return tomlkit.dumps(document)
-    line = f'imports = ["{IMPORT_GLOB}"]  # added by gpu-agent\n'
+    newline = "\r\n" if "\r\n" in text else "\n"  # the file's own line ends
+    line = f'imports = ["{IMPORT_GLOB}"]  # added by gpu-agent{newline}'
     match = re.search(r"^version\s*=.*\n", text, flags=re.MULTILINE)
     if match and _top_level(text, match.start()):
         return text[: match.end()] + line + text[match.end():]
@@ -325,7 +327,7 @@ def _imports_under(text: str, tree: str) -> str:
     """The file with its absolute imports moved under `tree`; every other byte as it was."""
     if "imports" not in text:
         return text
-    document = tomlkit.parse(text)
+    document = tomlkit.parse(without_bom(text))
     imports = document.get("imports")
     if not imports:
         return text

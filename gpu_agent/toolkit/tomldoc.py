@@ -36,7 +36,7 @@ _MESSAGES = (("already exists", "a key or table defined twice"), ("Redefinition"
 def parse(text: str, name: str) -> dict[str, Any]:
     """TOML to plain data; a syntax error names the file, line and column, and a reason of our own."""
     try:
-        data = tomlkit.parse(text).unwrap()
+        data = tomlkit.parse(without_bom(text)).unwrap()
     except exceptions.ParseError as exc:
         raise StageError(f"{name}:{exc.line}:{exc.col}: not valid TOML: {_reason(exc)}; nothing was changed") from None
     except exceptions.KeyAlreadyPresent:  # raised by tomlkit without a position
@@ -52,6 +52,12 @@ def parse(text: str, name: str) -> dict[str, Any]:
     if too_deep(data):
         raise StageError(f"{name}: nested more than {MAX_DEPTH} levels deep; nothing was changed")
     return data
+
+
+def without_bom(text: str) -> str:
+    """The text without a byte order mark before its first line, which containerd's and CRI-O's parsers
+    skip and tomlkit refuses (a file the agent rewrites loses it)."""
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 def load(text: str, name: str) -> Document:
