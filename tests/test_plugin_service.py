@@ -100,6 +100,18 @@ def test_registers_lists_and_unregisters_a_vanished_resource(tmp_path: Path) -> 
     assert result["status"]["resources"] == [] and "no GPU" in result["status"]["reason"]
 
 
+def test_a_file_where_the_kubelet_directory_goes_is_named(tmp_path: Path) -> None:
+    root, state = sim_state(tmp_path)
+    config = state.config.config
+    state.config = dataclasses.replace(state.config, config=dataclasses.replace(
+        config, plugin=dataclasses.replace(config.plugin, enabled=True)))
+    (root / PLUGIN_DIR).parent.mkdir(parents=True)
+    (root / PLUGIN_DIR).write_text("")
+    asyncio.run(DevicePluginManager(Root(root), state).sync())
+    assert state.plugin is not None
+    assert state.plugin["reason"] == "waiting for the kubelet: /var/lib/kubelet/device-plugins is not a directory"
+
+
 def test_a_socket_that_cannot_be_served_is_reported_and_the_service_goes_on(tmp_path: Path) -> None:
     root, state = sim_state(tmp_path)
     (root / PLUGIN_DIR / "nvidia-gpu.sock").mkdir(parents=True)  # in the way: not ours to remove
@@ -108,4 +120,5 @@ def test_a_socket_that_cannot_be_served_is_reported_and_the_service_goes_on(tmp_
     assert state.plugin is not None
     (resource,) = state.plugin["resources"]
     assert resource["name"] == "nvidia.com/gpu" and resource["socket"] is None
-    assert resource["error"].startswith("cannot serve nvidia.com/gpu: ")
+    assert resource["error"] == ("cannot serve nvidia.com/gpu on /var/lib/kubelet/device-plugins/nvidia-gpu.sock: "
+                                 "a directory is where its socket goes; remove it")

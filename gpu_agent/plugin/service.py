@@ -11,6 +11,7 @@ wants is not done yet (a registration or a socket that failed), so an idle node'
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from typing import Any, Optional
@@ -93,7 +94,8 @@ class DevicePluginManager:
             return
         if not self.directory.is_dir():
             await self.stop_all()
-            self._publish(None, f"waiting for the kubelet: {DEVICE_PLUGIN_DIR} does not exist")
+            missing = "is not a directory" if self.directory.exists() else "does not exist"
+            self._publish(None, f"waiting for the kubelet: {DEVICE_PLUGIN_DIR} {missing}")
             return
         wanted = self.compute()
         for name in [name for name in self.endpoints if name not in wanted.resources]:
@@ -117,7 +119,10 @@ class DevicePluginManager:
                     self.registered.pop(name, None)
                 await endpoint.feed.update(resource)
             except OSError as exc:
-                self._fail(name, f"cannot serve {name}: {exc}")
+                where = f"{DEVICE_PLUGIN_DIR}/{resource.socket_name}"
+                reason = ("a directory is where its socket goes; remove it" if exc.errno == errno.EISDIR
+                          else exc.strerror or str(exc))
+                self._fail(name, f"cannot serve {name} on {where}: {reason}")
                 continue
             if kubelet is None:
                 self.errors[name] = f"waiting for the kubelet: no {DEVICE_PLUGIN_DIR}/{KUBELET_SOCKET}"
