@@ -127,3 +127,16 @@ def test_a_kubeconfigs_ca_is_the_only_one_trusted(root: Path, monkeypatch: pytes
         write_kubeconfig(root / PATH.lstrip("/"), cluster, user=node)
         node_object = KubeClient(Root(root), PATH, 5, RequestBudget()).get_node("gpu-node-1")
         assert node_object["metadata"]["name"] == "gpu-node-1"
+
+
+@pytest.mark.parametrize("name", ["../../api/v1/namespaces/kube-system/secrets/x", "a?watch=1#x", "nœud", "GPU-1",
+                                  "..", ""])
+def test_a_node_name_that_is_not_one_never_reaches_a_request_path(root: Path, name: str) -> None:
+    """Config and hostname are validated where they are read; the client refuses such a name again,
+    before a byte is sent or the budget is spent."""
+    budget = RequestBudget(per_minute=1)
+    client = KubeClient(write(root), PATH, 5, budget)
+    with pytest.raises(ApiError, match="is not a Kubernetes Node name|is empty") as raised:
+        client.patch_node(name, {"metadata": {}})
+    assert "set kubernetes.node_name" in str(raised.value)
+    assert budget.take()

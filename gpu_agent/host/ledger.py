@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, followed
 
 PATH = "/var/lib/gpu-agent/ledger.json"
 VERSION = 1
@@ -56,7 +57,13 @@ class Ledger:
     "owned": {...}, "mig_checkpoints": {...}}`"""
 
     def __init__(self, root: Root) -> None:
-        self.path = root(PATH)
+        self.root = root
+
+    @property
+    def path(self) -> Path:
+        """Where the file is: its links (and /var/lib's) followed under the root, never on the real host.
+        OSError for a loop of links."""
+        return self.root(followed(self.root, PATH))
 
     def owned(self) -> dict[str, Owned]:
         """The files the agent owns, by host path."""
@@ -179,11 +186,13 @@ class Ledger:
     def _write(self, document: dict[str, Any]) -> None:
         if not document.get("mig_checkpoints"):  # a node without MIG changes keeps the file as it was
             document = {key: value for key, value in document.items() if key != "mig_checkpoints"}
+        path = self.root(PATH)
         try:
-            atomic_write(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n", mode=0o600)
+            path = self.path
+            atomic_write(path, json.dumps(document, indent=1, sort_keys=True) + "\n", mode=0o600)
         except OSError as exc:
             raise LedgerError(f"{PATH}: cannot record what gpu-agent changes ({exc.strerror or exc}); "
-                              f"nothing was changed: make {self.path.parent} writable") from None
+                              f"nothing was changed: make {path.parent} writable") from None
 
     def _error(self, reason: str) -> LedgerError:
         return LedgerError(f"{PATH}: {reason}. It records the files gpu-agent changed, the container runtime "

@@ -1,6 +1,7 @@
 """Host paths resolved under the agent's root (like node_exporter's --path.rootfs)."""
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 from pathlib import Path
@@ -55,6 +56,26 @@ class Root:
 
 def resolve(root: Root, path: str, hops: int = 40) -> Optional[str]:
     """The host path `path` leads to, following symlinks (absolute ones under `root`); None if nothing is there."""
+    done, rest = _walk(root, path, hops)
+    return done if done is not None and not rest else None
+
+
+def followed(root: Root, path: str) -> str:
+    """`path` with its symbolic links followed as the kernel would inside a chroot at `root`: an absolute
+    target, or a '..' above '/', stays under the root, so a link never leads to the real host's files
+    (the kubelet's kubelet-client-current.pem is an absolute link). Where a part does not exist the
+    walk ends and the rest is joined as written, so the result is also where a new file goes. Open
+    `root(followed(root, path))`, never `root(path)`, whose links the OS would follow on the real host.
+    OSError (ELOOP) for a loop of links."""
+    done, rest = _walk(root, path)
+    if done is None:
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+    return posixpath.normpath(posixpath.join(done, *rest))
+
+
+def _walk(root: Root, path: str, hops: int = 40) -> tuple[Optional[str], list[str]]:
+    """The longest existing prefix of `path` with its links followed under `root`, and the parts after
+    it (none when all of it exists); (None, []) after more than `hops` links."""
     pending = [part for part in path.split("/") if part]
     done = "/"
     while pending:
@@ -67,12 +88,12 @@ def resolve(root: Root, path: str, hops: int = 40) -> Optional[str]:
         if local.is_symlink():
             hops -= 1
             if hops < 0:
-                return None
+                return None, []
             target = os.readlink(local)
             done = "/" if target.startswith("/") else done
             pending = [p for p in target.split("/") if p] + pending
         elif os.path.lexists(local):
             done = candidate
         else:
-            return None
-    return done
+            return done, [part] + pending
+    return done, []

@@ -9,17 +9,20 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import stat
 import tempfile
 from typing import Any, Optional
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import h11
 
+from gpu_agent.config.text import shown
 from gpu_agent.errors import AgentError
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, followed
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.exchange import exchange
-from gpu_agent.kube.kubeconfig import Credentials, load, read_token
+from gpu_agent.kube.kubeconfig import Credentials, load, read_token, shown_path
+from gpu_agent.kube.names import node_name_problem
 
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
@@ -56,11 +59,11 @@ class KubeClient:
         return self._credentials
 
     def get_node(self, name: str) -> dict[str, Any]:
-        return self._request("GET", f"/api/v1/nodes/{name}")
+        return self._request("GET", _node_path(name))
 
     def patch_node(self, name: str, patch: dict[str, Any], status: bool = False,
                    content_type: str = MERGE_PATCH) -> dict[str, Any]:
-        path = f"/api/v1/nodes/{name}" + ("/status" if status else "")
+        path = _node_path(name) + ("/status" if status else "")
         return self._request("PATCH", path, json.dumps(patch).encode(), content_type)
 
     # --- transport -------------------------------------------------------------------------------
@@ -137,11 +140,15 @@ class KubeClient:
         return self._context
 
     def _build_ssl(self, credentials: Credentials) -> ssl.SSLContext:
+        local: dict[str, str] = {}  # host path: where to open it, its links followed under the root
         for path in filter(None, (credentials.ca_file, credentials.cert_file, credentials.key_file)):
-            if not self.root(path).exists():
-                raise ValueError(f"{path} not found")
-            if not self.root(path).is_file():  # OpenSSL would wait forever on a FIFO
-                raise ValueError(f"{path} is not a regular file")
+            real = followed(self.root, path)
+            shown = shown_path(path, real)
+            if not os.path.lexists(self.root(real)):
+                raise ValueError(f"{shown} not found")
+            if not stat.S_ISREG(os.lstat(self.root(real)).st_mode):  # OpenSSL would wait forever on a FIFO
+                raise ValueError(f"{shown} is not a regular file")
+            local[path] = str(self.root(real))
         if credentials.insecure:
             context = ssl.create_default_context()
             context.check_hostname = False
@@ -151,12 +158,12 @@ class KubeClient:
             context.load_verify_locations(cadata=_pem_text(credentials.ca_data))
         elif credentials.ca_file:
             context = _cluster_ca_only()
-            context.load_verify_locations(cafile=str(self.root(credentials.ca_file)))
+            context.load_verify_locations(cafile=local[credentials.ca_file])
         else:
             context = ssl.create_default_context()
         if credentials.cert_file:
-            key = str(self.root(credentials.key_file)) if credentials.key_file else None
-            context.load_cert_chain(str(self.root(credentials.cert_file)), key, password=_encrypted_key)
+            key = local[credentials.key_file] if credentials.key_file else None
+            context.load_cert_chain(local[credentials.cert_file], key, password=_encrypted_key)
         elif credentials.cert_data:
             # ssl reads certificates from files only: a private temporary file, removed at once.
             with tempfile.NamedTemporaryFile("wb", delete=False) as chain:
@@ -175,9 +182,19 @@ def _cluster_ca_only() -> ssl.SSLContext:
     return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
+def _node_path(name: str) -> str:
+    """The Node's API path. The name is validated where it is read (config, hostname), and here again,
+    and quoted: no name can ever reach another path ('..'), a query ('?') or a fragment ('#')."""
+    problem = node_name_problem(name)
+    if problem:
+        raise ApiError(f"node name {shown(name)} {problem}; set kubernetes.node_name to the Node's name")
+    return f"/api/v1/nodes/{quote(name, safe='')}"
+
+
 def _stamp(root: Root, path: str) -> tuple[int, int]:
+    """What tells a changed file: inode and mtime of what the path leads to under the root."""
     try:
-        st = os.stat(root(path))
+        st = os.lstat(root(followed(root, path)))
         return (st.st_ino, st.st_mtime_ns)
     except OSError:
         return (0, 0)

@@ -22,7 +22,7 @@ from yaml.reader import ReaderError
 from yaml.scanner import ScannerError
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, followed
 
 MAX_KUBECONFIG_BYTES = 1 << 20  # one with embedded certificates is a few KiB
 MAX_TOKEN_BYTES = 64 << 10  # a service account token is about 1 KiB
@@ -210,6 +210,11 @@ class _Fields:
         return urlunsplit((url.scheme, url.netloc, url.path.rstrip("/"), "", ""))
 
 
+def shown_path(path: str, real: str) -> str:
+    """A credential file's path for a message, and where its links lead (under the root)."""
+    return path if path == real else f"{path} (a link to {real})"
+
+
 def _kind(value: Any) -> str:
     if isinstance(value, bool):
         return "true or false"
@@ -243,15 +248,19 @@ def _parse(data: bytes, path: str) -> Any:
 
 
 def _read(root: Root, path: str, what: str, limit: int) -> bytes:
-    """At most `limit` bytes of a regular file; a FIFO or device never blocks the reader."""
+    """At most `limit` bytes of a regular file, its links followed under the root (never on the real
+    host); a FIFO or device never blocks the reader."""
+    real = path
     try:
-        fd = os.open(root(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        real = followed(root, path)
+        fd = os.open(root(real), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise AgentError(f"{what} {path} not found") from None
+        raise AgentError(f"{what} {shown_path(path, real)} not found") from None
     except OSError as exc:
         raise AgentError(f"cannot read {what} {path}: {exc.strerror}") from None
     except ValueError:  # a NUL in the path
         raise AgentError(f"cannot read {what} {path!r}: not a valid path") from None
+    path = shown_path(path, real)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise AgentError(f"{what} {path} is not a regular file")
