@@ -223,3 +223,59 @@ def test_an_nvml_hiccup_keeps_the_gpu_labels(api: KubeEmulator, kube_root: Path)
     assert labels["nvidia.com/gpu-agent.ready"] == "false"
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB"  # nodeSelectors keep matching
     assert api.condition("GPUAgentReady")["status"] == "False"
+
+
+NFD_FILE = "etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
+
+
+def test_the_nfd_feature_file_is_written_when_the_api_server_does_not_answer(api: KubeEmulator,
+                                                                            kube_root: Path) -> None:
+    api.close()  # the kubeconfig's server is gone: connection refused
+    message = labels_failed(apply(kube_root, "t4", nfd_feature_file=True))
+    assert "GET" in message and "the NFD feature file" in message
+    text = (kube_root / NFD_FILE).read_text()
+    assert "nvidia.com/gpu.product=Tesla-T4\n" in text and "nvidia.com/gpu-agent.ready=true\n" in text
+
+
+def test_an_api_server_error_leaves_the_nfd_feature_file_written_and_is_asked_once_a_pass(
+        api: KubeEmulator, kube_root: Path) -> None:
+    api.fail_next("*", 500, count=None)
+    assert "500" in labels_failed(apply(kube_root, "t4", nfd_feature_file=True))
+    assert "nvidia.com/gpu.count=1\n" in (kube_root / NFD_FILE).read_text()
+    assert [r.method for r in api.requests] == ["GET"]  # not again after the file was written
+
+
+@pytest.mark.parametrize("enabled", [False, "auto"])
+def test_with_kubernetes_off_the_nfd_feature_file_is_still_written(api: KubeEmulator, root: Path,
+                                                                   enabled: object) -> None:
+    """enabled: false, or auto with no kubeconfig: no API server is asked, the local file is written."""
+    if enabled is False:
+        api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", mode="cert-data")
+    done = apply(root, "t4", enabled=enabled, nfd_feature_file=True)
+    assert done.ok, done.stage("labels").message
+    assert "the Kubernetes API is off" in done.stage("labels").message
+    assert "nvidia.com/gpu.product=Tesla-T4\n" in (root / NFD_FILE).read_text()
+    assert api.requests == []
+
+
+def test_with_kubernetes_off_and_no_nfd_feature_file_there_is_no_labels_stage(root: Path) -> None:
+    done = SimNode(root, "t4", {"kubernetes": {"enabled": False}}).apply()
+    assert "labels" not in [run.stage for run in done.runs]
+
+
+def test_a_hostname_that_is_no_node_name_asks_for_kubernetes_node_name(
+        api: KubeEmulator, kube_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gpu_agent.stages.labels.socket.gethostname", lambda: "gpu_node_1")
+    done = SimNode(kube_root, "t4", {"kubernetes": {"nfd_feature_file": True}}).apply()
+    message = labels_failed(done)
+    assert "this host's name 'gpu_node_1'" in message and "set kubernetes.node_name" in message
+    assert api.requests == []
+    assert (kube_root / NFD_FILE).exists()  # the local file does not need the name
+
+
+def test_the_hostname_is_the_node_name_in_lower_case_as_the_kubelets(
+        api: KubeEmulator, kube_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gpu_agent.stages.labels.socket.gethostname", lambda: "GPU-Node-1\n")
+    done = SimNode(kube_root, "t4", {}).apply()
+    assert done.ok, done.stage("labels").message
+    assert {r.path for r in api.requests} >= {"/api/v1/nodes/gpu-node-1"}

@@ -25,7 +25,7 @@ from gpu_agent.health.reset import ResetHealsGpu
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, resolve
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.mig.hooks import Systemctl, UnitControl
 from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
@@ -135,18 +135,20 @@ class Runtime:
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
         sink = None
         kube = config.kubernetes
-        if kube.enabled is True or (kube.enabled == "auto" and self.root(kube.kubeconfig).exists()):
+        api = kube.enabled is True or (kube.enabled == "auto" and resolve(self.root, kube.kubeconfig) is not None)
+        if api or kube.nfd_feature_file:  # the NFD feature file is local: written with the API off too
             from gpu_agent.stages.labels import KubeSink
 
-            sink = KubeSink(self.root, self.state, kube, self.kube_budget)
+            sink = KubeSink(self.root, self.state, kube, self.kube_budget, api=api)
         mig = config.mig
         if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
             # Before discovery: the inventory, CDI spec and labels of the same pass see the new MIG devices.
             from gpu_agent.stages.mig import STATE_LABEL, Mig
 
             stages.append(Mig(self.root, self.nvml, self.gpu_reset, self.units, mig,
-                              node_label=sink.node_label if sink else None,
-                              announce=(lambda state: sink.publish_label(STATE_LABEL, state)) if sink else None))
+                              node_label=sink.node_label if sink and sink.api else None,
+                              announce=(lambda state: sink.publish_label(STATE_LABEL, state)) if sink and sink.api
+                              else None))
         stages.append(Discovery(self.nvml, config.discovery))
         if config.toolkit.enabled and not self.real_root_simulated:
             stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))

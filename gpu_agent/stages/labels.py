@@ -5,6 +5,10 @@ cannot touch anyone else's, without a resourceVersion precondition (there is no 
 to protect: the set of keys we own travels in our own annotation). The condition goes as a
 strategic merge patch of status, which merges conditions by type, as node-problem-detector does,
 so the kubelet's own conditions stay.
+
+The NFD feature file is a local output: it is written from the computed labels whether or not the
+API server answers, and with the API off (kubernetes.enabled false, or auto without a kubeconfig) it
+is all the stage does, for clusters where Node Feature Discovery publishes the labels.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from gpu_agent.config.kubernetes import KubernetesConfig
+from gpu_agent.config.text import shown
 from gpu_agent.errors import StageError
 from gpu_agent.host import owned
 from gpu_agent.host.files import read_text
@@ -23,6 +28,7 @@ from gpu_agent.kube import labels as gfd
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
 from gpu_agent.kube.labels import machine_name
+from gpu_agent.kube.names import node_name_problem
 from gpu_agent.plan import PatchNode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import AgentState
@@ -38,7 +44,8 @@ MIG_STATE = "nvidia.com/mig.config.state"
 class SinkState:
     labels: dict[str, str]
     condition: dict[str, str]  # status, reason, message
-    node: Optional[dict[str, Any]]
+    node: Optional[dict[str, Any]]  # None: the API is off, or failed (api_error)
+    api_error: Optional[str] = None
 
 
 class KubeSink(Stage):
@@ -46,14 +53,20 @@ class KubeSink(Stage):
     consumes = ("inventory", "pci_gpus", "mig")
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
-    def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig, budget: RequestBudget) -> None:
+    def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig, budget: RequestBudget,
+                 api: bool = True) -> None:
         self.root = root
         self.agent = state
         self.settings = settings
+        self.api = api  # False: the NFD feature file alone
         self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds, budget)
-        self.node_name = settings.node_name or socket.gethostname()
+        self.node_name = settings.node_name or _hostname()
         self._node: Optional[dict[str, Any]] = None
         self._node_read = 0.0
+        self._pass_failure: Optional[str] = None  # why the node could not be read in this pass
+
+    def start_pass(self) -> None:
+        self._pass_failure = None
 
     # --- observe ---------------------------------------------------------------------------------
 
@@ -62,11 +75,17 @@ class KubeSink(Stage):
         # A failing discovery (an NVML hiccup) must not strip the GPU labels nodeSelectors match on:
         # they stay as last seen, with gpu-agent.ready=false, until the GPUs are seen again.
         inventory = self.inputs.get("inventory") or self.agent.last_inventory
-        node = self._current_node()
+        node = None
+        if self.api and self._pass_failure is None:  # after a failure, not asked again in the same pass
+            try:
+                node = self._current_node()
+            except StageError as exc:  # the labels are still computed: the NFD file needs no API server
+                self._pass_failure = str(exc)
         strategy, shared = self.agent.strategy_and_sharing(inventory)
         wanted = gfd.compute(inventory, ready, strategy, machine_name(self.root), shared)
         if inventory is None and self.inputs.get("pci_gpus") != 0:
-            wanted = {**_owned_labels(node), **wanted}  # GPUs on the bus, not seen yet: keep what the node has
+            # GPUs on the bus, not seen yet: keep what the node has (or, without it, the NFD file)
+            wanted = {**(_owned_labels(node) if node is not None else self._nfd_labels()), **wanted}
         mig = self.inputs.get("mig")
         if mig is not None and mig.config is not None:
             wanted[MIG_STATE] = mig.state  # pending | success | failed, as k8s-mig-manager sets it
@@ -76,16 +95,31 @@ class KubeSink(Stage):
         else:
             condition = {"status": "False", "reason": _reason(failing.name if failing else "startup"),
                          "message": f"{failing.name}: {failing.reason}" if failing else "first reconcile in progress"}
-        return SinkState(wanted, condition, node)
+        return SinkState(wanted, condition, node, self._pass_failure)
 
     def _current_node(self, force: bool = False) -> dict[str, Any]:
         if force or self._node is None or time.monotonic() - self._node_read > NODE_REFRESH_S:
             try:
-                self._node = self.client.get_node(self.node_name)
+                self._node = self.client.get_node(self._checked_node_name())
             except ApiError as exc:
                 raise StageError(f"node {self.node_name}: {exc}") from None
             self._node_read = time.monotonic()
         return self._node
+
+    def _checked_node_name(self) -> str:
+        if self.settings.node_name is None:
+            problem = node_name_problem(self.node_name)
+            if problem:
+                raise StageError(f"this host's name {shown(self.node_name)}, the default Node name, {problem}: "
+                                 "set kubernetes.node_name in the config to this node's name as "
+                                 "`kubectl get nodes` shows it")
+        return self.node_name
+
+    def _nfd_labels(self) -> dict[str, str]:
+        """Our labels as the NFD feature file has them (none when the file is not ours to write)."""
+        text = read_text(self.root(NFD_FILE)) if self.settings.nfd_feature_file else None
+        pairs = (line.partition("=") for line in (text or "").splitlines())
+        return {key: value for key, sep, value in pairs if sep and key.startswith(gfd.PREFIX)}
 
     def node_label(self, key: str) -> Optional[str]:
         """A label of this node as the API server has it now (the mig stage's nvidia.com/mig.config)."""
@@ -107,6 +141,14 @@ class KubeSink(Stage):
 
     def plan(self, state: SinkState) -> list[Action]:
         actions = []
+        if self.settings.nfd_feature_file:  # first: a failing API request must not keep the local file back
+            text = "".join(f"{key}={value}\n" for key, value in sorted(state.labels.items()))
+            current = read_text(self.root(NFD_FILE))
+            if current != text:
+                actions.append(Action.of(WriteFile.of(NFD_FILE, text, current),
+                                         lambda: owned.write(self.root, Ledger(self.root), self.name, NFD_FILE, text)))
+        if state.node is None:
+            return actions
         patch = self._labels_patch(state)
         if patch:
             changed = sorted(patch["metadata"]["labels"])
@@ -117,12 +159,6 @@ class KubeSink(Stage):
             new = condition["status"]["conditions"][0]
             change = PatchNode(self.node_name, "condition", f"{CONDITION}={new['status']} ({new['reason']})")
             actions.append(Action.of(change, lambda: self._patch(condition, status=True)))
-        if self.settings.nfd_feature_file:
-            text = "".join(f"{key}={value}\n" for key, value in sorted(state.labels.items()))
-            current = read_text(self.root(NFD_FILE))
-            if current != text:
-                actions.append(Action.of(WriteFile.of(NFD_FILE, text, current),
-                                         lambda: owned.write(self.root, Ledger(self.root), self.name, NFD_FILE, text)))
         return actions
 
     def claims(self, state: SinkState) -> set[str]:
@@ -163,9 +199,20 @@ class KubeSink(Stage):
     # --- verify ----------------------------------------------------------------------------------
 
     def verify(self, state: SinkState) -> str:
+        nfd = f"; the NFD feature file {NFD_FILE} has the labels" if self.settings.nfd_feature_file else ""
+        if state.api_error is not None:
+            raise StageError(state.api_error + nfd)
+        if state.node is None:
+            return (f"NFD feature file {NFD_FILE}: {len(state.labels)} labels (the Kubernetes API is off: "
+                    "kubernetes.enabled, or no kubeconfig)")
         if self._labels_patch(state) or self._condition_patch(state):
             raise StageError(f"node {self.node_name} does not show the labels and condition just written")
-        return f"node {self.node_name}: {len(state.labels)} labels, {CONDITION}={state.condition['status']}"
+        return f"node {self.node_name}: {len(state.labels)} labels, {CONDITION}={state.condition['status']}{nfd}"
+
+
+def _hostname() -> str:
+    """The default Node name, as the kubelet makes it from the hostname: trimmed, in lower case."""
+    return socket.gethostname().strip().lower()
 
 
 def _owned_labels(node: dict[str, Any]) -> dict[str, str]:
