@@ -279,3 +279,14 @@ def test_the_hostname_is_the_node_name_in_lower_case_as_the_kubelets(
     done = SimNode(kube_root, "t4", {}).apply()
     assert done.ok, done.stage("labels").message
     assert {r.path for r in api.requests} >= {"/api/v1/nodes/gpu-node-1"}
+
+
+def test_an_nvml_hiccup_without_the_api_server_keeps_the_gpu_labels_in_the_nfd_file(api: KubeEmulator,
+                                                                                     kube_root: Path) -> None:
+    assert apply(kube_root, nfd_feature_file=True).ok
+    api.close()
+    assert run_cli("sim", "fail", "nvmlDeviceGetCount", "--times", "5", root=kube_root).returncode == 0
+    assert not apply(kube_root, nfd_feature_file=True).ok
+    text = (kube_root / NFD_FILE).read_text()
+    assert "nvidia.com/gpu-agent.ready=false\n" in text
+    assert "nvidia.com/gpu.product=NVIDIA-A100-SXM4-40GB\n" in text  # nodeSelectors keep matching
