@@ -299,14 +299,15 @@ ROWS: list[tuple[str, Callable[[Env], None], str]] = [
 
 
 def run_sink(env: Env, caplog: pytest.LogCaptureFixture) -> tuple[Optional[AgentError], AgentState]:
-    """The sink's own call (the exception it raises), then a whole engine pass (what it records)."""
+    """The sink's own calls (observe, then verify, which raises the API error: observe computes the
+    labels whatever the API server does), then a whole engine pass (what it records)."""
     state = AgentState(load_config(env.root / "missing.yaml", required=False))
     settings = KubernetesConfig(node_name=NODE, kubeconfig=KUBECONFIG, request_timeout_seconds=1)
     sink = KubeSink(Root(env.root), state, settings, RequestBudget())
     error = None
     with caplog.at_level(logging.DEBUG):
         try:
-            sink.observe()
+            sink.verify(sink.observe())
         except AgentError as exc:
             error = exc
         asyncio.run(Engine([sink], state, ReconcileConfig()).reconcile(force=True))
