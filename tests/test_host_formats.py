@@ -114,6 +114,25 @@ MALFORMED: list[tuple[str, Content, str]] = [
      "/proc/driver/nvidia/capabilities/mig/config:1:"),
     ("/proc/driver/nvidia/gpus/{gpu}/information", "Model: T4\nDevice Minor: \t zero\n",
      "/proc/driver/nvidia/gpus/{gpu}/information:2: cannot read 'Device Minor: \\t zero'"),
+    # Numbers past what a device node can carry (dev_t: 12-bit major, 20-bit minor; a mode's 12 bits).
+    ("/proc/devices", "Character devices:\n99999999999999999999 nvidia\n",
+     "/proc/devices:2: cannot read '99999999999999999999 nvidia': expected a 'Character devices:' or 'Block devices:' "
+     "heading, or a major number (0 to 4095)"),
+    ("/proc/devices", "Character devices:\n4096 nvidia\n", "/proc/devices:2:"),
+    ("/proc/devices", "Character devices:\n\u0661\u0669\u0665 nvidia\n", "/proc/devices:2:"),  # Arabic-Indic 195
+    ("/proc/driver/nvidia/params", "DeviceFileMode: 99999999999\n",
+     "/proc/driver/nvidia/params:1: cannot read 'DeviceFileMode: 99999999999': expected DeviceFileMode to be a decimal "
+     "number from 0 to 4095"),
+    ("/proc/driver/nvidia/params", "DeviceFileMode: -438\n", "/proc/driver/nvidia/params:1:"),
+    ("/proc/driver/nvidia/params", "DeviceFileUID: 4294967295\n", "expected DeviceFileUID to be a decimal number"),
+    ("/proc/driver/nvidia/params", "DeviceFileGID: 1_000\n", "expected DeviceFileGID to be a decimal number"),
+    ("/proc/driver/nvidia/capabilities/mig/config", "DeviceFileMinor: 99999999999999\n",
+     "/proc/driver/nvidia/capabilities/mig/config:1: cannot read 'DeviceFileMinor: 99999999999999': expected "
+     "DeviceFileMinor to be a decimal number from 0 to 1048575"),
+    ("/proc/driver/nvidia/capabilities/mig/config", "DeviceFileMinor: -1\n",
+     "/proc/driver/nvidia/capabilities/mig/config:1:"),
+    ("/proc/driver/nvidia/gpus/{gpu}/information", "Model: T4\nDevice Minor: 1048576\n",
+     "/proc/driver/nvidia/gpus/{gpu}/information:2:"),
     ("/sys/bus/pci/devices/{gpu}/vendor", "nvidia\n", "/sys/bus/pci/devices/{gpu}/vendor:1: cannot read 'nvidia'"),
     ("/sys/bus/pci/devices/{gpu}/class", b"\x00\x01\n", "/sys/bus/pci/devices/{gpu}/class:1:"),
 ]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gpu_agent.host.paths import Root
-from gpu_agent.host.procfs import KeyValues, parse_key_values, read
+from gpu_agent.host.procfs import MAX_MINOR, MAX_MODE, UINT32_MAX, KeyValues, parse_key_values, read
 
 NVIDIA_MAJOR_NAMES = ("nvidia", "nvidia-frontend")
 CTL_MINOR = 255
@@ -44,8 +44,9 @@ def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules:
     """
     nodes: list[DeviceNode] = []
     params = driver_file(root, "/proc/driver/nvidia/params")
-    mode = params.integer("DeviceFileMode", DEFAULT_MODE)
-    owner = {"uid": params.integer("DeviceFileUID", 0), "gid": params.integer("DeviceFileGID", 0)}
+    mode = params.integer("DeviceFileMode", DEFAULT_MODE, MAX_MODE)
+    owner = {"uid": params.integer("DeviceFileUID", 0, UINT32_MAX - 1),
+             "gid": params.integer("DeviceFileGID", 0, UINT32_MAX - 1)}
     nvidia = next((majors[name] for name in NVIDIA_MAJOR_NAMES if name in majors), None)
     if "nvidia" in modules and nvidia is not None:
         nodes.append(DeviceNode("/dev/nvidiactl", nvidia, CTL_MINOR, mode, **owner))
@@ -59,8 +60,8 @@ def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules:
         for cap in ("config", "monitor"):
             info = driver_file(root, f"/proc/driver/nvidia/capabilities/mig/{cap}")
             if "DeviceFileMinor" in info:
-                minor = info.integer("DeviceFileMinor", 0)
-                cap_mode = info.integer("DeviceFileMode", 0o400)
+                minor = info.integer("DeviceFileMinor", 0, MAX_MINOR)
+                cap_mode = info.integer("DeviceFileMode", 0o400, MAX_MODE)
                 nodes.append(DeviceNode(f"/dev/nvidia-caps/nvidia-cap{minor}", majors["nvidia-caps"], minor, cap_mode))
     return nodes
 
@@ -75,7 +76,7 @@ def gpu_minors(root: Root) -> dict[str, int]:
     for address in addresses:
         info = driver_file(root, f"/proc/driver/nvidia/gpus/{address}/information")
         if "Device Minor" in info:
-            minors[address.lower()] = info.integer("Device Minor", 0)
+            minors[address.lower()] = info.integer("Device Minor", 0, MAX_MINOR)
     return minors
 
 

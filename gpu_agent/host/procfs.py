@@ -25,6 +25,14 @@ def read(root: Root, host_path: str) -> Optional[str]:
         raise StageError(f"cannot read {host_path}: {exc.strerror or exc}") from None
 
 
+# Linux's dev_t: 12 bits of major, 20 of minor (MINORBITS); values past them cannot name a device node.
+MAX_MAJOR = (1 << 12) - 1
+MAX_MINOR = (1 << 20) - 1
+MAX_MODE = 0o7777
+UINT32_MAX = (1 << 32) - 1
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+
+
 @dataclass(frozen=True)
 class LoadedModule:
     name: str
@@ -64,9 +72,9 @@ def parse_char_majors(path: str, text: str) -> dict[str, int]:
             section = stripped
             continue
         major, _, name = stripped.partition(" ")
-        if section is None or not major.isdigit() or not name.strip():
+        if section is None or _DECIMAL.fullmatch(major) is None or int(major) > MAX_MAJOR or not name.strip():
             raise HostFormatError(path, number, line, "a 'Character devices:' or 'Block devices:' heading, "
-                                  "or a major number and a driver name")
+                                  f"or a major number (0 to {MAX_MAJOR}) and a driver name")
         if section == "Character devices:":
             majors.setdefault(name.strip(), int(major))
     return majors
@@ -105,15 +113,15 @@ class KeyValues(dict[str, str]):
         self.path = path
         self.lines: dict[str, tuple[int, str]] = {}
 
-    def integer(self, key: str, default: int) -> int:
-        """A decimal value; one that is not a number is a HostFormatError naming its line."""
+    def integer(self, key: str, default: int, maximum: int = UINT32_MAX) -> int:
+        """A decimal value from 0 to `maximum`; anything else is a HostFormatError naming its line."""
         if key not in self:
             return default
-        try:
-            return int(self[key], 10)
-        except ValueError:
+        value = self[key]
+        if _DECIMAL.fullmatch(value) is None or int(value) > maximum:
             number, line = self.lines[key]
-            raise HostFormatError(self.path, number, line, f"{key} to be a decimal number") from None
+            raise HostFormatError(self.path, number, line, f"{key} to be a decimal number from 0 to {maximum}")
+        return int(value)
 
 
 def parse_key_values(path: str, text: str) -> KeyValues:
