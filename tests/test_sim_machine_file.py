@@ -47,7 +47,7 @@ def test_first_gpus_keep_their_addresses(tmp_path: Path) -> None:
 ])
 def test_invalid_bus_ids_are_refused_naming_the_key(tmp_path: Path, bus: str, reason: str) -> None:
     path = machine(tmp_path, f"gpus:\n  - model: T4\n    count: 1\n    pci_bus_ids: ['{bus}']\n")
-    with pytest.raises(AgentError, match=rf"machine.yaml: gpus\.0\.pci_bus_ids\.0: .*{reason}"):
+    with pytest.raises(AgentError, match=rf"machine.yaml(:4)?: gpus\.0\.pci_bus_ids\.0: .*{reason}"):
         load_machine_file(path)
 
 
@@ -61,3 +61,21 @@ def test_given_bus_ids_are_written_as_nvml_writes_them(tmp_path: Path) -> None:
     path = machine(tmp_path, "gpus:\n  - model: T4\n    count: 2\n    pci_bus_ids: ['1b:00.0', '0001:c4:1f.7']\n")
     loaded, _ = load_machine_file(path)
     assert [bus for _, bus in loaded.gpus] == ["00000000:1B:00.0", "00000001:C4:1F.7"]
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"name: \xff\n", "machine.yaml:1: not UTF-8 text"),
+    (b"gpus:\n  - model: T4\n    count: 300\n",
+     "machine.yaml:3: gpus.0.count: Input should be less than or equal to 254"),
+    (b"gpus:\n  - model: T4\n    count: 200\n  - model: A30\n    count: 60\n",
+     "machine.yaml: gpus: 260 GPUs in all; at most 254"),
+    (b"gpus:\n  - model: T4\n    count: 1\n    colour: red\n", "machine.yaml:4: gpus.0.colour: unknown key"),
+    (b"gpus: &a [*a]\n", "machine.yaml:1:"),
+    (b"- a list\n", "machine.yaml"),
+])
+def test_a_bad_machine_file_is_refused_naming_file_and_line(tmp_path: Path, text: bytes, message: str) -> None:
+    path = tmp_path / "machine.yaml"
+    path.write_bytes(text)
+    with pytest.raises(AgentError) as caught:
+        load_machine_file(path)
+    assert message in str(caught.value)

@@ -39,25 +39,26 @@ _WRITES = struct.Struct("=Q")  # the write counter: one native unsigned 64-bit n
 
 def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
     """A custom machine from YAML; errors name the file, the key and the reason."""
-    import yaml
     from pydantic import ValidationError
 
-    from gpu_agent.sim.machine_file import MachineSpec
+    from gpu_agent.config.safe_yaml import line_of, load_yaml
+    from gpu_agent.config.text import read_config_text
+    from gpu_agent.sim.machine_file import MAX_GPUS, MachineSpec
 
+    text = read_config_text(path, "--simulate")  # bounded, regular files only, UTF-8 or a message with the line
+    if text is None:
+        raise AgentError(f"{path}: cannot read simulated machine: no such file")
+    node, data = load_yaml(text, str(path))
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-        spec = MachineSpec.model_validate(data)
-    except OSError as exc:
-        raise AgentError(f"{path}: cannot read simulated machine: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise AgentError(f"{path}: not valid YAML: {exc}") from None
+        spec = MachineSpec.model_validate(data or {})
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: "
-            f"{'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}"
-            for err in exc.errors()
-        )
-        raise AgentError(f"{path}: {problems}") from None
+        problems = []
+        for err in exc.errors():
+            line = line_of(node, err["loc"])
+            key = ".".join(str(p) for p in err["loc"]) or "the file"
+            reason = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(f"{path}{f':{line}' if line else ''}: {key}: {reason}")
+        raise AgentError("; ".join(problems)) from None
     gpus: list[tuple[GpuModel, str]] = []
     mig: dict[int, MigSpec] = {}
     numa: list[int] = []
@@ -83,6 +84,9 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
             gpus.append((model, nvml_bus))
             numa.append(UNKNOWN_NUMA if gpu.numa_node is None else gpu.numa_node)
             paths.append(tuple(gpu.pcie_switch.split("/")) if gpu.pcie_switch else ())
+    if len(gpus) > MAX_GPUS:
+        raise AgentError(f"{path}: gpus: {len(gpus)} GPUs in all; at most {MAX_GPUS}, as device minors 254 and 255 "
+                         "belong to nvidia-modeset and nvidiactl")
     if spec.nvlinks and not spec.nvswitches:
         raise AgentError(f"{path}: nvlinks: NVLink all-to-all goes through NVSwitches; set nvswitches too")
     major, _, minor = spec.cuda_version.partition(".")

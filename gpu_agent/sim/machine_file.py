@@ -7,6 +7,10 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 
+# GPU minors are 0, 1, ...; the driver keeps 254 for nvidia-modeset and 255 for nvidiactl.
+MAX_GPUS = 254
+
+
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -18,7 +22,7 @@ class MigSpec(_Spec):
 
 class GpuSpec(_Spec):
     model: str
-    count: int = Field(1, ge=1)
+    count: int = Field(1, ge=1, le=MAX_GPUS)
     pci_bus_ids: Optional[list[str]] = None
     mig: MigSpec = MigSpec()
     numa_node: Optional[int] = Field(None, ge=0, lt=1024, description="the CPU NUMA node these GPUs hang off")
