@@ -604,6 +604,8 @@ def _first_memory(document: list[dict[str, Any]]) -> dict[str, Any]:
     ("manifest.json", lambda d: d.update(colour="blue"), r"manifest.json: colour: unknown key"),
     ("files.json", lambda d: d["files"].update({"/proc/../etc/shadow": "x"}),
      r"'/proc/../etc/shadow' is not a normalised"),
+    ("files.json", lambda d: d["files"].update({"/proc/driver/nvidia/params": "Mode: \ud800\n"}),
+     r"files.json: '/proc/driver/nvidia/params': text no file can hold"),
     ("files.json", lambda d: d["files"].update({"/root/.ssh/id_rsa": "x"}),
      r"/root/.ssh/id_rsa: a capture holds files under"),
     ("devices.json", lambda d: d.append({"path": "/dev/sda", "type": "block", "major": 8, "minor": 0, "mode": "0660",
@@ -645,6 +647,19 @@ def test_a_bad_capture_is_a_clear_error_naming_the_file(tmp_path: Path, part: st
         command(capsys, tmp_path / "root", "--simulate", str(directory), "check")
     assert re.search(message, str(refused.value)), refused.value
     assert str(directory) in str(refused.value)
+
+
+def test_bytes_that_are_not_utf8_replay_as_they_were_captured(tmp_path: Path, capsys: Any) -> None:
+    """The capture keeps a file that is not UTF-8 with its bytes escaped (surrogateescape); the replay writes
+    those bytes back, not an error."""
+    def latin1_comment(document: dict[str, Any]) -> None:
+        document["files"]["/proc/driver/nvidia/params"] += "Comment: caf\udce9\n"
+
+    directory = _broken(tmp_path, "files.json", latin1_comment)
+    _, out = command(capsys, tmp_path / "root", "--simulate", str(directory), "check")
+    assert "[+] discovery: 1x H100 80GB HBM3" in out and "internal error" not in out, out
+    params = tmp_path / "root/var/lib/gpu-agent/sim/kernel/proc/driver/nvidia/params"
+    assert params.read_bytes().endswith(b"Comment: caf\xe9\n")
 
 
 def test_a_huge_capture_part_is_refused_before_it_is_read(tmp_path: Path) -> None:

@@ -330,13 +330,13 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         if stamp is not None and known.get(relative) == (content, stamp):
             continue
         try:
-            with open(name, encoding="utf-8") as current:
+            with open(name, encoding="utf-8", errors="surrogateescape") as current:  # as a capture reads bytes
                 if current.read() == content:
                     known[relative] = (content, stamp)  # type: ignore[assignment]  # it exists: it was read
                     continue
         except (FileNotFoundError, NotADirectoryError):
             pass
-        atomic_write(Path(name), content)
+        atomic_write(Path(name), content.encode("utf-8", "surrogateescape"))
         written = _stamp(name)
         if written is not None:
             known[relative] = (content, written)

@@ -170,6 +170,12 @@ class Capture:
         self.manifest: Manifest = self._part(MANIFEST, Manifest)
         files = self._part("files.json", Files)
         self.files, self.directories = files.files, files.directories
+        for path, text in self.files.items():
+            try:  # a capture escapes the bytes of a file that is not UTF-8, and nothing else
+                text.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raise AgentError(f"{directory / 'files.json'}: {path!r}: text no file can hold (a lone surrogate "
+                                 "that is not an escaped byte); capture the node again") from None
         links = self._part("links.json", dict)
         self.links: dict[str, str] = {}
         for path, target in links.items():
