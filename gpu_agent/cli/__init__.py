@@ -101,7 +101,19 @@ def setup_logging(level: str = "INFO") -> None:
         def format(self, record: logging.LogRecord) -> str:
             return f"<{self._PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
 
+    from gpu_agent.printable import printable
+
+    def one_line(record: logging.LogRecord) -> bool:
+        """Each record one line: what the driver, NVML or a file says cannot forge another line of the log
+        or reach the terminal as an escape sequence (a traceback, formatted apart, keeps its lines)."""
+        message = record.getMessage()
+        escaped = printable(message)
+        if escaped is not message:
+            record.msg, record.args = escaped, ()
+        return True
+
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(one_line)
     if os.environ.get("JOURNAL_STREAM"):
         # journald reads the <N> prefix as the syslog priority and adds its own timestamps.
         handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))

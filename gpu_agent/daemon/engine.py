@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.errors import AgentError
+from gpu_agent.printable import printable
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import FAILED, OK, WAITING, AgentState, StageStatus
 
@@ -33,6 +34,9 @@ class StageRun:
     facts: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)  # for the names in the stage's `produces`
     claims: Optional[set[str]] = None  # the files the stage wants; None: it could not tell
+
+    def __post_init__(self) -> None:
+        self.message = printable(self.message)  # it quotes what the driver and files say; shown everywhere
 
 
 class Engine:

@@ -21,6 +21,7 @@ from gpu_agent.daemon.responses import Capped, RenderCache, Request, Response, c
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.metrics.exporter import AgentRegistry, content_type, render
+from gpu_agent.printable import printable
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[
         ready = state.ready  # the checks once: they cost about 0.1 ms on a node of 8 GPUs with 7 MIG devices each
         if not ready or "verbose" in request.query:
             checks = state.checks() if state.first_reconcile_done else []
-            lines = [f"[+]{c.name} ok" if c.ok else f"[-]{c.name} failed: {c.reason}" for c in checks]
+            lines = [f"[+]{c.name} ok" if c.ok else f"[-]{c.name} failed: {printable(c.reason)}" for c in checks]
             if not state.first_reconcile_done:
                 lines.append("[-]startup failed: first reconcile in progress")
             lines.append("readyz check passed" if ready else "readyz check failed")

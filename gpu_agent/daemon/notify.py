@@ -8,6 +8,8 @@ from typing import Optional
 
 import sdnotify
 
+from gpu_agent.printable import printable
+
 log = logging.getLogger(__name__)
 
 
@@ -24,8 +26,8 @@ class Notifier:
         self._status: Optional[str] = None
 
     def _send(self, *lines: str) -> None:
-        if self._sd is not None:
-            self._sd.notify("\n".join(lines))
+        if self._sd is not None:  # one assignment a line: a newline in a status would add another (READY=1)
+            self._sd.notify("\n".join(printable(line) for line in lines))
 
     def ready(self, status: str) -> None:
         self._status = status

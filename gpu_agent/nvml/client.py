@@ -19,6 +19,7 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host.pci import numa_node
 from gpu_agent.host.paths import Root
 from gpu_agent.host.threads import daemon_thread
+from gpu_agent.printable import printable
 from gpu_agent.nvml.model import (
     ComputeInstance,
     Gpu,
@@ -259,10 +260,11 @@ class Nvml:
 
     def _nvml(self, name: str, *args: Any, extra_timeout: float = 0.0) -> Any:
         try:
-            return self._call(name, getattr(self.lib, name), *args, extra_timeout=extra_timeout)
+            result = self._call(name, getattr(self.lib, name), *args, extra_timeout=extra_timeout)
         except self.lib.NVMLError as exc:
             exc.call = name  # so a message can say which query failed
             raise
+        return printable(result) if type(result) is str else result  # a name, UUID or version: shown everywhere
 
     def init(self) -> None:
         """Initialise NVML once per process; later calls are free. Raises NvmlUnavailable."""
@@ -955,7 +957,7 @@ def describe(exc: Exception) -> str:
 
 
 def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    return printable(value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value))
 
 
 def _short_bus_id(bus_id: str) -> str:

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from gpu_agent.errors import StageError
 from gpu_agent.host.paths import Root
+from gpu_agent.printable import printable
 
 MAX_BYTES = 1 << 20  # real runtime configs are a few KiB; parsing is slow beyond this
 _MAX_LINKS = 40  # as Linux's MAXSYMLINKS
@@ -40,16 +41,6 @@ class ConfigFile:
 
 def describe(path: str, target: str) -> str:
     return printable(path) if path == target else f"{printable(path)} (a link to {printable(target)})"
-
-
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f\ud800-\udfff]")
-
-
-def printable(path: str) -> str:
-    """A path fit for a message and a log line: control characters (a newline in a file name could
-    forge a log line) and bytes that are not UTF-8 are shown escaped."""
-    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1] if m.group() < "\ud800"
-                            else "\\x%02x" % (ord(m.group()) - 0xDC00), path)
 
 
 def resolve(root: Root, host_path: str) -> str:

@@ -29,7 +29,7 @@ from gpu_agent.errors import StageError
 from gpu_agent.host import proc
 from gpu_agent.host.paths import Root
 from gpu_agent.toolkit import configfile
-from gpu_agent.toolkit.configfile import printable
+from gpu_agent.printable import printable
 from gpu_agent.toolkit.document import (
     BOOLEAN,
     INTEGER,
