@@ -161,6 +161,21 @@ ROWS: list[tuple[str, str | bytes, str]] = [
      ":3: driver.parameters: unknown module 'nouveau'"),
     ("parameter name not a string", V1 + "driver:\n  parameters:\n    nvidia:\n      1: x\n",
      ":5: driver.parameters.nvidia.1"),
+    # --- toolkit.runtime_config: what TOML and the runtime's config.toml can hold, refused before any stage runs
+    ("runtime_config null value", V1 + "toolkit:\n  runtime_config:\n    nvidia-container-runtime.mode: null\n",
+     ":4: toolkit.runtime_config.nvidia-container-runtime.mode: must be a string, boolean, number or a list of those; "
+     "got null"),
+    ("runtime_config mapping value", V1 + "toolkit:\n  runtime_config:\n    nvidia-container-cli:\n      debug: x\n",
+     ":4: toolkit.runtime_config.nvidia-container-cli: must be a string, boolean, number or a list of those; "
+     "got a mapping"),
+    ("runtime_config empty key", V1 + "toolkit:\n  runtime_config:\n    '': 1\n",
+     ":4: toolkit.runtime_config..[key]: '' is not a dotted key of the runtime's config.toml"),
+    ("runtime_config empty part", V1 + "toolkit:\n  runtime_config:\n    a..b: 2\n", "'a..b' is not a dotted key"),
+    ("runtime_config quoted part", V1 + "toolkit:\n  runtime_config:\n    'a.\"b c\"': 2\n", "is not a dotted key"),
+    ("runtime_config nested list", V1 + "toolkit:\n  runtime_config:\n    a: [[1]]\n", "got a list inside a list"),
+    ("runtime_config int64 overflow", V1 + "toolkit:\n  runtime_config:\n    a: 9223372036854775808\n",
+     "got 9223372036854775808"),
+    ("runtime_config infinity", V1 + "toolkit:\n  runtime_config:\n    a: .inf\n", "got inf"),
 ]
 
 

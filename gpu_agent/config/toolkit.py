@@ -1,12 +1,44 @@
 """The toolkit section: which container runtimes get the nvidia runtime, and the CDI spec."""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from gpu_agent.config.section import AbsolutePath, Section, seconds, setting
+from gpu_agent.config.section import AbsolutePath, Bounds, Check, Section, seconds, setting
+from gpu_agent.config.text import shown
 
 Runtime = Literal["containerd", "docker", "crio"]
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_TOML_INT = range(-(1 << 63), 1 << 63)
+
+
+def runtime_config_key(key: str) -> str:
+    """A dotted key of the runtime's config.toml (nvidia-container-runtime.modes.cdi.default-kind): every part
+    a TOML bare key, as the toolkit's own keys are."""
+    if not all(_BARE_KEY.fullmatch(part) for part in key.split(".")):
+        raise ValueError(f"{shown(key)} is not a dotted key of the runtime's config.toml: each part letters, "
+                         "digits, '-' or '_', parts joined by '.'")
+    return key
+
+
+def runtime_config_value(value: Any) -> Any:
+    """What TOML and the runtime's settings hold: a string, a boolean, a number, or a list of those."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, bool) or isinstance(item, str) or (isinstance(item, int) and item in _TOML_INT):
+            continue
+        if isinstance(item, float) and math.isfinite(item):
+            continue
+        kind = "null" if item is None else "a mapping (write its keys dotted)" if isinstance(item, dict) else \
+            "a list inside a list" if isinstance(item, list) else shown(item)
+        raise ValueError(f"must be a string, boolean, number or a list of those; got {kind}")
+    return value
+
+
+RuntimeConfigKey = Annotated[str, Bounds(max_length=256), Check(runtime_config_key)]
+RuntimeConfigValue = Annotated[Any, Check(runtime_config_value)]
 
 
 @dataclass(frozen=True)
@@ -23,7 +55,7 @@ class ToolkitConfig(Section):
     set_as_default: bool = setting(False, "Make nvidia the runtimes' default runtime.")
     runtime_binary: AbsolutePath = setting("/usr/bin/nvidia-container-runtime", "What the nvidia runtime runs.")
     oci_hook: bool = setting(False, "Also install the legacy OCI prestart hook (podman, CRI-O).")
-    runtime_config: dict[str, Any] = setting(
+    runtime_config: dict[RuntimeConfigKey, RuntimeConfigValue] = setting(
         {}, 'Keys to set in /etc/nvidia-container-runtime/config.toml, e.g. {"nvidia-container-runtime.mode": "cdi"}.')
     install: bool = setting(False, "Install nvidia-container-toolkit with apt-get or dnf when it is missing.")
     allow_vulnerable_toolkit: bool = setting(False, "Accept a toolkit older than 1.17.8 (CVE-2025-23266).")
