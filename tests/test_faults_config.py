@@ -165,9 +165,12 @@ ROWS: list[tuple[str, str | bytes, str]] = [
     ("runtime_config null value", V1 + "toolkit:\n  runtime_config:\n    nvidia-container-runtime.mode: null\n",
      ":4: toolkit.runtime_config.nvidia-container-runtime.mode: must be a string, boolean, number or a list of those; "
      "got null"),
-    ("runtime_config mapping value", V1 + "toolkit:\n  runtime_config:\n    nvidia-container-cli:\n      debug: x\n",
+    ("runtime_config empty mapping", V1 + "toolkit:\n  runtime_config:\n    nvidia-container-cli: {}\n",
      ":4: toolkit.runtime_config.nvidia-container-cli: must be a string, boolean, number or a list of those; "
-     "got a mapping"),
+     "got an empty mapping"),
+    ("runtime_config null in a table", V1 + "toolkit:\n  runtime_config:\n    nvidia-container-cli:\n      debug: ~\n",
+     "toolkit.runtime_config.nvidia-container-cli.debug: must be a string, boolean, number or a list of those; "
+     "got null"),
     ("runtime_config empty key", V1 + "toolkit:\n  runtime_config:\n    '': 1\n",
      ":4: toolkit.runtime_config..[key]: '' is not a dotted key of the runtime's config.toml"),
     ("runtime_config empty part", V1 + "toolkit:\n  runtime_config:\n    a..b: 2\n", "'a..b' is not a dotted key"),
@@ -367,3 +370,15 @@ def remove(path: Path) -> None:
         path.rmdir()
     else:
         path.unlink()
+
+
+def test_runtime_config_tables_written_as_mappings_are_dotted_keys(config_dir: Path) -> None:
+    """{nvidia-container-runtime: {log-level: debug}} sets that one key, as the dotted form does: the rest of
+    the table the toolkit shipped stays."""
+    path = config_dir / "config.yaml"
+    path.write_text(V1 + "toolkit:\n  runtime_config:\n    nvidia-container-runtime:\n      log-level: debug\n"
+                         "      modes:\n        cdi:\n          default-kind: nvidia.com/gpu\n"
+                         "    disable-require: true\n")
+    assert load_config(path, required=True).config.toolkit.runtime_config == {
+        "nvidia-container-runtime.log-level": "debug",
+        "nvidia-container-runtime.modes.cdi.default-kind": "nvidia.com/gpu", "disable-require": True}

@@ -263,6 +263,44 @@ def test_runtime_config_keys_are_set_and_the_rest_kept(node: Path) -> None:
                                 'mode = "cdi"\n')
 
 
+def test_runtime_config_keys_the_config_stops_naming_are_undone(node: Path) -> None:
+    containerd_config(node, CONTAINERD_V2)
+    toml = node / "etc/nvidia-container-runtime/config.toml"
+    toml.parent.mkdir(parents=True)
+    shipped = '[nvidia-container-cli]\nldconfig = "@/sbin/ldconfig"\n\n[nvidia-container-runtime]\nlog-level = "info"\n'
+    toml.write_text(shipped)
+
+    def with_keys(keys: dict) -> str:
+        for _ in range(2):  # the owned-files stage forgets, the pass after, a file whose keys all went back
+            done = apply(node, {"toolkit": {"runtime_config": keys}})
+            assert done.ok, failed(done)
+        again = apply(node, {"toolkit": {"runtime_config": keys}})
+        assert not any(run.planned for run in again.runs), [(r.stage, r.planned) for r in again.runs if r.planned]
+        return toml.read_text()
+
+    both = with_keys({"nvidia-container-runtime.debug": "/var/log/a.log",
+                      "nvidia-container-runtime.log-level": "debug"})
+    assert 'debug = "/var/log/a.log"' in both and 'log-level = "debug"' in both
+    moved = with_keys({"nvidia-container-cli.debug": "/var/log/a.log", "nvidia-container-runtime.log-level": "debug"})
+    assert moved == ('[nvidia-container-cli]\nldconfig = "@/sbin/ldconfig"\ndebug = "/var/log/a.log"\n\n'
+                     '[nvidia-container-runtime]\nlog-level = "debug"\n')  # the old key gone, not left behind
+    assert with_keys({"nvidia-container-runtime.log-level": "debug"}) == shipped.replace('"info"', '"debug"')
+    assert with_keys({"new-table.key": 1}) == shipped + "\n[new-table]\nkey = 1\n"  # log-level back to "info"
+    assert with_keys({}) == shipped  # nothing asked: the file as the toolkit shipped it
+    assert not (node / "var/lib/gpu-agent/runtime-config-keys.json").exists()
+
+
+def test_runtime_config_keys_someone_else_changed_are_kept(node: Path) -> None:
+    containerd_config(node, CONTAINERD_V2)
+    toml = node / "etc/nvidia-container-runtime/config.toml"
+    toml.parent.mkdir(parents=True)
+    toml.write_text('[nvidia-container-runtime]\nlog-level = "info"\n')
+    assert apply(node, {"toolkit": {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}}).ok
+    toml.write_text(toml.read_text() + 'runtimes = ["runc"]\n')  # an admin's edit since
+    assert apply(node, {"toolkit": {"runtime_config": {"nvidia-container-runtime.debug": "/x.log"}}}).ok
+    assert toml.read_text() == '[nvidia-container-runtime]\nlog-level = "info"\nruntimes = ["runc"]\ndebug = "/x.log"\n'
+
+
 def test_drift_is_repaired_by_the_running_daemon_within_seconds(agent, node: Path) -> None:
     path = containerd_config(node, CONTAINERD_V2)
     daemon = agent("dgx-h100")

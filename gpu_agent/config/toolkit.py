@@ -31,14 +31,29 @@ def runtime_config_value(value: Any) -> Any:
             continue
         if isinstance(item, float) and math.isfinite(item):
             continue
-        kind = "null" if item is None else "a mapping (write its keys dotted)" if isinstance(item, dict) else \
+        kind = "null" if item is None else "an empty mapping" if isinstance(item, dict) else \
             "a list inside a list" if isinstance(item, list) else shown(item)
         raise ValueError(f"must be a string, boolean, number or a list of those; got {kind}")
     return value
 
 
+def flattened(settings: Any) -> Any:
+    """Tables written as YAML mappings ({nvidia-container-runtime: {mode: cdi}}) as the dotted keys they
+    hold (nvidia-container-runtime.mode): each key is set alone, the rest of its table kept."""
+    if not isinstance(settings, dict):
+        return settings
+    flat: dict[Any, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value and isinstance(key, str):
+            flat.update({f"{key}.{inner}": item for inner, item in flattened(value).items()})
+        else:
+            flat[key] = value
+    return flat
+
+
 RuntimeConfigKey = Annotated[str, Bounds(max_length=256), Check(runtime_config_key)]
 RuntimeConfigValue = Annotated[Any, Check(runtime_config_value)]
+RuntimeConfig = Annotated[dict[RuntimeConfigKey, RuntimeConfigValue], Check(flattened, before=True)]
 
 
 @dataclass(frozen=True)
@@ -55,7 +70,7 @@ class ToolkitConfig(Section):
     set_as_default: bool = setting(False, "Make nvidia the runtimes' default runtime.")
     runtime_binary: AbsolutePath = setting("/usr/bin/nvidia-container-runtime", "What the nvidia runtime runs.")
     oci_hook: bool = setting(False, "Also install the legacy OCI prestart hook (podman, CRI-O).")
-    runtime_config: dict[RuntimeConfigKey, RuntimeConfigValue] = setting(
+    runtime_config: RuntimeConfig = setting(
         {}, 'Keys to set in /etc/nvidia-container-runtime/config.toml, e.g. {"nvidia-container-runtime.mode": "cdi"}.')
     install: bool = setting(False, "Install nvidia-container-toolkit with apt-get or dnf when it is missing.")
     allow_vulnerable_toolkit: bool = setting(False, "Accept a toolkit older than 1.17.8 (CVE-2025-23266).")

@@ -62,6 +62,8 @@ def undo_of(root: Root, entry: Owned) -> Undo:
         if entry.original is not None and read_bytes(root(entry.original)) == current:
             return Undo(entry, FORGET)  # it holds its original already
         return Undo(entry, CHANGED)
+    if entry.original is not None and read_bytes(root(entry.original)) == current:
+        return Undo(entry, FORGET)  # what the agent wrote last is the original: nothing to put back
     return Undo(entry, REMOVE if entry.original is None else RESTORE)
 
 

@@ -197,10 +197,15 @@ class Toolkit(Stage):
         """Files read by the toolkit itself at each container start: no restart needed."""
         changes = []
         current = configfile.read(self.root, runtime_config.PATH)
-        wanted = runtime_config.desired(current.text, self.settings.runtime_config, current.shown)
+        kept = configfile.read(self.root, runtime_config.RECORD)
+        record = runtime_config.read_record(kept.text, kept.shown)
+        wanted, after = runtime_config.desired(current.text, self.settings.runtime_config, record, current.shown)
         if wanted is not None:
-            changes.append(RuntimeChange("nvidia-container-runtime", None, None,
-                                         [FileChange(current.target, current.text, wanted, foreign=True)]))
+            files = [FileChange(current.target, current.text, wanted, foreign=True)]
+            recorded = runtime_config.write_record(after)
+            if recorded is not None:  # first: a crash between the two leaves keys recorded, never keys lost
+                files.insert(0, FileChange(kept.target, kept.text, recorded, foreign=False, mode=0o600))
+            changes.append(RuntimeChange("nvidia-container-runtime", None, None, files))
         if self.settings.oci_hook:
             hook = json.dumps({
                 "version": "1.0.0",
