@@ -119,7 +119,7 @@ class Toolkit(Stage):
         """Host paths of the temp files atomic_write left, when a crash interrupted it, beside the files
         the stage writes (`targets`: where their symlinks lead) and in the backups directory."""
         managed = [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
-                   OCI_HOOK, ledger_file.PATH]
+                   runtime_config.RECORD, OCI_HOOK, ledger_file.PATH]
         by_directory: dict[str, list[str]] = {BACKUP_DIR: [], owned.ORIGINALS: []}
         for path in dict.fromkeys(managed + targets):
             by_directory.setdefault(posixpath.dirname(path), []).append(posixpath.basename(path))
