@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -54,10 +55,16 @@ class Root:
         return f"Root({str(self.path)!r}{f', kernel={str(self.kernel)!r}' if self.kernel else ''})"
 
 
-def resolve(root: Root, path: str, hops: int = 40) -> Optional[str]:
+MAX_LINKS = 40  # as Linux's MAXSYMLINKS
+
+
+def resolve(root: Root, path: str) -> Optional[str]:
     """The host path `path` leads to, following symlinks (absolute ones under `root`); None if nothing is there."""
-    done, rest = _walk(root, path, hops)
-    return done if done is not None and not rest else None
+    try:
+        done, rest, _ = walk(root, path)
+    except OSError:
+        return None
+    return done if not rest else None
 
 
 def followed(root: Root, path: str) -> str:
@@ -67,33 +74,39 @@ def followed(root: Root, path: str) -> str:
     walk ends and the rest is joined as written, so the result is also where a new file goes. Open
     `root(followed(root, path))`, never `root(path)`, whose links the OS would follow on the real host.
     OSError (ELOOP) for a loop of links."""
-    done, rest = _walk(root, path)
-    if done is None:
-        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+    done, rest, _ = walk(root, path)
     return posixpath.normpath(posixpath.join(done, *rest))
 
 
-def _walk(root: Root, path: str, hops: int = 40) -> tuple[Optional[str], list[str]]:
-    """The longest existing prefix of `path` with its links followed under `root`, and the parts after
-    it (none when all of it exists); (None, []) after more than `hops` links."""
-    pending = [part for part in path.split("/") if part]
+def walk(root: Root, path: str) -> tuple[str, list[str], bool]:
+    """The longest existing prefix of `path` with its links followed under `root` (as in a chroot), the
+    parts after it (none when all of it exists), and whether the first missing part was named by a link:
+    a link that leads to nothing, as opposed to a file not made yet under links that all lead somewhere
+    (/var/run/cdi/nvidia.yaml where /var/run links to /run and /run/cdi does not exist yet).
+    OSError: ELOOP past MAX_LINKS links, or a part that cannot be looked up."""
+    pending = [(part, False) for part in path.split("/") if part]  # (part, named by a link)
+    pending.reverse()  # a stack: the next part on top
     done = "/"
+    links = 0
     while pending:
-        part = pending.pop(0)
+        part, from_link = pending.pop()
         if part in (".", ".."):
             done = posixpath.dirname(done) if part == ".." else done
             continue
         candidate = posixpath.join(done, part)
-        local = root(candidate)
-        if local.is_symlink():
-            hops -= 1
-            if hops < 0:
-                return None, []
-            target = os.readlink(local)
-            done = "/" if target.startswith("/") else done
-            pending = [p for p in target.split("/") if p] + pending
-        elif os.path.lexists(local):
+        try:
+            info = os.lstat(root(candidate))
+            target = os.readlink(root(candidate)) if stat.S_ISLNK(info.st_mode) else None
+        except (FileNotFoundError, NotADirectoryError):
+            return done, [part] + [name for name, _ in reversed(pending)], from_link
+        except OSError as exc:  # named by its host path, not by where the root puts it
+            raise OSError(exc.errno, exc.strerror, candidate) from None
+        if target is None:
             done = candidate
-        else:
-            return done, [part] + pending
-    return done, []
+            continue
+        links += 1
+        if links > MAX_LINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        done = "/" if target.startswith("/") else done
+        pending.extend(reversed([(p, True) for p in target.split("/") if p]))
+    return done, [], False

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from gpu_agent.errors import StageError
+from gpu_agent.host import paths
 from gpu_agent.host.paths import Root
 from gpu_agent.printable import printable
 
 MAX_BYTES = 1 << 20  # real runtime configs are a few KiB; parsing is slow beyond this
-_MAX_LINKS = 40  # as Linux's MAXSYMLINKS
 _UNCHANGED = "nothing was changed"
 
 
@@ -50,46 +50,18 @@ def resolve(root: Root, host_path: str) -> str:
 
 
 def _walk(root: Root, host_path: str) -> tuple[str, bool]:
-    """resolve()'s path, and whether the walk ended at a part that a link named: a link that leads to
-    nothing (as opposed to a missing file or directory in a path whose links all lead somewhere,
-    such as /var/run/cdi/nvidia.yaml on a node where /var/run links to /run and /run/cdi is not made yet)."""
+    """resolve()'s path, and whether the walk ended at a part a link named (a link that leads to nothing)."""
     if "\0" in host_path:
         raise StageError(f"{printable(host_path)}: a path cannot hold a NUL character; {_UNCHANGED}")
-    pending = [(part, False) for part in host_path.split("/") if part]  # (part, named by a link)
-    pending.reverse()  # a stack: the next part on top
-    resolved = "/"
-    links = 0
-    while pending:
-        part, from_link = pending.pop()
-        if part == ".":
-            continue
-        if part == "..":
-            resolved = posixpath.dirname(resolved)
-            continue
-        candidate = posixpath.join(resolved, part)
-        try:
-            info = os.lstat(root(candidate))
-        except (FileNotFoundError, NotADirectoryError):
-            rest = [name for name, _ in reversed(pending)]
-            return posixpath.normpath(posixpath.join(candidate, *rest)), from_link
-        except OSError as exc:
-            raise StageError(f"{printable(host_path)}: cannot look up {printable(candidate)}: {exc.strerror or exc}; "
+    try:
+        done, rest, dangling = paths.walk(root, host_path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StageError(f"{printable(host_path)}: too many levels of symbolic links (a loop?); "
                              f"{_UNCHANGED}") from None
-        if not stat.S_ISLNK(info.st_mode):
-            resolved = candidate
-            continue
-        links += 1
-        if links > _MAX_LINKS:
-            raise StageError(f"{printable(host_path)}: too many levels of symbolic links (a loop?); {_UNCHANGED}")
-        try:
-            target = os.readlink(root(candidate))
-        except OSError as exc:
-            raise StageError(f"{printable(host_path)}: cannot read the link {printable(candidate)}: "
-                             f"{exc.strerror or exc}; {_UNCHANGED}") from None
-        if target.startswith("/"):
-            resolved = "/"
-        pending.extend(reversed([(p, True) for p in target.split("/") if p]))
-    return resolved, False
+        raise StageError(f"{printable(host_path)}: cannot look up {printable(str(exc.filename or host_path))}: "
+                         f"{exc.strerror or exc}; {_UNCHANGED}") from None
+    return posixpath.normpath(posixpath.join(done, *rest)), dangling
 
 
 def read(root: Root, host_path: str, why: str = "") -> ConfigFile:
