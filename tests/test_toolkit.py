@@ -301,6 +301,18 @@ def test_runtime_config_keys_someone_else_changed_are_kept(node: Path) -> None:
     assert toml.read_text() == '[nvidia-container-runtime]\nlog-level = "info"\nruntimes = ["runc"]\ndebug = "/x.log"\n'
 
 
+@pytest.mark.parametrize("record", ["not json", '["a"]', '{"a": 1}', '{"a": {"value": 1, "extra": 2}}', "{" * 100_000])
+def test_a_runtime_config_record_not_written_by_the_agent_is_named(node: Path, record: str) -> None:
+    containerd_config(node, CONTAINERD_V2)
+    path = node / "var/lib/gpu-agent/runtime-config-keys.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(record)
+    done = apply(node, {"toolkit": {"runtime_config": {"nvidia-container-runtime.mode": "cdi"}}})
+    assert "/var/lib/gpu-agent/runtime-config-keys.json: not the record of runtime config keys" in failed(done)
+    assert path.read_text() == record and not (node / "etc/nvidia-container-runtime/config.toml").exists()
+    assert (node / DROP_IN).exists() and restarts(node) == 1  # containerd's own change is not held up
+
+
 def test_drift_is_repaired_by_the_running_daemon_within_seconds(agent, node: Path) -> None:
     path = containerd_config(node, CONTAINERD_V2)
     daemon = agent("dgx-h100")

@@ -96,7 +96,7 @@ class Toolkit(Stage):
         except AgentError as exc:
             owed, state.errors["ledger"] = set(), str(exc)
         state.changes = [self._runtime(name, owed, state.errors) for name in runtimes]
-        state.changes += self._own_files()
+        state.changes += self._own_files(state.errors)
         state.strays = self._strays([item.path for change in state.changes for item in change.files])
         return state
 
@@ -193,16 +193,21 @@ class Toolkit(Stage):
         current = configfile.read(self.root, crio.DROP_IN)
         return [FileChange(current.target, current.text, wanted, foreign=False)]
 
-    def _own_files(self) -> list[RuntimeChange]:
-        """Files read by the toolkit itself at each container start: no restart needed."""
+    def _own_files(self, errors: dict[str, str]) -> list[RuntimeChange]:
+        """Files read by the toolkit itself at each container start: no restart needed. What blocks the
+        runtime's config goes into `errors`, and the runtimes' own changes go on."""
         changes = []
-        current = configfile.read(self.root, runtime_config.PATH)
-        kept = configfile.read(self.root, runtime_config.RECORD)
-        record = runtime_config.read_record(kept.text, kept.shown)
-        wanted, after = runtime_config.desired(current.text, self.settings.runtime_config, record, current.shown)
+        try:
+            current = configfile.read(self.root, runtime_config.PATH)
+            kept = configfile.read(self.root, runtime_config.RECORD)
+            record = runtime_config.read_record(kept.text, kept.shown)
+            wanted, after = runtime_config.desired(current.text, self.settings.runtime_config, record, current.shown)
+            recorded = runtime_config.write_record(after)
+        except AgentError as exc:
+            errors["nvidia-container-runtime"] = str(exc)
+            wanted = None
         if wanted is not None:
             files = [FileChange(current.target, current.text, wanted, foreign=True)]
-            recorded = runtime_config.write_record(after)
             if recorded is not None:  # first: a crash between the two leaves keys recorded, never keys lost
                 files.insert(0, FileChange(kept.target, kept.text, recorded, foreign=False, mode=0o600))
             changes.append(RuntimeChange("nvidia-container-runtime", None, None, files))
