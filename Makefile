@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 
 .PHONY: run lint test test-slow test-all bench package e2e clean kubelet-api-stubs
 
-$(BIN)/gpu-agent: pyproject.toml
+$(BIN)/gpu-agent: pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing python3-venv (Debian splits venv out of python3)"; \
@@ -18,7 +18,7 @@ $(BIN)/gpu-agent: pyproject.toml
 	  else echo "python3 cannot create virtual environments: install python3-venv" >&2; exit 1; fi; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,package]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,package]'
 	@touch $@
 
 run: $(BIN)/gpu-agent
