@@ -1,5 +1,5 @@
-"""`make bench`: every figure of issue 15 against the simulation, into bench/results.json and the README's
-Performance table (between `<!-- bench:begin -->` and `<!-- bench:end -->`).
+"""`make bench`: every figure against the simulation, into bench/results.json and bench/README.md's
+table (between `<!-- bench:begin -->` and `<!-- bench:end -->`).
 
     python bench/run.py [--quick] [--only 1,5,10] [--no-readme]
 
@@ -82,11 +82,11 @@ def fleet_section(steady: Optional[dict[str, Any]], storm: Optional[dict[str, An
         "|---|---|---|---|---|",
         *rows,
         "",
-        f"The kubelets' own traffic at {NODES:,} nodes, as the brief counts it: the Node status every 10 s "
+        f"The kubelets' own traffic at {NODES:,} nodes, counted this way: the Node status every 10 s "
         "(`nodeStatusUpdateFrequency`, default 10 s) and the node's Lease renewed every 10 s, "
         f"{KUBELET_REQUESTS_PER_HOUR:.0f} requests per node per hour, {kubelet_fleet:,.0f} req/s in all. "
         "Since node leases (KEP 0009, Efficient Node Heartbeats) the kubelet posts its status only when it "
-        "changes or every `nodeStatusReportFrequency` (5 min), so today's kubelet floor is nearer 372 per node "
+        "changes or every `nodeStatusReportFrequency` (5 min), so a current kubelet's floor is nearer 372 per node "
         "per hour (517 req/s at 5,000 nodes), and the agent's share of it is 1.9× the last column. Sources: "
         "https://kubernetes.io/docs/reference/node/node-status/ (heartbeats: .status updates and the Lease), "
         "https://kubernetes.io/docs/reference/config-api/kubelet-config.v1beta1/ (the two frequencies) and "
@@ -98,10 +98,10 @@ def fleet_section(steady: Optional[dict[str, Any]], storm: Optional[dict[str, An
 
 
 HOW_TO_READ = """How to read it: every figure is measured by `make bench` on the simulated nodes of gpu_agent/sim, on
-the machine named below, with its baselines taken in the same run (the same interpreter starting `pass`,
+the machine named above, with its baselines taken in the same run (the same interpreter starting `pass`,
 Debian's prometheus-node-exporter beside the agent). Times are medians unless the row says otherwise; latencies
 under load are open loop (each request is due at its time, and late answers are charged from that time, so
-a stall is never hidden) and include the loopback round trip. "miss" means the goal of issue 15 is not met on
+a stall is never hidden) and include the loopback round trip. "miss" means the row's goal is not met on
 this run; the cause is in bench/results.json (`note` and `details`) and in the text below the table. The daemon
 runs pinned to CPU 0 and the load generator to CPU 1; `machine_busy_pct` in results.json says how much of the
 machine everything together used, so contention from other work shows. bench/results.json holds every sample."""
@@ -120,7 +120,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", default=bool(os.environ.get("BENCH_QUICK")),
                         help="short runs for development (also BENCH_QUICK=1)")
     parser.add_argument("--only", help="comma-separated item numbers to run (1-11)")
-    parser.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    parser.add_argument("--no-readme", action="store_true", help="leave bench/README.md alone")
     parser.add_argument("--results", type=Path, default=REPO / "bench/results.json")
     args = parser.parse_args()
 
@@ -208,8 +208,8 @@ def main() -> int:
             HOW_TO_READ,
             fleet,
         ])
-        update_readme(REPO / "README.md", block)
-        print("updated README.md's Performance table")
+        update_readme(REPO / "bench/README.md", block)
+        print("updated the table of bench/README.md")
     missed = [f for f in results if f.passed is False]
     print(f"{len(results)} figures, {len(missed)} missed")
     return 0
