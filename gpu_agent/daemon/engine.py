@@ -109,8 +109,7 @@ class Engine:
                 runs.append(StageRun(stage.name, status.state, status.message, skipped=True))
                 continue
             this_pass = {run.stage: run.state for run in runs}
-            blocked = [name for name in stage.requires
-                       if this_pass.get(name, self.state.stages[name].state) != OK]
+            blocked = [name for name in stage.requires if this_pass.get(name, recorded[name].state) != OK]
             if blocked:
                 message = f"waiting for {', '.join(blocked)}"
                 on_loop(_waiting, status, message, now)
