@@ -1,10 +1,12 @@
-"""The one model of what the agent knows. Stages and watchers write it; every output reads it."""
+"""The one model of what the agent knows. The engine records the stages' outcomes and results in it,
+the watchers publish through its publish_* methods, and every output reads it; a stage never writes it.
+It imports nothing above it (kube/, plugin/): what is computed from it there is computed there."""
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import LoadedConfig
@@ -14,6 +16,15 @@ from gpu_agent.nvml.model import Gpu, GpuHealth, GpuSample, Inventory, MigDevice
 
 PENDING, OK, FAILED, WAITING = "pending", "ok", "failed", "waiting"
 _PUBLISH = threading.Lock()  # the watcher threads' updates of the model, one at a time
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A stage's outcome as readiness reads it: recorded in the model, or the one of a pass in progress."""
+
+    state: str
+    message: str
+    gates_readiness: bool = True
 
 
 @dataclass
@@ -32,6 +43,10 @@ class StageStatus:
     facts: dict[str, Any] = field(default_factory=dict)
     last_plan: list[dict[str, Any]] = field(default_factory=list)  # the typed changes the stage last made
     last_plan_at: Optional[float] = None
+
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome(self.state, self.message, self.gates_readiness)
 
     def record(self, state: str, message: str, error: Optional[str], now: float) -> None:
         if (state, message) != (self.state, self.message):
@@ -92,11 +107,11 @@ class AgentState:
         """What the endpoints cache their renderings by; None (do not cache) before the first reconcile."""
         return self.published if self.first_reconcile_done else None
 
-    # --- what the watcher threads publish ------------------------------------------------------
+    # --- what the watchers publish: each through its own method, each dict replaced, never changed in
+    # place, so that a reader on another thread sees the old one or the new one ------------------------
 
     def update_health(self, uuid: str, change: Callable[[GpuHealth], GpuHealth]) -> GpuHealth:
-        """Publish a GPU's new health: the dict and the record are replaced, never changed in place,
-        so a reader on another thread sees the old model or the new one."""
+        """Publish a GPU's new health (the XID watcher, the sampler, the periodic checks, a reset)."""
         with _PUBLISH:
             old = self.health.get(uuid, GpuHealth())
             new = change(old)
@@ -105,6 +120,44 @@ class AgentState:
                 self.health_transitions = {**self.health_transitions, key: self.health_transitions.get(key, 0) + 1}
             self.health = {**self.health, uuid: new}
             return new
+
+    def publish_samples(self, samples: Mapping[str, GpuSample], processes: Mapping[str, tuple[GpuProcess, ...]],
+                        at: float) -> None:
+        """The sampler's readings of every GPU, taken at `at` (unix time): NVML answered them."""
+        with _PUBLISH:
+            self.samples, self.processes = dict(samples), dict(processes)
+            self.sampled_at, self.nvml_error = at, None
+
+    def publish_nvml_error(self, error: str) -> None:
+        """The sampler found NVML hung or failing: the samples stay as last read."""
+        with _PUBLISH:
+            self.nvml_error = error
+
+    def publish_checks(self, failing: Mapping[str, Mapping[str, str]], at: float) -> None:
+        """A round of the periodic checks, run at `at`: by check, the GPUs that fail it and why."""
+        with _PUBLISH:
+            self.gpu_checks = {name: dict(gpus) for name, gpus in failing.items()}
+            self.nvml_check, self.checked_at = None, at
+
+    def publish_nvml_hung(self, reason: str, at: float) -> None:
+        """NVML did not answer a round of the periodic checks in time; the GPU checks keep their last results."""
+        with _PUBLISH:
+            self.nvml_check, self.checked_at = reason, at
+
+    def publish_plugin(self, section: dict[str, Any]) -> bool:
+        """The device plugin's /status section, replaced whole; False (and nothing to render again) when
+        it is the one already published."""
+        with _PUBLISH:
+            if section == self.plugin:
+                return False
+            self.plugin = section
+            self.published += 1  # the endpoints render /status again
+            return True
+
+    def publish_pods(self, pods: Optional[Any]) -> None:
+        """Who holds each GPU (metrics.pods.PodAttribution), or None while pod labels are off."""
+        with _PUBLISH:
+            self.pods = pods
 
     def gpu_name(self, uuid: str) -> str:
         """`GPU 3 (GPU-...)` or `GPU 3 MIG device 3g.40gb (GI 1, CI 0, MIG-...)` for a log line, or the
@@ -131,11 +184,19 @@ class AgentState:
     # --- stage results (written by the engine only) ----------------------------------------------
 
     def output(self, name: str) -> Any:
-        """A stage result as last recorded: inventory (discovery), pci_gpus and mellanox_nics (driver), mig
-        (mig), runtimes (toolkit)."""
-        outputs = {"inventory": self.inventory, "pci_gpus": self.pci_gpus, "mellanox_nics": self.mellanox_nics,
-                   "mig": self.mig, "runtimes": self.runtimes}
+        """A stage result as last recorded: inventory (discovery; last_inventory, the last one that was
+        not None), pci_gpus and mellanox_nics (driver), mig (mig), runtimes (toolkit)."""
+        outputs = {"inventory": self.inventory, "last_inventory": self.last_inventory, "pci_gpus": self.pci_gpus,
+                   "mellanox_nics": self.mellanox_nics, "mig": self.mig, "runtimes": self.runtimes}
         return outputs[name]
+
+    def record_runtime_restarts(self, restarts: Mapping[str, int]) -> None:
+        """Add a pass's restarts of the container runtimes, by runtime, to the counts."""
+        if restarts:
+            counts = dict(self.runtime_restarts)
+            for runtime, count in restarts.items():
+                counts[runtime] = counts.get(runtime, 0) + count
+            self.runtime_restarts = counts
 
     def record_output(self, name: str, value: Any) -> None:
         if name == "inventory":
@@ -156,33 +217,40 @@ class AgentState:
     # --- readiness -----------------------------------------------------------------------------
 
     def checks(self) -> list[Check]:
-        checks = [Check(s.name, s.state == OK, s.message) for s in self.stages.values()]
-        checks.append(self._gpu_health_check())
+        return self._checks(self._recorded(), self.inventory)
+
+    def _recorded(self) -> dict[str, Outcome]:
+        return {name: status.outcome for name, status in self.stages.items()}
+
+    def _checks(self, outcomes: Mapping[str, Outcome], inventory: Optional[Inventory]) -> list[Check]:
+        """The stages' outcomes, then the GPUs' health as the watchers last published it (one reading)."""
+        health = self.health
+        checks = [Check(name, outcome.state == OK, outcome.message) for name, outcome in outcomes.items()]
+        checks.append(self._gpu_health_check(inventory, health))
         if self.checked_at is not None:  # the periodic checks, once they have run
-            checks.append(Check(NVML_RESPONSIVE, self.nvml_check is None,
-                                self.nvml_check or "NVML answers within its timeout"))
-            checks += [self._periodic_check(name, self.gpu_checks.get(name, {})) for name in GPU_CHECKS]
+            nvml_check, gpu_checks = self.nvml_check, self.gpu_checks
+            total = len(inventory.gpus) if inventory else 0
+            checks.append(Check(NVML_RESPONSIVE, nvml_check is None, nvml_check or "NVML answers within its timeout"))
+            checks += [self._periodic_check(name, gpu_checks.get(name, {}), total) for name in GPU_CHECKS]
         return checks
 
-    def _gpu_health_check(self) -> Check:
+    def _gpu_health_check(self, inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -> Check:
         if self.nvml_error:
             return Check("gpu-health", False, self.nvml_error)
-        inventory = self.inventory
         if inventory is None:
             return Check("gpu-health", False, "no GPU discovered")
         sick, failing = [], 0
         for gpu in inventory.gpus:
-            health = self.health.get(gpu.uuid)
-            found = [f"GPU {gpu.index} ({gpu.uuid}): {health.reason}"] if health and not health.healthy else []
-            found += [f"{_mig_name(gpu, device)}: {self.health[device.uuid].reason}" for device in gpu.mig.devices
-                      if device.uuid in self.health and not self.health[device.uuid].healthy]
+            own = health.get(gpu.uuid)
+            found = [f"GPU {gpu.index} ({gpu.uuid}): {own.reason}"] if own and not own.healthy else []
+            found += [f"{_mig_name(gpu, device)}: {health[device.uuid].reason}" for device in gpu.mig.devices
+                      if device.uuid in health and not health[device.uuid].healthy]
             failing += bool(found)
             sick += found
         return self._gated("gpu-health", failing, len(inventory.gpus), "; ".join(sick),
                            f"{len(inventory.gpus)} GPUs healthy")
 
-    def _periodic_check(self, name: str, failing: dict[str, str]) -> Check:
-        total = len(self.inventory.gpus) if self.inventory else 0
+    def _periodic_check(self, name: str, failing: dict[str, str], total: int) -> Check:
         why = "; ".join(f"{self.gpu_name(uuid)}: {reason}" for uuid, reason in failing.items())
         return self._gated(name, len(failing), total, why, f"{total} GPUs pass")
 
@@ -194,13 +262,24 @@ class AgentState:
             return Check(name, False, why)
         return Check(name, True, f"{failing} of {total} GPUs failing, not all (health.unready_when: all): {why}")
 
-    def readiness(self, within_pass: bool = False) -> tuple[bool, Optional[Check]]:
-        """(ready, the first failing check that gates readiness): one consistent reading, as watcher
-        threads may change health between two calls of checks(). `within_pass`: for a sink running
-        after the other stages of a pass, which may be the first."""
-        sinks = {s.name for s in self.stages.values() if not s.gates_readiness}
-        failing = next((check for check in self.checks() if not check.ok and check.name not in sinks), None)
-        return (within_pass or self.first_reconcile_done) and failing is None, failing
+    def readiness(self, one_shot: bool = False) -> tuple[bool, Optional[Check]]:
+        """(ready, the first failing check that gates readiness) as recorded: one consistent reading, as
+        watcher threads may change health between two calls of checks(). `one_shot`: for a command that
+        ran its one pass to the end (`gpu-agent labels`), where no first reconcile of a daemon is awaited."""
+        return self._readiness(self._recorded(), self.inventory, one_shot or self.first_reconcile_done)
+
+    def readiness_of(self, outcomes: Mapping[str, Outcome],
+                     inventory: Optional[Inventory]) -> tuple[bool, Optional[Check]]:
+        """Readiness as a pass in progress computes it, for what it publishes (the labels stage): from its
+        own outcomes and inventory, with the GPUs' health as the watchers last published it."""
+        return self._readiness(outcomes, inventory, True)
+
+    def _readiness(self, outcomes: Mapping[str, Outcome], inventory: Optional[Inventory],
+                   started: bool) -> tuple[bool, Optional[Check]]:
+        sinks = {name for name, outcome in outcomes.items() if not outcome.gates_readiness}
+        failing = next((check for check in self._checks(outcomes, inventory) if not check.ok
+                        and check.name not in sinks), None)
+        return started and failing is None, failing
 
     @property
     def ready(self) -> bool:
@@ -228,7 +307,8 @@ class AgentState:
 
     # --- /status ---------------------------------------------------------------------------------
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, labels: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+        """/status; `labels`: the node labels this state gives (kube.labels.node_labels), computed by the caller."""
         inventory = self.inventory
         return {
             "version": __version__,
@@ -250,27 +330,9 @@ class AgentState:
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
-            "labels": self.labels(),
+            "labels": dict(labels) if labels is not None else None,
             "plugin": self.plugin,
         }
-
-    def labels(self, ready: Optional[bool] = None) -> dict[str, str]:
-        """The node labels this state gives (what `gpu-agent labels` prints), whether or not a sink sets them;
-        `ready`: as a pass in progress sees it, where that differs from the model's."""
-        from gpu_agent.kube.labels import compute
-
-        strategy, shared = self.strategy_and_sharing(self.inventory)
-        return compute(self.inventory, self.ready if ready is None else ready, strategy, self.machine, shared)
-
-    def strategy_and_sharing(self, inventory: Optional[Inventory]) -> tuple[str, dict[str, Any]]:
-        """mig.strategy (or its deprecated alias) and the time-shared resources: what the labels and the
-        device plugin are computed from."""
-        from gpu_agent.config.plugin import mig_strategy
-        from gpu_agent.plugin.devices import sharing
-
-        config = self.config.config
-        strategy = mig_strategy(config)
-        return strategy, sharing(inventory, strategy, config.plugin)
 
     def _driver_json(self) -> Optional[dict[str, Any]]:
         """What NVML says of the driver, and what the driver stage saw of its kernel module."""

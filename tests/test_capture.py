@@ -294,7 +294,7 @@ def test_apply_converges_without_modprobe_and_adds_only_the_dev_char_links(tmp_p
     assert changed == {f"{kernel}/dev/char": ("dir", 0o755), **{
         f"{kernel}{link}": ("link", os.path.relpath(target, "/dev/char")) for link, target in DEV_CHAR_LINKS.items()}}
     assert [action for run in second for action in run.planned] == []
-    assert runtime.state.readiness(within_pass=True) == (True, None)
+    assert runtime.state.readiness(one_shot=True) == (True, None)
 
 
 def test_status_metrics_and_labels_show_the_node_as_it_is(tmp_path: Path) -> None:

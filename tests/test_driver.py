@@ -28,7 +28,7 @@ def device(sim: SimNode, path: str) -> os.stat_result:
 def test_cold_dgx_a100_is_loaded_in_order_with_device_nodes(node: Callable[[str], SimNode]) -> None:
     sim = node("dgx-a100")
     result = sim.apply()
-    assert result.ok and result.state.readiness(within_pass=True)[0]
+    assert result.ok and result.state.readiness(one_shot=True)[0]
     # Mellanox NICs are present, so nvidia_peermem (auto) is loaded too, after ib_core was already there;
     # nvidia_modeset (auto) only comes with nvidia_drm, which is off.
     assert sim.loaded_modules() == ["ib_core", "mlx5_ib", "nvidia", "nvidia_uvm", "nvidia_peermem"]
@@ -80,7 +80,7 @@ def test_nouveau_blocks_loading_with_a_clear_reason(node: Callable[[str], SimNod
     driver = result.stage("driver")
     assert driver.state == "failed" and "the nouveau driver is loaded and holds the GPUs" in driver.message
     assert "driver.blacklist_nouveau: true" in driver.message
-    ready, failing = result.state.readiness(within_pass=True)
+    ready, failing = result.state.readiness(one_shot=True)
     assert not ready and failing is not None and failing.name == "driver"
     assert not any(name.startswith("nvidia") for name in sim.loaded_modules())
 
@@ -113,7 +113,7 @@ def test_a_missing_feature_module_is_named_and_only_degrades(node: Callable[[str
     features = result.stage("driver-features")
     assert features.state == "failed" and "no nvidia_fs module for the running kernel" in features.message
     assert "Module nvidia_fs not found in directory /lib/modules/" in features.message
-    assert result.state.readiness(within_pass=True)[0] and result.state.degraded
+    assert result.state.readiness(one_shot=True)[0] and result.state.degraded
 
 
 def test_a_version_pin_that_differs_names_both_versions(node: Callable[[str], SimNode]) -> None:

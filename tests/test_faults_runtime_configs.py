@@ -326,7 +326,7 @@ def run_stage(root: Path, tmp_path: Path, runtimes: tuple[str, ...], settings: d
     agent = AgentState(load_config(tmp_path / "no-config.yaml", required=False))
     services = RecordingServices()
     config = validated(ToolkitConfig, {"runtimes": list(runtimes), "cdi": {"enabled": False}, **settings})
-    stage = Toolkit(Root(root), services, NoPackages(), agent, config)
+    stage = Toolkit(Root(root), services, NoPackages(), config)
     stage.requires = ()  # type: ignore[assignment]  # run alone: discovery is not part of this test
     engine = Engine([stage], agent, agent.config.config.reconcile)
     run = asyncio.run(engine.reconcile(force=True))[0]

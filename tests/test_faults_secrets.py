@@ -303,7 +303,7 @@ def run_sink(env: Env, caplog: pytest.LogCaptureFixture) -> tuple[Optional[Agent
     labels whatever the API server does), then a whole engine pass (what it records)."""
     state = AgentState(load_config(env.root / "missing.yaml", required=False))
     settings = KubernetesConfig(node_name=NODE, kubeconfig=KUBECONFIG, request_timeout_seconds=1)
-    sink = KubeSink(Root(env.root), state, settings, RequestBudget())
+    sink = KubeSink(Root(env.root), state.readiness_of, lambda: state.config.config, settings, RequestBudget())
     error = None
     with caplog.at_level(logging.DEBUG):
         try:

@@ -28,8 +28,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _computed_here(args: argparse.Namespace) -> dict[str, str]:
     from gpu_agent.cli.common import one_pass
+    from gpu_agent.kube.labels import node_labels
 
     runs, runtime = one_pass(args, dry_run=True)
     runtime.engine.record_dry_run(runs)
-    ready, _ = runtime.state.readiness(within_pass=True)
-    return runtime.state.labels(ready=ready)
+    state = runtime.state
+    ready, _ = state.readiness(one_shot=True)
+    return node_labels(state.config.config, state.inventory, ready, state.machine)

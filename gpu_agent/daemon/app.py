@@ -139,7 +139,8 @@ class Runtime:
         if api or kube.nfd_feature_file:  # the NFD feature file is local: written with the API off too
             from gpu_agent.stages.labels import KubeSink
 
-            sink = KubeSink(self.root, self.state, kube, self.kube_budget, api=api)
+            state = self.state
+            sink = KubeSink(self.root, state.readiness_of, lambda: state.config.config, kube, self.kube_budget, api=api)
         mig = config.mig
         if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
             # Before discovery: the inventory, CDI spec and labels of the same pass see the new MIG devices.
@@ -151,7 +152,7 @@ class Runtime:
                               else None))
         stages.append(Discovery(self.nvml, config.discovery))
         if config.toolkit.enabled and not self.real_root_simulated:
-            stages.append(Toolkit(self.root, self.services, self.packages, self.state, config.toolkit))
+            stages.append(Toolkit(self.root, self.services, self.packages, config.toolkit))
             if config.toolkit.cdi.enabled:
                 stages.append(Cdi(self.root, config.toolkit.cdi))
         if sink is not None:
@@ -216,7 +217,7 @@ class Daemon:
         self.collector = AgentCollector(self.state, lambda: runtime.nvml.timeouts,
                                         self.config.metrics.hostname)
         self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,
-                                    lambda pods: setattr(self.state, "pods", pods),
+                                    self.state.publish_pods,
                                     lambda: self.config.metrics.pod_labels,
                                     lambda: self.config.metrics.sample_interval_seconds)
         self.registry = make_registry(self.collector)

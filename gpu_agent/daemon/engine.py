@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional, Sequence
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.errors import AgentError
 from gpu_agent.printable import printable
-from gpu_agent.stages.base import Action, Stage
-from gpu_agent.state import FAILED, OK, WAITING, AgentState, StageStatus
+from gpu_agent.stages.base import OUTCOMES, Action, Stage
+from gpu_agent.state import FAILED, OK, WAITING, AgentState, Outcome, StageStatus
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class StageRun:
     facts: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)  # for the names in the stage's `produces`
     claims: Optional[set[str]] = None  # the files the stage wants; None: it could not tell
+    restarts: dict[str, int] = field(default_factory=dict)  # the container runtimes it restarted, how often
 
     def __post_init__(self) -> None:
         self.message = printable(self.message)  # it quotes what the driver and files say; shown everywhere
@@ -68,7 +69,9 @@ class Engine:
 
         The stages run in order on one worker thread (a thread hop each cost a no-op pass more CPU than
         most stages' own work), and each outcome is recorded on the event loop as its stage ends, so
-        /status follows a long pass. Cancelled (the daemon stopping), the pass ends with the stage running."""
+        /status follows a long pass. A stage later in the pass never reads those records: what it
+        consumes of the pass so far (results, claims, outcomes) is handed to it from the pass itself.
+        Cancelled (the daemon stopping), the pass ends with the stage running."""
         self.begin_pass()
         stop = threading.Event()
         try:
@@ -84,8 +87,9 @@ class Engine:
               stop: threading.Event) -> list[StageRun]:
         runs: list[StageRun] = []
         results = {name: self.state.output(name) for stage in self.stages for name in stage.consumes
-                   if name != CLAIMS}
+                   if name not in (CLAIMS, OUTCOMES)}
         claims = dict(self.state.claims)  # by stage: this pass's, else the last known
+        recorded = {name: status.outcome for name, status in self.state.stages.items()}
 
         def on_loop(record: Callable[..., None], *args: Any) -> None:
             if dry_run or stop.is_set():
@@ -98,15 +102,14 @@ class Engine:
         for stage in self.stages:
             if stop.is_set():
                 break
-            stage.inputs = {name: claims if name == CLAIMS else results.get(name) for name in stage.consumes}
+            stage.inputs = {name: self._input(name, results, claims, recorded, runs) for name in stage.consumes}
             status = self.state.stages[stage.name]
             now = time.time()
             if not force and not dry_run and status.next_retry is not None and now < status.next_retry:
                 runs.append(StageRun(stage.name, status.state, status.message, skipped=True))
                 continue
             this_pass = {run.stage: run.state for run in runs}
-            blocked = [name for name in stage.requires
-                       if this_pass.get(name, self.state.stages[name].state) != OK]
+            blocked = [name for name in stage.requires if this_pass.get(name, recorded[name].state) != OK]
             if blocked:
                 message = f"waiting for {', '.join(blocked)}"
                 on_loop(_waiting, status, message, now)
@@ -114,11 +117,26 @@ class Engine:
                 continue
             run = self._run_stage(stage, dry_run)
             results.update(run.outputs)
+            if run.outputs.get("inventory") is not None:  # as the state model records it
+                results["last_inventory"] = run.outputs["inventory"]
             if run.claims is not None:
                 claims[stage.name] = run.claims
             on_loop(self._record, stage, status, run, now)
             runs.append(run)
         return runs
+
+    @staticmethod
+    def _input(name: str, results: dict[str, Any], claims: dict[str, set[str]], recorded: dict[str, Outcome],
+               runs: list[StageRun]) -> Any:
+        """What a stage consuming `name` is handed: a result, every stage's claims, or every stage's
+        outcome (this pass's where the stage ran in it, else as recorded when the pass began)."""
+        if name == CLAIMS:
+            return claims
+        if name == OUTCOMES:
+            ran = {run.stage: run for run in runs if not run.skipped}
+            return {stage: Outcome(ran[stage].state, ran[stage].message, outcome.gates_readiness) if stage in ran
+                    else outcome for stage, outcome in recorded.items()}
+        return results.get(name)
 
     def record_dry_run(self, runs: Sequence[StageRun]) -> None:
         """Take a dry run's findings into the state model, as a one-shot command's view of the node
@@ -130,6 +148,14 @@ class Engine:
                 self.state.record_output(name, value)
 
     def _run_stage(self, stage: Stage, dry_run: bool) -> StageRun:
+        run = self._run(stage, dry_run)
+        try:
+            run.restarts = stage.restarts()
+        except Exception:  # a count for /metrics: never let it hide the stage's outcome
+            log.exception("restarts of %s; this is a gpu-agent bug", stage.name)
+        return run
+
+    def _run(self, stage: Stage, dry_run: bool) -> StageRun:
         observed: Any = None
         try:
             stage.start_pass()
@@ -184,6 +210,7 @@ class Engine:
         status.facts = run.facts
         if run.claims is not None:
             self.state.claims = {**self.state.claims, stage.name: run.claims}
+        self.state.record_runtime_restarts(run.restarts)
         for name, value in run.outputs.items():
             self.state.record_output(name, value)
         if run.state == OK:

@@ -12,7 +12,7 @@ import socket
 import stat
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from gpu_agent.config.schema import HttpConfig
 from gpu_agent.daemon.listener import Listener, connection_limit
@@ -20,6 +20,7 @@ from gpu_agent.daemon.protocol import HttpProtocol
 from gpu_agent.daemon.responses import Capped, RenderCache, Request, Response, cached_response
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
+from gpu_agent.kube.labels import node_labels
 from gpu_agent.metrics.exporter import AgentRegistry, content_type, render
 from gpu_agent.printable import printable
 from gpu_agent.state import AgentState
@@ -43,7 +44,7 @@ class Endpoints:
 
 
 def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[], bool]) -> Endpoints:
-    status_cache = RenderCache(lambda: (json.dumps(state.to_json(), indent=2) + "\n").encode(), lambda: state.version)
+    status_cache = RenderCache(lambda: (json.dumps(_status(state), indent=2) + "\n").encode(), lambda: state.version)
     # A second at most: the body carries gpu_agent_sample_age_seconds.
     metrics_cache = RenderCache(lambda: render(registry),
                                 lambda: None if state.version is None else (state.version, int(time.monotonic())))
@@ -147,6 +148,10 @@ class HttpServer:
             listener.close()
         if self.settings and self.settings.socket:
             _remove_stale_socket(self.root(self.settings.socket))
+
+
+def _status(state: AgentState) -> dict[str, Any]:
+    return state.to_json(labels=node_labels(state.config.config, state.inventory, state.ready, state.machine))
 
 
 def _bind(where: str, make: Callable[[], list[socket.socket]]) -> list[socket.socket]:

@@ -78,8 +78,7 @@ class HealthChecks:
         """NVML did not answer in time: that check fails; the GPU checks keep their last results."""
         if self.state.nvml_check != reason:
             log.error("health check %s failed: %s", NVML_RESPONSIVE, reason)
-        self.state.nvml_check = reason
-        self.state.checked_at = self.clock()
+        self.state.publish_nvml_hung(reason, self.clock())
 
     def _publish(self, failing: dict[str, dict[str, str]]) -> None:
         if self.state.nvml_check is not None:
@@ -90,9 +89,7 @@ class HealthChecks:
                 log.error("%s fails health check %s: %s", self.state.gpu_name(uuid), name, failing[name][uuid])
             for uuid in before.get(name, {}).keys() - failing[name].keys():
                 log.info("%s passes health check %s again", self.state.gpu_name(uuid), name)
-        self.state.gpu_checks = failing
-        self.state.nvml_check = None
-        self.state.checked_at = self.clock()
+        self.state.publish_checks(failing, self.clock())
         for gpu in self.state.inventory.gpus if self.state.inventory else ():
             reason = "; ".join(f"{name}: {failing[name][gpu.uuid]}" for name in GPU_CHECKS if gpu.uuid in failing[name])
             current = self.state.health.get(gpu.uuid)

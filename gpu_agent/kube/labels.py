@@ -1,17 +1,19 @@
 """Node labels with GPU Feature Discovery's keys and value formats, so existing nodeSelectors keep
-working, computed from the state model alone."""
+working, computed from what the state model holds (the inventory, readiness) and the config."""
 from __future__ import annotations
 
 import logging
 import re
 from typing import TYPE_CHECKING, Mapping, Optional
 
+from gpu_agent.config.plugin import mig_strategy
 from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Gpu, Inventory, MigProfile
+from gpu_agent.plugin.devices import Shared, sharing
 
 if TYPE_CHECKING:
-    from gpu_agent.plugin.devices import Shared
+    from gpu_agent.config.schema import AgentConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,14 @@ def machine_name(root: Root) -> Optional[str]:
     """The DMI product name, for gpu.machine."""
     name = read_text(root("/sys/class/dmi/id/product_name"))
     return name.strip() if name else None
+
+
+def node_labels(config: AgentConfig, inventory: Optional[Inventory], ready: bool,
+                machine: Optional[str]) -> dict[str, str]:
+    """Every label the agent owns for this inventory and readiness: what the labels stage sets, /status
+    shows and `gpu-agent labels` prints, with mig.strategy and the time-shared resources of `config`."""
+    strategy = mig_strategy(config)
+    return compute(inventory, ready, strategy, machine, sharing(inventory, strategy, config.plugin))
 
 
 def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine: Optional[str],

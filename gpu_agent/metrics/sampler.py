@@ -61,13 +61,10 @@ class Sampler:
         except (NvmlHung, NvmlUnavailable) as exc:
             if self.state.nvml_error != str(exc):
                 log.error("%s", exc)
-            self.state.nvml_error = str(exc)
+            self.state.publish_nvml_error(str(exc))
             return
         self.profiling.keep_only(samples)
-        self.state.nvml_error = None
-        self.state.samples = samples
-        self.state.sampled_at = time.time()
-        self.state.processes = processes
+        self.state.publish_samples(samples, processes, time.time())
 
     def _read_every(self, gpus: tuple[Gpu, ...]) -> list[Any]:
         """On the NVML worker: each GPU's reading, or the NVMLError it answered (the others go on)."""

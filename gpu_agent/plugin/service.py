@@ -214,9 +214,7 @@ class DevicePluginManager:
             section["device_list_strategy"] = self.settings.device_list_strategy
             section["withheld"] = dict(wanted.withheld)
             section["reason"] = wanted.reason or None
-        if section != self.state.plugin:
-            self.state.plugin = section
-            self.state.published += 1  # the endpoints render /status again
+        self.state.publish_plugin(section)  # when changed, the endpoints render /status again
 
 
 def _describe(exc: BaseException) -> str:

@@ -7,6 +7,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from gpu_agent.plan import Change
 
+OUTCOMES = "outcomes"  # a name a stage may consume: this pass's outcomes so far (see Stage.inputs)
+
 
 @dataclass(frozen=True)
 class Action:
@@ -34,6 +36,9 @@ class Stage(ABC):
 
     Every method runs on a worker thread, never on the event loop. A failure a user can fix is
     raised as StageError (or another AgentError) with a message that says what to do.
+
+    A stage never writes the state model (and is never handed it): what it found goes back to the
+    engine as its outputs, facts, claims and restarts, which the engine records.
     """
 
     name: str
@@ -41,7 +46,10 @@ class Stage(ABC):
     produces: Sequence[str] = ()  # named results other stages consume (see outputs())
     consumes: Sequence[str] = ()  # named results of other stages, handed in as self.inputs
     gates_readiness = True  # False for sinks: their failure degrades the agent, the GPUs stay usable
-    inputs: Mapping[str, Any] = {}  # set by the engine before each run: this pass's results, else the last
+    # Set by the engine before each run: this pass's results, else the last recorded; for OUTCOMES, each
+    # stage's outcome (state.Outcome) by name: this pass's for the stages run before this one, the
+    # recorded one for the others (not run yet in this pass, or still backing off).
+    inputs: Mapping[str, Any] = {}
 
     def outputs(self, observed: Any) -> dict[str, Any]:
         """This stage's results for the names in `produces`, from what it observed. The engine records
@@ -70,6 +78,11 @@ class Stage(ABC):
         says so) that it no longer claims is undone by the owned-files stage. None: it cannot tell
         now (its input is broken), so nothing of it is undone."""
         return set()
+
+    def restarts(self) -> dict[str, int]:
+        """The container runtimes this stage restarted in this pass, by runtime: the engine adds them to
+        the agent's counts (gpu_agent_runtime_restarts)."""
+        return {}
 
     def facts(self, observed: Any) -> dict[str, Any]:
         """What the stage knows that /status should show beside its message (e.g. who loaded the driver)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.text import shown
@@ -27,11 +27,17 @@ from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
-from gpu_agent.kube.labels import machine_name
+from gpu_agent.kube.labels import machine_name, node_labels
 from gpu_agent.kube.names import node_name_problem
+from gpu_agent.nvml.model import Inventory
 from gpu_agent.plan import PatchNode, WriteFile
-from gpu_agent.stages.base import Action, Stage
-from gpu_agent.state import AgentState
+from gpu_agent.stages.base import OUTCOMES, Action, Stage
+from gpu_agent.state import Check, Outcome
+
+if TYPE_CHECKING:
+    from gpu_agent.config import AgentConfig
+
+    Readiness = Callable[[Mapping[str, Outcome], Optional[Inventory]], tuple[bool, Optional[Check]]]
 
 MANAGED = "nvidia.com/gpu-agent.managed-labels"
 CONDITION = "GPUAgentReady"
@@ -50,13 +56,16 @@ class SinkState:
 
 class KubeSink(Stage):
     name = "labels"
-    consumes = ("inventory", "pci_gpus", "mig")
+    consumes = ("inventory", "last_inventory", "pci_gpus", "mig", OUTCOMES)
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
-    def __init__(self, root: Root, state: AgentState, settings: KubernetesConfig, budget: RequestBudget,
-                 api: bool = True) -> None:
+    def __init__(self, root: Root, readiness: Readiness, config: Callable[[], AgentConfig],
+                 settings: KubernetesConfig, budget: RequestBudget, api: bool = True) -> None:
+        """`readiness`: the state model's verdict on this pass's outcomes (AgentState.readiness_of);
+        `config`: the agent's config now (mig.strategy, the plugin's sharing)."""
         self.root = root
-        self.agent = state
+        self.readiness = readiness
+        self.config = config
         self.settings = settings
         self.api = api  # False: the NFD feature file alone
         self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds, budget)
@@ -71,18 +80,19 @@ class KubeSink(Stage):
     # --- observe ---------------------------------------------------------------------------------
 
     def observe(self) -> SinkState:
-        ready, failing = self.agent.readiness(within_pass=True)
+        # Readiness as this pass found it, never as the model has recorded it so far (the outcomes of
+        # this pass's stages land there on the event loop, maybe after this runs).
+        ready, failing = self.readiness(self.inputs.get(OUTCOMES, {}), self.inputs.get("inventory"))
         # A failing discovery (an NVML hiccup) must not strip the GPU labels nodeSelectors match on:
         # they stay as last seen, with gpu-agent.ready=false, until the GPUs are seen again.
-        inventory = self.inputs.get("inventory") or self.agent.last_inventory
+        inventory = self.inputs.get("inventory") or self.inputs.get("last_inventory")
         node = None
         if self.api and self._pass_failure is None:  # after a failure, not asked again in the same pass
             try:
                 node = self._current_node()
             except StageError as exc:  # the labels are still computed: the NFD file needs no API server
                 self._pass_failure = str(exc)
-        strategy, shared = self.agent.strategy_and_sharing(inventory)
-        wanted = gfd.compute(inventory, ready, strategy, machine_name(self.root), shared)
+        wanted = node_labels(self.config(), inventory, ready, machine_name(self.root))
         if inventory is None and self.inputs.get("pci_gpus") != 0:
             # GPUs on the bus, not seen yet: keep what the node has (or, without it, the NFD file)
             wanted = {**(_owned_labels(node) if node is not None else self._nfd_labels()), **wanted}

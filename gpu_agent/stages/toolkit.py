@@ -20,7 +20,6 @@ from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.plan import InstallPackage, RemoveFile
 from gpu_agent.stages.base import Action, Stage
-from gpu_agent.state import AgentState
 from gpu_agent.errors import AgentError
 from gpu_agent.toolkit import cdi, configfile, containerd, crio, docker, runtime_config, transaction
 from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
@@ -67,15 +66,14 @@ class Toolkit(Stage):
     name = "toolkit"
     produces = ("runtimes",)
 
-    def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller, state: AgentState,
+    def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller,
                  settings: ToolkitConfig) -> None:
         self.root = root
         self.services = services
         self.packages = packages
-        self.agent = state
         self.settings = settings
         self.ledger = Ledger(root)
-        self._restarted: set[str] = set()  # runtimes restarted in the current pass: one restart each
+        self._restarted: dict[str, int] = {}  # by runtime: its restarts in the current pass (it gets one)
         self._failures: dict[str, str] = {}  # runtimes whose change failed in the current pass, and why
         self._ctk_version: Optional[tuple[tuple[int, int], Optional[str]]] = None
 
@@ -171,7 +169,7 @@ class Toolkit(Stage):
         return changes
 
     def start_pass(self) -> None:
-        self._restarted = set()
+        self._restarted = {}
         self._failures = {}
 
     def _validate_containerd(self, files: containerd.ContainerdFiles) -> None:
@@ -265,9 +263,10 @@ class Toolkit(Stage):
             self._failures[change.runtime] = str(exc)
         finally:
             if change.restarts:
-                self._restarted.add(change.runtime)
-            for _ in change.restarts:
-                self.agent.runtime_restarts[change.runtime] = self.agent.runtime_restarts.get(change.runtime, 0) + 1
+                self._restarted[change.runtime] = self._restarted.get(change.runtime, 0) + len(change.restarts)
+
+    def restarts(self) -> dict[str, int]:
+        return dict(self._restarted)
 
     def verify(self, state: ToolkitState) -> str:
         if not state.runtimes:
