@@ -1,4 +1,4 @@
-"""`--simulate DIR`: a captured node (gpu_agent/sim/capture.py) as a simulated machine.
+"""`--simulate DIR`: a captured node (gpu_agent/capture.py) as a simulated machine.
 
 What the node showed is replayed as it was: its /proc, /sys and /dev files, its device nodes and
 /dev/char links, its /etc/modprobe.d, its ld.so cache and the NVML answers it gave (names, PCI info,
@@ -33,8 +33,8 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
-from gpu_agent.sim import answers
-from gpu_agent.sim.capture import FORMAT, MANIFEST, PARTS
+from gpu_agent.nvml import answers
+from gpu_agent.capture import FORMAT, MANIFEST, PARTS
 from gpu_agent.sim.fake import FakeNvml, SimComputeInstance, SimGpuInstance, SimHandle, _nvml
 from gpu_agent.sim.kernel import (
     NVIDIA_MODULES,
