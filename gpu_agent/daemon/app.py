@@ -18,7 +18,7 @@ from gpu_agent.config import AgentConfig, LoadedConfig
 from gpu_agent.config.validate import reload_config
 from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
-from gpu_agent.daemon.watch import FileChanges
+from gpu_agent.host.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
 from gpu_agent.health.reset import ResetHealsGpu
