@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 from gpu_agent import __version__
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, resolve
 from gpu_agent.nvml import answers
@@ -305,17 +306,17 @@ class HostReader:
         return [f"{host_dir.rstrip('/')}/{name}" for name in names]
 
     def text(self, host_path: str) -> None:
-        path = self.root(host_path)
         try:
-            if not path.is_file():
-                return
-            with open(path, "rb") as handle:
-                data = handle.read(MAX_FILE_BYTES + 1)
+            data = read_bounded(self.root(host_path), MAX_FILE_BYTES)
+        except NotRegular:
+            return
+        except TooLarge:
+            self.problems.append(f"{host_path}: larger than {MAX_FILE_BYTES} bytes, left out")
+            return
         except OSError as exc:
             self.problems.append(f"{host_path}: cannot read: {exc.strerror}")
             return
-        if len(data) > MAX_FILE_BYTES:
-            self.problems.append(f"{host_path}: larger than {MAX_FILE_BYTES} bytes, left out")
+        if data is None:
             return
         self.files[host_path] = data.decode("utf-8", "surrogateescape")
 
