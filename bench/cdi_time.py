@@ -22,7 +22,7 @@ def main() -> None:
     machine = MachineState(root)
     root = root.with_kernel(machine.kernel_dir)
     nvml = Nvml(simulated_nvml(machine), 10.0)
-    inventory = nvml.inventory()
+    inventory = nvml.inventory.read()
     times, spec = [], ""
     for _ in range(runs):
         started = time.perf_counter()

@@ -33,7 +33,7 @@ from gpu_agent.metrics.exporter import AgentCollector, make_registry, render
 from gpu_agent.metrics.sampler import Sampler
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.plan import CreateLink
-from gpu_agent.sim.capture import MutationRefused, RecordingNvml, capture
+from gpu_agent.capture import MutationRefused, RecordingNvml, capture
 from gpu_agent.sim.fake import FakeNvml, SimHandle
 from gpu_agent.sim.kernel import SimModprobe
 from gpu_agent.sim.machine import MachineState
@@ -385,10 +385,10 @@ def test_processes_faults_xids_and_mig_are_simulated_on_top(tmp_path: Path) -> N
     try:
         with machine.edit() as state:
             state["gpus"][0]["processes"].append({"pid": 4242, "name": "trainer", "used_mib": 2048})
-        sample = runtime.nvml.sample(0)
+        sample = runtime.nvml.sampling.sample(0)
         assert sample.memory_used_mib == 2048 and sample.memory_reserved_mib == 480
         assert sample.memory_free_mib == NODE["memory_free_mib"] - 2048
-        assert runtime.nvml.processes(0) == [(4242, 2048.0)]
+        assert runtime.nvml.inventory.processes(0) == [(4242, 2048.0)]
         assert (runtime.root("/proc/4242/comm")).read_text() == "trainer\n"
         with machine.edit() as state:  # `gpu-agent sim fail` on an answer only the capture knows
             state["faults"].append({"id": 1, "call": "nvmlDeviceGetBAR1MemoryInfo", "gpu": None, "error": "GpuIsLost",
@@ -396,7 +396,7 @@ def test_processes_faults_xids_and_mig_are_simulated_on_top(tmp_path: Path) -> N
         with pytest.raises(pynvml.NVMLError_GpuIsLost):
             runtime.nvml.lib.nvmlDeviceGetBAR1MemoryInfo(SimHandle(0))
         assert runtime.nvml.lib.nvmlDeviceGetBAR1MemoryInfo(SimHandle(0)).bar1Total == 137438953472
-        wait = runtime.nvml.watch_xids()
+        wait = runtime.nvml.events.watch_xids()
         with machine.edit() as state:  # `gpu-agent sim inject-xid --gpu 0 --xid 79`
             state["xids"].append({"seq": state["next_seq"], "gpu": 0, "xid": 79, "at": 0.0})
             state["next_seq"] += 1
@@ -409,7 +409,7 @@ def test_processes_faults_xids_and_mig_are_simulated_on_top(tmp_path: Path) -> N
             gpu = state["gpus"][0]
             gpu["mig"].update(current=1, pending=1, gpu_instances=[])
             add_device(gpu, runtime.nvml.lib._model(gpu), "3g.40gb")
-        [mig] = runtime.nvml.inventory().gpus[0].mig.devices
+        [mig] = runtime.nvml.inventory.read().gpus[0].mig.devices
         assert (mig.profile, mig.memory_mib, mig.multiprocessors, mig.placement) == ("3g.40gb", 40448, 60, (0, 4))
         access = runtime.root(f"/proc/driver/nvidia/capabilities/gpu0/mig/gi{mig.gpu_instance_id}/access")
         assert access.read_text().startswith("DeviceFileMinor: ")
@@ -544,7 +544,7 @@ def test_the_recorder_refuses_every_call_that_changes_a_gpu(tmp_path: Path) -> N
     recorder = RecordingNvml(FakeNvml(machine))
     nvml = Nvml(recorder, call_timeout=5.0)
     try:
-        nvml.init()
+        nvml.session.init()
         gpu = SimHandle(0)
         for call, args in (("nvmlDeviceSetPersistenceMode", (gpu, 1)), ("nvmlDeviceSetMigMode", (gpu, 1)),
                            ("nvmlDeviceCreateGpuInstance", (gpu, 9)), ("nvmlDeviceResetGpuLockedClocks", (gpu,)),
@@ -552,9 +552,9 @@ def test_the_recorder_refuses_every_call_that_changes_a_gpu(tmp_path: Path) -> N
             with pytest.raises(MutationRefused, match=f"capture is read-only: {call} was not called"):
                 getattr(recorder, call)(*args)
         with pytest.raises(MutationRefused):
-            nvml.enable_persistence(0)
+            nvml.inventory.enable_persistence(0)
         assert machine.read()["gpus"][0].get("persistence", 0) == 0
-        assert nvml.persistence_modes()[0] is False  # a read goes through, and is recorded
+        assert nvml.inventory.persistence_modes()[0] is False  # a read goes through, and is recorded
         assert {entry["call"] for entry in recorder.recorded()} >= {"nvmlInit", "nvmlDeviceGetPersistenceMode"}
     finally:
         nvml.close()
@@ -682,6 +682,6 @@ def test_capture_of_a_node_whose_nvml_fails_says_so_and_replays_the_failure(tmp_
     try:
         assert isinstance(replayed.nvml.lib, ReplayNvml)
         with pytest.raises(Exception, match="the NVIDIA kernel driver is not loaded"):
-            replayed.nvml.init()
+            replayed.nvml.session.init()
     finally:
         replayed.nvml.close()

@@ -46,7 +46,7 @@ class Node:
         return self
 
     def inventory(self) -> Inventory:
-        return self.nvml.inventory()
+        return self.nvml.inventory.read()
 
     def spec(self, **kwargs: Any) -> dict[str, Any]:
         return cdi.build_spec(self.inventory(), self.root, cdi.discover(self.root, VERSION), **kwargs)

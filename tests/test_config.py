@@ -145,14 +145,14 @@ def test_explicit_default_durations_match_builtin_digest(tmp_path: Path) -> None
 
 
 def test_an_unreadable_file_is_a_config_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu_agent.config import text
+    from gpu_agent.host import bounded
 
     path = write(tmp_path, "version: v1\n")
 
     def denied(*args: object, **kwargs: object) -> int:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(text.os, "open", denied)
+    monkeypatch.setattr(bounded.os, "open", denied)
     with pytest.raises(ConfigError) as info:
         load_config(path, required=True)
     assert str(info.value) == f"{path}: cannot read: Permission denied"

@@ -418,7 +418,7 @@ def test_a_runtime_that_failed_on_its_own_is_reported_not_restarted(root: Path, 
     (b'{"version": 1, "pending_restarts": {}, "x": "\xff"}', "not UTF-8 text (byte 45)"),
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     (b" " * (2 << 20), "larger than 1048576 bytes"),
-    (None, "cannot read it (Is a directory)"),
+    (None, "cannot read it (a directory, not a file)"),
 ])
 def test_a_broken_ledger_is_refused_naming_the_file_and_left_alone(root: Path, content: Optional[bytes],
                                                                     reason: str) -> None:

@@ -42,7 +42,7 @@ class Node:
         SimModprobe(self.machine, Root(tmp_path)).load("nvidia")
         self.nvml = Nvml(FakeNvml(self.machine), call_timeout=2.0)
         self.state = AgentState(load_config(config, required=True))
-        self.state.inventory = self.nvml.inventory()
+        self.state.inventory = self.nvml.inventory.read()
         self.state.stages["discovery"] = StageStatus("discovery", OK, "8 GPUs found")
         self.state.first_reconcile_done = True
         self.clock = Clock()

@@ -78,7 +78,7 @@ def test_each_periodic_check_is_named_and_a_gpu_failing_one_is_unhealthy_until_i
 
 def test_a_hung_nvml_call_fails_nvml_responsive_after_its_timeout_and_passes_once_it_returns(node) -> None:
     n = node()
-    n.nvml.call_timeout = 0.2
+    n.nvml.session.call_timeout = 0.2
     run = checks(n)
     run.run()
     n.fail("nvmlDeviceGetRemappedRows", 0, "hang")
@@ -138,11 +138,11 @@ def test_a_gpu_reset_brings_an_xid_unhealthy_gpu_back_at_once_and_a_lost_one_onc
 
 def mig_node(n: Node) -> list[Any]:
     """GPU 0 with two 3g.40gb GPU instances, each one MIG device."""
-    assert n.nvml.set_mig_mode(0, True) is None
+    assert n.nvml.mig.set_mode(0, True) is None
     for start in (0, 4):
-        gi = n.nvml.create_gpu_instance(0, 9, (start, 4))
-        n.nvml.create_compute_instance(0, gi, 3, 0)
-    n.state.inventory = n.nvml.inventory()
+        gi = n.nvml.mig.create_gpu_instance(0, 9, (start, 4))
+        n.nvml.mig.create_compute_instance(0, gi, 3, 0)
+    n.state.inventory = n.nvml.inventory.read()
     devices = list(n.state.inventory.gpus[0].mig.devices)
     assert len(devices) == 2
     return devices
@@ -153,7 +153,7 @@ def test_an_xid_on_a_mig_device_makes_that_device_unhealthy_not_its_sibling_nor_
     caplog.set_level(logging.INFO)
     first, second = mig_node(n)
     gpu = n.state.inventory.gpus[0]
-    wait = n.nvml.watch_xids()
+    wait = n.nvml.events.watch_xids()
     with n.machine.edit() as doc:  # as `gpu-agent sim inject-xid --gpu 0 --xid 48 --gpu-instance N` does
         doc["xids"].append({"seq": doc["next_seq"], "gpu": 0, "xid": 48, "at": 0.0,
                             "gpu_instance_id": second.gpu_instance_id, "compute_instance_id": 0})

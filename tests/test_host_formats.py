@@ -100,7 +100,7 @@ MALFORMED: list[tuple[str, Content, str]] = [
     ("/proc/modules", "nvidia_uvm 1 - - Live 0x0\nnvidia big - - Live 0x0\n", "/proc/modules:2:"),
     ("/proc/modules", b"nvidia \xff\xfe - - Live\n", "/proc/modules:1:"),
     ("/proc/modules", "x" * 1_000_000 + "\n", "/proc/modules:1: cannot read 'xxx"),
-    ("/proc/modules", None, "cannot read /proc/modules: Is a directory"),
+    ("/proc/modules", None, "cannot read /proc/modules: it is a directory, not a file"),
     ("/proc/devices", "Character devices:\nabc nvidia\n", "/proc/devices:2: cannot read 'abc nvidia'"),
     ("/proc/devices", "Character devices:\n195\n", "/proc/devices:2:"),
     ("/proc/devices", "195 nvidia\n", "/proc/devices:1: cannot read '195 nvidia': expected a 'Character devices:'"),

@@ -48,7 +48,7 @@ def test_a_directory_watch_wakes_on_a_write_and_on_a_missing_files_directory_app
 
 def test_the_simulated_event_wait_blocks_instead_of_polling(machine: Any) -> None:  # noqa: F811
     state, nvml = machine("dgx-h100")
-    uuids = [gpu.uuid for gpu in nvml.inventory().gpus]
+    uuids = [gpu.uuid for gpu in nvml.inventory.read().gpus]
     reads = 0
     read = state.read
 
@@ -57,7 +57,7 @@ def test_the_simulated_event_wait_blocks_instead_of_polling(machine: Any) -> Non
         reads += 1
         return read()
 
-    wait = nvml.watch_xids()
+    wait = nvml.events.watch_xids()
     state.read = counting  # type: ignore[method-assign]
     assert wait(300) is None
     assert reads <= 3  # polling every 50 ms read it 8 times
@@ -87,9 +87,9 @@ def test_the_xid_watcher_waits_until_the_next_recovery_is_due(tmp_path: Path) ->
 
 def test_a_sample_makes_one_trip_to_an_nvml_worker_per_gpu(machine: Any) -> None:  # noqa: F811
     _, nvml = machine("dgx-h100")
-    nvml.inventory()
+    nvml.inventory.read()
     trips: list[str] = []
-    calls = nvml._call
+    calls = nvml.session._call
     here = threading.current_thread()
 
     def counting(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -97,13 +97,13 @@ def test_a_sample_makes_one_trip_to_an_nvml_worker_per_gpu(machine: Any) -> None
             trips.append(name)
         return calls(name, fn, *args, **kwargs)
 
-    nvml._call = counting  # type: ignore[assignment]
+    nvml.session._call = counting  # type: ignore[assignment]
     try:
-        sample = nvml.sample(4)
+        sample = nvml.sampling.sample(4)
         assert sample.temperature_c is not None and len(trips) == 1
-        nvml.inventory()
+        nvml.inventory.read()
     finally:
-        nvml._call = calls
+        nvml.session._call = calls
     assert trips[1:] == ["nvmlDevice*(inventory)"]  # the whole inventory, 8 GPUs, in one batch
 
 
@@ -111,7 +111,7 @@ def test_a_sample_and_a_round_of_health_checks_make_one_trip_each_for_every_gpu(
     node = Node(tmp_path, "{}")
     node.sampler.sample()  # the first GPM sample of each GPU
     trips: list[str] = []
-    calls = node.nvml._call
+    calls = node.nvml.session._call
     here = threading.current_thread()
 
     def counting(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -119,12 +119,12 @@ def test_a_sample_and_a_round_of_health_checks_make_one_trip_each_for_every_gpu(
             trips.append(name)
         return calls(name, fn, *args, **kwargs)
 
-    node.nvml._call = counting  # type: ignore[assignment]
+    node.nvml.session._call = counting  # type: ignore[assignment]
     try:
         node.sampler.sample()  # GPM and processes included
         HealthChecks(node.nvml, node.state).run()
     finally:
-        node.nvml._call = calls
+        node.nvml.session._call = calls
     assert trips == ["nvmlDeviceGet*(every GPU)", "nvmlDeviceGet*(health of every GPU)"]
     assert len(node.state.samples) == 8 and len(node.state.processes) == 8
     assert node.state.checked_at is not None and node.state.nvml_check is None
@@ -154,7 +154,7 @@ def test_a_sample_asks_for_a_handle_once_per_gpu_and_for_mig_devices_once_per_la
         first = Counter(calls)
         sampler.sample()
         second = Counter(calls) - first
-        runtime.nvml.forget_inventory()  # a reconcile pass begins: the layout may have changed meanwhile
+        runtime.nvml.inventory.forget()  # a reconcile pass begins: the layout may have changed meanwhile
         sampler.sample()
         third = Counter(calls) - first - second
     finally:

@@ -63,7 +63,7 @@ class Node:
         self.fake = FakeNvml(self.machine)
         self.nvml = Nvml(self.fake, call_timeout=2.0)
         self.state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
-        self.state.inventory = self.nvml.inventory()
+        self.state.inventory = self.nvml.inventory.read()
         self.sampler = Sampler(self.nvml, self.state, Root(tmp_path))
         self.registry = make_registry(AgentCollector(self.state, lambda: 0, "node-1"))
 
@@ -140,12 +140,12 @@ def test_a_gpu_with_gpu_instances_is_reported_per_gpu_instance(node) -> None:
     """dcgm-exporter's default (flex) monitoring: a GPU with GPU instances is monitored through them only;
     framebuffer per GPU instance, the GPU's own value for the whole-GPU counters."""
     n = node()
-    assert n.nvml.set_mig_mode(0, True) is None
-    profiles = {p.name: p for p in n.nvml.mig_state(0).profiles}
+    assert n.nvml.mig.set_mode(0, True) is None
+    profiles = {p.name: p for p in n.nvml.mig.state(0).profiles}
     for placement in ((0, 4), (4, 4)):
-        gi = n.nvml.create_gpu_instance(0, profiles["3g.40gb"].id, placement)
-        n.nvml.create_compute_instance(0, gi, 3, 0)
-    n.state.inventory = n.nvml.inventory()
+        gi = n.nvml.mig.create_gpu_instance(0, profiles["3g.40gb"].id, placement)
+        n.nvml.mig.create_compute_instance(0, gi, 3, 0)
+    n.state.inventory = n.nvml.inventory.read()
     n.sampler.sample()
     families = n.scrape()
     used = families["DCGM_FI_DEV_FB_USED"].samples

@@ -13,7 +13,7 @@ from gpu_agent.daemon.app import Runtime
 from gpu_agent.host.paths import Root
 from gpu_agent.metrics.exporter import AgentCollector, make_registry, render
 from gpu_agent.metrics.sampler import Sampler
-from gpu_agent.sim.capture import capture
+from gpu_agent.capture import capture
 from gpu_agent.state import AgentState
 
 

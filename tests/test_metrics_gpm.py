@@ -114,10 +114,10 @@ def test_each_gpu_instance_gets_its_own_prof_series(tmp_path: Path) -> None:
     runtime = built(tmp_path, "dgx-h100")
     try:
         nvml = runtime.nvml
-        assert nvml.set_mig_mode(0, True) is None
+        assert nvml.mig.set_mode(0, True) is None
         for start in (0, 4):
-            nvml.create_compute_instance(0, nvml.create_gpu_instance(0, 9, (start, 4)), 3, 0)
-        runtime.state.inventory = nvml.inventory()
+            nvml.mig.create_compute_instance(0, nvml.mig.create_gpu_instance(0, 9, (start, 4)), 3, 0)
+        runtime.state.inventory = nvml.inventory.read()
         busy, idle = (gi.id for gi in runtime.state.inventory.gpus[0].mig.gpu_instances)
         with runtime.machine.edit() as doc:
             doc["gpus"][0]["processes"].append({"pid": 7, "name": "infer", "used_mib": 512, "gpu_instance_id": busy,

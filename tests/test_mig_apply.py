@@ -52,7 +52,7 @@ class Node:
         return sum(self.fake.calls[name] for name in MUTATIONS)
 
     def gpus(self) -> Any:
-        return self.nvml.inventory().gpus
+        return self.nvml.inventory.read().gpus
 
     def apply(self, file: MigConfigFile, name: str, dry_run: bool = False, force: bool = False,
               hooks: Optional[Hooks] = None) -> list[GpuResult]:

@@ -47,7 +47,7 @@ def test_gpu_instance_without_compute_instance_is_visible(node: Any, tmp_path: P
     state, nvml = node(machine_file(tmp_path, "H100-80GB-HBM3", ["3g.40gb", "1c.3g.40gb"]))
     with state.edit() as doc:  # destroy the second GPU instance's compute instance, keep the instance
         doc["gpus"][0]["mig"]["gpu_instances"][1]["compute_instances"].clear()
-    mig = nvml.inventory().gpus[0].mig
+    mig = nvml.inventory.read().gpus[0].mig
     assert [(gi.id, gi.profile, gi.placement) for gi in mig.gpu_instances] == [(1, "3g.40gb", (0, 4)),
                                                                               (2, "3g.40gb", (4, 4))]
     assert [len(gi.compute_instances) for gi in mig.gpu_instances] == [1, 0]
@@ -56,7 +56,7 @@ def test_gpu_instance_without_compute_instance_is_visible(node: Any, tmp_path: P
 
 def test_compute_instances_carry_profile_placement_and_device_uuid(node: Any, tmp_path: Path) -> None:
     _, nvml = node(machine_file(tmp_path, "H100-80GB-HBM3", ["1c.3g.40gb", "2g.20gb"]))
-    gpu = nvml.inventory().gpus[0]
+    gpu = nvml.inventory.read().gpus[0]
     three, two = gpu.mig.gpu_instances
     (small,) = three.compute_instances
     assert (small.profile, small.slices, small.placement, small.id) == ("1c.3g.40gb", 1, (0, 1), 0)
@@ -71,7 +71,7 @@ def test_compute_instances_carry_profile_placement_and_device_uuid(node: Any, tm
 
 def test_mig_disabled_gpu_lists_profiles_and_no_instances(node: Any) -> None:
     _, nvml = node("dgx-a100")
-    gpu = nvml.inventory().gpus[0]
+    gpu = nvml.inventory.read().gpus[0]
     assert not gpu.mig.enabled and gpu.mig.gpu_instances == () and gpu.mig.devices == ()
     assert [p.name for p in gpu.mig.profiles][:3] == ["1g.5gb", "1g.5gb+me", "1g.10gb"]
 

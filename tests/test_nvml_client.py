@@ -10,7 +10,8 @@ import pytest
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
-from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import NvmlHung, NvmlUnavailable, describe
 from gpu_agent.sim.fake import FakeNvml
 from gpu_agent.sim.kernel import SimModprobe
 from gpu_agent.sim.machine import MachineState
@@ -73,7 +74,7 @@ def add_fault(state: MachineState, call: str, error: str, times: Any = None) -> 
 )
 def test_inventory_of_builtin_profiles(machine: Any, profile: str, count: int, product: str, bus0: str) -> None:
     _, nvml = machine(profile)
-    inventory = nvml.inventory()
+    inventory = nvml.inventory.read()
     assert inventory.cuda_version == "12.4"
     assert inventory.driver_version == "550.90.07"
     assert len(inventory.gpus) == count
@@ -88,7 +89,7 @@ def test_inventory_of_builtin_profiles(machine: Any, profile: str, count: int, p
 
 def test_dgx_h100_bus_ids_and_summary(machine: Any) -> None:
     _, nvml = machine("dgx-h100")
-    inventory = nvml.inventory()
+    inventory = nvml.inventory.read()
     assert [g.pci_bus_id for g in inventory.gpus][:3] == ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0"]
     assert inventory.summary() == "8x H100 80GB HBM3, driver 550.90.07"
     assert inventory.gpus[0].compute_capability == (9, 0)
@@ -98,13 +99,13 @@ def test_dgx_h100_bus_ids_and_summary(machine: Any) -> None:
 def test_no_driver_is_unavailable(machine: Any) -> None:
     _, nvml = machine("none")
     with pytest.raises(NvmlUnavailable, match="not installed") as info:
-        nvml.inventory()
+        nvml.inventory.read()
     assert info.value.no_driver is True
 
 
 def test_t4_is_not_mig_capable(machine: Any) -> None:
     _, nvml = machine("t4")
-    mig = nvml.inventory().gpus[0].mig
+    mig = nvml.inventory.read().gpus[0].mig
     assert mig.capable is False
     assert mig.profiles == ()
 
@@ -114,7 +115,7 @@ def test_t4_is_not_mig_capable(machine: Any) -> None:
 )
 def test_mig_profile_placements(machine: Any, profile: str, expected: dict[str, Any]) -> None:
     _, nvml = machine(profile)
-    for gpu in nvml.inventory().gpus:
+    for gpu in nvml.inventory.read().gpus:
         assert gpu.mig.capable
         placements = {p.name: p.placements for p in gpu.mig.profiles}
         for name, wanted in expected.items():
@@ -126,7 +127,7 @@ def test_mig_profile_placements(machine: Any, profile: str, expected: dict[str, 
 
 def test_a30_has_four_slices(machine: Any) -> None:
     _, nvml = machine("a30")
-    profiles = {p.name: p for p in nvml.inventory().gpus[0].mig.profiles}
+    profiles = {p.name: p for p in nvml.inventory.read().gpus[0].mig.profiles}
     assert profiles["1g.6gb"].instances == 4
     assert profiles["2g.12gb"].instances == 2
     assert profiles["4g.24gb"].instances == 1
@@ -135,17 +136,17 @@ def test_a30_has_four_slices(machine: Any) -> None:
 
 def test_hung_call_times_out_then_fails_fast_then_recovers(machine: Any) -> None:
     state, nvml = machine("dgx-h100", call_timeout=0.3)
-    nvml.inventory()
+    nvml.inventory.read()
     add_fault(state, "nvmlDeviceGetTemperature", "hang")
     started = time.monotonic()
     with pytest.raises(NvmlHung, match="nvmlDeviceGetTemperature"):
-        nvml.sample(0)
+        nvml.sampling.sample(0)
     assert time.monotonic() - started < 1.0
-    assert nvml.timeouts == 1
+    assert nvml.session.timeouts == 1
 
     started = time.monotonic()
     with pytest.raises(NvmlHung, match="nvmlDeviceGetTemperature") as info:
-        nvml.inventory()
+        nvml.inventory.read()
     assert time.monotonic() - started < 0.2
     assert "not attempted" in str(info.value)
 
@@ -154,23 +155,23 @@ def test_hung_call_times_out_then_fails_fast_then_recovers(machine: Any) -> None
     deadline = time.monotonic() + 3.0
     while True:
         try:
-            sample = nvml.sample(0)
+            sample = nvml.sampling.sample(0)
             break
         except NvmlHung:
             assert time.monotonic() < deadline, "NVML still reported hung after the stuck call returned"
             time.sleep(0.05)
     assert sample.temperature_c is not None
-    assert len(nvml.inventory().gpus) == 8
+    assert len(nvml.inventory.read().gpus) == 8
 
 
 def test_injected_error_fires_once(machine: Any) -> None:
     state, nvml = machine("dgx-a100")
-    nvml.init()
+    nvml.session.init()
     add_fault(state, "nvmlDeviceGetUUID", "GpuIsLost", times=1)
     with pytest.raises(pynvml.NVMLError_GpuIsLost) as info:
-        nvml.inventory()
+        nvml.inventory.read()
     assert describe(info.value) == "nvmlDeviceGetUUID: GPU is lost"
-    assert len(nvml.inventory().gpus) == 8
+    assert len(nvml.inventory.read().gpus) == 8
     assert state.read()["faults"] == []
 
 
@@ -180,8 +181,8 @@ def test_describe_without_call_is_the_message() -> None:
 
 def test_xid_event_names_the_gpu(machine: Any) -> None:
     state, nvml = machine("dgx-h100")
-    uuids = [gpu.uuid for gpu in nvml.inventory().gpus]
-    wait = nvml.watch_xids()
+    uuids = [gpu.uuid for gpu in nvml.inventory.read().gpus]
+    wait = nvml.events.watch_xids()
     with state.edit() as doc:
         doc["xids"].append({"seq": doc["next_seq"], "gpu": 2, "xid": 79, "at": 0.0})
         doc["next_seq"] += 1
@@ -194,7 +195,7 @@ def test_xid_event_names_the_gpu(machine: Any) -> None:
 
 def test_xid_wait_times_out_with_none(machine: Any) -> None:
     _, nvml = machine("dgx-h100")
-    wait = nvml.watch_xids()
+    wait = nvml.events.watch_xids()
     started = time.monotonic()
     assert wait(200) is None
     assert 0.15 <= time.monotonic() - started < 1.5
@@ -210,7 +211,7 @@ def test_custom_machine_with_mig_devices(machine: Any, tmp_path: Path) -> None:
     spec = write_machine(tmp_path, "  - model: H100-80GB-HBM3\n    mig:\n      enabled: true\n"
                                    "      devices: [3g.40gb, 3g.40gb]\n")
     _, nvml = machine(spec)
-    (gpu,) = nvml.inventory().gpus
+    (gpu,) = nvml.inventory.read().gpus
     assert gpu.mig.enabled and gpu.mig.pending_enabled
     devices = gpu.mig.devices
     assert [d.placement for d in devices] == [(0, 4), (4, 4)]
@@ -238,17 +239,17 @@ def test_custom_machine_unknown_key(tmp_path: Path) -> None:
 
 def test_a_counted_hang_holds_its_calls_until_cleared_and_spares_later_ones(machine: Any) -> None:
     state, nvml = machine("dgx-h100", call_timeout=0.3)
-    nvml.inventory()
+    nvml.inventory.read()
     add_fault(state, "nvmlDeviceGetTemperature", "hang", times=1)
     with pytest.raises(NvmlHung):
-        nvml.sample(0)
+        nvml.sampling.sample(0)
     assert [f["times"] for f in state.read()["faults"]] == [0]  # spent, but still holding its call
     with state.edit() as doc:
         doc["faults"].clear()
     deadline = time.monotonic() + 3.0
     while True:
         try:
-            assert nvml.sample(0).temperature_c is not None
+            assert nvml.sampling.sample(0).temperature_c is not None
             break
         except NvmlHung:
             assert time.monotonic() < deadline
@@ -259,7 +260,7 @@ def test_memory_v2_reports_the_reserved_memory_apart_from_used(machine: Any) -> 
     """An idle H100 with driver 580: NVML v1 says 480 MiB used, v2 says 0 used and 480 reserved
     (../shared/hardware/h100-580-vm/nvml-readonly-dump.json, memory_v2)."""
     _, nvml = machine("dgx-h100")
-    sample = nvml.sample(0)
+    sample = nvml.sampling.sample(0)
     assert (sample.memory_used_mib, sample.memory_reserved_mib) == (0, 480)
     assert sample.memory_free_mib == 81559 - 480
 
@@ -283,7 +284,7 @@ def test_memory_falls_back_to_v1_without_a_reserved_figure(machine: Any) -> None
     state, _ = machine("dgx-h100")
     nvml = Nvml(_WithoutMemoryV2(FakeNvml(state)), call_timeout=2.0)
     try:
-        sample = nvml.sample(0)
+        sample = nvml.sampling.sample(0)
     finally:
         nvml.close()
     assert (sample.memory_used_mib, sample.memory_reserved_mib) == (480, None)
@@ -296,17 +297,17 @@ def test_a_gpus_identity_is_read_once_until_its_mig_mode_changes(machine: Any) -
     state, nvml = machine("dgx-h100")
     identity_calls = ("nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo", "nvmlDeviceGetName",
                       "nvmlDeviceGetCudaComputeCapability", "nvmlDeviceGetMinorNumber")
-    first = nvml.inventory()
+    first = nvml.inventory.read()
     calls = nvml.lib.calls
     asked = {name: calls[name] for name in identity_calls}
     assert all(count >= 8 for count in asked.values())
-    nvml.begin_pass()
-    assert nvml.inventory() == first
+    nvml.inventory.begin_pass()
+    assert nvml.inventory.read() == first
     assert {name: calls[name] for name in identity_calls} == asked
 
     with state.edit() as doc:  # another tool turns MIG on for GPU 2
         doc["gpus"][2]["mig"]["current"] = doc["gpus"][2]["mig"]["pending"] = 1
-    nvml.begin_pass()
-    changed = nvml.inventory()
+    nvml.inventory.begin_pass()
+    changed = nvml.inventory.read()
     assert changed.gpus[2].mig.enabled and changed.gpus[2].uuid == first.gpus[2].uuid
     assert {name: calls[name] - asked[name] for name in identity_calls} == dict.fromkeys(identity_calls, 1)

@@ -148,7 +148,7 @@ def cdi_names(root: Path) -> set[str]:
     machine = MachineState(Root(root))
     nvml = Nvml(FakeNvml(machine))
     try:
-        inventory = nvml.inventory()
+        inventory = nvml.inventory.read()
     finally:
         nvml.close()
     kernel_root = Root(root).with_kernel(machine.kernel_dir)

@@ -90,7 +90,7 @@ class Node:
         SimModprobe(machine, Root(self.root)).load("nvidia")
         self.nvml = Nvml(FakeNvml(machine), call_timeout=2.0)
         self.state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
-        self.state.inventory = self.nvml.inventory()
+        self.state.inventory = self.nvml.inventory.read()
         Sampler(self.nvml, self.state, Root(self.root)).sample()
         self.registry = make_registry(AgentCollector(self.state, lambda: 0, "node-1"))
         self.gpus = self.state.inventory.gpus

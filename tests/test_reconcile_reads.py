@@ -57,7 +57,7 @@ def another_tool(runtime: Runtime) -> Nvml:
     """NVML as another process on the node sees it (nvidia-smi, mig-parted)."""
     assert runtime.machine is not None
     nvml = Nvml(FakeNvml(MachineState(runtime.root)))
-    nvml.init()
+    nvml.session.init()
     return nvml
 
 
@@ -80,8 +80,8 @@ def test_another_tools_change_between_passes_is_seen_even_while_the_mig_stage_wa
     other = another_tool(runtime)
     try:
         gi = runtime.state.inventory.gpus[3].mig.gpu_instances[0]
-        other.destroy_compute_instance(3, gi.id, gi.compute_instances[0].id)
-        other.destroy_gpu_instance(3, gi.id)
+        other.mig.destroy_compute_instance(3, gi.id, gi.compute_instances[0].id)
+        other.mig.destroy_gpu_instance(3, gi.id)
     finally:
         other.close()
     runtime.state.stages["mig"].next_retry = time.time() + 3600  # backing off: this pass skips it
@@ -98,15 +98,15 @@ def test_the_pass_reading_is_kept_until_a_mig_change_and_only_within_passes(runt
     nvml = runtime.nvml
     outside = another_tool(runtime)  # never told of a pass: a one-shot command
     try:
-        assert outside.pass_inventory() is not outside.pass_inventory()
+        assert outside.inventory.pass_reading() is not outside.inventory.pass_reading()
     finally:
         outside.close()
-    nvml.begin_pass()
-    reading = nvml.inventory()
-    assert nvml.pass_inventory() is reading
+    nvml.inventory.begin_pass()
+    reading = nvml.inventory.read()
+    assert nvml.inventory.pass_reading() is reading
     gi = reading.gpus[5].mig.gpu_instances[-1]
-    nvml.destroy_compute_instance(5, gi.id, gi.compute_instances[0].id)
-    after = nvml.pass_inventory()
+    nvml.mig.destroy_compute_instance(5, gi.id, gi.compute_instances[0].id)
+    after = nvml.inventory.pass_reading()
     assert after is not reading and len(after.gpus[5].mig.gpu_instances[-1].compute_instances) == 0
-    nvml.begin_pass()
-    assert nvml.pass_inventory() is not after
+    nvml.inventory.begin_pass()
+    assert nvml.inventory.pass_reading() is not after

@@ -42,7 +42,7 @@ def agent_state(tmp_path: Path) -> Any:
     SimModprobe(machine, Root(tmp_path)).load("nvidia")
     nvml = Nvml(FakeNvml(machine), call_timeout=2.0)
     state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
-    state.inventory = nvml.inventory()
+    state.inventory = nvml.inventory.read()
     state.stages["discovery"] = StageStatus("discovery", OK, "8 GPUs found")
     Sampler(nvml, state, Root(tmp_path)).sample()
     yield state

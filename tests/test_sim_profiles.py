@@ -62,7 +62,7 @@ def test_dgx_h200_is_eight_h200s_that_nvml_and_sysfs_agree_on(tmp_path: Path) ->
         SimModprobe(machine, root).load(module)
     nvml = Nvml(FakeNvml(machine), call_timeout=5.0)
     try:
-        inventory = nvml.inventory()
+        inventory = nvml.inventory.read()
     finally:
         nvml.close()
     assert [gpu.product for gpu in inventory.gpus] == ["NVIDIA H200"] * 8

@@ -16,7 +16,7 @@ from gpu_agent.host.pci import numa_node
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.nvml.model import Inventory
 from gpu_agent.plugin.preferred import preferred
-from gpu_agent.sim.capture import capture
+from gpu_agent.capture import capture
 from gpu_agent.sim.kernel import SimModprobe
 from gpu_agent.sim.machine import MachineState, load_machine_file
 from gpu_agent.sim.replay import simulated_nvml
@@ -53,7 +53,7 @@ def kinds(inventory: Inventory) -> dict[tuple[int, int], str]:
 @pytest.mark.parametrize("profile, nvlinks", [("dgx-a100", 12), ("dgx-h100", 18), ("dgx-h200", 18)])
 def test_dgx_gpus_are_nvlinked_all_to_all_on_two_numa_nodes(simulated: Any, profile: str, nvlinks: int) -> None:
     _, nvml = simulated(profile)
-    inventory = nvml.inventory()
+    inventory = nvml.inventory.read()
     assert [gpu.numa_node for gpu in inventory.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert len(inventory.links) == 28
     assert set(kinds(inventory).values()) == {f"NV{nvlinks}"}
@@ -65,7 +65,7 @@ def test_dgx_gpus_are_nvlinked_all_to_all_on_two_numa_nodes(simulated: Any, prof
 
 def test_the_pcie_machine_file_has_switches_numa_nodes_and_no_nvlink(simulated: Any) -> None:
     machine, nvml = simulated(str(PCIE_MACHINE))
-    inventory = nvml.inventory()
+    inventory = nvml.inventory.read()
     assert len(inventory.gpus) == 8 and {gpu.product for gpu in inventory.gpus} == {"NVIDIA A30"}
     assert [gpu.numa_node for gpu in inventory.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
     links = kinds(inventory)
@@ -78,10 +78,10 @@ def test_the_pcie_machine_file_has_switches_numa_nodes_and_no_nvlink(simulated: 
 
 def test_one_gpu_machines_and_the_real_vm_capture_have_no_links_and_an_unknown_numa_node(simulated: Any) -> None:
     _, nvml = simulated("t4")
-    inventory = nvml.inventory()
+    inventory = nvml.inventory.read()
     assert inventory.links == () and inventory.gpus[0].numa_node is None
     _, replayed = simulated(str(CAPTURE), "replay")
-    node = replayed.inventory()
+    node = replayed.inventory.read()
     assert node.links == () and node.gpus[0].numa_node is None  # sysfs numa_node -1 in the VM
 
 
@@ -91,7 +91,7 @@ def test_an_nvml_without_topology_calls_leaves_links_unknown(simulated: Any) -> 
         for n, call in enumerate(("nvmlDeviceGetNvLinkState", "nvmlDeviceGetTopologyCommonAncestor")):
             state["faults"].append({"id": n + 1, "call": call, "gpu": None, "times": None,
                                     "error": "FunctionNotFound"})
-    inventory = nvml.inventory()
+    inventory = nvml.inventory.read()
     assert set(kinds(inventory).values()) == {"unknown"}
     assert [gpu.numa_node for gpu in inventory.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]  # sysfs still knows
 
@@ -102,12 +102,12 @@ def test_topology_is_read_once_and_again_after_an_unexpected_error(simulated: An
         state["faults"].append({"id": 1, "call": "nvmlDeviceGetP2PStatus", "gpu": None, "times": 1,
                                 "error": "Unknown"})
     fake = nvml.lib
-    first = nvml.inventory()
+    first = nvml.inventory.read()
     assert set(kinds(first).values()) == {"NV18"}  # a pair NVML could not confirm is taken at its links' word
     asked = fake.calls["nvmlDeviceGetNvLinkState"]
-    second = nvml.inventory()  # read again: the last reading met an error
+    second = nvml.inventory.read()  # read again: the last reading met an error
     assert second == first and fake.calls["nvmlDeviceGetNvLinkState"] == 2 * asked
-    assert nvml.inventory() == second and fake.calls["nvmlDeviceGetNvLinkState"] == 2 * asked  # then kept
+    assert nvml.inventory.read() == second and fake.calls["nvmlDeviceGetNvLinkState"] == 2 * asked  # then kept
 
 
 def test_numa_node_from_sysfs(tmp_path: Path) -> None:
@@ -145,13 +145,13 @@ def test_a_capture_of_a_simulated_dgx_replays_its_topology(tmp_path: Path) -> No
         SimModprobe(runtime.machine, runtime.root).load("nvidia")
         manifest = capture(runtime.root, runtime.nvml.lib, tmp_path / "capture", 5.0, "--simulate dgx-a100",
                            "simulated")
-        original = runtime.nvml.inventory()
+        original = runtime.nvml.inventory.read()
     finally:
         runtime.nvml.close()
     assert manifest["problems"] == []
     replayed = Runtime.build(Root(tmp_path / "replayed"), _config(tmp_path), str(tmp_path / "capture"))
     try:
-        inventory = replayed.nvml.inventory()
+        inventory = replayed.nvml.inventory.read()
         assert inventory.links == original.links and set(kinds(inventory).values()) == {"NV12"}
         assert [gpu.numa_node for gpu in inventory.gpus] == [gpu.numa_node for gpu in original.gpus]
         asyncio.run(replayed.engine.reconcile(force=True))
@@ -163,11 +163,11 @@ def test_a_capture_of_a_simulated_dgx_replays_its_topology(tmp_path: Path) -> No
 
 def test_preferred_allocation_on_simulated_machines(simulated: Any) -> None:
     _, dgx = simulated("dgx-h100")
-    inventory = dgx.inventory()
+    inventory = dgx.inventory.read()
     uuids = [gpu.uuid for gpu in inventory.gpus]
     assert preferred(uuids, [], 4, inventory) == uuids[:4]
     assert preferred(uuids[2:], [uuids[5]], 3, inventory) == [uuids[5], uuids[4], uuids[6]]
     _, box = simulated(str(PCIE_MACHINE), "pcie")
-    inventory = box.inventory()
+    inventory = box.inventory.read()
     uuids = [gpu.uuid for gpu in inventory.gpus]
     assert preferred([uuids[i] for i in (2, 3, 4, 5, 6)], [], 3, inventory) == [uuids[4], uuids[5], uuids[6]]

@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from gpu_agent.daemon.app import Runtime
-    from gpu_agent.sim.capture import capture, find_modprobe
+    from gpu_agent.capture import capture, find_modprobe
 
     loaded = config_of(args)
     runtime = Runtime.build(root_of(args), loaded, args.simulate)

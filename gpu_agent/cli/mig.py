@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
 def _export(runtime: Any, args: argparse.Namespace) -> int:
     from gpu_agent.mig.export import export
 
-    sys.stdout.write(export(runtime.nvml.inventory().gpus, args.config_name))
+    sys.stdout.write(export(runtime.nvml.inventory.read().gpus, args.config_name))
     return EXIT_OK
 
 
@@ -86,7 +86,7 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
             raise AgentError(f"{file.source} has {len(file.configs)} configs: name one with -c")
         name = next(iter(file.configs))
     entries = file.select(name)
-    inventory = runtime.nvml.inventory()
+    inventory = runtime.nvml.inventory.read()
     plans = plans_for(inventory.gpus, entries)
     if args.mig_command == "assert":
         reasons = not_applied(plans)

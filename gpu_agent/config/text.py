@@ -2,12 +2,12 @@
 light readers (config/endpoint.py) that must not import pydantic."""
 from __future__ import annotations
 
-import os
 import stat
 from pathlib import Path
 from typing import Any
 
 from gpu_agent.errors import ConfigError
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 
 DEFAULT_CONFIG_PATH = "/etc/gpu-agent/config.yaml"
 MAX_CONFIG_BYTES = 256 * 1024  # a full config is about 5 KiB; this bounds the cost of any file
@@ -24,27 +24,19 @@ def read_config_text(path: Path, option: str = "--config") -> str | None:
     is read: a FIFO, a device or a directory is refused without blocking or reading from it. `option`
     names what gave the path, for the message."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
+        data = read_bounded(path, MAX_CONFIG_BYTES)
+    except NotRegular as exc:
+        raise ConfigError(f"{path}: not a regular file (it is {_file_kind(exc.mode)}); "
+                          f"{option} must name a YAML file") from None
+    except TooLarge as exc:
+        if exc.size is None:  # it grew while we read it
+            raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES} bytes is too large for a config file") from None
+        raise ConfigError(f"{path}: {exc.size} bytes is too large for a config file "
+                          f"(at most {MAX_CONFIG_BYTES}); is this the right file?") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    if data is None:
         return None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"{path}: not a regular file (it is {_file_kind(info.st_mode)}); "
-                              f"{option} must name a YAML file")
-        if info.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path}: {info.st_size} bytes is too large for a config file "
-                              f"(at most {MAX_CONFIG_BYTES}); is this the right file?")
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_CONFIG_BYTES:  # it grew while we read it
-        raise ConfigError(f"{path}: more than {MAX_CONFIG_BYTES} bytes is too large for a config file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -18,7 +18,7 @@ from gpu_agent.config import AgentConfig, LoadedConfig
 from gpu_agent.config.validate import reload_config
 from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
-from gpu_agent.daemon.watch import FileChanges
+from gpu_agent.host.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
 from gpu_agent.health.reset import ResetHealsGpu
@@ -107,7 +107,7 @@ class Runtime:
 
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
         gpu_reset = ResetHealsGpu(gpu_reset, state)
-        engine = Engine([], state, config.reconcile, begin_pass=nvml.begin_pass)
+        engine = Engine([], state, config.reconcile, begin_pass=nvml.inventory.begin_pass)
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
         if runtime.real_root_simulated:
@@ -214,7 +214,7 @@ class Daemon:
         self.config_required = config_required
         self.notifier = Notifier()
         self.sampler = Sampler(runtime.nvml, self.state, runtime.root)
-        self.collector = AgentCollector(self.state, lambda: runtime.nvml.timeouts,
+        self.collector = AgentCollector(self.state, lambda: runtime.nvml.session.timeouts,
                                         self.config.metrics.hostname)
         self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,
                                     self.state.publish_pods,
@@ -382,7 +382,7 @@ class Daemon:
         runtime = self.runtime
         self.state.config, self.state.config_error = loaded, None
         self.state.config_loaded_at = time.time()
-        runtime.nvml.call_timeout = config.nvml.call_timeout_seconds
+        runtime.nvml.session.call_timeout = config.nvml.call_timeout_seconds
         runtime.engine.settings = config.reconcile
         runtime.engine.set_stages(stages)
         self.collector.hostname = config.metrics.hostname or self.collector.hostname

@@ -16,7 +16,8 @@ from dataclasses import replace
 from typing import Callable, Union
 
 from gpu_agent.health.policy import GPU_CHECKS, NVML_RESPONSIVE
-from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import NvmlHung, NvmlUnavailable, describe
 from gpu_agent.nvml.model import Gpu, GpuHealth, HealthReading
 from gpu_agent.state import AgentState
 
@@ -52,7 +53,7 @@ class HealthChecks:
             return
         failing: dict[str, dict[str, str]] = {name: {} for name in GPU_CHECKS}
         try:
-            readings = self.nvml.batch("nvmlDeviceGet*(health of every GPU)", self._read_every, inventory.gpus)
+            readings = self.nvml.session.batch("nvmlDeviceGet*(health of every GPU)", self._read_every, inventory.gpus)
         except (NvmlHung, NvmlUnavailable) as exc:
             self._publish_hung(str(exc))
             return
@@ -69,7 +70,7 @@ class HealthChecks:
         readings: list[Union[HealthReading, Exception]] = []
         for gpu in gpus:
             try:
-                readings.append(self.nvml.health_reading(gpu.index))
+                readings.append(self.nvml.health.reading(gpu.index))
             except self.nvml.lib.NVMLError as exc:
                 readings.append(exc)
         return readings

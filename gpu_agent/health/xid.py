@@ -9,7 +9,9 @@ from typing import Callable, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.threads import daemon_thread
-from gpu_agent.nvml.client import Nvml, XidWait, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.events import XidWait
+from gpu_agent.nvml.session import describe
 from gpu_agent.health.policy import (
     LOST_XIDS,
     after_xid,
@@ -64,7 +66,7 @@ class XidWatcher:
             if uuids and (self._wait is None or uuids != self._watched):
                 if self._wait is not None:
                     self._wait.free()
-                self._wait, self._watched = self.nvml.watch_xids(), uuids
+                self._wait, self._watched = self.nvml.events.watch_xids(), uuids
             return self._wait if uuids else None
 
     def _unavailable(self, exc: Exception) -> None:

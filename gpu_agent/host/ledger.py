@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, followed
 
@@ -141,14 +142,15 @@ class Ledger:
 
     def _read(self) -> dict[str, Any]:
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(_MAX_BYTES + 1)
-        except FileNotFoundError:
-            return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {}}
+            raw = read_bounded(self.path, _MAX_BYTES)
+        except NotRegular as exc:
+            raise self._error(f"cannot read it ({exc.kind}, not a file)") from None
+        except TooLarge:
+            raise self._error(f"larger than {_MAX_BYTES} bytes, not a file gpu-agent wrote") from None
         except OSError as exc:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
-        if len(raw) > _MAX_BYTES:
-            raise self._error(f"larger than {_MAX_BYTES} bytes, not a file gpu-agent wrote")
+        if raw is None:
+            return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {}}
         try:
             document = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as exc:

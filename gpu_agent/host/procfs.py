@@ -10,19 +10,26 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gpu_agent.errors import HostFormatError, StageError
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.paths import Root
+
+
+MAX_PROC_BYTES = 4 << 20  # /proc/modules of a busy kernel is tens of KiB
 
 
 def read(root: Root, host_path: str) -> Optional[str]:
     """A kernel or driver file's text; None when it does not exist. Bytes that are not UTF-8 are
     replaced, so they fail the parser with its message instead of a decoding error."""
     try:
-        with open(root(host_path), "rb") as handle:
-            return handle.read().decode("utf-8", errors="replace")
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+        data = read_bounded(root(host_path), MAX_PROC_BYTES)
+    except NotRegular as exc:
+        raise StageError(f"cannot read {host_path}: it is {exc.kind}, not a file") from None
+    except TooLarge:
+        raise StageError(f"cannot read {host_path}: more than {MAX_PROC_BYTES} bytes, not what the kernel "
+                         "writes there") from None
     except OSError as exc:
         raise StageError(f"cannot read {host_path}: {exc.strerror or exc}") from None
+    return None if data is None else data.decode("utf-8", errors="replace")
 
 
 # Linux's dev_t: 12 bits of major, 20 of minor (MINORBITS); values past them cannot name a device node.

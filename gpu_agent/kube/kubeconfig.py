@@ -7,8 +7,6 @@ our own, never the text around the mistake (PyYAML's own messages quote the line
 from __future__ import annotations
 
 import base64
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Optional
@@ -22,6 +20,7 @@ from yaml.reader import ReaderError
 from yaml.scanner import ScannerError
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.paths import Root, followed
 
 MAX_KUBECONFIG_BYTES = 1 << 20  # one with embedded certificates is a few KiB
@@ -253,23 +252,18 @@ def _read(root: Root, path: str, what: str, limit: int) -> bytes:
     real = path
     try:
         real = followed(root, path)
-        fd = os.open(root(real), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise AgentError(f"{what} {shown_path(path, real)} not found") from None
+        data = read_bounded(root(real), limit, follow=False)
+    except NotRegular:
+        raise AgentError(f"{what} {shown_path(path, real)} is not a regular file") from None
+    except TooLarge:
+        raise AgentError(f"{what} {shown_path(path, real)} is larger than {limit >> 10} KiB; "
+                         "is it the right file?") from None
+    except FileNotFoundError:  # a link on the way leads nowhere
+        data = None
     except OSError as exc:
         raise AgentError(f"cannot read {what} {path}: {exc.strerror}") from None
     except ValueError:  # a NUL in the path
         raise AgentError(f"cannot read {what} {path!r}: not a valid path") from None
-    path = shown_path(path, real)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise AgentError(f"{what} {path} is not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(limit + 1)
-    except OSError as exc:
-        raise AgentError(f"cannot read {what} {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise AgentError(f"{what} {path} is larger than {limit >> 10} KiB; is it the right file?")
+    if data is None:
+        raise AgentError(f"{what} {shown_path(path, real)} not found")
     return data

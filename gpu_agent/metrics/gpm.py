@@ -13,7 +13,8 @@ import logging
 from dataclasses import replace
 from typing import Any, Optional
 
-from gpu_agent.nvml.client import Nvml, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import describe
 from gpu_agent.nvml.model import Gpu, GpuSample
 
 log = logging.getLogger(__name__)
@@ -48,11 +49,11 @@ class Profiling:
         buffer = self._spare.pop(key, None)
         try:
             if buffer is None:
-                buffer = self.nvml.gpm_alloc()
-            new = self.nvml.gpm_fill(buffer, gpu.index, gpu_instance)
+                buffer = self.nvml.gpm.alloc()
+            new = self.nvml.gpm.fill(buffer, gpu.index, gpu_instance)
         except self.nvml.lib.NVMLError as exc:
             if buffer is not None:
-                self.nvml.gpm_free(buffer)
+                self.nvml.gpm.free(buffer)
             self._forget(key)
             return {}, f"GPM sample failed: {describe(exc)}"
         old = self._last.pop(key, None)
@@ -61,13 +62,13 @@ class Profiling:
             return {}, SECOND_SAMPLE
         self._spare[key] = old
         try:
-            return self.nvml.gpm_metrics(old, new), None
+            return self.nvml.gpm.metrics(old, new), None
         except self.nvml.lib.NVMLError as exc:
             return {}, f"GPM metrics failed: {describe(exc)}"
 
     def _why_unsupported(self, gpu: Gpu) -> str:
         if gpu.uuid not in self._unsupported:
-            why = self.nvml.gpm_unsupported(gpu.index) or ""
+            why = self.nvml.gpm.unsupported(gpu.index) or ""
             if why:
                 log.info("GPU %d: DCGM_FI_PROF_* series left out: %s", gpu.index, why)
             self._unsupported[gpu.uuid] = why
@@ -77,7 +78,7 @@ class Profiling:
         for kept in (self._last, self._spare):
             old = kept.pop(key, None)
             if old is not None:
-                self.nvml.gpm_free(old)
+                self.nvml.gpm.free(old)
 
     def keep_only(self, kept: dict[str, GpuSample]) -> None:
         """Free the samples of GPUs and GPU instances no longer sampled."""

@@ -9,7 +9,8 @@ from typing import Any
 
 from gpu_agent.host.paths import Root
 from gpu_agent.host.processes import named
-from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import NvmlHung, NvmlUnavailable, describe
 from gpu_agent.health.policy import cleared
 from gpu_agent.metrics.gpm import Profiling
 from gpu_agent.nvml.model import Gpu, GpuSample
@@ -46,7 +47,7 @@ class Sampler:
         try:
             # One trip to an NVML worker for every GPU's queries (hundreds with GPM and MIG): a trip per
             # GPU woke two threads, and handed the GIL between them, eight times a sample.
-            results = self.nvml.batch("nvmlDeviceGet*(every GPU)", self._read_every, inventory.gpus)
+            results = self.nvml.session.batch("nvmlDeviceGet*(every GPU)", self._read_every, inventory.gpus)
             for gpu, result in zip(inventory.gpus, results):
                 try:
                     if isinstance(result, BaseException):
@@ -77,8 +78,8 @@ class Sampler:
         return results
 
     def _read(self, gpu: Gpu) -> tuple[GpuSample, tuple[GpuProcess, ...]]:
-        sample = self.profiling.add_to(self._nvlink_rate(gpu.uuid, self.nvml.sample(gpu.index, gpu.mig)), gpu)
-        used = self.nvml.processes(gpu.index)
+        sample = self.profiling.add_to(self._nvlink_rate(gpu.uuid, self.nvml.sampling.sample(gpu.index, gpu.mig)), gpu)
+        used = self.nvml.inventory.processes(gpu.index)
         names = named(self.root, [pid for pid, _ in used])
         return sample, tuple(GpuProcess(pid, process.name or "?", mib) for (pid, mib), process in zip(used, names))
 
@@ -118,7 +119,7 @@ class Sampler:
         health = self.state.health.get(gpu.uuid)
         if health is None or not (health.lost and health.missing):
             return
-        bus_ids = self.nvml.bus_ids()
+        bus_ids = self.nvml.inventory.bus_ids()
         found = bus_ids[gpu.index] if gpu.index < len(bus_ids) else None
         if found != gpu.pci_bus_id:
             if gpu.uuid not in self._misplaced:  # said once, not at every sample

@@ -26,7 +26,8 @@ from gpu_agent.mig.checkpoint import Checkpoint, CheckpointStore
 from gpu_agent.mig.hooks import Hooks
 from gpu_agent.mig.planner import GpuPlan, gpu_name, plan_restore
 from gpu_agent.mig.reset import GpuReset, ResetImpossible
-from gpu_agent.nvml.client import Nvml, NvmlHung, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import NvmlHung, describe
 from gpu_agent.nvml.model import Gpu
 from gpu_agent.plan import (
     Change,
@@ -148,7 +149,7 @@ class Applier:
 
     def _busy(self, gpu: Gpu) -> str:
         """`1234 (python3), 5678 (trainer)` of the compute processes on the GPU; "" when there are none."""
-        pids = [pid for pid, _ in self.nvml.processes(gpu.index)]
+        pids = [pid for pid, _ in self.nvml.inventory.processes(gpu.index)]
         return ", ".join(process.describe() for process in processes.named(self.root, pids))
 
     def _run(self, gpu: Gpu, changes: Sequence[Change], done: list[Change]) -> Optional[Waiting]:
@@ -161,7 +162,7 @@ class Applier:
                 if awaits_reset(gpu, change):
                     pending: Optional[str] = ALREADY_PENDING
                 else:
-                    pending = nvml.set_mig_mode(index, change.enabled)
+                    pending = nvml.mig.set_mode(index, change.enabled)
                     done.append(change)
                 if pending is not None:
                     waiting = self._reset(gpu, change.enabled, pending)
@@ -169,16 +170,16 @@ class Applier:
                         return waiting
                 ids = {}  # a mode change leaves no instance behind
             elif isinstance(change, CreateGpuInstance):
-                ids[change.placement] = nvml.create_gpu_instance(index, change.profile_id, change.placement)
+                ids[change.placement] = nvml.mig.create_gpu_instance(index, change.profile_id, change.placement)
                 done.append(change)
             elif isinstance(change, CreateComputeInstance):
-                nvml.create_compute_instance(index, ids[change.gpu_instance], change.slices, change.start)
+                nvml.mig.create_compute_instance(index, ids[change.gpu_instance], change.slices, change.start)
                 done.append(change)
             elif isinstance(change, DestroyComputeInstance):
-                nvml.destroy_compute_instance(index, change.gpu_instance_id, change.compute_instance_id)
+                nvml.mig.destroy_compute_instance(index, change.gpu_instance_id, change.compute_instance_id)
                 done.append(change)
             elif isinstance(change, DestroyGpuInstance):
-                nvml.destroy_gpu_instance(index, change.gpu_instance_id)
+                nvml.mig.destroy_gpu_instance(index, change.gpu_instance_id)
                 ids.pop(change.placement, None)
                 done.append(change)
             else:
@@ -199,7 +200,7 @@ class Applier:
         """Why the GPU cannot be reset for its pending mode now, or None when it may be."""
         waiting = f"MIG {'enable' if enabled else 'disable'} is pending a GPU reset ({pending})"
         try:
-            passthrough = self.nvml.passthrough(gpu.index)
+            passthrough = self.nvml.health.passthrough(gpu.index)
             busy = "" if passthrough else self._busy(gpu)
         except (AgentError, self.nvml.lib.NVMLError) as exc:
             return Waiting(PENDING, f"{waiting}; whether it can be reset is unknown: {_reason(exc)}")
@@ -224,7 +225,7 @@ class Applier:
         except ResetImpossible as exc:
             return Waiting(REBOOTING if exc.until_reboot else PENDING,
                            f"MIG {mode} is pending a GPU reset ({pending}): {exc}")
-        if self.nvml.mig_state(gpu.index).enabled != enabled:
+        if self.nvml.mig.state(gpu.index).enabled != enabled:
             return Waiting(REBOOTING, f"MIG {mode} is still pending after a GPU reset; reboot the node")
         log.info("%s: reset for MIG %s", gpu_name(gpu.index, gpu.product), mode)
         return None
@@ -242,7 +243,7 @@ class Applier:
                                 if not done else f"{plan.name}: {failure}; no checkpoint to restore", tuple(done))
         undo: list[Change] = []
         try:
-            now = replace(gpu, mig=self.nvml.mig_state(gpu.index))
+            now = replace(gpu, mig=self.nvml.mig.state(gpu.index))
             restore = plan_restore(now, saved)
             waiting = self._run(now, restore.changes, undo)
         except (AgentError, self.nvml.lib.NVMLError) as exc:

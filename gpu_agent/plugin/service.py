@@ -17,7 +17,7 @@ import time
 from typing import Any, Optional
 
 from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, PluginConfig, mig_strategy, plugin_wanted
-from gpu_agent.daemon.watch import FileChanges
+from gpu_agent.host.watch import FileChanges
 from gpu_agent.host.paths import Root
 from gpu_agent.plugin.devices import Advertised, advertised
 from gpu_agent.plugin.preferred import preferred

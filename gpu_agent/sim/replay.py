@@ -1,4 +1,4 @@
-"""`--simulate DIR`: a captured node (gpu_agent/sim/capture.py) as a simulated machine.
+"""`--simulate DIR`: a captured node (gpu_agent/capture.py) as a simulated machine.
 
 What the node showed is replayed as it was: its /proc, /sys and /dev files, its device nodes and
 /dev/char links, its /etc/modprobe.d, its ld.so cache and the NVML answers it gave (names, PCI info,
@@ -31,10 +31,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
-from gpu_agent.sim import answers
-from gpu_agent.sim.capture import FORMAT, MANIFEST, PARTS
+from gpu_agent.nvml import answers
+from gpu_agent.capture import FORMAT, MANIFEST, PARTS
 from gpu_agent.sim.fake import FakeNvml, SimComputeInstance, SimGpuInstance, SimHandle, _nvml
 from gpu_agent.sim.kernel import (
     NVIDIA_MODULES,
@@ -214,11 +215,15 @@ class Capture:
     def _json(self, name: str) -> Any:
         path = self.directory / name
         try:
-            if path.stat().st_size > MAX_PART_BYTES:
-                raise AgentError(f"{path}: larger than {MAX_PART_BYTES >> 20} MiB; not a capture this agent wrote")
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            raise AgentError(f"{path}: missing; a capture has {MANIFEST} and {', '.join(PARTS)}") from None
+            data = read_bounded(path, MAX_PART_BYTES)
+            if data is None:
+                raise AgentError(f"{path}: missing; a capture has {MANIFEST} and {', '.join(PARTS)}")
+            return json.loads(data.decode("utf-8"))
+        except TooLarge:
+            raise AgentError(f"{path}: larger than {MAX_PART_BYTES >> 20} MiB; "
+                             "not a capture this agent wrote") from None
+        except NotRegular as exc:
+            raise AgentError(f"{path}: {exc.kind}, not a file; not a capture this agent wrote") from None
         except OSError as exc:
             raise AgentError(f"{path}: cannot read: {exc.strerror}") from None
         except UnicodeDecodeError:

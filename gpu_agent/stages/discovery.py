@@ -5,7 +5,8 @@ from typing import Any
 
 from gpu_agent.config.schema import DiscoveryConfig
 from gpu_agent.errors import StageError
-from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import NvmlUnavailable, describe
 from gpu_agent.nvml.model import Inventory
 from gpu_agent.stages.base import Stage
 
@@ -20,7 +21,7 @@ class Discovery(Stage):
 
     def observe(self) -> Inventory:
         try:
-            return self.nvml.pass_inventory()  # the mig stage's reading of this pass, if nothing changed since
+            return self.nvml.inventory.pass_reading()  # the mig stage's reading of this pass, if nothing changed since
         except NvmlUnavailable as exc:
             if exc.no_driver:
                 raise StageError(f"no NVIDIA GPU was found: {exc}") from None

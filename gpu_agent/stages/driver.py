@@ -16,7 +16,8 @@ from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
 from gpu_agent.host.paths import Root
 from gpu_agent.host.pci import PciDevice
-from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import NvmlUnavailable, describe
 from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
@@ -97,7 +98,7 @@ class Driver(Stage):
         state.link_problems = {n.path: p for n in state.nodes if (p := devnodes.link_problem(self.root, n))}
         state.module_version = self.kernel.version("nvidia")
         try:
-            view = self.nvml.driver_view(persistence=self.settings.persistence)
+            view = self.nvml.inventory.driver_view(persistence=self.settings.persistence)
             state.nvml_version, state.nvml_bus_ids = view.version, view.bus_ids
             if view.persistence is not None:
                 state.persistence = view.persistence
@@ -181,7 +182,7 @@ class Driver(Stage):
         if not self.may_change_gpus:
             raise StageError(f"refusing to change the real GPUs' persistence mode while --root is {self.root.path}")
         try:
-            self.nvml.enable_persistence(index)
+            self.nvml.inventory.enable_persistence(index)
         except self.nvml.lib.NVMLError as exc:
             raise StageError(f"cannot enable persistence mode on GPU {index}: {describe(exc)}; "
                              "start nvidia-persistenced instead") from None

@@ -22,7 +22,8 @@ from gpu_agent.mig.config import load_mig_config
 from gpu_agent.mig.hooks import Hooks, UnitControl
 from gpu_agent.mig.planner import GpuPlan, not_applied, plans_for
 from gpu_agent.mig.reset import GpuReset
-from gpu_agent.nvml.client import Nvml, NvmlUnavailable, describe
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import NvmlUnavailable, describe
 from gpu_agent.nvml.model import Inventory
 from gpu_agent.stages.base import Action, Stage
 
@@ -76,7 +77,7 @@ class Mig(Stage):
     def observe(self) -> MigObservation:
         name, source = self._selected()
         try:
-            inventory = self.nvml.inventory()
+            inventory = self.nvml.inventory.read()
         except NvmlUnavailable as exc:
             raise StageError(str(exc)) from None
         except self.nvml.lib.NVMLError as exc:
@@ -130,7 +131,7 @@ class Mig(Stage):
         try:
             self._results = tuple(self.applier.apply_all(inventory.gpus, plans, hooks=hooks))
         finally:
-            self.nvml.forget_inventory()  # a GPU reset changes MIG outside NVML's calls
+            self.nvml.inventory.forget()  # a GPU reset changes MIG outside NVML's calls
         for result in self._results:
             if result.changes or result.state != SUCCESS:
                 log.log(logging.INFO if result.state == SUCCESS else logging.ERROR, "GPU %d: %s: %s",

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from gpu_agent.errors import StageError
 from gpu_agent.host import paths
+from gpu_agent.host.bounded import NotRegular, TooLarge, kind_of, read_bounded_file
 from gpu_agent.host.paths import Root
 from gpu_agent.printable import printable
 
@@ -72,49 +73,31 @@ def read(root: Root, host_path: str, why: str = "") -> ConfigFile:
     name = describe(host_path, target)
     shown = name + (f" ({why})" if why else "")
     try:
-        fd = os.open(root(target), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        if dangling:
-            raise StageError(f"{shown}: the link leads to nothing: point it at a file or remove it; "
+        found = read_bounded_file(root(target), MAX_BYTES, follow=False)
+    except NotRegular as exc:
+        raise StageError(f"{shown}: is {kind_of(exc.mode)}, not a file; {_UNCHANGED}") from None
+    except TooLarge as exc:
+        if exc.size is None:
+            raise StageError(f"{shown}: is more than the {MAX_BYTES} bytes a runtime config may have; "
                              f"{_UNCHANGED}") from None
-        return ConfigFile(host_path, target, None)
+        raise StageError(f"{shown}: is {exc.size} bytes, more than the {MAX_BYTES} a runtime config "
+                         f"may have; {_UNCHANGED}") from None
     except OSError as exc:
         reason = "a symbolic link changed while it was read" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
         try:
-            mode = os.stat(root(target)).st_mode
+            kind = os.stat(root(target)).st_mode
         except OSError:
-            mode = stat.S_IFREG
-        if not stat.S_ISREG(mode):  # a socket, say, cannot even be opened
-            raise StageError(f"{shown}: is {_kind(mode)}, not a file; {_UNCHANGED}") from None
+            kind = stat.S_IFREG
+        if not stat.S_ISREG(kind):  # a socket, say, cannot even be opened
+            raise StageError(f"{shown}: is {kind_of(kind)}, not a file; {_UNCHANGED}") from None
         raise StageError(f"{shown}: cannot be read: {reason}; {_UNCHANGED}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise StageError(f"{shown}: is {_kind(info.st_mode)}, not a file; {_UNCHANGED}")
-        if info.st_size > MAX_BYTES:
-            raise StageError(f"{shown}: is {info.st_size} bytes, more than the {MAX_BYTES} a runtime config "
-                             f"may have; {_UNCHANGED}")
-        data = _read_at_most(fd, MAX_BYTES + 1, shown)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_BYTES:
-        raise StageError(f"{shown}: is more than the {MAX_BYTES} bytes a runtime config may have; {_UNCHANGED}")
+    if found is None:
+        if dangling:
+            raise StageError(f"{shown}: the link leads to nothing: point it at a file or remove it; "
+                             f"{_UNCHANGED}")
+        return ConfigFile(host_path, target, None)
+    data, info = found
     return ConfigFile(host_path, target, decode(data, name), stat.S_IMODE(info.st_mode))
-
-
-def _read_at_most(fd: int, limit: int, shown: str) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        try:
-            chunk = os.read(fd, limit - size)
-        except OSError as exc:
-            raise StageError(f"{shown}: cannot be read: {exc.strerror or exc}; {_UNCHANGED}") from None
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def decode(data: bytes, shown: str) -> str:
@@ -124,18 +107,6 @@ def decode(data: bytes, shown: str) -> str:
         line = data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
         raise StageError(f"{shown}:{line}:{column}: not UTF-8 text (runtime configs are UTF-8); {_UNCHANGED}") from None
-
-
-def _kind(mode: int) -> str:
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a regular file"
 
 
 # --- directory listings as Go's filepath package makes them (containerd and CRI-O are Go) -----------

@@ -34,8 +34,8 @@ import pynvml
 
 from gpu_agent import __version__
 from gpu_agent.host import ldcache
-from gpu_agent.sim import answers
-from gpu_agent.sim.capture import FORMAT, MANIFEST, PARTS, write_part
+from gpu_agent.nvml import answers
+from gpu_agent.capture import FORMAT, MANIFEST, PARTS, write_part
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[2] / ".." / "shared" / "hardware" / "h100-580-vm"

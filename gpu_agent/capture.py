@@ -29,10 +29,12 @@ from typing import Any, Callable, Optional
 from gpu_agent import __version__
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, resolve
-from gpu_agent.nvml.client import Nvml, NvmlHung, NvmlUnavailable, describe
-from gpu_agent.sim import answers
+from gpu_agent.nvml import answers
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.nvml.session import NvmlHung, NvmlUnavailable, describe
 
 log = logging.getLogger(__name__)
 
@@ -216,14 +218,14 @@ class CapturingNvml(Nvml):
         if getattr(self.lib, name, None) is None:
             return  # this pynvml has no such function
         try:
-            self._nvml(name, *args)
+            self.session.call(name, *args)
         except self.lib.NVMLError:
             pass
 
     def static_queries(self, index: int) -> None:
         """STATIC_QUERIES on GPU `index`."""
-        self.init()
-        handle = self._nvml("nvmlDeviceGetHandleByIndex", index)
+        self.session.init()
+        handle = self.session.call("nvmlDeviceGetHandleByIndex", index)
         for call, arguments in STATIC_QUERIES:
             values = tuple(getattr(self.lib, a, None) if isinstance(a, str) else a for a in arguments)
             if None not in values:
@@ -234,7 +236,7 @@ def drive_nvml(nvml: CapturingNvml) -> list[str]:
     """Run every NVML read path the agent has, so the recorder sees each call; returns what failed."""
     problems: list[str] = []
     try:
-        nvml.init()
+        nvml.session.init()
     except NvmlUnavailable as exc:
         return [f"nvmlInit: {exc}"]
 
@@ -247,16 +249,16 @@ def drive_nvml(nvml: CapturingNvml) -> list[str]:
             problems.append(f"{what}: {describe(exc)}")
         return None
 
-    inventory = attempt("inventory", nvml.inventory)
-    attempt("driver version", nvml.driver_version)
-    attempt("bus ids", nvml.bus_ids)
-    attempt("persistence modes", nvml.persistence_modes)
+    inventory = attempt("inventory", nvml.inventory.read)
+    attempt("driver version", nvml.inventory.driver_version)
+    attempt("bus ids", nvml.inventory.bus_ids)
+    attempt("persistence modes", nvml.inventory.persistence_modes)
     for name in SYSTEM_QUERIES:
         attempt(name, nvml.ask, name)
     for gpu in inventory.gpus if inventory else ():
-        attempt(f"GPU {gpu.index} sample", nvml.sample, gpu.index)
-        attempt(f"GPU {gpu.index} processes", nvml.processes, gpu.index)
-        attempt(f"GPU {gpu.index} health reading", nvml.health_reading, gpu.index)
+        attempt(f"GPU {gpu.index} sample", nvml.sampling.sample, gpu.index)
+        attempt(f"GPU {gpu.index} processes", nvml.inventory.processes, gpu.index)
+        attempt(f"GPU {gpu.index} health reading", nvml.health.reading, gpu.index)
         attempt(f"GPU {gpu.index} static queries", nvml.static_queries, gpu.index)
     return problems
 
@@ -304,17 +306,17 @@ class HostReader:
         return [f"{host_dir.rstrip('/')}/{name}" for name in names]
 
     def text(self, host_path: str) -> None:
-        path = self.root(host_path)
         try:
-            if not path.is_file():
-                return
-            with open(path, "rb") as handle:
-                data = handle.read(MAX_FILE_BYTES + 1)
+            data = read_bounded(self.root(host_path), MAX_FILE_BYTES)
+        except NotRegular:
+            return
+        except TooLarge:
+            self.problems.append(f"{host_path}: larger than {MAX_FILE_BYTES} bytes, left out")
+            return
         except OSError as exc:
             self.problems.append(f"{host_path}: cannot read: {exc.strerror}")
             return
-        if len(data) > MAX_FILE_BYTES:
-            self.problems.append(f"{host_path}: larger than {MAX_FILE_BYTES} bytes, left out")
+        if data is None:
             return
         self.files[host_path] = data.decode("utf-8", "surrogateescape")
 
