@@ -21,11 +21,10 @@ def block(script: str, name: str, lib: Path) -> str:
 
 
 def tree(lib: Path) -> None:
-    for path in ("gpu_agent/__init__.py", f"site-cp{ABI}/fast/__init__.py", "site-common/pure.py",
-                 "site-cp27/other.py"):
+    for path in ("gpu_agent/__init__.py", f"site-cp{ABI}/fast/__init__.py", "site-cp27/other.py"):
         (lib / path).parent.mkdir(parents=True, exist_ok=True)
         (lib / path).write_text("VALUE = 1\n")
-    (lib / "site-common/broken.py").write_text("def (:\n")  # a file that does not compile fails nothing
+    (lib / f"site-cp{ABI}/broken.py").write_text("def (:\n")  # a file that does not compile fails nothing
 
 
 def caches(lib: Path) -> list[str]:
@@ -44,7 +43,6 @@ def test_install_compiles_for_this_python_and_removal_cleans_up(
     assert compiled.returncode == 0, compiled.stderr
     tag = sys.implementation.cache_tag
     assert caches(lib) == [f"gpu_agent/__pycache__/__init__.{tag}.pyc",
-                           f"site-common/__pycache__/pure.{tag}.pyc",
                            f"site-cp{ABI}/fast/__pycache__/__init__.{tag}.pyc"]
     removed = subprocess.run(["sh", "-ec", block(remove, "remove", lib)], capture_output=True, text=True, timeout=60)
     assert removed.returncode == 0, removed.stderr
