@@ -58,6 +58,7 @@ test-all: lint
 e2e: $(BIN)/gpu-agent
 	$(BIN)/python -m pytest -q tests/e2e
 
+# One package per target python3 into dist/ (packaging/README.md): Debian 12's and 13's .deb, RHEL 9's .rpm.
 package: $(BIN)/gpu-agent
 	$(BIN)/python packaging/build.py --out dist
 

@@ -4,6 +4,8 @@ agent serves, and every series an alert uses is one the agent exports."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +111,36 @@ def test_every_series_an_alert_uses_is_one_the_agent_exports(agent_state: AgentS
     alerts = {rule["alert"]: rule for rule in group["rules"]}
     assert {"GPUUnhealthy", "GPUAgentNotReady", "GPUAgentStageFailing"} <= set(alerts)
     assert alerts["GPUAgentStageFailing"]["for"] == "10m"
-    text = render(make_registry(AgentCollector(agent_state, lambda: 0, "node-1"))).decode()
-    exported = {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
-    exported_labels = {label for family in text_string_to_metric_families(text)
-                       for sample in family.samples for label in sample.labels}
+    samples = scrape(agent_state)
     for name, rule in alerts.items():
         used = set(re.findall(r"\b(?:gpu_agent|DCGM)_\w+", rule["expr"]))
-        assert used and used <= exported, name
+        assert used and used <= {sample.name for sample in samples}, name
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, name
-        for template in rule["annotations"].values():
-            labels = set(re.findall(r"\$labels\.(\w+)", template))
-            assert labels <= exported_labels | {"node"}, name  # node: the PodMonitor's relabeling
+
+
+def scrape(state: AgentState) -> list[Any]:
+    text = render(make_registry(AgentCollector(state, lambda: 0, "node-1"))).decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def test_every_label_an_alert_names_is_on_every_scrape_of_its_series(agent_state: AgentState) -> None:
+    """An annotation renders with any scrape config: the labels it names are ones each sample of the
+    expression's series carries on a plain scrape, or instance and job, which Prometheus adds to every
+    target; never one only a relabeling adds (the PodMonitor's node)."""
+    [group] = documents("gpu-agent-alerts.yaml")[0]["groups"]
+    samples = scrape(agent_state)
+    for rule in group["rules"]:
+        used = set(re.findall(r"\b(?:gpu_agent|DCGM)_\w+", rule["expr"]))
+        on_every_sample = set.intersection(*(set(s.labels) for s in samples if s.name in used))
+        named = {label for template in rule["annotations"].values()
+                 for label in re.findall(r"\$labels\.(\w+)", template)}
+        assert named <= on_every_sample | {"instance", "job"}, (rule["alert"], named - on_every_sample)
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian: prometheus) is not installed")
+def test_promtool_accepts_the_alert_rules() -> None:
+    result = subprocess.run(["promtool", "check", "rules", str(KUBERNETES / "gpu-agent-alerts.yaml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 3 rules found" in result.stdout

@@ -15,7 +15,7 @@ import pytest
 TOP = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPU_AGENT_E2E_CACHE", "/var/cache/gpu-agent-e2e"))
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "curl", "kmod")
-TOOLS = ("debootstrap", "systemd-nspawn", "nsenter", "lintian", "rpm", "dpkg-deb")
+TOOLS = ("debootstrap", "systemd-nspawn", "nsenter", "lintian", "rpmlint", "rpm", "dpkg-deb")
 
 
 def run(argv: list[str], timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -34,7 +34,9 @@ def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                     "(.ci/run installs them)")
     out = tmp_path_factory.mktemp("dist")
     run([sys.executable, str(TOP / "packaging/build.py"), "--out", str(out)], timeout=1800)
-    return {"deb": next(out.glob("*.deb")), "rpm": next(out.glob("*.rpm"))}
+    # One package per target python3: Debian 12 (3.11), Debian 13 (3.13), RHEL 9 (3.9).
+    return {"deb": next(out.glob("*+deb12_amd64.deb")), "deb13": next(out.glob("*+deb13_amd64.deb")),
+            "rpm": next(out.glob("*.el9.x86_64.rpm"))}
 
 
 def _mirror() -> str:
