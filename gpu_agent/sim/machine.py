@@ -252,6 +252,8 @@ class MachineState:
     def edit(self) -> Iterator[dict[str, Any]]:
         """Read, let the caller change, and write back, holding the lock throughout."""
         with self._locked():
+            if not self.path.exists():
+                self.read()  # says that no simulated machine lives here
             state = json.loads(self.path.read_text())
             yield state
             self._write(state)
