@@ -22,13 +22,16 @@ $(BIN)/gpu-agent: pyproject.toml constraints.txt
 	@touch $@
 
 run: $(BIN)/gpu-agent
-	@mkdir -p $(RUN_ROOT)
+	@mkdir -p $(RUN_ROOT)/etc/gpu-agent
+	@# the packaged MIG configs where the package puts them, for the daemon's mig.config and `gpu-agent mig`
+	@test -e $(RUN_ROOT)/etc/gpu-agent/mig.yaml || cp packaging/mig.yaml $(RUN_ROOT)/etc/gpu-agent/mig.yaml
 	@echo "gpu-agent on a simulated $(SIMULATE) node, sandbox root $(RUN_ROOT); in another terminal:"
 	@echo "  curl -s 127.0.0.1:9445/readyz?verbose"
 	@echo "  curl -s 127.0.0.1:9445/status"
 	@echo "  curl -s 127.0.0.1:9445/metrics"
 	@echo "  $(BIN)/gpu-agent --root $(RUN_ROOT) status"
-	@echo "  $(BIN)/gpu-agent --root $(RUN_ROOT) sim inject-xid --gpu 3 --xid 79"
+	@echo "  $(BIN)/gpu-agent --root $(RUN_ROOT) sim inject-xid --gpu 3 --xid 79    (then: sim clear)"
+	@echo "  $(BIN)/gpu-agent --root $(RUN_ROOT) mig apply -c all-balanced --dry-run"
 	@echo "Ctrl-C stops it."
 	$(BIN)/gpu-agent --root $(RUN_ROOT) --simulate $(SIMULATE) run
 

@@ -112,12 +112,13 @@ def test_sighup_reloads_and_an_invalid_reload_keeps_the_running_config(agent) ->
 def test_simulated_faults_reach_the_running_daemon_within_a_second(agent, root: Path) -> None:
     daemon = agent("dgx-h100")
     daemon.wait_ready()
-    assert run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root).returncode == 0
+    # XID 48, not 79: a GPU off the bus fails discovery too (see test_health_daemon's quick start)
+    assert run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "48", root=root).returncode == 0
     _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503, timeout=1.0)
-    assert "[-]gpu-health failed: GPU 3" in body and "XID 79 (GPU has fallen off the bus)" in body
+    assert "[-]gpu-health failed: GPU 3" in body and "XID 48 (double-bit ECC error)" in body
     daemon.wait_message(lambda m: m.startswith("STATUS=not ready: gpu-health: GPU 3"), timeout=1.0)
     metrics = daemon.get("/metrics")[1]
-    assert any(line.startswith("DCGM_FI_DEV_XID_ERRORS{") and 'gpu="3"' in line and line.endswith(" 79.0")
+    assert any(line.startswith("DCGM_FI_DEV_XID_ERRORS{") and 'gpu="3"' in line and line.endswith(" 48.0")
                for line in metrics.splitlines())
 
     assert run_cli("sim", "add-process", "--gpu", "1", "--pid", "4242", "--name", "python3", root=root).returncode == 0

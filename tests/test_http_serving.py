@@ -103,15 +103,16 @@ def test_probes_are_never_cached(agent_state: AgentState, served: Served) -> Non
     assert response.status == 503 and b"[-]driver failed: no module" in text
 
 
-def test_healthz_says_when_the_reconcile_loop_stopped(agent_state: AgentState, tmp_path: Path) -> None:
+def test_healthz_and_livez_say_when_the_reconcile_loop_stopped(agent_state: AgentState, tmp_path: Path) -> None:
     alive = [True]
     server = Served(build_app(agent_state, make_registry(AgentCollector(agent_state, lambda: 0, "node-1")),
                               lambda: alive[0]), tmp_path)
     try:
-        assert served_text(server, "/healthz") == (200, b"ok\n")
+        assert served_text(server, "/healthz") == served_text(server, "/livez") == (200, b"ok\n")
         alive[0] = False
-        assert served_text(server, "/healthz") == (500, b"reconcile loop stopped\n")
-        assert served_text(server, "/") == (200, b"gpu-agent: /healthz /readyz /readyz?verbose /status /metrics\n")
+        assert served_text(server, "/healthz") == served_text(server, "/livez") == (500, b"reconcile loop stopped\n")
+        assert served_text(server, "/") == (200, b"gpu-agent: /healthz /livez /readyz /readyz?verbose /status "
+                                                 b"/metrics\n")
     finally:
         server.close()
 

@@ -224,7 +224,7 @@ def test_a_dry_run_makes_no_mutation(node: Any) -> None:
     n = node("dgx-a100")
     state = copy.deepcopy(n.machine.read()["gpus"])
     results = n.apply(load_mig_config(SHIPPED), "all-balanced", dry_run=True)
-    assert all(r.action == "mode-changed" and r.mutations == 0 and r.changes for r in results)
+    assert all(r.action == "would-change-mode" and r.mutations == 0 and r.changes for r in results)
     assert n.mutations() == 0 and n.machine.read()["gpus"] == state
 
 

@@ -37,7 +37,7 @@ def test_apply_assert_and_export(gpu_agent: Any) -> None:
     code, out, _ = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-balanced", "--dry-run", "--json")
     plan = json.loads(out)
     assert code == 0 and plan["dry_run"] and plan["state"] == "success"
-    assert [(g["action"], g["mutations"], len(g["changes"])) for g in plan["gpus"]] == [("mode-changed", 0, 9)] * 8
+    assert [(g["action"], g["mutations"], len(g["changes"])) for g in plan["gpus"]] == [("would-change-mode", 0, 9)] * 8
     assert gpu_agent("mig", "assert", "-f", SHIPPED, "-c", "all-balanced")[0] == 1  # the dry run changed nothing
     code, out, _ = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-balanced", "--json")
     assert code == 0 and [g["mutations"] for g in json.loads(out)["gpus"]] == [9] * 8
@@ -99,7 +99,7 @@ def test_on_the_real_h100_capture_a_dry_run_changes_nothing_and_export_and_asser
     assert code == 0 and yaml.safe_load(out)["mig-configs"]["current"] == [{"devices": "all", "mig-enabled": False}]
     before = MachineState(Root(root)).read()["gpus"]
     code, out = run("mig", "apply", "-f", SHIPPED, "-c", "all-balanced", "--dry-run")
-    assert code == 0 and "[+] GPU 0 (H100 80GB HBM3): mode-changed, 0 NVML mutation(s)" in out
+    assert code == 0 and "[+] GPU 0 (H100 80GB HBM3): would-change-mode, 0 NVML mutation(s)" in out
     assert "would: enable MIG mode on GPU 0" in out and "would: create GPU instance 3g.40gb at 4:4 on GPU 0" in out
     assert out.endswith("MIG config all-balanced: success (dry run, nothing changed)\n")
     code, out = run("mig", "apply", "-f", SHIPPED, "-c", "all-1g.10gb", "--dry-run", "--json")
@@ -128,3 +128,12 @@ def test_a_mode_change_waiting_for_a_reboot_exits_2_and_says_so(tmp_path: Path, 
     assert "nvidia_drm is loaded" in out
     code, out = run("mig", "apply", "-f", SHIPPED, "-c", "all-7g.40gb", "--json")
     assert code == 2 and {(g["state"], g["mutations"]) for g in json.loads(out)["gpus"]} == {("rebooting", 0)}
+
+
+def test_mig_file_defaults_to_the_configs_mig_config_file_under_the_root(gpu_agent: Any) -> None:
+    (gpu_agent.root / "etc/gpu-agent").mkdir(parents=True)
+    missing = gpu_agent("mig", "assert", "-c", "all-balanced")
+    assert missing[0] == 1 and "etc/gpu-agent/mig.yaml: no such file" in missing[2]
+    (gpu_agent.root / "etc/gpu-agent/mig.yaml").write_text(Path(SHIPPED).read_text())
+    code, out, _ = gpu_agent("mig", "apply", "-c", "all-balanced", "--dry-run")
+    assert code == 0 and "would-change-mode" in out and "(dry run, nothing changed)" in out

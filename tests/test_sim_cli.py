@@ -49,3 +49,43 @@ def test_switching_profile_on_a_root_builds_the_new_machine(root: Path) -> None:
     run_cli("--simulate", "dgx-h100", "sim", "show", root=root)
     state = json.loads(run_cli("--simulate", "a30", "sim", "show", "--json", root=root).stdout)
     assert state["machine"] == "a30" and len(state["gpus"]) == 1
+
+
+def test_xid_79_takes_the_gpu_off_the_bus_until_sim_clear_or_reboot(root: Path) -> None:
+    import pynvml
+    import pytest
+
+    from gpu_agent.host.paths import Root
+    from gpu_agent.sim.fake import FakeNvml, SimHandle
+    from gpu_agent.sim.kernel import SimModprobe
+    from gpu_agent.sim.machine import MachineState
+
+    missing = run_cli("sim", "inject-xid", "--gpu", "0", "--xid", "79", root=root)
+    assert missing.returncode == 1 and "no simulated machine under" in missing.stderr
+    machine = MachineState(Root(root))
+    machine.ensure("dgx-h100")
+    SimModprobe(machine, Root(root)).load("nvidia")
+    nvml = FakeNvml(machine)
+    nvml.nvmlInit()
+    uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(3))
+
+    assert "GPU 3 has fallen off the bus" in run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root).stdout
+    assert [line.split()[1] for line in run_cli("sim", "show", root=root).stdout.splitlines()
+            if "OFF THE BUS" in line] == ["3"]
+    for lost in (lambda: nvml.nvmlDeviceGetHandleByIndex(3), lambda: nvml.nvmlDeviceGetHandleByUUID(uuid),
+                 lambda: nvml.nvmlDeviceGetTemperature(SimHandle(3), pynvml.NVML_TEMPERATURE_GPU)):
+        with pytest.raises(pynvml.NVMLError_GpuIsLost):
+            lost()
+    assert nvml.nvmlDeviceGetUUID(SimHandle(3)) == uuid  # what an XID event's handle names: NVML read it before
+    assert nvml.nvmlDeviceGetCount() == 8 and nvml.nvmlDeviceGetTemperature(SimHandle(2), 0) > 0
+    reloaded = run_cli("sim", "reload-driver", root=root)
+    assert "GPU 3 still off the bus" in reloaded.stdout  # a driver reload does not bring it back
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        nvml.nvmlDeviceGetHandleByIndex(3)
+
+    cleared = run_cli("sim", "clear", root=root)
+    assert "GPU 3 back on the bus" in cleared.stdout
+    assert nvml.nvmlDeviceGetPciInfo(nvml.nvmlDeviceGetHandleByIndex(3)).busId == "00000000:5D:00.0"
+    run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root)
+    assert "GPUs back on the bus" in run_cli("sim", "reboot", root=root).stdout
+    assert nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(3)) == uuid

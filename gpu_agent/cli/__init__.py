@@ -123,6 +123,20 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 _SILENT = {"status"}  # commands that only print: no log handler to set up
+# One-shot commands that read the machine: under a sandbox root without --simulate, the simulated machine
+# living there (as `sim` finds it), not the host next to it.
+_FIND_SIMULATED = {"apply", "check", "labels", "mig", "uninstall"}
+
+
+def _simulated_machine(root: str) -> Optional[str]:
+    from gpu_agent.host.paths import Root
+    from gpu_agent.sim.machine import found_in
+
+    found = found_in(Root(root))
+    if found is not None:
+        print(f"gpu-agent: using the simulated machine found in {root} ({found}); --simulate names another",
+              file=sys.stderr)
+    return found
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -130,6 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command not in _SILENT:
         setup_logging()
     module = importlib.import_module(f"gpu_agent.cli.{args.command}")
+    if args.command in _FIND_SIMULATED and not args.simulate:
+        args.simulate = _simulated_machine(args.root)
     try:
         return int(module.main(args))
     except AgentError as exc:

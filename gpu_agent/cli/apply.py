@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpu_agent.cli.common import one_pass, plan_json
+from gpu_agent.cli.common import changes_in, one_pass, plan_json
 from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
 
 
@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     runs, runtime = one_pass(args, dry_run=args.dry_run)
     loaded, root = runtime.state.config, runtime.root
-    converged = all(run.state == "ok" and not (args.dry_run and run.planned) for run in runs)
+    converged = all(run.state == "ok" or (args.dry_run and run.state == "pending" and not changes_in(run))
+                    for run in runs) and not (args.dry_run and sum(map(changes_in, runs)))
     if args.json:
         print(plan_json(runs, loaded, root, dry_run=args.dry_run))
         return EXIT_OK if converged else EXIT_NOT_READY if runs else EXIT_ERROR
@@ -28,10 +29,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"[{mark}] {run.stage}: {run.state}: {run.message}")
         for action in run.planned:
             verb = "would" if args.dry_run else "did"
-            print(f"    {verb}: {action.summary}")
+            for change in action.changes:
+                print(f"    {verb}: {change.describe()}")
             if args.dry_run and action.diff:
                 sys.stdout.write("".join(f"    {line}\n" for line in action.diff.splitlines()))
     if args.dry_run:
-        changes = sum(len(run.planned) for run in runs)
-        print(f"dry run: {changes} change(s) planned, nothing changed")
+        print(f"dry run: {sum(map(changes_in, runs))} change(s) planned, nothing changed")
     return EXIT_OK if converged else EXIT_NOT_READY if runs else EXIT_ERROR

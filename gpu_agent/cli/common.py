@@ -46,6 +46,17 @@ def endpoint_of(args: argparse.Namespace) -> Endpoint:
     return endpoint
 
 
+def changes_in(run: StageRun) -> int:
+    """The typed changes a stage made or would make (an action may hold several, or none but the
+    agent's own records), as --json counts them."""
+    return sum(len(action.changes) for action in run.planned)
+
+
+def settled(run: StageRun) -> bool:
+    """ok, or a dry run's pending stage that would change nothing on the host."""
+    return run.state == "ok" or (run.state == "pending" and not changes_in(run))
+
+
 def plan_json(runs: Sequence[StageRun], loaded: LoadedConfig, root: Root, dry_run: bool) -> str:
     """What `check --json` and `apply --once [--dry-run] --json` print: each stage's outcome and its
     typed changes (planned, or made)."""

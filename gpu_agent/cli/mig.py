@@ -1,7 +1,8 @@
 """gpu-agent mig apply|assert|export: mig-parted's verbs over mig-parted's files, so runbooks translate.
 
-  mig apply -f FILE -c NAME [--dry-run] [--json]   make the GPUs' MIG geometry what NAME says
-  mig assert -f FILE -c NAME                        exit 0 when it already is, 1 otherwise
+  mig apply [-f FILE] -c NAME [--dry-run] [--json] make the GPUs' MIG geometry what NAME says
+  mig assert [-f FILE] -c NAME                      exit 0 when it already is, 1 otherwise
+FILE defaults to the agent config's mig.config_file under --root (the daemon's file).
   mig export [-c NAME]                              the current geometry as a mig-parted config
 
 apply holds the agent's lock (a running daemon makes it wait its turn); --dry-run, assert and export
@@ -23,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbs = parser.add_subparsers(dest="mig_command", metavar="VERB", required=True)
     apply = verbs.add_parser("apply", help="apply a MIG config to the GPUs it selects",
                              description="Per GPU: unchanged, created, destroyed, mode-changed, failed or restored "
-                                         "(a failure puts that GPU's previous geometry back). Exit 0 applied, "
+                                         "(a failure puts that GPU's previous geometry back); a dry run says "
+                                         "would-create, would-destroy or would-change-mode. Exit 0 applied, "
                                          "1 failed, 2 pending a GPU reset (the agent's or a reboot's).")
     _file_and_config(apply)
     apply.add_argument("--dry-run", action="store_true", help="print the plan; make no NVML change")
@@ -37,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _file_and_config(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-f", "--config-file", required=True, metavar="FILE", help="a mig-parted version v1 file")
+    parser.add_argument("-f", "--config-file", metavar="FILE",
+                        help="a mig-parted version v1 file, as given (default: the agent config's mig.config_file, "
+                             "/etc/gpu-agent/mig.yaml, under --root, as the daemon reads it)")
     parser.add_argument("-c", "--selected-config", metavar="NAME",
                         help="the mig-configs entry to use (may be left out when the file has only one)")
 
@@ -79,7 +83,8 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
     from gpu_agent.mig.hooks import Hooks
     from gpu_agent.mig.planner import gpu_name, not_applied, plans_for
 
-    file = load_mig_config(Path(args.config_file))
+    file = load_mig_config(Path(args.config_file)) if args.config_file else \
+        load_mig_config(runtime.root(settings.config_file), "mig.config_file")
     name = args.selected_config
     if name is None:
         if len(file.configs) != 1:

@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     process.add_argument("--pid", type=int, required=True, metavar="P")
     process.add_argument("--name", required=True)
     process.add_argument("--memory-mib", type=int, default=1024, metavar="MIB")
-    actions.add_parser("clear", help="remove injected faults, XID events, processes and `sim set` conditions")
+    actions.add_parser("clear", help="remove injected faults, XID events, processes and `sim set` conditions; "
+                                     "put GPUs that fell off the bus (XID 79) back")
     actions.add_parser("reload-driver", help="unload and load the nvidia module: MIG instances are gone, "
                                              "Hopper and later lose MIG mode (Ampere keeps it)")
     actions.add_parser("reboot", help="reboot the node: processes end, pending MIG modes take effect, "
@@ -93,7 +94,8 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
         mode = "on" if mig["current"] else "off"
         if mig["pending"] != mig["current"]:
             mode += f" (pending {'on' if mig['pending'] else 'off'} until a GPU reset)"
-        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} mig={mode} instances={instances}")
+        lost = " OFF THE BUS (GPU_IS_LOST)" if index in state.get("lost_gpus", ()) else ""
+        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} mig={mode} instances={instances}{lost}")
         for p in gpu["processes"]:
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
     loaded = ", ".join(m["name"] for m in state["kernel"]["loaded"]) or "nothing"
@@ -118,6 +120,8 @@ def _gpu_instance_text(gi: dict[str, Any]) -> str:
 
 
 def _inject_xid(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.health.policy import LOST_XIDS
+
     if args.compute_instance is not None and args.gpu_instance is None:
         raise AgentError("--compute-instance needs --gpu-instance: a compute instance lives in a GPU instance")
     with machine.edit() as state:
@@ -132,7 +136,13 @@ def _inject_xid(machine: Any, args: argparse.Namespace) -> None:
             where += f" compute instance {args.compute_instance}"
         state["xids"].append(event)
         state["next_seq"] += 1
+        off_bus = args.xid in LOST_XIDS
+        if off_bus:
+            state["lost_gpus"] = sorted({*state.get("lost_gpus", ()), gpu})
     print(f"XID {args.xid} raised on GPU {args.gpu}{where}")
+    if off_bus:
+        print(f"GPU {args.gpu} has fallen off the bus: NVML answers GPU_IS_LOST for it until `sim clear` "
+              "or `sim reboot` puts it back")
 
 
 def _set(machine: Any, args: argparse.Namespace) -> None:
@@ -223,7 +233,13 @@ def _clear(machine: Any, args: argparse.Namespace) -> None:
             gpu.pop("temperature_c", None)
             gpu.pop("remapped_rows", None)
         state["faults"], state["xids"] = [], []
+        back = state.pop("lost_gpus", [])
     print("faults, XID events, processes and `sim set` conditions cleared")
+    if back:
+        print(f"GPU {', '.join(map(str, back))} back on the bus at the same PCI bus id (as after a reset): the agent "
+              "sees it answer again and counts it healthy")
+    print("a GPU made unhealthy by another critical XID is the agent's to forgive: healthy again after "
+          "health.recover_after_seconds without one")
 
 
 def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
@@ -237,7 +253,11 @@ def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
                              "(sim clear) or use sim reboot")
         for gpu in state["gpus"]:
             reload_driver(gpu, _model_of(state, gpu))
+        lost = state.get("lost_gpus", [])
     print("nvidia driver reloaded: MIG instances gone; Hopper and later GPUs lost MIG mode")
+    if lost:
+        print(f"GPU {', '.join(map(str, lost))} still off the bus: a driver reload does not bring a GPU back; "
+              "`sim clear` (a reset) or `sim reboot` does")
 
 
 def _reboot(machine: Any, args: argparse.Namespace) -> None:
@@ -246,7 +266,8 @@ def _reboot(machine: Any, args: argparse.Namespace) -> None:
     with machine.edit() as state:
         for gpu in state["gpus"]:
             reboot(gpu, _model_of(state, gpu))
-    print("rebooted: processes ended, pending MIG modes applied, driver loaded afresh")
+        state.pop("lost_gpus", None)
+    print("rebooted: processes ended, GPUs back on the bus, pending MIG modes applied, driver loaded afresh")
 
 
 def _model_of(state: dict[str, Any], gpu: dict[str, Any]) -> Any:

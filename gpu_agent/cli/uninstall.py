@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpu_agent.cli.common import one_pass, plan_json
+from gpu_agent.cli.common import changes_in, one_pass, plan_json, settled
 from gpu_agent.errors import EXIT_NOT_READY, EXIT_OK
 
 
@@ -31,5 +31,7 @@ def main(args: argparse.Namespace) -> int:
             for action in run.planned:
                 for change in action.changes:
                     print(f"{'would' if args.dry_run else 'did'}: {change.describe()}")
-            print(f"[{'+' if run.state == 'ok' else '-'}] {run.message}")
-    return EXIT_OK if all(run.state == "ok" for run in runs) else EXIT_NOT_READY
+            print(f"[{'+' if settled(run) else '-'}] {run.message}")
+        if args.dry_run:
+            print(f"dry run: {sum(map(changes_in, runs))} change(s) planned, nothing changed")
+    return EXIT_OK if all(map(settled, runs)) else EXIT_NOT_READY

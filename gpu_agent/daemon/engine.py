@@ -196,7 +196,8 @@ class Engine:
     @staticmethod
     def _pending(stage: Stage, observed: object, actions: list[Action]) -> str:
         """What a dry run says: the changes, and what is wrong now that they would not fix by themselves."""
-        message = f"would make {len(actions)} change(s)"
+        changes = sum(len(action.changes) for action in actions)
+        message = f"would make {changes} change(s)" if changes else "would change nothing on the host"
         try:
             stage.verify(observed)
         except AgentError as exc:

@@ -1,4 +1,4 @@
-"""The local, read-only HTTP endpoint: /healthz, /readyz, /status, /metrics on TCP and a unix socket.
+"""The local, read-only HTTP endpoint: /healthz (/livez), /readyz, /status, /metrics on TCP and a unix socket.
 
 Only GET (and HEAD) routes exist: nothing that changes the host is reachable over HTTP.
 """
@@ -50,7 +50,7 @@ def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[
                                 lambda: None if state.version is None else (state.version, int(time.monotonic())))
 
     def index(request: Request) -> Response:
-        return Response.text("gpu-agent: /healthz /readyz /readyz?verbose /status /metrics\n")
+        return Response.text("gpu-agent: /healthz /livez /readyz /readyz?verbose /status /metrics\n")
 
     def healthz(request: Request) -> Response:
         if not loop_alive():
@@ -74,7 +74,9 @@ def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[
     def metrics(request: Request) -> Response:
         return cached_response(request, metrics_cache.get(), content_type())
 
+    # /livez: Kubernetes' name for liveness, the same answer as /healthz.
     routes = {"/": Capped(index, _LIGHT_LIMIT), "/healthz": Capped(healthz, _LIGHT_LIMIT),
+              "/livez": Capped(healthz, _LIGHT_LIMIT),
               "/readyz": Capped(readyz, _LIGHT_LIMIT), "/status": Capped(status, _HEAVY_LIMIT),
               "/metrics": Capped(metrics, _HEAVY_LIMIT)}
     return Endpoints(routes, {"/status": status_cache, "/metrics": metrics_cache})
@@ -118,7 +120,7 @@ class HttpServer:
         for listener in listeners:
             listener.start()
         self._listeners, self.settings = listeners, settings
-        log.info("serving /healthz /readyz /status /metrics on %s (at most %d connections each)",
+        log.info("serving /healthz /livez /readyz /status /metrics on %s (at most %d connections each)",
                  ", ".join(listener.name for listener in listeners)
                  or "nothing (http.listen and http.socket are off)", limit)
 

@@ -58,8 +58,9 @@ def after_xid(health: GpuHealth, xid: int, at: float, settings: HealthConfig, wh
     reason = f"XID {xid} ({meaning(xid)}) at {when}"
     if health.lost and xid not in LOST_XIDS:  # still lost: a later XID does not make it less so
         reason = f"{health.xid_reason.split(_THEN)[0]}{_THEN}{reason}"
-    return replace(seen, xid_reason=reason, critical_at=at,
-                   lost=health.lost or xid in LOST_XIDS, missing=health.missing and health.lost)
+    # Missing already when NVML failed to answer for it before the event came (the sampler got there first).
+    missing = (health.missing and health.lost) or (xid in LOST_XIDS and bool(health.query_error))
+    return replace(seen, xid_reason=reason, critical_at=at, lost=health.lost or xid in LOST_XIDS, missing=missing)
 
 
 def recovers_at(health: GpuHealth, settings: HealthConfig) -> Optional[float]:

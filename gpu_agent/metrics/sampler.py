@@ -39,7 +39,9 @@ class Sampler:
             self._running.release()
 
     def _sample(self) -> None:
-        inventory = self.state.inventory
+        # While discovery fails (a GPU off the bus fails the whole inventory), the GPUs it last found: so
+        # a lost GPU is seen gone, and back, between two passes.
+        inventory = self.state.inventory or self.state.last_inventory
         if inventory is None:
             return
         samples: dict[str, GpuSample] = {}

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 UNCHANGED, CREATED, DESTROYED, MODE_CHANGED, FAILED, RESTORED = (
     "unchanged", "created", "destroyed", "mode-changed", "failed", "restored")
+# What a dry run says it would do, for each of the actions above that changes a GPU.
+WOULD = {CREATED: "would-create", DESTROYED: "would-destroy", MODE_CHANGED: "would-change-mode"}
 SUCCESS, PENDING, REBOOTING = "success", "pending", "rebooting"  # a GPU's state; with FAILED the node's
 ALREADY_PENDING = "asked for earlier, not yet in effect"
 
@@ -59,7 +61,7 @@ class GpuResult:
     gpu: int
     uuid: str
     product: str
-    action: str  # unchanged | created | destroyed | mode-changed | failed | restored
+    action: str  # unchanged | created | destroyed | mode-changed | failed | restored, or a dry run's WOULD
     state: str  # success | pending | rebooting | failed
     mutations: int  # NVML calls that changed the GPU, rollback included
     reason: str
@@ -117,7 +119,7 @@ class Applier:
         if not plan.changes:
             return self._result(plan, UNCHANGED, SUCCESS, 0, plan.note or "already as configured")
         if dry_run:
-            return self._result(plan, _action(plan.changes), SUCCESS, 0,
+            return self._result(plan, WOULD[_action(plan.changes)], SUCCESS, 0,
                                 f"would make {len(plan.changes)} NVML change(s)", plan.changes)
         until_reboot = self._only_a_reboot(gpu, plan)
         if until_reboot:

@@ -207,6 +207,9 @@ def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
             gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
             self._fault(name, gpu)
             state = machine.read()  # the fault may have changed it
+        lost = state.get("lost_gpus")
+        if lost and name not in _ANSWERED_WHEN_LOST and _target_gpu(name, args) in lost:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
         machine.hold(state)  # one state for the whole call, and one look at the file
         try:
             return fn(self, *args, **kwargs)
@@ -214,6 +217,21 @@ def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
             machine.release()
 
     return call
+
+
+# A GPU off the bus (`sim inject-xid --xid 79`, until `sim clear` or `sim reboot`) fails every call for it with
+# GPU_IS_LOST, as the driver does, but its UUID: NVML read that when it attached the GPU, and an XID event's
+# handle still names its GPU.
+_ANSWERED_WHEN_LOST = frozenset({"nvmlDeviceGetUUID"})
+
+
+def _target_gpu(call: str, args: tuple[Any, ...]) -> Optional[int]:
+    """The GPU a call is about, by index; None for a call about no one GPU."""
+    if not args:
+        return None
+    if isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)):
+        return args[0].gpu
+    return args[0] if call == "nvmlDeviceGetHandleByIndex" and isinstance(args[0], int) else None
 
 
 class _HandleArrayType(type):
@@ -385,12 +403,14 @@ class FakeNvml:
 
     @_nvml
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> SimHandle:
+        lost = self._state.read().get("lost_gpus") or ()
         for index, gpu in enumerate(self._gpus()):
-            if gpu["uuid"] == uuid:
-                return SimHandle(index)
-            for slot, (_, ci) in enumerate(mig_devices(gpu)):
-                if ci["uuid"] == uuid:
-                    return SimHandle(index, slot)
+            found = SimHandle(index) if gpu["uuid"] == uuid else next(
+                (SimHandle(index, slot) for slot, (_, ci) in enumerate(mig_devices(gpu)) if ci["uuid"] == uuid), None)
+            if found is not None and index in lost:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            if found is not None:
+                return found
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
 
     @_nvml

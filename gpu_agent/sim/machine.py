@@ -155,6 +155,18 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
     }
 
 
+def found_in(root: Root) -> Optional[str]:
+    """The --simulate spec of the simulated machine that lives under a sandbox root (what `--simulate`
+    made there), or None: never for the running system's own root, whose hardware is real."""
+    if root.is_running_system or os.path.realpath(root.path) == "/":
+        return None
+    try:
+        source = json.loads(root(f"{STATE_DIR}/machine.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) and source else None
+
+
 class MachineState:
     """The persisted state of one simulated machine under a root."""
 
@@ -252,6 +264,8 @@ class MachineState:
     def edit(self) -> Iterator[dict[str, Any]]:
         """Read, let the caller change, and write back, holding the lock throughout."""
         with self._locked():
+            if not self.path.exists():
+                self.read()  # says that no simulated machine lives here
             state = json.loads(self.path.read_text())
             yield state
             self._write(state)

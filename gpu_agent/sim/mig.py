@@ -271,6 +271,8 @@ class SimGpuReset:
     @staticmethod
     def _blocker(state: dict[str, Any], index: int, bus_id: str) -> Optional[ResetImpossible]:
         gpu = state["gpus"][index]
+        if index in state.get("lost_gpus", ()):
+            return ResetImpossible(f"GPU {index} ({bus_id}) has fallen off the bus: reboot the node")
         if gpu["processes"]:
             pids = ", ".join(str(p["pid"]) for p in gpu["processes"])
             return ResetImpossible(f"GPU {index} ({bus_id}) cannot be reset while processes {pids} use it",
