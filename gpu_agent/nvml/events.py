@@ -1,6 +1,7 @@
 """XID events through NVML: every GPU registered in one event set, waited on with a timeout."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from typing import Any, Optional
@@ -22,22 +23,36 @@ class NvmlEvents:
         self.session.init()
         lib = self.session.lib
         event_set = self.session.call("nvmlEventSetCreate")
+        uuids: dict[int, tuple[Any, str]] = {}
         for index in range(self.session.count()):
             handle = self.session.handle(index)
             try:
                 self.session.call("nvmlDeviceRegisterEvents", handle, lib.nvmlEventTypeXidCriticalError, event_set)
             except lib.NVMLError_NotSupported:
                 log.warning("GPU %d does not report XID events; its health is not watched", index)
-        return XidWait(self.session, event_set)
+                continue
+            uuids[_handle_key(handle)] = (handle, self.session.call("nvmlDeviceGetUUID", handle))
+        return XidWait(self.session, event_set, uuids)
+
+
+def _handle_key(handle: Any) -> int:
+    """What identifies a device handle across NVML calls: the address it points to (pynvml hands out a
+    new pointer object for the same device), or the object's identity for a simulated one (the registered
+    handles are kept alive beside their keys, so no other object can take that identity)."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value or id(handle)
+    except (TypeError, ctypes.ArgumentError):
+        return id(handle)
 
 
 class XidWait:
     """A registered NVML event set: wait(timeout_ms) returns the next XID event or None."""
 
-    def __init__(self, session: NvmlSession, event_set: Any) -> None:
+    def __init__(self, session: NvmlSession, event_set: Any, uuids: dict[int, tuple[Any, str]]) -> None:
         self._call = session.call
         self._lib = session.lib
         self._event_set = event_set
+        self._uuids = uuids  # by handle, read at registration: a GPU that fell off the bus may not answer
 
     def __call__(self, timeout_ms: int) -> Optional[XidEvent]:
         try:
@@ -47,7 +62,9 @@ class XidWait:
         if data.eventType != self._lib.nvmlEventTypeXidCriticalError:
             return None
         gi, ci = (getattr(data, name, _NO_INSTANCE) for name in ("gpuInstanceId", "computeInstanceId"))
-        return XidEvent(gpu_uuid=self._call("nvmlDeviceGetUUID", data.device), xid=data.eventData, at=time.time(),
+        known = self._uuids.get(_handle_key(data.device))
+        uuid = known[1] if known else self._call("nvmlDeviceGetUUID", data.device)
+        return XidEvent(gpu_uuid=uuid, xid=data.eventData, at=time.time(),
                         gpu_instance_id=None if gi == _NO_INSTANCE else gi,
                         compute_instance_id=None if ci == _NO_INSTANCE or gi == _NO_INSTANCE else ci)
 
