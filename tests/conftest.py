@@ -32,15 +32,22 @@ _PATH_EVENTS = {"open": 0, "os.mkdir": 0, "os.remove": 0, "os.rmdir": 0, "os.ren
                 "os.listdir": 0, "os.scandir": 0, "shutil.rmtree": 0, "shutil.copyfile": 1, "os.mknod": 0}
 _PROJECT = Path(__file__).resolve().parent.parent
 _ALWAYS_AS_GIVEN = {
-    _PROJECT, _PROJECT.parent / "shared", Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
+    _PROJECT, Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
     Path(tempfile.gettempdir()), Path("/dev/null"), Path("/dev/urandom"), Path("/proc/self"),
     Path(os.path.realpath("/proc/self")),  # paths are compared resolved: /proc/self is /proc/<this pid>
     Path("/usr/lib/python3"), Path("/usr/share/zoneinfo"), Path("/etc/localtime"), Path("/usr/lib/ssl"),
     Path("/etc/ssl"), Path("/etc/mime.types"),
     Path("/proc/stat"),  # the process collector's boot time, for the agent's own metrics
 }
-# Opened paths are compared resolved, so the allowed ones are too (shared/ may be a link beside the clone).
+# Opened paths are compared resolved, so the allowed ones are too.
 _ALWAYS = tuple(sorted({str(p) for p in _ALWAYS_AS_GIVEN} | {os.path.realpath(p) for p in _ALWAYS_AS_GIVEN}))
+# Test data is in tests/data. A checkout beside the clone is refused even where the clone's folder is also
+# the temporary one (a clone in /tmp): ../shared is not in a fresh clone.
+_NEVER = (os.path.realpath(_PROJECT.parent / "shared"),)
+
+
+def _inside(path: str, folders: tuple[str, ...]) -> bool:
+    return any(path == folder or path.startswith(folder.rstrip("/") + "/") for folder in folders)
 
 
 class _Guard:
@@ -64,7 +71,7 @@ class _Guard:
         if not isinstance(path, (str, os.PathLike)) or not os.path.isabs(os.fspath(path)):
             return  # a file descriptor, or relative to one the test already opened
         real = os.path.realpath(os.fspath(path))
-        if not any(real == allowed or real.startswith(allowed.rstrip("/") + "/") for allowed in _ALWAYS):
+        if _inside(real, _NEVER) or not _inside(real, _ALWAYS):
             raise RuntimeError(f"this test touched the host path {real} ({event}); use a tmp root, or mark "
                                "it @pytest.mark.host_paths")
 

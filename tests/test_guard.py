@@ -27,3 +27,10 @@ def test_its_own_tmp_root_is_fine(tmp_path: Path) -> None:
 @pytest.mark.subprocess
 def test_a_marked_test_may_start_a_process() -> None:
     assert subprocess.run(["true"], check=False).returncode == 0
+
+
+def test_a_file_beside_the_clone_is_outside_it() -> None:
+    """Test data lives in tests/data: a checkout beside the clone (../shared) is a host path like any other."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "cdi" / "schema.json"
+    with pytest.raises(RuntimeError, match="touched the host path"):
+        beside.read_text()
