@@ -353,6 +353,9 @@ def _descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+# Slow: it waits out the daemon's own 5 s idle timeout (listener.IDLE_TIMEOUT_S) after a 2400-socket flood.
+# `make test` keeps the listener's cap, eviction, idle timeouts and descriptor exhaustion in-process above.
+@pytest.mark.slow
 @pytest.mark.subprocess  # the daemon under its own descriptor limit
 @pytest.mark.host_paths  # /proc/PID/fd of that daemon
 def test_a_connection_flood_at_the_descriptor_limit_leaves_readyz_and_the_stages_working(
