@@ -42,8 +42,8 @@ lint: $(BIN)/gpu-agent
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 2 )))
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --ignore=tests/e2e
 
-# The developer loop: everything but the tests marked slow (pyproject's markers), meant to take 90 s or less on 2 idle cores;
-# a test not marked slow fails when it runs well over 10 s (tests/conftest.py, call_limit).
+# The developer loop: everything but the tests marked slow (pyproject's markers), meant to take 90 s or
+# less on 2 idle cores; a test not marked slow fails when it runs well over 10 s (tests/conftest.py).
 test: lint
 	$(PYTEST) -m "not slow"
 
