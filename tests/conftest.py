@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Generator, Iterator, Optional
 
 import pytest
 import yaml
@@ -32,15 +32,22 @@ _PATH_EVENTS = {"open": 0, "os.mkdir": 0, "os.remove": 0, "os.rmdir": 0, "os.ren
                 "os.listdir": 0, "os.scandir": 0, "shutil.rmtree": 0, "shutil.copyfile": 1, "os.mknod": 0}
 _PROJECT = Path(__file__).resolve().parent.parent
 _ALWAYS_AS_GIVEN = {
-    _PROJECT, _PROJECT.parent / "shared", Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
+    _PROJECT, Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
     Path(tempfile.gettempdir()), Path("/dev/null"), Path("/dev/urandom"), Path("/proc/self"),
     Path(os.path.realpath("/proc/self")),  # paths are compared resolved: /proc/self is /proc/<this pid>
     Path("/usr/lib/python3"), Path("/usr/share/zoneinfo"), Path("/etc/localtime"), Path("/usr/lib/ssl"),
     Path("/etc/ssl"), Path("/etc/mime.types"),
     Path("/proc/stat"),  # the process collector's boot time, for the agent's own metrics
 }
-# Opened paths are compared resolved, so the allowed ones are too (shared/ may be a link beside the clone).
+# Opened paths are compared resolved, so the allowed ones are too.
 _ALWAYS = tuple(sorted({str(p) for p in _ALWAYS_AS_GIVEN} | {os.path.realpath(p) for p in _ALWAYS_AS_GIVEN}))
+# Test data is in tests/data. A checkout beside the clone is refused even where the clone's folder is also
+# the temporary one (a clone in /tmp): ../shared is not in a fresh clone.
+_NEVER = (os.path.realpath(_PROJECT.parent / "shared"),)
+
+
+def _inside(path: str, folders: tuple[str, ...]) -> bool:
+    return any(path == folder or path.startswith(folder.rstrip("/") + "/") for folder in folders)
 
 
 class _Guard:
@@ -64,7 +71,7 @@ class _Guard:
         if not isinstance(path, (str, os.PathLike)) or not os.path.isabs(os.fspath(path)):
             return  # a file descriptor, or relative to one the test already opened
         real = os.path.realpath(os.fspath(path))
-        if not any(real == allowed or real.startswith(allowed.rstrip("/") + "/") for allowed in _ALWAYS):
+        if _inside(real, _NEVER) or not _inside(real, _ALWAYS):
             raise RuntimeError(f"this test touched the host path {real} ({event}); use a tmp root, or mark "
                                "it @pytest.mark.host_paths")
 
@@ -76,6 +83,43 @@ sys.addaudithook(_Guard.audit)
 # fsyncs that cost seconds on a busy disk. The agents the tests start as processes keep the real
 # fsync, and their kill -9 trials count every fsync as a crash point (gpu_agent/sim/crash.py).
 os.fsync = lambda fd: None
+
+
+# --- no test over 10 s, but those marked slow ---------------------------------------------------
+#
+# The call phase of a test not marked slow fails when it runs past call_limit() seconds of wall-clock
+# time (fixtures such as a daemon's start are not counted). Wall time, because most of the suite's time
+# is spent waiting on daemons, deadlines and sockets, which CPU time would not see. Wall time stretches
+# with load, though: `make test` runs two workers per CPU, and other work may share the machine. So the
+# 10 s are scaled by the load per CPU (the 1-minute load average, the higher of its values when the call
+# began and ended), and given half again as headroom, since that average lags a burst of load by tens of
+# seconds: 15 s on an idle machine, 30 s in a `make test` of its own. The guard fails a test that is well
+# over 10 s, and no test for the machine being busy; `--durations` measures the rest.
+CALL_LIMIT_S = 10.0
+CALL_HEADROOM = 1.5
+
+
+def call_limit(load_per_cpu: float) -> float:
+    """The wall-clock seconds a test's call phase may take at this load per CPU."""
+    return CALL_LIMIT_S * max(1.0, load_per_cpu) * CALL_HEADROOM
+
+
+def _load_per_cpu() -> float:
+    return os.getloadavg()[0] / len(os.sched_getaffinity(0))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    load, started = _load_per_cpu(), time.monotonic()
+    result = yield  # a test that failed already raises here, with its own error
+    took, limit = time.monotonic() - started, call_limit(max(load, _load_per_cpu()))
+    if took > limit:
+        pytest.fail(f"this test took {took:.1f} s, over the {limit:.3g} s a test may take at this load "
+                    f"({CALL_LIMIT_S:g} s alone): make it faster, or mark it slow where a fast case of its "
+                    "family stays in `make test`", pytrace=False)
+    return result
 
 
 def pytest_configure(config: pytest.Config) -> None:

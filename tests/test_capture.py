@@ -1,10 +1,10 @@
 """`gpu-agent capture` and `--simulate DIR`, and the committed capture of a real node.
 
-tests/data/captures/h100-580-vm/ was built from ../shared/hardware/h100-580-vm/ (one NVIDIA H100 80GB HBM3
-passed through to a VM, open kernel module 580.159.04, no modprobe) by
+tests/data/captures/h100-580-vm/ was built from tests/data/captures/h100-580-vm-raw/ (what one NVIDIA H100
+80GB HBM3 passed through to a VM, open kernel module 580.159.04, no modprobe, showed; see its README) by
 tests/data/captures/build_h100_580_vm.py. NODE and MIG_PROFILES below are what that node itself showed,
-each with the file it came from; when ../shared is present, a test checks them and the committed capture
-against those files value for value. Everything else runs on the committed capture alone.
+each with the file it came from; two tests check them and the committed capture against those files value
+for value. Everything else runs on the committed capture alone.
 """
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ from gpu_agent.stages.labels import machine_name
 
 HERE = Path(__file__).resolve().parent
 CAPTURE = HERE / "data" / "captures" / "h100-580-vm"
-SHARED = HERE.parent.parent / "shared" / "hardware" / "h100-580-vm"
-shared_only = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/hardware/h100-580-vm is not in this checkout")
+NODE_FILES = HERE / "data" / "captures" / "h100-580-vm-raw"
 
 NODE = {
     "uuid": "GPU-b278b05b-1081-df83-4ef3-aab244def6a4",  # nvidia-smi-L.txt, proc-driver-nvidia-gpus-information.txt
@@ -130,9 +129,8 @@ def _builder() -> Any:
     return module
 
 
-@shared_only
-def test_the_committed_capture_is_what_its_script_builds_from_the_shared_files(tmp_path: Path) -> None:
-    _builder().build(SHARED, tmp_path / "built")
+def test_the_committed_capture_is_what_its_script_builds_from_the_node_files(tmp_path: Path) -> None:
+    _builder().build(NODE_FILES, tmp_path / "built")
     for name in ("files.json", "links.json", "devices.json", "ldcache.json", "nvml.json", "manifest.json"):
         built = json.loads((tmp_path / "built" / name).read_text())
         committed = json.loads((CAPTURE / name).read_text())
@@ -142,13 +140,13 @@ def test_the_committed_capture_is_what_its_script_builds_from_the_shared_files(t
 
 
 def _smi(field: str) -> str:
-    match = re.search(rf"^\s*{re.escape(field)}\s+: (.+)$", (SHARED / "nvidia-smi-q.txt").read_text(), re.MULTILINE)
+    match = re.search(rf"^\s*{re.escape(field)}\s+: (.+)$", (NODE_FILES / "nvidia-smi-q.txt").read_text(), re.MULTILINE)
     assert match, field
     return match.group(1).strip()
 
 
 def _mib(field: str) -> int:
-    text = (SHARED / "nvidia-smi-q.txt").read_text()
+    text = (NODE_FILES / "nvidia-smi-q.txt").read_text()
     section = text[text.index("FB Memory Usage"):text.index("BAR1 Memory Usage")]
     match = re.search(rf"{field}\s+: (\d+) MiB", section)
     assert match, field
@@ -160,24 +158,23 @@ def _cuda(version: int) -> str:
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
-@shared_only
 def test_node_values_are_those_the_node_showed() -> None:
     """NODE and MIG_PROFILES, read again from the node's own nvidia-smi, NVML dump and /proc and /sys files."""
-    dump = json.loads((SHARED / "nvml-readonly-dump.json").read_text())
+    dump = json.loads((NODE_FILES / "nvml-readonly-dump.json").read_text())
     device = dump["devices"][0]
-    assert NODE["uuid"] in (SHARED / "nvidia-smi-L.txt").read_text()
-    assert f"GPU UUID: \t {NODE['uuid']}" in (SHARED / "proc-driver-nvidia-gpus-information.txt").read_text()
+    assert NODE["uuid"] in (NODE_FILES / "nvidia-smi-L.txt").read_text()
+    assert f"GPU UUID: \t {NODE['uuid']}" in (NODE_FILES / "proc-driver-nvidia-gpus-information.txt").read_text()
     assert _smi("Product Name") == device["nvmlDeviceGetName"]["ok"] == NODE["product"]
     assert _smi("Bus Id") == "0000" + NODE["pci_bus_id"].upper()
     assert int(_smi("Device Id"), 16) == device["nvmlDeviceGetPciInfo"]["ok"]["pciDeviceId"] == NODE["pci_device_id"]
     assert int(_smi("Sub System Id"), 16) == device["nvmlDeviceGetPciInfo"]["ok"]["pciSubSystemId"] \
         == NODE["pci_subsystem_id"]
-    pci = (SHARED / "sys-bus-pci-nvidia.txt").read_text()
+    pci = (NODE_FILES / "sys-bus-pci-nvidia.txt").read_text()
     assert f"/sys/bus/pci/devices/{NODE['pci_bus_id']} " in pci
     assert f"class={NODE['pci_class']}" in pci and f"numa={NODE['numa_node']}" in pci
     assert device["nvmlDeviceGetNumaNodeId"]["error"] == "NVMLError_NotSupported"
     assert _smi("Driver Version") == dump["nvmlSystemGetDriverVersion"]["ok"] == NODE["driver_version"]
-    assert f"  {NODE['driver_version']}  " in (SHARED / "proc-driver-nvidia-version.txt").read_text()
+    assert f"  {NODE['driver_version']}  " in (NODE_FILES / "proc-driver-nvidia-version.txt").read_text()
     assert _smi("CUDA Version") == NODE["cuda_version"] == _cuda(dump["nvmlSystemGetCudaDriverVersion"]["ok"])
     assert "{}.{}".format(*device["nvmlDeviceGetCudaComputeCapability"]["ok"]) == NODE["compute_capability"]
     assert int(_smi("Minor Number")) == NODE["minor"]
@@ -186,12 +183,12 @@ def test_node_values_are_those_the_node_showed() -> None:
                              ("Used", "memory_used_mib", "used"), ("Free", "memory_free_mib", "free")):
         assert _mib(field) == NODE[key] == v2[nvml] // (1 << 20), field
     assert _smi("Persistence Mode") == "Enabled" and NODE["persistence"]
-    lgip = (SHARED / "nvidia-smi-mig-lgip.txt").read_text().splitlines()
+    lgip = (NODE_FILES / "nvidia-smi-mig-lgip.txt").read_text().splitlines()
     rows = [line.split() for line in lgip if "MIG " in line]
     details = [line.split() for line in lgip if re.fullmatch(r"\|\s+\d+\s+\d+\s+\d+\s+\|", line)]
     placements = {int(m.group(1)): (tuple(int(s) for s in m.group(2).split(",")), int(m.group(3)))
                   for m in re.finditer(r"Profile ID\s+(\d+) Placements?\s*: \{([\d,]+)\}:(\d+)",
-                                       (SHARED / "nvidia-smi-mig-lgipp.txt").read_text())}
+                                       (NODE_FILES / "nvidia-smi-mig-lgipp.txt").read_text())}
     infos = {p["info"]["ok"]["id"]: p["info"]["ok"] for p in device["gi_profiles"].values() if "ok" in p["info"]}
     assert len(rows) == len(details) == len(infos) == len(MIG_PROFILES)
     for row, detail, expected in zip(rows, details, MIG_PROFILES):
@@ -206,7 +203,7 @@ def test_node_values_are_those_the_node_showed() -> None:
                 info["decoderCount"], info["encoderCount"], info["copyEngineCount"], info["jpegCount"],
                 info["ofaCount"]) == (f"MIG {name}", instances, mib, sms, dec, enc, ce, jpeg, ofa)
         assert placements[pid] == (starts, size)
-    listing = (SHARED / "dev-listing.txt").read_text()
+    listing = (NODE_FILES / "dev-listing.txt").read_text()
     for target in DEV_CHAR_LINKS.values():
         assert target in listing or os.path.basename(target) in listing
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -22,6 +21,7 @@ from gpu_agent.sim.machine import MachineState
 from gpu_agent.sim.userspace import install_driver_userspace, lib_dir
 from gpu_agent.toolkit import cdi
 
+SCHEMA_DIR = Path(__file__).resolve().parent / "data" / "schemas" / "cdi"
 VERSION = "550.90.07"
 LIB = lib_dir()
 MIG_MACHINE = {"name": "mig-node", "gpus": [
@@ -85,23 +85,15 @@ def node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
 
 
 def schema_validator() -> Any:
-    """The CDI JSON schema (draft-07; schema.json refers to defs.json by relative name)."""
-    jsonschema = pytest.importorskip("jsonschema")
-    referencing = pytest.importorskip("referencing")
+    """The CDI JSON schema (draft-07; schema.json refers to defs.json by relative name), vendored in
+    tests/data/schemas/cdi/ (see its README)."""
+    import jsonschema
+    import referencing
     from referencing.jsonschema import DRAFT7
 
-    repository = Path(__file__).resolve().parents[1]
-    candidates = [Path(os.environ.get("CDI_SCHEMA_DIR", "/nonexistent")),
-                  repository.parent / "shared/schemas/cdi", Path("/work/shared/schemas/cdi")]
-    directory = next((c for c in candidates if (c / "schema.json").is_file()), None)
-    if directory is None:
-        message = "CDI schema not found: set CDI_SCHEMA_DIR to the folder with schema.json and defs.json"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # in CI ../shared is beside the clone: a missing schema is a failure
-        pytest.skip(message)
-    base = directory.resolve().as_uri() + "/"
-    schema = {**json.loads((directory / "schema.json").read_text()), "$id": base + "schema.json"}
-    defs = referencing.Resource.from_contents(json.loads((directory / "defs.json").read_text()),
+    base = SCHEMA_DIR.as_uri() + "/"
+    schema = {**json.loads((SCHEMA_DIR / "schema.json").read_text()), "$id": base + "schema.json"}
+    defs = referencing.Resource.from_contents(json.loads((SCHEMA_DIR / "defs.json").read_text()),
                                               default_specification=DRAFT7)
     registry = referencing.Registry().with_resource(base + "defs.json", defs)
     return jsonschema.Draft7Validator(schema, registry=registry)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import pytest
-from conftest import cli, free_port
+from conftest import free_port
+from harness import run_cli
 from cryptography.hazmat.primitives import serialization
 from kube_emulator import KubeEmulator
 
@@ -380,7 +381,7 @@ def test_no_canary_from_the_daemon_or_the_commands(agent, api: KubeEmulator, roo
                 seen.append((path, daemon.get(path)[1]))
             for command in (("status",), ("status", "--json"), ("--simulate", "t4", "check"),
                             ("--simulate", "t4", "check", "--json"), ("--simulate", "t4", "labels")):
-                result = cli(*command, root=root, config=daemon.config)
+                result = run_cli(*command, root=root, config=daemon.config)  # in-process: its output is the same
                 seen.append((" ".join(command), result.stdout + result.stderr))
     finally:
         api.clear_faults()
@@ -391,7 +392,7 @@ def test_no_canary_from_the_daemon_or_the_commands(agent, api: KubeEmulator, roo
     for setup, expected in variants:
         setup(env)
         for json_flag in ((), ("--json",)):
-            result = cli("--simulate", "t4", "apply", "--once", *json_flag, root=root, config=daemon.config)
+            result = run_cli("--simulate", "t4", "apply", "--once", *json_flag, root=root, config=daemon.config)
             assert result.returncode == 2 and expected in result.stdout, result.stdout + result.stderr
             seen.append(("apply --once", result.stdout + result.stderr))
         api.clear_faults()

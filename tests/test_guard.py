@@ -1,7 +1,10 @@
 """The conftest guard itself: an unmarked test can neither start a process nor touch a host path."""
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,29 @@ def test_its_own_tmp_root_is_fine(tmp_path: Path) -> None:
 @pytest.mark.subprocess
 def test_a_marked_test_may_start_a_process() -> None:
     assert subprocess.run(["true"], check=False).returncode == 0
+
+
+def test_a_file_beside_the_clone_is_outside_it() -> None:
+    """Test data lives in tests/data: a checkout beside the clone (../shared) is a host path like any other."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "cdi" / "schema.json"
+    with pytest.raises(RuntimeError, match="touched the host path"):
+        beside.read_text()
+
+
+@pytest.mark.subprocess
+def test_a_fast_suite_test_over_its_time_fails_and_a_slow_one_may_take_longer(tmp_path: Path) -> None:
+    """conftest's limit, made 0.2 s, in a pytest of its own: the sleep of 0.5 s fails unless marked slow."""
+    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_sleeps.py").write_text(
+        "import time\n\nimport conftest\nimport pytest\n\n"
+        "conftest.CALL_LIMIT_S, conftest.CALL_HEADROOM, conftest._load_per_cpu = 0.2, 1.0, lambda: 0.0\n\n\n"
+        "def test_fast():\n    pass\n\n\n"
+        "def test_too_long():\n    time.sleep(0.5)\n\n\n"
+        "def test_failing_too_long():\n    time.sleep(0.5)\n    assert 1 == 2\n\n\n"
+        "@pytest.mark.slow\ndef test_slow():\n    time.sleep(0.5)\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+                             "-rf", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert "2 failed, 2 passed" in result.stdout, result.stdout + result.stderr
+    assert re.search(r"FAILED test_sleeps.py::test_too_long - ", result.stdout)
+    assert re.search(r"this test took 0\.\d s, over the 0.2 s a test may take at this load", result.stdout)
+    assert "FAILED test_sleeps.py::test_failing_too_long - assert 1 == 2" in result.stdout  # its own error

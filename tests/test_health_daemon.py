@@ -1,4 +1,5 @@
-"""GPU health recovery in the running daemon: an XID makes /readyz 503 within a second, and a quiet
+"""GPU health recovery in the running daemon: an XID makes /readyz 503 as it comes (an NVML event, not the
+periodic checks: health.check_interval_seconds is 30 s, longer than any wait here), and a quiet
 period (health.recover_after_seconds) brings it back, except for a GPU that fell off the bus."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_a_critical_xid_recovers_after_the_quiet_period_and_xid_79_does_not(agen
     daemon.wait_ready()
 
     assert run_cli("sim", "inject-xid", "--gpu", "2", "--xid", "48", root=root).returncode == 0
-    _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503, timeout=1.0)
+    _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503)
     assert "[-]gpu-health failed: GPU 2" in body and "XID 48 (double-bit ECC error)" in body
     gpu = json.loads(daemon.get("/status")[1])["gpus"][2]
     assert gpu["recovers_at"] is not None and gpu["last_xid"] == {"xid": 48, "meaning": "double-bit ECC error"}
@@ -27,7 +28,7 @@ def test_a_critical_xid_recovers_after_the_quiet_period_and_xid_79_does_not(agen
                and 'to="healthy"' in line and line.endswith(" 1.0") for line in metrics.splitlines())
 
     assert run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root).returncode == 0
-    daemon.wait_http("/readyz", lambda status, _: status == 503, timeout=1.0)
+    daemon.wait_http("/readyz", lambda status, _: status == 503)
     run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "13", root=root)  # ignored: changes nothing
     with pytest.raises(AssertionError):  # past the quiet period, the GPU off the bus is still unhealthy
         daemon.wait_http("/readyz", lambda status, _: status == 200, timeout=2.5)

@@ -1,6 +1,6 @@
 """What real kernels and drivers write under /proc and /sys, read by the driver stage in-process.
 
-Every format a real node shows is accepted (the lines come from ../shared/hardware/h100-580-vm and
+Every format a real node shows is accepted (the lines come from tests/data/captures/h100-580-vm-raw and
 NVIDIA's documented variants); every malformed line is a StageError naming the file and the line,
 never an internal error.
 """
@@ -22,7 +22,7 @@ from gpu_agent.sim.kernel import SimModprobe
 from gpu_agent.sim.machine import MachineState
 from gpu_agent.stages.driver import Driver
 
-# ../shared/hardware/h100-580-vm/proc-modules-and-sys-module.txt: a kernel without module unloading.
+# tests/data/captures/h100-580-vm-raw/proc-modules-and-sys-module.txt: a kernel without module unloading.
 REAL_MODULES = ("nvidia_uvm 1830912 - - Live 0xffffffffc080c000 (O)\n"
                 "nvidia 14299136 - - Live 0xffffffffc0400000 (O)\n")
 # proc-devices.txt (shortened): nvidia and nvidiactl share 195; the NVSwitch, NVLink and IMEX majors.

@@ -433,12 +433,10 @@ def test_injected_errors_then_recovery(emu: KubeEmulator, kubelet: Client) -> No
 
 
 def test_hang_times_the_client_out_then_the_server_recovers(emu: KubeEmulator, pki: KubePKI) -> None:
-    emu.hang_next("/api/v1/nodes/*", seconds=2.0)
+    emu.hang_next("/api/v1/nodes/*", seconds=30.0)  # ends in a closed connection, or at stop(): never a timeout
     slow = Client(emu, emu.node_credentials(), timeout=0.3)
-    started = time.monotonic()
-    with pytest.raises((socket.timeout, TimeoutError)):
+    with pytest.raises((socket.timeout, TimeoutError)):  # the client's own timeout fired
         slow.get()
-    assert time.monotonic() - started < 1.5
     assert emu.requests[-1].fault == "hang" and emu.requests[-1].status is None
     assert Client(emu, emu.node_credentials()).get().status == 200  # other connections are served meanwhile
 
@@ -567,11 +565,10 @@ def test_stop_is_prompt_with_a_hanging_request_and_frees_the_port(pki: KubePKI) 
     thread = threading.Thread(target=call)
     thread.start()
     emu.wait_for_requests(1, completed=False)
-    started = time.monotonic()
     emu.stop()
-    assert time.monotonic() - started < 3
-    thread.join(5)
+    thread.join(10)  # the client would wait 20 s, the hang 30 s: only stop() ends it sooner
     assert not thread.is_alive() and errors
+    assert not isinstance(errors[0], (socket.timeout, TimeoutError)), errors  # cut off, not timed out
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 

@@ -145,17 +145,18 @@ def test_a_conflict_is_followed_by_a_fresh_read(api: KubeEmulator, kube_root: Pa
 
 
 @pytest.mark.subprocess  # the daemon
-def test_the_condition_turns_false_within_two_seconds_of_readyz(agent, api: KubeEmulator, kube_root: Path,
-                                                               root: Path) -> None:
-    daemon = agent("dgx-a100", settings=settings())
+def test_the_condition_turns_false_when_readyz_does(agent, api: KubeEmulator, kube_root: Path, root: Path) -> None:
+    config = settings()
+    config["reconcile"]["interval_seconds"] = 86400  # no periodic pass: only the health change can send it
+    daemon = agent("dgx-a100", settings=config)
     daemon.wait_ready()
     daemon.wait_http("/status", lambda _, b: json.loads(b)["stages"][-1]["state"] == "ok")
     api.kubelet_heartbeat()
     assert run_cli("sim", "inject-xid", "--gpu", "2", "--xid", "79", root=root).returncode == 0
     daemon.wait_http("/readyz", lambda status, _: status == 503)
-    turned = time.monotonic()
+    deadline = time.monotonic() + 10
     while (api.condition("GPUAgentReady") or {}).get("status") != "False":
-        assert time.monotonic() - turned < 2, "GPUAgentReady is still True 2 s after /readyz turned 503"
+        assert time.monotonic() < deadline, "GPUAgentReady is still True 10 s after /readyz turned 503"
         time.sleep(0.05)
     condition = api.condition("GPUAgentReady")
     assert condition["reason"] == "GpuHealthFailed" and "XID 79" in condition["message"]

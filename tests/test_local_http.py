@@ -49,10 +49,8 @@ def answer_with(server: socket.socket, pieces: list[bytes], close: bool = True, 
 
 def test_the_agents_own_server_is_read_with_no_wait_for_its_close(served: Served) -> None:  # noqa: F811
     with served.raw() as sock:
-        started = time.monotonic()
         code, body = get(sock, "/status", "localhost", 5.0)
     assert code == 200 and json.loads(body)["gpus"][0]["product"] == "NVIDIA H100 80GB HBM3"
-    assert time.monotonic() - started < 4  # not the server's idle timeout
     with served.raw() as sock:
         assert get(sock, "/readyz", "localhost", 5.0)[0] in (200, 503)
 
@@ -72,6 +70,13 @@ def test_an_answer_in_any_framing_and_any_pieces(peer: tuple[socket.socket, sock
     assert get(client, "/status", "localhost", 5.0)[1] == body
     answering.join(5)
     assert requests[-1] == b"GET /status HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+
+
+def test_a_whole_answer_is_returned_while_the_peer_keeps_the_connection_open(
+        peer: tuple[socket.socket, socket.socket]) -> None:
+    client, server = peer
+    answer_with(server, [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"], close=False)
+    assert get(client, "/status", "localhost", 5.0) == (200, b"hello")  # no wait for a close that never comes
 
 
 @pytest.mark.parametrize("pieces, message", [
@@ -94,11 +99,11 @@ def test_a_short_or_foreign_answer_is_a_bad_response(peer: tuple[socket.socket, 
 
 def test_a_peer_that_trickles_is_bounded_by_the_whole_timeout(peer: tuple[socket.socket, socket.socket]) -> None:
     client, server = peer
-    answer_with(server, [b"HTTP/1.1 200 OK\r\n"] + [b"X-Slow: 1\r\n"] * 40, close=False, pause=0.05)
-    started = time.monotonic()
+    # A header every 0.05 s for 10 s: no single read waits long, so only the 0.5 s for the whole answer ends it.
+    trickling = answer_with(server, [b"HTTP/1.1 200 OK\r\n"] + [b"X-Slow: 1\r\n"] * 200, close=False, pause=0.05)
     with pytest.raises(socket.timeout):
         get(client, "/status", "localhost", 0.5)
-    assert time.monotonic() - started < 1.5
+    assert trickling.is_alive()  # given up while the peer was still sending
 
 
 def test_an_endless_answer_stops_at_the_size_bound(peer: tuple[socket.socket, socket.socket],

@@ -135,7 +135,10 @@ def test_an_nvml_failure_mid_apply_restores_that_gpus_previous_geometry(node: Si
     gpu6 = next(gpu for gpu in result.state.mig.gpus if gpu.gpu == 6)
     assert gpu6.action == "restored" and "previous MIG geometry is restored" in gpu6.reason
     assert all(geometries(result)[i] == expected(node, "whole", result)[i] for i in range(8) if i != 6)
-    # From MIG off, a failure restores MIG off (on the A100 the mode change is undone with its own reset).
+
+
+def test_an_nvml_failure_mid_apply_from_mig_off_restores_mig_off(node: SimNode) -> None:
+    """On the A100 the mode change is undone with its own reset."""
     node.apply(settings("disabled"))
     node.sim("fail", "nvmlDeviceCreateGpuInstanceWithPlacement", "--gpu", "4", "--times", "1")
     result = node.apply(settings("mixed"))

@@ -138,17 +138,14 @@ def test_hung_call_times_out_then_fails_fast_then_recovers(machine: Any) -> None
     state, nvml = machine("dgx-h100", call_timeout=0.3)
     nvml.inventory.read()
     add_fault(state, "nvmlDeviceGetTemperature", "hang")
-    started = time.monotonic()
-    with pytest.raises(NvmlHung, match="nvmlDeviceGetTemperature"):
+    with pytest.raises(NvmlHung, match=r"nvmlDeviceGetTemperature did not return within 0.3 s"):
         nvml.sampling.sample(0)
-    assert time.monotonic() - started < 1.0
     assert nvml.session.timeouts == 1
 
-    started = time.monotonic()
     with pytest.raises(NvmlHung, match="nvmlDeviceGetTemperature") as info:
         nvml.inventory.read()
-    assert time.monotonic() - started < 0.2
     assert "not attempted" in str(info.value)
+    assert nvml.session.timeouts == 1  # refused at once while the stuck call holds: no second wait that times out
 
     with state.edit() as doc:
         doc["faults"].clear()
@@ -194,11 +191,15 @@ def test_xid_event_names_the_gpu(machine: Any) -> None:
 
 
 def test_xid_wait_times_out_with_none(machine: Any) -> None:
-    _, nvml = machine("dgx-h100")
+    state, nvml = machine("dgx-h100")
     wait = nvml.events.watch_xids()
-    started = time.monotonic()
     assert wait(200) is None
-    assert 0.15 <= time.monotonic() - started < 1.5
+    assert nvml.session.timeouts == 0  # NVML's own Timeout answer, not a call that hung
+    with state.edit() as doc:
+        doc["xids"].append({"seq": doc["next_seq"], "gpu": 1, "xid": 48, "at": 0.0})
+        doc["next_seq"] += 1
+    event = wait(2000)
+    assert event is not None and event.xid == 48  # the wait that timed out left the event set usable
 
 
 def write_machine(tmp_path: Path, gpus: str) -> str:
@@ -258,7 +259,7 @@ def test_a_counted_hang_holds_its_calls_until_cleared_and_spares_later_ones(mach
 
 def test_memory_v2_reports_the_reserved_memory_apart_from_used(machine: Any) -> None:
     """An idle H100 with driver 580: NVML v1 says 480 MiB used, v2 says 0 used and 480 reserved
-    (../shared/hardware/h100-580-vm/nvml-readonly-dump.json, memory_v2)."""
+    (tests/data/captures/h100-580-vm-raw/nvml-readonly-dump.json, memory_v2)."""
     _, nvml = machine("dgx-h100")
     sample = nvml.sampling.sample(0)
     assert (sample.memory_used_mib, sample.memory_reserved_mib) == (0, 480)

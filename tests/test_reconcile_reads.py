@@ -1,7 +1,7 @@
 """What a reconcile pass reads, on a long-lived agent (as the daemon keeps one): the MIG geometry once per
-pass on a converged dgx-h100 with 7 MIG devices per GPU, and never a reading older than the pass (another
-tool's change between passes is seen by the next) nor older than the agent's own MIG change (seen by the
-stages after the mig stage in the same pass)."""
+pass on a converged node of two H100s with 7 MIG devices per GPU (what is read scales with the GPUs), and
+never a reading older than the pass (another tool's change between passes is seen by the next) nor older
+than the agent's own MIG change (seen by the stages after the mig stage in the same pass)."""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +23,8 @@ from gpu_agent.sim.fake import FakeNvml
 from gpu_agent.sim.machine import MachineState
 
 SHIPPED = Path(__file__).resolve().parent.parent / "packaging" / "mig.yaml"
-GPUS, DEVICES_PER_GPU = 8, 7
+GPUS, DEVICES_PER_GPU = 2, 7
+MACHINE = "name: two-h100\ngpus:\n" + "  - model: H100-80GB-HBM3\n" * GPUS
 MIG_DEVICES = GPUS * DEVICES_PER_GPU
 # What one inventory costs: per MIG device its handle and UUID (its GPU and compute instance ids only when
 # the UUID is new), and per GPU instance its info, its compute instances and their info (a 1g GPU instance
@@ -40,7 +41,9 @@ def runtime(tmp_path: Path) -> Iterator[Runtime]:
     shutil.copy(SHIPPED, root / "etc/gpu-agent/mig.yaml")
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"version": "v1", "mig": {"config": "all-1g.10gb"}}))
-    built = Runtime.build(Root(root), load_config(config, required=True), "dgx-h100")
+    machine = tmp_path / "machine.yaml"
+    machine.write_text(MACHINE)
+    built = Runtime.build(Root(root), load_config(config, required=True), str(machine))
     yield built
     built.nvml.close()
 
@@ -79,18 +82,18 @@ def test_another_tools_change_between_passes_is_seen_even_while_the_mig_stage_wa
     reconcile(runtime)
     other = another_tool(runtime)
     try:
-        gi = runtime.state.inventory.gpus[3].mig.gpu_instances[0]
-        other.mig.destroy_compute_instance(3, gi.id, gi.compute_instances[0].id)
-        other.mig.destroy_gpu_instance(3, gi.id)
+        gi = runtime.state.inventory.gpus[1].mig.gpu_instances[0]
+        other.mig.destroy_compute_instance(1, gi.id, gi.compute_instances[0].id)
+        other.mig.destroy_gpu_instance(1, gi.id)
     finally:
         other.close()
     runtime.state.stages["mig"].next_retry = time.time() + 3600  # backing off: this pass skips it
     runs = reconcile(runtime, force=False)
     assert next(run for run in runs if run.stage == "mig").skipped
-    assert devices(runtime.state.inventory, 3) == DEVICES_PER_GPU - 1  # discovery read the GPUs again
+    assert devices(runtime.state.inventory, 1) == DEVICES_PER_GPU - 1  # discovery read the GPUs again
     runs = reconcile(runtime)  # the mig stage puts the instance back; discovery sees it in the same pass
     assert any(run.applied for run in runs if run.stage == "mig")
-    assert devices(runtime.state.inventory, 3) == DEVICES_PER_GPU
+    assert devices(runtime.state.inventory, 1) == DEVICES_PER_GPU
 
 
 def test_the_pass_reading_is_kept_until_a_mig_change_and_only_within_passes(runtime: Runtime) -> None:
@@ -104,9 +107,9 @@ def test_the_pass_reading_is_kept_until_a_mig_change_and_only_within_passes(runt
     nvml.inventory.begin_pass()
     reading = nvml.inventory.read()
     assert nvml.inventory.pass_reading() is reading
-    gi = reading.gpus[5].mig.gpu_instances[-1]
-    nvml.mig.destroy_compute_instance(5, gi.id, gi.compute_instances[0].id)
+    gi = reading.gpus[1].mig.gpu_instances[-1]
+    nvml.mig.destroy_compute_instance(1, gi.id, gi.compute_instances[0].id)
     after = nvml.inventory.pass_reading()
-    assert after is not reading and len(after.gpus[5].mig.gpu_instances[-1].compute_instances) == 0
+    assert after is not reading and len(after.gpus[1].mig.gpu_instances[-1].compute_instances) == 0
     nvml.inventory.begin_pass()
     assert nvml.inventory.pass_reading() is not after

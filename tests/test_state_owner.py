@@ -132,7 +132,8 @@ def test_passes_on_a_converged_node_under_load_send_nothing(root: Path, api: Kub
             while passes < 200 and time.monotonic() < deadline:
                 runtime.state = AgentState(loaded, hardware=runtime.state.hardware, machine=runtime.state.machine)
                 runtime.kube_budget = RequestBudget()
-                runtime.engine = Engine([], runtime.state, loaded.config.reconcile, begin_pass=runtime.nvml.inventory.begin_pass)
+                runtime.engine = Engine([], runtime.state, loaded.config.reconcile,
+                                        begin_pass=runtime.nvml.inventory.begin_pass)
                 runtime.engine.set_stages(runtime.stages(loaded.config))
                 runs = asyncio.run(runtime.engine.reconcile(force=True))
                 assert [(run.stage, run.message) for run in runs if run.state != "ok"] == [], passes

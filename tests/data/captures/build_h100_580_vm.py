@@ -1,7 +1,7 @@
 """Build tests/data/captures/h100-580-vm/ from the files read on the real node in
-../shared/hardware/h100-580-vm/ (see its README), in the format `gpu-agent capture` writes.
+h100-580-vm-raw/ beside it (see its README), in the format `gpu-agent capture` writes.
 
-    .venv/bin/python tests/data/captures/build_h100_580_vm.py [SHARED_DIR [OUT_DIR]]
+    .venv/bin/python tests/data/captures/build_h100_580_vm.py [NODE_FILES_DIR [OUT_DIR]]
 
 Where each part comes from:
 - files.json: proc-modules-and-sys-module.txt (/proc/modules, which /sys/module/nvidia* exist,
@@ -38,7 +38,7 @@ from gpu_agent.nvml import answers
 from gpu_agent.capture import FORMAT, MANIFEST, PARTS, write_part
 
 HERE = Path(__file__).resolve().parent
-SHARED = HERE.parents[2] / ".." / "shared" / "hardware" / "h100-580-vm"
+NODE_FILES = HERE / "h100-580-vm-raw"
 OUT = HERE / "h100-580-vm"
 LIBRARY_DIR = "/usr/local/nvidia/lib64"
 GPU = answers.Handle("gpu0")
@@ -55,28 +55,28 @@ PREFIXED = {  # the dump's own keys: prefix -> (pynvml function, constant names 
 }
 
 
-def read(shared: Path, name: str) -> str:
-    return (shared / name).read_text()
+def read(node: Path, name: str) -> str:
+    return (node / name).read_text()
 
 
-def files_part(shared: Path) -> tuple[dict[str, str], list[str], dict[str, str]]:
+def files_part(node: Path) -> tuple[dict[str, str], list[str], dict[str, str]]:
     files: dict[str, str] = {}
     directories: list[str] = []
     links: dict[str, str] = {}
-    lines = read(shared, "proc-modules-and-sys-module.txt").splitlines()
+    lines = read(node, "proc-modules-and-sys-module.txt").splitlines()
     files["/proc/modules"] = "".join(line + "\n" for line in lines if len(line.split()) >= 5)
     words = [line for line in lines if len(line.split()) == 1]
     directories += [f"/sys/module/{name}" for name in words if not name[0].isdigit()]
     files["/sys/module/nvidia/version"] = next(w for w in words if w[0].isdigit()) + "\n"
-    files["/proc/devices"] = read(shared, "proc-devices.txt")
-    files["/proc/driver/nvidia/version"] = read(shared, "proc-driver-nvidia-version.txt")
-    files["/proc/driver/nvidia/params"] = read(shared, "proc-driver-nvidia-params.txt")
-    for line in read(shared, "proc-driver-nvidia-capabilities.txt").splitlines():
+    files["/proc/devices"] = read(node, "proc-devices.txt")
+    files["/proc/driver/nvidia/version"] = read(node, "proc-driver-nvidia-version.txt")
+    files["/proc/driver/nvidia/params"] = read(node, "proc-driver-nvidia-params.txt")
+    for line in read(node, "proc-driver-nvidia-capabilities.txt").splitlines():
         path, _, fields = line.partition(": ")
         files[path] = "".join(f"{key}: {value}\n" for key, value in re.findall(r"(\w+): (\S+)", fields))
-    information = read(shared, "proc-driver-nvidia-gpus-information.txt").splitlines(keepends=True)
+    information = read(node, "proc-driver-nvidia-gpus-information.txt").splitlines(keepends=True)
     files[information[0].strip()] = "".join(information[1:])
-    for line in read(shared, "sys-bus-pci-nvidia.txt").splitlines():
+    for line in read(node, "sys-bus-pci-nvidia.txt").splitlines():
         path, *pairs = line.split()
         values = dict(pair.split("=", 1) for pair in pairs)
         subsystem_vendor, subsystem_device = values["subsys"].split(":")
@@ -86,15 +86,15 @@ def files_part(shared: Path) -> tuple[dict[str, str], list[str], dict[str, str]]
         directories.append(path)
         files.update({f"{path}/{key}": f"{value}\n" for key, value in attributes.items()})
         links[f"{path}/driver"] = f"../../../bus/pci/drivers/{values['driver']}"
-    os_release = [line for line in read(shared, "uname.txt").splitlines() if "=" in line]
+    os_release = [line for line in read(node, "uname.txt").splitlines() if "=" in line]
     files["/etc/os-release"] = "".join(line + "\n" for line in os_release)
     return files, directories, links
 
 
-def devices_part(shared: Path) -> list[dict[str, Any]]:
+def devices_part(node: Path) -> list[dict[str, Any]]:
     devices: dict[str, dict[str, Any]] = {}
     directory = "/dev"
-    for line in read(shared, "dev-listing.txt").splitlines():
+    for line in read(node, "dev-listing.txt").splitlines():
         if line.endswith(":"):
             directory = line[:-1]
             continue
@@ -122,9 +122,9 @@ def _mode(permissions: str) -> int:
     return bits
 
 
-def ldcache_part(shared: Path, version: str) -> list[dict[str, Any]]:
+def ldcache_part(node: Path, version: str) -> list[dict[str, Any]]:
     entries = []
-    for line in read(shared, "ldconfig-p.txt").splitlines():
+    for line in read(node, "ldconfig-p.txt").splitlines():
         match = re.match(r"\s*(\S+) \(libc6,x86-64\) => (\S+)", line)
         if match:
             key, path = match.groups()
@@ -134,10 +134,10 @@ def ldcache_part(shared: Path, version: str) -> list[dict[str, Any]]:
     return entries
 
 
-def nvml_part(shared: Path) -> list[dict[str, Any]]:
-    dump = json.loads(read(shared, "nvml-readonly-dump.json"))
+def nvml_part(node: Path) -> list[dict[str, Any]]:
+    dump = json.loads(read(node, "nvml-readonly-dump.json"))
     device = dump["devices"][0]
-    uuid = re.search(r"UUID: (GPU-[0-9a-f-]+)", read(shared, "nvidia-smi-L.txt")).group(1)  # type: ignore[union-attr]
+    uuid = re.search(r"UUID: (GPU-[0-9a-f-]+)", read(node, "nvidia-smi-L.txt")).group(1)  # type: ignore[union-attr]
     calls: list[dict[str, Any]] = []
 
     def add(name: str, args: tuple[Any, ...], result: dict[str, Any], struct: str = "") -> None:
@@ -172,7 +172,7 @@ def nvml_part(shared: Path) -> list[dict[str, Any]]:
     for profile in device["gi_profiles"].values():
         add("nvmlDeviceGetGpuInstanceProfileInfo", (GPU, profile["const"]), profile["info"],
             "c_nvmlGpuInstanceProfileInfo_v2_t")
-    for line in read(shared, "nvidia-smi-mig-lgipp.txt").splitlines():
+    for line in read(node, "nvidia-smi-mig-lgipp.txt").splitlines():
         match = re.search(r"Profile ID\s+(\d+) Placements?\s*: \{([\d,]+)\}:(\d+)", line)
         if match:
             starts = [int(start) for start in match.group(2).split(",")]
@@ -189,9 +189,9 @@ def _field_value(field_id: int, read: dict[str, Any]) -> dict[str, Any]:
         "nvmlReturn": read["ret"], "value": {"struct": "c_nvmlValue_t", "fields": {member: read["value"]}}}}
 
 
-def manifest_part(shared: Path, problems: list[str]) -> dict[str, Any]:
-    stamp = re.search(r"Timestamp\s+: (.+)", read(shared, "nvidia-smi-q.txt")).group(1).strip()  # type: ignore[union-attr]
-    release = read(shared, "uname.txt").split()[2]
+def manifest_part(node: Path, problems: list[str]) -> dict[str, Any]:
+    stamp = re.search(r"Timestamp\s+: (.+)", read(node, "nvidia-smi-q.txt")).group(1).strip()  # type: ignore[union-attr]
+    release = read(node, "uname.txt").split()[2]
     return {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.strptime(stamp, "%a %b %d %H:%M:%S %Y")),
@@ -204,20 +204,20 @@ def manifest_part(shared: Path, problems: list[str]) -> dict[str, Any]:
     }
 
 
-def build(shared: Path, out: Path) -> None:
-    files, directories, links = files_part(shared)
+def build(node: Path, out: Path) -> None:
+    files, directories, links = files_part(node)
     version = files["/sys/module/nvidia/version"].strip()
     out.mkdir(parents=True, exist_ok=True)
     write_part(out, "files.json", {"files": files, "directories": sorted(directories)})
     write_part(out, "links.json", links)
-    write_part(out, "devices.json", devices_part(shared))
-    write_part(out, "ldcache.json", ldcache_part(shared, version))
-    write_part(out, "nvml.json", nvml_part(shared))
-    write_part(out, MANIFEST, manifest_part(shared, [
+    write_part(out, "devices.json", devices_part(node))
+    write_part(out, "ldcache.json", ldcache_part(node, version))
+    write_part(out, "nvml.json", nvml_part(node))
+    write_part(out, MANIFEST, manifest_part(node, [
         "/sys/class/dmi/id/product_name: not read on the node",
         "/sys/module/nvidia*/parameters: not read on the node",
     ]))
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]) if len(sys.argv) > 1 else SHARED, Path(sys.argv[2]) if len(sys.argv) > 2 else OUT)
+    build(Path(sys.argv[1]) if len(sys.argv) > 1 else NODE_FILES, Path(sys.argv[2]) if len(sys.argv) > 2 else OUT)
