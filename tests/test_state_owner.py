@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import yaml
+from conftest import cli
 from kube_emulator import KubeEmulator
 from test_toolkit import node  # noqa: F401  (a fixture)
 
@@ -143,6 +144,28 @@ def test_passes_on_a_converged_node_under_load_send_nothing(root: Path, api: Kub
         runtime.nvml.close()
     assert passes >= 10, f"only {passes} passes in 6 s"
     assert len(api.requests) == passes  # each pass read its node once, and wrote nothing
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_200_apply_once_commands_on_a_converged_node_under_load_send_nothing(root: Path, api: KubeEmulator,
+                                                                             tmp_path: Path) -> None:
+    """The acceptance as a user meets it: `gpu-agent apply --once` run 200 times as processes, beside a
+    process that keeps a CPU busy, on a node the first run converged: not one API write."""
+    api.write_kubeconfig(root / "etc/kubernetes/kubelet.conf", mode="cert-data")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"version": "v1", "kubernetes": {"node_name": NODE}}))
+    argv = ("--simulate", "dgx-a100", "apply", "--once")
+    first = cli(*argv, root=root, config=config, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert api.labels()["nvidia.com/gpu-agent.ready"] == "true"
+    api.clear_requests()
+    with cpu_load():
+        for number in range(200):
+            again = cli(*argv, root=root, config=config, timeout=120)
+            assert again.returncode == 0, f"run {number}: {again.stderr}"
+            assert writes(api) == [], f"run {number}"
+    assert api.condition("GPUAgentReady")["status"] == "True"
 
 
 def test_runtime_restarts_are_the_toolkit_stages_result_recorded_by_the_engine(node: Path) -> None:  # noqa: F811
