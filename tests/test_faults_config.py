@@ -66,7 +66,12 @@ ROWS: list[tuple[str, str | bytes, str]] = [
     ("duplicate anchor", V1 + "a: &x 1\nb: &x 2\n", ":3: not valid YAML"),
     ("mapping as a key", V1 + "? {a: b}\n: 1\n", ":2: not valid YAML"),
     ("python object tag", V1 + "log_level: !!python/object/apply:os.system [id]\n", ":2: not valid YAML"),
-    ("impossible date", V1 + "metrics:\n  hostname: 2024-13-45\n", ":3: not valid YAML: cannot read this value"),
+    ("impossible date", V1 + "metrics:\n  hostname: 2024-13-45\n",
+     ":3: not valid YAML: cannot read this value as !!timestamp: '2024-13-45'"),
+    ("boolean tag on a word", V1 + "toolkit:\n  enabled: !!bool maybe\n", ":3: not valid YAML: cannot read this value"),
+    ("integer tag on nothing", V1 + "discovery:\n  expected_gpus: !!int ''\n", ":3: not valid YAML: cannot read"),
+    ("timestamp tag on a word", V1 + "metrics:\n  hostname: !!timestamp x\n", ":3: not valid YAML: cannot read"),
+    ("boolean tag on a key", V1 + "? !!bool maybe\n: 1\n", ":2: not valid YAML: cannot read this value"),
     ("merge of a scalar", V1 + "reconcile:\n  <<: 5\n", ":3: not valid YAML"),
     # --- bytes that are not UTF-8 YAML text
     ("latin-1 byte", V1.encode() + b"metrics:\n  hostname: caf\xe9\n", ":3: not UTF-8 text (byte 36)"),

@@ -112,8 +112,12 @@ def _check_nodes(loader: Any, node: yaml.Node, seen: set[int]) -> None:
             raise _Refused(node.start_mark, f"a number {len(node.value)} characters long is out of range")
         try:
             loader.construct_object(node)  # kept by the loader for construct_document
-        except (ValueError, OverflowError) as exc:  # a 13th month in a timestamp
-            raise _Refused(node.start_mark, f"not valid YAML: cannot read this value: {exc}") from None
+        except yaml.YAMLError:
+            raise
+        except Exception:  # a 13th month, `!!bool maybe`, `!!int ''`: PyYAML's converters raise anything
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            raise _Refused(node.start_mark, f"not valid YAML: cannot read this value as {tag}: "
+                                            f"{shown(node.value)}") from None
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
             _check_nodes(loader, item, seen)
@@ -135,7 +139,8 @@ def _yaml_error(exc: yaml.YAMLError, text: str, name: str) -> str:
     where = f"{name}:{mark.line + 1}" if mark else name
     problem = getattr(exc, "problem", None) or type(exc).__name__
     context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
-    if mark is not None and text.split("\n")[mark.line][mark.column:mark.column + 1] == "\t":
+    line = text.split("\n")[mark.line] if mark is not None and mark.line <= text.count("\n") else ""
+    if mark is not None and line[mark.column:mark.column + 1] == "\t":
         problem = "a tab character; YAML indents with spaces only"
     elif context and not context.startswith("while") and context_mark is not None:
         problem = f"{context} (line {context_mark.line + 1}), {problem}"
