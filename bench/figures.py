@@ -175,7 +175,7 @@ def startup(scale: Scale, tmp: Path) -> list[Figure]:
             agent.stop()
     profiled = Agent(workdir, AgentOptions(env={"PYTHONPROFILEIMPORTTIME": "1"}, port=first.port))
     profiled.start().stop()
-    edited = []  # a start after the config file changed: validated again (in a child) before the pass
+    edited = []  # a start after the config file changed
     for _ in range(3):
         agent = Agent(workdir).start()
         edited.append((agent.ready_wall - agent.started_wall) * 1000)
@@ -243,7 +243,7 @@ def idle(scale: Scale, tmp: Path, peer: Optional[dict[str, float]]) -> list[Figu
         Figure(3, f"idle CPU over {scale.idle_s:g} s, all stages on", round(cpu_pct, 3), "% of a core", "≤ 0.1 %",
                cpu_pct <= 0.1, peer_note, details, note=f"thread wake-ups: {woke}"),
         Figure(3, "idle RSS / PSS, all stages on", round(memory["rss_mib"], 1), "MiB",
-               "RSS ≤ 48 MiB", memory["rss_mib"] <= 48, {"PSS": f"{memory['pss_mib']:.1f} MiB", **peer_note},
+               "RSS ≤ 60 MiB", memory["rss_mib"] <= 60, {"PSS": f"{memory['pss_mib']:.1f} MiB", **peer_note},
                details),
     ]
 

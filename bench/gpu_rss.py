@@ -7,8 +7,7 @@ at most 1.3x. Not part of `make bench` (which runs on simulated nodes); run it a
 The agent runs on the real root with every stage that could change the host off: driver (no modprobe),
 toolkit, Kubernetes and MIG (no config); it reads NVML, samples metrics, watches XIDs and serves its
 endpoints on a free loopback port and a socket in a temporary directory. What it writes is its own: its
-lock in /run/gpu-agent and its validated-config cache in /var/lib/gpu-agent. Exits 2 when NVML does not
-initialise here, 1 when the goal is missed.
+lock in /run/gpu-agent. Exits 2 when NVML does not initialise here, 1 when the goal is missed.
 """
 from __future__ import annotations
 

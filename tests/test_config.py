@@ -169,3 +169,49 @@ def test_a_number_given_as_a_string_says_how_to_write_it() -> None:
     message = error_of("version: v1\nnvml:\n  call_timeout_seconds: '5'\n")
     assert message.startswith("c.yaml:3: nvml.call_timeout_seconds: Input should be a valid number")
     assert "(got the string '5'; write a number without quotes" in message
+
+
+RELOADED = "version: v1\nreconcile:\n  interval_seconds: 30\n"
+
+
+def test_a_reload_of_the_same_text_loads_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_agent.config import loader
+
+    config = write(tmp_path, RELOADED)
+    running = load_config(config, required=True)
+    monkeypatch.setattr(loader, "check_config", lambda *args: pytest.fail("an unchanged file was loaded again"))
+    assert loader.reload_config(config, True, running) is None
+    defaults = load_config(tmp_path / "absent.yaml", required=False)
+    assert loader.reload_config(tmp_path / "absent.yaml", False, defaults) is None  # still absent
+
+
+def test_a_reload_of_other_text_or_another_file_loads_it(tmp_path: Path) -> None:
+    from gpu_agent.config.loader import reload_config
+
+    config = write(tmp_path, RELOADED)
+    running = load_config(config, required=True)
+    config.write_text(RELOADED + "\n")  # one byte more, the same settings: still a file to load
+    again = reload_config(config, True, running)
+    assert again is not None and again.digest == running.digest and again.text_sha256 != running.text_sha256
+    config.write_text(RELOADED.replace("30", "31"))
+    changed = reload_config(config, True, running)
+    assert changed is not None and changed.config.reconcile.interval_seconds == 31.0
+    other = write(tmp_path, RELOADED, "other.yaml")  # the same text at another path: its messages name it
+    elsewhere = reload_config(other, True, running)
+    assert elsewhere is not None and elsewhere.source == str(other)
+
+
+def test_a_reload_of_a_missing_or_broken_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    from gpu_agent.config.loader import reload_config
+
+    config = write(tmp_path, RELOADED)
+    running = load_config(config, required=True)
+    config.write_text(RELOADED + "reconcile: {}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:4: duplicate key 'reconcile'"):
+        reload_config(config, True, running)
+    config.unlink()
+    with pytest.raises(ConfigError, match="c.yaml: no such file"):
+        reload_config(config, True, running)
+    config.mkdir()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        reload_config(config, True, running)

@@ -35,13 +35,16 @@ assert len(BOMB) < 600  # the size of the one in issue 11 (523 bytes, 38 s and 2
 
 V1 = "version: v1\n"
 
-# (id, file content, a fragment the message must contain: ":LINE: " and the key or the reason)
+# (id, file content, a fragment the message must contain: ":LINE: " and the key or the reason, in the agent's
+# words; where the reason is PyYAML's, only "not valid YAML", as its wording changes between versions)
 ROWS: list[tuple[str, str | bytes, str]] = [
     # --- YAML that costs more to load than its size says
-    ("anchor bomb", BOMB, ":8: aliases expand to more than 10000 values"),
+    ("anchor bomb", BOMB, ":9: alias *l4 makes the file expand to more than 1048576 bytes"),
+    ("long string aliased 10000 times", V1 + "toolkit:\n  runtime_config:\n    a: &s " + "s" * 20_000 + "\n"
+     "    b: [" + ", ".join(["*s"] * 10_000) + "]\n", ":5: alias *s makes the file expand to more than"),
     ("alias inside its own anchor", V1 + "toolkit:\n  runtime_config:\n    a: &a [1, *a]\n", ":4: alias *a is inside"),
     ("100000-deep flow nesting", V1 + "toolkit:\n  runtime_config:\n    a: " + "[" * 100_000 + "]" * 100_000,
-     ":4: nested more than 32 levels deep"),
+     ":4: "),  # the agent's bound, or libyaml's own (it scans ahead): either names the line
     ("40-deep block nesting", V1 + "toolkit:\n  runtime_config:\n" + "".join(
         "  " * (depth + 2) + f"k{depth}:\n" for depth in range(40)), "nested more than 32 levels deep"),
     ("a 5000-digit number", V1 + "discovery:\n  expected_gpus: " + "9" * 5000 + "\n", ":3: a number 5000 characters"),
@@ -53,17 +56,22 @@ ROWS: list[tuple[str, str | bytes, str]] = [
      ":4: duplicate key 'interval_seconds', first given on line 3"),
     ("duplicate key in flow style", V1 + "reconcile: {interval_seconds: 1, interval_seconds: 2}\n",
      ":2: duplicate key 'interval_seconds', first given on line 2"),
-    ("two documents", V1 + "---\n" + V1, ":2: not valid YAML: expected a single document"),
+    ("two documents", V1 + "---\n" + V1, ":2: not valid YAML"),
     ("top-level list", "- version: v1\n", ":1: expected a mapping of settings at the top level, got a list"),
     ("top-level string", "version v1\n", ":1: expected a mapping of settings at the top level, got a string"),
     ("tab indentation", V1 + "http:\n\tlisten: 127.0.0.1:1\n", ":3: not valid YAML: a tab character"),
     ("unclosed flow list", V1 + "health:\n  ignored_xids: [13, 31\nlog_level: info\n", ":4: not valid YAML"),
     ("unclosed quote", V1 + 'metrics:\n  hostname: "node\n', ":4: not valid YAML"),
-    ("undefined alias", V1 + "log_level: *level\n", ":2: not valid YAML: found undefined alias"),
-    ("duplicate anchor", V1 + "a: &x 1\nb: &x 2\n", ":3: not valid YAML: found duplicate anchor"),
-    ("mapping as a key", V1 + "? {a: b}\n: 1\n", ":2: not valid YAML: found unhashable key"),
+    ("undefined alias", V1 + "log_level: *level\n", ":2: not valid YAML"),
+    ("duplicate anchor", V1 + "a: &x 1\nb: &x 2\n", ":3: not valid YAML"),
+    ("mapping as a key", V1 + "? {a: b}\n: 1\n", ":2: not valid YAML"),
     ("python object tag", V1 + "log_level: !!python/object/apply:os.system [id]\n", ":2: not valid YAML"),
-    ("impossible date", V1 + "metrics:\n  hostname: 2024-13-45\n", ":3: not valid YAML: cannot read this value"),
+    ("impossible date", V1 + "metrics:\n  hostname: 2024-13-45\n",
+     ":3: not valid YAML: cannot read this value as !!timestamp: '2024-13-45'"),
+    ("boolean tag on a word", V1 + "toolkit:\n  enabled: !!bool maybe\n", ":3: not valid YAML: cannot read this value"),
+    ("integer tag on nothing", V1 + "discovery:\n  expected_gpus: !!int ''\n", ":3: not valid YAML: cannot read"),
+    ("timestamp tag on a word", V1 + "metrics:\n  hostname: !!timestamp x\n", ":3: not valid YAML: cannot read"),
+    ("boolean tag on a key", V1 + "? !!bool maybe\n: 1\n", ":2: not valid YAML: cannot read this value"),
     ("merge of a scalar", V1 + "reconcile:\n  <<: 5\n", ":3: not valid YAML"),
     # --- bytes that are not UTF-8 YAML text
     ("latin-1 byte", V1.encode() + b"metrics:\n  hostname: caf\xe9\n", ":3: not UTF-8 text (byte 36)"),
@@ -307,7 +315,7 @@ def test_a_reload_that_fails_inside_the_loader_keeps_the_running_config(
     loaded = load_config(config, required=True)
     runtime = app.Runtime.build(Root(root), loaded, "t4")
 
-    def broken(path: Path, required: bool, root: Root, running: object) -> None:
+    def broken(path: Path, required: bool, running: object) -> None:
         raise RecursionError("maximum recursion depth exceeded")
 
     async def reload() -> app.Daemon:
@@ -341,10 +349,12 @@ def test_sighup_with_each_bad_config_keeps_the_daemon_and_its_config(agent) -> N
         assert daemon.proc.poll() is None
         return json.loads(daemon.get("/status")[1])["config"]
 
+    after = good.count("\n")  # the line of the first line appended to the good text is after + 1
     bad = [
-        (lambda p: p.write_text(good + BOMB.replace(V1, "")), "aliases expand to more than 10000 values"),
+        (lambda p: p.write_text(good + BOMB.replace(V1, "")),
+         f"{daemon.config}:{after + 8}: alias *l4 makes the file expand to more than"),
         (lambda p: p.write_text(good + "health: " + "[" * 100_000 + "]" * 100_000 + "\n"),
-         "nested more than 32 levels deep"),
+         f"{daemon.config}:{after + 1}: "),
         (lambda p: p.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256))), "not UTF-8 text"),
         (lambda p: p.write_text(good + "kubernetes:\n  kubeconfig: kubelet.conf\n"),
          "kubernetes.kubeconfig: must be an absolute path"),
@@ -361,6 +371,7 @@ def test_sighup_with_each_bad_config_keeps_the_daemon_and_its_config(agent) -> N
     config = reload_with(lambda p: p.write_text(good + "discovery:\n  expected_gpus: 1\n"))
     assert config["reload_error"] is None and config["digest"] != digest
     assert daemon.stop(timeout=10) == 0
+    assert "Traceback" not in daemon.output()
 
 
 def remove(path: Path) -> None:

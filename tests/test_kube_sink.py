@@ -107,8 +107,8 @@ def test_a_fault_storm_is_survived_at_a_bounded_rate(agent, api: KubeEmulator, k
     assert api.labels()["nvidia.com/gpu.count"] == "8"
     # The storm again, and reloads that each build a new client (a new request timeout) and force a
     # pass that skips the backoff: only the node's request budget holds the rate now. Reloads go on until
-    # the budget refuses a request (each reload of a changed file is validated by a child interpreter
-    # first, and a loaded machine coalesces signals into fewer passes), at most two budget windows.
+    # the budget refuses a request (each reload of a changed file is validated first, and a loaded
+    # machine coalesces signals into fewer passes), at most two budget windows.
     api.fail_next("*", 500, count=None)
     deadline, reloads, capped = time.monotonic() + 120, 0, False
     while not capped and time.monotonic() < deadline:

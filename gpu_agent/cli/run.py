@@ -14,17 +14,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging  # here: every command's parser imports this module, and `status` needs no logging
 
-    from gpu_agent.config import validate
+    from gpu_agent.config import load_config
 
     path, required = config_location(args)
-    # A forked child validates while this process imports the daemon (single-threaded still).
-    loading = validate.start(path, required, root_of(args), fork=True)
-    from gpu_agent.daemon.app import run_daemon
-
     try:
-        loaded = loading.result()
+        loaded = load_config(path, required)
     except ConfigError as exc:
         logging.getLogger("gpu_agent").error("refusing to start: %s", exc)
         return EXIT_ERROR
+    from gpu_agent.daemon.app import run_daemon
+
     logging.getLogger().setLevel(loaded.config.log_level.upper())
     return run_daemon(root_of(args), loaded, path, required, args.simulate)

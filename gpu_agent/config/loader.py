@@ -1,17 +1,18 @@
-"""Read and validate the config file; every error names the file, the key path, the line and the reason.
-
-This is the one module that validates, with pydantic and PyYAML: the CLI's one-shot commands call it
-in-process, the daemon in a child (config/validate.py) so that it never imports either."""
+"""Read and validate the config file with pydantic; every error names the file, the key path, the line
+and the reason. The daemon (at start and on SIGHUP) and the CLI's commands all load it here."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from gpu_agent.config.loaded import BUILT_IN, LoadedConfig, loaded, text_sha256
 from gpu_agent.config.plugin import conflicting_keys, deprecated_keys
 from gpu_agent.config.safe_yaml import line_of, load_yaml
 from gpu_agent.config.schema import AgentConfig
@@ -20,7 +21,7 @@ from gpu_agent.config.text import MAX_CONFIG_BYTES, read_config_text, shown
 from gpu_agent.errors import ConfigError
 
 __all__ = ["DEFAULT_CONFIG_PATH", "LoadedConfig", "check_config", "line_of", "load_config", "parse_config",
-           "validated"]
+           "reload_config", "validated"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ADAPTERS: dict[type, TypeAdapter[Any]] = {}  # building one costs milliseconds: once per section
@@ -33,11 +34,54 @@ _TYPE_HINTS = {
 }
 # A key the section does not have: pydantic's type for a model, then for a dataclass.
 _UNKNOWN_KEY = ("extra_forbidden", "unexpected_keyword_argument")
+BUILT_IN = "built-in defaults"
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    config: AgentConfig
+    source: str  # the file it came from, or "built-in defaults"
+    digest: str
+    text_sha256: Optional[str] = None  # of the file's text, when loaded from one
+
+
+def canonical_json(config: AgentConfig) -> str:
+    """Every setting, keys sorted, no spaces: equal configs give equal text (and digest)."""
+    return json.dumps(dataclasses.asdict(config), sort_keys=True, separators=(",", ":"), default=_plain)
+
+
+def loaded(config: AgentConfig, source: str, text_sha256: Optional[str] = None) -> LoadedConfig:
+    return LoadedConfig(config, source, "sha256:" + hashlib.sha256(canonical_json(config).encode()).hexdigest(),
+                        text_sha256)
+
+
+def text_sha256(text: str) -> str:
+    """What identifies a config file's text: a reload of the same text has nothing to load."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _plain(value: Any) -> str:
+    """A YAML value JSON has no type for (a date in toolkit.runtime_config), as pydantic writes it."""
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
 
 
 def load_config(path: Path, required: bool) -> LoadedConfig:
     """Load `path`; a missing file gives the built-in defaults unless `required`."""
+    return _load(path, required, read_config_text(path))
+
+
+def reload_config(path: Path, required: bool, running: LoadedConfig) -> Optional[LoadedConfig]:
+    """A SIGHUP's config: None when the file still holds exactly the text `running` came from (or is still
+    absent, for the built-in defaults), as there is nothing to load; else load_config's answer."""
     text = read_config_text(path)
+    if text is None and running.source == BUILT_IN:
+        return None
+    if text is not None and running.source == str(path) and running.text_sha256 == text_sha256(text):
+        return None
+    return _load(path, required, text)
+
+
+def _load(path: Path, required: bool, text: Optional[str]) -> LoadedConfig:
     if text is None:
         if required:
             raise ConfigError(f"{path}: no such file")

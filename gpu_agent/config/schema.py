@@ -1,8 +1,7 @@
 """Schema of /etc/gpu-agent/config.yaml, version v1. Unknown keys are errors, never ignored.
 
-The sections are frozen dataclasses (config/section.py): the types the daemon runs with, built by
-pydantic in the process that validates (config/loader.py) and from the validated JSON in the daemon
-(config/build.py)."""
+The sections are frozen dataclasses (config/section.py): the types the agent runs with, built by
+pydantic (config/loader.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -15,7 +15,7 @@ from typing import IO, Any, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig
-from gpu_agent.config.validate import reload_config
+from gpu_agent.config.loader import reload_config
 from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.host.watch import FileChanges
@@ -347,8 +347,7 @@ class Daemon:
         shown as the reload error in /status, never a crash of the loop."""
         self.notifier.reloading()
         try:
-            loaded = await asyncio.to_thread(reload_config, self.config_path, self.config_required,
-                                             self.runtime.root, self.state.config)
+            loaded = await asyncio.to_thread(reload_config, self.config_path, self.config_required, self.state.config)
             if loaded is None:
                 self.state.config_error = None
                 log.info("reloading configuration from %s: the file is unchanged; keeping configuration %s",
