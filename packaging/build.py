@@ -241,11 +241,15 @@ def nfpm_config(target: Target, stage: Path) -> dict:
     ]
     man = {"src": str(stage / "gpu-agent.1.gz"), "dst": "/usr/share/man/man1/gpu-agent.1.gz",
            "file_info": {"mode": 0o644}}
+    # The README's links: the topic pages beside it, as in the repository.
+    pages = [{"src": str(page), "dst": f"{doc}/docs/{page.name}", "file_info": {"mode": 0o644}}
+             for page in sorted((TOP / "docs").glob("*.md"))]
     python = target.python
     newer = f"{python.split('.')[0]}.{int(python.split('.')[1]) + 1}"
     if target.packager == "deb":
         contents += [
             {"src": str(TOP / "README.md"), "dst": f"{doc}/README.md", "file_info": {"mode": 0o644}},
+            *pages,
             {"src": str(HERE / "copyright"), "dst": f"{doc}/copyright", "file_info": {"mode": 0o644}},
             {"src": str(stage / "changelog.Debian.gz"), "dst": f"{doc}/changelog.Debian.gz",
              "file_info": {"mode": 0o644}},
@@ -257,6 +261,7 @@ def nfpm_config(target: Target, stage: Path) -> dict:
     else:
         contents += [
             {"src": str(TOP / "README.md"), "dst": f"{doc}/README.md", "type": "doc", "file_info": {"mode": 0o644}},
+            *({**page, "type": "doc"} for page in pages),
             {"src": str(HERE / "copyright"), "dst": "/usr/share/licenses/gpu-agent/copyright", "type": "license",
              "file_info": {"mode": 0o644}},
             {**man, "type": "doc"},  # %doc; typed so, nfpm would leave it out of the deb

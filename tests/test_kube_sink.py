@@ -152,14 +152,14 @@ def test_the_condition_turns_false_when_readyz_does(agent, api: KubeEmulator, ku
     daemon.wait_ready()
     daemon.wait_http("/status", lambda _, b: json.loads(b)["stages"][-1]["state"] == "ok")
     api.kubelet_heartbeat()
-    assert run_cli("sim", "inject-xid", "--gpu", "2", "--xid", "79", root=root).returncode == 0
+    assert run_cli("sim", "inject-xid", "--gpu", "2", "--xid", "48", root=root).returncode == 0
     daemon.wait_http("/readyz", lambda status, _: status == 503)
     deadline = time.monotonic() + 10
     while (api.condition("GPUAgentReady") or {}).get("status") != "False":
         assert time.monotonic() < deadline, "GPUAgentReady is still True 10 s after /readyz turned 503"
         time.sleep(0.05)
     condition = api.condition("GPUAgentReady")
-    assert condition["reason"] == "GpuHealthFailed" and "XID 79" in condition["message"]
+    assert condition["reason"] == "GpuHealthFailed" and "XID 48" in condition["message"]
     assert KUBELET_CONDITIONS <= {c["type"] for c in api.get_node()["status"]["conditions"]}
     assert api.labels()["nvidia.com/gpu-agent.ready"] == "false"
 
