@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,8 +23,12 @@ from typing import Optional
 from pathlib import Path
 
 import pytest
+from served import Served, read_responses
 
 from gpu_agent.daemon import listener as listener_module
+from gpu_agent.daemon import protocol as protocol_module
+from gpu_agent.daemon.http import Endpoints
+from gpu_agent.daemon.responses import Capped, Request, Response
 from gpu_agent.daemon.listener import (
     Listener,
     OncePer,
@@ -411,3 +416,215 @@ def test_a_connection_flood_at_the_descriptor_limit_leaves_readyz_and_the_stages
     assert "Too many open files" not in log and "Traceback" not in log, log[-3000:]
     alarms = [line for line in log.splitlines() if "gpu_agent.daemon.listener" in line]
     assert 1 <= len(alarms) <= 4, alarms  # once a minute per listener and kind of alarm
+
+
+# --- floods of the HTTP protocol: no client takes the loop, the log or the memory -----------------
+
+FLOOD_S = 1.5  # each flood runs this long (the issue's ran 20 s: the same behaviour, scaled)
+
+
+def _probe_endpoints() -> Endpoints:
+    def ok(request: Request) -> Response:
+        return Response.text("ok\n")
+    return Endpoints({"/readyz": Capped(ok, 32), "/healthz": Capped(ok, 32)}, {})
+
+
+@contextmanager
+def _flood_target(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[Served]:
+    """The endpoint in-process, every log record of every logger captured (the daemon's log would hold them)."""
+    with caplog.at_level(logging.DEBUG):
+        server = Served(_probe_endpoints(), tmp_path)
+        try:
+            yield server
+        finally:
+            server.close()
+
+
+def _probe(server: Served, path: str, timeout: float = 5.0) -> int:
+    connection = server.client(timeout=timeout)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def _probing_while(server: Served, flooding: Callable[[], bool]) -> list[int]:
+    """/healthz and /readyz probed in turn while the flood runs, each within a timeout
+    (the flooding threads share this process and its GIL)."""
+    statuses = []
+    while flooding():
+        for path in ("/healthz", "/readyz"):
+            statuses.append(_probe(server, path))
+        time.sleep(0.05)
+    return statuses
+
+
+def _flood(clients: int, one: Callable[[], None]) -> threading.Thread:
+    """`clients` threads each running `one()` again and again for FLOOD_S."""
+    deadline = time.monotonic() + FLOOD_S
+
+    def client() -> None:
+        while time.monotonic() < deadline:
+            try:
+                one()
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    watcher = threading.Thread(target=lambda: [t.join() for t in threads], daemon=True)
+    watcher.start()
+    return watcher
+
+
+def _assert_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    records = caplog.records
+    assert not [r for r in records if r.exc_info], [r.getMessage() for r in records if r.exc_info][:3]
+    assert len(records) <= 5 and sum(len(r.getMessage()) for r in records) < 2000, \
+        [r.getMessage() for r in records][:10]
+
+
+def _all_closed(server: Served) -> None:
+    deadline = time.monotonic() + 10
+    while server.on_loop(lambda: server.server.listeners[0].connections):
+        assert time.monotonic() < deadline, "connections of gone clients are still open"
+        time.sleep(0.02)
+
+
+def test_half_closed_requests_are_counted_not_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Clients that send part of a request and close 20 ms later (the issue's 28 MB of tracebacks)."""
+    with _flood_target(tmp_path, caplog) as server:
+        def half_closed() -> None:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=2) as sock:
+                sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x")
+                time.sleep(0.02)
+
+        flood = _flood(20, half_closed)
+        statuses = _probing_while(server, flood.is_alive)
+        assert statuses and set(statuses) == {200}
+        _all_closed(server)
+    _assert_quiet(caplog)
+
+
+def test_a_reset_is_counted_by_its_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with _flood_target(tmp_path, caplog) as server:
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=2)
+            sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+            time.sleep(0.05)  # the server has read the part sent
+            sock.close()
+        _all_closed(server)
+        assert server.endpoints.connection_errors["ECONNRESET"] == 3
+    _assert_quiet(caplog)
+
+
+def test_pipelined_floods_of_gone_clients_neither_starve_probes_nor_log(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Connections each writing 2,000 pipelined requests and closing: the probes are answered meanwhile,
+    the gone clients' requests are dropped (no write to a closed socket: asyncio's "socket.send() raised
+    exception"), and nothing is logged."""
+    pipelined = b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n" * 2000
+    with _flood_target(tmp_path, caplog) as server:
+        def pipelining() -> None:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=2) as sock:
+                sock.sendall(pipelined)
+
+        flood = _flood(10, pipelining)
+        statuses = _probing_while(server, flood.is_alive)
+        assert statuses and set(statuses) == {200}
+        _all_closed(server)
+    _assert_quiet(caplog)
+
+
+def test_one_connection_cannot_hold_the_loop_for_all_its_pipelined_requests(tmp_path: Path) -> None:
+    """A connection's requests are answered ANSWERS_PER_TURN per turn of the loop (a callback that
+    reschedules itself every turn sees at most that many answers between two of its runs), all of
+    them in the end, in order."""
+    answered: list[int] = []
+
+    def count(request: Request) -> Response:
+        answered.append(0)
+        return Response.text(f"{len(answered)}\n")
+
+    route = Capped(count, 8)
+    server = Served(Endpoints({"/n": route}, {}), tmp_path)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        seen.append(len(answered))
+        if not stop.is_set():
+            server.loop.call_soon(tick)
+
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            server.loop.call_soon_threadsafe(tick)
+            sock.sendall(b"GET /n HTTP/1.1\r\nHost: x\r\n\r\n" * 3000)
+            answers = read_responses(sock, 3000)
+            stop.set()
+        assert [body for _, _, body in answers] == [f"{n}\n".encode() for n in range(1, 3001)]
+        steps = [after - before for before, after in zip(seen, seen[1:])]
+        assert max(steps) <= protocol_module.ANSWERS_PER_TURN and sum(steps) > 0
+    finally:
+        server.close()
+
+
+def test_clients_that_never_read_are_evicted_and_probes_answered(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """More clients than the listener holds, each with a 1 KiB receive buffer, pipelining requests and
+    never reading (the issue's 30 s without a probe answered): their unread answers are evicted, the
+    probes answered throughout, the answers held stay under the cap, and all is well once they go."""
+    with _flood_target(tmp_path, caplog) as server:
+        server.small_send_buffers()
+        limit = server.server.listeners[0].limit
+        held: list[int] = []
+
+        def never_reading() -> None:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.settimeout(2)
+            try:
+                sock.connect(("127.0.0.1", server.port))
+                sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n" * 500)
+                time.sleep(0.5)
+            finally:
+                sock.close()
+
+        def unwritten() -> int:
+            listener = server.server.listeners[0]
+            return sum(c.transport.get_write_buffer_size() for c in listener._open if c.transport)
+
+        flood = _flood(limit + 20, never_reading)
+        statuses = []
+        while flood.is_alive():
+            statuses += _probing_while(server, lambda: False) or [_probe(server, "/readyz")]
+            held.append(server.on_loop(unwritten))
+        assert statuses and set(statuses) == {200}
+        assert max(held) <= listener_module.MAX_UNWRITTEN_BYTES
+        _all_closed(server)
+        assert _probe(server, "/healthz") == 200
+    _assert_quiet(caplog)
+
+
+@pytest.mark.subprocess
+def test_the_daemon_under_a_half_closed_flood_answers_and_its_log_stays_small(agent) -> None:
+    daemon = agent("dgx-h100")
+    daemon.wait_ready()
+
+    def half_closed() -> None:
+        with socket.create_connection(("127.0.0.1", daemon.port), timeout=2) as sock:
+            sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x")
+            time.sleep(0.02)
+
+    flood = _flood(20, half_closed)
+    while flood.is_alive():
+        for path in ("/healthz", "/readyz"):
+            assert daemon.get(path)[0] == 200
+        time.sleep(0.05)
+    assert daemon.stop() == 0
+    log = daemon.output()
+    assert "Traceback" not in log and "bug" not in log, log[-3000:]
+    assert len(log) < 20_000, log[-3000:]

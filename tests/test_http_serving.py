@@ -15,6 +15,7 @@ import pytest
 from served import Served, read_responses
 
 from gpu_agent.config import load_config
+from gpu_agent.daemon import responses as responses_module
 from gpu_agent.daemon.http import Endpoints, build_app
 from gpu_agent.daemon.responses import Capped, Response
 from gpu_agent.host.paths import Root
@@ -126,11 +127,12 @@ def _endpoints(**routes: Capped) -> Endpoints:
     return Endpoints({"/" + name: capped for name, capped in routes.items()}, {})
 
 
-def test_an_endpoint_beyond_its_cap_answers_503_with_retry_after_while_slow_readers_hold_it(tmp_path: Path
-                                                                                          ) -> None:
+def test_an_endpoint_beyond_its_cap_answers_503_with_retry_after_while_slow_readers_hold_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request holds its place until its answer is written: two clients that do not read a body too
-    big for the kernel's buffers fill a cap of 2; a third gets 503 at once, other endpoints answer, and
-    once the two read, the places are free again."""
+    big for the kernel's buffers fill a cap of 2; a third gets 503 at once (before their grace is out),
+    other endpoints answer, and once the two read, the places are free again."""
+    monkeypatch.setattr(responses_module, "UNREAD_GRACE_S", 60.0)
     big = b"x" * (1 << 20)
     slow = Capped(lambda request: Response(body=big), 2)
     other = Capped(lambda request: Response.text("ok\n"), 2)

@@ -4,8 +4,10 @@ from __future__ import annotations
 import random
 from typing import Optional
 
+import pytest
+
 from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuInstance, GpuLink, Inventory, MigState
-from gpu_agent.plugin.preferred import preferred
+from gpu_agent.plugin.preferred import MAX_SEEDS, _Device, _Resolver, preferred
 
 
 def uuid(index: int) -> str:
@@ -143,3 +145,143 @@ def test_large_requests_stay_fast_enough_to_finish():
     ids = [f"{uuid(g)}::{n}" for g in range(16) for n in range(64)]
     chosen = preferred(ids, [], 16, topology)
     assert sorted({device.split("::")[0] for device in chosen}) == gpus(*range(16))
+
+
+# --- the search is linear in the devices, and answers as the quadratic one did -------------------
+
+class _QuadraticSelection:
+    """The search as first written (quadratic in the devices): the reference the new one answers as."""
+
+    def __init__(self, resolve: _Resolver, kept: list[_Device], free: list[_Device]) -> None:
+        self.resolve = resolve
+        self.kept = kept
+        self.by_group: dict[str, list[_Device]] = {}
+        for device in sorted(free, key=lambda d: d.order):
+            self.by_group.setdefault(device.group, []).append(device)
+        self.free_count = {group: len(devices) for group, devices in self.by_group.items()}
+        self.groups = sorted(self.by_group, key=lambda g: self.by_group[g][0].order)
+
+    def best(self, wanted: int) -> list[_Device]:
+        seeds: list[Optional[str]] = [None] if self.kept else list(self.groups[:MAX_SEEDS])
+        best: Optional[tuple[tuple[int, int, int], list[_Device]]] = None
+        for seed in seeds:
+            picked = self._greedy(seed, wanted)
+            rank = self._rank(self.kept + picked)
+            if best is None or rank > best[0]:
+                best = (rank, picked)
+        assert best is not None
+        return best[1]
+
+    def _greedy(self, seed: Optional[str], wanted: int) -> list[_Device]:
+        used = {group: 0 for group in self.groups}
+        chosen = list(self.kept)
+        picked: list[_Device] = []
+        if seed is not None:
+            picked.append(self.by_group[seed][0])
+            used[seed] = 1
+            chosen.append(picked[0])
+        while len(picked) < wanted:
+            best_group, best_key = None, None
+            for group in self.groups:
+                if used[group] >= len(self.by_group[group]):
+                    continue
+                device = self.by_group[group][used[group]]
+                key = self._gain(device, chosen)
+                if best_key is None or key > best_key:
+                    best_group, best_key = group, key
+            assert best_group is not None
+            device = self.by_group[best_group][used[best_group]]
+            used[best_group] += 1
+            picked.append(device)
+            chosen.append(device)
+        return picked
+
+    def _gain(self, device: _Device, chosen: list[_Device]) -> tuple[int, int, int]:
+        """What adding `device` brings, best first: fewer replicas sharing a GPU, better links, a less
+        shared GPU. Ties fall to the earlier group (the loop keeps the first best)."""
+        same = sum(1 for other in chosen if other.group == device.group and device.replica is not None)
+        links = sum(self.resolve.score(device, other) for other in chosen if other.group != device.group
+                    or device.replica is None)
+        spare = self.free_count[device.group] if device.replica is not None else 0
+        return (-same, links, spare)
+
+    def _rank(self, devices: list[_Device]) -> tuple[int, int, int]:
+        """A whole selection's worth, compared as _gain compares one step."""
+        same = links = 0
+        for n, a in enumerate(devices):
+            for b in devices[n + 1:]:
+                if a.group == b.group and (a.replica is not None or b.replica is not None):
+                    same += 1
+                else:
+                    links += self.resolve.score(a, b)
+        spare = sum(self.free_count.get(d.group, 0) for d in devices if d.replica is not None)
+        return (-same, links, spare)
+
+
+def quadratic_preferred(available: list[str], must_include: list[str], size: int,
+                        topology: Optional[Inventory]) -> list[str]:
+    """preferred() with the search as first written."""
+    if size <= 0:
+        return []
+    kept = list(dict.fromkeys(must_include))[:size]
+    resolve = _Resolver(topology)
+    free = [resolve(d) for d in dict.fromkeys(available) if d not in set(kept)]
+    wanted = min(size - len(kept), len(free))
+    if wanted <= 0:
+        return kept
+    chosen = _QuadraticSelection(resolve, [resolve(d) for d in kept], free).best(wanted)
+    return kept + [device.id for device in sorted(chosen, key=lambda d: d.order)]
+
+
+def _random_case(rng: random.Random) -> tuple[list[str], list[str], int, Optional[Inventory]]:
+    count = rng.randint(1, 8)
+    topology = rng.choice([dgx(), pcie_box(), None, inventory(
+        [rng.choice([0, 1, None]) for _ in range(count)],
+        {(a, b): (rng.choice([0, 0, 2, 18]), rng.choice(["PIX", "PXB", "PHB", "NODE", "SYS"]))
+         for a in range(count) for b in range(a + 1, count) if rng.random() < 0.8},
+        mig={n: rng.randint(0, 2) for n in range(count)})])
+    gpus_there = topology.gpus if topology else [None] * count
+    ids = []
+    for n, gpu in enumerate(gpus_there):
+        base = gpu.uuid if gpu is not None else uuid(n)
+        kind = rng.random()
+        if gpu is not None and gpu.mig.devices and kind < 0.3:
+            ids += [device.uuid for device in gpu.mig.devices]
+        elif kind < 0.7:
+            ids += [f"{base}::{r}" for r in range(rng.randint(1, 6))]
+        else:
+            ids.append(base)
+    if rng.random() < 0.2:
+        ids.append("unknown-device")
+    available = rng.sample(ids, rng.randint(1, len(ids)))
+    must = rng.sample(available, rng.randint(0, min(2, len(available)))) if rng.random() < 0.4 else []
+    return available, must, rng.randint(0, len(available) + 1), topology
+
+
+def test_the_search_answers_as_the_quadratic_one_on_random_requests() -> None:
+    rng = random.Random(27)
+    for _ in range(400):
+        available, must, size, topology = _random_case(rng)
+        assert preferred(available, must, size, topology) == quadratic_preferred(available, must, size, topology), \
+            (available, must, size)
+
+
+def test_1024_replicas_of_8_gpus_cost_work_linear_in_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's valid config (128 replicas x 8 GPUs, one pod asking for 1,024) took 15 s: the link
+    scores the search looks up now grow with the GPUs and the devices asked for, not their square."""
+    calls = [0]
+    score = _Resolver.score
+
+    def counted(self: _Resolver, a: _Device, b: _Device) -> int:
+        calls[0] += 1
+        return score(self, a, b)
+
+    monkeypatch.setattr(_Resolver, "score", counted)
+    topology = dgx()
+    for replicas in (16, 128):
+        calls[0] = 0
+        available = [f"{uuid(g)}::{r}" for g in range(8) for r in range(replicas)]
+        chosen = preferred(available, [], len(available), topology)
+        assert sorted(chosen) == sorted(available)
+        # per seed (8): a pick updates 8 link totals, and a rank looks at 8 x 8 pairs
+        assert calls[0] <= min(8, MAX_SEEDS) * (8 * len(available) + 8 * 8 + 8) * 2

@@ -11,6 +11,7 @@ import os
 import socket
 import stat
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -38,9 +39,12 @@ _SHUTDOWN_TIMEOUT_S = 0.5  # for the answers being written at SIGTERM
 class Endpoints:
     """The routes (path -> capped handler), and the render caches of /status and /metrics."""
 
-    def __init__(self, routes: dict[str, Capped], caches: dict[str, RenderCache]) -> None:
+    def __init__(self, routes: dict[str, Capped], caches: dict[str, RenderCache],
+                 connection_errors: Optional[Counter[str]] = None) -> None:
         self.routes = routes
         self.caches = caches
+        # What clients' sockets reported (resets, broken pipes) and the clients closed for not reading, by reason
+        self.connection_errors: Counter[str] = Counter() if connection_errors is None else connection_errors
 
 
 def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[], bool]) -> Endpoints:
@@ -79,7 +83,9 @@ def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[
               "/livez": Capped(healthz, _LIGHT_LIMIT),
               "/readyz": Capped(readyz, _LIGHT_LIMIT), "/status": Capped(status, _HEAVY_LIMIT),
               "/metrics": Capped(metrics, _HEAVY_LIMIT)}
-    return Endpoints(routes, {"/status": status_cache, "/metrics": metrics_cache})
+    endpoints = Endpoints(routes, {"/status": status_cache, "/metrics": metrics_cache})
+    registry.collector.connection_errors = endpoints.connection_errors
+    return endpoints
 
 
 class HttpServer:
@@ -96,7 +102,7 @@ class HttpServer:
         return list(self._listeners)
 
     def _protocol(self) -> HttpProtocol:
-        return HttpProtocol(self.endpoints.routes)
+        return HttpProtocol(self.endpoints.routes, self.endpoints.connection_errors)
 
     async def start(self, settings: HttpConfig) -> None:
         """Serve on the configured TCP address and unix socket; a bind failure raises AgentError."""
@@ -116,7 +122,8 @@ class HttpServer:
                 sock.close()
             raise
         limit = connection_limit(len(bound))
-        listeners = [Listener(sock, self._protocol, name, limit) for sock, name in bound]
+        listeners = [Listener(sock, self._protocol, name, limit, errors=self.endpoints.connection_errors)
+                     for sock, name in bound]
         for listener in listeners:
             listener.start()
         self._listeners, self.settings = listeners, settings

@@ -11,6 +11,10 @@ schedules a retry for each). A `Listener` owns one listening socket instead:
   previous answer is closed (slowloris, forgotten keep-alives); on TCP the kernel keeps connections
   that send nothing out of the accept queue for that long (TCP_DEFER_ACCEPT), so a flood of idle
   connections never stands between a probe and its answer;
+- a connection whose client does not read its answer (the kernel's buffers are full and the
+  transport holds the rest) for UNREAD_GRACE_S may be closed for a newcomer, as an idle one is; and
+  the answers its connections hold unwritten are MAX_UNWRITTEN_BYTES at most: beyond, the one unread
+  longest is closed. Both are counted (errors: reason unread_evicted, unwritten_cap), not logged;
 - out of descriptors, it stops accepting for a second and says so once a minute.
 
 The limit is computed from RLIMIT_NOFILE so that the listeners never take more than half of the
@@ -30,8 +34,10 @@ import socket
 import struct
 import termios
 import time
+from collections import Counter
 from typing import Any, Callable, Optional
 
+from gpu_agent.daemon import responses
 from gpu_agent.host.memory import give_back
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,7 @@ MAX_CONNECTIONS = 64  # per listener, however high the descriptor limit
 _ACCEPT_BATCH = 16  # accepts per wake-up, before the connections they replace are closed
 _ACCEPT_RETRY_S = 1.0
 _EVICT_AFTER_S = 0.1  # a client sends its request right after connecting: do not evict it before
+MAX_UNWRITTEN_BYTES = 8 << 20  # answers held for clients that do not read, per listener
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -60,13 +67,15 @@ def connection_limit(listeners: int, soft_limit: Optional[int] = None) -> int:
 class OncePer:
     """Logs a message at most once per `period` seconds, saying how many were held back."""
 
-    def __init__(self, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, period: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 logger: Optional[logging.Logger] = None) -> None:
         self.period = period
+        self._log = logger or log
         self._clock = clock
         self._next = 0.0
         self._held = 0
 
-    def __call__(self, level: int, message: str, *args: Any) -> None:
+    def __call__(self, level: int, message: str, *args: Any, exc_info: bool = False) -> None:
         now = self._clock()
         if now < self._next:
             self._held += 1
@@ -74,14 +83,14 @@ class OncePer:
         if self._held:
             message += f" ({self._held} more like this since the last one)"
         self._next, self._held = now + self.period, 0
-        log.log(level, message, *args)
+        self._log.log(level, message, *args, exc_info=exc_info)
 
 
 class Listener:
     """One listening socket, its accept loop, and the connections accepted from it."""
 
     def __init__(self, sock: socket.socket, protocol_factory: Callable[[], asyncio.Protocol], name: str,
-                 limit: int, idle_timeout: float = IDLE_TIMEOUT_S) -> None:
+                 limit: int, idle_timeout: float = IDLE_TIMEOUT_S, errors: Optional[Counter[str]] = None) -> None:
         self.sock = sock
         self.name = name
         self.limit = limit
@@ -95,6 +104,9 @@ class Listener:
         # accepted without a byte after TCP_DEFER_ACCEPT's wait are kept apart: they go first.
         self._idle: dict[_Connection, float] = {}
         self._stale: dict[_Connection, None] = {}
+        # Connections whose answer waits for its client to read, and since when, longest first.
+        self._unread: dict[_Connection, float] = {}
+        self.errors: Counter[str] = Counter() if errors is None else errors
         self._attaching: set[asyncio.Task[Any]] = set()
         self._retry: Optional[asyncio.TimerHandle] = None
         self._recheck: Optional[asyncio.TimerHandle] = None
@@ -166,7 +178,10 @@ class Listener:
             except OSError as exc:
                 self._pause(exc)
                 return
-            if evict is not None:
+            if evict is not None and evict in self._unread:
+                self.errors["unread_evicted"] += 1
+                self._drop(evict)
+            elif evict is not None:
                 self.evicted += 1
                 self._drop(evict)
                 self._full_log(logging.WARNING, "%s: %d connections open (the limit); closing the longest idle "
@@ -206,8 +221,14 @@ class Listener:
             sock = connection.transport.get_extra_info("socket") if connection.transport else None
             if sock is None or not _unread_bytes(sock):
                 return connection
-        if youngest_protected is not None and self._recheck is None:
-            self._recheck = self._loop.call_at(youngest_protected + _EVICT_AFTER_S, self._rechecked)
+        recheck = None if youngest_protected is None else youngest_protected + _EVICT_AFTER_S
+        for connection, since in self._unread.items():  # no idle one: a client that does not read
+            if now - since >= responses.UNREAD_GRACE_S:
+                return connection
+            recheck = min(recheck or math.inf, since + responses.UNREAD_GRACE_S)
+            break
+        if recheck is not None and self._recheck is None:
+            self._recheck = self._loop.call_at(recheck, self._rechecked)
         return None
 
     def _rechecked(self) -> None:
@@ -255,6 +276,23 @@ class Listener:
         self._idle.pop(connection, None)
         self._stale.pop(connection, None)
 
+    def _answer_unread(self, connection: _Connection) -> None:
+        """The connection's answer waits for its client to read: evictable after UNREAD_GRACE_S, and
+        if the answers held so pass MAX_UNWRITTEN_BYTES, the others unread longest are closed now."""
+        self._unread.setdefault(connection, self._loop.time())
+        held = {c: c.transport.get_write_buffer_size() for c in self._unread if c.transport is not None}
+        total = sum(held.values())
+        for other, size in held.items():
+            if total <= MAX_UNWRITTEN_BYTES:
+                break
+            if other is not connection:
+                total -= size
+                self.errors["unwritten_cap"] += 1
+                self._drop(other)
+
+    def _answer_read(self, connection: _Connection) -> None:
+        self._unread.pop(connection, None)
+
     def _request_arrived(self, connection: _Connection) -> None:
         self._not_idle(connection)
 
@@ -291,6 +329,7 @@ class Listener:
 
     def _forget(self, connection: _Connection) -> None:
         self._not_idle(connection)
+        self._unread.pop(connection, None)
         self._stop_timer(connection)
         if connection in self._open:
             self._open.discard(connection)
@@ -398,9 +437,11 @@ class _Connection(asyncio.BufferedProtocol):
         return self.inner.eof_received()
 
     def pause_writing(self) -> None:
+        self.listener._answer_unread(self)
         self.inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self.listener._answer_read(self)
         self.inner.resume_writing()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:

@@ -12,24 +12,34 @@ or an HTTP version not served, a request line and headers over MAX_HEAD_BYTES 43
 is read) is answered and the connection closed; it reads
 and drops what the client still sends until the client closes too, so the answer is not lost to a
 reset (the listener's idle timeout bounds that wait).
+
+No client can take the event loop or the log: a connection answers at most ANSWERS_PER_TURN requests
+per turn of the loop and is not read while requests it sent wait (so what it has queued is one read at
+most); a gone client's requests are not answered; an answer its client does not read is evicted when
+its endpoint or its listener is full (listener.py, responses.py). What a connection's socket reports
+(a reset, a broken pipe, a peer gone before an answer or its end) is counted by reason
+(gpu_agent_http_connection_errors_total), never logged.
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Callable, Optional
 from urllib.parse import unquote
 
 import h11
 
-from gpu_agent.daemon.listener import request_started
+from gpu_agent.daemon.listener import OncePer, request_started
 from gpu_agent.daemon.responses import Capped, Request, Response
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 16 * 1024  # a request line and headers longer than this are refused (431)
 SEND_TIMEOUT_S = 10.0  # for a client to take an answer the kernel could not hold at once
+ANSWERS_PER_TURN = 8  # requests of one connection answered before the loop serves the others
 _METHODS = ("GET", "HEAD")
 _ALLOW = ", ".join(_METHODS)
 _SMALL_BODY = 64 * 1024  # written with its head in one send
@@ -42,14 +52,16 @@ _REASONS = {200: b"OK", 304: b"Not Modified", 400: b"Bad Request", 404: b"Not Fo
 class HttpProtocol(asyncio.Protocol):
     """One connection of the endpoint; `routes` maps a path to its capped handler."""
 
-    def __init__(self, routes: Mapping[str, Capped]) -> None:
+    def __init__(self, routes: Mapping[str, Capped], errors: Optional[Counter[str]] = None) -> None:
         self._routes = routes
+        self._errors: Counter[str] = Counter() if errors is None else errors
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self._transport: Optional[asyncio.Transport] = None
         self._unwritten = False  # the transport holds bytes of an answer (pause_writing .. resume_writing)
         self._answering: Optional[_Answering] = None  # the answer being written, while _unwritten
         self._closing = False  # no more requests: the last answer is on its way, then the connection closes
         self._dropping = False  # refused: what the client sends is dropped until it closes
+        self._next_turn: Optional[asyncio.Handle] = None  # more requests to answer at the loop's next turn
 
     # --- asyncio's callbacks ---------------------------------------------------------------------
 
@@ -68,7 +80,8 @@ class HttpProtocol(asyncio.Protocol):
         if self._dropping:
             return False  # the client read its answer and closed: close
         self._h11.receive_data(b"")
-        self._serve()
+        if self._next_turn is None:
+            self._serve()
         return True  # keep the sending side open for answers to the requests that came before
 
     def pause_writing(self) -> None:
@@ -78,39 +91,80 @@ class HttpProtocol(asyncio.Protocol):
         self._unwritten = False
         if self._answering is not None:
             self._written()
-            if self._transport is not None and (self._dropping or not self._closing):
-                self._transport.resume_reading()
+            if self._next_turn is None:
                 self._serve()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._transport = None
+        if exc is not None:
+            self._errors[_reason(exc)] += 1
+        if self._next_turn is not None:
+            self._next_turn.cancel()
+            self._next_turn = None
         if self._answering is not None:
             self._written()  # the client left mid-answer: its place is free
 
     # --- requests --------------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        """Answer the requests received so far, in order, until an answer waits for its client to read."""
+        """Answer the requests received so far, in order, until an answer waits for its client to read,
+        or ANSWERS_PER_TURN of them were answered (the rest at the loop's next turn)."""
         try:
-            while self._answering is None and not self._closing and self._transport is not None:
-                try:
-                    event = self._h11.next_event()
-                except h11.RemoteProtocolError as exc:
-                    self._refuse(exc.error_status_hint, f"bad request: {exc}\n")
-                    return
-                if event is h11.NEED_DATA:
-                    return
-                if type(event) is h11.Request:
-                    self._answer(event)
-                elif type(event) is h11.EndOfMessage or event is h11.PAUSED:
-                    if self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
-                        self._h11.start_next_cycle()
-                elif type(event) is h11.ConnectionClosed:
-                    self._close()
+            self._answer_some()
+        except OSError as exc:  # the socket's trouble, not ours
+            self._connection_error(exc)
         except Exception:  # a bug here must not take the event loop's callback with it
-            log.exception("answering an HTTP request failed; this is a gpu-agent bug")
+            _bug_log(logging.ERROR, "answering an HTTP request failed; this is a gpu-agent bug", exc_info=True)
             if self._transport is not None:
                 self._transport.abort()
+        self._update_reading()
+
+    def _answer_some(self) -> None:
+        answered = 0
+        while self._answering is None and not self._closing and self._open:
+            if answered >= ANSWERS_PER_TURN:
+                self._next_turn = asyncio.get_running_loop().call_soon(self._turn)
+                return
+            try:
+                event = self._h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._refuse(exc.error_status_hint, f"bad request: {exc}\n")
+                return
+            if event is h11.NEED_DATA:
+                return
+            if type(event) is h11.Request:
+                self._answer(event)
+                answered += 1
+            elif type(event) is h11.EndOfMessage or event is h11.PAUSED:
+                if self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
+                    self._h11.start_next_cycle()
+            elif type(event) is h11.ConnectionClosed:
+                self._close()
+
+    def _turn(self) -> None:
+        self._next_turn = None
+        self._serve()
+
+    @property
+    def _open(self) -> bool:
+        """Whether the client can still be answered (not gone, not being closed for an error)."""
+        return self._transport is not None and not self._transport.is_closing()
+
+    def _update_reading(self) -> None:
+        """Read the connection only while no request of it waits: its answer unwritten, or its turn."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        wanted = self._answering is None and self._next_turn is None
+        if wanted and not transport.is_reading():
+            transport.resume_reading()
+        elif not wanted and transport.is_reading():
+            transport.pause_reading()
+
+    def _connection_error(self, exc: OSError) -> None:
+        self._errors[_reason(exc)] += 1
+        if self._transport is not None:
+            self._transport.abort()
 
     def _answer(self, event: h11.Request) -> None:
         if _head_size(event) > MAX_HEAD_BYTES:  # h11 stops only a head that arrives in pieces
@@ -152,7 +206,7 @@ class HttpProtocol(asyncio.Protocol):
         try:
             return route.answer(request)
         except Exception:
-            log.exception("answering %s failed; this is a gpu-agent bug", request.path)
+            _bug_log(logging.ERROR, "answering %s failed; this is a gpu-agent bug", request.path, exc_info=True)
             return Response.text("internal error; the agent's log has the details\n", 500), False
 
     def _refuse(self, status: int, text: str) -> None:
@@ -168,6 +222,7 @@ class HttpProtocol(asyncio.Protocol):
     # --- answers ---------------------------------------------------------------------------------
 
     def _write(self, response: Response, head_only: bool, close: bool) -> None:
+        """Hand the answer to the transport (not to a client gone or being dropped: h11 still records it)."""
         headers = list(response.headers)
         if response.status != 304:
             headers.append(("Content-Length", str(len(response.body))))
@@ -179,7 +234,7 @@ class HttpProtocol(asyncio.Protocol):
         if body:
             self._h11.send_with_data_passthrough(h11.Data(data=body))
         self._h11.send(h11.EndOfMessage())
-        if self._transport is None:
+        if self._transport is None or not self._open:
             return
         if len(body) < _SMALL_BODY:
             self._transport.write(head + body)
@@ -193,8 +248,9 @@ class HttpProtocol(asyncio.Protocol):
             answering.done()
             return
         self._answering = answering
-        self._transport.pause_reading()
         answering.timer = asyncio.get_running_loop().call_later(SEND_TIMEOUT_S, self._too_slow)
+        if answering.held is not None:
+            answering.held.unread(answering, self._evict)
 
     def _written(self) -> None:
         answering, self._answering = self._answering, None
@@ -205,8 +261,15 @@ class HttpProtocol(asyncio.Protocol):
         if self._answering is not None:
             self._answering.timer = None
             if self._transport is not None:
-                log.debug("closing a connection whose client took no answer for %g s", SEND_TIMEOUT_S)
+                self._errors["send_timeout"] += 1
                 self._transport.abort()
+
+    def _evict(self) -> None:
+        """Its endpoint is full and this answer has waited longest for its client to read: close."""
+        self._errors["unread_evicted"] += 1
+        self._written()
+        if self._transport is not None:
+            self._transport.abort()
 
     def _close(self) -> None:
         """No more requests: close once the answers are written (the transport flushes first)."""
@@ -218,10 +281,13 @@ class HttpProtocol(asyncio.Protocol):
         self._closing = self._dropping = True
         if self._transport is None:
             return
-        if self._transport.can_write_eof():
-            self._transport.write_eof()  # after the answer: the client sees it end
-        else:
+        if not self._transport.can_write_eof():
             self._transport.close()
+            return
+        try:
+            self._transport.write_eof()  # after the answer: the client sees it end
+        except OSError as exc:  # the client is gone already (ENOTCONN)
+            self._connection_error(exc)
 
 
 class _Answering:
@@ -238,8 +304,17 @@ class _Answering:
         if self.timer is not None:
             self.timer.cancel()
         if self.held is not None:
-            self.held.release()
+            self.held.release(self)
         self.finished()
+
+
+_bug_log = OncePer(logger=log)  # a bug repeats with every request that meets it
+
+
+def _reason(exc: BaseException) -> str:
+    """What a connection's error is counted as: the errno's name (ECONNRESET, EPIPE, ENOTCONN), or the type."""
+    code = getattr(exc, "errno", None)
+    return errno.errorcode.get(code, type(exc).__name__) if isinstance(code, int) else type(exc).__name__
 
 
 def _head_size(event: h11.Request) -> int:

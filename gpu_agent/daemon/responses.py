@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import time
 from collections.abc import Hashable
 from typing import Callable, Optional, Sequence
 from urllib.parse import parse_qsl
 
 RETRY_AFTER_S = 1
+# An answer its client has not read for this long gives its place (and its connection) up to a newcomer.
+UNREAD_GRACE_S = 0.5
 _GZIP_LEVEL = 6
 TEXT = "text/plain; charset=utf-8"
 
@@ -138,6 +141,8 @@ class Capped:
     """An endpoint's handler answering at most `limit` requests at once; 503 with Retry-After beyond.
 
     `answer` takes a place for the request; whoever writes the answer calls `release` once it is written.
+    An answer left unwritten because its client does not read is registered with `unread`: when the
+    endpoint is full, the one unread longest (for UNREAD_GRACE_S at least) is evicted for the newcomer.
     """
 
     def __init__(self, handler: Handler, limit: int) -> None:
@@ -145,9 +150,13 @@ class Capped:
         self.limit = limit
         self.busy = 0
         self.shed = 0
+        self.evicted = 0
+        self._unread: dict[object, tuple[float, Callable[[], None]]] = {}  # oldest first
 
     def answer(self, request: Request) -> tuple[Response, bool]:
         """The answer, and whether it holds a place (to release once written): not when it is the 503."""
+        if self.busy >= self.limit:
+            self._evict_unread()
         if self.busy >= self.limit:
             self.shed += 1
             return _BUSY, False
@@ -155,5 +164,18 @@ class Capped:
         self.busy += 1
         return response, True
 
-    def release(self) -> None:
+    def unread(self, holder: object, evict: Callable[[], None]) -> None:
+        """`holder`'s answer waits for its client to read; `evict()` closes that client and releases."""
+        self._unread[holder] = (time.monotonic(), evict)
+
+    def release(self, holder: object = None) -> None:
+        self._unread.pop(holder, None)
         self.busy -= 1
+
+    def _evict_unread(self) -> None:
+        for holder, (since, evict) in self._unread.items():
+            if time.monotonic() - since >= UNREAD_GRACE_S:
+                self.evicted += 1
+                evict()
+                self._unread.pop(holder, None)
+            return

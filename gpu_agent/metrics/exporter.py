@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional
 
 from gpu_agent import __version__
 from gpu_agent.metrics import text
@@ -27,6 +27,7 @@ class AgentCollector:
         self.state = state
         self.nvml_timeouts = nvml_timeouts
         self.hostname = hostname or socket.gethostname()
+        self.connection_errors: Mapping[str, int] = {}  # the HTTP endpoint's, by reason (daemon/http.py sets it)
 
     def collect(self) -> Iterator[Family]:
         yield from self._agent()
@@ -53,6 +54,12 @@ class AgentCollector:
         for runtime, count in sorted(state.runtime_restarts.items()):
             restarts.add([runtime], count)
         yield restarts
+        errors = text.counter("gpu_agent_http_connection_errors",
+                              "HTTP connections ended by their socket's error (ECONNRESET, EPIPE, ENOTCONN...) "
+                              "or closed for not reading their answers, by reason.", labels=["reason"])
+        for reason, count in sorted(self.connection_errors.items()):
+            errors.add([reason], count)
+        yield errors
 
     def _stages(self) -> Iterator[Family]:
         up = text.gauge("gpu_agent_stage_ok", "1 when the stage converged on its last run.", labels=["stage"])

@@ -110,7 +110,12 @@ class _Resolver:
 
 
 class _Selection:
-    """The search: each GPU with a free device as the first pick, the rest greedily, best total wins."""
+    """The search: each GPU with a free device as the first pick, the rest greedily, best total wins.
+
+    What a device adds depends only on how many devices of each GPU are chosen already, so the search
+    keeps those counts, and each GPU's link total to the chosen ones, and updates them per pick: a pick
+    costs O(GPUs), a selection's rank O(GPUs²), whatever the number of devices (replicas) asked for.
+    """
 
     def __init__(self, resolve: _Resolver, kept: list[_Device], free: list[_Device]) -> None:
         self.resolve = resolve
@@ -120,6 +125,13 @@ class _Selection:
             self.by_group.setdefault(device.group, []).append(device)
         self.free_count = {group: len(devices) for group, devices in self.by_group.items()}
         self.groups = sorted(self.by_group, key=lambda g: self.by_group[g][0].order)
+        self.sample: dict[str, _Device] = {d.group: d for d in kept}  # a device of each group: its GPU
+        self.sample.update((group, devices[0]) for group, devices in self.by_group.items())
+        self.known = [group for group in self.sample if self.sample[group].gpu is not None]
+
+    def _score(self, a: str, b: str) -> int:
+        """The link score of two devices of groups a and b (of one group: as two devices of one GPU)."""
+        return self.resolve.score(self.sample[a], self.sample[b])
 
     def best(self, wanted: int) -> list[_Device]:
         seeds: list[Optional[str]] = [None] if self.kept else list(self.groups[:MAX_SEEDS])
@@ -134,45 +146,67 @@ class _Selection:
 
     def _greedy(self, seed: Optional[str], wanted: int) -> list[_Device]:
         used = {group: 0 for group in self.groups}
-        chosen = list(self.kept)
+        chosen: dict[str, int] = {}  # group: devices chosen
+        links = {group: 0 for group in self.sample}  # group: sum of its scores to every chosen device
+
+        def choose(device: _Device) -> None:
+            chosen[device.group] = chosen.get(device.group, 0) + 1
+            if device.gpu is not None:
+                for group in self.known:
+                    links[group] += self._score(group, device.group)
+
+        for device in self.kept:
+            choose(device)
         picked: list[_Device] = []
         if seed is not None:
             picked.append(self.by_group[seed][0])
             used[seed] = 1
-            chosen.append(picked[0])
+            choose(picked[0])
         while len(picked) < wanted:
             best_group, best_key = None, None
             for group in self.groups:
                 if used[group] >= len(self.by_group[group]):
                     continue
-                device = self.by_group[group][used[group]]
-                key = self._gain(device, chosen)
+                key = self._gain(self.by_group[group][used[group]], chosen, links)
                 if best_key is None or key > best_key:
                     best_group, best_key = group, key
             assert best_group is not None
             device = self.by_group[best_group][used[best_group]]
             used[best_group] += 1
             picked.append(device)
-            chosen.append(device)
+            choose(device)
         return picked
 
-    def _gain(self, device: _Device, chosen: list[_Device]) -> tuple[int, int, int]:
-        """What adding `device` brings, best first: fewer replicas sharing a GPU, better links, a less
+    def _gain(self, device: _Device, chosen: dict[str, int], links: dict[str, int]) -> tuple[int, int, int]:
+        """What adding `device` brings, best first: fewer replicas sharing a GPU, better links (to the
+        devices of other GPUs; for a device that is not a replica, to those of its own GPU too), a less
         shared GPU. Ties fall to the earlier group (the loop keeps the first best)."""
-        same = sum(1 for other in chosen if other.group == device.group and device.replica is not None)
-        links = sum(self.resolve.score(device, other) for other in chosen if other.group != device.group
-                    or device.replica is None)
-        spare = self.free_count[device.group] if device.replica is not None else 0
-        return (-same, links, spare)
+        group = device.group
+        mates = chosen.get(group, 0)
+        if device.replica is None:
+            return (0, links[group], 0)
+        own = mates * self._score(group, group) if device.gpu is not None else 0
+        return (-mates, links[group] - own, self.free_count[group])
 
     def _rank(self, devices: list[_Device]) -> tuple[int, int, int]:
-        """A whole selection's worth, compared as _gain compares one step."""
+        """A whole selection's worth, compared as _gain compares one step: over every pair of devices,
+        those of one GPU where one is a replica count as sharing, the others add their link score."""
+        count: dict[str, int] = {}
+        whole: dict[str, int] = {}  # devices that are not replicas
+        spare = 0
+        for device in devices:
+            count[device.group] = count.get(device.group, 0) + 1
+            if device.replica is None:
+                whole[device.group] = whole.get(device.group, 0) + 1
+            else:
+                spare += self.free_count.get(device.group, 0)
         same = links = 0
-        for n, a in enumerate(devices):
-            for b in devices[n + 1:]:
-                if a.group == b.group and (a.replica is not None or b.replica is not None):
-                    same += 1
-                else:
-                    links += self.resolve.score(a, b)
-        spare = sum(self.free_count.get(d.group, 0) for d in devices if d.replica is not None)
+        groups = list(count)
+        for n, a in enumerate(groups):
+            pairs, whole_pairs = count[a] * (count[a] - 1) // 2, whole.get(a, 0) * (whole.get(a, 0) - 1) // 2
+            same += pairs - whole_pairs
+            if self.sample[a].gpu is None:
+                continue
+            links += whole_pairs * self._score(a, a)
+            links += sum(count[a] * count[b] * self._score(a, b) for b in groups[n + 1:])
         return (-same, links, spare)

@@ -1,11 +1,19 @@
 """One resource's device plugin: a gRPC server (grpclib) on its own unix socket, and its registration
 with the kubelet. The kubelet is the client of both: it calls Register on kubelet.sock, then dials
-the endpoint we named, as in k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1."""
+the endpoint we named, as in k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1.
+
+What a client of the socket can make the daemon hold is bounded: MAX_CONNECTIONS connections (the
+kubelet opens one or two; a connection beyond is closed at once), MAX_STREAMS calls at once on each,
+and a request of MAX_MESSAGE_BYTES at most, refused by its length prefix before it is read
+(RESOURCE_EXHAUSTED), so that no more than HTTP/2's flow-control window of it is ever buffered. What is
+refused is counted (PluginEndpoint.refused), not logged: a client can repeat it at will.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
@@ -13,6 +21,7 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
+from h2.settings import SettingCodes
 
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.plugin import api
@@ -24,6 +33,9 @@ log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 5.0
+MAX_MESSAGE_BYTES = 4 << 20  # grpc-go's default for a message received
+MAX_CONNECTIONS = 16
+MAX_STREAMS = 32  # calls at once on one connection (ListAndWatch holds one)
 
 Request = TypeVar("Request")
 
@@ -70,15 +82,16 @@ class DevicePluginService(api.DevicePluginBase):
         self.fail_greater_than_one = fail_greater_than_one
         self.prefer = prefer
         self.streams = 0  # ListAndWatch streams open
+        self.refused: Counter[str] = Counter()  # requests refused, by reason (not logged: a client repeats them)
         self.idle = asyncio.Event()
         self.idle.set()
 
     async def GetDevicePluginOptions(self, stream: Stream[api.Empty, api.DevicePluginOptions]) -> None:
-        await request_of(stream)
+        await request_of(stream, self.refused)
         await stream.send_message(options())
 
     async def ListAndWatch(self, stream: Stream[api.Empty, api.ListAndWatchResponse]) -> None:
-        await request_of(stream)
+        await request_of(stream, self.refused)
         self.streams += 1
         self.idle.clear()
         try:
@@ -97,16 +110,33 @@ class DevicePluginService(api.DevicePluginBase):
 
     async def GetPreferredAllocation(
             self, stream: Stream[api.PreferredAllocationRequest, api.PreferredAllocationResponse]) -> None:
-        request = await request_of(stream)
+        request = await request_of(stream, self.refused)
+        resource = self.feed.resource
+        known = {device.id for device in resource.devices}
         answers = []
         for container in request.container_requests:
-            chosen = self.prefer(list(container.available_deviceIDs), list(container.must_include_deviceIDs),
-                                 container.allocation_size)
+            available, must = list(container.available_deviceIDs), list(container.must_include_deviceIDs)
+            self._check_ids(resource.name, known, available, must)
+            chosen = self.prefer(available, must, container.allocation_size)
             answers.append(api.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         await stream.send_message(api.PreferredAllocationResponse(container_responses=answers))
 
+    def _check_ids(self, name: str, known: set[str], available: list[str], must: list[str]) -> None:
+        """The ids of a preferred allocation request are ones this resource advertises, as many at most."""
+        for what, ids in (("available", available), ("must-include", must)):
+            if len(ids) > len(known):
+                self.refused["too_many_ids"] += 1
+                raise GRPCError(Status.INVALID_ARGUMENT, f"{len(ids)} {what} device ids; {name} advertises "
+                                f"{len(known)}")
+            unknown = [device for device in ids if device not in known]
+            if unknown:
+                self.refused["unknown_ids"] += 1
+                shown = ", ".join(repr(device[:80]) for device in unknown[:3])
+                raise GRPCError(Status.INVALID_ARGUMENT, f"{len(unknown)} {what} device ids that {name} does not "
+                                f"advertise: {shown}{', ...' if len(unknown) > 3 else ''}")
+
     async def Allocate(self, stream: Stream[api.AllocateRequest, api.AllocateResponse]) -> None:
-        request = await request_of(stream)
+        request = await request_of(stream, self.refused)
         resource = self.feed.resource
         answers = []
         for container in request.container_requests:
@@ -123,20 +153,95 @@ class DevicePluginService(api.DevicePluginBase):
 
     async def PreStartContainer(
             self, stream: Stream[api.PreStartContainerRequest, api.PreStartContainerResponse]) -> None:
-        await request_of(stream)  # never asked for: options() says pre_start_required=false
+        await request_of(stream, self.refused)  # never asked for: options() says pre_start_required=false
         await stream.send_message(api.PreStartContainerResponse())
 
 
-async def request_of(stream: Stream[Request, Any]) -> Request:
-    """The call's one request; a malformed one is the caller's error (INVALID_ARGUMENT), not ours."""
+async def request_of(stream: Stream[Request, Any], refused: Optional[Counter[str]] = None) -> Request:
+    """The call's one request; a malformed one is the caller's error (INVALID_ARGUMENT), not ours; one
+    over MAX_MESSAGE_BYTES is refused (RESOURCE_EXHAUSTED) before it is read."""
     try:
-        request = await stream.recv_message()
+        request = await _receive(stream, Counter() if refused is None else refused)
     except DecodeError as exc:
         log.warning("device plugin: a malformed request: %s", exc)
         raise GRPCError(Status.INVALID_ARGUMENT, f"malformed request: {exc}") from None
     if request is None:
         raise GRPCError(Status.INVALID_ARGUMENT, "the request carried no message")
     return request
+
+
+async def _receive(stream: Stream[Request, Any], refused: Counter[str]) -> Optional[Request]:
+    """grpclib's Stream.recv_message, but with the length prefix checked before the message is read
+    (grpclib reads whatever length it declares, acknowledging each part so the client sends more).
+    It reads grpclib 0.4's stream internals (the version is pinned in constraints.txt)."""
+    h2_stream = stream._stream
+    try:
+        prefix = await h2_stream.recv_data(5)
+        if not prefix:
+            return None
+        length = int.from_bytes(prefix[1:5], "big")
+        if prefix[0]:
+            raise GRPCError(Status.INVALID_ARGUMENT, "compressed messages are not accepted")
+        if length > MAX_MESSAGE_BYTES:
+            refused["message_too_large"] += 1
+            raise GRPCError(Status.RESOURCE_EXHAUSTED,
+                            f"a message of {length} bytes; the limit is {MAX_MESSAGE_BYTES}")
+        data = await h2_stream.recv_data(length)
+    except AssertionError:  # grpclib: the stream ended before the length it declared
+        raise GRPCError(Status.INVALID_ARGUMENT, "the request ended before its declared length") from None
+    message: Request = stream._codec.decode(data, stream._recv_type)
+    return message
+
+
+class _CappedServer(Server):
+    """grpclib's Server holding MAX_CONNECTIONS connections at most, MAX_STREAMS calls at once on each."""
+
+    def __init__(self, *args: Any, refused: Counter[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connections = 0
+        self.refused = refused
+
+    def _protocol_factory(self) -> Any:
+        if self.connections >= MAX_CONNECTIONS:
+            self.refused["connections"] += 1
+            return _Refused()
+        return _Counted(super()._protocol_factory(), self)
+
+
+class _Refused(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class _Counted(asyncio.Protocol):
+    """grpclib's protocol of one connection, counted while open, its calls at once capped."""
+
+    def __init__(self, inner: Any, server: _CappedServer) -> None:
+        self.inner = inner
+        self.server = server
+        server.connections += 1  # now: asyncio makes the protocols of a batch of accepts before any starts
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+        h2 = self.inner.connection._connection  # grpclib 0.4's h2 connection
+        h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS})
+        self.inner.connection.flush()
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> Optional[bool]:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.server.connections -= 1
+        self.inner.connection_lost(exc)
 
 
 def options() -> api.DevicePluginOptions:
@@ -167,7 +272,7 @@ class PluginEndpoint:
 
     async def start(self) -> None:
         self.path.unlink(missing_ok=True)  # ours from a previous run, or a stale one: the name is ours
-        self.server = Server([self.service], codec=Codec())
+        self.server = _CappedServer([self.service], codec=Codec(), refused=self.service.refused)
         address, fd = socket_address(self.path)
         try:
             await self.server.start(path=address)
