@@ -21,7 +21,7 @@ from typing import Any, Callable
 import pytest
 
 from gpu_agent.host.paths import Root, link_text, place
-from tests.harness import run_cli
+from harness import run_cli
 
 CAPTURE = Path(__file__).resolve().parent / "data" / "captures" / "h100-580-vm"
 LIB = "/usr/local/nvidia/lib64"

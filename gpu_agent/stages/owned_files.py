@@ -87,6 +87,7 @@ class OwnedFiles(Stage):
     def _undo(self, state: OwnedState) -> None:
         for unit in state.restarts:  # owed from before the first byte changes, as any runtime restart
             self.ledger.add_pending_restart(unit)
+        self._failures += _refused(state)
         for undo in state.undo:
             try:
                 owned.carry_out(self.root, self.ledger, undo)
@@ -114,15 +115,20 @@ class OwnedFiles(Stage):
                 self.ledger.clear_pending_restart(unit)
 
     def verify(self, state: OwnedState) -> str:
-        refused = [f"{ledger_file.PATH}: owned {u.entry.path}: {u.reason}; left alone"
-                   for u in state.undo if u.how == owned.REFUSED]
-        refused += [f"{ledger_file.PATH}: link {u.entry.path}: {u.reason}; left alone"
-                    for u in state.links if u.how == owned.REFUSED]
-        if self._failures or refused:
-            raise StageError("; ".join(refused + self._failures))
+        problems = self._failures or _refused(state)  # after the undo, what it refused; in a dry run, what it would
+        if problems:
+            raise StageError("; ".join(problems))
         changed = (self._left + [u.entry.path for u in state.undo if u.how == owned.CHANGED]
                    + [u.entry.path for u in state.links if u.how == owned.CHANGED])
         note = f"; left as they are, changed since gpu-agent wrote them: {', '.join(changed)}" if changed else ""
         if self.uninstall:
             return f"nothing of gpu-agent's is left to undo{note}"
         return f"{state.kept} file{'s' if state.kept != 1 else ''} owned and wanted{note}"
+
+
+def _refused(state: OwnedState) -> list[str]:
+    """The ledger's entries for what the agent never owns, each named with why."""
+    return ([f"{ledger_file.PATH}: owned {u.entry.path}: {u.reason}; left alone"
+             for u in state.undo if u.how == owned.REFUSED]
+            + [f"{ledger_file.PATH}: link {u.entry.path}: {u.reason}; left alone"
+               for u in state.links if u.how == owned.REFUSED])
