@@ -110,3 +110,25 @@ def walk(root: Root, path: str) -> tuple[str, list[str], bool]:
         done = "/" if target.startswith("/") else done
         pending.extend(reversed([(p, True) for p in target.split("/") if p]))
     return done, [], False
+
+
+def place(root: Root, path: str) -> str:
+    """The host path of the entry `path` names, for creating, replacing or removing that entry itself:
+    its directory's links followed as in a chroot at `root` (followed()), its last part as written,
+    so that a link there is replaced or removed, never followed. ValueError for a path that names no
+    entry ("/", "x/.."); OSError (ELOOP) for a loop of links."""
+    directory, name = posixpath.split(posixpath.normpath(path))
+    if name in ("", ".", ".."):
+        raise ValueError(f"{path!r} names no file")
+    return posixpath.join(followed(root, directory), name)
+
+
+def link_text(root: Root, link: str, target: str) -> str:
+    """What to write in a new link at host path `link` (its place(), links followed) so that the OS,
+    which follows it on the real file system, reaches what `target` names read as in a chroot at
+    `root`: a relative path between the two places under the root, whose '..' climb only real
+    directories there. A link written so cannot lead a later write out of the root, whatever the
+    target said (absolute, or '../../..' above '/'). OSError (ELOOP) for a loop of links."""
+    directory = posixpath.dirname(link)
+    resolved = followed(root, target if target.startswith("/") else posixpath.join(directory, target))
+    return os.path.relpath(root(resolved), root(directory))

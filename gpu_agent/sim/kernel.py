@@ -15,7 +15,7 @@ from typing import Any, Optional
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.modules import ModuleLoadError
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, link_text, place
 
 RELEASE = "6.1.0-18-amd64"
 NVIDIA_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_drm", "nvidia_peermem")
@@ -318,7 +318,26 @@ def _known(directory: Path) -> dict[str, tuple[str, _Stamp]]:
 def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
                   directories: Optional[list[str]] = None) -> None:
     """Make `directory` hold exactly `files`, `links` and `directories` (which may be empty);
-    unchanged entries are not rewritten."""
+    unchanged entries are not rewritten.
+
+    The tree is a chroot for what it holds (a captured node's links included): what is not wanted
+    goes first, a link left by anyone with it; then each link is written relative to where it is,
+    its target read as in a chroot at the tree (host.paths.link_text), so that every link in the tree
+    leads into the tree, and files and directories written through one stay there."""
+    wanted = {os.path.normpath(relative) for relative in [*files, *links]}
+    wanted_dirs = {os.path.normpath(relative) for relative in directories or ()}
+    for relative in list(wanted | wanted_dirs):
+        parent = os.path.dirname(relative)
+        while parent and parent not in wanted_dirs:
+            wanted_dirs.add(parent)
+            parent = os.path.dirname(parent)
+    # What else is there goes, compared as relative path strings (pathlib's parents of every file, on
+    # every write of the machine, were most of a MIG change's time).
+    if directory.is_dir():
+        _remove_unwanted(str(directory), "", wanted, wanted_dirs)
+    tree = Root(directory)
+    for relative, target in links.items():
+        _link(tree, directory, relative, target)
     for relative in directories or ():
         (directory / relative).mkdir(parents=True, exist_ok=True)
     known = _known(directory)
@@ -340,25 +359,31 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         written = _stamp(name)
         if written is not None:
             known[relative] = (content, written)
-    for relative, target in links.items():
-        path = directory / relative
-        if path.is_symlink() and os.readlink(path) == target:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_symlink():
-            path.unlink()
-        os.symlink(target, path)
-    # What else is there goes, compared as relative path strings (pathlib's parents of every file, on
-    # every write of the machine, were most of a MIG change's time).
-    wanted = {os.path.normpath(relative) for relative in [*files, *links]}
-    wanted_dirs = {os.path.normpath(relative) for relative in directories or ()}
-    for relative in list(wanted | wanted_dirs):
-        parent = os.path.dirname(relative)
-        while parent and parent not in wanted_dirs:
-            wanted_dirs.add(parent)
-            parent = os.path.dirname(parent)
-    if directory.is_dir():
-        _remove_unwanted(str(directory), "", wanted, wanted_dirs)
+
+
+_LINK_TEXTS: dict[tuple[str, str, str], str] = {}  # (tree, link, target as given) -> the text written
+
+
+def _link(tree: Root, directory: Path, relative: str, target: str) -> None:
+    key = (str(directory), relative, target)
+    path = directory / relative
+    text = _LINK_TEXTS.get(key)
+    if text is not None and path.is_symlink() and os.readlink(path) == text:
+        return
+    at = place(tree, "/" + relative)
+    text = link_text(tree, at, target)
+    if len(_LINK_TEXTS) > 4096:
+        _LINK_TEXTS.clear()
+    _LINK_TEXTS[key] = text
+    path = tree(at)
+    if path.is_symlink() and os.readlink(path) == text:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+    os.symlink(text, path)
 
 
 def _remove_unwanted(directory: str, prefix: str, wanted: set[str], wanted_dirs: set[str]) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host.paths import Root
+from gpu_agent.host.files import atomic_write
+from gpu_agent.host.paths import Root, followed, place
 
 class SimPackages:
     """Under simulation: 'installs' the toolkit's files on the sandbox root and records it;
@@ -32,12 +33,10 @@ class SimPackages:
                              "Container Toolkit install guide)")
         if str(self.root.path) == "/":
             raise AgentError(f"simulated GPUs on the real root /: not installing {package}")
-        for path in self.FILES:
-            target = self.root(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text("#!/bin/sh\n# placeholder installed by the gpu-agent simulator\n")
-            target.chmod(0o755)
-        status = self.root("/var/lib/dpkg/status")
+        for path in self.FILES:  # where links in the sandbox lead, read as in a chroot at it
+            atomic_write(self.root(place(self.root, path)),
+                         "#!/bin/sh\n# placeholder installed by the gpu-agent simulator\n", 0o755)
+        status = self.root(followed(self.root, "/var/lib/dpkg/status"))
         status.parent.mkdir(parents=True, exist_ok=True)
         with open(status, "a") as db:
             db.write(f"Package: {package}\nStatus: install ok installed\nVersion: {self.VERSION}\n\n")

@@ -18,22 +18,24 @@ failed keeps failing the same way. A query the capture did not record answers No
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import posixpath
 import re
 import stat
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal, Optional
+from typing import Any, Callable, ClassVar, Iterator, Literal, Optional
 
 import pynvml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
-from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
+from gpu_agent.host.bounded import HugeInteger, NotRegular, TooLarge, json_integer, read_bounded
 from gpu_agent.host.files import atomic_write
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, followed, link_text, place
 from gpu_agent.nvml import answers
 from gpu_agent.capture import FORMAT, MANIFEST, PARTS
 from gpu_agent.sim.fake import FakeNvml, SimComputeInstance, SimGpuInstance, SimHandle, _nvml
@@ -52,6 +54,8 @@ MAX_PART_BYTES = 64 << 20
 LOAD_PER_PROCESS = 35  # % utilisation a simulated process adds, as on built-in machines
 FILE_TREES = ("/proc/", "/sys/", "/etc/modprobe.d/")
 HOST_FILES = ("/etc/os-release",)
+NVIDIA_MAJOR = 195
+DYNAMIC_MAJORS = ((234, 254), (384, 511))  # Linux's dynamically allocated character majors (nvidia-uvm, -caps)
 LINK_TREES = ("/sys/bus/pci/devices/", "/dev/char/", "/dev/nvidia")
 _MIG_CAPABILITY = re.compile(r"^proc/driver/nvidia/capabilities/gpu\d+/mig/gi\d+/")
 
@@ -116,7 +120,7 @@ class Files(_Part):
 
 class DeviceNode(_Part):
     path: str
-    type: Literal["char", "block", "directory"]
+    type: Literal["char", "directory"]  # the driver makes no block device
     major: int = Field(0, ge=0, lt=1 << 12)
     minor: int = Field(0, ge=0, lt=1 << 20)
     mode: str
@@ -128,6 +132,14 @@ class DeviceNode(_Part):
     def _nvidia(cls, value: str) -> str:
         if not _host_path(value).startswith("/dev/nvidia"):
             raise ValueError(f"{value}: a capture holds the /dev/nvidia* device nodes only")
+        return value
+
+    @field_validator("major")
+    @classmethod
+    def _driver_major(cls, value: int) -> int:
+        if not (value in (0, NVIDIA_MAJOR) or any(low <= value <= high for low, high in DYNAMIC_MAJORS)):
+            raise ValueError(f"major {value} is neither NVIDIA's ({NVIDIA_MAJOR}) nor one the kernel hands "
+                             "out to a driver (234-254, 384-511): a replay makes no other device")
         return value
 
     @field_validator("mode")
@@ -195,6 +207,33 @@ class Capture:
                 raise AgentError(f"{directory / 'nvml.json'}: [{n}] {entry.call}: {problem}")
             self.calls[json.dumps([entry.call, entry.args], sort_keys=True)] = entry
         self.recorded_names = {entry.call for entry in self.calls.values()}
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """No file, link, device node or library of the capture is also a directory of another entry
+        (/opt a link, then /opt/lib/x): what a replay lays out is a tree, each path one thing."""
+        leaves: dict[str, str] = {}
+        for path in self.files:
+            leaves.setdefault(path, "files.json")
+        for path in self.links:
+            leaves.setdefault(path, "links.json")
+        for node in self.devices:
+            if node.type != "directory":
+                leaves.setdefault(node.path, "devices.json")
+        for library in self.libraries:
+            for path in (library.path, library.target):
+                if path is not None:
+                    leaves.setdefault(path, "ldcache.json")
+        parents: dict[str, str] = {}
+        for path in [*leaves, *self.directories, *(node.path for node in self.devices)]:
+            parent = posixpath.dirname(path)
+            while parent != "/" and parent not in parents:
+                parents[parent] = path
+                parent = posixpath.dirname(parent)
+        for path, part in leaves.items():
+            if path in parents:
+                raise AgentError(f"{self.directory / part}: {path}: one entry of the capture, and the directory "
+                                 f"of another ({parents[path]}); not a capture this agent wrote")
 
     @classmethod
     def load(cls, directory: Path) -> Capture:
@@ -212,20 +251,39 @@ class Capture:
             cls._cache[str(directory)] = cached
         return cached[1]
 
+    @contextlib.contextmanager
+    def entry_error(self, name: str, entry: str) -> Iterator[None]:
+        """Laying out `entry` of part `name` on the root: what stops it, as a refusal naming both."""
+        try:
+            yield
+        except (OSError, ValueError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            filename = getattr(exc, "filename", None)
+            where = f" ({filename})" if filename else ""
+            raise AgentError(f"{self.directory / name}: {entry}: cannot lay it out under the root: "
+                             f"{reason}{where}; nothing outside the root was touched") from None
+
     def _json(self, name: str) -> Any:
         path = self.directory / name
-        try:
-            data = read_bounded(path, MAX_PART_BYTES)
+        try:  # a part is a regular file of the capture's directory: a link to anywhere is not followed
+            data = read_bounded(path, MAX_PART_BYTES, follow=False)
             if data is None:
                 raise AgentError(f"{path}: missing; a capture has {MANIFEST} and {', '.join(PARTS)}")
-            return json.loads(data.decode("utf-8"))
+            return json.loads(data.decode("utf-8"), parse_int=json_integer)
+        except HugeInteger as exc:
+            raise AgentError(f"{path}: {exc}; not a capture this agent wrote") from None
         except TooLarge:
             raise AgentError(f"{path}: larger than {MAX_PART_BYTES >> 20} MiB; "
                              "not a capture this agent wrote") from None
         except NotRegular as exc:
             raise AgentError(f"{path}: {exc.kind}, not a file; not a capture this agent wrote") from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise AgentError(f"{path}: a symbolic link; a capture's parts are files in its directory, "
+                                 "and a link is not followed") from None
             raise AgentError(f"{path}: cannot read: {exc.strerror}") from None
+        except RecursionError:
+            raise AgentError(f"{path}: nested too deeply; not a capture this agent wrote") from None
         except UnicodeDecodeError:
             raise AgentError(f"{path}: not UTF-8 text") from None
         except json.JSONDecodeError as exc:
@@ -579,62 +637,89 @@ def modprobe_missing(state: dict[str, Any]) -> bool:
 
 def install_captured_host(root: Root, kernel_dir: Path, capture: Capture) -> None:
     """The captured /dev (device nodes, /dev/char links) and /etc/modprobe.d in the simulated kernel;
-    on a sandbox root also the driver's libraries as the ld.so cache lists them, and /etc/os-release."""
+    on a sandbox root also the driver's libraries as the ld.so cache lists them, and /etc/os-release.
+
+    Every place is resolved as in a chroot at the root (host.paths.place and followed), so a link in
+    the root, or one an earlier entry of the capture made, is read under the root; every link is
+    written relative to where it is (host.paths.link_text), so the OS, following it later for anyone,
+    stays under the root too. A capture entry that cannot be laid out is refused by file and entry."""
     kernel_root = Root(root.path, kernel_dir)
     for node in sorted(capture.devices, key=lambda n: n.path):
-        _device_node(kernel_root(node.path), node)
+        with capture.entry_error("devices.json", node.path):
+            _device_node(kernel_root, node)
     for path, target in capture.links.items():
         if path.startswith("/dev/"):
-            link = kernel_root(path)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            if link.is_symlink() or link.exists():
-                link.unlink()
-            os.symlink(target, link)
+            with capture.entry_error("links.json", path):
+                _link(kernel_root, path, target)
     for path, text in capture.files.items():
         if path.startswith("/etc/modprobe.d/"):
-            atomic_write(kernel_root(path), text)
+            with capture.entry_error("files.json", path):
+                _file(kernel_root, path, text)
     if str(root.path) == "/":
         return  # the real root's userspace stays as it is
     for path in HOST_FILES:
         if path in capture.files:
-            atomic_write(root(path), capture.files[path])
-    _libraries(root, capture.libraries)
+            with capture.entry_error("files.json", path):
+                _file(root, path, capture.files[path])
+    _libraries(root, capture)
 
 
-def _device_node(path: Path, node: DeviceNode) -> None:
+def _file(root: Root, path: str, text: str) -> None:
+    """A regular file at `path`: where its directory's links lead under the root, replacing a link
+    there (the rename does not follow it)."""
+    where = root(place(root, path))
+    if where.is_dir() and not where.is_symlink():
+        raise IsADirectoryError(errno.EISDIR, "a directory is there", path)
+    atomic_write(where, text.encode("utf-8", "surrogateescape"))
+
+
+def _link(root: Root, path: str, target: str) -> None:
+    """The link `path` -> `target`, the target read as in a chroot at the root and written relative."""
+    at = place(root, path)
+    link = root(at)
+    if link.is_dir() and not link.is_symlink():
+        raise IsADirectoryError(errno.EISDIR, "a directory is there", path)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    text = link_text(root, at, target)
+    if os.path.lexists(link):
+        link.unlink()
+    os.symlink(text, link)
+
+
+def _device_node(root: Root, node: DeviceNode) -> None:
     mode = int(node.mode, 8)
+    path = root(place(root, node.path))
     path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir() and node.type != "directory":
+        raise IsADirectoryError(errno.EISDIR, "a directory is there", node.path)
     if node.type == "directory":
         path.mkdir(mode=mode, exist_ok=True)
     else:
-        kind = stat.S_IFCHR if node.type == "char" else stat.S_IFBLK
-        if path.is_symlink() or path.exists():
-            path.unlink()
         try:
-            os.mknod(path, kind | mode, os.makedev(node.major, node.minor))
+            os.mknod(path, stat.S_IFCHR | mode, os.makedev(node.major, node.minor))
         except PermissionError:
             raise AgentError(f"cannot create the captured device node {node.path} ({node.major}:{node.minor}): "
                              "replaying a capture needs root (CAP_MKNOD)") from None
-    os.chown(path, node.uid, node.gid)
-    os.chmod(path, mode)
+    os.chown(path, node.uid, node.gid, follow_symlinks=False)
+    os.chmod(path, mode)  # what was just made there: neither a link nor someone else's file
 
 
-def _libraries(root: Root, libraries: list[Library]) -> None:
+def _libraries(root: Root, capture: Capture) -> None:
     """Placeholder files where the cache's entries lead, the entries' paths linked to them, and the cache."""
-    for library in libraries:
+    for n, library in enumerate(capture.libraries):
         if library.target is None:
             continue
-        target = root(library.target)
-        if not target.exists():
-            atomic_write(target, f"placeholder {posixpath.basename(library.target)} (replayed capture)\n")
-        if library.target != library.path:
-            link = root(library.path)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            if link.is_symlink() or link.exists():
-                link.unlink()
-            os.symlink(library.target, link)
-    ldcache.write_cache(root(ldcache.PATH), [ldcache.CacheEntry(lib.key, lib.path, lib.flags, lib.hwcap)
-                                               for lib in libraries])
+        with capture.entry_error("ldcache.json", f"[{n}] {library.path}"):
+            target = root(followed(root, library.target))
+            if not os.path.lexists(target):
+                atomic_write(target, f"placeholder {posixpath.basename(library.target)} (replayed capture)\n")
+            if library.target != library.path:
+                _link(root, library.path, library.target)
+    with capture.entry_error("ldcache.json", ldcache.PATH):
+        ldcache.write_cache(root(place(root, ldcache.PATH)),
+                            [ldcache.CacheEntry(lib.key, lib.path, lib.flags, lib.hwcap) for lib in capture.libraries])
 
 
 # --- NVML ----------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpu_agent.host import ldcache
 from gpu_agent.host.files import atomic_write
+from gpu_agent.host.paths import Root, place
 
 # Library name -> soname suffix ("" means the soname is the versioned file itself), as the 550 driver ships them.
 LIBRARIES = {
@@ -62,17 +63,23 @@ def install_driver_userspace(root_path: Path, version: str) -> list[str]:
         path = f"/lib/firmware/nvidia/{version}/{name}"
         _write(root_path, path, f"placeholder GSP firmware {version}\n", 0o644)
         written.append(path)
-    ldcache.write_cache(root_path / ldcache.PATH.lstrip("/"), entries)
+    ldcache.write_cache(_place(root_path, ldcache.PATH), entries)
     written.append(ldcache.PATH)
     return written
 
 
 def _write(root_path: Path, host_path: str, content: str, mode: int) -> None:
-    atomic_write(root_path / host_path.lstrip("/"), content, mode)
+    atomic_write(_place(root_path, host_path), content, mode)
+
+
+def _place(root_path: Path, host_path: str) -> Path:
+    """The entry itself under the sandbox, links in its directory followed as in a chroot there."""
+    root = Root(root_path)
+    return root(place(root, host_path))
 
 
 def _symlink(root_path: Path, host_path: str, target: str) -> None:
-    link = root_path / host_path.lstrip("/")
+    link = _place(root_path, host_path)
     if link.is_symlink() or link.exists():
         link.unlink()
     os.symlink(target, link)

@@ -2,7 +2,8 @@
 ledger with its owner; one whose stage is off, or no longer claims it, is removed (the agent created
 it) or its original put back, and the runtime that reads it restarted once. The links the agent
 created (/dev/char) are removed when their stage is off. `gpu-agent uninstall` is this stage with
-nothing claimed.
+nothing claimed. A ledger entry for what no stage writes, or whose original is not the agent's own
+copy, is refused by name and left alone (host.owned.refusal).
 
 It runs after every other stage and gates nothing: a file it cannot undo degrades the agent.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gpu_agent.errors import AgentError, StageError
-from gpu_agent.host import owned
+from gpu_agent.host import ledger as ledger_file, owned
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.plan import Change, RemoveFile, RemoveLink, RestartService, RestoreFile
@@ -86,6 +87,7 @@ class OwnedFiles(Stage):
     def _undo(self, state: OwnedState) -> None:
         for unit in state.restarts:  # owed from before the first byte changes, as any runtime restart
             self.ledger.add_pending_restart(unit)
+        self._failures += _refused(state)
         for undo in state.undo:
             try:
                 owned.carry_out(self.root, self.ledger, undo)
@@ -113,11 +115,20 @@ class OwnedFiles(Stage):
                 self.ledger.clear_pending_restart(unit)
 
     def verify(self, state: OwnedState) -> str:
-        if self._failures:
-            raise StageError("; ".join(self._failures))
+        problems = self._failures or _refused(state)  # after the undo, what it refused; in a dry run, what it would
+        if problems:
+            raise StageError("; ".join(problems))
         changed = (self._left + [u.entry.path for u in state.undo if u.how == owned.CHANGED]
                    + [u.entry.path for u in state.links if u.how == owned.CHANGED])
         note = f"; left as they are, changed since gpu-agent wrote them: {', '.join(changed)}" if changed else ""
         if self.uninstall:
             return f"nothing of gpu-agent's is left to undo{note}"
         return f"{state.kept} file{'s' if state.kept != 1 else ''} owned and wanted{note}"
+
+
+def _refused(state: OwnedState) -> list[str]:
+    """The ledger's entries for what the agent never owns, each named with why."""
+    return ([f"{ledger_file.PATH}: owned {u.entry.path}: {u.reason}; left alone"
+             for u in state.undo if u.how == owned.REFUSED]
+            + [f"{ledger_file.PATH}: link {u.entry.path}: {u.reason}; left alone"
+               for u in state.links if u.how == owned.REFUSED])
