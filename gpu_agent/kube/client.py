@@ -238,14 +238,14 @@ def _excerpt(text: str, token: Optional[str]) -> str:
 def _without(text: str, secret: Optional[str]) -> str:
     """`text` with `secret` cut out in every form a server or proxy may echo it in (they echo the
     headers they got, and a hostile one would encode them): as it is, in any letter case,
-    percent-encoded, hex, and base64 (standard or URL-safe) at any of its three alignments."""
+    percent-encoded (where needed or every byte), hex, and base64 (standard or URL-safe) at any of its three alignments."""
     return _forms_of(secret).sub("<token>", text) if secret else text
 
 
 @functools.lru_cache(maxsize=4)
 def _forms_of(secret: str) -> re.Pattern[str]:
     raw = secret.encode()
-    forms = {secret, quote(secret, safe=""), raw.hex()}
+    forms = {secret, quote(secret, safe=""), "".join(f"%{byte:02x}" for byte in raw), raw.hex()}
     for shift in range(3):  # the characters that encode the secret's bits alone, whatever surrounds it
         encoded = base64.b64encode(bytes(shift) + raw).decode()
         core = encoded[-(-8 * shift // 6):8 * (shift + len(raw)) // 6]
