@@ -238,7 +238,8 @@ def _excerpt(text: str, token: Optional[str]) -> str:
 def _without(text: str, secret: Optional[str]) -> str:
     """`text` with `secret` cut out in every form a server or proxy may echo it in (they echo the
     headers they got, and a hostile one would encode them): as it is, in any letter case,
-    percent-encoded (where needed or every byte), hex, and base64 (standard or URL-safe) at any of its three alignments."""
+    percent-encoded (where needed or every byte), hex, and base64 (standard or URL-safe) at any of
+    its three alignments."""
     return _forms_of(secret).sub("<token>", text) if secret else text
 
 
