@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from harness import SimNode
 
-from gpu_agent.host.files import MASK, unified_diff
+from gpu_agent.host.files import unified_diff
+from gpu_agent.host.masking import MASK, masked
 
 # Fixed, not random: pytest-xdist workers must collect the same parametrized test ids.
 CANARY = "canary5f0c1d2e9a7b4c31"
@@ -58,3 +59,113 @@ def test_check_on_a_containerd_config_with_registry_auth_shows_no_password(tmp_p
     diff = "".join(action.diff for action in node.check().stage("toolkit").planned)
     assert "+imports" in diff and 'username = "robot"' in diff  # the context really is shown
     assert CANARY not in diff and f"password = {MASK}" in diff
+
+
+# --- the class of credential places, not just the keys named password or token -------------------
+
+PLACES = [
+    ("array-value", 'headers.Authorization = ["Bearer {c}", "{c}"]'),
+    ("array-over-lines", '[host."https://m.example".header]\n  Authorization = [\n    "Bearer {c}",\n  ]'),
+    ("array-nested", '"auth": [["{c}"], {{"x": "{c}"}}]'),
+    ("url-userinfo", 'endpoint = ["https://robot:{c}@mirror.example/v2"]'),
+    ("url-user-only", "mirror: http://{c}@mirror.example"),
+    ("x-api-key", '"X-Api-Key": "{c}"'),
+    ("private_key", "private_key = '{c}'"),
+    ("apikey", "apikey: {c}"),
+    ("api-key", '"api-key" = "{c}"'),
+    ("access_key", "AWS_ACCESS_KEY_ID = {c}"),
+    ("client_secret", '"client_secret":"{c}"'),
+    ("bearer-anywhere", 'note = "send Bearer {c} to it"'),
+    ("basic-anywhere", "curl -H 'X: Basic {c}'"),
+    ("cookie", "Cookie: sid={c}"),
+    ("session", 'session_id = "{c}"'),
+    ("passphrase", "passphrase: {c}"),
+    ("pem-lines", "-----BEGIN RSA PRIVATE KEY-----\n{c}\n{c}\n-----END RSA PRIVATE KEY-----"),
+    ("pem-in-a-string", '"key": "-----BEGIN EC PRIVATE KEY-----\\n{c}\\n-----END EC PRIVATE KEY-----\\n"'),
+    ("pem-unclosed", "-----BEGIN PRIVATE KEY-----\n{c}"),
+    ("yaml-sequence", "token:\n  - {c}\n  - {c}"),
+    ("yaml-sequence-same-column", "token:\n- {c}"),
+    ("yaml-block-scalar", "password: |\n  {c}\n  {c}"),
+    ("toml-multiline-string", 'password = """\n{c}\n{c}"""'),
+    ("json-crlf", '{{\r\n  "auth": "{c}"\r\n}}'),
+    ("escaped-quotes", r'password = "\"\\{c}\""'),
+    ("dotted-toml-key", 'plugins."io.containerd.grpc.v1.cri".registry.configs."r".auth.password = "{c}"'),
+]
+
+
+@pytest.mark.parametrize("text", [text for _, text in PLACES], ids=[name for name, _ in PLACES])
+def test_every_credential_place_is_masked(text: str) -> None:
+    before = "a = 1\n" + text.replace("{c}", CANARY) + "\nb = 2\n"
+    assert CANARY not in masked(before) and MASK in masked(before)
+    for current, desired in ((before, before.replace("a = 1", "a = 3")), (None, before), (before, "")):
+        diff = unified_diff("/etc/x", current, desired)
+        assert CANARY not in diff and MASK in diff, diff
+
+
+def test_what_holds_no_credential_is_shown_as_it_is() -> None:
+    text = ('[plugins."io.containerd.grpc.v1.cri".registry.mirrors."docker.io"]\n'
+            '  endpoint = ["https://mirror.example:5000/v2"]\n'
+            '"auths": {"auth.docker.io": {}}\n'
+            "auth:\n  username: robot\n  password: x\n"
+            'runtime = "nvidia"  # the key of a table\n'
+            "key_file = \"/etc/pki/client.key\"\n")
+    shown = masked(text)
+    assert shown == text.replace("password: x", f"password: {MASK}"), shown
+
+
+def test_a_change_in_a_masked_value_only_is_said_not_shown() -> None:
+    diff = unified_diff("/etc/x", f'password = "{CANARY}"\n', 'password = "other"\n')
+    assert "masked values only" in diff and CANARY not in diff and "other" not in diff
+
+
+# --- bounded work: inputs that a quadratic step would take minutes over -----------------------------
+#
+# 200 KB to 1 MB each: the regex this replaced took 14 s over 20 KB. The suite's 10 s limit per test
+# (conftest) is what fails a quadratic step here; the assertions are about the result.
+
+ADVERSARIAL = [
+    ("word-characters", "a" * 1_000_000),
+    ("credential-word-runs", "password" * 100_000),
+    ("credential-prefixes", "password_" * 100_000 + " = x"),
+    ("quotes", '"' * 500_000),
+    ("backslashes", "\\" * 500_000),
+    ("quotes-and-backslashes", '"\\' * 250_000),
+    ("keys-without-values", "token:\n" * 60_000),
+    ("crlf", "a = 1\r\n" * 60_000),
+    ("deep-nesting", "token = " + "[" * 200_000 + "]" * 200_000),
+    ("open-braces", "{" * 500_000),
+    ("colons", "a:" * 250_000),
+    ("url-schemes", "://" * 200_000),
+    ("one-long-userinfo", "://" + "u" * 500_000),
+    ("spaces-after-a-key", "password" + " " * 500_000),
+    ("pem-begins", "-----BEGIN PRIVATE KEY-----" * 20_000),
+    ("bearers", "bearer " * 100_000),
+    ("a-60KB-comment-line-then-a-secret", "#" + "x" * 60_000 + f'\npassword = "{CANARY}"'),
+]
+
+
+@pytest.mark.parametrize("text", [text for _, text in ADVERSARIAL], ids=[name for name, _ in ADVERSARIAL])
+def test_masking_and_diffing_any_large_input(text: str) -> None:
+    secret = f'\n  password = "{CANARY}"\n'
+    assert CANARY not in masked(text + secret)
+    diff = unified_diff("/etc/x", text + secret, "changed = 1\n" + text + secret)
+    assert diff.startswith("--- /etc/x\n+++ /etc/x\n@@ -1,") and "+changed = 1\n" in diff
+    assert CANARY not in diff and len(diff) < 20_000  # long lines are cut
+
+
+def test_a_change_past_a_cut_line_still_shows() -> None:
+    old = "x = " + "a" * 300_000 + "\n"
+    diff = unified_diff("/etc/x", old, old.replace("a\n", "b\n"))
+    lines = diff.splitlines()
+    assert lines[3].startswith("-x = aaa") and lines[4].startswith("+x = aaa") and lines[3] != lines[4]
+    assert "300004 characters" in lines[3]
+
+
+def test_many_changed_lines_make_one_bounded_hunk() -> None:
+    # difflib's matching of 20,000 lines repeating 150 values is quadratic (half a minute)
+    old = "".join(f"a{i % 150}\n" for i in range(20_000))
+    new = "".join(f"a{i % 150}\n" for i in reversed(range(20_000)))
+    diff = unified_diff("/etc/x", old, new)
+    assert "more lines not shown" in diff and diff.count("\n") < 5_000
+    small = unified_diff("/etc/x", "a\nb\nc\nd\ne\nf\ng\nh\n", "a\nb\nc\nd\nE\nf\ng\nh\n")
+    assert small == "--- /etc/x\n+++ /etc/x\n@@ -2,7 +2,7 @@\n b\n c\n d\n-e\n+E\n f\n g\n h\n", small

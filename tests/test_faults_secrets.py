@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import secrets
 import socketserver
 import threading
@@ -19,6 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
+from urllib.parse import unquote
 
 import pytest
 from conftest import free_port
@@ -155,6 +157,20 @@ def echoed(answer: Callable[[str], str]) -> Callable[[Env], None]:
     return lambda env: env.kubeconfig("    token: {c}", server=env.echo(answer))
 
 
+def echoed_as(encode: Callable[[str], str], status: int = 403) -> Callable[[Env], None]:
+    """A valid token, and an API server whose error message holds the header it got, encoded."""
+    return registered_token(lambda env: env.api.fail_next(
+        "*", status, count=None, message=f"denied {encode(f'Authorization: Bearer {env.canary}')}"))
+
+
+def b64(prefix: str = "", alphabet: Callable[[bytes], bytes] = base64.b64encode) -> Callable[[str], str]:
+    return lambda text: alphabet((prefix + text).encode()).decode()
+
+
+def every_byte_percent(text: str) -> str:
+    return "".join(f"%{byte:02X}" for byte in text.encode())
+
+
 def key_data(make: Callable[[Env], bytes]) -> Callable[[Env], None]:
     """The node's certificate with client-key-data made by `make` (which may plant the canary)."""
     def setup(env: Env) -> None:
@@ -261,6 +277,25 @@ ROWS: list[tuple[str, Callable[[Env], None], str]] = [
      "not a JSON object"),
     ("echo-200-text", echoed(lambda auth: f"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{auth}"),
      "not a JSON object"),
+    # ... encoded (a hostile server), in each form; the leak check decodes them all.
+    ("echo-upper-case", echoed_as(str.upper), "403"),
+    ("echo-base64", echoed_as(b64()), "403"),
+    ("echo-base64-shifted-1", echoed_as(b64("x")), "403"),
+    ("echo-base64-shifted-2", echoed_as(b64("xy")), "403"),
+    ("echo-base64url", echoed_as(b64("x", base64.urlsafe_b64encode)), "403"),
+    ("echo-percent-every-byte", echoed_as(every_byte_percent), "403"),
+    ("echo-percent-lower-case", echoed_as(lambda text: every_byte_percent(text).lower()), "403"),
+    ("echo-hex", echoed_as(lambda text: text.encode().hex(), 500), "500"),
+    ("echo-text-base64", echoed(lambda auth: "HTTP/1.1 401 Unauthorized\r\nConnection: close\r\n\r\n"
+                                + base64.b64encode(auth.encode()).decode()), "401"),
+    ("echo-control-characters", echoed(lambda auth: "HTTP/1.1 401 Unauthorized\r\nConnection: close\r\n\r\n"
+                                       + "\x1b[2J" + auth.replace(" ", "\x00")), "401"),
+    # A redirect is an error naming its status and Location, never followed with the token.
+    ("redirect-307-location", echoed(lambda auth: "HTTP/1.1 307 Temporary Redirect\r\nLocation: "
+                                     f"https://elsewhere.example/?{auth.replace(' ', '=')}\r\n"
+                                     "Connection: close\r\n\r\n"), "307, a redirect to https://elsewhere.example/"),
+    ("redirect-301-no-location", echoed(lambda auth: "HTTP/1.1 301 Moved Permanently\r\nConnection: close\r\n\r\n"),
+     "301, a redirect without a Location"),
     # Token files.
     ("tokenfile-rejected-401", token_file(b"{c}\n"), "401"),
     ("tokenfile-inner-newline", token_file(b"abc\n{c}\n"), "not usable as a bearer token"),
@@ -316,10 +351,20 @@ def run_sink(env: Env, caplog: pytest.LogCaptureFixture) -> tuple[Optional[Agent
 
 
 def leaks(env: Env, text: str) -> list[str]:
-    """The planted secrets found in `text`: the canary or either half of it, or another form."""
+    """The planted secrets found in `text`: the canary or either half of it, or another form, as it
+    is or in any letter case, percent-encoded, hex or base64 (decoded here, at every alignment)."""
     half = len(env.canary) // 2
-    found = [s for s in (env.canary[:half], env.canary[half:], *env.secrets) if s and s in text]
-    return found
+    readings = [text.lower(), unquote(text).lower()]
+    for run in re.findall(r"[0-9a-fA-F]{16,}", text):
+        readings += [bytes.fromhex(run[offset:offset + (len(run) - offset) // 2 * 2]).decode("latin-1").lower()
+                     for offset in (0, 1)]
+    for run in re.findall(r"[A-Za-z0-9+/_=-]{16,}", text):
+        for offset in range(4):
+            part = run[offset:].rstrip("=")
+            part = part[:len(part) // 4 * 4]
+            readings += [base64.b64decode(part.translate(str.maketrans("-_", "+/")) + "==").decode("latin-1").lower()]
+    wanted = (env.canary[:half], env.canary[half:], *env.secrets)
+    return [s for s in wanted if s and any(s.lower() in reading for reading in readings)]
 
 
 @pytest.mark.parametrize("name,setup,expected", ROWS, ids=[row[0] for row in ROWS])

@@ -1,7 +1,8 @@
-"""Atomic file writes: temp file, fsync, rename, fsync of the directory."""
+"""Atomic file writes: temp file, fsync, rename, fsync of the directory; diffs of a planned write."""
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import re
 import stat
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+from gpu_agent.host.masking import masked
 from gpu_agent.host.paths import Root
 
 BACKUP_DIR = "/var/lib/gpu-agent/backups"
@@ -149,28 +151,61 @@ def read_text(path: Path) -> Optional[str]:
 
 
 def unified_diff(host_path: str, current: Optional[str], desired: str) -> str:
-    """The change as a diff for people to read, with the values of credential keys masked: runtime
-    configs hold registry passwords and tokens, and a diff's context lines would show them."""
-    lines = difflib.unified_diff(
-        (current or "").splitlines(keepends=True), desired.splitlines(keepends=True),
-        fromfile=host_path if current is not None else "/dev/null", tofile=host_path,
-    )
-    return "".join(line if line.startswith(("---", "+++", "@@")) else masked(line) for line in lines)
+    """The change as a diff for people to read, masked (runtime configs hold registry passwords and
+    tokens, and a diff's context lines would show them; host/masking.py) before it is compared. The
+    work is bounded whatever the files hold: lines longer than LINE_CHARS are cut (their length and a
+    digest of the whole line shown, so a change past the cut still shows), and past DIFF_LINES
+    changed lines on either side, the changed part is one hunk, each side cut to DIFF_LINES lines."""
+    old = [_cut(line) for line in masked(current or "").splitlines(keepends=True)]
+    new = [_cut(line) for line in masked(desired).splitlines(keepends=True)]
+    head = 0
+    while head < min(len(old), len(new)) and old[head] == new[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(old), len(new)) - head and old[-1 - tail] == new[-1 - tail]:
+        tail += 1
+    start = max(0, head - CONTEXT_LINES)  # difflib sees the changed part and its context only
+    shared_tail = max(0, tail - CONTEXT_LINES)
+    old_part, new_part = old[start:len(old) - shared_tail], new[start:len(new) - shared_tail]
+    header = [f"--- {host_path if current is not None else '/dev/null'}\n", f"+++ {host_path}\n"]
+    if len(old_part) <= DIFF_LINES and len(new_part) <= DIFF_LINES:  # difflib's matching is quadratic at worst
+        lines = list(difflib.unified_diff(old_part, new_part, n=CONTEXT_LINES))
+        if not lines:  # the masked texts are the same: only a credential changes
+            return "".join(header + ["@@ the change is in masked values only @@\n"]) if current != desired else ""
+        return "".join(header + [_ended(_shifted(line, start)) for line in lines[2:]])
+    hunk = [f"@@ -{start + 1},{len(old_part)} +{start + 1},{len(new_part)} @@\n"]
+    for sign, part in (("-", old_part), ("+", new_part)):
+        hunk += [sign + _ended(line) for line in part[:DIFF_LINES]]
+        if len(part) > DIFF_LINES:
+            hunk.append(f"{sign}... {len(part) - DIFF_LINES} more lines not shown\n")
+    return "".join(header + hunk)
 
 
-# A key naming a credential (TOML `password = "..."`, JSON `"auth": "..."`, YAML `token: ...`)
-# and its value: quoted, or bare up to the next separator; a value that opens a table holds nothing.
-_CREDENTIAL = re.compile(
-    r"""(?P<key>["']?[\w.-]*(?:password|passwd|secret|token|auth|credential)[\w.-]*["']?\s*[=:]\s*)"""
-    r"""(?P<value>"(?:[^"\\]|\\.)*"?|'[^']*'?|(?![{\[\s])[^,}\]\r\n]+)""",
-    re.IGNORECASE,
-)
-MASK = "<redacted>"
+CONTEXT_LINES = 3
+DIFF_LINES = 2000
+LINE_CHARS = 1000
+_HUNK = re.compile(r"@@ -(\d+)(,\d+)? \+(\d+)(,\d+)? @@")
 
 
-def masked(text: str) -> str:
-    """`text` with the value of every credential key replaced by MASK."""
-    return _CREDENTIAL.sub(lambda found: found["key"] + MASK, text)
+def _cut(line: str) -> str:
+    body = line.rstrip("\r\n")
+    if len(body) <= LINE_CHARS:
+        return line
+    digest = hashlib.sha256(body.encode(errors="replace")).hexdigest()[:12]
+    return f"{body[:LINE_CHARS]}... ({len(body)} characters, sha256 {digest}...){line[len(body):]}"
+
+
+def _ended(line: str) -> str:
+    return line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+
+
+def _shifted(line: str, offset: int) -> str:
+    """A hunk header of a diff of lines from `offset` on, numbered as in the whole file."""
+    found = _HUNK.match(line) if line.startswith("@@") else None
+    if found is None or not offset:
+        return line
+    old, new = int(found[1]) + offset, int(found[3]) + offset
+    return f"@@ -{old}{found[2] or ''} +{new}{found[4] or ''} @@\n"
 
 
 def backup(root: Root, host_path: str) -> Optional[Path]:

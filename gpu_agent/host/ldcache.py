@@ -162,6 +162,8 @@ def _align8(offset: int) -> int:
     return (offset + 7) & ~7
 
 
-def _libcmp_key(name: str) -> list[tuple[int, int]]:
-    """Sort key equivalent to glibc's _dl_cache_libcmp: digit runs compare as numbers, above other characters."""
-    return [(1, int(run)) if run[0] in "0123456789" else (0, ord(run)) for run in re.findall(r"[0-9]+|[^0-9]", name)]
+def _libcmp_key(name: str) -> list[tuple[int, int, str]]:
+    """Sort key equivalent to glibc's _dl_cache_libcmp: digit runs compare as numbers (by length, then
+    digits, never converted: a name may hold any number of them), above other characters."""
+    return [(1, len(run.lstrip("0")), run.lstrip("0")) if run[0] in "0123456789" else (0, ord(run), "")
+            for run in re.findall(r"[0-9]+|[^0-9]", name)]

@@ -6,8 +6,11 @@ node's RequestBudget. Nothing the server answers reaches a message with the toke
 """
 from __future__ import annotations
 
+import base64
+import functools
 import json
 import os
+import re
 import ssl
 import stat
 import tempfile
@@ -18,9 +21,10 @@ import h11
 
 from gpu_agent.config.text import shown
 from gpu_agent.errors import AgentError
+from gpu_agent.host import jsontext
 from gpu_agent.host.paths import Root, followed
 from gpu_agent.kube.budget import RequestBudget
-from gpu_agent.kube.exchange import exchange
+from gpu_agent.kube.exchange import Redirected, exchange
 from gpu_agent.kube.kubeconfig import Credentials, load, read_token, shown_path
 from gpu_agent.kube.names import node_name_problem
 
@@ -59,12 +63,14 @@ class KubeClient:
         return self._credentials
 
     def get_node(self, name: str) -> dict[str, Any]:
-        return self._request("GET", _node_path(name))
+        """The Node, its fields the agent reads checked for shape (a malformed one is an ApiError)."""
+        path = _node_path(name)
+        return _checked_node(self._request("GET", path), f"GET {path}")
 
     def patch_node(self, name: str, patch: dict[str, Any], status: bool = False,
                    content_type: str = MERGE_PATCH) -> dict[str, Any]:
         path = _node_path(name) + ("/status" if status else "")
-        return self._request("PATCH", path, json.dumps(patch).encode(), content_type)
+        return _checked_node(self._request("PATCH", path, json.dumps(patch).encode(), content_type), f"PATCH {path}")
 
     # --- transport -------------------------------------------------------------------------------
 
@@ -81,7 +87,10 @@ class KubeClient:
         except ApiError as exc:  # whatever the server sent back, the token it was sent never shows
             raise ApiError(_without(str(exc), token), exc.status, _without(exc.reason, token)) from None
         try:
-            document = json.loads(payload) if payload else {}
+            document = jsontext.loads(payload) if payload else {}
+        except jsontext.NumberTooLong as exc:
+            raise ApiError(f"{method} {credentials.server}{path}: HTTP {status} with an integer of {exc.digits} digits "
+                           f"at {exc.where} of its body; no Kubernetes object holds one", status) from None
         except (ValueError, RecursionError):
             document = None
         if status >= 400:
@@ -105,6 +114,10 @@ class KubeClient:
                                        MAX_RESPONSE_BYTES)
         except (OSError, h11.RemoteProtocolError) as exc:  # TLS verification failures included
             raise ApiError(f"{where}: {exc}") from None
+        except Redirected as exc:  # following would send the credentials on: never
+            to = f" to {_excerpt(exc.location, token)}" if exc.location else " without a Location"
+            raise ApiError(f"{where}: HTTP {exc.status}, a redirect{to}, which the agent does not follow; set the "
+                           "kubeconfig's server to the API server's own address", exc.status) from None
         except ValueError:  # CannotForm, a host name IDNA cannot encode: the values stay unsaid
             raise ApiError(f"{where}: the request cannot be formed from the kubeconfig's values") from None
         if len(payload) > MAX_RESPONSE_BYTES:
@@ -118,9 +131,9 @@ class KubeClient:
             message = str(document.get("message") or f"HTTP {status}")
             reason = str(document.get("reason") or "")
         else:
-            message, reason = payload.decode(errors="replace"), ""
-        message = _without(" ".join(message.split()), token)[:MAX_MESSAGE_CHARS]
-        reason = _without(" ".join(reason.split()), token)[:MAX_MESSAGE_CHARS]
+            message, reason = payload[:_EXCERPT_BYTES].decode(errors="replace"), ""
+        message = _excerpt(message, token)
+        reason = _excerpt(reason, token)
         if status in (401, 403):
             return ApiError(f"{method} {path}: {status} {reason or 'Forbidden'}: {message} (as "
                             f"{credentials.identity()} from the kubeconfig)", status, reason)
@@ -212,6 +225,79 @@ def _pem_text(data: bytes) -> str:
         raise ValueError("certificate-authority-data is not PEM text") from None
 
 
+_EXCERPT_BYTES = 16 * 1024  # of a body that is not JSON: the message shows MAX_MESSAGE_CHARS of it at most
+
+
+def _excerpt(text: str, token: Optional[str]) -> str:
+    """What a message may quote of the server's own words: the token cut out in any form, printable
+    characters only, white space collapsed, at most MAX_MESSAGE_CHARS."""
+    text = _without(text[:_EXCERPT_BYTES], token)
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())[:MAX_MESSAGE_CHARS]
+
+
 def _without(text: str, secret: Optional[str]) -> str:
-    """`text` with every copy of `secret` cut out: servers and proxies may echo the headers they got."""
-    return text.replace(secret, "<token>") if secret else text
+    """`text` with `secret` cut out in every form a server or proxy may echo it in (they echo the
+    headers they got, and a hostile one would encode them): as it is, in any letter case,
+    percent-encoded (where needed or every byte), hex, and base64 (standard or URL-safe) at any of
+    its three alignments."""
+    return _forms_of(secret).sub("<token>", text) if secret else text
+
+
+@functools.lru_cache(maxsize=4)
+def _forms_of(secret: str) -> re.Pattern[str]:
+    raw = secret.encode()
+    forms = {secret, quote(secret, safe=""), "".join(f"%{byte:02x}" for byte in raw), raw.hex()}
+    for shift in range(3):  # the characters that encode the secret's bits alone, whatever surrounds it
+        encoded = base64.b64encode(bytes(shift) + raw).decode()
+        core = encoded[-(-8 * shift // 6):8 * (shift + len(raw)) // 6]
+        if len(core) >= 6:  # shorter, it would match ordinary words
+            forms |= {core, core.translate(str.maketrans("+/", "-_"))}
+    return re.compile("|".join(re.escape(form) for form in sorted(forms, key=len, reverse=True)), re.IGNORECASE)
+
+
+def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
+    """`node` if the fields the agent reads have their API types: metadata a mapping with labels and
+    annotations mappings of strings to strings, status a mapping whose conditions are a list of
+    mappings whose fields are strings. Anything else is an API error naming the field."""
+    problem = _node_problem(node)
+    if problem:
+        raise ApiError(f"{where}: the answer is not a well-formed Node: {problem}")
+    return node
+
+
+def _node_problem(node: dict[str, Any]) -> Optional[str]:
+    metadata = node.get("metadata")
+    if not isinstance(metadata, dict):
+        return f"metadata is {_kind(metadata)}, not a mapping"
+    for field in ("labels", "annotations"):
+        values = metadata.get(field)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            return f"metadata.{field} is {_kind(values)}, not a mapping"
+        wrong = next((key for key, value in values.items() if not isinstance(value, str)), None)
+        if wrong is not None:
+            return f"metadata.{field}[{_excerpt(json.dumps(wrong), None)}] is {_kind(values[wrong])}, not a string"
+    status = node.get("status")
+    if status is None:
+        return None
+    if not isinstance(status, dict):
+        return f"status is {_kind(status)}, not a mapping"
+    conditions = status.get("conditions")
+    if conditions is None:
+        return None
+    if not isinstance(conditions, list):
+        return f"status.conditions is {_kind(conditions)}, not a list"
+    for number, condition in enumerate(conditions):
+        if not isinstance(condition, dict):
+            return f"status.conditions[{number}] is {_kind(condition)}, not a mapping"
+        wrong = next((key for key, value in condition.items() if not isinstance(value, str)), None)
+        if wrong is not None:
+            return f"status.conditions[{number}].{_excerpt(wrong, None)} is {_kind(condition[wrong])}, not a string"
+    return None
+
+
+def _kind(value: Any) -> str:
+    kinds = ((type(None), "null"), (bool, "a boolean"), (str, "a string"), (int, "a number"), (float, "a number"),
+             (list, "a list"), (dict, "a mapping"))
+    return next(name for kind, name in kinds if isinstance(value, kind))

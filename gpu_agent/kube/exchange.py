@@ -16,10 +16,21 @@ import h11
 
 _READ_BYTES = 64 * 1024
 _MAX_HEAD_BYTES = 64 * 1024
+_MAX_LOCATION_BYTES = 1024
 
 
 class CannotForm(ValueError):
     """The request cannot be written as HTTP (a header value with a line break, a non-ASCII token)."""
+
+
+class Redirected(Exception):
+    """The server answered with a redirect (3xx): never followed (the credentials would go along),
+    never read as an answer. `location` is the Location header as sent, if any (untrusted text)."""
+
+    def __init__(self, status: int, location: str) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.location = location
 
 
 def exchange(server: SplitResult, context: Optional[ssl.SSLContext], method: str, target: str,
@@ -27,7 +38,8 @@ def exchange(server: SplitResult, context: Optional[ssl.SSLContext], method: str
     """(status, body) of `method target` sent to `server`, over TLS when `context` is given. Reads at most
     `limit` + 1 bytes of body (so a caller sees that an answer went over `limit`).
 
-    Raises CannotForm before connecting, OSError (TLS and timeouts included) or h11.RemoteProtocolError.
+    Raises CannotForm before connecting, OSError (TLS and timeouts included), h11.RemoteProtocolError,
+    or Redirected for a 3xx answer.
     """
     client = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD_BYTES)
     request = _request(client, server, method, target, headers, body)
@@ -71,6 +83,9 @@ def _answer(client: h11.Connection, sock: socket.socket, deadline: float, limit:
             client.receive_data(sock.recv(_READ_BYTES))
         elif type(event) is h11.Response:
             status = event.status_code
+            if 300 <= status < 400:
+                location = next((value for name, value in event.headers if name == b"location"), b"")
+                raise Redirected(status, location[:_MAX_LOCATION_BYTES].decode("latin-1"))
         elif type(event) is h11.Data:
             chunks.append(bytes(event.data))
             size += len(event.data)

@@ -272,7 +272,7 @@ def with_import(text: str, has_imports: bool) -> str:
 
 
 def _top_level(text: str, offset: int) -> bool:
-    return not re.search(r"^\s*\[", text[:offset], flags=re.MULTILINE)
+    return not re.search(r"^[ \t]*\[", text[:offset], flags=re.MULTILINE)  # [ \t]: \s would rescan blank lines
 
 
 def _minimal_root(version: int) -> str:

@@ -14,6 +14,7 @@ import re
 from typing import Any, Optional
 
 from gpu_agent.errors import StageError
+from gpu_agent.host import jsontext
 from gpu_agent.toolkit.document import (
     BOOLEAN,
     MAX_DEPTH,
@@ -71,7 +72,10 @@ def parse(text: str, name: str = DAEMON_JSON) -> Document:
     if depth is not None:
         raise StageError(f"{name}:{_position(text, depth)}: nested more than {MAX_DEPTH} levels deep; {_UNCHANGED}")
     try:
-        data = json.loads(text, parse_constant=_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
+        data = jsontext.loads(text, parse_constant=_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
+    except jsontext.NumberTooLong as exc:
+        raise StageError(f"{name}:{exc.where}: an integer of {exc.digits} digits, larger than any setting of Docker's "
+                         f"holds; write a smaller one; {_UNCHANGED}") from None
     except json.JSONDecodeError as exc:
         raise StageError(f"{name}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}; {_UNCHANGED}") from None
     except _Refused as exc:
