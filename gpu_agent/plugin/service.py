@@ -19,6 +19,7 @@ from typing import Any, Optional
 from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, PluginConfig, mig_strategy, plugin_wanted
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.host.paths import Root
+from gpu_agent.nvml.model import Inventory
 from gpu_agent.plugin.devices import Advertised, advertised
 from gpu_agent.plugin.preferred import preferred
 from gpu_agent.plugin.server import PluginEndpoint
@@ -136,18 +137,24 @@ class DevicePluginManager:
 
     def compute(self) -> Advertised:
         state = self.state
-        unavailable = state.nvml_error or ""
-        if state.inventory is None and not unavailable:
-            discovery = state.stages.get("discovery")
-            if discovery is not None and discovery.state == "failed":
-                unavailable = f"discovery failed: {discovery.message}"
-        return advertised(state.inventory, state.health, mig_strategy(state.config.config), self.settings,
-                          unavailable)
+        if state.nvml_error:
+            return advertised(None, state.health, mig_strategy(state.config.config), self.settings, state.nvml_error)
+        inventory, unavailable = self._inventory(), ""
+        discovery = state.stages.get("discovery")
+        if inventory is None and discovery is not None and discovery.state == "failed":
+            unavailable = f"discovery failed: {discovery.message}"
+        return advertised(inventory, state.health, mig_strategy(state.config.config), self.settings, unavailable)
+
+    def _inventory(self) -> Optional[Inventory]:
+        """The GPUs to serve: discovery's, or, while discovery fails with NVML answering (one GPU fallen
+        off the bus fails the whole inventory), the GPUs it last found. The lost GPU's devices are then
+        Unhealthy by its health, and the other GPUs' devices go on serving."""
+        return self.state.inventory or self.state.last_inventory
 
     def _service_args(self) -> dict[str, Any]:
         return {"list_strategy": lambda: self.settings.device_list_strategy,
                 "fail_greater_than_one": lambda: self.settings.sharing.time_slicing.fail_requests_greater_than_one,
-                "prefer": lambda available, must, size: preferred(available, must, size, self.state.inventory)}
+                "prefer": lambda available, must, size: preferred(available, must, size, self._inventory())}
 
     async def _register(self, endpoint: PluginEndpoint) -> None:
         try:
