@@ -212,6 +212,7 @@ class DevicePluginManager:
                 "devices": len(devices), "healthy": sum(1 for device in devices if device.healthy),
                 "replicas": endpoint.feed.resource.replicas,
                 "registered": name in self.registered, "registered_at": self.registered.get(name),
+                "refused": dict(endpoint.service.refused),  # by reason, as of this publish
                 "error": self.errors.get(name)})
         section: dict[str, Any] = {"enabled": plugin_wanted(self.root, self.settings), "resources": resources}
         if wanted is None:
