@@ -238,15 +238,10 @@ class AgentState:
         if self.nvml_error:
             return Check("gpu-health", False, self.nvml_error)
         if inventory is None:
-            return Check("gpu-health", False, "no GPU discovered")
-        sick, failing = [], 0
-        for gpu in inventory.gpus:
-            own = health.get(gpu.uuid)
-            found = [f"GPU {gpu.index} ({gpu.uuid}): {own.reason}"] if own and not own.healthy else []
-            found += [f"{_mig_name(gpu, device)}: {health[device.uuid].reason}" for device in gpu.mig.devices
-                      if device.uuid in health and not health[device.uuid].healthy]
-            failing += bool(found)
-            sick += found
+            # Discovery fails (a GPU off the bus fails it all): name the sick GPUs it last found, if any.
+            sick, _ = _sick(self.last_inventory, health)
+            return Check("gpu-health", False, "; ".join(sick) or "no GPU discovered")
+        sick, failing = _sick(inventory, health)
         return self._gated("gpu-health", failing, len(inventory.gpus), "; ".join(sick),
                            f"{len(inventory.gpus)} GPUs healthy")
 
@@ -393,6 +388,19 @@ class AgentState:
                                                               "meaning": xid_meaning(health.last_xid)},
             "recovers_at": recovers_at(health, self.config.config.health),
         }
+
+
+def _sick(inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -> tuple[list[str], int]:
+    """What is unhealthy among the inventory's GPUs and MIG devices, and how many GPUs that touches."""
+    sick, failing = [], 0
+    for gpu in inventory.gpus if inventory else ():
+        own = health.get(gpu.uuid)
+        found = [f"GPU {gpu.index} ({gpu.uuid}): {own.reason}"] if own and not own.healthy else []
+        found += [f"{_mig_name(gpu, device)}: {health[device.uuid].reason}" for device in gpu.mig.devices
+                  if device.uuid in health and not health[device.uuid].healthy]
+        failing += bool(found)
+        sick += found
+    return sick, failing
 
 
 def _mig_name(gpu: Gpu, device: MigDevice) -> str:

@@ -42,6 +42,8 @@ def test_quick_start_a_gpu_off_the_bus_is_back_after_sim_clear(agent, root: Path
 
     raised = run_cli("sim", "inject-xid", "--gpu", "3", "--xid", "79", root=root)
     assert raised.returncode == 0 and "GPU 3 has fallen off the bus" in raised.stdout
+    _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503)
+    daemon.wait_http("/readyz?verbose", lambda _, b: "[-]gpu-health failed: GPU 3" in b and "XID 79" in b)
     # NVML answers GPU_IS_LOST for it, as the driver does for a GPU off the bus: the next pass sees that
     daemon.wait_http("/readyz?verbose", lambda status, body: status == 503 and "GPU is lost" in body, timeout=3.0)
 
