@@ -26,6 +26,7 @@ from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root, resolve
+from gpu_agent.kube import budget
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.mig.hooks import Systemctl, UnitControl
 from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
@@ -109,7 +110,8 @@ class Runtime:
         gpu_reset = ResetHealsGpu(gpu_reset, state)
         engine = Engine([], state, config.reconcile, begin_pass=nvml.inventory.begin_pass)
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
-                      real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
+                      real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units,
+                      kube_budget=RequestBudget(path=root(budget.PATH)))
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
