@@ -187,6 +187,17 @@ ROWS: list[tuple[str, str | bytes, str]] = [
     ("runtime_config int64 overflow", V1 + "toolkit:\n  runtime_config:\n    a: 9223372036854775808\n",
      "got 9223372036854775808"),
     ("runtime_config infinity", V1 + "toolkit:\n  runtime_config:\n    a: .inf\n", "got inf"),
+    # --- paths the agent writes that would name a system file it does not manage (the CDI spec: a .yaml or
+    # .json file directly in a CDI spec directory)
+    *[(f"cdi path {path}", V1 + f"toolkit:\n  cdi:\n    path: '{path}'\n",
+       ":4: toolkit.cdi.path: must be a .yaml or .json file directly in /etc/cdi, /var/run/cdi, /run/cdi")
+      for path in ("/etc/passwd", "/etc/cdi/../passwd", "/etc/cdi/sub/nvidia.yaml", "/var/run/cdi/nvidia.toml",
+                   "/var/run/cdi/.yaml", "/etc/cdi/", "/var/run/cdi/nvidia.yaml/", "/tmp/nvidia.yaml",
+                   "/etc/cdi/nvidia\nx.yaml", "/var/lib/gpu-agent/ledger.json", "/etc/cdi//nvidia.yaml")],
+    # --- addresses that are not HOST:PORT
+    *[(f"listen {listen}", V1 + f"http:\n  listen: '{listen}'\n", ":3: http.listen: expected HOST:PORT")
+      for listen in ("[::1:9445", "::1]:9445", "::1:9445", "[::1]", "[]:9445", "[nope]:1", "host name:1", "h:0009445",
+                     "[::1]:9445]", "h:\u0669")],
 ]
 
 
@@ -393,3 +404,34 @@ def test_runtime_config_tables_written_as_mappings_are_dotted_keys(config_dir: P
     assert load_config(path, required=True).config.toolkit.runtime_config == {
         "nvidia-container-runtime.log-level": "debug",
         "nvidia-container-runtime.modes.cdi.default-kind": "nvidia.com/gpu", "disable-require": True}
+
+
+@pytest.mark.parametrize("path", ["/var/run/cdi/nvidia.yaml", "/etc/cdi/nvidia.json", "/run/cdi/gpu-agent.yaml"])
+def test_a_cdi_spec_in_a_spec_directory_is_accepted(config_dir: Path, path: str) -> None:
+    config = config_dir / "config.yaml"
+    config.write_text(V1 + f"toolkit:\n  cdi:\n    path: {path}\n")
+    assert load_config(config, required=True).config.toolkit.cdi.path == path
+
+
+@pytest.mark.parametrize("listen", ["[::1]:9445", "[fe80::1%eth0]:80", "0.0.0.0:1", "node-1.example:65535", ""])
+def test_well_formed_listen_addresses_are_accepted(config_dir: Path, listen: str) -> None:
+    config = config_dir / "config.yaml"
+    config.write_text(V1 + f"http:\n  listen: '{listen}'\n")
+    assert load_config(config, required=True).config.http.listen == listen
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (("--root", "", "check"), "argument --root: must name a directory"),
+    (("--root", "/nonexistent", "status", "--root", "", "--json"), "argument --root: must name a directory"),
+    *[(("--root", "/nonexistent", "status", "--wait", f"--timeout={value}"), "argument --timeout: expected a number")
+      for value in ("nan", "inf", "-inf", "-1", "1e999", "x", "")],
+])
+def test_command_line_values_that_would_mean_something_else_are_refused(argv: tuple[str, ...], fragment: str,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """Class: an empty directory (the current one), a duration that never ends or makes no sense."""
+    from gpu_agent.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    assert info.value.code == 1
+    assert fragment in capsys.readouterr().err

@@ -26,6 +26,7 @@ from gpu_agent.daemon.app import Runtime
 from gpu_agent.host.paths import Root
 from gpu_agent.sim.machine import MachineState
 from gpu_agent.sim.services import config_digests
+from gpu_agent.toolkit.services import wait_for_socket
 
 TOOLKIT = ("/usr/bin/nvidia-container-runtime", "/usr/bin/nvidia-container-runtime-hook", "/usr/bin/nvidia-ctk",
            "/usr/bin/nvidia-cdi-hook")
@@ -81,6 +82,12 @@ class Node:
         self.machine: MachineState = self.runtime.services.machine  # type: ignore[attr-defined]
 
     def reconcile(self, force: bool = True) -> None:
+        """`force`: a pass once every stage's backoff ran out (a forced pass alone holds a failed restart's
+        change, see test_a_forced_pass_retries_a_failed_restart_only_for_a_new_change); else a drift pass."""
+        if force:
+            for status in self.runtime.state.stages.values():
+                if status.next_retry is not None:
+                    status.next_retry = min(status.next_retry, time.time())
         asyncio.run(self.runtime.engine.reconcile(force=force))
         self.runtime.state.first_reconcile_done = True
 
@@ -335,7 +342,8 @@ def test_kill_9_at_any_point_of_a_pass_loses_no_restart_and_tears_no_file(
 
 
 @pytest.mark.subprocess
-def test_the_daemon_ignores_its_own_restores_and_drift_waits_for_the_backoff(agent, root: Path) -> None:
+def test_the_daemon_ignores_its_own_restores_and_drift_waits_for_the_backoff(agent, root: Path,
+                                                                            write_config) -> None:
     install_toolkit(root, ("docker",))
     run_cli("--simulate", "dgx-h100", "sim", "fail", "restart", "--unit", "docker.service", root=root)  # until cleared
     daemon = agent("dgx-h100", settings={"reconcile": {"backoff_initial_seconds": 60}})
@@ -359,14 +367,108 @@ def test_the_daemon_ignores_its_own_restores_and_drift_waits_for_the_backoff(age
     (root / "etc/docker/daemon.json").write_text('{"log-driver": "local"}\n')  # someone else's edit: drift
     time.sleep(2.5)
     assert (restarts(), toolkit_failures()) == (2, 1)  # the drift pass waits for the toolkit's backoff
-    daemon.signal(signal.SIGHUP)  # an operator's reload forces a pass
+    daemon.signal(signal.SIGHUP)  # the same file: a pass that honours the backoff
+    readies = iter(range(1, 100))
+    daemon.wait_message(lambda message: message.startswith("READY=1") and next(readies) == 2)  # the reload's
+    time.sleep(1)
+    assert (restarts(), toolkit_failures()) == (2, 1)
+    # A new config that changes docker's change is retried now, backoff or not.
+    write_config({"reconcile": {"backoff_initial_seconds": 60}, "toolkit": {"set_as_default": True}})
+    daemon.signal(signal.SIGHUP)
     deadline = time.monotonic() + 10
     while restarts() < 3:
-        assert time.monotonic() < deadline, "SIGHUP did not retry the restart"
+        assert time.monotonic() < deadline, "a new config did not retry the restart"
         time.sleep(0.1)
     assert daemon.stop() == 0
     drift = [line for line in daemon.output().splitlines() if "changed on disk" in line]
     assert len(drift) == 1 and "/etc/docker/daemon.json changed on disk" in drift[0], drift
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("seconds, backoff, most", [(3, 60.0, 2), pytest.param(10, 5.0, 3, marks=pytest.mark.slow)])
+def test_a_sighup_storm_never_bypasses_a_failing_restarts_backoff(agent, root: Path, seconds: int, backoff: float,
+                                                                  most: int) -> None:
+    """Class: signals as fast as an operator's script can send them. 20 SIGHUPs a second with an unchanged
+    config and a runtime whose restart fails: the passes honour the toolkit's backoff."""
+    install_toolkit(root, ("docker",))
+    run_cli("--simulate", "dgx-h100", "sim", "fail", "restart", "--unit", "docker.service", root=root)
+    daemon = agent("dgx-h100", settings={"reconcile": {"backoff_initial_seconds": backoff}})
+    daemon.wait_ready()
+
+    def restarts() -> int:
+        return MachineState(Root(root)).read()["services"]["docker.service"]["restarts"]
+
+    deadline = time.monotonic() + 10
+    while restarts() < 2:  # the failed restart, and one on the restored files
+        assert time.monotonic() < deadline, restarts()
+        time.sleep(0.1)
+    for _ in range(20 * seconds):
+        daemon.signal(signal.SIGHUP)
+        time.sleep(0.05)
+    assert daemon.wait_http("/healthz", lambda code, _: code == 200)
+    assert 2 <= restarts() <= most
+    assert daemon.stop() == 0
+
+
+def test_a_forced_pass_retries_a_failed_restart_only_for_a_new_change(root: Path, tmp_path: Path) -> None:
+    """Class: anything that forces a pass (a new config on SIGHUP, a simulator event) within a stage's
+    backoff. The change whose restart failed is held until the backoff runs out; a different one is not."""
+    install_toolkit(root, ("docker",))
+    node = Node(root, tmp_path, {"reconcile": {"backoff_initial_seconds": 60}})
+    node.fail("docker.service", "failed")
+    for _ in range(3):
+        asyncio.run(node.runtime.engine.reconcile(force=True))
+    assert node.service("docker.service")["restarts"] == 2  # the failed one, one on the restored files
+    assert "docker.service is failed (since " in node.runtime.state.stages["toolkit"].message
+    (root / "etc/docker/daemon.json").write_text('{"log-driver": "local"}\n')  # a different change now
+    asyncio.run(node.runtime.engine.reconcile(force=True))
+    assert node.service("docker.service")["restarts"] == 3
+    asyncio.run(node.runtime.engine.reconcile(force=True))
+    assert node.service("docker.service")["restarts"] == 3
+
+
+async def _not_ready_while_restarting(node: Node, unit: str) -> tuple[str, float]:
+    """Run a pass; return the reason /readyz gives once it is not ready, and when that began, while the pass
+    still runs. Fails if the pass ends first."""
+    state = node.runtime.state
+    task = asyncio.ensure_future(node.runtime.engine.reconcile())
+    deadline = time.monotonic() + 8
+    while state.ready:
+        assert not task.done() and time.monotonic() < deadline, state.summary_line()
+        await asyncio.sleep(0.02)
+    noticed = time.time()
+    _, failing = state.readiness()
+    assert failing is not None and not task.done(), state.summary_line()
+    await task
+    return failing.reason, noticed
+
+
+@pytest.mark.parametrize("runtime", ["docker", "crio"])
+def test_not_ready_from_the_moment_a_runtime_restart_starts_hanging(root: Path, tmp_path: Path, runtime: str) -> None:
+    """Class: a restart in flight (systemctl restart that does not return, a runtime that does not answer):
+    /readyz names the runtime and what it waits for as soon as the restart starts, not when the pass ends."""
+    install_toolkit(root, (runtime,))
+    unit = UNITS[runtime]
+    node = Node(root, tmp_path, {"toolkit": {"restart_timeout_seconds": 3}})
+    node.reconcile()
+    assert node.runtime.state.ready, node.runtime.state.summary_line()
+    node.fail(unit, "hangs")
+    if runtime == "docker":  # someone removed the nvidia runtime: written again, then a restart
+        (root / OURS[runtime].lstrip("/")).write_text(CONFIGS[runtime][1])
+    else:
+        (root / OURS[runtime].lstrip("/")).unlink()
+    reason, noticed = asyncio.run(_not_ready_while_restarting(node, unit))
+    assert reason.startswith(f"restarting {runtime} ({unit}): waiting for `systemctl restart {unit}`"), reason
+    started = node.service(unit)["restart_times"][-2]  # the hung restart; the last: the one on restored files
+    assert noticed - started < 2
+    assert DOWN["hangs"].format(unit=unit) in node.not_ready_because()
+
+
+def test_waiting_for_a_runtime_socket_reports_how_long_and_why(tmp_path: Path) -> None:
+    heard: list[str] = []
+    answer = wait_for_socket(str(tmp_path / "containerd.sock"), "/run/containerd/containerd.sock", 1.5, heard.append)
+    assert answer is not None and "no answer on /run/containerd/containerd.sock within 1.5 s" in answer
+    assert heard and heard[0].startswith("no answer on /run/containerd/containerd.sock for 1 s ("), heard
 
 
 @RUNS_CONTAINERD

@@ -266,7 +266,8 @@ class RecordingServices:
     def restart(self, unit: str) -> None:
         self.restarts.append(unit)
 
-    def wait_ready(self, unit: str, socket_path: str, timeout: float) -> Optional[str]:
+    def wait_ready(self, unit: str, socket_path: str, timeout: float,
+                   progress: Callable[[str], None] = lambda waiting: None) -> Optional[str]:
         return None
 
 

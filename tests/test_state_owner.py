@@ -26,6 +26,7 @@ from gpu_agent.config import LoadedConfig, load_config
 from gpu_agent.daemon.app import Runtime
 from gpu_agent.daemon.engine import Engine, StageRun
 from gpu_agent.host.paths import Root
+from gpu_agent.kube.budget import PATH as BUDGET
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.metrics.exporter import AgentCollector, make_registry, render
 from gpu_agent.state import AgentState
@@ -162,6 +163,7 @@ def test_200_apply_once_commands_on_a_converged_node_under_load_send_nothing(roo
     api.clear_requests()
     with cpu_load():
         for number in range(200):
+            (root / BUDGET.lstrip("/")).unlink()  # the node's 12 requests a minute, kept across processes: fresh
             again = cli(*argv, root=root, config=config, timeout=120)
             assert again.returncode == 0, f"run {number}: {again.stderr}"
             assert writes(api) == [], f"run {number}"

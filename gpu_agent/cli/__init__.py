@@ -84,12 +84,20 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     parser.add_argument("--config", default=default(os.environ.get("GPU_AGENT_CONFIG")), metavar="PATH",
                         help="config file (env GPU_AGENT_CONFIG; default /etc/gpu-agent/config.yaml under --root, "
                              "built-in defaults when that file is missing)")
-    parser.add_argument("--root", default=default(os.environ.get("GPU_AGENT_ROOT", "/")), metavar="DIR",
+    parser.add_argument("--root", default=default(os.environ.get("GPU_AGENT_ROOT", "/")), metavar="DIR", type=_root,
                         help="resolve every host path under DIR (env GPU_AGENT_ROOT; default /)")
     parser.add_argument("--simulate", default=default(os.environ.get("GPU_AGENT_SIMULATE") or None),
                         metavar="PROFILE|FILE|DIR",
                         help="simulated hardware: dgx-a100, dgx-h100, dgx-h200, a30, t4, none, a machine YAML file, "
                              "or a directory written by `gpu-agent capture` (env GPU_AGENT_SIMULATE)")
+
+
+def _root(value: str) -> str:
+    """--root (or GPU_AGENT_ROOT): never empty, which every path join would read as the current directory."""
+    if not value:
+        raise argparse.ArgumentTypeError("must name a directory (/ for this machine); an empty one would put "
+                                         "every host path under the current directory: write --root . for that")
+    return value
 
 
 def setup_logging(level: str = "INFO") -> None:

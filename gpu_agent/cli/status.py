@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import stat
@@ -22,8 +23,20 @@ _REQUEST_TIMEOUT_S = 5.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the daemon's /status document")
     parser.add_argument("--wait", action="store_true", help="wait until the agent is ready")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+    parser.add_argument("--timeout", type=seconds, default=None, metavar="S",
                         help="with --wait: give up after S seconds (exit 2, or 1 if the daemon never answered)")
+
+
+def seconds(value: str) -> float:
+    """A command line's duration: a finite number of seconds, 0 or more (nan, inf and -1 would wait forever
+    or make no sense)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, 0 or more, such as 30 or 2.5; got {value!r}")
+    return number
 
 
 def fetch_status(args: argparse.Namespace, unix_only: bool = False) -> tuple[Optional[dict[str, Any]], str]:

@@ -18,14 +18,25 @@ DEFAULT_SOCKET = "/run/gpu-agent/agent.sock"
 LISTEN_MAX = 300
 PATH_MAX = 4096
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_HOST = re.compile(r"[A-Za-z0-9._-]+")  # a name or an IPv4 address; an IPv6 one goes in brackets
 
 
 def valid_listen(value: str) -> bool:
-    """HOST:PORT, or "" (TCP off)."""
+    """HOST:PORT, or "" (TCP off): HOST a name or IPv4 address, or an IPv6 address in brackets ([::1]:9445)."""
     if value == "":
         return True
     host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 <= int(port) <= 65535)
+    if not (sep and host and port.isascii() and port.isdigit() and len(port) <= 5 and int(port) <= 65535):
+        return False
+    if host.startswith("[") or host.endswith("]"):
+        import ipaddress
+
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return host.startswith("[") and host.endswith("]")
+    return _HOST.fullmatch(host) is not None
 
 
 def valid_socket(value: str) -> bool:

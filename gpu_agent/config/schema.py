@@ -28,7 +28,8 @@ class ReconcileConfig(Section):
 
 def _host_port(value: str) -> str:
     if not valid_listen(value):
-        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9445, got {shown(value)}")
+        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9445 or [::1]:9445 (an IPv6 address in brackets), "
+                         f"got {shown(value)}")
     return value
 
 

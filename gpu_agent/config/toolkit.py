@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from gpu_agent.config.section import AbsolutePath, Bounds, Check, Section, seconds, setting
+from gpu_agent.config.section import (PATH_MAX, AbsolutePath, Bounds, Check, Section, absolute_path, seconds,
+                                     setting)
 from gpu_agent.config.text import shown
 
 Runtime = Literal["containerd", "docker", "crio"]
@@ -56,10 +57,25 @@ RuntimeConfigValue = Annotated[Any, Check(runtime_config_value)]
 RuntimeConfig = Annotated[dict[RuntimeConfigKey, RuntimeConfigValue], Check(flattened, before=True)]
 
 
+CDI_DIRS = ("/etc/cdi", "/var/run/cdi", "/run/cdi")  # the runtimes' CDI spec directories (/run/cdi: /var/run/cdi)
+
+
+def cdi_spec_path(value: str) -> str:
+    """A file directly in a CDI spec directory, named *.yaml or *.json: where the runtimes read specs
+    (cdi.spec-dirs defaults to /etc/cdi and /var/run/cdi), and nowhere the agent would overwrite a
+    system file that it does not manage."""
+    directory, _, name = absolute_path(value).rpartition("/")
+    if directory not in CDI_DIRS or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*\.(yaml|json)", name):
+        raise ValueError(f"must be a .yaml or .json file directly in {', '.join(CDI_DIRS)} (where the container "
+                         f"runtimes read CDI specs), such as /var/run/cdi/nvidia.yaml; got {shown(value)}")
+    return value
+
+
 @dataclass(frozen=True)
 class CdiConfig(Section):
     enabled: bool = setting(True, "Write a CDI spec for the GPUs and turn CDI on in the runtimes.")
-    path: AbsolutePath = setting("/var/run/cdi/nvidia.yaml", "Where the CDI spec is written.")
+    path: Annotated[str, Bounds(max_length=PATH_MAX), Check(cdi_spec_path)] = setting(
+        "/var/run/cdi/nvidia.yaml", "Where the CDI spec is written: a .yaml or .json file in /etc/cdi or /var/run/cdi.")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader
 from gpu_agent.host.paths import Root, resolve
+from gpu_agent.kube import budget
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.mig.hooks import Systemctl, UnitControl
 from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
@@ -109,7 +110,8 @@ class Runtime:
         gpu_reset = ResetHealsGpu(gpu_reset, state)
         engine = Engine([], state, config.reconcile, begin_pass=nvml.inventory.begin_pass)
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
-                      real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units)
+                      real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units,
+                      kube_budget=RequestBudget(path=root(budget.PATH)))
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
@@ -291,8 +293,10 @@ class Daemon:
         self._wake.set()
 
     def _request_reload(self) -> None:
+        """SIGHUP: a pass, forced only when the file holds a new config (see _reconcile_once). An unchanged
+        file never bypasses a stage's backoff: a storm of SIGHUPs restarts no failing runtime."""
         self._reload_requested = True
-        self.trigger(force=True)
+        self.trigger()
 
     async def _reconcile_loop(self) -> None:
         first = True
@@ -310,7 +314,8 @@ class Daemon:
         reloading = self._reload_requested
         if reloading:
             self._reload_requested = False
-            await self._reload()
+            if await self._reload():
+                self._force = True  # a new config applies now; the engine still holds a failed restart's change
         force, self._force = self._force, False
         self._wake.clear()
         started = time.monotonic()
@@ -342,9 +347,9 @@ class Daemon:
         except asyncio.TimeoutError:
             pass
 
-    async def _reload(self) -> None:
+    async def _reload(self) -> bool:
         """Load the config file again and switch to it; any failure keeps the running config and is
-        shown as the reload error in /status, never a crash of the loop."""
+        shown as the reload error in /status, never a crash of the loop. True when a new config runs."""
         self.notifier.reloading()
         try:
             loaded = await asyncio.to_thread(reload_config, self.config_path, self.config_required, self.state.config)
@@ -352,7 +357,7 @@ class Daemon:
                 self.state.config_error = None
                 log.info("reloading configuration from %s: the file is unchanged; keeping configuration %s",
                          self.config_path, self.state.config.digest[:19])
-                return
+                return False
             log.info("reloading configuration from %s", self.config_path)
             stages = self._stages_for(loaded.config)
             await self.http.restart(loaded.config.http)
@@ -364,6 +369,8 @@ class Daemon:
                                 f"({type(exc).__name__}); see the agent's log")
         else:
             self._apply_config(loaded, stages)
+            return True
+        return False
 
     def _reject_reload(self, reason: str) -> None:
         self.state.config_error = reason
@@ -458,7 +465,7 @@ class Daemon:
 
         The agent's own writes (a runtime's files restored after a failed restart) are no drift. A
         drift pass respects a failing stage's backoff: a runtime that does not come back is retried
-        as the backoff allows, not each time its files change. Only SIGHUP forces a pass."""
+        as the backoff allows, not each time its files change. Only a new config (SIGHUP) forces a pass."""
         def stamps() -> dict[str, Optional[Stamp]]:
             return {path: stamp_of(self.runtime.root(path))
                     for stage in self.runtime.engine.stages for path in stage.watched()}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import threading
@@ -11,9 +12,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.errors import AgentError
+from gpu_agent.plan import Change
 from gpu_agent.printable import printable
 from gpu_agent.stages.base import OUTCOMES, Action, Stage
-from gpu_agent.state import FAILED, OK, WAITING, AgentState, Outcome, StageStatus
+from gpu_agent.state import FAILED, OK, PENDING, WAITING, AgentState, Outcome, StageStatus
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class StageRun:
     outputs: dict[str, Any] = field(default_factory=dict)  # for the names in the stage's `produces`
     claims: Optional[set[str]] = None  # the files the stage wants; None: it could not tell
     restarts: dict[str, int] = field(default_factory=dict)  # the container runtimes it restarted, how often
+    attempted: list[Action] = field(default_factory=list)  # a failed run's changes, made or undone
 
     def __post_init__(self) -> None:
         self.message = printable(self.message)  # it quotes what the driver and files say; shown everywhere
@@ -48,6 +51,9 @@ class Engine:
         self.settings = settings
         self.begin_pass = begin_pass
         self.stages: list[Stage] = []
+        # By stage: the changes of its last run, when it failed after restarting a runtime. A forced pass
+        # (a changed config) retries such a stage in its backoff only for a different change.
+        self._failed_restarts: dict[str, frozenset[Change]] = {}
         self.set_stages(stages)
 
     def set_stages(self, stages: Sequence[Stage]) -> None:
@@ -65,7 +71,9 @@ class Engine:
             self.state.stages[stage.name].gates_readiness = stage.gates_readiness
 
     async def reconcile(self, force: bool = False, dry_run: bool = False) -> list[StageRun]:
-        """One pass over every stage. `force` ignores backoff; `dry_run` plans without changing anything.
+        """One pass over every stage. `force` ignores backoff, except for a stage whose last run failed
+        after restarting a runtime and that would make the same change again; `dry_run` plans without
+        changing anything.
 
         The stages run in order on one worker thread (a thread hop each cost a no-op pass more CPU than
         most stages' own work), and each outcome is recorded on the event loop as its stage ends, so
@@ -105,7 +113,8 @@ class Engine:
             stage.inputs = {name: self._input(name, results, claims, recorded, runs) for name in stage.consumes}
             status = self.state.stages[stage.name]
             now = time.time()
-            if not force and not dry_run and status.next_retry is not None and now < status.next_retry:
+            backing_off = not dry_run and status.next_retry is not None and now < status.next_retry
+            if backing_off and (not force or self._same_failed_restart(stage)):
                 runs.append(StageRun(stage.name, status.state, status.message, skipped=True))
                 continue
             this_pass = {run.stage: run.state for run in runs}
@@ -115,15 +124,46 @@ class Engine:
                 on_loop(_waiting, status, message, now)
                 runs.append(StageRun(stage.name, WAITING, message))
                 continue
-            run = self._run_stage(stage, dry_run)
+            stage.progress = functools.partial(on_loop, self._progress, status)
+            previous = status.state
+            try:
+                run = self._run_stage(stage, dry_run)
+            finally:
+                stage.progress = None
+            if not dry_run:
+                self._remember_restarts(stage.name, run)
             results.update(run.outputs)
             if run.outputs.get("inventory") is not None:  # as the state model records it
                 results["last_inventory"] = run.outputs["inventory"]
             if run.claims is not None:
                 claims[stage.name] = run.claims
-            on_loop(self._record, stage, status, run, now)
+            on_loop(self._record, stage, status, run, now, previous)
             runs.append(run)
         return runs
+
+    def _progress(self, status: StageStatus, doing: str) -> None:
+        """A stage's step in progress (a runtime restart it waits for): not ready until its outcome."""
+        status.record(PENDING, printable(doing), None, time.time())
+        self.state.published += 1  # /status renders again
+
+    def _remember_restarts(self, name: str, run: StageRun) -> None:
+        if run.state == FAILED and run.restarts:
+            self._failed_restarts[name] = _changes(run.attempted)
+        else:
+            self._failed_restarts.pop(name, None)
+
+    def _same_failed_restart(self, stage: Stage) -> bool:
+        """Whether a stage that failed after restarting a runtime would make the very same change now
+        (observed and planned again, nothing applied); an error doing so lets the stage run and say it."""
+        failed = self._failed_restarts.get(stage.name)
+        if failed is None:
+            return False
+        try:
+            stage.start_pass()
+            return _changes(stage.plan(stage.observe())) == failed
+        except Exception:  # the stage's own run reports it
+            log.debug("planning %s again", stage.name, exc_info=True)
+            return False
 
     @staticmethod
     def _input(name: str, results: dict[str, Any], claims: dict[str, set[str]], recorded: dict[str, Outcome],
@@ -157,6 +197,7 @@ class Engine:
 
     def _run(self, stage: Stage, dry_run: bool) -> StageRun:
         observed: Any = None
+        applied: list[Action] = []
         try:
             stage.start_pass()
             observed = stage.observe()
@@ -167,7 +208,6 @@ class Engine:
                     return StageRun(stage.name, "pending", self._pending(stage, observed, actions), planned=actions,
                                     outputs=outputs, claims=claims)
                 return StageRun(stage.name, OK, stage.verify(observed), outputs=outputs, claims=claims)
-            applied: list[Action] = []
             # A change can reveal the next one (device nodes exist only once their module is loaded),
             # so apply and observe again while new changes appear, a few rounds at most. A change that
             # did not take is never repeated in the same reconcile: verify() reports it.
@@ -186,7 +226,7 @@ class Engine:
             return StageRun(stage.name, OK, stage.verify(observed), planned=applied, applied=bool(applied), facts=facts,
                             outputs=outputs, claims=claims)
         except AgentError as exc:
-            return StageRun(stage.name, FAILED, str(exc), facts=_facts(stage, observed),
+            return StageRun(stage.name, FAILED, str(exc), attempted=applied, facts=_facts(stage, observed),
                             outputs=_outputs(stage, observed), claims=_claims(stage, observed))
         except Exception as exc:  # a bug: keep the daemon alive, say where it is
             log.exception("stage %s crashed; this is a gpu-agent bug", stage.name)
@@ -204,9 +244,9 @@ class Engine:
             message += f"; now: {exc}"
         return message
 
-    def _record(self, stage: Stage, status: StageStatus, run: StageRun, started: float) -> None:
+    def _record(self, stage: Stage, status: StageStatus, run: StageRun, started: float, previous: str) -> None:
+        """`previous`: the outcome before the run (not the progress it reported during it)."""
         now = time.time()
-        previous = status.state
         status.duration_seconds = now - started
         status.facts = run.facts
         if run.claims is not None:
@@ -239,6 +279,10 @@ class Engine:
     def next_retry(self) -> Optional[float]:
         retries = [s.next_retry for s in self.state.stages.values() if s.next_retry is not None]
         return min(retries) if retries else None
+
+
+def _changes(actions: Sequence[Action]) -> frozenset[Change]:
+    return frozenset(change for action in actions for change in action.changes)
 
 
 def _waiting(status: StageStatus, message: str, now: float) -> None:

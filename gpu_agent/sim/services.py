@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
@@ -81,7 +81,8 @@ class SimServices:
             time.sleep(self.timeout)
             raise AgentError(f"systemctl restart {unit} did not finish within {self.timeout:g} s and was killed")
 
-    def wait_ready(self, unit: str, socket_path: str, timeout: float) -> Optional[str]:
+    def wait_ready(self, unit: str, socket_path: str, timeout: float,
+                   progress: Callable[[str], None] = lambda waiting: None) -> Optional[str]:
         service = self.machine.read().get("services", {}).get(unit, {})
         if service.get("ready", False):
             return None

@@ -50,6 +50,14 @@ class Stage(ABC):
     # stage's outcome (state.Outcome) by name: this pass's for the stages run before this one, the
     # recorded one for the others (not run yet in this pass, or still backing off).
     inputs: Mapping[str, Any] = {}
+    # Set by the engine before each run: publishes what the stage is doing now as its outcome in progress
+    # (not ready), before the pass ends. A stage calls it through report().
+    progress: Optional[Callable[[str], None]] = None
+
+    def report(self, doing: str) -> None:
+        """Say what a long step waits for (a runtime's restart), for /readyz and /status while it waits."""
+        if self.progress is not None:
+            self.progress(doing)
 
     def outputs(self, observed: Any) -> dict[str, Any]:
         """This stage's results for the names in `produces`, from what it observed. The engine records

@@ -258,7 +258,8 @@ class Toolkit(Stage):
                         change.runtime)
             return
         try:
-            transaction.apply(self.root, change, self.services, self.ledger, self.settings.restart_timeout_seconds)
+            transaction.apply(self.root, change, self.services, self.ledger, self.settings.restart_timeout_seconds,
+                              self.report)
         except AgentError as exc:
             self._failures[change.runtime] = str(exc)
         finally:

@@ -4,13 +4,18 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import proc
 from gpu_agent.host.paths import Root
 
 _POLL_S = 0.2
+_PROGRESS_S = 1.0
+
+
+def _quiet(doing: str) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,10 @@ class ServiceControl(Protocol):
     def restart(self, unit: str) -> None:
         """Restart the unit; raise AgentError when systemd reports a failure."""
 
-    def wait_ready(self, unit: str, socket_path: str, timeout: float) -> Optional[str]:
-        """None once the runtime answers on its socket, else what went wrong."""
+    def wait_ready(self, unit: str, socket_path: str, timeout: float,
+                   progress: Callable[[str], None] = _quiet) -> Optional[str]:
+        """None once the runtime answers on its socket, else what went wrong; `progress` hears, about
+        once a second, how long it has not answered and why."""
 
 
 class Systemd:
@@ -74,8 +81,9 @@ class Systemd:
         if done.returncode != 0:
             raise AgentError(f"systemctl restart {unit} failed: {done.output}; see journalctl -u {unit}")
 
-    def wait_ready(self, unit: str, socket_path: str, timeout: float) -> Optional[str]:
-        return wait_for_socket(str(self.root(socket_path)), socket_path, timeout)
+    def wait_ready(self, unit: str, socket_path: str, timeout: float,
+                   progress: Callable[[str], None] = _quiet) -> Optional[str]:
+        return wait_for_socket(str(self.root(socket_path)), socket_path, timeout, progress)
 
 
 SHOW_PROPERTIES = "LoadState,ActiveState,SubState,StateChangeTimestamp,ActiveEnterTimestamp"
@@ -94,10 +102,14 @@ def parse_show(unit: str, text: str) -> UnitState:
                      values.get("SubState", "").strip(), "" if since == "n/a" else since)
 
 
-def wait_for_socket(path: str, name: str, timeout: float) -> Optional[str]:
-    deadline = time.monotonic() + timeout
-    last = "no attempt"
+def wait_for_socket(path: str, name: str, timeout: float, progress: Callable[[str], None] = _quiet) -> Optional[str]:
+    started = time.monotonic()
+    deadline = started + timeout
+    last, told = "no attempt", started
     while time.monotonic() < deadline:
+        if time.monotonic() - told >= _PROGRESS_S:
+            told = time.monotonic()
+            progress(f"no answer on {name} for {told - started:.0f} s ({last})")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(1.0)
             try:

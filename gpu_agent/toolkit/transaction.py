@@ -3,6 +3,7 @@ check, or restore it all. Each runtime is its own transaction: one failing leave
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -96,8 +97,10 @@ class RuntimeChange:
         return f"{self.runtime}: " + "; ".join(change.describe() for change in self.planned())
 
 
-def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: Ledger, wait_timeout: float) -> None:
-    """Make the change or leave the runtime as it was; raises StageError with the reason.
+def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: Ledger, wait_timeout: float,
+          progress: Callable[[str], None] = lambda doing: None) -> None:
+    """Make the change or leave the runtime as it was; raises StageError with the reason. `progress`
+    hears what a restart waits for, from the moment it starts: the runtime is not ready meanwhile.
 
     A restart is owed from before the first byte is written until the runtime answered after it, and
     the ledger says so durably: a pass that starts after a crash performs it."""
@@ -116,7 +119,7 @@ def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: L
             raise StageError(f"{change.runtime}: {problem}; {_restore(root, ledger, written, created)}")
         return
     assert unit is not None
-    problem = _restart(change, services, wait_timeout) or change.check()
+    problem = _restart(change, services, wait_timeout, progress) or change.check()
     if problem is None:
         _forget(ledger, unit)
         return
@@ -124,7 +127,7 @@ def apply(root: Root, change: RuntimeChange, services: ServiceControl, ledger: L
     restored = _restore(root, ledger, written, created)
     note = ""
     if written and change.was_up:  # back to the files it ran with before this pass
-        again = _restart(change, services, wait_timeout)
+        again = _restart(change, services, wait_timeout, progress)
         if again is None:
             _forget(ledger, unit)
         note = f"; restarted {unit} on the restored files" + (f", but: {again}" if again else "")
@@ -184,13 +187,18 @@ def _forget(ledger: Ledger, unit: str) -> None:
         log.warning("%s", exc)
 
 
-def _restart(change: RuntimeChange, services: ServiceControl, wait_timeout: float) -> Optional[str]:
-    assert change.unit is not None
-    change.restarts.append(change.unit)
+def _restart(change: RuntimeChange, services: ServiceControl, wait_timeout: float,
+             progress: Callable[[str], None]) -> Optional[str]:
+    unit = change.unit
+    assert unit is not None
+    change.restarts.append(unit)
+    doing = f"restarting {change.runtime} ({unit})"
+    progress(f"{doing}: waiting for `systemctl restart {unit}`, started {time.strftime('%H:%M:%S')}")
     try:
-        services.restart(change.unit)
+        services.restart(unit)
     except AgentError as exc:
         return str(exc)
     if change.socket is None:
         return None
-    return services.wait_ready(change.unit, change.socket, wait_timeout)
+    progress(f"{doing}: waiting for it to answer on {change.socket}")
+    return services.wait_ready(unit, change.socket, wait_timeout, lambda waiting: progress(f"{doing}: {waiting}"))
