@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import fcntl
 import gc
@@ -224,9 +225,10 @@ class Daemon:
                                     lambda: self.config.metrics.sample_interval_seconds)
         self.registry = make_registry(self.collector)
         self.http = HttpServer(build_app(self.state, self.registry, self._loop_alive), runtime.root)
-        self.xids = XidWatcher(runtime.nvml, self.state, self._threadsafe_publish)
+        self.xids = XidWatcher(runtime.nvml, self.state, self._after_xid)
         self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
+        self._sample_now = asyncio.Event()
         self._force = False
         self._stopping = asyncio.Event()
         self._reload_requested = False
@@ -427,13 +429,18 @@ class Daemon:
         self._plugin_task = asyncio.create_task(self.plugin.run(), name="device-plugin")
         self._tasks.append(self._plugin_task)
 
-    def _threadsafe_publish(self) -> None:
+    def _after_xid(self) -> None:
+        """From the XID watcher's thread: publish, and sample now, so a GPU an XID took off the bus is
+        seen not answering before it can come back (recovery is seeing it gone, then back)."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.publish)
+            self._loop.call_soon_threadsafe(self._sample_now.set)
 
     async def _sample_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.metrics.sample_interval_seconds)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._sample_now.wait(), self.config.metrics.sample_interval_seconds)
+            self._sample_now.clear()
             await self._sample()
 
     async def _sample(self) -> None:
