@@ -339,7 +339,7 @@ def test_status_metrics_and_labels_show_the_node_as_it_is(tmp_path: Path) -> Non
         "gpu.compute.major": "9", "gpu.compute.minor": "0", "gpu.count": "1", "gpu.family": "hopper",
         "gpu.memory": str(NODE["memory_total_mib"]), "gpu.mode": "compute", "gpu.present": "true",
         "gpu.product": "NVIDIA-H100-80GB-HBM3", "gpu.replicas": "1", "gpu.sharing-strategy": "none",
-        "mig.capable": "true", "gpu.machine": "unknown", "mig.strategy": "single",
+        "mig.capable": "true", "mps.capable": "false", "gpu.machine": "unknown", "mig.strategy": "single",
     }
     assert labels[f"{prefix}gpu-agent.ready"] == "true"
 

@@ -18,6 +18,7 @@ from test_labels import DGX_A100
 from gpu_agent.config import load_config
 from gpu_agent.daemon.app import Runtime
 from gpu_agent.host.paths import Root
+from gpu_agent.kube.labels import TIMESTAMP
 
 NODE = "gpu-node-1"
 KUBELET_CONDITIONS = {"Ready", "MemoryPressure", "DiskPressure", "PIDPressure"}
@@ -60,7 +61,7 @@ def test_dgx_a100_labels_and_condition_reach_the_node(api: KubeEmulator, kube_ro
     labels = api.labels()
     assert {k: v for k, v in labels.items() if k in DGX_A100 or k.startswith("nvidia.com/gpu")} == DGX_A100
     assert labels["team"] == "ml" and labels["nvidia.com/someone-elses"] == "keep"
-    assert api.annotations()["nvidia.com/gpu-agent.managed-labels"] == ",".join(sorted(DGX_A100))
+    assert api.annotations()["nvidia.com/gpu-agent.managed-labels"] == ",".join(sorted({*DGX_A100, TIMESTAMP}))
     condition = api.condition("GPUAgentReady")
     assert (condition["status"], condition["reason"]) == ("True", "GPUsReady")
     types = {c["type"] for c in api.get_node()["status"]["conditions"]}
@@ -291,3 +292,16 @@ def test_an_nvml_hiccup_without_the_api_server_keeps_the_gpu_labels_in_the_nfd_f
     text = (kube_root / NFD_FILE).read_text()
     assert "nvidia.com/gpu-agent.ready=false\n" in text
     assert "nvidia.com/gpu.product=NVIDIA-A100-SXM4-40GB\n" in text  # nodeSelectors keep matching
+
+
+def test_the_gfd_timestamp_is_kept_until_another_label_changes(api: KubeEmulator, kube_root: Path) -> None:
+    assert apply(kube_root).ok
+    assert api.labels()[TIMESTAMP].isdigit() and len(api.labels()[TIMESTAMP]) == 10  # GFD's [0-9]{10}
+    api.set_labels({TIMESTAMP: "1594644571"})  # as GFD's docs show it, from an earlier pass
+    api.clear_requests()
+    assert apply(kube_root).ok
+    assert api.labels()[TIMESTAMP] == "1594644571"  # nothing else changed: kept, and no label PATCH
+    assert [r.method for r in api.requests if r.method == "PATCH"] == []
+    api.set_labels({"nvidia.com/gpu.count": "7"})
+    assert apply(kube_root).ok
+    assert api.labels()["nvidia.com/gpu.count"] == "8" and int(api.labels()[TIMESTAMP]) > 1594644571

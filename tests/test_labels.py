@@ -20,7 +20,7 @@ DGX_A100 = {
     "nvidia.com/gpu.family": "ampere", "nvidia.com/gpu.machine": "DGXA100-920-23687-2530-000",
     "nvidia.com/gpu.memory": "40960", "nvidia.com/gpu.mode": "compute", "nvidia.com/gpu.present": "true",
     "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/gpu.replicas": "1",
-    "nvidia.com/gpu.sharing-strategy": "none", "nvidia.com/mig.capable": "true",
+    "nvidia.com/gpu.sharing-strategy": "none", "nvidia.com/mig.capable": "true", "nvidia.com/mps.capable": "false",
 }
 
 
@@ -107,3 +107,40 @@ def test_a_mig_gpu_without_devices_is_invalid_under_single() -> None:
     inventory = Inventory("550.90.07", "12.4", (_h100(_mig("3g.40gb", "3g.40gb")), _h100(_mig(), 1)))
     labels = compute(inventory, True, "single", None)
     assert labels["nvidia.com/gpu.product"].endswith("-MIG-INVALID") and labels["nvidia.com/gpu.replicas"] == "0"
+
+
+# GFD's expected label files (NVIDIA/k8s-device-plugin tests/expected-output*.txt, copied to
+# tests/data/upstream): one regular expression a line, checked as its cmd/gpu-feature-discovery/main_test.go
+# checkResult does (every label line matches one), and here also the other way (every label it expects is
+# written). The agent's own namespace (gpu-agent.*) and gpu.present (the GPU Operator's NFD rule writes it)
+# are not GFD's.
+GFD_EXPECTED = Path(__file__).parent / "data" / "upstream" / "k8s-device-plugin" / "tests"
+
+
+def test_the_labels_match_gfds_expected_output() -> None:
+    import re
+
+    from gpu_agent.kube.labels import with_timestamp
+
+    inventory = Inventory("550.90.07", "12.4", tuple(_h100(MigState(True, profiles=PROFILES), i) for i in range(2)))
+    labels = with_timestamp(compute(inventory, True, "none", "DGX A100"), {}, 1724632719.6)
+    lines = [f"{k}={v}" for k, v in labels.items() if not k.startswith("nvidia.com/gpu-agent.")
+             and k != "nvidia.com/gpu.present"]
+    for name in ("expected-output.txt", "expected-output-mig-none.txt"):
+        expected = [re.compile(line) for line in (GFD_EXPECTED / name).read_text().rstrip("\n").split("\n")]
+        assert [line for line in lines if not any(r.search(line) for r in expected)] == [], name
+        assert [r.pattern for r in expected if not any(r.search(line) for line in lines)] == [], name
+    assert labels["nvidia.com/gfd.timestamp"] == "1724632719" and labels["nvidia.com/mps.capable"] == "false"
+
+
+def test_the_timestamp_changes_only_with_another_label() -> None:
+    from gpu_agent.kube.labels import TIMESTAMP, with_timestamp
+
+    wanted = {"nvidia.com/gpu.count": "8", "nvidia.com/gpu-agent.ready": "true"}
+    first = with_timestamp(wanted, {}, 1594644571.9)  # nothing published yet: now
+    assert first == {**wanted, TIMESTAMP: "1594644571"}
+    assert with_timestamp(wanted, first, 1700000000) == first  # nothing else changed: kept, no write
+    assert with_timestamp({**wanted, TIMESTAMP: "1"}, first, 1700000000) == first  # never taken from `wanted`
+    moved = with_timestamp({**wanted, "nvidia.com/gpu.count": "7"}, first, 1700000000)
+    assert moved[TIMESTAMP] == "1700000000"
+    assert with_timestamp(wanted, {**wanted, TIMESTAMP: "not-a-number"}, 1700000000)[TIMESTAMP] == "1700000000"

@@ -95,12 +95,14 @@ def test_default_dcgm_counters_by_name_type_help_and_labels(node) -> None:
         family = families[name]
         assert (family.type, family.documentation) == (kind, help_text), name
         assert len(family.samples) == 8, name
+        # dcgm-exporter's attributes of the XID series: its err_code and err_msg, after the labels
+        xid = {"err_code": "0", "err_msg": "No Error"} if name == "DCGM_FI_DEV_XID_ERRORS" else {}
         for sample, gpu in zip(family.samples, gpus):
-            assert list(sample.labels) == list(LABELS), name  # dcgm-exporter's order
+            assert list(sample.labels) == list(LABELS) + list(xid), name  # dcgm-exporter's order
             assert sample.labels == {
                 "gpu": str(gpu.index), "UUID": gpu.uuid, "pci_bus_id": "0000" + gpu.pci_bus_id.upper(),
                 "device": f"nvidia{gpu.index}", "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "node-1",
-                "DCGM_FI_DRIVER_VERSION": "550.90.07"}, name
+                "DCGM_FI_DRIVER_VERSION": "550.90.07", **xid}, name
     value = {name: families[name].samples[0].value for name in EXPECTED}
     assert value["DCGM_FI_DEV_SM_CLOCK"] == 345 and value["DCGM_FI_DEV_MEM_CLOCK"] == 2619
     assert 20 < value["DCGM_FI_DEV_GPU_TEMP"] < 90 and 50 < value["DCGM_FI_DEV_POWER_USAGE"] <= 700
@@ -187,3 +189,38 @@ def test_the_real_h100_capture_answers_as_the_node_did(tmp_path: Path) -> None:
     assert value["DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"] == 0 and value["DCGM_FI_DEV_ROW_REMAP_FAILURE"] == 0
     assert families["DCGM_FI_DEV_SM_CLOCK"].samples[0].labels["pci_bus_id"] == "00000000:00:06.0"
     assert "DCGM_FI_DEV_ENC_UTIL" not in families  # not recorded: NotSupported, never simulated
+
+
+# dcgm-exporter's XID attributes: internal/pkg/collector/gpu_collector.go (toMetric) sets err_code to the
+# value and err_msg to xidErrCodeToText[value] (internal/pkg/collector/xid_errors.go, copied to
+# tests/data/upstream/dcgm-exporter) or "Unknown Error"; gpu_collector_test.go checks 0, 42 and 255.
+XID_ERRORS_GO = Path(__file__).parent / "data" / "upstream" / "dcgm-exporter" / "internal" / "pkg" / "collector" / \
+    "xid_errors.go"
+
+
+def test_the_xid_texts_are_dcgm_exporters_xid_err_code_to_text() -> None:
+    import re
+
+    from gpu_agent.metrics.dcgm import XID_TEXT, xid_labels
+
+    upstream = {int(n): t for n, t in re.findall(r'^\s*(\d+):\s*"([^"]*)",\s*$', XID_ERRORS_GO.read_text(), re.M)}
+    assert len(upstream) > 170 and dict(enumerate(XID_TEXT)) == upstream
+    # gpu_collector_test.go's cases: no error, a known value, an unknown value
+    assert xid_labels(0) == ("0", upstream[0]) == ("0", "No Error")
+    assert xid_labels(42) == ("42", upstream[42])
+    assert xid_labels(255) == ("255", "Unknown Error")
+    assert xid_labels(79) == ("79", "GPU has fallen off the bus")
+
+
+def test_the_xid_series_carries_err_code_and_err_msg_after_the_labels(node) -> None:
+    from gpu_agent.nvml.model import GpuHealth
+
+    n = node()
+    gpus = n.state.inventory.gpus
+    n.state.health[gpus[3].uuid] = GpuHealth(last_xid=79, xid_counts=((79, 1),))
+    n.state.health[gpus[5].uuid] = GpuHealth(last_xid=999, xid_counts=((999, 1),))
+    samples = n.scrape()["DCGM_FI_DEV_XID_ERRORS"].samples
+    assert [(s.value, s.labels["err_code"], s.labels["err_msg"]) for s in samples] == \
+        [(0, "0", "No Error")] * 3 + [(79, "79", "GPU has fallen off the bus"), (0, "0", "No Error"),
+                                      (999, "999", "Unknown Error"), (0, "0", "No Error"), (0, "0", "No Error")]
+    assert list(samples[3].labels)[-3:] == ["DCGM_FI_DRIVER_VERSION", "err_code", "err_msg"]

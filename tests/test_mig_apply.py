@@ -120,8 +120,9 @@ def test_every_shipped_config_on_every_gpu_it_fits(node: Any) -> None:
             if entry is None:
                 assert result.action == "unchanged" and result.mutations == 0, (name, result)
                 continue
-            if not gpu.mig.capable:
-                assert result.state == (FAILED if entry.mig_enabled else SUCCESS) and result.mutations == 0
+            if not gpu.mig.capable:  # every shipped entry enabling MIG selects `devices: all`: skipped
+                assert result.state == SUCCESS and result.mutations == 0, (name, result)
+                assert result.action == ("skipped" if entry.mig_enabled else "unchanged"), (name, result)
                 continue
             if entry.mig_enabled and not fits(gpu, entry.wanted):
                 assert result.state == FAILED and "no MIG profile" in result.reason and result.mutations == 0
@@ -129,12 +130,12 @@ def test_every_shipped_config_on_every_gpu_it_fits(node: Any) -> None:
                 continue
             assert result.state == SUCCESS, (name, result.reason)
             assert geometry(after[gpu.index]) == (entry.mig_enabled, tuple(sorted(entry.wanted.items()))), name
-        if all(r.state == SUCCESS and "no entry" not in r.reason for r in results):
+        if all(r.state == SUCCESS and "no entry" not in r.reason for r in results):  # skipped GPUs included
             assert not_applied(plans_for(after, entries)) == []
         before = n.mutations()
         again = n.apply(shipped, name)
         assert n.mutations() == before, f"{name}: re-applying made NVML mutations"
-        assert all(r.mutations == 0 and r.action in ("unchanged", "failed") for r in again)
+        assert all(r.mutations == 0 and r.action in ("unchanged", "failed", "skipped") for r in again)
 
 
 def test_hopper_changes_mode_without_a_reset_ampere_resets_only_its_own_gpus(node: Any) -> None:
@@ -406,3 +407,46 @@ def replace_instances(gpu: Any, profiles: Any) -> Any:
     from dataclasses import replace
 
     return replace(gpu, mig=replace(gpu.mig, profiles=profiles))
+
+
+# mig-parted's own example configs (NVIDIA/mig-parted, examples/config.yaml, copied to tests/data/upstream):
+# its apply skips a GPU that cannot do MIG when `devices: all` selects it ("Skipping -- non MIG-capable GPU",
+# cmd/nvidia-mig-parted/apply/mode.go and config.go) and fails one named by index ("cannot set MIG mode on
+# non MIG-capable GPU").
+MIG_PARTED_EXAMPLES = Path(__file__).resolve().parent / "data" / "upstream" / "mig-parted" / "examples" / "config.yaml"
+
+
+def test_devices_all_skips_a_gpu_that_cannot_do_mig_as_mig_parted_does(node: Any) -> None:
+    n = node("gpus:\n  - model: A100-SXM4-40GB\n  - model: T4\n")
+    examples = load_mig_config(MIG_PARTED_EXAMPLES)
+    for name in ("all-enabled", "all-1g.5gb", "all-balanced", "all-disabled"):
+        results = n.apply(examples, name)
+        assert [r.state for r in results] == [SUCCESS, SUCCESS], (name, results)
+        t4 = results[1]
+        assert t4.mutations == 0 and not t4.changes
+        if name == "all-disabled":
+            assert t4.action == "unchanged"
+        else:
+            assert t4.action == "skipped" and t4.reason.startswith("GPU 1 (Tesla T4): not MIG-capable; ")
+            assert "config.yaml:" in t4.reason and "(devices: all)" in t4.reason
+        wanted = tuple(sorted(examples.select(name)[-1].wanted.items()))
+        assert geometry(n.gpus()[0]) == (name != "all-disabled", wanted)
+        # assert agrees with apply: the skipped GPU is as configured
+        assert not_applied(plans_for(n.gpus(), examples.select(name))) == [], name
+    dry = n.apply(examples, "all-1g.5gb", dry_run=True)
+    assert dry[1].action == "skipped" and dry[0].action == "would-change-mode"
+
+
+def test_a_gpu_named_by_index_that_cannot_do_mig_is_still_refused(node: Any) -> None:
+    n = node("gpus:\n  - model: A100-SXM4-40GB\n    count: 5\n  - model: T4\n")
+    examples = load_mig_config(MIG_PARTED_EXAMPLES)
+    results = n.apply(examples, "custom-config")  # its `devices: [5]` entry asks GPU 5 for 3x 2g.10gb
+    assert [r.state for r in results[:5]] == [SUCCESS] * 5
+    assert results[5].state == FAILED and results[5].mutations == 0
+    assert results[5].reason.startswith("GPU 5 (Tesla T4) is not MIG-capable; its entry (")
+    assert geometry(n.gpus()[4]) == (True, (("1g.5gb", 7),))
+    assert not_applied(plans_for(n.gpus(), examples.select("custom-config"))) == [results[5].reason]
+    # disabling MIG on it is no error (mig-parted: "Skipping -- non MIG-capable GPU with MIG mode disabled")
+    off = parse_mig_config(yaml.safe_dump({"version": "v1", "mig-configs": {"off": [
+        {"devices": [5], "mig-enabled": False}]}}), "off.yaml")
+    assert n.apply(off, "off")[5].state == SUCCESS

@@ -163,6 +163,8 @@ def test_series_carry_the_holders_labels_from_the_kubelet(node: Node, kubelet: K
     assert held == {str(node.mig[0].gpu_instance_id): "notebook", str(node.mig[1].gpu_instance_id): None}
     xid = node.series("DCGM_FI_DEV_XID_ERRORS")
     assert xid[0]["pod"] == "trainer"
+    # dcgm-exporter sorts its attributes (pod labels, err_code and err_msg) after the labels
+    assert list(xid[0])[6:] == ["DCGM_FI_DRIVER_VERSION", "container", "err_code", "err_msg", "namespace", "pod"]
     status = node.state.to_json()["pod_labels"]
     assert status["error"] is None and {d["uuid"] for d in status["devices"]} == {gpu0, gpu1, node.gpus[2].uuid}
 

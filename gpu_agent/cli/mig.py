@@ -23,10 +23,11 @@ from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK, AgentError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbs = parser.add_subparsers(dest="mig_command", metavar="VERB", required=True)
     apply = verbs.add_parser("apply", help="apply a MIG config to the GPUs it selects",
-                             description="Per GPU: unchanged, created, destroyed, mode-changed, failed or restored "
-                                         "(a failure puts that GPU's previous geometry back); a dry run says "
-                                         "would-create, would-destroy or would-change-mode. Exit 0 applied, "
-                                         "1 failed, 2 pending a GPU reset (the agent's or a reboot's).")
+                             description="Per GPU: unchanged, created, destroyed, mode-changed, failed, restored "
+                                         "or skipped (a GPU that cannot do MIG, selected by devices: all); a "
+                                         "failure puts that GPU's previous geometry back; a dry run says "
+                                         "would-create, would-destroy or would-change-mode. Exit 0 applied, 1 failed, "
+                                         "2 pending a GPU reset (the agent's or a reboot's).")
     _file_and_config(apply)
     apply.add_argument("--dry-run", action="store_true", help="print the plan; make no NVML change")
     apply.add_argument("--json", action="store_true", help="per GPU: action, NVML mutation count, reason, changes")

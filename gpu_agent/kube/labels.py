@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PREFIX = "nvidia.com/"
+TIMESTAMP = PREFIX + "gfd.timestamp"
+_STAMP = re.compile(r"[0-9]{1,19}")
 _INVALID = re.compile(r"[^A-Za-z0-9_. -]")
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 MAX = 63
@@ -83,6 +85,7 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
         "gpu.replicas": "1",
         "gpu.sharing-strategy": "none",
         "mig.capable": str(any(gpu.mig.capable for gpu in inventory.gpus)).lower(),
+        "mps.capable": "false",  # GFD's value unless the plugin shares by MPS, which the agent refuses
     })
     if strategy != "none":
         labels["mig.strategy"] = strategy
@@ -93,6 +96,19 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
         labels.update(_single(inventory.gpus, product))
     labels.update(_sharing(labels, shared or {}))
     return _prefixed(labels)
+
+
+def with_timestamp(wanted: Mapping[str, str], published: Mapping[str, str], now: float) -> dict[str, str]:
+    """`wanted` with nvidia.com/gfd.timestamp, GFD's "timestamp of the generated labels": Unix seconds, as
+    its internal/lm/timestamp.go writes them. GFD takes it once when it starts and writes the same value at
+    every labeling pass (cmd/gpu-feature-discovery main_test.go TestRunSleep: "Timestamp label changed"
+    fails it). Here it is the time the agent last changed any of its labels: `published` (what the node or
+    the NFD feature file has now) keeps its timestamp while every other label is as wanted, so a pass that
+    changes nothing writes nothing; any change of another label takes a new one."""
+    wanted = {key: value for key, value in wanted.items() if key != TIMESTAMP}
+    kept = published.get(TIMESTAMP, "")
+    same = {key: value for key, value in published.items() if key != TIMESTAMP} == wanted
+    return {**wanted, TIMESTAMP: kept if same and _STAMP.fullmatch(kept) else str(int(now))}
 
 
 def _sharing(labels: dict[str, str], shared: Mapping[str, Shared]) -> dict[str, str]:

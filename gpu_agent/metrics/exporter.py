@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional
 
 from gpu_agent import __version__
 from gpu_agent.metrics import text
-from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, MIG_LABELS, XID_ERRORS, Counter, dcgm_bus_id
+from gpu_agent.metrics.dcgm import (
+    DEFAULT_COUNTERS,
+    LABELS,
+    MIG_LABELS,
+    XID_ERRORS,
+    XID_LABELS,
+    Counter,
+    dcgm_bus_id,
+    xid_labels,
+)
 from gpu_agent.metrics.pods import LABELS as POD_LABELS
 from gpu_agent.metrics.text import Family
 from gpu_agent.nvml.model import Gpu
@@ -131,7 +140,8 @@ class AgentCollector:
         instances = sample.mig if sample is not None else ()
         if not instances:
             if value is not None:
-                yield from self._attributed(counter.name, LABELS, labels, value, gpu.uuid)
+                yield from self._attributed(counter.name, LABELS, labels, value, gpu.uuid,
+                                            attributes=_attributes(counter, value))
             return
         for instance in instances:
             own: Optional[float]
@@ -142,7 +152,7 @@ class AgentCollector:
             if own is not None:
                 mig_labels = labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:]
                 yield from self._attributed(counter.name, MIG_LABELS, mig_labels, own, gpu.uuid,
-                                            instance.gpu_instance_id)
+                                            instance.gpu_instance_id, _attributes(counter, own))
 
     def _last_xid(self, uuid: str, mig_devices: tuple[str, ...] = ()) -> float:
         """The last XID of a GPU, or of a GPU instance's MIG devices when they have one of their own."""
@@ -157,13 +167,17 @@ class AgentCollector:
         return tuple(device.uuid for device in gpu.mig.devices if device.gpu_instance_id == gpu_instance)
 
     def _attributed(self, name: str, names: tuple[str, ...], values: list[str], value: float, uuid: str,
-                    gpu_instance: Optional[int] = None) -> Iterator[str]:
-        """The series, or with metrics.pod_labels one per container holding the GPU or GPU instance."""
+                    gpu_instance: Optional[int] = None, attributes: tuple[tuple[str, str], ...] = ()) -> Iterator[str]:
+        """The series, or with metrics.pod_labels one per container holding the GPU or GPU instance.
+        dcgm-exporter writes its attributes (the pod labels, XID's err_code and err_msg) after the labels,
+        sorted by name."""
         holders = self.state.pods.of(uuid, gpu_instance) if self.state.pods is not None else ()
         if not holders:
-            yield text.sample(name, names, values, value)
+            yield text.sample(name, names + tuple(k for k, _ in attributes), values + [v for _, v in attributes],
+                              value)
         for holder in holders:
-            yield text.sample(name, names + POD_LABELS, values + holder.labels, value)
+            merged = sorted(attributes + tuple(zip(POD_LABELS, holder.labels)))
+            yield text.sample(name, names + tuple(k for k, _ in merged), values + [v for _, v in merged], value)
 
     def _health_transitions(self) -> Family:
         transitions = text.counter("gpu_agent_gpu_health_transitions",
@@ -205,3 +219,7 @@ def render(registry: AgentRegistry) -> bytes:
 
 def content_type() -> str:
     return text.CONTENT_TYPE
+
+
+def _attributes(counter: Counter, value: float) -> tuple[tuple[str, str], ...]:
+    return tuple(zip(XID_LABELS, xid_labels(int(value)))) if counter is XID_ERRORS else ()

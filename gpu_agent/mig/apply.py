@@ -40,8 +40,8 @@ from gpu_agent.plan import (
 
 log = logging.getLogger(__name__)
 
-UNCHANGED, CREATED, DESTROYED, MODE_CHANGED, FAILED, RESTORED = (
-    "unchanged", "created", "destroyed", "mode-changed", "failed", "restored")
+UNCHANGED, CREATED, DESTROYED, MODE_CHANGED, FAILED, RESTORED, SKIPPED = (
+    "unchanged", "created", "destroyed", "mode-changed", "failed", "restored", "skipped")
 # What a dry run says it would do, for each of the actions above that changes a GPU.
 WOULD = {CREATED: "would-create", DESTROYED: "would-destroy", MODE_CHANGED: "would-change-mode"}
 SUCCESS, PENDING, REBOOTING = "success", "pending", "rebooting"  # a GPU's state; with FAILED the node's
@@ -61,7 +61,7 @@ class GpuResult:
     gpu: int
     uuid: str
     product: str
-    action: str  # unchanged | created | destroyed | mode-changed | failed | restored, or a dry run's WOULD
+    action: str  # unchanged | created | destroyed | mode-changed | failed | restored | skipped, or a dry run's WOULD
     state: str  # success | pending | rebooting | failed
     mutations: int  # NVML calls that changed the GPU, rollback included
     reason: str
@@ -116,6 +116,8 @@ class Applier:
     def apply(self, gpu: Gpu, plan: GpuPlan, dry_run: bool = False) -> GpuResult:
         if plan.refused:
             return self._result(plan, FAILED, FAILED, 0, plan.refused)
+        if plan.skipped:
+            return self._result(plan, SKIPPED, SUCCESS, 0, plan.skipped)
         if not plan.changes:
             return self._result(plan, UNCHANGED, SUCCESS, 0, plan.note or "already as configured")
         if dry_run:

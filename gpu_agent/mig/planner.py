@@ -10,6 +10,11 @@ talks to NVML. Per GPU:
   the rest, and only the instances in the way are destroyed. New GPU instances get explicit
   placements, largest first, lowest start first, so the same input always gives the same plan.
 - An impossible geometry is refused before any change, naming the GPU and the reason.
+- `devices: all` selects the MIG-capable GPUs only, as mig-parted's apply has it since v0.2.0 (NVIDIA/mig-parted
+  commit 24564e4c, "Change semantics of 'all' to mean 'all-mig-capable'"): a GPU that cannot do MIG is skipped,
+  so an `all-*` config works on a node with such GPUs. A GPU named by index that cannot do MIG is refused
+  when its entry enables MIG, as there. `assert` agrees with apply (mig-parted's assert still fails such a
+  node, even right after its own apply succeeded; see README, compatibility).
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ from gpu_agent.plan import (
 
 @dataclass(frozen=True)
 class GpuPlan:
-    """What one GPU needs. `refused`: why nothing may be done; `note`: why nothing needs to be."""
+    """What one GPU needs. `refused`: why nothing may be done; `note`: why nothing needs to be;
+    `skipped`: why the selecting entry does not apply to it at all."""
 
     gpu: int
     uuid: str
@@ -42,6 +48,7 @@ class GpuPlan:
     changes: tuple[Change, ...] = ()
     refused: str = ""
     note: str = ""
+    skipped: str = ""
     target: Optional[Geometry] = None  # what the entry asks for; None: no entry, or not MIG-capable
 
     @property
@@ -109,6 +116,9 @@ def plan_gpu(gpu: Gpu, entry: Optional[MigConfigEntry]) -> GpuPlan:
     if entry is None:
         return _with(base, note=NOT_SELECTED)
     if not mig.capable:
+        if entry.mig_enabled and entry.devices == "all":
+            return _with(base, skipped=f"{base.name}: not MIG-capable; {entry.where} (devices: all) enables MIG "
+                                       "on the MIG-capable GPUs only, as mig-parted does")
         if entry.mig_enabled:
             return _with(base, refused=f"{base.name} is not MIG-capable; its entry ({entry.where}) enables MIG")
         return _with(base, note="not MIG-capable")

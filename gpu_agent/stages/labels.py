@@ -99,6 +99,8 @@ class KubeSink(Stage):
         mig = self.inputs.get("mig")
         if mig is not None and mig.config is not None:
             wanted[MIG_STATE] = mig.state  # pending | success | failed, as k8s-mig-manager sets it
+        wanted = gfd.with_timestamp(wanted, _owned_labels(node) if node is not None else self._nfd_labels(),
+                                    time.time())
         if ready:
             condition = {"status": "True", "reason": "GPUsReady",
                          "message": inventory.summary() if inventory else "ready"}

@@ -151,7 +151,9 @@ class Mig(Stage):
         reasons = not_applied(observed.plans)
         if reasons:
             raise StageError(f"MIG config {observed.config}: " + "; ".join(reasons))
-        return f"MIG config {observed.config} applied ({len(observed.plans)} GPUs)"
+        skipped = [plan.skipped for plan in observed.plans if plan.skipped]
+        return (f"MIG config {observed.config} applied ({len(observed.plans)} GPUs)"
+                + "".join(f"; {reason}" for reason in skipped))
 
     def outputs(self, observed: MigObservation) -> dict[str, Any]:
         return {"mig": self._result(observed)}
