@@ -183,7 +183,7 @@ def startup(scale: Scale, tmp: Path) -> list[Figure]:
     imports = parse_importtime(profiled.log_path.read_text(errors="replace"))
     ready, base = median(ready_ms), median(pass_ms)
     return [Figure(1, "spawn → READY=1, converged dgx-h100 (median)", round(ready, 1), "ms",
-                   "≤ 500 ms and ≤ 8× python -c pass", ready <= 500 and ready <= 8 * base,
+                   "≤ 500 ms", ready <= 500,
                    {"python3 -c pass": f"{base:.0f} ms", "import aiohttp.web": f"{median(web_ms):.0f} ms",
                     "ratio": f"{ready / base:.1f}×", "after a config change": f"{median(edited):.0f} ms"},
                    {"ready_ms": ready_ms, "ready_ms_config_changed": edited, "pass_ms": pass_ms,
