@@ -662,8 +662,8 @@ def test_bytes_that_are_not_utf8_replay_as_they_were_captured(tmp_path: Path, ca
 def test_a_huge_capture_part_is_refused_before_it_is_read(tmp_path: Path) -> None:
     directory = _broken(tmp_path, "files.json", "")
     with open(directory / "files.json", "wb") as handle:
-        handle.truncate(65 << 20)  # sparse: nothing is written
-    with pytest.raises(AgentError, match=r"files.json: larger than 64 MiB"):
+        handle.truncate(17 << 20)  # sparse: nothing is written
+    with pytest.raises(AgentError, match=r"files.json: larger than 16 MiB"):
         Capture(directory)
 
 

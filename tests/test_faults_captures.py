@@ -249,8 +249,8 @@ def test_a_huge_part_or_a_huge_number_is_refused_by_file(tmp_path: Path) -> None
     assert result.returncode == 1
     assert re.search(rf"{re.escape(str(capture))}/nvml.json: an integer of 50\d\d digits \(at most 40\)", result.stderr)
     with open(capture / "files.json", "r+b") as handle:
-        handle.truncate(65 << 20)  # sparse
-    assert "files.json: larger than 64 MiB" in check(tmp_path, capture).stderr
+        handle.truncate(17 << 20)  # sparse
+    assert "files.json: larger than 16 MiB" in check(tmp_path, capture).stderr
 
 
 # --- the building blocks -----------------------------------------------------------------------------

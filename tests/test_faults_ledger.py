@@ -171,6 +171,22 @@ def test_a_ledger_of_the_wrong_shape_is_refused_cleanly(node: SimNode, tmp_path:
     assert (node.root / "etc/passwd").read_text() == PASSWD
 
 
+@pytest.mark.parametrize("target", ["absolute", "relative"])
+def test_a_ledger_that_is_a_link_to_nothing_is_refused_not_taken_for_none(node: SimNode, tmp_path: Path,
+                                                                          canary: Path, target: str) -> None:
+    """A link where the ledger goes that leads nowhere under the root (here: to the canary's path, which
+    the root does not hold) is not "nothing to undo": uninstall says so and changes nothing."""
+    ledger = node.root / LEDGER.lstrip("/")
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    ledger.symlink_to(canary / "file" if target == "absolute" else "../../../nowhere/ledger.json")
+    before = snapshot(canary)
+    result = run_cli("--simulate", "dgx-h100", "uninstall", root=node.root)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and f"{LEDGER}: a link that leads to nothing" in out, out
+    assert "nothing of gpu-agent's is left to undo" not in out and "Traceback" not in out
+    assert ledger.is_symlink() and snapshot(canary) == before
+
+
 def test_a_path_outside_the_owned_set_is_never_written(node: SimNode) -> None:
     """toolkit.cdi.path: /etc/passwd (or any stage's path) is refused at the write, not only at the undo."""
     root = Root(node.root)

@@ -142,8 +142,8 @@ def _simulated_machine(root: str) -> Optional[str]:
 
     found = found_in(Root(root))
     if found is not None:
-        print(f"gpu-agent: using the simulated machine found in {root} ({found}); --simulate names another",
-              file=sys.stderr)
+        print(f"gpu-agent: using the simulated machine found in {root} ({found}), as no --simulate was given; "
+              "--simulate PROFILE picks another", file=sys.stderr)
     return found
 
 

@@ -26,7 +26,7 @@ from typing import Any, Optional
 from gpu_agent.errors import AgentError
 from gpu_agent.host.bounded import HugeInteger, NotRegular, TooLarge, json_integer, read_bounded
 from gpu_agent.host.files import atomic_write
-from gpu_agent.host.paths import Root, followed
+from gpu_agent.host.paths import Root, followed, walk
 
 PATH = "/var/lib/gpu-agent/ledger.json"
 VERSION = 1
@@ -142,6 +142,10 @@ class Ledger:
 
     def _read(self) -> dict[str, Any]:
         try:
+            _, missing, dangling = walk(self.root, PATH)
+            if missing and dangling:  # not "no ledger yet": someone put a link there, and it leads nowhere
+                raise self._error("a link that leads to nothing under the root, not a file gpu-agent wrote; "
+                                  "point it at the ledger or remove it")
             raw = read_bounded(self.path, _MAX_BYTES)
         except NotRegular as exc:
             raise self._error(f"cannot read it ({exc.kind}, not a file)") from None

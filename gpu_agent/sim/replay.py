@@ -50,7 +50,7 @@ from gpu_agent.sim.profiles import GiProfile, GpuModel
 MIB = 1024 * 1024
 MAX_GPUS = 256
 NO_ID = 0xFFFFFFFF  # NVML's "no GPU or compute instance" in a process's ids
-MAX_PART_BYTES = 64 << 20
+MAX_PART_BYTES = 16 << 20  # a real node's parts are KiBs to a few MiB; parsing one costs about 4x its size
 LOAD_PER_PROCESS = 35  # % utilisation a simulated process adds, as on built-in machines
 FILE_TREES = ("/proc/", "/sys/", "/etc/modprobe.d/")
 HOST_FILES = ("/etc/os-release",)
