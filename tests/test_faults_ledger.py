@@ -158,6 +158,10 @@ def test_a_forged_link_entry_is_refused(node: SimNode, tmp_path: Path) -> None:
     ('{"version": 1, "mig_checkpoints": {"GPU-1": {"gpu": ' + "9" * 5000 + "}}}", "an integer of 5000 digits"),
     ('{"version": ' + "1" * 4301 + "}", "an integer of 4301 digits"),
     ("[" * 100000, "nested too deeply"),
+    ({"version": 1, "owned": {"/etc/docker/daemon.json": {"owner": "toolkit", "original": None, "written": "sha256:0",
+                                                          "restart": "../../../etc/evil; rm -rf /"}}},
+     "owned: expected an object of host paths"),
+    ({"version": 1, "pending_restarts": {"--force.service": {}}}, "pending_restarts: expected an object of units"),
 ])
 def test_a_ledger_of_the_wrong_shape_is_refused_cleanly(node: SimNode, tmp_path: Path, document: Any,
                                                         message: str) -> None:

@@ -18,6 +18,7 @@ under /var/lib/gpu-agent.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -183,7 +184,7 @@ class Ledger:
             raise self._error('links: expected an object of host paths, such as {"/dev/char/195:0": '
                               '{"owner": "driver", "target": "../nvidia0"}}')
         pending = document.setdefault("pending_restarts", {})
-        if not isinstance(pending, dict) or not all(isinstance(v, dict) for v in pending.values()):
+        if not isinstance(pending, dict) or not all(_unit_name(k) and isinstance(v, dict) for k, v in pending.items()):
             raise self._error('pending_restarts: expected an object of units, such as {"containerd.service": {}}')
         checkpoints = document.setdefault("mig_checkpoints", {})
         if not isinstance(checkpoints, dict) or not all(isinstance(v, dict) for v in checkpoints.values()):
@@ -209,6 +210,9 @@ class Ledger:
                            "whose configs gpu-agent changed")
 
 
+_UNIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@-]{0,199}\.(service|socket|target)")
+
+
 def _owned_entry(path: Any, entry: Any) -> bool:
     def text(value: Any) -> bool:
         return isinstance(value, str) and value.startswith("/")
@@ -216,7 +220,12 @@ def _owned_entry(path: Any, entry: Any) -> bool:
     return (text(path) and isinstance(entry, dict) and set(entry) == {"owner", "original", "written", "restart"}
             and isinstance(entry["owner"], str) and isinstance(entry["written"], str)
             and (entry["original"] is None or text(entry["original"]))
-            and (entry["restart"] is None or isinstance(entry["restart"], str)))
+            and (entry["restart"] is None or _unit_name(entry["restart"])))
+
+
+def _unit_name(value: Any) -> bool:
+    """A systemd unit's name (containerd.service): never a path, an option or words for a shell."""
+    return isinstance(value, str) and _UNIT.fullmatch(value) is not None
 
 
 def _link_entry(path: Any, entry: Any) -> bool:
