@@ -17,7 +17,7 @@ import pytest
 from kube_emulator import KubeEmulator
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host.ledger import PATH as LEDGER, Ledger, Owned
+from gpu_agent.host.ledger import PATH as LEDGER, Ledger, LedgerError, Owned
 from gpu_agent.host.paths import Root, followed
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import ApiError, KubeClient
@@ -179,7 +179,11 @@ def test_a_ledger_link_to_the_real_hosts_file_is_neither_read_nor_written_there(
     host_ledger.write_text(host_text)
     link(root, LEDGER, str(host_ledger))
     ledger = Ledger(Root(root))
-    assert ledger.owned() == {}  # the host's file is not the root's ledger
-    ledger.own(ENTRY)
+    # The host's file is not the root's ledger; under the root the link leads nowhere, which is refused
+    # (taken for "no ledger", uninstall would say there is nothing to undo) rather than read or written.
+    with pytest.raises(LedgerError, match="a link that leads to nothing under the root"):
+        ledger.owned()
+    with pytest.raises(LedgerError, match="a link that leads to nothing under the root"):
+        ledger.own(ENTRY)
     assert host_ledger.read_text() == host_text
-    assert "/etc/x.conf" in json.loads((root / str(host_ledger).lstrip("/")).read_text())["owned"]
+    assert not (root / str(host_ledger).lstrip("/")).exists()
