@@ -75,23 +75,3 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSO
 def kind_of(mode: int) -> str:
     """What a file of this mode is, in words: "a directory", "a FIFO", ..."""
     return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
-
-
-MAX_DIGITS = 40  # more than any 128-bit number
-
-
-class HugeInteger(ValueError):
-    """A JSON integer of more than MAX_DIGITS digits: refused before Python converts it (the
-    conversion is quadratic, and past 4300 digits Python refuses with a ValueError of its own)."""
-
-    def __init__(self, digits: int) -> None:
-        super().__init__(f"an integer of {digits} digits (at most {MAX_DIGITS})")
-        self.digits = digits
-
-
-def json_integer(text: str) -> int:
-    """json.loads(..., parse_int=json_integer): integers bounded before the conversion."""
-    digits = len(text) - text.startswith("-")
-    if digits > MAX_DIGITS:
-        raise HugeInteger(digits)
-    return int(text)

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host.bounded import HugeInteger, NotRegular, TooLarge, json_integer, read_bounded
+from gpu_agent.host import jsontext
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, followed, walk
 
@@ -157,9 +158,10 @@ class Ledger:
         if raw is None:
             return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {}}
         try:
-            document = json.loads(raw.decode("utf-8"), parse_int=json_integer)
-        except HugeInteger as exc:
-            raise self._error(f"{exc}, not a file gpu-agent wrote") from None
+            document = jsontext.loads(raw.decode("utf-8"), max_digits=jsontext.OWN_DIGITS)
+        except jsontext.NumberTooLong as exc:
+            raise self._error(f"line:column {exc.where}: an integer of {exc.digits} digits (at most {exc.limit}), "
+                              "not a file gpu-agent wrote") from None
         except UnicodeDecodeError as exc:
             raise self._error(f"not UTF-8 text (byte {exc.start})") from None
         except json.JSONDecodeError as exc:

@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
-from gpu_agent.host.bounded import HugeInteger, NotRegular, TooLarge, json_integer, read_bounded
+from gpu_agent.host import jsontext
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, followed, link_text, place
 from gpu_agent.nvml import answers
@@ -269,9 +270,10 @@ class Capture:
             data = read_bounded(path, MAX_PART_BYTES, follow=False)
             if data is None:
                 raise AgentError(f"{path}: missing; a capture has {MANIFEST} and {', '.join(PARTS)}")
-            return json.loads(data.decode("utf-8"), parse_int=json_integer)
-        except HugeInteger as exc:
-            raise AgentError(f"{path}: {exc}; not a capture this agent wrote") from None
+            return jsontext.loads(data.decode("utf-8"), max_digits=jsontext.OWN_DIGITS)
+        except jsontext.NumberTooLong as exc:
+            raise AgentError(f"{path}: an integer of {exc.digits} digits (at most {exc.limit}) at line:column "
+                             f"{exc.where}; not a capture this agent wrote") from None
         except TooLarge:
             raise AgentError(f"{path}: larger than {MAX_PART_BYTES >> 20} MiB; "
                              "not a capture this agent wrote") from None
