@@ -92,7 +92,9 @@ class HttpProtocol(asyncio.Protocol):
         if self._answering is not None:
             self._written()
             if self._next_turn is None:
-                self._serve()
+                # At the loop's next turn, not here: this runs inside the transport's own write handler,
+                # and a write that fails from it (a reset) makes asyncio report the connection lost twice.
+                self._next_turn = asyncio.get_running_loop().call_soon(self._turn)
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._transport = None
