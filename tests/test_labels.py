@@ -99,7 +99,8 @@ def test_odd_profile_names_give_valid_keys() -> None:
     profiles = PROFILES + (MigProfile("1g.10gb+me", 20, 1, 1, 16, 9984, 1, 1, 0, 1, 1, ()),)
     gpu = _h100(MigState(True, True, True, (_instance(0, "1g.10gb+me", 9984, 16),), profiles))
     labels = compute(Inventory("550.90.07", "12.4", (gpu,)), True, "mixed", None)
-    assert labels["nvidia.com/mig-1g.10gbme.count"] == "1"
+    assert labels["nvidia.com/mig-1g.10gb.me.count"] == "1"  # the plugin's resource name, as GFD keys it
+    assert labels["nvidia.com/mig-1g.10gb.me.product"] == "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb.me"
     assert all(valid_key(k) and valid_value(v) for k, v in labels.items())
 
 
