@@ -99,7 +99,8 @@ def test_odd_profile_names_give_valid_keys() -> None:
     profiles = PROFILES + (MigProfile("1g.10gb+me", 20, 1, 1, 16, 9984, 1, 1, 0, 1, 1, ()),)
     gpu = _h100(MigState(True, True, True, (_instance(0, "1g.10gb+me", 9984, 16),), profiles))
     labels = compute(Inventory("550.90.07", "12.4", (gpu,)), True, "mixed", None)
-    assert labels["nvidia.com/mig-1g.10gbme.count"] == "1"
+    assert labels["nvidia.com/mig-1g.10gb.me.count"] == "1"  # the plugin's resource name, as GFD keys it
+    assert labels["nvidia.com/mig-1g.10gb.me.product"] == "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb.me"
     assert all(valid_key(k) and valid_value(v) for k, v in labels.items())
 
 
@@ -107,6 +108,14 @@ def test_a_mig_gpu_without_devices_is_invalid_under_single() -> None:
     inventory = Inventory("550.90.07", "12.4", (_h100(_mig("3g.40gb", "3g.40gb")), _h100(_mig(), 1)))
     labels = compute(inventory, True, "single", None)
     assert labels["nvidia.com/gpu.product"].endswith("-MIG-INVALID") and labels["nvidia.com/gpu.replicas"] == "0"
+    assert labels["nvidia.com/gpu.sharing-strategy"] == ""  # GFD's newInvalidMigStrategyLabeler
+
+
+def test_the_machine_is_unknown_only_when_it_cannot_be_read() -> None:
+    """GFD's machine-type.go: an unreadable file is "unknown", an empty one (or one sanitised away) empty."""
+    inventory = Inventory("550.90.07", "12.4", (_h100(MigState(True, profiles=PROFILES)),))
+    assert [compute(inventory, True, "none", machine)["nvidia.com/gpu.machine"]
+            for machine in (None, "", "(?)", "DGX H100")] == ["unknown", "", "", "DGX-H100"]
 
 
 # GFD's expected label files (NVIDIA/k8s-device-plugin tests/expected-output*.txt, copied to
@@ -144,3 +153,20 @@ def test_the_timestamp_changes_only_with_another_label() -> None:
     moved = with_timestamp({**wanted, "nvidia.com/gpu.count": "7"}, first, 1700000000)
     assert moved[TIMESTAMP] == "1700000000"
     assert with_timestamp(wanted, {**wanted, TIMESTAMP: "not-a-number"}, 1700000000)[TIMESTAMP] == "1700000000"
+
+
+def test_a_compute_instance_smaller_than_its_gpu_instance_is_labelled_as_its_own_profile() -> None:
+    """GFD's MIG device attributes: memory and engines of the GPU instance, slices of both, the compute
+    instance's multiprocessors; go-nvlib names such a device 1c.3g.40gb, as the plugin's resource."""
+    cis = tuple(ComputeInstance(n, 0, "1c.3g.40gb", 1, (n, 1), 16, f"MIG-{n}", n) for n in range(3))
+    gpu = _h100(MigState(True, True, True, (GpuInstance(2, 9, "3g.40gb", 3, (0, 4), 40448, cis),), PROFILES))
+    labels = compute(Inventory("550.90.07", "12.4", (gpu,)), True, "mixed", None)
+    assert {key: value for key, value in labels.items() if key.startswith("nvidia.com/mig-")} == {
+        "nvidia.com/mig-1c.3g.40gb.count": "3", "nvidia.com/mig-1c.3g.40gb.memory": "40448",
+        "nvidia.com/mig-1c.3g.40gb.multiprocessors": "16", "nvidia.com/mig-1c.3g.40gb.slices.gi": "3",
+        "nvidia.com/mig-1c.3g.40gb.slices.ci": "1", "nvidia.com/mig-1c.3g.40gb.engines.copy": "3",
+        "nvidia.com/mig-1c.3g.40gb.engines.decoder": "3", "nvidia.com/mig-1c.3g.40gb.engines.encoder": "0",
+        "nvidia.com/mig-1c.3g.40gb.engines.jpeg": "3", "nvidia.com/mig-1c.3g.40gb.engines.ofa": "0",
+        "nvidia.com/mig-1c.3g.40gb.product": "NVIDIA-H100-80GB-HBM3-MIG-1c.3g.40gb",
+        "nvidia.com/mig-1c.3g.40gb.replicas": "1", "nvidia.com/mig-1c.3g.40gb.sharing-strategy": "none"}
+    assert labels["nvidia.com/gpu.replicas"] == "0"  # its one GPU has MIG on: GFD's gpu.* carry no sharing

@@ -210,7 +210,7 @@ def test_nvidia_sharing_block_pasted_unchanged() -> None:
     (NVIDIA_BLOCK.replace("replicas: 10", "replicas: 0"), "config.yaml:10: plugin.sharing.timeSlicing.resources.0."
                                                           "replicas: Input should be greater than or equal to 1"),
     (NVIDIA_BLOCK.replace("nvidia.com/gpu", "amd.com/gpu"), "config.yaml:9: plugin.sharing.timeSlicing.resources.0."
-                                                            "name: 'amd.com/gpu' is not a resource this plugin serves"),
+                                                            "name: 'amd.com/gpu' is not a resource name"),
     (NVIDIA_BLOCK.replace("renameByDefault", "renameByDefualt"), "config.yaml:6: plugin.sharing.timeSlicing."
                                                                  "renameByDefualt: unknown key"),
     ("version: v1\nplugin:\n  sharing:\n    mps:\n      resources: []\n", "config.yaml:4: plugin.sharing.mps: "),

@@ -18,18 +18,22 @@ if TYPE_CHECKING:
 
 MAX_REPLICAS = 1024  # NVIDIA's plugin has no bound; this catches a typo (a million ids per GPU)
 RESOURCE_PREFIX = "nvidia.com/"
-_RESOURCE = re.compile(r"(gpu|mig-[0-9]+g\.[0-9]+gb(\.[a-z0-9]+)*)")
+# NVIDIA's NewResourceName: nvidia.com/ and a DNS subdomain, 63 characters in all (api/config/v1/resources.go)
+_RESOURCE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_RESOURCE_MAX = 63
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 _GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Fa-f-]{8,64}")
 
 
 def _resource_name(value: str) -> str:
     """`nvidia.com/gpu`, `nvidia.com/mig-1g.10gb` (or without the prefix, as NVIDIA's plugin accepts),
-    returned with the prefix."""
+    returned with the prefix. Any name NVIDIA's plugin takes is taken: one that names no resource on the
+    node is ignored there, as upstream does (plugin/devices.py ignored_sharing)."""
     name = value[len(RESOURCE_PREFIX):] if value.startswith(RESOURCE_PREFIX) else value
-    if not _RESOURCE.fullmatch(name):
-        raise ValueError(f"{shown(value)} is not a resource this plugin serves: nvidia.com/gpu or "
-                         "nvidia.com/mig-<profile> such as nvidia.com/mig-1g.10gb")
+    if len(RESOURCE_PREFIX + name) > _RESOURCE_MAX or not _RESOURCE.fullmatch(name):
+        raise ValueError(f"{shown(value)} is not a resource name: nvidia.com/ and lower-case letters, digits, "
+                         f"'-' and '.', {_RESOURCE_MAX} characters in all, such as nvidia.com/gpu or "
+                         "nvidia.com/mig-1g.10gb")
     return RESOURCE_PREFIX + name
 
 
@@ -61,7 +65,9 @@ DeviceRef = Annotated[Union[Annotated[int, Bounds(ge=0, le=1023)], Annotated[str
 # NVIDIA's keys are camelCase (each field's alias); the snake_case names are accepted too.
 @dataclass(frozen=True)
 class TimeSlicedResource(Section):
-    name: ResourceName = setting(description="The resource to share: nvidia.com/gpu or nvidia.com/mig-<profile>.")
+    name: ResourceName = setting(
+        description="The resource to share: nvidia.com/gpu or nvidia.com/mig-<profile>; one the node does "
+                    "not have is ignored.")
     replicas: int = setting(description="Devices advertised per GPU (or MIG device).", ge=1, le=MAX_REPLICAS)
     rename: Optional[Annotated[str, Bounds(max_length=80), Check(_renamed)]] = setting(
         None, "Advertise the shared devices under this name instead.")

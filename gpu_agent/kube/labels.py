@@ -6,11 +6,11 @@ import logging
 import re
 from typing import TYPE_CHECKING, Mapping, Optional
 
-from gpu_agent.config.plugin import mig_strategy
+from gpu_agent.config.plugin import RESOURCE_PREFIX, mig_strategy
 from gpu_agent.host.files import read_text
 from gpu_agent.host.paths import Root
-from gpu_agent.nvml.model import Gpu, Inventory, MigProfile
-from gpu_agent.plugin.devices import Shared, sharing
+from gpu_agent.nvml.model import Gpu, Inventory, MigDevice
+from gpu_agent.plugin.devices import GPU_RESOURCE, Shared, mig_resource, sharing
 
 if TYPE_CHECKING:
     from gpu_agent.config.schema import AgentConfig
@@ -54,7 +54,7 @@ def family(major: int, minor: int) -> str:
 def machine_name(root: Root) -> Optional[str]:
     """The DMI product name, for gpu.machine."""
     name = read_text(root("/sys/class/dmi/id/product_name"))
-    return name.strip() if name else None
+    return name.strip() if name is not None else None
 
 
 def node_labels(config: AgentConfig, inventory: Optional[Inventory], ready: bool,
@@ -67,20 +67,24 @@ def node_labels(config: AgentConfig, inventory: Optional[Inventory], ready: bool
 
 def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine: Optional[str],
             shared: Optional[Mapping[str, Shared]] = None) -> dict[str, str]:
-    """Every label the agent owns, keys with the nvidia.com/ prefix. `shared`: the time-sliced
-    resources by name without nvidia.com/ (plugin/devices.py sharing())."""
+    """Every label the agent owns, keys with the nvidia.com/ prefix, as GFD's internal/lm writes them.
+    `shared`: the time-sliced resources by name without nvidia.com/ (plugin/devices.py sharing()).
+    `machine`: the DMI product name, None where it cannot be read (GFD's "unknown")."""
     labels = {"gpu-agent.ready": str(ready).lower()}
     if inventory is None or not inventory.gpus:
         return _prefixed(labels)
-    first = inventory.gpus[0]  # as GFD does: a node's GPUs are one model
+    # As GFD: a node's GPUs are one model, and a GPU with MIG off describes it before one with MIG on.
+    first = next((gpu for gpu in inventory.gpus if not gpu.mig.enabled), inventory.gpus[0])
     product = sanitise(first.product)
+    shared = dict(shared or {})
     labels.update(_versions(inventory))
+    major, minor = first.compute_capability
+    if major:  # GFD's newArchitectureLabels writes none for compute capability 0
+        labels.update({"gpu.family": family(major, minor), "gpu.compute.major": str(major),
+                       "gpu.compute.minor": str(minor)})
     labels.update({
         "gpu.present": "true",
-        "gpu.family": family(*first.compute_capability),
-        "gpu.compute.major": str(first.compute_capability[0]),
-        "gpu.compute.minor": str(first.compute_capability[1]),
-        "gpu.machine": sanitise(machine or "unknown") or "unknown",
+        "gpu.machine": sanitise(machine) if machine is not None else "unknown",
         "gpu.mode": "compute",
         "gpu.replicas": "1",
         "gpu.sharing-strategy": "none",
@@ -90,11 +94,17 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
     if strategy != "none":
         labels["mig.strategy"] = strategy
     labels.update({"gpu.product": product, "gpu.count": str(len(inventory.gpus)), "gpu.memory": str(first.memory_mib)})
+    single = strategy == "single" and any(gpu.mig.enabled for gpu in inventory.gpus)
+    if not single and all(gpu.mig.enabled for gpu in inventory.gpus):
+        # GFD's newGPULabelers: the gpu.* labels of MIG-enabled GPUs never carry sharing (replicas 0),
+        # whatever the plugin does with them; only a GPU with MIG off brings the config's sharing in.
+        labels["gpu.replicas"] = "0"
+        shared.pop(_GPU, None)
     if strategy == "mixed":
         labels.update(_mixed(inventory.gpus, product))
-    elif strategy == "single" and any(gpu.mig.enabled for gpu in inventory.gpus):
+    elif single:
         labels.update(_single(inventory.gpus, product))
-    labels.update(_sharing(labels, shared or {}))
+    labels.update(_sharing(labels, shared))
     return _prefixed(labels)
 
 
@@ -138,14 +148,28 @@ def _versions(inventory: Inventory) -> dict[str, str]:
     }
 
 
-def _profile(gpu: Gpu, name: str) -> Optional[MigProfile]:
-    return next((p for p in gpu.mig.profiles if p.name == name), None)
+_GPU = GPU_RESOURCE[len(RESOURCE_PREFIX):]
 
 
-def _mig_attributes(profile: MigProfile, memory_mib: int) -> dict[str, str]:
+def _mig_name(device: MigDevice) -> str:
+    """mig-1g.10gb, mig-1g.10gb.me, mig-1c.3g.40gb: the device plugin's resource name without nvidia.com/,
+    GFD's name for its labels (go-nvlib's profile string, '+' as '.')."""
+    return mig_resource(device.profile)[len(RESOURCE_PREFIX):]
+
+
+def _mig_attributes(gpu: Gpu, device: MigDevice) -> dict[str, str]:
+    """GFD's MIG device attributes (its nvmlDeviceGetAttributes): memory and engines of the GPU instance,
+    slices of the GPU and compute instances, the compute instance's multiprocessors. Empty where the
+    GPU instance or its profile is not in the inventory."""
+    instance = next((gi for gi in gpu.mig.gpu_instances if gi.id == device.gpu_instance_id), None)
+    profile = next((p for p in gpu.mig.profiles if instance is not None and p.name == instance.profile), None)
+    compute = next((ci for ci in instance.compute_instances if ci.id == device.compute_instance_id), None) \
+        if instance is not None else None
+    if profile is None or compute is None:
+        return {}
     return {
-        "memory": str(memory_mib), "multiprocessors": str(profile.multiprocessors),
-        "slices.gi": str(profile.slices), "slices.ci": str(profile.slices),
+        "memory": str(device.memory_mib), "multiprocessors": str(device.multiprocessors),
+        "slices.gi": str(profile.slices), "slices.ci": str(compute.slices),
         "engines.copy": str(profile.copy_engines), "engines.decoder": str(profile.decoders),
         "engines.encoder": str(profile.encoders), "engines.jpeg": str(profile.jpeg_engines),
         "engines.ofa": str(profile.ofa_engines),
@@ -157,33 +181,28 @@ def _mixed(gpus: tuple[Gpu, ...], product: str) -> dict[str, str]:
     counts: dict[str, int] = {}
     for gpu in gpus:
         for device in gpu.mig.devices if gpu.mig.enabled else ():
-            counts[device.profile] = counts.get(device.profile, 0) + 1
-            profile = _profile(gpu, device.profile)
-            if profile is None:
-                continue
-            key = f"mig-{sanitise(device.profile)}"
-            attributes = _mig_attributes(profile, device.memory_mib)
-            labels.update({f"{key}.{name}": value for name, value in attributes.items()})
-            labels.update({f"{key}.product": sanitise(f"{product}-MIG-{device.profile}"),
+            key = _mig_name(device)
+            counts[key] = counts.get(key, 0) + 1
+            labels.update({f"{key}.{name}": value for name, value in _mig_attributes(gpu, device).items()})
+            labels.update({f"{key}.product": sanitise(f"{product}-MIG-{key[len('mig-'):]}"),
                            f"{key}.replicas": "1", f"{key}.sharing-strategy": "none"})
-    labels.update({f"mig-{sanitise(name)}.count": str(count) for name, count in counts.items()})
+    labels.update({f"{key}.count": str(count) for key, count in counts.items()})
     return labels
 
 
 def _single(gpus: tuple[Gpu, ...], product: str) -> dict[str, str]:
     """Every GPU in MIG mode with one profile throughout: the MIG devices stand in for GPUs.
-    Anything else cannot be expressed with one resource: GFD's -MIG-INVALID, count 0."""
+    Anything else cannot be expressed with one resource: GFD's newInvalidMigStrategyLabeler."""
     devices = [(gpu, device) for gpu in gpus for device in (gpu.mig.devices if gpu.mig.enabled else ())]
-    profiles = {device.profile for _, device in devices}
-    uniform = all(gpu.mig.enabled and gpu.mig.devices for gpu in gpus) and len(profiles) == 1
+    names = {_mig_name(device) for _, device in devices}
+    uniform = all(gpu.mig.enabled and gpu.mig.devices for gpu in gpus) and len(names) == 1
     if not uniform:
         return {"gpu.product": sanitise(f"{product}-MIG-INVALID"), "gpu.count": "0", "gpu.memory": "0",
-                "gpu.replicas": "0"}
+                "gpu.replicas": "0", "gpu.sharing-strategy": ""}
     gpu, device = devices[0]
-    labels = {"gpu.product": sanitise(f"{product}-MIG-{device.profile}"), "gpu.count": str(len(devices))}
-    profile = _profile(gpu, device.profile)
-    if profile is not None:
-        labels.update({f"gpu.{name}": value for name, value in _mig_attributes(profile, device.memory_mib).items()})
+    labels = {"gpu.product": sanitise(f"{product}-MIG-{_mig_name(device)[len('mig-'):]}"),
+              "gpu.count": str(len(devices))}
+    labels.update({f"gpu.{name}": value for name, value in _mig_attributes(gpu, device).items()})
     return labels
 
 

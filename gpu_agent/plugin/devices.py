@@ -46,6 +46,7 @@ class Resource:
 class Advertised:
     resources: dict[str, Resource] = field(default_factory=dict)
     withheld: dict[str, str] = field(default_factory=dict)  # resource name: why it is not advertised
+    ignored: dict[str, str] = field(default_factory=dict)  # timeSlicing resource: why it shares nothing
     reason: str = ""  # why nothing is advertised at all
 
 
@@ -93,9 +94,19 @@ def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], 
                          state.reason) for device_id in ids)
         replicas_of[name] = max(replicas_of.get(name, 1), replicas)
     resources = {name: Resource(name, tuple(devices), replicas_of[name]) for name, devices in sorted(grouped.items())}
+    ignored = ignored_sharing(bases, settings, strategy)
     if not resources and not withheld:
-        return Advertised(reason=f"no device to advertise with mig.strategy {strategy}")
-    return Advertised(resources, withheld, "" if resources else "; ".join(withheld.values()))
+        return Advertised(ignored=ignored, reason=f"no device to advertise with mig.strategy {strategy}")
+    return Advertised(resources, withheld, ignored, "" if resources else "; ".join(withheld.values()))
+
+
+def ignored_sharing(bases: list[_Base], settings: PluginConfig, strategy: str) -> dict[str, str]:
+    """The timeSlicing resources no device of the node is advertised as: NVIDIA's plugin skips them
+    (internal/rm/device_map.go updateDeviceMapWithReplicas, "Skip any resources not matched") and GFD
+    labels nothing for them (internal/lm/resource_test.go "time-slicing ignores non-matching resource")."""
+    present = {base.resource for base in bases}
+    return {entry.name: f"matches no device of this node with mig.strategy {strategy}: ignored, as NVIDIA's "
+                        "plugin does" for entry in settings.sharing.time_slicing.resources if entry.name not in present}
 
 
 def _bases(inventory: Inventory, strategy: str) -> tuple[list[_Base], dict[str, str]]:

@@ -39,6 +39,7 @@ class DevicePluginManager:
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.registered: dict[str, float] = {}  # resource: when the kubelet accepted it
         self.errors: dict[str, str] = {}  # resource: the last registration or serving error
+        self._ignored: dict[str, str] = {}  # the timeSlicing resources last logged as matching nothing
         self._retry: Optional[asyncio.TimerHandle] = None  # the next sync after a failure
         self._registrations: dict[str, asyncio.Task[None]] = {}  # resource: its registration under way
         self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
@@ -221,6 +222,11 @@ class DevicePluginManager:
             section["mig_strategy"] = mig_strategy(self.state.config.config)
             section["device_list_strategy"] = self.settings.device_list_strategy
             section["withheld"] = dict(wanted.withheld)
+            section["ignored"] = dict(wanted.ignored)
+            if wanted.ignored != self._ignored:
+                for name, why in wanted.ignored.items():
+                    log.warning("device plugin: timeSlicing resource %s %s", name, why)
+                self._ignored = dict(wanted.ignored)
             section["reason"] = wanted.reason or None
         self.state.publish_plugin(section)  # when changed, the endpoints render /status again
 

@@ -1,0 +1,221 @@
+"""GFD's own label tables, replayed on the agent's labels: NVIDIA/k8s-device-plugin at commit
+1b826acc6af3079d8923bac395c3124b8861a9a6, internal/lm/mig-strategy_test.go (TestMigStrategyNoneLabels,
+TestMigStrategySingleLabels) and internal/lm/resource_test.go (TestGPUResourceLabeler,
+TestMigResourceLabeler; their MPS rows are the MPS work's). Each row keeps upstream's description.
+
+Upstream's mocks (internal/resource/testing/resource-testing.go) are rebuilt as inventories: NewFullGPU is
+a MOCKMODEL with 300 MiB and compute capability 8.0, MIG off; NewMigEnabledDevice a MOCKMODEL with MIG on
+and compute capability 0.0 (so GFD writes no family or compute labels for it); NewMigDevice(gi, ci, gb,
+attributes) a MIG device named <gi>g.<gb>gb of gi GPU-instance slices and ci compute-instance slices.
+Only the labels GFD's resource labeler writes are compared (not versions, machine, mode and the like)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from gpu_agent.config.loader import validated
+from gpu_agent.config.plugin import PluginConfig
+from gpu_agent.kube.labels import compute, with_timestamp
+from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuInstance, Inventory, MigProfile, MigState
+from gpu_agent.plugin.devices import advertised, sharing
+
+Mig = tuple[int, int, int, dict[str, int]]
+ARCH = {"nvidia.com/gpu.compute.major": "8", "nvidia.com/gpu.compute.minor": "0", "nvidia.com/gpu.family": "ampere"}
+ENGINES = ("engines.copy", "engines.decoder", "engines.encoder", "engines.jpeg", "engines.ofa")
+
+
+def full() -> Gpu:
+    return Gpu(0, "GPU-0", "0000:00:00.0", "MOCKMODEL", 300, (8, 0), 0, MigState(False))
+
+
+def mig_device(gi: int, ci: int, gb: int, **attributes: int) -> Mig:
+    return gi, ci, gb, attributes
+
+
+def mig_enabled(*devices: Mig) -> Gpu:
+    instances, profiles = [], []
+    for n, (gi, ci, gb, attributes) in enumerate(devices):
+        name = f"{gi}g.{gb}gb"
+        engines = [attributes.get(key, 0) for key in ENGINES]
+        profiles.append(MigProfile(name, n, gi, 1, 0, gb, *engines, ()))
+        multiprocessors = attributes.get("multiprocessors", 0)
+        device = ComputeInstance(0, 0, name, ci, (0, ci), multiprocessors, f"MIG-{n}", n)
+        instances.append(GpuInstance(n + 1, n, name, gi, (n, 1), gb, (device,)))
+    return Gpu(0, "GPU-0", "0000:00:00.0", "MOCKMODEL", 300, (0, 0), 0,
+               MigState(True, True, True, tuple(instances), tuple(profiles)))
+
+
+def renumbered(gpus: list[Gpu]) -> tuple[Gpu, ...]:
+    """Each its own index, UUID and MIG device UUIDs, as on a node."""
+    found = []
+    for index, gpu in enumerate(gpus):
+        instances = tuple(
+            GpuInstance(gi.id, gi.profile_id, gi.profile, gi.slices, gi.placement, gi.memory_mib, tuple(
+                ComputeInstance(ci.id, ci.profile_id, ci.profile, ci.slices, ci.placement, ci.multiprocessors,
+                                f"{ci.uuid}-{index}", ci.device_index) for ci in gi.compute_instances))
+            for gi in gpu.mig.gpu_instances)
+        mig = MigState(gpu.mig.capable, gpu.mig.enabled, gpu.mig.pending_enabled, instances, gpu.mig.profiles)
+        found.append(Gpu(index, f"GPU-{index}", f"0000:{index:02x}:00.0", gpu.product, gpu.memory_mib,
+                         gpu.compute_capability, index, mig))
+    return tuple(found)
+
+
+def resource_labels(gpus: list[Gpu], strategy: str, resources: Optional[list[dict[str, Any]]] = None,
+                    keep: tuple[str, ...] = ("gpu.", "mig-", "mig.strategy")) -> dict[str, str]:
+    """The labels GFD's NewResourceLabeler writes (what `keep` starts with), for `resources` as
+    timeSlicing.resources."""
+    settings = validated(PluginConfig, {"sharing": {"timeSlicing": {"resources": resources or []}}})
+    inventory = Inventory("400.300", "8.0", renumbered(gpus))
+    labels = compute(inventory, True, strategy, None, sharing(inventory, strategy, settings))
+    ignored = ("nvidia.com/gpu.machine", "nvidia.com/gpu.mode", "nvidia.com/gpu.present")
+    return {key: value for key, value in labels.items()
+            if key.startswith(tuple(f"nvidia.com/{k}" for k in keep)) and key not in ignored}
+
+
+def gpu_labels(count: str, replicas: str, strategy: str, memory: str, product: str) -> dict[str, str]:
+    return {"nvidia.com/gpu.count": count, "nvidia.com/gpu.replicas": replicas,
+            "nvidia.com/gpu.sharing-strategy": strategy, "nvidia.com/gpu.memory": memory,
+            "nvidia.com/gpu.product": product}
+
+
+def mig_attributes(key: str, gi: int, ci: int, memory: int, multiprocessors: int = 0,
+                   engines: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)) -> dict[str, str]:
+    return {f"nvidia.com/{key}.memory": str(memory), f"nvidia.com/{key}.multiprocessors": str(multiprocessors),
+            f"nvidia.com/{key}.slices.gi": str(gi), f"nvidia.com/{key}.slices.ci": str(ci),
+            **{f"nvidia.com/{key}.{name}": str(n) for name, n in zip(ENGINES, engines)}}
+
+
+TWO = [{"name": "nvidia.com/gpu", "replicas": 2}]
+SINGLE = {"nvidia.com/mig.strategy": "single"}
+INVALID = {**gpu_labels("0", "0", "", "0", "MOCKMODEL-MIG-INVALID"), **SINGLE}
+BUSY = {"multiprocessors": 12, "engines.copy": 13, "engines.decoder": 14, "engines.encoder": 15,
+        "engines.jpeg": 16, "engines.ofa": 17}
+
+
+@pytest.mark.parametrize("description, gpus, resources, expected", [
+    ("no devices returns empty labels", [], None, {}),
+    ("single non-mig device returns non-mig (none) labels", [full()], None,
+     {**ARCH, **gpu_labels("1", "1", "none", "300", "MOCKMODEL")}),
+    ("sharing is applied to single device", [full()], TWO,
+     {**ARCH, **gpu_labels("1", "2", "time-slicing", "300", "MOCKMODEL-SHARED")}),
+    ("sharing is applied to multiple devices", [full(), full()], TWO,
+     {**ARCH, **gpu_labels("2", "2", "time-slicing", "300", "MOCKMODEL-SHARED")}),
+    ("sharing is not applied to single MIG device; replicas is zero", [mig_enabled()], TWO,
+     gpu_labels("1", "0", "none", "300", "MOCKMODEL")),
+    ("sharing is not applied to multiple MIG device; replicas is zero", [mig_enabled(), mig_enabled()], TWO,
+     gpu_labels("2", "0", "none", "300", "MOCKMODEL")),
+    ("sharing is applied to MIG device and non-MIG device", [mig_enabled(), full()], TWO,
+     {**ARCH, **gpu_labels("2", "2", "time-slicing", "300", "MOCKMODEL-SHARED")}),
+])
+def test_gfd_mig_strategy_none(description: str, gpus: list[Gpu], resources: Any, expected: dict[str, str]) -> None:
+    assert resource_labels(gpus, "none", resources) == expected, description
+
+
+@pytest.mark.parametrize("description, gpus, expected", [
+    ("no devices returns empty labels", [], {}),
+    ("single non-mig device returns non-mig (none) labels", [full()],
+     {**ARCH, **gpu_labels("1", "1", "none", "300", "MOCKMODEL"), **SINGLE}),
+    ("multiple non-mig device returns non-mig (none) labels", [full(), full()],
+     {**ARCH, **gpu_labels("2", "1", "none", "300", "MOCKMODEL"), **SINGLE}),
+    ("single mig-enabled device returns mig labels", [mig_enabled(mig_device(1, 2, 100))],
+     {**gpu_labels("1", "1", "none", "100", "MOCKMODEL-MIG-1g.100gb"), **SINGLE, **mig_attributes("gpu", 1, 2, 100)}),
+    ("multiple mig-enabled devices returns mig labels",
+     [mig_enabled(mig_device(1, 2, 100, **BUSY)), mig_enabled(mig_device(1, 2, 100, **BUSY))],
+     {**gpu_labels("2", "1", "none", "100", "MOCKMODEL-MIG-1g.100gb"), **SINGLE,
+      **mig_attributes("gpu", 1, 2, 100, 12, (13, 14, 15, 16, 17))}),
+    ("empty mig devices returns MIG invalid label", [mig_enabled()], INVALID),
+    ("mixed mig config returns MIG invalid label", [mig_enabled(mig_device(1, 2, 100), mig_device(3, 4, 100))],
+     INVALID),
+    ("mixed mig enabled and disabled returns invalid config", [mig_enabled(mig_device(1, 2, 100)), full()],
+     {**ARCH, **INVALID}),
+    ("enabled, disabled, and empty returns invalid config",
+     [mig_enabled(mig_device(1, 2, 100)), full(), mig_enabled()], {**ARCH, **INVALID}),
+])
+def test_gfd_mig_strategy_single(description: str, gpus: list[Gpu], expected: dict[str, str]) -> None:
+    assert resource_labels(gpus, "single", None) == expected, description
+
+
+@pytest.mark.parametrize("description, resources, expected", [
+    ("no sharing", None, gpu_labels("1", "1", "none", "300", "MOCKMODEL")),
+    ("time-slicing ignores non-matching resource", [{"name": "nvidia.com/not-gpu", "replicas": 2}],
+     gpu_labels("1", "1", "none", "300", "MOCKMODEL")),
+    ("time-slicing appends suffix and doubles count", TWO,
+     gpu_labels("1", "2", "time-slicing", "300", "MOCKMODEL-SHARED")),
+    ("time-slicing renamed does not append suffix and doubles count",
+     [{"name": "nvidia.com/gpu", "rename": "nvidia.com/gpu.shared", "replicas": 2}],
+     gpu_labels("1", "2", "time-slicing", "300", "MOCKMODEL")),
+])
+def test_gfd_gpu_resource_labeler(description: str, resources: Any, expected: dict[str, str]) -> None:
+    assert resource_labels([full()], "none", resources) == {**ARCH, **expected}, description
+
+
+# Upstream hands NewMIGResourceLabeler the name mig-1g.1gb for a 1g.300gb device; the agent names a MIG
+# resource after its device, as the plugin advertises it, so the mixed rows here use mig-1g.300gb.
+@pytest.mark.parametrize("description, strategy, resources, key, replicas, product", [
+    ("no sharing", "single", None, "gpu", "1", "MOCKMODEL-MIG-1g.300gb"),
+    ("shared appends suffix and doubles count", "single", TWO, "gpu", "2", "MOCKMODEL-MIG-1g.300gb-SHARED"),
+    ("renamed does not append suffix and doubles count", "single",
+     [{"name": "nvidia.com/gpu", "rename": "nvidia.com/gpu.shared", "replicas": 2}], "gpu", "2",
+     "MOCKMODEL-MIG-1g.300gb"),
+    ("mig mixed appends shared", "mixed",
+     [{"name": "nvidia.com/gpu", "rename": "nvidia.com/gpu.shared", "replicas": 2},
+      {"name": "nvidia.com/mig-1g.300gb", "replicas": 2}], "mig-1g.300gb", "2", "MOCKMODEL-MIG-1g.300gb-SHARED"),
+    ("mig mixed rename does not append", "mixed",
+     [{"name": "nvidia.com/mig-1g.300gb", "rename": "nvidia.com/mig-1g.300gb.shared", "replicas": 2}],
+     "mig-1g.300gb", "2", "MOCKMODEL-MIG-1g.300gb"),
+])
+def test_gfd_mig_resource_labeler(description: str, strategy: str, resources: Any, key: str, replicas: str,
+                                  product: str) -> None:
+    expected = {f"nvidia.com/{key}.count": "1", f"nvidia.com/{key}.replicas": replicas,
+                f"nvidia.com/{key}.sharing-strategy": "time-slicing" if replicas != "1" else "none",
+                f"nvidia.com/{key}.product": product, **mig_attributes(key, 1, 2, 300)}
+    labels = resource_labels([mig_enabled(mig_device(1, 2, 300))], strategy, resources, keep=(f"{key}.",))
+    assert labels == expected, description
+
+
+def test_under_mig_strategy_none_the_plugin_still_replicates_a_mig_enabled_gpu() -> None:
+    """GFD labels a MIG-enabled GPU replicas 0 under mig.strategy none, yet NVIDIA's plugin shares it:
+    internal/rm/device_map.go buildGPUDeviceMap keeps MIG-enabled GPUs under none, and
+    updateDeviceMapWithReplicas replicates every device of the resource. The agent does both as upstream."""
+    inventory = Inventory("400.300", "8.0", renumbered([mig_enabled(mig_device(1, 1, 100)), mig_enabled()]))
+    settings = validated(PluginConfig, {"sharing": {"timeSlicing": {"resources": TWO}}})
+    served = advertised(inventory, {}, "none", settings)
+    assert [device.id for device in served.resources["nvidia.com/gpu"].devices] == [
+        "GPU-0::0", "GPU-0::1", "GPU-1::0", "GPU-1::1"]
+    labels = compute(inventory, True, "none", None, sharing(inventory, "none", settings))
+    assert labels["nvidia.com/gpu.replicas"] == "0" and labels["nvidia.com/gpu.product"] == "MOCKMODEL"
+
+
+def test_a_sharing_resource_the_node_lacks_is_ignored_and_said_so() -> None:
+    settings = validated(PluginConfig, {"sharing": {"timeSlicing": {"resources": [
+        {"name": "not-gpu", "replicas": 2}, {"name": "nvidia.com/mig-1c.3g.40gb", "replicas": 3}, *TWO]}}})
+    inventory = Inventory("400.300", "8.0", renumbered([full(), full()]))
+    served = advertised(inventory, {}, "none", settings)
+    assert list(served.resources) == ["nvidia.com/gpu"] and served.resources["nvidia.com/gpu"].replicas == 2
+    assert sorted(served.ignored) == ["nvidia.com/mig-1c.3g.40gb", "nvidia.com/not-gpu"]
+    assert "matches no device of this node with mig.strategy none" in served.ignored["nvidia.com/not-gpu"]
+
+
+# GFD's expected label files for the MIG strategies (tests/expected-output-mig-*.txt, copied to
+# tests/data/upstream), checked both ways as test_labels.py checks the others.
+GFD_EXPECTED = Path(__file__).parent / "data" / "upstream" / "k8s-device-plugin" / "tests"
+
+
+@pytest.mark.parametrize("strategy, gpus", [
+    ("single", [mig_enabled(mig_device(3, 3, 20)), mig_enabled(mig_device(3, 3, 20))]),
+    ("mixed", [mig_enabled(mig_device(3, 3, 20), mig_device(1, 1, 5))]),
+])
+def test_the_labels_match_gfds_expected_mig_output(strategy: str, gpus: list[Gpu]) -> None:
+    inventory = Inventory("550.90.07", "12.4", tuple(
+        Gpu(g.index, g.uuid, g.pci_bus_id, "NVIDIA A100-SXM4-40GB", 40960, (8, 0), g.index, g.mig)
+        for g in renumbered(gpus)))
+    labels = with_timestamp(compute(inventory, True, strategy, "DGX A100"), {}, 1724632719.6)
+    lines = [f"{k}={v}" for k, v in labels.items() if not k.startswith("nvidia.com/gpu-agent.")
+             and k != "nvidia.com/gpu.present"]
+    text = (GFD_EXPECTED / f"expected-output-mig-{strategy}.txt").read_text()
+    expected = [re.compile(line) for line in text.rstrip("\n").split("\n")]
+    assert [line for line in lines if not any(r.search(line) for r in expected)] == []
+    assert [r.pattern for r in expected if not any(r.search(line) for line in lines)] == []
