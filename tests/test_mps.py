@@ -204,3 +204,16 @@ async def _until(condition: Callable[[], bool], seconds: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+def test_uninstall_removes_the_mps_directories(tmp_path: Path) -> None:
+    from harness import SimNode
+
+    node = SimNode(tmp_path, "dgx-h100")
+    node.machine.ensure("dgx-h100")
+    root = Root(tmp_path)
+    state = AgentState(LoadedConfig(parse_config(MPS4, "c"), "c", "d"), inventory=EIGHT)
+    asyncio.run(MpsManager(root, state, SimMpsControl(node.machine, 0.2), lambda: None).sync())
+    assert tmp_path.joinpath("run/nvidia/mps/nvidia.com/gpu/log").is_dir()
+    node.uninstall()
+    assert not tmp_path.joinpath("run/nvidia/mps").exists() and Ledger(root).mps_directories() == {}
