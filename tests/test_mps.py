@@ -165,6 +165,9 @@ def test_mps_daemons_on_a_simulated_dgx_h100(tmp_path: Path) -> None:
             assert not any(d.healthy for d in down.resources[GPU_RESOURCE].devices)
             await _until(lambda: not state.mps_down, 5)  # started again after its backoff
             assert state.mps is not None and state.mps["daemons"][0]["restarts"] == 1
+            from gpu_agent.metrics.exporter import AgentCollector, make_registry, render
+            exposed = render(make_registry(AgentCollector(state, lambda: 0, None))).decode()
+            assert 'gpu_agent_mps_daemon_restarts_total{resource="nvidia.com/gpu"} 1' in exposed
 
             state.config = LoadedConfig(parse_config("version: v1\nplugin:\n  enabled: true\n", "c"), "c", "e")
             manager.wake()
