@@ -98,6 +98,8 @@ class AgentState:
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
     plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
+    mps: Optional[dict[str, Any]] = None  # the MPS control daemons' /status section (mps/daemons.py)
+    mps_down: dict[str, str] = field(default_factory=dict)  # by shared resource: why its MPS daemon does not answer
     reconciles: int = 0
     first_reconcile_done: bool = False
     published: int = 0  # bumped each time the daemon publishes the model: the endpoints render again
@@ -152,6 +154,16 @@ class AgentState:
                 return False
             self.plugin = section
             self.published += 1  # the endpoints render /status again
+            return True
+
+    def publish_mps(self, section: Optional[dict[str, Any]], down: Mapping[str, str]) -> bool:
+        """The MPS control daemons' /status section and, by resource, why its daemon is down (its devices
+        are Unhealthy meanwhile); False when both are as published."""
+        with _PUBLISH:
+            if section == self.mps and dict(down) == self.mps_down:
+                return False
+            self.mps, self.mps_down = section, dict(down)
+            self.published += 1
             return True
 
     def publish_pods(self, pods: Optional[Any]) -> None:
@@ -327,6 +339,7 @@ class AgentState:
             "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
             "labels": dict(labels) if labels is not None else None,
             "plugin": self.plugin,
+            "mps": self.mps,
         }
 
     def _driver_json(self) -> Optional[dict[str, Any]]:

@@ -66,8 +66,10 @@ def renumbered(gpus: list[Gpu]) -> tuple[Gpu, ...]:
 def resource_labels(gpus: list[Gpu], strategy: str, resources: Optional[list[dict[str, Any]]] = None,
                     keep: tuple[str, ...] = ("gpu.", "mig-", "mig.strategy")) -> dict[str, str]:
     """The labels GFD's NewResourceLabeler writes (what `keep` starts with), for `resources` as
-    timeSlicing.resources."""
-    settings = validated(PluginConfig, {"sharing": {"timeSlicing": {"resources": resources or []}}})
+    timeSlicing.resources. GFD's labeler honours `rename`, which its binary and the device plugin's turn
+    off (DisableResourceNamingInConfig): the agent's opt-in plugin.per_resource_sharing does the same."""
+    settings = validated(PluginConfig, {"per_resource_sharing": True,
+                                        "sharing": {"timeSlicing": {"resources": resources}}} if resources else {})
     inventory = Inventory("400.300", "8.0", renumbered(gpus))
     labels = compute(inventory, True, strategy, None, sharing(inventory, strategy, settings))
     ignored = ("nvidia.com/gpu.machine", "nvidia.com/gpu.mode", "nvidia.com/gpu.present")

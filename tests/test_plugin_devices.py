@@ -94,8 +94,10 @@ def test_time_slicing_replicas_rename_and_per_gpu_counts() -> None:
     assert len(ids(result)) == 32 and ids(result)[:4] == [f"{EIGHT.gpus[0].uuid}::{n}" for n in range(4)]
     assert result.resources[GPU_RESOURCE].shared
 
-    renamed = plugin(sharing={"timeSlicing": {"renameByDefault": True,
-                                              "resources": [{"name": "gpu", "replicas": 2, "devices": [0, 1]}]}})
+    block = {"timeSlicing": {"renameByDefault": True, "resources": [{"name": "gpu", "replicas": 2, "devices": [0, 1]}]}}
+    as_nvidia = ads(EIGHT, settings=plugin(sharing=block))  # NVIDIA's plugin ignores devices: every GPU shared
+    assert len(ids(as_nvidia, "nvidia.com/gpu.shared")) == 16 and GPU_RESOURCE not in as_nvidia.resources
+    renamed = plugin(sharing=block, per_resource_sharing=True)
     result = ads(EIGHT, settings=renamed)
     assert len(ids(result, "nvidia.com/gpu.shared")) == 4 and len(ids(result)) == 6  # GPUs 2-7 unshared
 
@@ -208,12 +210,13 @@ def test_nvidia_sharing_block_pasted_unchanged() -> None:
 
 @pytest.mark.parametrize("text, error", [
     (NVIDIA_BLOCK.replace("replicas: 10", "replicas: 0"), "config.yaml:10: plugin.sharing.timeSlicing.resources.0."
-                                                          "replicas: Input should be greater than or equal to 1"),
+                                                          "replicas: Input should be greater than or equal to 2"),
     (NVIDIA_BLOCK.replace("nvidia.com/gpu", "amd.com/gpu"), "config.yaml:9: plugin.sharing.timeSlicing.resources.0."
                                                             "name: 'amd.com/gpu' is not a resource name"),
     (NVIDIA_BLOCK.replace("renameByDefault", "renameByDefualt"), "config.yaml:6: plugin.sharing.timeSlicing."
                                                                  "renameByDefualt: unknown key"),
-    ("version: v1\nplugin:\n  sharing:\n    mps:\n      resources: []\n", "config.yaml:4: plugin.sharing.mps: "),
+    ("version: v1\nplugin:\n  sharing:\n    mps:\n      resources: []\n",
+     "config.yaml:4: plugin.sharing.mps: no resources specified"),
     ("version: v1\nplugin:\n  gpu_replicas:\n    first: 2\n", "config.yaml:3: plugin.gpu_replicas: key 'first'"),
     ("version: v1\nplugin:\n  device_list_strategy: volume-mounts\n", "config.yaml:3: plugin.device_list_strategy"),
     ("version: v1\nmig:\n  strategy: mixed\nkubernetes:\n  mig_strategy: single\n",
@@ -238,7 +241,8 @@ def test_sharing_labels_follow_gfd() -> None:
     labels = compute(EIGHT, True, "none", None, sharing(EIGHT, "none", four))
     assert labels["nvidia.com/gpu.replicas"] == "4" and labels["nvidia.com/gpu.sharing-strategy"] == "time-slicing"
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3-SHARED"
-    renamed = plugin(gpu_replicas={"0": 2, "1": 3}, sharing={"timeSlicing": {"renameByDefault": True}})
+    renamed = plugin(gpu_replicas={"0": 2, "1": 3}, sharing={"timeSlicing": {
+        "renameByDefault": True, "resources": [{"name": "other", "replicas": 2}]}})
     labels = compute(EIGHT, True, "none", None, sharing(EIGHT, "none", renamed))
     assert labels["nvidia.com/gpu.replicas"] == "2" and labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
     plain = compute(EIGHT, True, "none", None, sharing(EIGHT, "none", plugin()))

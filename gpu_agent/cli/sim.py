@@ -41,10 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "(--error failed), its socket never answer (--error not-ready), or systemctl hang until its "
                     "timeout (--error hangs). install makes installing "
                     "the container toolkit fail as apt-get does without NVIDIA's repository.")
-    fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, or restart (a runtime's unit)")
+    fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, restart (a runtime's unit), or "
+                                                   "mps (the MPS control daemons: --error die or hang)")
     fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
     fail.add_argument("--module", metavar="M", help="modprobe: only for this module (default: any)")
     fail.add_argument("--unit", metavar="U", help="restart: only for this systemd unit (default: any)")
+    fail.add_argument("--resource", metavar="R", help="mps: only this resource's daemon, e.g. nvidia.com/gpu "
+                                                      "(default: every one)")
     fail.add_argument("--times", type=int, metavar="K", help="fail K times, then work again (default: until clear)")
     fail.add_argument("--error", default=None, metavar="NAME",
                       help="NVML: an NVMLError name or 'hang' (default Unknown); "
@@ -167,6 +170,9 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
         _add_fault(machine, args, {"call": "install", "error": "not-found"})
         print("installing packages will fail: E: Unable to locate package")
         return
+    if args.call == "mps":
+        _fail_mps(machine, args)
+        return
     if args.call == "restart":
         from gpu_agent.sim.services import RESTART_ERRORS
 
@@ -191,6 +197,22 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
             raise AgentError(f"--error {error}: unknown; one of hang, {', '.join(error_names())}") from None
     _add_fault(machine, args, {"call": args.call, "gpu": args.gpu, "error": error}, gpu=args.gpu)
     print(f"{args.call} will fail with {error}")
+
+
+def _fail_mps(machine: Any, args: argparse.Namespace) -> None:
+    """die: the MPS control daemons (of --resource, or all) exit now, as after kill -9; hang: they stop
+    answering on their control pipe until `sim clear`."""
+    from gpu_agent.sim.mps import FAULTS, kill
+
+    error = args.error or "die"
+    if error not in FAULTS:
+        raise AgentError(f"--error {error}: unknown for mps; one of {', '.join(FAULTS)}")
+    if error == "hang":
+        _add_fault(machine, args, {"call": "mps", "error": "hang"})
+        print("the MPS control daemons will not answer on their control pipes")
+        return
+    killed = kill(machine, args.resource)
+    print(f"MPS control daemon of {', '.join(killed)} killed" if killed else "no MPS control daemon runs")
 
 
 def _fail_modprobe(machine: Any, args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Optional, TypeVar
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from gpu_agent.config.plugin import conflicting_keys, deprecated_keys
+from gpu_agent.config.plugin import conflicting_keys, deprecated_keys, ignored_keys
 from gpu_agent.config.safe_yaml import line_of, load_yaml
 from gpu_agent.config.schema import AgentConfig
 from gpu_agent.config.text import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
@@ -130,13 +130,18 @@ def check_config(text: str, name: str) -> tuple[AgentConfig, list[str]]:
         if len(errors) > MAX_REPORTED_ERRORS:
             lines.append(f"{name}: and {len(errors) - MAX_REPORTED_ERRORS} more errors")
         raise ConfigError("\n".join(lines)) from None
-    conflicts = [f"{name}:{line_of(document, loc)}: {'.'.join(loc)}: {reason}"
+    conflicts = [f"{name}:{_line(document, loc)}: {'.'.join(loc)}: {reason}"
                  for loc, reason in conflicting_keys(config)]
     if conflicts:
         raise ConfigError("\n".join(conflicts))
-    warnings = [f"{name}:{line_of(document, loc)}: {'.'.join(loc)}: {reason}"
-                for loc, reason in deprecated_keys(config)]
+    warnings = [f"{name}:{_line(document, loc)}: {'.'.join(loc)}: {reason}"
+                for loc, reason in deprecated_keys(config) + ignored_keys(config)]
     return config, warnings
+
+
+def _line(document: yaml.Node | None, loc: tuple[str, ...]) -> int | None:
+    """A key path's line, its digits as list indices."""
+    return line_of(document, tuple(int(part) if part.isdigit() else part for part in loc))
 
 
 def _describe(error: Any, document: yaml.Node | None, name: str) -> str:

@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal, Optional, Union
 
-
 from gpu_agent.config.section import Bounds, Check, Section, setting, shown
 
 if TYPE_CHECKING:
@@ -17,41 +16,47 @@ if TYPE_CHECKING:
     from gpu_agent.host.paths import Root
 
 MAX_REPLICAS = 1024  # NVIDIA's plugin has no bound; this catches a typo (a million ids per GPU)
+MAX_MPS_CLIENTS = 48  # an MPS server's clients on Volta and later (NVIDIA's mps-control-daemon/mps/device.go)
 RESOURCE_PREFIX = "nvidia.com/"
-# NVIDIA's NewResourceName: nvidia.com/ and a DNS subdomain, 63 characters in all (api/config/v1/resources.go)
-_RESOURCE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_RESOURCE_MAX = 63
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-_GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Fa-f-]{8,64}")
+SHARED_SUFFIX = ".shared"  # renameByDefault's name: <name>.shared
+MAX_RESOURCE_NAME = 63  # the fully-qualified name, as NVIDIA's MaxResourceNameLength
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_UUID = r"([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}|[0-9a-fA-F]{32})"
+_GPU_UUID = re.compile(f"GPU-{_UUID}")
+_MIG_UUID = re.compile(f"MIG-({_UUID}|GPU-{_UUID}/[0-9]+/[0-9]+)")
+_MIG_INDEX = re.compile(r"[0-9]+:[0-9]+")
 
 
 def _resource_name(value: str) -> str:
-    """`nvidia.com/gpu`, `nvidia.com/mig-1g.10gb` (or without the prefix, as NVIDIA's plugin accepts),
-    returned with the prefix. Any name NVIDIA's plugin takes is taken: one that names no resource on the
-    node is ignored there, as upstream does (plugin/devices.py ignored_sharing)."""
-    name = value[len(RESOURCE_PREFIX):] if value.startswith(RESOURCE_PREFIX) else value
-    if len(RESOURCE_PREFIX + name) > _RESOURCE_MAX or not _RESOURCE.fullmatch(name):
-        raise ValueError(f"{shown(value)} is not a resource name: nvidia.com/ and lower-case letters, digits, "
-                         f"'-' and '.', {_RESOURCE_MAX} characters in all, such as nvidia.com/gpu or "
-                         "nvidia.com/mig-1g.10gb")
-    return RESOURCE_PREFIX + name
+    """As NVIDIA's NewResourceName: nvidia.com/ is added where missing (`valid` is nvidia.com/valid), the
+    whole at most 63 characters, the part after it a DNS subdomain."""
+    name = value if value.startswith(RESOURCE_PREFIX) else RESOURCE_PREFIX + value
+    if len(name) > MAX_RESOURCE_NAME:
+        raise ValueError(f"fully-qualified resource name must be {MAX_RESOURCE_NAME} characters or less: {shown(name)}")
+    if not _DNS_SUBDOMAIN.fullmatch(name[len(RESOURCE_PREFIX):]):
+        raise ValueError(f"{shown(value)} is not a resource name: after nvidia.com/, lower-case letters, digits, "
+                         "'-' and '.' (a DNS subdomain)")
+    return name
 
 
-def _renamed(value: str) -> str:
-    name = value[len(RESOURCE_PREFIX):] if value.startswith(RESOURCE_PREFIX) else value
-    if len(name) > 63 or not _DNS_LABEL.fullmatch(name):
-        raise ValueError(f"{shown(value)} is not a resource name (lower-case letters, digits, '-' and '.')")
-    return RESOURCE_PREFIX + name
+def is_mig_ref(value: Union[int, str]) -> bool:
+    return isinstance(value, str) and bool(_MIG_INDEX.fullmatch(value) or _MIG_UUID.fullmatch(value))
 
 
 def _device_ref(value: Union[int, str]) -> Union[int, str]:
-    """A GPU by index, or a GPU or MIG device by UUID."""
-    if isinstance(value, int) or _GPU_UUID.fullmatch(value):
+    """As NVIDIA's ReplicatedDeviceRef: a GPU index (a number, or its digits as a string), a MIG index
+    `<gpu>:<mig>`, a GPU UUID, or a MIG UUID (MIG-<uuid> or MIG-GPU-<uuid>/<gi>/<ci>)."""
+    if isinstance(value, int):
         return value
-    raise ValueError(f"{shown(value)} is neither a GPU index nor a GPU-/MIG- UUID")
+    if value.isdigit() and value.isascii():
+        return int(value)
+    if is_mig_ref(value) or _GPU_UUID.fullmatch(value):
+        return value
+    raise ValueError(f"unsupported device {shown(value)}: a GPU index, a MIG index such as \"0:1\", "
+                     "or a GPU-/MIG- UUID")
 
 
-def _bounded(value: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[int, str]]]:
+def _bounded(value: Union[str, int, list[Union[int, str]]]) -> Union[str, int, list[Union[int, str]]]:
     if isinstance(value, list) and len(value) > 1024:
         raise ValueError(f"{len(value)} devices is more than any node has (at most 1024)")
     return value
@@ -60,48 +65,82 @@ def _bounded(value: Union[str, list[Union[int, str]]]) -> Union[str, list[Union[
 ResourceName = Annotated[str, Bounds(max_length=80), Check(_resource_name)]
 DeviceRef = Annotated[Union[Annotated[int, Bounds(ge=0, le=1023)], Annotated[str, Bounds(max_length=80)]],
                       Check(_device_ref)]
+Devices = Annotated[Union[Literal["all"], Annotated[int, Bounds(ge=1, le=1024)], list[DeviceRef]],
+                    Check(_bounded)]
 
 
 # NVIDIA's keys are camelCase (each field's alias); the snake_case names are accepted too.
 @dataclass(frozen=True)
-class TimeSlicedResource(Section):
-    name: ResourceName = setting(
-        description="The resource to share: nvidia.com/gpu or nvidia.com/mig-<profile>; one the node does "
-                    "not have is ignored.")
-    replicas: int = setting(description="Devices advertised per GPU (or MIG device).", ge=1, le=MAX_REPLICAS)
-    rename: Optional[Annotated[str, Bounds(max_length=80), Check(_renamed)]] = setting(
-        None, "Advertise the shared devices under this name instead.")
-    devices: Annotated[Union[Literal["all"], list[DeviceRef]], Check(_bounded)] = setting(
-        "all", '"all", or the GPUs (index or UUID) and MIG devices (UUID) to share.')
+class ReplicatedResource(Section):
+    """One resource of timeSlicing or mps, as NVIDIA's ReplicatedResource reads it."""
+
+    name: ResourceName = setting(description="The resource to share: nvidia.com/gpu (or nvidia.com/mig-<profile>); one "
+                                             "the node does not have is ignored.")
+    replicas: int = setting(description="Devices advertised per GPU (or MIG device); at least 2, as NVIDIA's plugin.",
+                            ge=2, le=MAX_REPLICAS)
+    rename: Optional[ResourceName] = setting(
+        None, "Advertise the shared devices under this name; honoured with plugin.per_resource_sharing only.")
+    devices: Devices = setting(
+        "all", '"all", a count of GPUs, or the GPUs and MIG devices (index or UUID) to share; honoured with '
+               "plugin.per_resource_sharing only.")
 
 
 @dataclass(frozen=True)
-class TimeSlicing(Section):
+class ReplicatedResources(Section):
+    """NVIDIA's ReplicatedResources: the body of sharing.timeSlicing and sharing.mps."""
+
     rename_by_default: bool = setting(False, "Advertise shared resources as <name>.shared.", alias="renameByDefault")
-    fail_requests_greater_than_one: bool = setting(
-        False, "Refuse an Allocate asking for more than one device of a shared resource.",
-        alias="failRequestsGreaterThanOne")
-    resources: list[TimeSlicedResource] = setting([], max_length=64)
+    fail_requests_greater_than_one: Optional[bool] = setting(
+        None, "Refuse an Allocate asking for more than one device of a shared resource (default: false for "
+              "timeSlicing, true for mps, as NVIDIA's plugin).", alias="failRequestsGreaterThanOne")
+    resources: list[ReplicatedResource] = setting([], max_length=64)
 
     def __post_init__(self) -> None:
+        if not self.resources:
+            raise ValueError("no resources specified")  # NVIDIA's words
         seen: set[str] = set()
         for entry in self.resources:
             if entry.name in seen:
-                raise ValueError(f"{entry.name} is listed twice in timeSlicing.resources; merge the entries")
+                raise ValueError(f"{entry.name} is listed twice in resources; merge the entries")
             seen.add(entry.name)
-
-
-def _no_mps(value: Optional[dict[str, object]]) -> None:
-    if value:
-        raise ValueError("MPS sharing is not supported by gpu-agent; use timeSlicing or remove mps")
-    return None
 
 
 @dataclass(frozen=True)
 class Sharing(Section):
-    time_slicing: TimeSlicing = setting(TimeSlicing(), alias="timeSlicing")
-    mps: Annotated[Optional[dict[str, object]], Check(_no_mps)] = setting(
-        None, "Not supported: MPS sharing is out of scope.")
+    time_slicing: Optional[ReplicatedResources] = setting(None, "Time-slicing: replicas share a GPU in turns.",
+                                                          alias="timeSlicing")
+    mps: Optional[ReplicatedResources] = setting(
+        None, "CUDA MPS: replicas share a GPU at once, each with its share of threads and memory; gpu-agent runs "
+              "the MPS control daemons itself.")
+
+    def __post_init__(self) -> None:
+        if self.time_slicing is not None and self.mps is not None:
+            raise ValueError("timeSlicing and mps are both set; NVIDIA's plugin then shares by mps alone and "
+                             "ignores timeSlicing: keep one")
+        for n, entry in enumerate(self.mps.resources if self.mps else ()):
+            if entry.name.startswith(RESOURCE_PREFIX + "mig-") or (
+                    isinstance(entry.devices, list) and any(is_mig_ref(ref) for ref in entry.devices)):
+                raise ValueError(f"mps.resources.{n}: sharing using MPS is not supported for MIG devices")
+            if entry.replicas > MAX_MPS_CLIENTS:
+                raise ValueError(f"mps.resources.{n}.replicas: maximum allowed replicas exceeded: {entry.replicas} > "
+                                 f"{MAX_MPS_CLIENTS} (the clients one MPS server takes)")
+
+    @property
+    def strategy(self) -> str:
+        """NVIDIA's SharingStrategy(): mps, time-slicing or none."""
+        return "mps" if self.mps is not None else "time-slicing" if self.time_slicing is not None else "none"
+
+    @property
+    def replicated(self) -> Optional[ReplicatedResources]:
+        return self.mps if self.mps is not None else self.time_slicing
+
+    @property
+    def fail_requests_greater_than_one(self) -> bool:
+        """Unset: true under mps (NVIDIA's NewConfig keeps its historical MPS behaviour), false otherwise."""
+        chosen = self.replicated
+        if chosen is None or chosen.fail_requests_greater_than_one is None:
+            return self.mps is not None
+        return chosen.fail_requests_greater_than_one
 
 
 def _index_keys(value: object) -> object:
@@ -132,6 +171,9 @@ class PluginConfig(Section):
         "cdi-cri", "How Allocate names devices: cdi-cri (CDI devices in the CRI), cdi-annotations "
                    "(cdi.k8s.io/ annotations) or envvar (NVIDIA_VISIBLE_DEVICES).")
     sharing: Sharing = setting(Sharing(), "NVIDIA k8s-device-plugin's sharing block, pasted unchanged.")
+    per_resource_sharing: bool = setting(
+        False, "gpu-agent's extension: honour each sharing resource's rename and devices. NVIDIA's plugin ignores "
+               "both (with a warning) and shares every GPU under its own name; so does gpu-agent without this.")
     gpu_replicas: GpuReplicas = setting(
         {}, 'Replicas per GPU, by index ("0") or UUID; overrides timeSlicing for that GPU and its MIG '
             "devices. 1 takes the GPU out of sharing.", max_length=1024)
@@ -161,8 +203,43 @@ def deprecated_keys(config: AgentConfig) -> list[tuple[tuple[str, ...], str]]:
 
 def conflicting_keys(config: AgentConfig) -> list[tuple[tuple[str, ...], str]]:
     """(key path, reason) where a deprecated alias and its new key disagree."""
+    found: list[tuple[tuple[str, ...], str]] = []
     old, new = config.kubernetes.mig_strategy, config.mig.strategy
     if old is not None and new is not None and old != new:
-        return [(("kubernetes", "mig_strategy"), f"deprecated alias of mig.strategy, which says {new!r} where this "
-                                                 f"says {old!r}; remove kubernetes.mig_strategy")]
-    return []
+        found.append((("kubernetes", "mig_strategy"), f"deprecated alias of mig.strategy, which says {new!r} where "
+                                                      f"this says {old!r}; remove kubernetes.mig_strategy"))
+    plugin = config.plugin
+    if plugin.sharing.mps is not None:
+        if mig_strategy(config) == "mixed":
+            found.append((("plugin", "sharing", "mps"), "using mig.strategy mixed is not supported with MPS "
+                                                        "(as NVIDIA's plugin): use mig.strategy none or single"))
+        if plugin.gpu_replicas:
+            found.append((("plugin", "gpu_replicas"), "per-GPU replicas are for timeSlicing; with mps every GPU of "
+                                                      "a resource has its replicas (its daemon's thread share)"))
+    return found
+
+
+def ignored_keys(config: AgentConfig) -> list[tuple[tuple[str, ...], str]]:
+    """(key path, warning) for each rename and devices NVIDIA's plugin would ignore, and so does the agent
+    unless plugin.per_resource_sharing is on (NVIDIA's DisableResourceNamingInConfig)."""
+    sharing = config.plugin.sharing
+    found: list[tuple[tuple[str, ...], str]] = []
+    if config.plugin.per_resource_sharing:
+        return []
+    for key, chosen in (("timeSlicing", sharing.time_slicing), ("mps", sharing.mps)):
+        if chosen is None:
+            continue
+        for n, entry in enumerate(chosen.resources):
+            if entry.rename is not None and entry.rename != default_rename(entry.name, chosen.rename_by_default):
+                found.append((("plugin", "sharing", key, "resources", str(n), "rename"),
+                              "ignored, as NVIDIA's plugin ignores it; set plugin.per_resource_sharing: true to "
+                              "honour it"))
+            if entry.devices != "all":
+                found.append((("plugin", "sharing", key, "resources", str(n), "devices"),
+                              "ignored (every GPU is shared), as NVIDIA's plugin ignores it; set "
+                              "plugin.per_resource_sharing: true to honour it"))
+    return found
+
+
+def default_rename(name: str, rename_by_default: bool) -> Optional[str]:
+    return name + SHARED_SUFFIX if rename_by_default else None

@@ -237,6 +237,7 @@ class Daemon:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
         self._plugin_task: Optional[asyncio.Task[Any]] = None
+        self.mps: Optional[Any] = None  # the MPS control daemons' watch, started once sharing.mps asks (mps/)
 
     @property
     def config(self) -> AgentConfig:
@@ -402,6 +403,7 @@ class Daemon:
 
     def publish(self) -> None:
         self.state.published += 1
+        self._ensure_mps()
         self._ensure_plugin()
         if self.plugin is not None:
             self.plugin.wake()  # health, MIG and inventory changes reach ListAndWatch now
@@ -412,6 +414,27 @@ class Daemon:
         if ready != self._last_ready:
             self._last_ready = ready
             self.trigger()  # the sinks tell Kubernetes within seconds
+
+    def _ensure_mps(self) -> None:
+        """The MPS control daemons' watch, beside the plugin: started when sharing.mps is first asked for, then
+        kept (it stops the daemons when the config no longer asks for them)."""
+        if self.mps is not None:
+            self.mps.wake()
+            return
+        if self.config.plugin.sharing.mps is None:
+            return
+        from gpu_agent.mps.control import CONTROL_TIMEOUT_S
+        from gpu_agent.mps.daemons import MpsManager
+
+        control: Any
+        if self.runtime.machine is not None:
+            from gpu_agent.sim.mps import SimMpsControl
+            control = SimMpsControl(self.runtime.machine, CONTROL_TIMEOUT_S)
+        else:
+            from gpu_agent.mps.control import HostMpsControl
+            control = HostMpsControl(self.runtime.root, CONTROL_TIMEOUT_S)
+        self.mps = MpsManager(self.runtime.root, self.state, control, self.publish)
+        self._tasks.append(asyncio.create_task(self.mps.run(), name="mps"))
 
     def _ensure_plugin(self) -> None:
         """The device plugin runs beside the reconcile loop, never inside it: a failure there is logged

@@ -11,6 +11,8 @@ under /var/lib/gpu-agent.
 - pending_restarts: runtime restarts the agent owes, recorded before a runtime's config is written and
   cleared once the runtime was restarted and answered. A pass that starts, even in a new process
   after a kill -9, performs them first.
+- mps_directories: the directories the agent made for its MPS control daemons (under /run/nvidia/mps),
+  recorded before each is made; removed with what is in them when the daemon stops or at uninstall.
 - mig_checkpoints: by GPU UUID, the GPU's whole MIG state (mode, GPU instances with placements, compute
   instances) from before a MIG change, recorded before its first NVML change and cleared once the change
   was made or undone (gpu_agent.mig.checkpoint).
@@ -31,6 +33,7 @@ from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, followed, walk
 
 PATH = "/var/lib/gpu-agent/ledger.json"
+MPS_DIRECTORY_ROOT = "/run/nvidia/mps"  # mps/layout.py's MPS_ROOT: the only place MPS directories may be
 VERSION = 1
 _MAX_BYTES = 1 << 20
 
@@ -122,6 +125,24 @@ class Ledger:
         if document["pending_restarts"].pop(unit, None) is not None:
             self._write(document)
 
+    def mps_directories(self) -> dict[str, str]:
+        """The MPS directories the agent made (under /run/nvidia/mps), by host path: the resource they serve."""
+        return dict(self._read()["mps_directories"])
+
+    def own_mps_directory(self, path: str, resource: str) -> None:
+        """Record (durably, before it is made) that the agent makes directory `path` for `resource`."""
+        if not _mps_directory(path):
+            raise LedgerError(f"{path}: not under {MPS_DIRECTORY_ROOT}, never an MPS directory of gpu-agent's")
+        document = self._read()
+        if document["mps_directories"].get(path) != resource:
+            document["mps_directories"][path] = resource
+            self._write(document)
+
+    def disown_mps_directory(self, path: str) -> None:
+        document = self._read()
+        if document["mps_directories"].pop(path, None) is not None:
+            self._write(document)
+
     def mig_checkpoint(self, gpu_uuid: str) -> Optional[dict[str, Any]]:
         """The MIG state recorded for a GPU before its change, or None."""
         entry = self._read()["mig_checkpoints"].get(gpu_uuid)
@@ -156,7 +177,8 @@ class Ledger:
         except OSError as exc:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
         if raw is None:
-            return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {}}
+            return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {},
+                    "mps_directories": {}}
         try:
             document = jsontext.loads(raw.decode("utf-8"), max_digits=jsontext.OWN_DIGITS)
         except jsontext.NumberTooLong as exc:
@@ -192,11 +214,17 @@ class Ledger:
         if not isinstance(checkpoints, dict) or not all(isinstance(v, dict) for v in checkpoints.values()):
             raise self._error('mig_checkpoints: expected an object of GPU UUIDs, such as {"GPU-...": {"gpu": 0, '
                               '"checkpoint": {...}}}')
+        directories = document.setdefault("mps_directories", {})
+        if not isinstance(directories, dict) or not all(
+                _mps_directory(k) and isinstance(v, str) for k, v in directories.items()):
+            raise self._error(f'mps_directories: expected an object of directories under {MPS_DIRECTORY_ROOT}, such '
+                              f'as {{"{MPS_DIRECTORY_ROOT}/nvidia.com/gpu": "nvidia.com/gpu"}}')
         return document
 
     def _write(self, document: dict[str, Any]) -> None:
-        if not document.get("mig_checkpoints"):  # a node without MIG changes keeps the file as it was
-            document = {key: value for key, value in document.items() if key != "mig_checkpoints"}
+        # a node without MIG changes or MPS keeps the file as it was
+        document = {key: value for key, value in document.items()
+                    if key not in ("mig_checkpoints", "mps_directories") or value}
         path = self.root(PATH)
         try:
             path = self.path
@@ -210,6 +238,11 @@ class Ledger:
                            "restarts it owes and the MIG geometry of GPUs it is changing: restore it from a backup, "
                            "or remove it (then gpu-agent can no longer undo its changes) and restart the runtimes "
                            "whose configs gpu-agent changed")
+
+
+def _mps_directory(path: Any) -> bool:
+    return isinstance(path, str) and (path == MPS_DIRECTORY_ROOT or path.startswith(MPS_DIRECTORY_ROOT + "/")) and \
+        not {"..", "."} & set(path.split("/"))
 
 
 _UNIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@-]{0,199}\.(service|socket|target)")

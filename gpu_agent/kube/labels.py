@@ -89,7 +89,7 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
         "gpu.replicas": "1",
         "gpu.sharing-strategy": "none",
         "mig.capable": str(any(gpu.mig.capable for gpu in inventory.gpus)).lower(),
-        "mps.capable": "false",  # GFD's value unless the plugin shares by MPS, which the agent refuses
+        "mps.capable": "false",  # GFD's value unless the plugin shares by MPS (_sharing)
     })
     if strategy != "none":
         labels["mig.strategy"] = strategy
@@ -122,12 +122,15 @@ def with_timestamp(wanted: Mapping[str, str], published: Mapping[str, str], now:
 
 
 def _sharing(labels: dict[str, str], shared: Mapping[str, Shared]) -> dict[str, str]:
-    """As GFD writes time-slicing: the replica count and strategy, and -SHARED on the product of a
-    resource shared under its own name."""
+    """As GFD writes sharing: the replica count and strategy (time-slicing or mps), -SHARED on the product
+    of a resource shared under its own name, and mps.capable=true when MPS shares (GFD's sharing labeler:
+    MIG-enabled GPUs, which MPS cannot share, leave nothing shared here)."""
     changed = {}
     for name, how in shared.items():
         changed[f"{name}.replicas"] = str(how.replicas)
-        changed[f"{name}.sharing-strategy"] = "time-slicing"
+        changed[f"{name}.sharing-strategy"] = how.strategy
+        if how.strategy == "mps":
+            changed["mps.capable"] = "true"
         product = labels.get(f"{name}.product")
         if product and not how.renamed:
             changed[f"{name}.product"] = sanitise(f"{product}-SHARED")

@@ -63,6 +63,16 @@ class AgentCollector:
         for runtime, count in sorted(state.runtime_restarts.items()):
             restarts.add([runtime], count)
         yield restarts
+        if state.mps:  # only where MPS shares: the families of a node without it stay as they were
+            mps = text.counter("gpu_agent_mps_daemon_restarts", "MPS control daemon restarts by the agent, by "
+                               "shared resource.", labels=["resource"])
+            up = text.gauge("gpu_agent_mps_daemon_up", "1 while the resource's MPS control daemon answers.",
+                            labels=["resource"])
+            for daemon in state.mps["daemons"]:
+                mps.add([daemon["resource"]], daemon["restarts"])
+                up.add([daemon["resource"]], int(daemon["up"]))
+            yield mps
+            yield up
         errors = text.counter("gpu_agent_http_connection_errors",
                               "HTTP connections ended by their socket's error (ECONNRESET, EPIPE, ENOTCONN...) "
                               "or closed for not reading their answers, by reason.", labels=["reason"])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from gpu_agent.config.section import shown
+from gpu_agent.mps.layout import client_envs, client_mounts
 from gpu_agent.plugin.devices import Resource, base_id
 from gpu_agent.toolkit.cdi import KIND as CDI_KIND
 
@@ -23,6 +24,7 @@ class ContainerAllocation:
     envs: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
     cdi_devices: tuple[str, ...] = ()
+    mounts: tuple[tuple[str, str], ...] = ()  # (container path, host path)
 
 
 def allocate(resource: Resource, requested: Sequence[str], strategy: str,
@@ -46,11 +48,14 @@ def allocate(resource: Resource, requested: Sequence[str], strategy: str,
                                   f"{device.reason or 'see gpu-agent status'}")
     uuids = tuple(dict.fromkeys(base_id(device_id) for device_id in requested))  # replicas share their GPU
     names = tuple(f"{CDI_KIND}={uuid}" for uuid in uuids)
+    # MPS: its client environment and mounts under every list strategy, as NVIDIA's plugin adds them
+    envs = client_envs(resource.name) if resource.strategy == "mps" else {}
+    mounts = client_mounts(resource.name) if resource.strategy == "mps" else ()
     if strategy == "cdi-cri":
-        return ContainerAllocation(cdi_devices=names)
+        return ContainerAllocation(envs=envs, cdi_devices=names, mounts=mounts)
     if strategy == "cdi-annotations":
-        return ContainerAllocation(annotations={annotation_key(requested): ",".join(names)})
-    return ContainerAllocation(envs={VISIBLE_DEVICES: ",".join(uuids)})
+        return ContainerAllocation(envs=envs, annotations={annotation_key(requested): ",".join(names)}, mounts=mounts)
+    return ContainerAllocation(envs={**envs, VISIBLE_DEVICES: ",".join(uuids)}, mounts=mounts)
 
 
 def annotation_key(requested: Sequence[str]) -> str:

@@ -148,6 +148,7 @@ class DevicePluginService(api.DevicePluginBase):
                 raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
             answers.append(api.ContainerAllocateResponse(
                 envs=given.envs, annotations=given.annotations,
+                mounts=[api.Mount(container_path=inside, host_path=host) for inside, host in given.mounts],
                 cdi_devices=[api.CDIDevice(name=name) for name in given.cdi_devices]))
         await stream.send_message(api.AllocateResponse(container_responses=answers))
 

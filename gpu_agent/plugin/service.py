@@ -139,12 +139,14 @@ class DevicePluginManager:
     def compute(self) -> Advertised:
         state = self.state
         if state.nvml_error:
-            return advertised(None, state.health, mig_strategy(state.config.config), self.settings, state.nvml_error)
+            return advertised(None, state.health, mig_strategy(state.config.config), self.settings, state.nvml_error,
+                              state.mps_down)
         inventory, unavailable = self._inventory(), ""
         discovery = state.stages.get("discovery")
         if inventory is None and discovery is not None and discovery.state == "failed":
             unavailable = f"discovery failed: {discovery.message}"
-        return advertised(inventory, state.health, mig_strategy(state.config.config), self.settings, unavailable)
+        return advertised(inventory, state.health, mig_strategy(state.config.config), self.settings, unavailable,
+                          state.mps_down)
 
     def _inventory(self) -> Optional[Inventory]:
         """The GPUs to serve: discovery's, or, while discovery fails with NVML answering (one GPU fallen
@@ -154,7 +156,7 @@ class DevicePluginManager:
 
     def _service_args(self) -> dict[str, Any]:
         return {"list_strategy": lambda: self.settings.device_list_strategy,
-                "fail_greater_than_one": lambda: self.settings.sharing.time_slicing.fail_requests_greater_than_one,
+                "fail_greater_than_one": lambda: self.settings.sharing.fail_requests_greater_than_one,
                 "prefer": lambda available, must, size: preferred(available, must, size, self._inventory())}
 
     async def _register(self, endpoint: PluginEndpoint) -> None:

@@ -80,7 +80,9 @@ class OwnedFiles(Stage):
                 changes.append(RestoreFile(undo.entry.path, undo.entry.original))
         changes += [RemoveLink(u.entry.path, u.entry.target) for u in state.links if u.how == owned.REMOVE]
         changes += [RestartService(unit) for unit in state.restarts]
-        if not state.undo and not state.links:
+        if self.uninstall:
+            changes += [RemoveFile(directory) for directory in sorted(self.ledger.mps_directories())]
+        if not state.undo and not state.links and not (self.uninstall and self.ledger.mps_directories()):
             return []
         return [Action(tuple(changes), lambda: self._undo(state))]
 
@@ -106,6 +108,14 @@ class OwnedFiles(Stage):
             else:
                 if link.how == owned.CHANGED:
                     self._left.append(link.entry.path)
+        if self.uninstall:  # the MPS control daemons' directories (their daemons stop with the agent's watch)
+            from gpu_agent.mps.daemons import remove_mps_directories
+
+            try:
+                for directory in remove_mps_directories(self.root, self.ledger):
+                    log.info("%s: removed (gpu-agent no longer manages it)", directory)
+            except (OSError, AgentError) as exc:
+                self._failures.append(f"cannot remove the MPS directories: {getattr(exc, 'strerror', None) or exc}")
         for unit in state.restarts:
             try:
                 self.services.restart(unit)

@@ -1,0 +1,99 @@
+"""Talking to nvidia-cuda-mps-control: start a control daemon for one shared resource, send it one
+command on its control pipe, and tell whether it still runs.
+
+As NVIDIA documents it (docs.nvidia.com/deploy/mps, "Tools and Interface Reference"): `nvidia-cuda-mps-control
+-d` starts the daemon in the background for the GPUs in CUDA_VISIBLE_DEVICES (UUIDs, enumerated in that
+order), with its pipes in CUDA_MPS_PIPE_DIRECTORY and its logs in CUDA_MPS_LOG_DIRECTORY; it writes its pid
+to nvidia-cuda-mps-control.pid in the pipe directory; `echo CMD | nvidia-cuda-mps-control` (same
+environment) sends CMD and prints the answer.
+"""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from gpu_agent.errors import AgentError
+from gpu_agent.host.paths import Root
+from gpu_agent.mps.layout import LOG_ENV, PID_FILE, PIPE_ENV, log_dir, pipe_dir
+
+BINARY = "/usr/bin/nvidia-cuda-mps-control"
+CONTROL_TIMEOUT_S = 5.0  # one call of nvidia-cuda-mps-control, start or command
+MAX_ANSWER = 64 << 10  # what one command's answer may be; a server list of 48 pids is under 400 bytes
+
+
+@dataclass(frozen=True)
+class DaemonSpec:
+    """One control daemon: a shared resource, its GPUs and their replica count."""
+
+    resource: str
+    gpus: tuple[str, ...]  # UUIDs, in CUDA_VISIBLE_DEVICES order (by index)
+    indices: tuple[int, ...]  # their NVML indices, for /status
+    memory_mib: tuple[int, ...]  # each GPU's memory
+    replicas: int
+
+    @property
+    def thread_percentage(self) -> int:
+        """100 / replicas, as NVIDIA's mps-control-daemon computes it (integer division)."""
+        return 100 // self.replicas
+
+    def pinned_limits(self) -> list[tuple[int, str]]:
+        """(device ordinal among CUDA_VISIBLE_DEVICES, limit): each GPU's memory / replicas in MiB, written
+        `<n>M` as NVIDIA's perDevicePinnedDeviceMemoryLimits does. The ordinal, not the NVML index: the
+        daemon sees only its GPUs, renumbered from 0."""
+        return [(n, f"{memory // self.replicas}M") for n, memory in enumerate(self.memory_mib) if memory]
+
+    def env(self, root: Root) -> dict[str, str]:
+        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CUDA_VISIBLE_DEVICES": ",".join(self.gpus),
+                PIPE_ENV: str(root(pipe_dir(self.resource))), LOG_ENV: str(root(log_dir(self.resource)))}
+
+
+class MpsControl(Protocol):
+    def start(self, spec: DaemonSpec) -> None:
+        """Start the control daemon in the background; an AgentError says why it did not."""
+
+    def send(self, spec: DaemonSpec, command: str) -> str:
+        """One command on its control pipe and the answer; an AgentError when it cannot be sent or the
+        daemon does not answer in time."""
+
+    def pid(self, spec: DaemonSpec) -> Optional[int]:
+        """Its pid while it runs, else None."""
+
+
+class HostMpsControl:
+    """The real one: argv lists, a timeout on each call, answers bounded."""
+
+    def __init__(self, root: Root, timeout: float) -> None:
+        self.root = root
+        self.timeout = timeout
+
+    def start(self, spec: DaemonSpec) -> None:
+        self._run(spec, ["-d"], "")
+
+    def send(self, spec: DaemonSpec, command: str) -> str:
+        return self._run(spec, [], command + "\n")
+
+    def pid(self, spec: DaemonSpec) -> Optional[int]:
+        try:
+            text = self.root(f"{pipe_dir(spec.resource)}/{PID_FILE}").read_text(errors="replace")[:32].strip()
+        except OSError:
+            return None
+        if not text.isdigit():
+            return None
+        return int(text) if self.root(f"/proc/{text}").is_dir() else None
+
+    def _run(self, spec: DaemonSpec, args: list[str], given: str) -> str:
+        binary = str(self.root(BINARY))
+        what = " ".join(["nvidia-cuda-mps-control", *args]) + (f" <<< {given.strip()!r}" if given else "")
+        try:
+            done = subprocess.run([binary, *args], input=given.encode(), capture_output=True, env=spec.env(self.root),
+                                  timeout=self.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise AgentError(f"{what} for {spec.resource}: no answer within {self.timeout:g} s") from None
+        except OSError as exc:
+            raise AgentError(f"{what} for {spec.resource}: cannot run {BINARY}: {exc.strerror or exc}") from None
+        answer = done.stdout[:MAX_ANSWER].decode(errors="replace")
+        if done.returncode != 0:
+            said = (done.stderr[:500].decode(errors="replace") or answer[:500]).strip()
+            raise AgentError(f"{what} for {spec.resource} failed (exit {done.returncode}){': ' + said if said else ''}")
+        return answer

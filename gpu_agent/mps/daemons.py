@@ -1,0 +1,239 @@
+"""The MPS control daemons, one per resource shared by `plugin.sharing.mps`, run and watched by the agent.
+
+For each such resource it makes /run/nvidia/mps/<resource>/{pipe,log} (recorded in the ledger first),
+starts `nvidia-cuda-mps-control -d` for exactly that resource's GPUs, sets the default active thread
+percentage (100 / replicas) and each GPU's pinned memory limit (its memory / replicas) as NVIDIA's
+mps-control-daemon does, and checks that it answers (get_server_list). It looks at each daemon every
+POLL_S: one that died (or stops answering) is down, its devices Unhealthy in the plugin, and it is started
+again after a backoff (1 s, doubling to 30 s), the restarts counted. A resource the config no longer
+shares gets `quit` and its directories removed. A daemon left running by a previous agent process is
+adopted (its pid file in the pipe directory), so an agent restart does not cut off the clients.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from gpu_agent.config.plugin import mig_strategy, plugin_wanted
+from gpu_agent.errors import AgentError
+from gpu_agent.host.ledger import Ledger
+from gpu_agent.host.paths import Root
+from gpu_agent.mps.control import DaemonSpec, MpsControl
+from gpu_agent.mps.layout import MPS_ROOT, log_dir, pipe_dir, resource_dir
+from gpu_agent.plugin.devices import advertised
+from gpu_agent.state import AgentState
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often a daemon's pid is looked at: a dead one is seen within a second
+PROBE_S = 10.0  # how often a running daemon must answer get_server_list
+BACKOFF_S = (1.0, 30.0)
+
+
+@dataclass
+class Running:
+    spec: DaemonSpec
+    pid: Optional[int] = None
+    started_at: Optional[float] = None
+    restarts: int = 0
+    failures: int = 0  # in a row: the backoff's exponent
+    error: Optional[str] = None  # why it is down
+    next_try: float = 0.0
+    probed_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        spec = self.spec
+        return {"resource": spec.resource, "gpus": list(spec.indices), "uuids": list(spec.gpus),
+                "replicas": spec.replicas, "pid": self.pid, "up": self.error is None and self.pid is not None,
+                "started_at": self.started_at, "active_thread_percentage": spec.thread_percentage,
+                "pinned_memory_limits": {str(spec.indices[n]): limit for n, limit in spec.pinned_limits()},
+                "pipe_directory": pipe_dir(spec.resource), "restarts": self.restarts, "error": self.error}
+
+
+def wanted_daemons(root: Root, state: AgentState) -> tuple[dict[str, DaemonSpec], dict[str, str]]:
+    """By resource, the daemons the config and the GPUs ask for; and the MPS resources withheld, with why."""
+    settings = state.config.config.plugin
+    if settings.sharing.strategy != "mps" or not plugin_wanted(root, settings):
+        return {}, {}
+    inventory = state.inventory or state.last_inventory
+    found = advertised(inventory, {}, mig_strategy(state.config.config), settings)
+    specs: dict[str, DaemonSpec] = {}
+    gpus = {gpu.uuid: gpu for gpu in inventory.gpus} if inventory else {}
+    for name, resource in found.resources.items():
+        if resource.strategy != "mps":
+            continue
+        order = sorted({device.gpu_uuid: device.gpu_index for device in resource.devices}.items(), key=lambda i: i[1])
+        specs[name] = DaemonSpec(name, tuple(uuid for uuid, _ in order), tuple(index for _, index in order),
+                                 tuple(gpus[uuid].memory_mib for uuid, _ in order), resource.replicas)
+    return specs, dict(found.withheld)
+
+
+class MpsManager:
+    def __init__(self, root: Root, state: AgentState, control: MpsControl, changed: Callable[[], None]) -> None:
+        self.root = root
+        self.state = state
+        self.control = control
+        self.changed = changed  # the daemon publishes: the plugin sees a daemon go down or come back
+        self.ledger = Ledger(root)
+        self.daemons: dict[str, Running] = {}
+        self._wake: Optional[asyncio.Event] = None
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def run(self) -> None:
+        self._wake = wake = asyncio.Event()
+        while True:
+            wake.clear()
+            try:
+                await self.sync()
+            except Exception:  # a bug: log it, keep watching
+                log.exception("MPS control daemon watch failed; this is a gpu-agent bug")
+            if self.daemons:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), POLL_S)
+            else:
+                await wake.wait()
+
+    async def sync(self) -> None:
+        wanted, withheld = await asyncio.to_thread(wanted_daemons, self.root, self.state)
+        for name in [name for name, running in self.daemons.items() if wanted.get(name) != running.spec]:
+            await asyncio.to_thread(self._stop, self.daemons.pop(name))
+        for name, spec in wanted.items():
+            running = self.daemons.setdefault(name, Running(spec))
+            await asyncio.to_thread(self._keep, running)
+        if not wanted:
+            await asyncio.to_thread(self._remove_left_over)
+        self._publish(withheld)
+
+    def _keep(self, running: Running) -> None:
+        """Start it if it is not running and its backoff has passed; see whether a running one still runs."""
+        now = time.monotonic()
+        spec = running.spec
+        if running.pid is None and running.error is None:  # first look: a daemon from before may run
+            running.pid = self.control.pid(spec)
+            if running.pid is not None:
+                log.info("MPS control daemon for %s (pid %d) already runs; adopted", spec.resource, running.pid)
+                running.started_at = time.time()
+                return
+        if running.error is None and running.pid is not None:
+            pid = self.control.pid(spec)
+            problem = None if pid is not None else "its control daemon exited"
+            if problem is None and now - running.probed_at >= PROBE_S:
+                problem = self._probe(spec)
+                running.probed_at = now
+            if problem is None:
+                running.pid = pid
+                return
+            log.warning("MPS control daemon for %s is down: %s; starting it again", spec.resource, problem)
+            running.error, running.pid, running.next_try = problem, None, now + BACKOFF_S[0]
+            running.failures = 1
+            return
+        if now < running.next_try:
+            return
+        restarting = running.error is not None
+        try:
+            running.pid = self._start(spec)
+        except AgentError as exc:
+            running.error = str(exc)
+            running.failures += 1
+            running.next_try = now + min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (running.failures - 1))
+            log.warning("MPS control daemon for %s: %s; trying again in %.0f s", spec.resource, exc,
+                        running.next_try - now)
+            return
+        if restarting:
+            running.restarts += 1
+        running.error, running.failures, running.started_at, running.probed_at = None, 0, time.time(), now
+        log.info("MPS control daemon for %s started (pid %s): GPUs %s, %d%% of threads and %s per client",
+                 spec.resource, running.pid, ",".join(map(str, spec.indices)), spec.thread_percentage,
+                 "/".join(limit for _, limit in spec.pinned_limits()) or "no memory limit")
+
+    def _start(self, spec: DaemonSpec) -> Optional[int]:
+        self.root(MPS_ROOT).parent.mkdir(parents=True, exist_ok=True)
+        for directory in (*_ancestors(resource_dir(spec.resource)), pipe_dir(spec.resource), log_dir(spec.resource)):
+            path = self.root(directory)
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                raise AgentError(f"{directory}: not a directory (the MPS pipe and log directories go there); "
+                                 "remove it")
+            if not path.exists():
+                self.ledger.own_mps_directory(directory, spec.resource)
+                path.mkdir(mode=0o755)
+        if self.control.pid(spec) is None:
+            self.control.start(spec)
+        for ordinal, limit in spec.pinned_limits():
+            self.control.send(spec, f"set_default_device_pinned_mem_limit {ordinal} {limit}")
+        self.control.send(spec, f"set_default_active_thread_percentage {spec.thread_percentage}")
+        problem = self._probe(spec)
+        if problem is not None:
+            raise AgentError(problem)
+        return self.control.pid(spec)
+
+    def _probe(self, spec: DaemonSpec) -> Optional[str]:
+        try:
+            self.control.send(spec, "get_server_list")
+        except AgentError as exc:
+            return str(exc)
+        return None
+
+    def _stop(self, running: Running) -> None:
+        spec = running.spec
+        if self.control.pid(spec) is not None:
+            try:
+                self.control.send(spec, "quit")
+            except AgentError as exc:
+                log.warning("MPS control daemon for %s: %s", spec.resource, exc)
+        log.info("MPS control daemon for %s stopped: the config no longer shares it by MPS", spec.resource)
+        self._remove_directories(spec.resource)
+
+    def _remove_left_over(self) -> None:
+        for resource in sorted(set(self.ledger.mps_directories().values())):
+            self._remove_directories(resource)
+
+    def _remove_directories(self, resource: str) -> None:
+        remove_mps_directories(self.root, self.ledger, resource)
+
+    def stop_all(self) -> None:
+        for name in list(self.daemons):
+            self._stop(self.daemons.pop(name))
+
+    def _publish(self, withheld: dict[str, str]) -> None:
+        daemons = [running.to_json() for _, running in sorted(self.daemons.items())]
+        down = {name: f"its MPS control daemon is down: {running.error}" for name, running in self.daemons.items()
+                if running.error is not None or running.pid is None}
+        section = {"daemons": daemons, "withheld": withheld} if daemons or withheld else None
+        if self.state.publish_mps(section, down):
+            self.changed()
+
+
+def _ancestors(directory: str) -> list[str]:
+    """MPS_ROOT, then each directory down to `directory`: /run/nvidia/mps, .../nvidia.com, .../nvidia.com/gpu."""
+    parts = directory[len(MPS_ROOT):].strip("/").split("/")
+    return [MPS_ROOT] + [f"{MPS_ROOT}/{'/'.join(parts[:n])}" for n in range(1, len(parts) + 1)]
+
+
+def remove_mps_directories(root: Root, ledger: Ledger, resource: Optional[str] = None) -> list[str]:
+    """Remove the MPS directories the ledger holds (of `resource`, or all), deepest first: a resource's
+    own directory with what the daemon left in it, a shared parent (/run/nvidia/mps) once it is empty.
+    Returns those removed."""
+    removed = []
+    for directory, owner in sorted(ledger.mps_directories().items(), key=lambda item: -len(item[0])):
+        if resource is not None and owner != resource and not resource_dir(resource).startswith(directory + "/"):
+            continue
+        path = root(directory)
+        if directory == resource_dir(owner) or directory.startswith(resource_dir(owner) + "/"):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+        elif path.is_dir() and not path.is_symlink():
+            try:
+                path.rmdir()
+            except OSError:
+                continue  # another resource's directories are still in it
+        ledger.disown_mps_directory(directory)
+        removed.append(directory)
+    return removed

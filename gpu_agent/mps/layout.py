@@ -1,0 +1,39 @@
+"""Where the MPS pieces live: on the host, each shared resource's pipe and log directories under
+/run/nvidia/mps/<resource>/ (NVIDIA's --mps-root default and its Root.PipeDir/LogDir layout); in a
+client container, the pipe directory under /mps/ and the host's /dev/shm, which MPS clients and their
+server share (the control daemon runs on the host here, so its server's shared memory is the host's)."""
+from __future__ import annotations
+
+MPS_ROOT = "/run/nvidia/mps"
+CONTAINER_ROOT = "/mps"  # NVIDIA's mps.ContainerRoot
+SHM_DIR = "/dev/shm"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+PID_FILE = "nvidia-cuda-mps-control.pid"  # the control daemon writes it in its pipe directory
+
+
+def resource_dir(resource: str) -> str:
+    """/run/nvidia/mps/nvidia.com/gpu: one per shared resource."""
+    return f"{MPS_ROOT}/{resource}"
+
+
+def pipe_dir(resource: str) -> str:
+    return f"{resource_dir(resource)}/pipe"
+
+
+def log_dir(resource: str) -> str:
+    return f"{resource_dir(resource)}/log"
+
+
+def container_pipe_dir(resource: str) -> str:
+    return f"{CONTAINER_ROOT}/{resource}/pipe"
+
+
+def client_envs(resource: str) -> dict[str, str]:
+    """What an MPS client in a container reads, as NVIDIA's plugin sets it."""
+    return {PIPE_ENV: container_pipe_dir(resource)}
+
+
+def client_mounts(resource: str) -> tuple[tuple[str, str], ...]:
+    """(container path, host path): the pipe directory, and /dev/shm."""
+    return (container_pipe_dir(resource), pipe_dir(resource)), (SHM_DIR, SHM_DIR)

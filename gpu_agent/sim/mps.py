@@ -1,0 +1,87 @@
+"""The simulated nvidia-cuda-mps-control: control daemons kept in the simulated machine, so that a CLI
+call (`gpu-agent sim fail mps`) and a running agent see the same ones, and tests read back what the
+agent set. It answers on its control pipe from ANSWERS below, which holds what NVIDIA's documentation
+says the real one prints; the capture of a real daemon (issue 25, point 6) is to be compared with it.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Optional
+
+from gpu_agent.errors import AgentError
+from gpu_agent.mps.control import DaemonSpec
+
+# command -> the answer's template; {servers}: the server pids, one a line (none until a client connects).
+# Source: docs.nvidia.com/deploy/mps ("Tools and Interface Reference", "MPS v2 Interface"); not yet checked
+# against a real daemon.
+ANSWERS = {
+    "get_server_list": "{servers}",
+    "get_default_active_thread_percentage": "{thread_percentage}",
+    "set_default_active_thread_percentage": "{thread_percentage}",
+    "set_default_device_pinned_mem_limit": "",
+    "quit": "",
+}
+FAULTS = ("die", "hang")
+_PIDS = itertools.count(40000)
+
+
+class SimMpsControl:
+    def __init__(self, machine: Any, timeout: float) -> None:
+        self.machine = machine
+        self.timeout = timeout
+
+    def start(self, spec: DaemonSpec) -> None:
+        with self.machine.edit() as state:
+            daemons = state.setdefault("mps", {})
+            if daemons.get(spec.resource, {}).get("alive"):
+                raise AgentError(f"nvidia-cuda-mps-control -d for {spec.resource} failed (exit 1): An instance of "
+                                 "this daemon is already running")
+            daemons[spec.resource] = {"pid": next(_PIDS) + len(daemons), "alive": True, "started": time.time(),
+                                      "visible_devices": ",".join(spec.gpus), "thread_percentage": 100.0,
+                                      "pinned_mem_limits": {}, "servers": []}
+
+    def send(self, spec: DaemonSpec, command: str) -> str:
+        words = command.split()
+        with self.machine.edit() as state:
+            daemon = state.get("mps", {}).get(spec.resource)
+            hung = any(fault.get("call") == "mps" and fault.get("error") == "hang" for fault in state["faults"])
+            if daemon is None or not daemon["alive"]:
+                raise AgentError(f"nvidia-cuda-mps-control <<< {command!r} for {spec.resource} failed (exit 1): "
+                                 "Cannot find MPS control daemon process")
+            if not hung:
+                answer = self._apply(daemon, words)
+        if hung:
+            time.sleep(self.timeout)
+            raise AgentError(f"nvidia-cuda-mps-control <<< {command!r} for {spec.resource}: no answer within "
+                             f"{self.timeout:g} s")
+        return answer
+
+    def pid(self, spec: DaemonSpec) -> Optional[int]:
+        daemon = self.machine.read().get("mps", {}).get(spec.resource)
+        return daemon["pid"] if daemon and daemon["alive"] else None
+
+    @staticmethod
+    def _apply(daemon: dict[str, Any], words: list[str]) -> str:
+        name, args = (words[0], words[1:]) if words else ("", [])
+        if name not in ANSWERS:
+            return f"Unknown command: {name}\n"  # and exit 0, as an interactive shell would go on
+        if name == "set_default_active_thread_percentage" and args:
+            daemon["thread_percentage"] = float(args[0])
+        elif name == "set_default_device_pinned_mem_limit" and len(args) == 2:
+            daemon["pinned_mem_limits"][args[0]] = args[1]
+        elif name == "quit":
+            daemon["alive"] = False
+        return ANSWERS[name].format(servers="\n".join(map(str, daemon["servers"])),
+                                    thread_percentage=f"{daemon['thread_percentage']:.1f}") + "\n"
+
+
+def kill(machine: Any, resource: Optional[str] = None) -> list[str]:
+    """The daemons (of `resource`, or all) die as a killed process does: their pid gone, their pipes left."""
+    killed = []
+    with machine.edit() as state:
+        for name, daemon in state.get("mps", {}).items():
+            if daemon["alive"] and resource in (None, name):
+                daemon["alive"] = False
+                killed.append(name)
+    return killed
