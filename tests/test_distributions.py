@@ -232,3 +232,24 @@ def test_a_broken_rendered_config_is_named_with_its_line(node: Path) -> None:
     k3s(node, K3S_V3.replace('sandbox = "rancher/mirrored-pause:3.6"', "sandbox = "))
     toolkit = SimNode(node, "t4").apply().stage("toolkit")
     assert toolkit.state == "failed" and toolkit.message.startswith(f"/{K3S}/config.toml:17:")
+
+
+def test_the_kubelets_kubeconfig_and_device_plugin_directory_are_found_where_each_puts_them(root: Path) -> None:
+    from gpu_agent.config.plugin import device_plugin_dir
+    from gpu_agent.host.paths import Root
+    from gpu_agent.toolkit.distributions import kubeconfig
+
+    sandbox = Root(root)
+    assert kubeconfig(sandbox, "/etc/kubernetes/kubelet.conf") == "/etc/kubernetes/kubelet.conf"  # none found
+    put(root, "var/snap/microk8s/current/credentials/kubelet.config", "apiVersion: v1\n")
+    microk8s = "/var/snap/microk8s/current/credentials/kubelet.config"
+    assert kubeconfig(sandbox, "/etc/kubernetes/kubelet.conf") == microk8s
+    put(root, "var/lib/rancher/rke2/agent/kubelet.kubeconfig", "apiVersion: v1\n")
+    assert kubeconfig(sandbox, "/etc/kubernetes/kubelet.conf") == "/var/lib/rancher/rke2/agent/kubelet.kubeconfig"
+    assert kubeconfig(sandbox, "/srv/kubelet.conf") == "/srv/kubelet.conf"  # set by hand: as set
+    put(root, "etc/kubernetes/kubelet.conf", "apiVersion: v1\n")
+    assert kubeconfig(sandbox, "/etc/kubernetes/kubelet.conf") == "/etc/kubernetes/kubelet.conf"
+
+    assert device_plugin_dir(sandbox) == "/var/lib/kubelet/device-plugins"
+    (root / "var/snap/microk8s/common/var/lib/kubelet/device-plugins").mkdir(parents=True)
+    assert device_plugin_dir(sandbox) == "/var/snap/microk8s/common/var/lib/kubelet/device-plugins"

@@ -38,6 +38,8 @@ from typing import Any, Optional
 
 import tomlkit
 
+from gpu_agent.config.kubernetes import KubernetesConfig
+from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, MICROK8S_DEVICE_PLUGIN_DIR
 from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host.paths import Root
 from gpu_agent.printable import printable
@@ -86,7 +88,7 @@ def _rancher(name: str, units: tuple[str, str]) -> Distribution:
                  "/lib/systemd/system")
     return Distribution(name, directory, tuple((unit, tuple(f"{d}/{unit}" for d in unit_dirs)) for unit in units),
                         "/run/k3s/containerd/containerd.sock", f"/var/lib/rancher/{name}/agent/kubelet.kubeconfig",
-                        "/var/lib/kubelet/device-plugins", f"{directory}/config.toml")
+                        DEVICE_PLUGIN_DIR, f"{directory}/config.toml")
 
 
 MICROK8S_ARGS = "/var/snap/microk8s/current/args"
@@ -98,10 +100,18 @@ DISTRIBUTIONS = {
         "microk8s", MICROK8S_ARGS,
         ((MICROK8S_UNIT, (f"/etc/systemd/system/{MICROK8S_UNIT}",)),),
         "/var/snap/microk8s/common/run/containerd.sock", "/var/snap/microk8s/current/credentials/kubelet.config",
-        "/var/snap/microk8s/common/var/lib/kubelet/device-plugins", f"{MICROK8S_ARGS}/containerd-template.toml"),
+        MICROK8S_DEVICE_PLUGIN_DIR, f"{MICROK8S_ARGS}/containerd-template.toml"),
 }
 # Every file the agent may write for them (host.owned.OWNABLE holds the same).
 WRITTEN = tuple(path.replace("*.toml", DROP_IN_NAME) for d in DISTRIBUTIONS.values() for path in d.reads)
+
+
+def kubeconfig(root: Root, configured: str) -> str:
+    """The kubelet's credentials: `configured` where it exists or is not the default; else the kubeconfig
+    of the first distribution whose kubelet has one here; else `configured`."""
+    if configured != KubernetesConfig().kubeconfig or root(configured).exists():
+        return configured
+    return next((d.kubeconfig for d in DISTRIBUTIONS.values() if root(d.kubeconfig).is_file()), configured)
 
 
 def unit(root: Root, distribution: Distribution, services: ServiceControl) -> str:
