@@ -147,6 +147,7 @@ def test_k3s_gets_its_base_template_importing_the_drop_in_and_uninstall_restores
         "nvidia": {"runtime_type": "io.containerd.runc.v2",
                    "options": {"SystemdCgroup": True, "BinaryName": BINARY}}}}}}}  # CDI: on in containerd 2.x
     assert (node / K3S / "config.toml").read_text() == K3S_V3  # k3s's own output: never written
+    assert (node / "var/run/cdi/nvidia.yaml").is_file()  # k3s is a runtime: the spec its CDI devices name
     assert restarts(node, "k3s-agent.service") == 1 and "nvidia runtime configured for k3s" in \
         done.stage("toolkit").message
 
