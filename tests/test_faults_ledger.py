@@ -67,12 +67,12 @@ def uninstall(sim: SimNode, tmp_path: Path) -> str:
 def test_every_stage_writes_only_what_the_ledger_may_undo(tmp_path: Path) -> None:
     from gpu_agent.config.toolkit import CdiConfig
     from gpu_agent.stages import driver, labels, toolkit
-    from gpu_agent.toolkit import containerd, crio, docker, runtime_config
+    from gpu_agent.toolkit import containerd, crio, distributions, docker, runtime_config
 
     root = Root(tmp_path)
     paths = [driver.BLACKLIST_NOUVEAU, "/etc/modprobe.d/gpu-agent-nvidia.conf", containerd.ROOT_CONFIG,
              containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH, runtime_config.RECORD,
-             toolkit.OCI_HOOK, CdiConfig().path, "/etc/cdi/nvidia.yaml", labels.NFD_FILE]
+             toolkit.OCI_HOOK, CdiConfig().path, "/etc/cdi/nvidia.yaml", labels.NFD_FILE, *distributions.WRITTEN]
     assert {path: owned.refusal(root, path) for path in paths} == {path: None for path in paths}
     for foreign in ("/etc/passwd", "/etc/modprobe.d/evil.conf", "/etc/cdi/sub/x.yaml", "/var/lib/gpu-agent/ledger.json",
                     "/etc/containerd/conf.d/00-other.toml", "/root/.ssh/authorized_keys"):

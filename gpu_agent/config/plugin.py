@@ -179,12 +179,20 @@ class PluginConfig(Section):
             "devices. 1 takes the GPU out of sharing.", max_length=1024)
 
 
-DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"  # kubeadm's, k3s's and RKE2's kubelet
+MICROK8S_DEVICE_PLUGIN_DIR = "/var/snap/microk8s/common/var/lib/kubelet/device-plugins"  # its --root-dir
+
+
+def device_plugin_dir(root: Root) -> str:
+    """The kubelet's device-plugins directory on this node: the usual one, else microk8s's where only it is."""
+    if not root(DEVICE_PLUGIN_DIR).is_dir() and root(MICROK8S_DEVICE_PLUGIN_DIR).is_dir():
+        return MICROK8S_DEVICE_PLUGIN_DIR
+    return DEVICE_PLUGIN_DIR
 
 
 def plugin_wanted(root: Root, settings: PluginConfig) -> bool:
     """On when asked for, or (auto) when the kubelet's device-plugins directory exists under --root."""
-    return settings.enabled is True or (settings.enabled == "auto" and root(DEVICE_PLUGIN_DIR).is_dir())
+    return settings.enabled is True or (settings.enabled == "auto" and root(device_plugin_dir(root)).is_dir())
 
 
 def mig_strategy(config: AgentConfig) -> str:

@@ -10,7 +10,7 @@ from gpu_agent.config.section import (PATH_MAX, AbsolutePath, Bounds, Check, Sec
                                      setting)
 from gpu_agent.config.text import shown
 
-Runtime = Literal["containerd", "docker", "crio"]
+Runtime = Literal["containerd", "docker", "crio", "k3s", "rke2", "microk8s"]
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _TOML_INT = range(-(1 << 63), 1 << 63)
 

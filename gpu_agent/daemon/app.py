@@ -39,6 +39,7 @@ from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.driver_features import DriverFeatures
 from gpu_agent.stages.owned_files import OwnedFiles
 from gpu_agent.stages.toolkit import Toolkit
+from gpu_agent.toolkit import distributions
 from gpu_agent.toolkit.packages import PackageInstaller, SystemPackages
 from gpu_agent.toolkit.services import ServiceControl, Systemd
 from gpu_agent.state import AgentState
@@ -137,7 +138,8 @@ class Runtime:
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
         sink = None
-        kube = config.kubernetes
+        kube = dataclasses.replace(config.kubernetes,
+                                   kubeconfig=distributions.kubeconfig(self.root, config.kubernetes.kubeconfig))
         api = kube.enabled is True or (kube.enabled == "auto" and resolve(self.root, kube.kubeconfig) is not None)
         if api or kube.nfd_feature_file:  # the NFD feature file is local: written with the API off too
             from gpu_agent.stages.labels import KubeSink

@@ -45,6 +45,10 @@ OWNABLE = (
     "/etc/containerd/config.toml", "/etc/containerd/conf.d/99-nvidia.toml",  # toolkit: containerd
     "/etc/docker/daemon.json",  # docker
     "/etc/crio/crio.conf.d/99-nvidia.conf",  # CRI-O
+    *(f"/var/lib/rancher/{name}/agent/etc/containerd/{file}" for name in ("k3s", "rke2")  # k3s, RKE2
+      for file in ("config-v3.toml.tmpl", "config.toml.tmpl", "config-v3.toml.d/99-nvidia.toml",
+                   "config.toml.d/99-nvidia.toml")),
+    "/var/snap/microk8s/current/args/containerd-template.toml",  # microk8s
     "/etc/nvidia-container-runtime/config.toml", "/var/lib/gpu-agent/runtime-config-keys.json",  # the toolkit's
     "/usr/share/containers/oci/hooks.d/oci-nvidia-hook.json",  # the OCI hook
     *(f"{directory}/*.{kind}" for directory in ("/etc/cdi", "/var/run/cdi", "/run/cdi") for kind in ("yaml", "json")),

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any, Optional
 
-from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, PluginConfig, mig_strategy, plugin_wanted
+from gpu_agent.config.plugin import PluginConfig, device_plugin_dir, mig_strategy, plugin_wanted
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Inventory
@@ -35,7 +35,8 @@ class DevicePluginManager:
     def __init__(self, root: Root, state: AgentState) -> None:
         self.root = root
         self.state = state
-        self.directory = root(DEVICE_PLUGIN_DIR)
+        self.host_directory = device_plugin_dir(root)
+        self.directory = root(self.host_directory)
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.registered: dict[str, float] = {}  # resource: when the kubelet accepted it
         self.errors: dict[str, str] = {}  # resource: the last registration or serving error
@@ -92,12 +93,12 @@ class DevicePluginManager:
         if not plugin_wanted(self.root, self.settings):
             await self.stop_all()
             self._publish(None, "off: plugin.enabled is false" if self.settings.enabled is False else
-                          f"off: {DEVICE_PLUGIN_DIR} does not exist (no kubelet on this node)")
+                          f"off: {self.host_directory} does not exist (no kubelet on this node)")
             return
         if not self.directory.is_dir():
             await self.stop_all()
             missing = "is not a directory" if self.directory.exists() else "does not exist"
-            self._publish(None, f"waiting for the kubelet: {DEVICE_PLUGIN_DIR} {missing}")
+            self._publish(None, f"waiting for the kubelet: {self.host_directory} {missing}")
             return
         wanted = self.compute()
         for name in [name for name in self.endpoints if name not in wanted.resources]:
@@ -121,13 +122,13 @@ class DevicePluginManager:
                     self.registered.pop(name, None)
                 await endpoint.feed.update(resource)
             except OSError as exc:
-                where = f"{DEVICE_PLUGIN_DIR}/{resource.socket_name}"
+                where = f"{self.host_directory}/{resource.socket_name}"
                 reason = ("a directory is where its socket goes; remove it" if exc.errno == errno.EISDIR
                           else exc.strerror or str(exc))
                 self._fail(name, f"cannot serve {name} on {where}: {reason}")
                 continue
             if kubelet is None:
-                self.errors[name] = f"waiting for the kubelet: no {DEVICE_PLUGIN_DIR}/{KUBELET_SOCKET}"
+                self.errors[name] = f"waiting for the kubelet: no {self.host_directory}/{KUBELET_SOCKET}"
             elif name not in self.registered and not self._registering(name):
                 # In the background: a kubelet that does not answer must not hold up the others' lists.
                 self._registrations[name] = asyncio.create_task(self._register(endpoint), name=f"register {name}")
@@ -211,7 +212,7 @@ class DevicePluginManager:
         for name, endpoint in sorted(self.endpoints.items()):
             devices = endpoint.feed.resource.devices
             resources.append({
-                "name": name, "socket": f"{DEVICE_PLUGIN_DIR}/{endpoint.path.name}",
+                "name": name, "socket": f"{self.host_directory}/{endpoint.path.name}",
                 "devices": len(devices), "healthy": sum(1 for device in devices if device.healthy),
                 "replicas": endpoint.feed.resource.replicas,
                 "registered": name in self.registered, "registered_at": self.registered.get(name),

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
+from gpu_agent.toolkit.distributions import DISTRIBUTIONS
 from gpu_agent.toolkit.services import UnitState
 
 # What each simulated runtime reads when it starts.
@@ -16,6 +17,9 @@ CONFIGS = {
     "docker.service": ("/etc/docker/daemon.json",),
     "crio.service": ("/etc/crio/crio.conf", "/etc/crio/crio.conf.d/*.conf"),
 }
+# The distributions' units: there only where their unit file is (as their installers lay it out).
+UNIT_FILES = {unit: files for distribution in DISTRIBUTIONS.values() for unit, files in distribution.units}
+CONFIGS.update({unit: distribution.reads for distribution in DISTRIBUTIONS.values() for unit, _ in distribution.units})
 RESTART_ERRORS = ("failed", "not-ready", "hangs")
 _HISTORY = 200  # restart times kept per unit
 
@@ -44,10 +48,12 @@ class SimServices:
         self.machine = machine
         self.root: Root = machine.root
         self.timeout = timeout  # how long `systemctl restart` may take before it is killed
-        if any(unit not in machine.read().get("services", {}) for unit in CONFIGS):
+        installed = [unit for unit in CONFIGS if unit not in UNIT_FILES
+                     or any(self.root(path).is_file() for path in UNIT_FILES[unit])]
+        if any(unit not in machine.read().get("services", {}) for unit in installed):
             with machine.edit() as state:
                 services = state.setdefault("services", {})
-                for unit in CONFIGS:
+                for unit in installed:
                     if unit not in services:
                         services[unit] = self._started(unit, {"restarts": 0, "restart_times": []})
 

@@ -21,7 +21,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.plan import InstallPackage, RemoveFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.errors import AgentError
-from gpu_agent.toolkit import cdi, configfile, containerd, crio, docker, runtime_config, transaction
+from gpu_agent.toolkit import cdi, configfile, containerd, crio, distributions, docker, runtime_config, transaction
 from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
@@ -46,6 +46,9 @@ RUNTIMES = {
                               (containerd.ROOT_CONFIG, "/usr/bin/containerd", "/usr/local/bin/containerd")),
     "docker": RuntimeKind("docker.service", "/run/docker.sock", (docker.DAEMON_JSON, "/usr/bin/dockerd")),
     "crio": RuntimeKind("crio.service", "/var/run/crio/crio.sock", (crio.MAIN, crio.DROP_IN_DIR, "/usr/bin/crio")),
+    # The distributions that embed containerd: found by the config they render (or template) at start;
+    # their unit is the one the node runs (k3s or k3s-agent...), chosen when observed.
+    **{name: RuntimeKind(d.units[0][0], d.socket, (d.rendered,)) for name, d in distributions.DISTRIBUTIONS.items()},
 }
 
 
@@ -103,11 +106,16 @@ class Toolkit(Stage):
         kind = RUNTIMES[name]
         change = RuntimeChange(name, kind.unit, kind.socket, [], restart_owed=kind.unit in owed)
         builders: dict[str, Callable[[], list[FileChange]]] = {
-            "containerd": self._containerd, "docker": self._docker, "crio": self._crio}
+            "containerd": self._containerd, "docker": self._docker, "crio": self._crio,
+            **{other: functools.partial(self._distribution, other) for other in distributions.DISTRIBUTIONS}}
         try:
-            change.unit_state = self.services.state(kind.unit)
+            if name in distributions.DISTRIBUTIONS:
+                change.unit = distributions.unit(self.root, distributions.DISTRIBUTIONS[name], self.services)
+                change.restart_owed = change.unit in owed
+            assert change.unit is not None
+            change.unit_state = self.services.state(change.unit)
             if change.restart_owed and change.unit_state is not None and change.unit_state.running:
-                change.answer = self.services.wait_ready(kind.unit, kind.socket, PROBE_SECONDS)
+                change.answer = self.services.wait_ready(change.unit, kind.socket, PROBE_SECONDS)
             change.files = builders[name]()
         except AgentError as exc:
             errors[name] = str(exc)
@@ -117,7 +125,7 @@ class Toolkit(Stage):
         """Host paths of the temp files atomic_write left, when a crash interrupted it, beside the files
         the stage writes (`targets`: where their symlinks lead) and in the backups directory."""
         managed = [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
-                   runtime_config.RECORD, OCI_HOOK, ledger_file.PATH]
+                   runtime_config.RECORD, OCI_HOOK, ledger_file.PATH, *distributions.WRITTEN]
         by_directory: dict[str, list[str]] = {BACKUP_DIR: [], owned.ORIGINALS: []}
         for path in dict.fromkeys(managed + targets):
             by_directory.setdefault(posixpath.dirname(path), []).append(posixpath.basename(path))
@@ -185,6 +193,10 @@ class Toolkit(Stage):
         wanted = docker.desired(current.text, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default,
                                 current.shown)
         return [FileChange(current.target, current.text, wanted, foreign=True)]
+
+    def _distribution(self, name: str) -> list[FileChange]:
+        return distributions.plan(self.root, distributions.DISTRIBUTIONS[name], self.settings.runtime_binary,
+                                  self._cdi(), self.settings.set_as_default)
 
     def _crio(self) -> list[FileChange]:
         wanted = crio.desired(self.root, self.settings.runtime_binary, self.settings.set_as_default)
@@ -310,4 +322,5 @@ class Toolkit(Stage):
 
     def watched(self) -> list[str]:
         """Files someone else may rewrite: a change is reconciled within seconds."""
-        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH]
+        return [containerd.ROOT_CONFIG, containerd.DROP_IN, docker.DAEMON_JSON, crio.DROP_IN, runtime_config.PATH,
+                *(d.rendered for d in distributions.DISTRIBUTIONS.values())]

@@ -256,6 +256,9 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
     return HEADER + tomlkit.dumps(document)
 
 
+drop_in = _drop_in  # the drop-in's text, for the distributions that embed containerd (distributions.py)
+
+
 def with_import(text: str, has_imports: bool) -> str:
     """The root config with the conf.d glob added to `imports`; every other byte as it was."""
     text = without_bom(text)
