@@ -157,7 +157,9 @@ class Runtime:
                 self.units, self._unit_active, driver, node=sink if sink and sink.api else None, gate=self.plugin_gate)
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus, reload=reload))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
-            upgrade = DriverUpgrade(reload)
+            if driver.reload != "never" or (sink is not None and sink.api):
+                # Something to do: finish a reload, or tell the Node its upgrade state (the label).
+                upgrade = DriverUpgrade(reload)
         mig = config.mig
         if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
             # Before discovery: the inventory, CDI spec and labels of the same pass see the new MIG devices.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
@@ -23,6 +24,7 @@ from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
 from gpu_agent.stages.driver_reload import CORDON_REQUIRED, DRAIN, POD_DELETION, POD_RESTART, WAIT_FOR_JOBS, Reload
 
+_VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
 RELOADING = (CORDON_REQUIRED, WAIT_FOR_JOBS, POD_DELETION, DRAIN, POD_RESTART)
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
@@ -63,7 +65,7 @@ class DriverState:
     def mismatch(self) -> Optional[str]:
         """`loaded X, installed Y` when the installed driver is not the loaded one."""
         target = self.installed.version if self.installed else None
-        if self.module_version and target and target != self.module_version:
+        if self.module_version and _VERSION.fullmatch(self.module_version) and target and target != self.module_version:
             return f"loaded {self.module_version}, installed {target}"
         return None
 
