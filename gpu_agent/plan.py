@@ -232,3 +232,16 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "__dataclass_fields__"):
         return asdict(value)
     return value
+
+
+@dataclass(frozen=True)
+class DriverReloadStep(Change):
+    """One step of a driver reload (stages/driver_reload.py): `step` is the GPU Operator's upgrade state
+    the node is in while it is taken, `action` what the agent does in it."""
+
+    kind: ClassVar[str] = "DriverReloadStep"
+    step: str
+    action: str
+
+    def describe(self) -> str:
+        return f"driver reload [{self.step}]: {self.action}"

@@ -84,6 +84,8 @@ class AgentState:
     runtimes: Optional[tuple[str, ...]] = None  # container runtimes found, as the toolkit stage last saw them
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
     mellanox_nics: Optional[int] = None  # Mellanox NICs on the PCI bus, as the driver stage last saw them
+    driver_mismatch: Optional[str] = None  # "loaded X, installed Y" (driver stage)
+    driver_upgrade: Optional[str] = None  # the GPU Operator's upgrade state of this node (driver-upgrade stage)
     mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU or MIG device UUID: see device_health()
     gpu_checks: dict[str, dict[str, str]] = field(default_factory=dict)  # periodic check -> {GPU UUID: why it fails}
@@ -199,7 +201,8 @@ class AgentState:
         """A stage result as last recorded: inventory (discovery; last_inventory, the last one that was
         not None), pci_gpus and mellanox_nics (driver), mig (mig), runtimes (toolkit)."""
         outputs = {"inventory": self.inventory, "last_inventory": self.last_inventory, "pci_gpus": self.pci_gpus,
-                   "mellanox_nics": self.mellanox_nics, "mig": self.mig, "runtimes": self.runtimes}
+                   "mellanox_nics": self.mellanox_nics, "mig": self.mig, "runtimes": self.runtimes,
+                   "driver_mismatch": self.driver_mismatch, "driver_upgrade": self.driver_upgrade}
         return outputs[name]
 
     def record_runtime_restarts(self, restarts: Mapping[str, int]) -> None:
@@ -223,6 +226,10 @@ class AgentState:
             self.mig = value
         elif name == "runtimes":
             self.runtimes = value
+        elif name == "driver_mismatch":
+            self.driver_mismatch = value
+        elif name == "driver_upgrade":
+            self.driver_upgrade = value
         else:
             raise ValueError(f"no stage result called {name!r}")
 

@@ -127,8 +127,8 @@ def test_a_half_finished_upgrade_is_named(node: Callable[[str], SimNode]) -> Non
     assert sim.apply().ok
     sim.sim("fail", "modprobe", "--error", "version-mismatch")
     message = sim.check().stage("driver").message
-    assert "kernel module 550.54.15 is loaded but NVML fails: NVML library and kernel module versions differ" in message
-    assert "the NVML library on disk is 550.90.07" in message
+    assert "reload required: loaded 550.54.15, installed 550.90.07 (the GPUs cannot serve new work)" in message
+    assert "driver.reload is never" in message
 
 
 def test_a_removed_or_wrong_device_node_is_repaired(node: Callable[[str], SimNode]) -> None:

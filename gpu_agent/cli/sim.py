@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from typing import Any
 
@@ -33,18 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fail", help="make an NVML call or modprobe fail like a real driver or kernel",
         description="CALL is an NVML function (nvmlDeviceGetTemperature, ..., and every MIG call: "
                     "nvmlDeviceSetMigMode, nvmlDeviceCreateGpuInstanceWithPlacement, nvmlGpuInstanceDestroy, ...) "
-                    "or modprobe. NVML calls raise "
+                    "or modprobe or rmmod. NVML calls raise "
                     "the named NVMLError (GpuIsLost, Unknown, Timeout, ...) or hang. modprobe fails with "
                     "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
                     "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
-                    "library (a half-finished upgrade). restart makes a container runtime's restart fail "
+                    "library (a half-finished upgrade), --error display has a display hold nvidia_drm. "
+                    "rmmod fails with in-use (--module M: only that module). restart makes a container runtime's "
+                    "restart fail "
                     "(--error failed), its socket never answer (--error not-ready), or systemctl hang until its "
                     "timeout (--error hangs). install makes installing "
                     "the container toolkit fail as apt-get does without NVIDIA's repository.")
     fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, restart (a runtime's unit), or "
                                                    "mps (the MPS control daemons: --error die or hang)")
     fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
-    fail.add_argument("--module", metavar="M", help="modprobe: only for this module (default: any)")
+    fail.add_argument("--module", metavar="M", help="modprobe, rmmod: only for this module (default: any)")
     fail.add_argument("--unit", metavar="U", help="restart: only for this systemd unit (default: any)")
     fail.add_argument("--resource", metavar="R", help="mps: only this resource's daemon, e.g. nvidia.com/gpu "
                                                       "(default: every one)")
@@ -61,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "put GPUs that fell off the bus (XID 79) back")
     actions.add_parser("reload-driver", help="unload and load the nvidia module: MIG instances are gone, "
                                              "Hopper and later lose MIG mode (Ampere keeps it)")
+    install = actions.add_parser(
+        "install-driver", help="install another driver version as a package upgrade does: the libraries and the "
+                               "modules on disk change, the loaded module stays (NVML then answers "
+                               "Driver/library version mismatch)")
+    install.add_argument("version", metavar="VERSION", help="e.g. 570.124.06")
     actions.add_parser("reboot", help="reboot the node: processes end, pending MIG modes take effect, "
                                       "then the driver loads as after reload-driver")
 
@@ -72,7 +80,8 @@ def main(args: argparse.Namespace) -> int:
     if args.simulate:
         machine.ensure(args.simulate)
     handler = {"show": _show, "inject-xid": _inject_xid, "fail": _fail, "add-process": _add_process,
-               "clear": _clear, "set": _set, "reload-driver": _reload_driver, "reboot": _reboot}[args.sim_command]
+               "clear": _clear, "set": _set, "reload-driver": _reload_driver, "reboot": _reboot,
+               "install-driver": _install_driver}[args.sim_command]
     handler(machine, args)
     return EXIT_OK
 
@@ -104,7 +113,7 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
     loaded = ", ".join(m["name"] for m in state["kernel"]["loaded"]) or "nothing"
     print(f"  kernel {state['kernel']['release']}: loaded {loaded}")
     for fault in state["faults"]:
-        if fault["call"] == "modprobe":
+        if fault["call"] in ("modprobe", "rmmod"):
             scope = f"module {fault['module']}" if fault.get("module") else "any module"
         elif fault["call"] == "restart":
             scope = f"unit {fault['unit']}" if fault.get("unit") else "any unit"
@@ -166,6 +175,15 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
     if args.call == "modprobe":
         _fail_modprobe(machine, args)
         return
+    if args.call == "rmmod":
+        from gpu_agent.sim.kernel import RMMOD_ERRORS
+
+        error = args.error or "in-use"
+        if error not in RMMOD_ERRORS:
+            raise AgentError(f"--error {error}: unknown for rmmod; one of {', '.join(RMMOD_ERRORS)}")
+        _add_fault(machine, args, {"call": "rmmod", "module": args.module, "error": error})
+        print(f"rmmod {args.module or '(any module)'} will fail: in use")
+        return
     if args.call == "install":
         _add_fault(machine, args, {"call": "install", "error": "not-found"})
         print("installing packages will fail: E: Unable to locate package")
@@ -222,7 +240,8 @@ def _fail_modprobe(machine: Any, args: argparse.Namespace) -> None:
     if error in KERNEL_STATE_ERRORS:
         with machine.edit() as state:
             break_kernel(state, error)
-        print({"nouveau": "nouveau is loaded", "version-mismatch": "the nvidia modules are now older than NVML"}[error])
+        print({"nouveau": "nouveau is loaded", "version-mismatch": "the nvidia modules are now older than NVML",
+               "display": "a display holds nvidia_drm"}[error])
         return
     if error not in MODPROBE_ERRORS:
         raise AgentError(f"--error {error}: unknown for modprobe; one of "
@@ -280,6 +299,20 @@ def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
     if lost:
         print(f"GPU {', '.join(map(str, lost))} still off the bus: a driver reload does not bring a GPU back; "
               "`sim clear` (a reset) or `sim reboot` does")
+
+
+_DRIVER_VERSION = re.compile(r"[0-9]{2,4}\.[0-9]{1,4}(\.[0-9]{1,4})?")
+
+
+def _install_driver(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.kernel import loaded_version
+
+    if not _DRIVER_VERSION.fullmatch(args.version):
+        raise AgentError(f"install-driver {args.version!r}: not a driver version such as 570.124.06")
+    machine.install_driver(args.version)
+    loaded = loaded_version(machine.read(), "nvidia")
+    print(f"driver {args.version} installed (libraries, modules on disk); loaded nvidia module: "
+          f"{loaded or 'none'}")
 
 
 def _reboot(machine: Any, args: argparse.Namespace) -> None:

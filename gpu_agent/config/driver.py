@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Union
 
+from gpu_agent.config.mig import Unit
 from gpu_agent.config.section import Check, Section, seconds, setting, shown
 
 KNOWN_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_peermem", "nvidia_fs", "gdrdrv", "nvidia_drm")
@@ -51,4 +52,13 @@ class DriverConfig(Section):
                                            "turn persistence mode on when neither.")
     validate_cuda: bool = setting(False, "Create a CUDA context and allocate memory on each GPU.")
     modprobe_timeout_seconds: float = seconds(60, 3600, "How long one modprobe may take.")
+    reload: Literal["never", "when-idle"] = setting(
+        "never", "When the installed driver is not the loaded one: never (report it, the default), or when-idle: "
+        "cordon, wait until no pod or process uses a GPU, unload and load the driver, uncordon.")
+    reload_wait_seconds: float = seconds(3600, 7 * 86400, "How long a reload waits for the GPUs to be idle "
+                                         "before it fails (and is tried again with backoff).")
+    reload_units: list[Unit] = setting(
+        ["nvidia-persistenced.service", "nvidia-fabricmanager.service", "nvidia-dcgm.service", "dcgm.service"],
+        "Units that hold the driver: stopped (those running) before the unload, started after the load.",
+        max_length=32)
 

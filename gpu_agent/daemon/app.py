@@ -25,18 +25,20 @@ from gpu_agent.errors import AgentError
 from gpu_agent.health.reset import ResetHealsGpu
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.memory import give_back, limit_arenas
-from gpu_agent.host.modules import Modprobe, ModuleLoader
+from gpu_agent.host.modules import Modprobe, ModuleLoader, ModuleUnloader
 from gpu_agent.host.paths import Root, resolve
 from gpu_agent.kube import budget
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.mig.hooks import Systemctl, UnitControl
 from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
 from gpu_agent.nvml.client import Nvml
+from gpu_agent.plugin.gate import PluginGate
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.cdi import Cdi
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.driver_features import DriverFeatures
+from gpu_agent.stages.driver_reload import DriverUpgrade, Reload
 from gpu_agent.stages.owned_files import OwnedFiles
 from gpu_agent.stages.toolkit import Toolkit
 from gpu_agent.toolkit import distributions
@@ -69,6 +71,7 @@ class Runtime:
     kube_budget: RequestBudget = field(default_factory=RequestBudget)  # the node's, whichever client spends it
     gpu_reset: Optional[GpuReset] = None  # resets one GPU for a pending MIG mode
     units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
+    plugin_gate: PluginGate = field(default_factory=PluginGate)  # holds the device plugin off (driver reload)
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> Runtime:
@@ -120,6 +123,12 @@ class Runtime:
         runtime.engine.set_stages(runtime.stages(config))
         return runtime
 
+    reload: Optional[Reload] = None  # the driver reload of the stages last built (`gpu-agent driver reload`)
+
+    def _unit_active(self, unit: str) -> bool:
+        found = self.services.state(unit)
+        return found is not None and found.active in ("active", "activating", "reloading")
+
     def stages(self, config: AgentConfig) -> list[Stage]:
         """The enabled stages, in the order they run.
 
@@ -131,12 +140,6 @@ class Runtime:
         """
         stages: list[Stage] = []
         may_change_gpus = self.root.is_running_system or self.machine is not None
-        if config.driver.enabled:
-            driver = config.driver
-            if self.real_root_simulated:
-                driver = dataclasses.replace(driver, validate_cuda=False)
-            stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus))
-            stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
         sink = None
         kube = dataclasses.replace(config.kubernetes,
                                    kubeconfig=distributions.kubeconfig(self.root, config.kubernetes.kubeconfig))
@@ -146,6 +149,19 @@ class Runtime:
 
             state = self.state
             sink = KubeSink(self.root, state.readiness_of, lambda: state.config.config, kube, self.kube_budget, api=api)
+        upgrade = None
+        if config.driver.enabled:
+            driver = config.driver
+            if self.real_root_simulated:
+                driver = dataclasses.replace(driver, validate_cuda=False)
+            reload = self.reload = Reload(
+                self.root, self.nvml, self.loader, self.loader if isinstance(self.loader, ModuleUnloader) else None,
+                self.units, self._unit_active, driver, node=sink if sink and sink.api else None, gate=self.plugin_gate)
+            stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus, reload=reload))
+            stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
+            if driver.reload != "never" or (sink is not None and sink.api):
+                # Something to do: finish a reload, or tell the Node its upgrade state (the label).
+                upgrade = DriverUpgrade(reload)
         mig = config.mig
         if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
             # Before discovery: the inventory, CDI spec and labels of the same pass see the new MIG devices.
@@ -160,6 +176,8 @@ class Runtime:
             stages.append(Toolkit(self.root, self.services, self.packages, config.toolkit))
             if config.toolkit.cdi.enabled:
                 stages.append(Cdi(self.root, config.toolkit.cdi))
+        if upgrade is not None:
+            stages.append(upgrade)
         if sink is not None:
             stages.append(sink)
         # Last: what the stages above no longer claim (or a stage turned off owned) is undone. Not for
@@ -450,7 +468,13 @@ class Daemon:
         from gpu_agent.plugin.service import DevicePluginManager  # grpclib: only when on
 
         if self.plugin is None:
-            self.plugin = DevicePluginManager(self.runtime.root, self.state)
+            self.plugin = DevicePluginManager(self.runtime.root, self.state, self.runtime.plugin_gate)
+            loop = asyncio.get_running_loop()
+
+            def from_any_thread() -> None:
+                loop.call_soon_threadsafe(self.publish)
+
+            self.runtime.plugin_gate.listener = from_any_thread
         self._plugin_task = asyncio.create_task(self.plugin.run(), name="device-plugin")
         self._tasks.append(self._plugin_task)
 

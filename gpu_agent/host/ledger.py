@@ -16,6 +16,8 @@ under /var/lib/gpu-agent.
 - mig_checkpoints: by GPU UUID, the GPU's whole MIG state (mode, GPU instances with placements, compute
   instances) from before a MIG change, recorded before its first NVML change and cleared once the change
   was made or undone (gpu_agent.mig.checkpoint).
+- driver_reload: the step a driver reload has reached (gpu_agent.stages.driver_reload), recorded before
+  each step is taken, so that after a kill -9 the next agent finishes the sequence or says where it stopped.
 """
 from __future__ import annotations
 
@@ -161,6 +163,20 @@ class Ledger:
         if document["mig_checkpoints"].pop(gpu_uuid, None) is not None:
             self._write(document)
 
+    def driver_reload(self) -> Optional[dict[str, Any]]:
+        entry = self._read().get("driver_reload")
+        return dict(entry) if isinstance(entry, dict) else None
+
+    def save_driver_reload(self, entry: Optional[dict[str, Any]]) -> None:
+        """Durably, before the step it names is taken; None once the sequence is over."""
+        document = self._read()
+        if document.get("driver_reload") != entry:
+            if entry is None:
+                document.pop("driver_reload", None)
+            else:
+                document["driver_reload"] = entry
+            self._write(document)
+
     # --- the file --------------------------------------------------------------------------------
 
     def _read(self) -> dict[str, Any]:
@@ -219,6 +235,10 @@ class Ledger:
                 _mps_directory(k) and isinstance(v, str) for k, v in directories.items()):
             raise self._error(f'mps_directories: expected an object of directories under {MPS_DIRECTORY_ROOT}, such '
                               f'as {{"{MPS_DIRECTORY_ROOT}/nvidia.com/gpu": "nvidia.com/gpu"}}')
+        reload = document.get("driver_reload")
+        if reload is not None and not (isinstance(reload, dict) and isinstance(reload.get("step"), str)):
+            raise self._error('driver_reload: expected an object such as {"step": "wait-for-jobs-required", '
+                              '"target": "570.124.06", ...}')
         return document
 
     def _write(self, document: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """Kernel modules: what is loaded (/proc/modules, /sys/module) and one way to load more (modprobe)."""
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, runtime_checkable
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import proc
@@ -19,6 +19,13 @@ from gpu_agent.host.procfs import (
 class ModuleLoadError(AgentError):
     def __init__(self, module: str, output: str) -> None:
         super().__init__(f"modprobe {module} failed: {output}")
+        self.module = module
+        self.output = output
+
+
+class ModuleUnloadError(AgentError):
+    def __init__(self, module: str, output: str) -> None:
+        super().__init__(f"rmmod {module} failed: {output}")
         self.module = module
         self.output = output
 
@@ -67,6 +74,12 @@ class ModuleLoader(Protocol):
         """Load `module` with its dependencies; raise ModuleLoadError with the kernel's words."""
 
 
+@runtime_checkable
+class ModuleUnloader(Protocol):
+    def unload(self, module: str) -> None:
+        """Remove `module` alone (never its dependencies); raise ModuleUnloadError with the kernel's words."""
+
+
 class Modprobe:
     """modprobe on the running kernel; only for --root / (a different root is not the running kernel)."""
 
@@ -83,3 +96,11 @@ class Modprobe:
         done = proc.run(["modprobe", module], timeout=self.timeout)
         if done.returncode != 0:
             raise ModuleLoadError(module, done.output or f"exit status {done.returncode}")
+
+    def unload(self, module: str) -> None:
+        """rmmod: one module, so the caller decides the order and nothing else goes with it."""
+        if not self.root.is_running_system:
+            raise AgentError(f"refusing to unload {module} from the running kernel while --root is {self.root.path}")
+        done = proc.run(["rmmod", module], timeout=self.timeout)
+        if done.returncode != 0:
+            raise ModuleUnloadError(module, done.output or f"exit status {done.returncode}")

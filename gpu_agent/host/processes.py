@@ -8,6 +8,8 @@ beyond the program name (which psutil uses to complete a name the kernel cut to 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
@@ -52,3 +54,29 @@ def _name(pid: int) -> Optional[str]:
         return psutil.Process(pid).name() or None
     except (psutil.Error, OSError, ValueError, RuntimeError):  # ended, not ours, a bad pid, no boot time
         return None
+
+
+_NVIDIA_DEVICE = re.compile(r"(^|/)dev/nvidia")
+
+
+def device_users(root: Root) -> list[NamedProcess]:
+    """The processes that hold an NVIDIA device file (/dev/nvidia*) open, from /proc/PID/fd under the
+    root; this process excluded. What holds the nvidia module when NVML cannot say (a version mismatch)."""
+    found = []
+    proc = root("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with os.scandir(entry / "fd") as fds:
+                held = any(_NVIDIA_DEVICE.search(os.readlink(fd.path)) for fd in fds if fd.is_symlink())
+        except OSError:  # gone, or not ours to read
+            continue
+        if held:
+            comm = entry / "comm"
+            try:
+                name = comm.read_text(errors="replace").strip() or "?"
+            except OSError:
+                name = "?"
+            found.append(NamedProcess(int(entry.name), name))
+    return sorted(found, key=lambda p: p.pid)

@@ -128,6 +128,7 @@ class NvmlSession:
         self._call = _TimedCalls(call_timeout)
         self._init_lock = threading.Lock()
         self._initialised = False
+        self._paused: Optional[str] = None  # why NVML is let go (the driver is being reloaded)
         self._batch = threading.local()  # `handles`: the GPU handles asked for in the batch running on this thread
         self._counters_lock = threading.Lock()
         self.generation = 0
@@ -161,6 +162,8 @@ class NvmlSession:
         with self._init_lock:
             if self._initialised:
                 return
+            if self._paused is not None:
+                raise NvmlUnavailable(self._paused)
             try:
                 self.call("nvmlInit")
             except self.lib.NVMLError as exc:
@@ -173,13 +176,29 @@ class NvmlSession:
 
     def close(self) -> None:
         with self._init_lock:
-            if self._initialised:
-                try:
-                    self.call("nvmlShutdown")
-                except (self.lib.NVMLError, NvmlHung) as exc:
-                    log.debug("nvmlShutdown: %s", exc)
-                self._initialised = False
+            self._shutdown()
         self._call.close()
+
+    def _shutdown(self) -> None:
+        """nvmlShutdown when initialised; called with the init lock held."""
+        if self._initialised:
+            try:
+                self.call("nvmlShutdown")
+            except (self.lib.NVMLError, NvmlHung) as exc:
+                log.debug("nvmlShutdown: %s", exc)
+            self._initialised = False
+
+    def pause(self, reason: str) -> None:
+        """Let the driver go (nvmlShutdown: this process no longer holds the nvidia module) and refuse to
+        initialise again, with `reason`, until resume()."""
+        with self._init_lock:
+            self._paused = reason
+            self._shutdown()
+        self.gpus_changed()
+
+    def resume(self) -> None:
+        self._paused = None
+        self.gpus_changed()
 
     def forget_readings(self) -> None:
         """A pass begins, or the GPUs changed outside NVML's calls (a GPU reset): what was read is read again."""

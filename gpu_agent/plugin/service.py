@@ -19,6 +19,7 @@ from typing import Any, Optional
 from gpu_agent.config.plugin import PluginConfig, device_plugin_dir, mig_strategy, plugin_wanted
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.host.paths import Root
+from gpu_agent.plugin.gate import PluginGate
 from gpu_agent.nvml.model import Inventory
 from gpu_agent.plugin.devices import Advertised, advertised
 from gpu_agent.plugin.preferred import preferred
@@ -32,8 +33,9 @@ KUBELET_SOCKET = "kubelet.sock"
 
 
 class DevicePluginManager:
-    def __init__(self, root: Root, state: AgentState) -> None:
+    def __init__(self, root: Root, state: AgentState, gate: Optional[PluginGate] = None) -> None:
         self.root = root
+        self.gate = gate
         self.state = state
         self.host_directory = device_plugin_dir(root)
         self.directory = root(self.host_directory)
@@ -90,6 +92,14 @@ class DevicePluginManager:
     # --- one sync ----------------------------------------------------------------------------------
 
     async def sync(self) -> None:
+        held = self.gate.closed if self.gate is not None else None
+        if held is not None:
+            if self.endpoints:
+                log.info("device plugin: unregistering: %s", held)
+            await self.stop_all()
+            self.registered.clear()
+            self._publish(None, f"off: {held}")
+            return
         if not plugin_wanted(self.root, self.settings):
             await self.stop_all()
             self._publish(None, "off: plugin.enabled is false" if self.settings.enabled is False else

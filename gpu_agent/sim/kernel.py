@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
-from gpu_agent.host.modules import ModuleLoadError
+from gpu_agent.host.modules import ModuleLoadError, ModuleUnloadError
 from gpu_agent.host.paths import Root, link_text, place
 
 RELEASE = "6.1.0-18-amd64"
@@ -36,7 +36,9 @@ BASE_CHAR_DEVICES = ((1, "mem"), (4, "/dev/vc/0"), (4, "tty"), (5, "/dev/tty"), 
                      (10, "misc"), (13, "input"), (136, "pts"), (226, "drm"))
 OLD_VERSION = "550.54.15"  # what a half-finished upgrade leaves loaded
 MODPROBE_ERRORS = ("not-found", "key-rejected")
-KERNEL_STATE_ERRORS = ("nouveau", "version-mismatch")  # change the kernel's state at once
+KERNEL_STATE_ERRORS = ("nouveau", "version-mismatch", "display")  # change the kernel's state at once
+RMMOD_ERRORS = ("in-use",)
+GPU_FILE_MODULES = ("nvidia", "nvidia_uvm")  # a process using a GPU holds /dev/nvidia* (and nvidia-uvm) open
 
 
 def initial_kernel(driver_version: Optional[str], nics: bool, nouveau: bool) -> dict[str, Any]:
@@ -68,6 +70,12 @@ def break_kernel(state: dict[str, Any], how: str) -> None:
         for name in ("drm", "drm_kms_helper", "nouveau"):
             if name not in loaded_names(state):
                 kernel["loaded"].append({"name": name, "version": None, "params": {}})
+    elif how == "display":
+        # A display server (Xorg, a console on nvidia-drm.fbdev) holds nvidia_drm open.
+        kernel["display"] = True
+        for name in ("drm", "drm_kms_helper", "nvidia_modeset", "nvidia_drm"):
+            if name not in loaded_names(state):
+                kernel["loaded"].append({"name": name, "version": kernel["installed"].get(name), "params": {}})
     elif how == "version-mismatch":
         # The userspace (NVML) was upgraded; the module files on disk and in the kernel are older.
         for name in NVIDIA_MODULES:
@@ -76,6 +84,14 @@ def break_kernel(state: dict[str, Any], how: str) -> None:
         for module in kernel["loaded"]:
             if module["name"] in NVIDIA_MODULES:
                 module["version"] = OLD_VERSION
+
+
+def users(state: dict[str, Any], module: str) -> int:
+    """Open files that hold `module` (its refcount beyond the modules that depend on it): each GPU
+    process holds nvidia and nvidia_uvm, a display holds nvidia_drm."""
+    if module in GPU_FILE_MODULES:
+        return sum(len(gpu["processes"]) for gpu in state["gpus"])
+    return int(module == "nvidia_drm" and bool(state["kernel"].get("display")))
 
 
 def _modprobe_missing(state: dict[str, Any]) -> bool:
@@ -106,6 +122,41 @@ class SimModprobe:
             error = self._insert(state, module, fault["error"] if fault else None)
         if error:
             raise ModuleLoadError(module, error)
+
+    def unload(self, module: str) -> None:
+        """rmmod: refused while another module holds it, a process has the GPUs open, or a display holds
+        nvidia_drm, with rmmod's words; unloading nvidia loses what only the driver kept (MIG instances,
+        Hopper's MIG mode)."""
+        with self.machine.edit() as state:
+            fault = next((f for f in state["faults"] if f["call"] == "rmmod"
+                          and f.get("module") in (None, module) and (f.get("times") is None or f["times"] > 0)), None)
+            if fault is not None and fault.get("times") is not None:
+                fault["times"] -= 1
+                if fault["times"] <= 0:
+                    state["faults"].remove(fault)
+            error = self._remove(state, module, fault is not None)
+        if error:
+            raise ModuleUnloadError(module, error)
+
+    @staticmethod
+    def _remove(state: dict[str, Any], module: str, faulted: bool) -> Optional[str]:
+        names = loaded_names(state)
+        if module not in names:
+            return f"rmmod: ERROR: Module {module} is not currently loaded"
+        holders = [m for m in names if module in DEPENDS.get(m, ())]
+        if holders:
+            return f"rmmod: ERROR: Module {module} is in use by: {' '.join(holders)}"
+        if faulted or users(state, module):
+            return f"rmmod: ERROR: Module {module} is in use"
+        state["kernel"]["loaded"] = [m for m in state["kernel"]["loaded"] if m["name"] != module]
+        if module == "nvidia":
+            from gpu_agent.sim.mig import reload_driver
+            from gpu_agent.sim.profiles import MODELS
+
+            for gpu in state["gpus"]:
+                if gpu.get("model") in MODELS:
+                    reload_driver(gpu, MODELS[gpu["model"]])
+        return None
 
     def _insert(self, state: dict[str, Any], module: str, fault: Optional[str]) -> Optional[str]:
         kernel = state["kernel"]
@@ -149,6 +200,9 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
     else:
         files, links, directories = _built_in(state), {}, []
         _pci(files, links, state)
+        for gpu in state["gpus"]:  # a process using a GPU holds its device file open
+            for process in gpu["processes"]:
+                links[f"proc/{process['pid']}/fd/3"] = f"/dev/nvidia{gpu['minor']}"
     for tree in ("proc", "sys"):
         _replace_tree(kernel_dir / tree, {k[len(tree) + 1:]: v for k, v in files.items() if k.startswith(tree + "/")},
                       {k[len(tree) + 1:]: v for k, v in links.items() if k.startswith(tree + "/")},
@@ -181,11 +235,12 @@ def _built_in(state: dict[str, Any]) -> dict[str, str]:
     lines = []
     for module in reversed(loaded):  # the kernel lists the newest first
         name = module["name"]
-        users = ",".join(holders[name]) + "," if holders[name] else "-"
+        by = ",".join(holders[name]) + "," if holders[name] else "-"
         taint = " (POE)" if name in NVIDIA_MODULES else ""
-        lines.append(f"{name} {SIZES.get(name, 65536)} {len(holders[name])} {users} Live 0x0000000000000000{taint}")
+        refcnt = len(holders[name]) + users(state, name)
+        lines.append(f"{name} {SIZES.get(name, 65536)} {refcnt} {by} Live 0x0000000000000000{taint}")
         base = f"sys/module/{name}"
-        files[f"{base}/refcnt"] = f"{len(holders[name])}\n"
+        files[f"{base}/refcnt"] = f"{refcnt}\n"
         files[f"{base}/initstate"] = "live\n"
         for holder in holders[name]:
             files[f"{base}/holders/{holder}"] = ""

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
-from gpu_agent.sim.kernel import initial_kernel, render
+from gpu_agent.sim.kernel import NVIDIA_MODULES, RELEASE, initial_kernel, render
 from gpu_agent.sim.mig import add_device
 from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
 from gpu_agent.sim.topology import UNKNOWN_NUMA, gpu_topology
-from gpu_agent.sim.userspace import install_driver_userspace
+from gpu_agent.sim.userspace import install_driver_modules, install_driver_userspace
 
 if TYPE_CHECKING:
     from gpu_agent.sim.machine_file import MigSpec
@@ -211,6 +211,21 @@ class MachineState:
                 # The driver's userspace (libraries, nvidia-smi, firmware, ld.so cache) on a sandbox
                 # root; on / the OS's files are real and stay as they are.
                 install_driver_userspace(self.root.path, machine.driver_version)
+                install_driver_modules(self.root.path, RELEASE, machine.driver_version)
+
+    def install_driver(self, version: str) -> None:
+        """Another driver version installed as a package upgrade does it: the userspace (NVML) and the
+        modules on disk change, the loaded module stays, so NVML answers LIB_RM_VERSION_MISMATCH."""
+        if self.root.is_running_system or os.path.realpath(self.root.path) == "/":
+            raise AgentError("sim install-driver writes placeholder driver files: only under a sandbox --root")
+        with self.edit() as state:
+            if state.get("capture"):
+                raise AgentError("sim install-driver: a captured node's driver is what was captured")
+            state["driver_version"] = version
+            state["kernel"]["installed"].update({name: version for name in NVIDIA_MODULES})
+            release = state["kernel"]["release"]
+        install_driver_userspace(self.root.path, version)
+        install_driver_modules(self.root.path, release, version)
 
     def _replay(self, source: str, directory: Path) -> None:
         """A captured node (`gpu-agent capture DIR`) as this machine."""

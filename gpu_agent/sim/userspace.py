@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from gpu_agent.host import ldcache
+from gpu_agent.host.driver_version import modinfo_bytes
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, place
 
@@ -66,6 +67,27 @@ def install_driver_userspace(root_path: Path, version: str) -> list[str]:
     ldcache.write_cache(_place(root_path, ldcache.PATH), entries)
     written.append(ldcache.PATH)
     return written
+
+
+KERNEL_MODULES = ("nvidia", "nvidia-uvm", "nvidia-modeset", "nvidia-drm", "nvidia-peermem")
+
+
+def install_driver_modules(root_path: Path, release: str, version: str) -> list[str]:
+    """The driver's kernel modules for kernel `release`, as its DKMS build installs them under
+    /lib/modules/RELEASE/updates/dkms, with a modules.dep that lists them (depmod's job)."""
+    root_path = Path(root_path).resolve()
+    if root_path == Path("/"):
+        raise ValueError("install_driver_modules writes placeholder modules: never under /")
+    base = f"/lib/modules/{release}"
+    written = []
+    for name in KERNEL_MODULES:
+        path = f"{base}/updates/dkms/{name}.ko"
+        atomic_write(_place(root_path, path), modinfo_bytes(version) if name == "nvidia" else b"\x7fELF", 0o644)
+        written.append(path)
+    dep = "".join(f"updates/dkms/{name}.ko:{'' if name == 'nvidia' else ' updates/dkms/nvidia.ko'}\n"
+                  for name in KERNEL_MODULES)
+    atomic_write(_place(root_path, f"{base}/modules.dep"), dep, 0o644)
+    return [*written, f"{base}/modules.dep"]
 
 
 def _write(root_path: Path, host_path: str, content: str, mode: int) -> None:

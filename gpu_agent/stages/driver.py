@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.errors import StageError
 from gpu_agent.host import devnodes, pci, procfs
-from gpu_agent.host import owned
+from gpu_agent.host import driver_version, owned
 from gpu_agent.host.files import read_text, unified_diff
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
@@ -21,6 +22,10 @@ from gpu_agent.nvml.session import NvmlUnavailable, describe
 from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
+from gpu_agent.stages.driver_reload import CORDON_REQUIRED, DRAIN, POD_DELETION, POD_RESTART, WAIT_FOR_JOBS, Reload
+
+_VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
+RELOADING = (CORDON_REQUIRED, WAIT_FOR_JOBS, POD_DELETION, DRAIN, POD_RESTART)
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
 BLACKLIST_CONTENT = (
@@ -53,6 +58,16 @@ class DriverState:
     nvml_bus_ids: list[str] = field(default_factory=list)
     persistence: Optional[list[bool]] = None
     persistenced: bool = False
+    installed: Optional[driver_version.Installed] = None
+    reload_step: Optional[str] = None  # the ledger's driver reload step, when one is recorded
+
+    @property
+    def mismatch(self) -> Optional[str]:
+        """`loaded X, installed Y` when the installed driver is not the loaded one."""
+        target = self.installed.version if self.installed else None
+        if self.module_version and _VERSION.fullmatch(self.module_version) and target and target != self.module_version:
+            return f"loaded {self.module_version}, installed {target}"
+        return None
 
     @property
     def managed_gpus(self) -> tuple[PciDevice, ...]:  # the field self.pci hides the module here
@@ -68,10 +83,12 @@ class DriverState:
 
 class Driver(Stage):
     name = "driver"
-    produces = ("pci_gpus", "mellanox_nics")
+    produces = ("pci_gpus", "mellanox_nics", "driver_mismatch")
 
     def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig,
-                 may_change_gpus: bool = True) -> None:
+                 may_change_gpus: bool = True, reload: Optional[Reload] = None) -> None:
+        self.reload = reload
+        self._skip: Optional[str] = None
         self.root = root
         self.may_change_gpus = may_change_gpus  # False when NVML's GPUs are not the ones behind the root
         self.nvml = nvml
@@ -86,6 +103,9 @@ class Driver(Stage):
     def observe(self) -> DriverState:
         inventory = pci.scan(self.root)
         state = DriverState(inventory, self.kernel.loaded(), list(CORE_MODULES), self._files())
+        if self.reload is not None:
+            progress = self.reload.progress()
+            state.reload_step = progress.step if progress is not None else None
         if "nvidia" not in state.loaded:
             return state
         if self.loaded_by is None:
@@ -97,6 +117,7 @@ class Driver(Stage):
         state.node_problems = {n.path: p for n in state.nodes if (p := devnodes.node_problem(self.root, n))}
         state.link_problems = {n.path: p for n in state.nodes if (p := devnodes.link_problem(self.root, n))}
         state.module_version = self.kernel.version("nvidia")
+        state.installed = driver_version.installed(self.root)
         try:
             view = self.nvml.inventory.driver_view(persistence=self.settings.persistence)
             state.nvml_version, state.nvml_bus_ids = view.version, view.bus_ids
@@ -140,6 +161,7 @@ class Driver(Stage):
                    for path, (current, desired) in state.files.items() if current != desired]
         if not state.managed_gpus or state.nouveau:
             return actions  # nothing to load: verify() says why
+        actions += self._reload_actions(state)
         actions += [Action.of(LoadModule(module), functools.partial(self._load, module))
                     for module in state.wanted if module not in state.loaded]
         nodes = {node.path: node for node in state.nodes}
@@ -216,7 +238,7 @@ class Driver(Stage):
         if state.persistence is not None and not state.persistenced and not all(state.persistence):
             off = [str(i) for i, on in enumerate(state.persistence) if not on]
             raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
-        notes = self._reload_required(state)
+        notes = self._parameters_drift(state)
         if self.settings.validate_cuda:
             notes.append(cuda_check.run(self.root, expected_gpus=len(state.pci.gpus)))
         gpus = len(state.managed_gpus)
@@ -231,7 +253,8 @@ class Driver(Stage):
         return set(state.files)
 
     def outputs(self, state: DriverState) -> dict[str, object]:
-        return {"pci_gpus": len(state.pci.gpus), "mellanox_nics": len(state.pci.mellanox_nics)}
+        return {"pci_gpus": len(state.pci.gpus), "mellanox_nics": len(state.pci.mellanox_nics),
+                "driver_mismatch": state.mismatch}
 
     def facts(self, state: DriverState) -> dict[str, object]:
         return {
@@ -239,9 +262,39 @@ class Driver(Stage):
             "kernel_module": state.kernel_module.flavour if state.kernel_module else None,
             "module_version": state.module_version,
             "modules": sorted(name for name in state.loaded if name.startswith("nvidia") or name == "gdrdrv"),
+            "installed": asdict(state.installed) if state.installed else None,
+            "reload_required": state.mismatch,
         }
 
+    def _reload_actions(self, state: DriverState) -> list[Action]:
+        reload = self.reload
+        if reload is None or not self.may_change_gpus:
+            return []
+        midway = state.reload_step in RELOADING
+        if not (state.mismatch or midway) or not (self.settings.reload == "when-idle" or reload.requested):
+            return []
+        self._skip = None if reload.requested or midway else reload.skipped()
+        if self._skip:
+            return []
+        loaded = state.module_version or "none"
+        target = (state.installed.version if state.installed else None) or loaded
+        modules = list(state.loaded)
+        return [Action(tuple(reload.planned(loaded, target)), lambda: reload.run(loaded, target, modules))]
+
+    def _reload_required(self, state: DriverState) -> None:
+        if not state.mismatch:
+            return
+        if self._skip:
+            what = f"not reloaded: {self._skip} says not to; drain the node and reload the driver or reboot"
+        elif self.settings.reload == "never":
+            what = ("driver.reload is never: drain the node, then `gpu-agent driver reload` (or set driver.reload: "
+                    "when-idle), or reboot")
+        else:
+            what = "the agent reloads it once no pod or process uses a GPU"
+        raise StageError(f"reload required: {state.mismatch} (the GPUs cannot serve new work); {what}")
+
     def _verify_versions(self, state: DriverState) -> None:
+        self._reload_required(state)
         pin = self.settings.version
         if pin and state.module_version != pin:
             raise StageError(f"driver version pin (driver.version) is {pin} but the loaded kernel module "
@@ -265,7 +318,7 @@ class Driver(Stage):
             raise StageError(f"{len(on_bus)} GPUs on the PCI bus but {len(in_nvml)} in NVML; missing from NVML: "
                              f"{lost}; unknown to PCI: {extra} (check dmesg for NVRM errors)")
 
-    def _reload_required(self, state: DriverState) -> list[str]:
+    def _parameters_drift(self, state: DriverState) -> list[str]:
         notes = []
         for module, options in sorted(self.settings.parameters.items()):
             if module not in state.loaded:

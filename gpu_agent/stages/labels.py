@@ -44,6 +44,7 @@ CONDITION = "GPUAgentReady"
 NFD_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
 NODE_REFRESH_S = 300.0  # GET the node at most this often (and after a 409)
 MIG_STATE = "nvidia.com/mig.config.state"
+UPGRADE_STATE = "nvidia.com/gpu-driver-upgrade-state"
 
 
 @dataclass
@@ -56,7 +57,7 @@ class SinkState:
 
 class KubeSink(Stage):
     name = "labels"
-    consumes = ("inventory", "last_inventory", "pci_gpus", "mig", OUTCOMES)
+    consumes = ("inventory", "last_inventory", "pci_gpus", "mig", "driver_upgrade", OUTCOMES)
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
     def __init__(self, root: Root, readiness: Readiness, config: Callable[[], AgentConfig],
@@ -99,6 +100,9 @@ class KubeSink(Stage):
         mig = self.inputs.get("mig")
         if mig is not None and mig.config is not None:
             wanted[MIG_STATE] = mig.state  # pending | success | failed, as k8s-mig-manager sets it
+        upgrade = self.inputs.get("driver_upgrade")
+        if upgrade:
+            wanted[UPGRADE_STATE] = upgrade  # the GPU Operator's upgrade state (stages/driver_reload.py)
         wanted = gfd.with_timestamp(wanted, _owned_labels(node) if node is not None else self._nfd_labels(),
                                     time.time())
         if ready:
@@ -148,6 +152,24 @@ class KubeSink(Stage):
             return
         self._patch({"metadata": {"labels": {key: value}, "annotations": {MANAGED: ",".join(sorted(owned | {key}))}}},
                     status=False)
+
+    def node_metadata(self, fresh: bool = True) -> tuple[dict[str, str], dict[str, str], bool]:
+        """(labels, annotations, spec.unschedulable) of this node, read now (`fresh`) or as last read."""
+        node = self._current_node(force=fresh)
+        metadata = node.get("metadata") or {}
+        return (dict(metadata.get("labels") or {}), dict(metadata.get("annotations") or {}),
+                bool((node.get("spec") or {}).get("unschedulable")))
+
+    def patch_node(self, unschedulable: Optional[bool], labels: dict[str, str]) -> None:
+        """Cordon or uncordon (spec.unschedulable, which NodeRestriction lets a node change on its own Node,
+        unlike its taints) and set some of our labels, in one merge patch."""
+        metadata = (self._current_node().get("metadata") or {})
+        owned = {k for k in (metadata.get("annotations") or {}).get(MANAGED, "").split(",") if k}
+        patch: dict[str, Any] = {"metadata": {"labels": labels,
+                                              "annotations": {MANAGED: ",".join(sorted(owned | set(labels)))}}}
+        if unschedulable is not None:
+            patch["spec"] = {"unschedulable": True if unschedulable else None}
+        self._patch(patch, status=False)
 
     # --- plan and apply --------------------------------------------------------------------------
 

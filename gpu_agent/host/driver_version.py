@@ -1,0 +1,100 @@
+"""Which NVIDIA driver is installed, as opposed to loaded: the version of the NVML library on disk, and
+the version of the nvidia module that modprobe would load for the running kernel.
+
+The module is found as modprobe finds it, through /lib/modules/$(uname -r)/modules.dep, and its version
+is read as `modinfo -F version` reads it: the `version=` string of the module's .modinfo section (the
+file uncompressed, or compressed with xz or gzip, as distributions ship it; zstd needs a library the
+standard one lacks, so a .ko.zst module's version is unknown and only the library speaks).
+"""
+from __future__ import annotations
+
+import gzip
+import lzma
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from gpu_agent.host.paths import Root
+from gpu_agent.host.procfs import read
+
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                "/usr/local/nvidia/lib64")
+_MODULE_NAMES = ("nvidia.ko", "nvidia.ko.xz", "nvidia.ko.gz", "nvidia.ko.zst")
+_MOST_BYTES = 256 << 20  # the nvidia module is about 60 MiB uncompressed; a larger file is not one
+_VERSION = re.compile(rb"\x00version=([0-9A-Za-z.+~-]{1,64})\x00")
+_RELEASE = re.compile(r"[0-9A-Za-z._+-]{1,128}")
+
+
+@dataclass(frozen=True)
+class Installed:
+    """The installed driver: the NVML library's version and the on-disk module's, each None when unknown."""
+
+    library: Optional[str]
+    module: Optional[str]
+    module_path: Optional[str]  # host path of the module file modprobe would load
+
+    @property
+    def version(self) -> Optional[str]:
+        """The version a reload would bring: the module's where it is known, else the library's."""
+        return self.module or self.library
+
+
+def installed(root: Root) -> Installed:
+    path = module_path(root)
+    return Installed(library_version(root), module_version(root, path) if path else None, path)
+
+
+def library_version(root: Root) -> Optional[str]:
+    """The version in libnvidia-ml.so.<version>'s name, from the usual library directories."""
+    for directory in LIBRARY_DIRS:
+        for library in sorted(root(directory).glob("libnvidia-ml.so.*.*")):
+            return library.name[len("libnvidia-ml.so."):]
+    return None
+
+
+def kernel_release(root: Root) -> Optional[str]:
+    """`uname -r`, from /proc/sys/kernel/osrelease."""
+    text = (read(root, "/proc/sys/kernel/osrelease") or "").strip()
+    return text if _RELEASE.fullmatch(text) else None
+
+
+def module_path(root: Root) -> Optional[str]:
+    """The host path of the nvidia module for the running kernel, from modules.dep (as modprobe)."""
+    release = kernel_release(root)
+    if release is None:
+        return None
+    base = f"/lib/modules/{release}"
+    text = read(root, f"{base}/modules.dep") or ""
+    for line in text.splitlines():
+        name = line.partition(":")[0].strip()
+        if os.path.basename(name) in _MODULE_NAMES:
+            return name if name.startswith("/") else f"{base}/{name}"
+    return None
+
+
+def module_version(root: Root, host_path: str) -> Optional[str]:
+    """`modinfo -F version` of the module file; None when it cannot be read or holds no version."""
+    try:
+        with open(root(host_path), "rb") as module:
+            data = module.read(_MOST_BYTES + 1)
+        if len(data) > _MOST_BYTES:
+            return None
+        if host_path.endswith(".xz"):
+            data = lzma.decompress(data)
+        elif host_path.endswith(".gz"):
+            data = gzip.decompress(data)
+        elif host_path.endswith(".zst"):
+            return None
+    except (OSError, lzma.LZMAError, EOFError, ValueError):
+        return None
+    match = _VERSION.search(data)
+    return match.group(1).decode("ascii") if match else None
+
+
+def modinfo_bytes(version: str) -> bytes:
+    """The .modinfo strings a module of `version` carries, as the kernel build writes them (simulator,
+    tests)."""
+    fields = ("license=NVIDIA", f"version={version}", "supported=external", "description=NVIDIA kernel module",
+              "srcversion=0123456789ABCDEF0123456", "name=nvidia")
+    return b"\x7fELF" + b"\x00" * 60 + b"".join(b"\x00" + field.encode() for field in fields) + b"\x00"

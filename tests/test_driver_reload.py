@@ -1,0 +1,130 @@
+"""Issue 26: a driver upgraded under a loaded module (NVML's version mismatch) is reported, and with
+driver.reload: when-idle reloaded as the GPU Operator's upgrade controller does: cordon, wait for the
+GPUs to be idle, unload, load, verify, MIG and CDI back, uncordon, the upgrade-state label in order."""
+from __future__ import annotations
+
+import lzma
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from gpu_agent.host import driver_version
+from gpu_agent.host.ledger import Ledger
+from gpu_agent.host.paths import Root
+from gpu_agent.stages.driver_reload import ORDER
+from harness import SimNode
+from kube_emulator import KubeEmulator
+
+NODE = "gpu-node-1"
+NEW = "570.124.06"
+STATE = "nvidia.com/gpu-driver-upgrade-state"
+CONFIG_FILE = "/etc/gpu-agent/mig-acceptance.yaml"
+
+
+def test_installed_versions_as_modprobe_and_modinfo_find_them(tmp_path: Path) -> None:
+    root = Root(tmp_path)
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.8.0-31-generic\n")
+    base = tmp_path / "lib/modules/6.8.0-31-generic"
+    (base / "updates/dkms").mkdir(parents=True)
+    (base / "modules.dep").write_text("kernel/fs/x.ko.zst:\nupdates/dkms/nvidia.ko.xz:\n")
+    (base / "updates/dkms/nvidia.ko.xz").write_bytes(lzma.compress(driver_version.modinfo_bytes("575.51.03")))
+    (tmp_path / "usr/lib64").mkdir(parents=True)
+    (tmp_path / "usr/lib64/libnvidia-ml.so.575.51.03").write_text("")
+    found = driver_version.installed(root)
+    assert (found.library, found.module, found.module_path) == (
+        "575.51.03", "575.51.03", "/lib/modules/6.8.0-31-generic/updates/dkms/nvidia.ko.xz")
+    (base / "updates/dkms/nvidia.ko.xz").write_bytes(b"not xz")  # unreadable: the library speaks
+    assert driver_version.installed(root).version == "575.51.03" and driver_version.installed(root).module is None
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[KubeEmulator]:
+    emulator = KubeEmulator(tmp_path / "pki", nodes=(NODE,)).start()
+    yield emulator
+    emulator.close()
+
+
+def settings(api: KubeEmulator, node: SimNode, reload: str = "when-idle") -> dict[str, Any]:
+    api.write_kubeconfig(node.root / "etc/kubernetes/kubelet.conf", mode="cert-data")
+    (node.root / "etc/gpu-agent").mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).parent / "data/mig/acceptance.yaml", node.root / CONFIG_FILE.lstrip("/"))
+    return {"toolkit": {"enabled": False}, "driver": {"reload": reload},
+            "mig": {"config": "mixed", "config_file": CONFIG_FILE},
+            "kubernetes": {"enabled": True, "node_name": NODE, "kubeconfig": "/etc/kubernetes/kubelet.conf"}}
+
+
+def a_minute_later(node: SimNode) -> None:
+    """The node's API request budget (12 a minute) as a minute later: the passes here come back to back."""
+    (node.root / "var/lib/gpu-agent/kube-requests.json").unlink(missing_ok=True)
+
+
+def label_history(api: KubeEmulator) -> list[str]:
+    seen: list[str] = []
+    for request in api.requests:
+        value = ((((request.json if request.method == "PATCH" else None) or {}).get("metadata") or {})
+                 .get("labels") or {}).get(STATE)
+        if value and (not seen or seen[-1] != value):
+            seen.append(value)
+    return seen
+
+
+def test_when_idle_waits_for_the_gpu_process_then_reloads_and_uncordons(tmp_path: Path, api: KubeEmulator) -> None:
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    config = settings(api, node)
+    assert node.apply(config).stage("mig").state == "ok"
+    geometry = [gpu["mig"] for gpu in node.machine.read()["gpus"]]
+    node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
+    node.sim("install-driver", NEW)
+    a_minute_later(node)
+    waiting = node.apply(config)
+    driver = waiting.stage("driver")
+    assert driver.state == "failed" and "wait-for-jobs-required" in driver.message and "4242" in driver.message
+    assert api.get_node(NODE)["spec"].get("unschedulable") is True
+    assert "nvidia.com/gpu.present" in api.get_node(NODE)["metadata"]["labels"]
+    node.sim("clear")  # the process ends
+    a_minute_later(node)
+    done = node.apply(config)
+    assert done.stage("driver").state == "ok", done.stage("driver").message
+    assert done.stage("driver-upgrade").state == "ok", done.stage("driver-upgrade").message
+    assert done.stage("mig").state == "ok" and done.stage("discovery").state == "ok"
+    versions = {m["name"]: m["version"] for m in node.machine.read()["kernel"]["loaded"]}
+    assert versions["nvidia"] == NEW and versions["nvidia_uvm"] == NEW
+    assert [gpu["mig"]["current"] for gpu in node.machine.read()["gpus"]] == [g["current"] for g in geometry]
+    assert [len(gpu["mig"]["gpu_instances"]) for gpu in node.machine.read()["gpus"]] == [
+        len(g["gpu_instances"]) for g in geometry] and geometry[0]["gpu_instances"]
+    stored = api.get_node(NODE)
+    assert not stored["spec"].get("unschedulable")
+    assert stored["metadata"]["labels"][STATE] == "upgrade-done"
+    history = label_history(api)
+    assert history == [s for s in ORDER if s in history] and history[-1] == "upgrade-done"
+    assert {"cordon-required", "wait-for-jobs-required", "pod-restart-required", "validation-required"} <= set(history)
+
+
+def test_never_reports_only_and_a_refused_unload_leaves_it_cordoned_until_the_retry(
+        tmp_path: Path, api: KubeEmulator) -> None:
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    assert node.apply(settings(api, node, "never")).stage("driver").state == "ok"
+    node.sim("install-driver", NEW)
+    a_minute_later(node)
+    report = node.apply(settings(api, node, "never"))
+    message = report.stage("driver").message
+    assert "reload required: loaded 550.90.07, installed 570.124.06" in message and "driver.reload is never" in message
+    assert report.changes("driver") == [] and not api.get_node(NODE)["spec"].get("unschedulable")
+    assert api.get_node(NODE)["metadata"]["labels"][STATE] == "upgrade-required"
+    plan = node.check(settings(api, node))
+    assert [c.step for c in plan.changes("driver")][:3] == ["cordon-required", "wait-for-jobs-required",
+                                                             "pod-restart-required"]
+    node.sim("fail", "rmmod", "--module", "nvidia", "--times", "1")
+    a_minute_later(node)
+    failed = node.apply(settings(api, node))
+    assert "could not unload nvidia" in failed.stage("driver").message
+    assert api.get_node(NODE)["spec"].get("unschedulable") is True
+    assert api.get_node(NODE)["metadata"]["labels"][STATE] == "upgrade-failed"
+    assert Ledger(Root(node.root)).driver_reload()["failed_step"] == "pod-restart-required"
+    a_minute_later(node)
+    again = node.apply(settings(api, node))  # the next attempt finishes what the first left
+    assert again.stage("driver-upgrade").state == "ok", again.stage("driver-upgrade").message
+    assert not api.get_node(NODE)["spec"].get("unschedulable")
