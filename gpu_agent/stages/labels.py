@@ -73,7 +73,6 @@ class KubeSink(Stage):
         self._node: Optional[dict[str, Any]] = None
         self._node_read = 0.0
         self._pass_failure: Optional[str] = None  # why the node could not be read in this pass
-        self._info_failed = -NODE_REFRESH_S  # when node_info() last failed to read the node
 
     def start_pass(self) -> None:
         self._pass_failure = None
@@ -141,16 +140,10 @@ class KubeSink(Stage):
         return value if isinstance(value, str) else None
 
     def node_info(self) -> Optional[dict[str, Any]]:
-        """The Node's status.nodeInfo (kubeletVersion, containerRuntimeVersion), read at most every
-        NODE_REFRESH_S with the labels' own read; None while the API does not answer (asked again after
-        NODE_REFRESH_S: the labels' own pass says why it fails)."""
-        if self._node is None and time.monotonic() - self._info_failed < NODE_REFRESH_S:
-            return None
-        try:
-            info = (self._current_node().get("status") or {}).get("nodeInfo")
-        except StageError:
-            self._info_failed = time.monotonic()
-            return None
+        """The Node's status.nodeInfo (kubeletVersion, containerRuntimeVersion) as the labels' own read
+        last found it (every NODE_REFRESH_S): no request of its own, so a pass asks the API once; None
+        before the first read."""
+        info = ((self._node or {}).get("status") or {}).get("nodeInfo")
         return info if isinstance(info, dict) else None
 
     def publish_label(self, key: str, value: str) -> None:
