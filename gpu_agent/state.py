@@ -82,6 +82,8 @@ class AgentState:
     inventory: Optional[Inventory] = None
     last_inventory: Optional[Inventory] = None  # the last good one: labels outlive a failing discovery
     runtimes: Optional[tuple[str, ...]] = None  # container runtimes found, as the toolkit stage last saw them
+    device_path: Optional[Any] = None  # the device-path stage's choice (toolkit.devicepath.DevicePath)
+    cdi_devices: Optional[frozenset[str]] = None  # the device names of the CDI spec the cdi stage wrote
     pci_gpus: Optional[int] = None  # NVIDIA GPUs on the PCI bus, as the driver stage last saw them
     mellanox_nics: Optional[int] = None  # Mellanox NICs on the PCI bus, as the driver stage last saw them
     driver_mismatch: Optional[str] = None  # "loaded X, installed Y" (driver stage)
@@ -202,7 +204,8 @@ class AgentState:
         not None), pci_gpus and mellanox_nics (driver), mig (mig), runtimes (toolkit)."""
         outputs = {"inventory": self.inventory, "last_inventory": self.last_inventory, "pci_gpus": self.pci_gpus,
                    "mellanox_nics": self.mellanox_nics, "mig": self.mig, "runtimes": self.runtimes,
-                   "driver_mismatch": self.driver_mismatch, "driver_upgrade": self.driver_upgrade}
+                   "driver_mismatch": self.driver_mismatch, "driver_upgrade": self.driver_upgrade,
+                   "device_path": self.device_path, "cdi_devices": self.cdi_devices}
         return outputs[name]
 
     def record_runtime_restarts(self, restarts: Mapping[str, int]) -> None:
@@ -230,6 +233,10 @@ class AgentState:
             self.driver_mismatch = value
         elif name == "driver_upgrade":
             self.driver_upgrade = value
+        elif name == "device_path":
+            self.device_path = value
+        elif name == "cdi_devices":
+            self.cdi_devices = value
         else:
             raise ValueError(f"no stage result called {name!r}")
 
@@ -347,6 +354,7 @@ class AgentState:
             "labels": dict(labels) if labels is not None else None,
             "plugin": self.plugin,
             "mps": self.mps,
+            "device_path": self.device_path.to_json() if self.device_path is not None else None,
         }
 
     def _driver_json(self) -> Optional[dict[str, Any]]:

@@ -255,7 +255,8 @@ def test_check_on_the_captured_node_wants_nothing_but_the_dev_char_links(tmp_pat
     assert all(isinstance(change, CreateLink) for change in changes), changes
     assert {change.path: change.target for change in changes} == DEV_CHAR_LINKS
     assert {run.stage: run.state for run in runs if not run.planned} == {
-        "driver-features": "waiting", "discovery": "ok", "toolkit": "ok", "cdi": "ok", "owned-files": "ok"}
+        "driver-features": "waiting", "discovery": "ok", "device-path": "ok", "toolkit": "ok", "cdi": "ok",
+        "owned-files": "ok"}
 
 
 def test_apply_converges_without_modprobe_and_adds_only_the_dev_char_links(tmp_path: Path) -> None:
@@ -278,7 +279,7 @@ def test_apply_converges_without_modprobe_and_adds_only_the_dev_char_links(tmp_p
         runtime.nvml.close()
     assert loads == []
     assert {run.stage: run.state for run in first} == {
-        "driver": "ok", "driver-features": "ok", "discovery": "ok", "toolkit": "ok", "cdi": "ok",
+        "driver": "ok", "driver-features": "ok", "discovery": "ok", "device-path": "ok", "toolkit": "ok", "cdi": "ok",
         "owned-files": "ok"}
     assert "already loaded when gpu-agent started" in next(r.message for r in first if r.stage == "driver")
     kernel = machine.kernel_dir.relative_to(tmp_path / "root")
@@ -478,7 +479,7 @@ def test_a_captured_simulated_node_replays_with_the_same_gpus(tmp_path: Path) ->
     try:
         assert _gpus(replayed) == gpus
         assert len(gpus) == 8 and gpus[0]["product"] == "NVIDIA H100 80GB HBM3"
-        assert [run.planned for run in asyncio.run(replayed.engine.reconcile(dry_run=True))] == [[]] * 6
+        assert [run.planned for run in asyncio.run(replayed.engine.reconcile(dry_run=True))] == [[]] * 7
     finally:
         replayed.nvml.close()
 

@@ -25,13 +25,13 @@ def test_dgx_h100_ready_serves_status_metrics_and_stops_cleanly(agent, root: Pat
     assert daemon.get("/healthz") == (200, "ok\n")
     assert daemon.get("/readyz")[0] == 200
     status, body = daemon.get("/readyz?verbose")
-    assert status == 200 and ("[+]driver ok\n[+]driver-features ok\n[+]discovery ok\n[+]toolkit ok\n"
+    assert status == 200 and ("[+]driver ok\n[+]driver-features ok\n[+]discovery ok\n[+]device-path ok\n[+]toolkit ok\n"
                               "[+]cdi ok\n[+]owned-files ok\n[+]gpu-health ok") in body
 
     document = json.loads(daemon.get("/status")[1])
     assert document["ready"] is True
-    assert [stage["name"] for stage in document["stages"]] == ["driver", "driver-features", "discovery", "toolkit",
-                                                           "cdi", "owned-files"]
+    assert [stage["name"] for stage in document["stages"]] == ["driver", "driver-features", "discovery", "device-path",
+                                                           "toolkit", "cdi", "owned-files"]
     gpus = document["gpus"]
     assert len(gpus) == 8 and len({gpu["uuid"] for gpu in gpus}) == 8
     assert {gpu["product"] for gpu in gpus} == {"NVIDIA H100 80GB HBM3"}

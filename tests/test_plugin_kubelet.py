@@ -142,9 +142,13 @@ def gpu_uuids(daemon: AgentProcess) -> list[str]:
     return [gpu["uuid"] for gpu in status(daemon)["gpus"]]
 
 
+CDI_CRI: dict[str, Any] = {"plugin": {"device_list_strategy": "cdi-cri"}}
+
+
 def cdi_names(root: Path) -> set[str]:
-    """The qualified device names of the CDI spec the agent's CDI stage writes for this machine now
-    (built here by the same code: these sandbox roots have no container runtime, so no spec on disk)."""
+    """The qualified device names of the CDI spec the agent's CDI stage writes for this machine now, built
+    here by the same code. These sandbox roots have no container runtime, so the device path's auto would
+    choose envvar: the tests of CDI names set cdi-cri, and the spec is written for the plugin alone."""
     machine = MachineState(Root(root))
     nvml = Nvml(FakeNvml(machine))
     try:
@@ -165,7 +169,7 @@ def reload(daemon: AgentProcess, write_config: Callable[..., Path], settings: di
 
 def test_eight_gpus_registered_and_allocated_in_every_list_strategy(agent, kubelet: Kubelet, root: Path,
                                                                     write_config) -> None:
-    daemon = agent("dgx-h100")
+    daemon = agent("dgx-h100", settings=CDI_CRI)
     daemon.wait_ready()
     registration = kubelet.wait(lambda e: e["event"] == "register")
     assert registration == {"event": "register", "resource": GPU, "endpoint": "nvidia-gpu.sock",
@@ -209,7 +213,7 @@ def test_eight_gpus_registered_and_allocated_in_every_list_strategy(agent, kubel
 def test_time_slicing_32_devices_and_xid_79_marks_exactly_its_replicas(agent, kubelet: Kubelet, root: Path) -> None:
     sharing = {"timeSlicing": {"failRequestsGreaterThanOne": True,
                                "resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}}
-    daemon = agent("dgx-h100", settings={"plugin": {"sharing": sharing}})
+    daemon = agent("dgx-h100", settings={"plugin": {"sharing": sharing, **CDI_CRI["plugin"]}})
     daemon.wait_ready()
     uuids = gpu_uuids(daemon)
     devices = kubelet.latest_list(GPU)
@@ -250,7 +254,7 @@ def test_an_xid_turns_unhealthy_then_healthy_after_recovery(agent, kubelet: Kube
 def test_mixed_mig_resources_and_a_mig_change_relists(agent, kubelet: Kubelet, root: Path, write_config) -> None:
     (root / "etc/gpu-agent").mkdir(parents=True)
     (root / "etc/gpu-agent/mig.yaml").write_text(yaml.safe_dump(MIG_CONFIGS))
-    daemon = agent("dgx-h100", settings={"mig": {"config": "half-3g", "strategy": "mixed"}})
+    daemon = agent("dgx-h100", settings={"mig": {"config": "half-3g", "strategy": "mixed"}, **CDI_CRI})
     daemon.wait_ready()
     gpus = kubelet.latest_list(GPU)
     migs = kubelet.latest_list(MIG_3G)
@@ -262,7 +266,7 @@ def test_mixed_mig_resources_and_a_mig_change_relists(agent, kubelet: Kubelet, r
     assert answer["cdi_devices"][0] in cdi_names(root)
 
     mark = kubelet.mark()
-    reload(daemon, write_config, {"mig": {"config": "half-1g", "strategy": "mixed"}})
+    reload(daemon, write_config, {"mig": {"config": "half-1g", "strategy": "mixed"}, **CDI_CRI})
     kubelet.wait(lambda e: e["event"] == "list-closed" and e["resource"] == MIG_3G, since=mark, timeout=30.0)
     assert len(kubelet.latest_list("nvidia.com/mig-1g.10gb", since=mark, timeout=30.0)) == 28
     daemon.wait_http("/status", lambda _, body: {r["name"] for r in json.loads(body)["plugin"]["resources"]}

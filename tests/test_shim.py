@@ -57,7 +57,9 @@ def routes(state: AgentState) -> set[str]:
 
 def test_the_shim_probes_the_agents_default_listener(agent_state: AgentState) -> None:
     docs = documents("gpu-agent-shim.yaml")
-    assert {doc["kind"] for doc in docs} == {"Namespace", "DaemonSet"}
+    assert {doc["kind"] for doc in docs} == {"Namespace", "RuntimeClass", "DaemonSet"}
+    runtime_class = of_kind(docs, "RuntimeClass")  # the containerd, CRI-O and Docker runtime the toolkit adds
+    assert (runtime_class["apiVersion"], runtime_class["handler"]) == ("node.k8s.io/v1", "nvidia")
     namespace = of_kind(docs, "Namespace")["metadata"]["name"]
     daemonset = of_kind(docs, "DaemonSet")
     assert daemonset["apiVersion"] == "apps/v1" and daemonset["metadata"]["namespace"] == namespace == "gpu-agent"

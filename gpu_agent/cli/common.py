@@ -73,6 +73,9 @@ def plan_json(runs: Sequence[StageRun], loaded: LoadedConfig, root: Root, dry_ru
         "dry_run": dry_run,
         "stages": stages,
         "changes": sum(len(stage["changes"]) for stage in stages),
+        # Which way a pod's GPU reaches its container, and why (the device-path stage's choice).
+        "device_path": next((run.outputs["device_path"].to_json() for run in runs
+                             if run.outputs.get("device_path") is not None), None),
     }
     return json.dumps(document, indent=2)
 

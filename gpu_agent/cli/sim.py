@@ -9,6 +9,7 @@ from typing import Any
 
 from gpu_agent.cli.common import root_of
 from gpu_agent.errors import EXIT_OK, AgentError
+from gpu_agent.printable import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     process.add_argument("--pid", type=int, required=True, metavar="P")
     process.add_argument("--name", required=True)
     process.add_argument("--memory-mib", type=int, default=1024, metavar="MIB")
+    runtime = actions.add_parser(
+        "install-runtime", help="install a container runtime or the kubelet at a version, as its Debian package "
+                                "would: its binary and its record in the package database")
+    runtime.add_argument("name", choices=("containerd", "docker", "crio", "kubelet"))
+    runtime.add_argument("version", metavar="VERSION", help="e.g. 1.6.20 (Debian 12's containerd) or 1.7.24")
     actions.add_parser("clear", help="remove injected faults, XID events, processes and `sim set` conditions; "
                                      "put GPUs that fell off the bus (XID 79) back")
     actions.add_parser("reload-driver", help="unload and load the nvidia module: MIG instances are gone, "
@@ -81,7 +87,8 @@ def main(args: argparse.Namespace) -> int:
         machine.ensure(args.simulate)
     handler = {"show": _show, "inject-xid": _inject_xid, "fail": _fail, "add-process": _add_process,
                "clear": _clear, "set": _set, "reload-driver": _reload_driver, "reboot": _reboot,
-               "install-driver": _install_driver}[args.sim_command]
+               "install-driver": _install_driver,
+               "install-runtime": _install_runtime}[args.sim_command]
     handler(machine, args)
     return EXIT_OK
 
@@ -265,6 +272,14 @@ def _add_process(machine: Any, args: argparse.Namespace) -> None:
         gpu = _gpu_index(state, args.gpu)
         state["gpus"][gpu]["processes"].append({"pid": args.pid, "name": args.name, "used_mib": args.memory_mib})
     print(f"process {args.pid} ({args.name}) running on GPU {args.gpu}")
+
+
+def _install_runtime(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.packages import install_runtime
+
+    if not re.fullmatch(r"\d+\.\d+(\.\d+)?[0-9A-Za-z.~+]*", args.version):
+        raise AgentError(f"{printable(args.version)} is not a version such as 1.6.20")
+    print(install_runtime(machine.root, args.name, args.version))
 
 
 def _clear(machine: Any, args: argparse.Namespace) -> None:

@@ -167,9 +167,10 @@ GpuReplicas = Annotated[dict[GpuKey, Annotated[int, Bounds(ge=1, le=MAX_REPLICAS
 class PluginConfig(Section):
     enabled: Union[bool, Literal["auto"]] = setting(
         "auto", "Serve the kubelet device plugin; auto: when <root>/var/lib/kubelet/device-plugins exists.")
-    device_list_strategy: Literal["cdi-cri", "cdi-annotations", "envvar"] = setting(
-        "cdi-cri", "How Allocate names devices: cdi-cri (CDI devices in the CRI), cdi-annotations "
-                   "(cdi.k8s.io/ annotations) or envvar (NVIDIA_VISIBLE_DEVICES).")
+    device_list_strategy: Literal["auto", "cdi-cri", "cdi-annotations", "envvar"] = setting(
+        "auto", "How Allocate names devices: auto (what this node's runtime and kubelet apply, see "
+                "docs/device-path.md), cdi-cri (CDI devices in the CRI), cdi-annotations (cdi.k8s.io/ "
+                "annotations) or envvar (NVIDIA_VISIBLE_DEVICES).")
     sharing: Sharing = setting(Sharing(), "NVIDIA k8s-device-plugin's sharing block, pasted unchanged.")
     per_resource_sharing: bool = setting(
         False, "gpu-agent's extension: honour each sharing resource's rename and devices. NVIDIA's plugin ignores "

@@ -83,7 +83,9 @@ class ToolkitConfig(Section):
     enabled: bool = setting(True, "Configure the container runtimes for NVIDIA GPUs.")
     runtimes: Union[Literal["auto"], list[Runtime]] = setting(
         "auto", "auto: every runtime found by its config file, binary or unit; or a list.")
-    set_as_default: bool = setting(False, "Make nvidia the runtimes' default runtime.")
+    set_as_default: Union[bool, Literal["auto"]] = setting(
+        "auto", "Make nvidia the runtimes' default runtime; auto: the kubelet's runtime's, where pods get their "
+                "GPU through NVIDIA_VISIBLE_DEVICES (docs/device-path.md).")
     runtime_binary: AbsolutePath = setting("/usr/bin/nvidia-container-runtime", "What the nvidia runtime runs.")
     oci_hook: bool = setting(False, "Also install the legacy OCI prestart hook (podman, CRI-O).")
     runtime_config: RuntimeConfig = setting(

@@ -35,6 +35,7 @@ from gpu_agent.nvml.client import Nvml
 from gpu_agent.plugin.gate import PluginGate
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.cdi import Cdi
+from gpu_agent.stages.devicepath import DevicePathStage
 from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.driver_features import DriverFeatures
@@ -44,6 +45,7 @@ from gpu_agent.stages.toolkit import Toolkit
 from gpu_agent.toolkit import distributions
 from gpu_agent.toolkit.packages import PackageInstaller, SystemPackages
 from gpu_agent.toolkit.services import ServiceControl, Systemd
+from gpu_agent.toolkit.versions import Versions
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class Runtime:
     gpu_reset: Optional[GpuReset] = None  # resets one GPU for a pending MIG mode
     units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
     plugin_gate: PluginGate = field(default_factory=PluginGate)  # holds the device plugin off (driver reload)
+    versions: Optional[Versions] = None  # the runtimes' and the kubelet's versions, their --version runs cached
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> Runtime:
@@ -116,7 +119,7 @@ class Runtime:
         engine = Engine([], state, config.reconcile, begin_pass=nvml.inventory.begin_pass)
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units,
-                      kube_budget=RequestBudget(path=root(budget.PATH)))
+                      kube_budget=RequestBudget(path=root(budget.PATH)), versions=Versions(root))
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
@@ -172,6 +175,9 @@ class Runtime:
                               announce=(lambda state: sink.publish_label(STATE_LABEL, state)) if sink and sink.api
                               else None))
         stages.append(Discovery(self.nvml, config.discovery))
+        toolkit = config.toolkit if not self.real_root_simulated else dataclasses.replace(config.toolkit, enabled=False)
+        stages.append(DevicePathStage(self.root, config.plugin, toolkit, self.versions or Versions(self.root),
+                                      node_info=sink.node_info if sink is not None and sink.api else None))
         if config.toolkit.enabled and not self.real_root_simulated:
             stages.append(Toolkit(self.root, self.services, self.packages, config.toolkit))
             if config.toolkit.cdi.enabled:

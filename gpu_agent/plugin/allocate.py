@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import AbstractSet, Optional, Sequence
 
 from gpu_agent.config.section import shown
 from gpu_agent.mps.layout import client_envs, client_mounts
@@ -28,9 +28,13 @@ class ContainerAllocation:
 
 
 def allocate(resource: Resource, requested: Sequence[str], strategy: str,
-             fail_requests_greater_than_one: bool) -> ContainerAllocation:
+             fail_requests_greater_than_one: bool, spec: Optional[AbstractSet[str]] = None) -> ContainerAllocation:
     """What the container gets for `requested` device ids of `resource` under `strategy`
-    (cdi-cri, cdi-annotations or envvar)."""
+    (cdi-cri, cdi-annotations or envvar; "" while plugin.device_list_strategy auto has not chosen).
+    `spec`: the CDI device names the agent's spec holds, where the agent writes it (None: not its spec)."""
+    if strategy not in ("cdi-cri", "cdi-annotations", "envvar"):
+        raise AllocationError("plugin.device_list_strategy is auto and no device path is chosen yet (see the "
+                              "device-path stage in `gpu-agent status`)")
     if not requested:
         raise AllocationError(f"empty request for {resource.name}")
     if fail_requests_greater_than_one and resource.shared and len(requested) > 1:
@@ -48,6 +52,10 @@ def allocate(resource: Resource, requested: Sequence[str], strategy: str,
                                   f"{device.reason or 'see gpu-agent status'}")
     uuids = tuple(dict.fromkeys(base_id(device_id) for device_id in requested))  # replicas share their GPU
     names = tuple(f"{CDI_KIND}={uuid}" for uuid in uuids)
+    missing = [name for name in names if spec is not None and name not in spec]
+    if strategy != "envvar" and missing:
+        raise AllocationError(f"the CDI spec holds no {missing[0]} (see the cdi stage in `gpu-agent status`): "
+                              "a container runtime could not apply it")
     # MPS: its client environment and mounts under every list strategy, as NVIDIA's plugin adds them
     envs = client_envs(resource.name) if resource.strategy == "mps" else {}
     mounts = client_mounts(resource.name) if resource.strategy == "mps" else ()

@@ -15,7 +15,7 @@ import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import AbstractSet, Any, Callable, Optional, TypeVar
 
 from grpclib.client import Channel
 from grpclib.const import Status
@@ -76,9 +76,10 @@ class DevicePluginService(api.DevicePluginBase):
     """The DevicePlugin service of one resource."""
 
     def __init__(self, feed: DeviceFeed, list_strategy: Callable[[], str], fail_greater_than_one: Callable[[], bool],
-                 prefer: Preference) -> None:
+                 prefer: Preference, cdi_spec: Callable[[], Optional[AbstractSet[str]]] = lambda: None) -> None:
         self.feed = feed
         self.list_strategy = list_strategy
+        self.cdi_spec = cdi_spec
         self.fail_greater_than_one = fail_greater_than_one
         self.prefer = prefer
         self.streams = 0  # ListAndWatch streams open
@@ -142,7 +143,7 @@ class DevicePluginService(api.DevicePluginBase):
         for container in request.container_requests:
             try:
                 given = allocate(resource, list(container.devices_ids), self.list_strategy(),
-                                 self.fail_greater_than_one())
+                                 self.fail_greater_than_one(), self.cdi_spec())
             except AllocationError as exc:
                 log.warning("Allocate refused: %s", exc)
                 raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None

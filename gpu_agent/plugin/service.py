@@ -166,9 +166,24 @@ class DevicePluginManager:
         return self.state.inventory or self.state.last_inventory
 
     def _service_args(self) -> dict[str, Any]:
-        return {"list_strategy": lambda: self.settings.device_list_strategy,
+        return {"list_strategy": self._strategy, "cdi_spec": self._cdi_spec,
                 "fail_greater_than_one": lambda: self.settings.sharing.fail_requests_greater_than_one,
                 "prefer": lambda available, must, size: preferred(available, must, size, self._inventory())}
+
+    def _strategy(self) -> str:
+        """plugin.device_list_strategy, or what the device-path stage chose for auto ("" before it has)."""
+        if self.settings.device_list_strategy != "auto":
+            return self.settings.device_list_strategy
+        path = self.state.device_path
+        return path.strategy if path is not None else ""
+
+    def _cdi_spec(self) -> Optional[frozenset[str]]:
+        """The device names of the CDI spec the agent writes (empty until it is written); None when the agent
+        writes none (toolkit or toolkit.cdi off): someone else's spec, which the plugin cannot read."""
+        toolkit = self.state.config.config.toolkit
+        if not (toolkit.enabled and toolkit.cdi.enabled):
+            return None
+        return self.state.cdi_devices or frozenset()
 
     async def _register(self, endpoint: PluginEndpoint) -> None:
         try:
@@ -233,7 +248,7 @@ class DevicePluginManager:
             section["reason"] = off
         else:
             section["mig_strategy"] = mig_strategy(self.state.config.config)
-            section["device_list_strategy"] = self.settings.device_list_strategy
+            section["device_list_strategy"] = self._strategy() or "auto (not chosen yet)"
             section["withheld"] = dict(wanted.withheld)
             section["ignored"] = dict(wanted.ignored)
             if wanted.ignored != self._ignored:

@@ -4,8 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host.files import atomic_write
+from gpu_agent.host.files import atomic_write, read_text
 from gpu_agent.host.paths import Root, followed, place
+from gpu_agent.toolkit.versions import BINARIES, DPKG_STATUS, PACKAGES
+
 
 class SimPackages:
     """Under simulation: 'installs' the toolkit's files on the sandbox root and records it;
@@ -36,7 +38,24 @@ class SimPackages:
         for path in self.FILES:  # where links in the sandbox lead, read as in a chroot at it
             atomic_write(self.root(place(self.root, path)),
                          "#!/bin/sh\n# placeholder installed by the gpu-agent simulator\n", 0o755)
-        status = self.root(followed(self.root, "/var/lib/dpkg/status"))
-        status.parent.mkdir(parents=True, exist_ok=True)
-        with open(status, "a") as db:
-            db.write(f"Package: {package}\nStatus: install ok installed\nVersion: {self.VERSION}\n\n")
+        record(self.root, package, self.VERSION)
+
+
+def record(root: Root, package: str, version: str) -> None:
+    """`package` at `version` in the package database under the root, any earlier record of it replaced."""
+    status = root(followed(root, DPKG_STATUS))
+    status.parent.mkdir(parents=True, exist_ok=True)
+    kept = [paragraph for paragraph in (read_text(status) or "").split("\n\n")
+            if paragraph.strip() and f"Package: {package}" not in paragraph.splitlines()]
+    kept.append(f"Package: {package}\nStatus: install ok installed\nVersion: {version}")
+    atomic_write(status, "\n\n".join(kept) + "\n\n")
+
+
+def install_runtime(root: Root, name: str, version: str) -> str:
+    """A container runtime or the kubelet as Debian's package lays it out: its binary and its record."""
+    if str(root.path) == "/":
+        raise AgentError(f"simulated runtimes on the real root /: not installing {name}")
+    package = PACKAGES[name][0]
+    atomic_write(root(place(root, BINARIES[name][0])), f"#!/bin/sh\necho '{name} {version} (simulated)'\n", 0o755)
+    record(root, package, f"{version}-1")
+    return f"{name} {version} installed (package {package})"

@@ -2,14 +2,17 @@
 only when its content changes (a driver update, a MIG change, device numbers after a driver reload).
 
 It consumes the inventory, so a MIG change made earlier in the same pass reaches the spec in that pass,
-and the container runtimes the toolkit stage found: with none, no spec is needed and none is written.
+and the device path: the spec is written whenever anything will name its devices (a runtime whose CDI
+switch the toolkit writes, or the device plugin with a CDI strategy), and only then. Without a device
+path (its stage off), whenever the toolkit stage found a container runtime. The device names the spec
+holds once written go to the device plugin, which names no other.
 """
 from __future__ import annotations
 
 import functools
 import posixpath
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from gpu_agent.config.toolkit import CdiConfig
 from gpu_agent.errors import AgentError, StageError
@@ -21,20 +24,24 @@ from gpu_agent.nvml.model import Inventory
 from gpu_agent.plan import RemoveFile, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.toolkit import cdi, configfile
+from gpu_agent.toolkit.devicepath import DevicePath
 
 
 @dataclass(frozen=True)
 class CdiState:
     path: str  # where the spec goes (a link's target)
     current: Optional[str]
-    desired: Optional[str]  # None: no container runtime to read a spec
+    desired: Optional[str]  # None: nothing names a CDI device here
     strays: tuple[str, ...] = ()  # temp files of a write a crash interrupted
+    devices: frozenset[str] = frozenset()  # the spec's device names (nvidia.com/gpu=GPU-...)
+    why_none: str = ""  # why no spec is needed
 
 
 class Cdi(Stage):
     name = "cdi"
     requires = ("discovery",)
-    consumes = ("inventory", "runtimes")
+    produces = ("cdi_devices",)
+    consumes = ("inventory", "runtimes", "device_path")
 
     def __init__(self, root: Root, settings: CdiConfig) -> None:
         self.root = root
@@ -43,8 +50,12 @@ class Cdi(Stage):
 
     def observe(self) -> CdiState:
         inventory: Optional[Inventory] = self.inputs.get("inventory")
-        if not self.inputs.get("runtimes"):
-            return CdiState(self.settings.path, None, None)
+        path: Optional[DevicePath] = self.inputs.get("device_path")
+        if path is not None and not path.spec_needed:
+            return CdiState(self.settings.path, None, None, why_none="no CDI spec needed: no runtime here gets CDI "
+                            f"switched on and the device plugin names no CDI device ({path.strategy})")
+        if path is None and not self.inputs.get("runtimes"):
+            return CdiState(self.settings.path, None, None, why_none="no container runtime found: no CDI spec needed")
         if inventory is None:
             raise StageError("no GPU inventory for the CDI spec")
         try:
@@ -53,13 +64,15 @@ class Cdi(Stage):
                 raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the "
                                  f"ld.so cache ({', '.join(files.missing)}): reinstall the driver's userspace, "
                                  "or run ldconfig")
-            spec = cdi.render(cdi.build_spec(inventory, self.root, files))
+            built = cdi.build_spec(inventory, self.root, files)
+            spec = cdi.render(built)
             current = configfile.read(self.root, self.settings.path)
         except AgentError as exc:
             raise StageError(f"CDI spec: {exc}") from None
         directory, name = posixpath.split(current.target)
         strays = tuple(posixpath.join(directory, path.name) for path in stray_temps(self.root(directory), [name]))
-        return CdiState(current.target, current.text, spec, strays)
+        devices = frozenset(f"{built['kind']}={device['name']}" for device in built["devices"])
+        return CdiState(current.target, current.text, spec, strays, devices)
 
     def plan(self, state: CdiState) -> list[Action]:
         actions = [Action.of(RemoveFile(path), functools.partial(remove, self.root(path))) for path in state.strays]
@@ -77,10 +90,15 @@ class Cdi(Stage):
 
     def verify(self, state: CdiState) -> str:
         if state.desired is None:
-            return "no container runtime found: no CDI spec needed"
+            return state.why_none
         if state.current != state.desired:
             raise StageError(f"the CDI spec {state.path} is not as generated")
         return f"CDI spec {state.path} is up to date"
+
+    def outputs(self, state: CdiState) -> dict[str, Any]:
+        """The spec's device names once the file is as generated; none before, or without a spec."""
+        written = state.desired is not None and state.current == state.desired
+        return {"cdi_devices": state.devices if written else frozenset()}
 
     def claims(self, state: CdiState) -> set[str]:
         return {state.path} if state.desired is not None else set()

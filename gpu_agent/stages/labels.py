@@ -143,6 +143,13 @@ class KubeSink(Stage):
         value = labels.get(key)
         return value if isinstance(value, str) else None
 
+    def node_info(self) -> Optional[dict[str, Any]]:
+        """The Node's status.nodeInfo (kubeletVersion, containerRuntimeVersion) as the labels' own read
+        last found it (every NODE_REFRESH_S): no request of its own, so a pass asks the API once; None
+        before the first read."""
+        info = ((self._node or {}).get("status") or {}).get("nodeInfo")
+        return info if isinstance(info, dict) else None
+
     def publish_label(self, key: str, value: str) -> None:
         """Set one of our labels now, between passes' full patches (the mig stage's state label going
         pending before a change starts); the next pass owns it like every other label."""

@@ -22,6 +22,7 @@ from gpu_agent.plan import InstallPackage, RemoveFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.errors import AgentError
 from gpu_agent.toolkit import cdi, configfile, containerd, crio, distributions, docker, runtime_config, transaction
+from gpu_agent.toolkit.devicepath import DevicePath
 from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
@@ -52,6 +53,19 @@ RUNTIMES = {
 }
 
 
+def found_runtimes(root: Root, settings: ToolkitConfig) -> list[str]:
+    """toolkit.runtimes, or (auto) every runtime whose config file or binary the node has."""
+    if settings.runtimes != "auto":
+        return list(settings.runtimes)
+    return [name for name, kind in RUNTIMES.items() if any(present(root, marker) for marker in kind.markers)]
+
+
+def present(root: Root, host_path: str) -> bool:
+    """Whether the node has `host_path`, its links followed under the root (/etc/containerd may link to
+    /opt/containerd: that is the node's /opt, not this machine's)."""
+    return root(configfile.resolve(root, host_path)).exists()
+
+
 @dataclass
 class ToolkitState:
     runtimes: list[str]
@@ -68,6 +82,7 @@ class ToolkitState:
 class Toolkit(Stage):
     name = "toolkit"
     produces = ("runtimes",)
+    consumes = ("device_path",)
 
     def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller,
                  settings: ToolkitConfig) -> None:
@@ -133,14 +148,10 @@ class Toolkit(Stage):
                 for found in stray_temps(self.root(directory), names or None)]
 
     def _runtimes(self) -> list[str]:
-        if self.settings.runtimes != "auto":
-            return list(self.settings.runtimes)
-        return [name for name, kind in RUNTIMES.items() if any(self._present(m) for m in kind.markers)]
+        return found_runtimes(self.root, self.settings)
 
     def _present(self, host_path: str) -> bool:
-        """Whether the node has `host_path`, its links followed under the root (/etc/containerd may link to
-        /opt/containerd: that is the node's /opt, not this machine's)."""
-        return self.root(configfile.resolve(self.root, host_path)).exists()
+        return present(self.root, host_path)
 
     def _version(self) -> Optional[str]:
         """From the package database under the root; on the running system, nvidia-ctk --version."""
@@ -162,11 +173,24 @@ class Toolkit(Stage):
         return (version is not None and not self.settings.allow_vulnerable_toolkit
                 and tuple(int(p) for p in re.findall(r"\d+", version)[:3]) < MINIMUM_VERSION)
 
-    def _cdi(self) -> bool:
-        return self.settings.cdi.enabled
+    def _cdi(self, runtime: Optional[str] = None) -> bool:
+        """Whether to write `runtime`'s CDI switch: where the device path says its version applies it."""
+        path: Optional[DevicePath] = self.inputs.get("device_path")
+        if runtime is None or path is None or runtime in distributions.DISTRIBUTIONS:
+            return self.settings.cdi.enabled  # the distributions' own containerd: not in the device path's table yet
+        return runtime in path.cdi
+
+    def _default(self, runtime: str) -> bool:
+        """Whether nvidia is `runtime`'s default runtime: set_as_default true, or (auto) where the device path
+        sends pods' GPUs through NVIDIA_VISIBLE_DEVICES."""
+        path: Optional[DevicePath] = self.inputs.get("device_path")
+        if path is None or runtime in distributions.DISTRIBUTIONS:
+            return self.settings.set_as_default is True
+        return runtime in path.nvidia_default
 
     def _containerd(self) -> list[FileChange]:
-        files = containerd.plan(self.root, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default)
+        files = containerd.plan(self.root, self.settings.runtime_binary, self._cdi("containerd"),
+                               self._default("containerd"))
         # The drop-in copies the CRI table, registry credentials included: it gets the root file's mode.
         changes = [FileChange(files.drop_in_target, files.drop_in_current, files.drop_in_desired, foreign=False,
                               mode=files.root_mode)]
@@ -190,16 +214,16 @@ class Toolkit(Stage):
 
     def _docker(self) -> list[FileChange]:
         current = configfile.read(self.root, docker.DAEMON_JSON)
-        wanted = docker.desired(current.text, self.settings.runtime_binary, self._cdi(), self.settings.set_as_default,
-                                current.shown)
+        wanted = docker.desired(current.text, self.settings.runtime_binary, self._cdi("docker"),
+                                self._default("docker"), current.shown)
         return [FileChange(current.target, current.text, wanted, foreign=True)]
 
     def _distribution(self, name: str) -> list[FileChange]:
         return distributions.plan(self.root, distributions.DISTRIBUTIONS[name], self.settings.runtime_binary,
-                                  self._cdi(), self.settings.set_as_default)
+                                  self._cdi(name), self._default(name))
 
     def _crio(self) -> list[FileChange]:
-        wanted = crio.desired(self.root, self.settings.runtime_binary, self.settings.set_as_default)
+        wanted = crio.desired(self.root, self.settings.runtime_binary, self._default("crio"))
         current = configfile.read(self.root, crio.DROP_IN)
         return [FileChange(current.target, current.text, wanted, foreign=False)]
 
@@ -301,7 +325,16 @@ class Toolkit(Stage):
         if problems:
             raise StageError("; ".join(problems))
         version = f"toolkit {state.version}" if state.version else "toolkit version unknown"
-        return f"nvidia runtime configured for {', '.join(state.runtimes)}; {version}"
+        return f"nvidia runtime configured for {', '.join(state.runtimes)}; {version}{self._path_notes(state)}"
+
+    def _path_notes(self, state: ToolkitState) -> str:
+        """What the device path changed here: CDI switches not written, and why; nvidia made the default."""
+        path: Optional[DevicePath] = self.inputs.get("device_path")
+        if path is None:
+            return ""
+        notes = [f"{name}: {why}" for name, why in path.no_cdi.items() if name in state.runtimes]
+        notes += [f"nvidia is {name}'s default runtime" for name in path.nvidia_default if name in state.runtimes]
+        return "".join(f"; {note}" for note in notes)
 
     def outputs(self, state: ToolkitState) -> dict[str, Any]:
         return {"runtimes": tuple(state.runtimes)}
