@@ -21,6 +21,7 @@ DGX_A100 = {
     "nvidia.com/gpu.memory": "40960", "nvidia.com/gpu.mode": "compute", "nvidia.com/gpu.present": "true",
     "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/gpu.replicas": "1",
     "nvidia.com/gpu.sharing-strategy": "none", "nvidia.com/mig.capable": "true", "nvidia.com/mps.capable": "false",
+    "nvidia.com/vgpu.present": "false",
 }
 
 

@@ -1,7 +1,8 @@
 """GFD's own label tables, replayed on the agent's labels: NVIDIA/k8s-device-plugin at commit
 1b826acc6af3079d8923bac395c3124b8861a9a6, internal/lm/mig-strategy_test.go (TestMigStrategyNoneLabels,
 TestMigStrategySingleLabels) and internal/lm/resource_test.go (TestGPUResourceLabeler,
-TestMigResourceLabeler; their MPS rows are the MPS work's). Each row keeps upstream's description.
+TestMigResourceLabeler; their MPS rows are the MPS work's), internal/lm/nvml_test.go (TestGPUModeLabeler,
+TestMigCapabilityLabeler) and internal/vgpu's mock config spaces. Each row keeps upstream's description.
 
 Upstream's mocks (internal/resource/testing/resource-testing.go) are rebuilt as inventories: NewFullGPU is
 a MOCKMODEL with 300 MiB and compute capability 8.0, MIG off; NewMigEnabledDevice a MOCKMODEL with MIG on
@@ -10,6 +11,7 @@ attributes) a MIG device named <gi>g.<gb>gb of gi GPU-instance slices and ci com
 Only the labels GFD's resource labeler writes are compared (not versions, machine, mode and the like)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -18,9 +20,15 @@ import pytest
 
 from gpu_agent.config.loader import validated
 from gpu_agent.config.plugin import PluginConfig
+from gpu_agent.host.paths import Root
+from gpu_agent.host.pci import Vgpu, vgpu_of
 from gpu_agent.kube.labels import compute, with_timestamp
+from gpu_agent.nvml.client import Nvml
 from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuInstance, Inventory, MigProfile, MigState
 from gpu_agent.plugin.devices import advertised, sharing
+from gpu_agent.sim.fake import FakeNvml
+from gpu_agent.sim.kernel import SimModprobe
+from gpu_agent.sim.machine import MachineState
 
 Mig = tuple[int, int, int, dict[str, int]]
 ARCH = {"nvidia.com/gpu.compute.major": "8", "nvidia.com/gpu.compute.minor": "0", "nvidia.com/gpu.family": "ampere"}
@@ -221,3 +229,86 @@ def test_the_labels_match_gfds_expected_mig_output(strategy: str, gpus: list[Gpu
     expected = [re.compile(line) for line in text.rstrip("\n").split("\n")]
     assert [line for line in lines if not any(r.search(line) for r in expected)] == []
     assert [r.pattern for r in expected if not any(r.search(line) for line in lines)] == []
+
+
+# GFD's other labelers. internal/lm/nvml_test.go TestGPUModeLabeler: the PCI classes of the node's GPUs
+# (its NewDeviceWithPCIClassMock) and the gpu.mode GFD writes (its rows' descriptions swap "compute" and
+# "graphics"; the classes and values are what count). A class that cannot be read: GFD's "unknown".
+@pytest.mark.parametrize("classes, mode", [
+    ([0x030000], "graphics"), ([0x030200], "compute"), ([0x068000], "unknown"),
+    ([0x030200] * 3, "compute"), ([0x030000] * 3, "graphics"), ([0x030000, 0x030200, 0x030000], "unknown"),
+    ([0x030200, None], "unknown"),
+])
+def test_gfd_gpu_mode_labeler(classes: list[Optional[int]], mode: str) -> None:
+    gpus = tuple(dataclasses.replace(gpu, pci_class=pci_class)
+                 for gpu, pci_class in zip(renumbered([full()] * len(classes)), classes))
+    assert compute(Inventory("400.300", "8.0", gpus), True, "none", None)["nvidia.com/gpu.mode"] == mode
+
+
+# nvml_test.go TestMigCapabilityLabeler: mig.capable is true when any GPU can do MIG.
+@pytest.mark.parametrize("gpus, capable", [
+    ([full()], "false"), ([full(), full()], "false"), ([mig_enabled()], "true"), ([full(), mig_enabled()], "true"),
+])
+def test_gfd_mig_capability_labeler(gpus: list[Gpu], capable: str) -> None:
+    labels = compute(Inventory("400.300", "8.0", renumbered(gpus)), True, "none", None)
+    assert labels["nvidia.com/mig.capable"] == capable
+
+
+def test_gpu_count_is_of_the_model_labeled() -> None:
+    """mig-strategy.go newGPULabelers counts GPUs by name, MIG-enabled ones too, and each model's labeler
+    writes its own count: on a node of two models gpu.count is the labeled model's, never the sum."""
+    other = dataclasses.replace(full(), product="OTHERMODEL", memory_mib=100)
+    labels = compute(Inventory("400.300", "8.0", renumbered([full(), other, full(), mig_enabled()])), True,
+                     "none", None)
+    assert (labels["nvidia.com/gpu.product"], labels["nvidia.com/gpu.count"]) == ("MOCKMODEL", "3")
+
+
+# GFD's internal/vgpu/pciutil.go NewMockNvidiaPCI: the config space of a passed-through GPU and of a vGPU
+# (copied to tests/data/upstream), read as its pciutil_test.go and vgpu_test.go read them.
+PCIUTIL = Path(__file__).parent / "data" / "upstream" / "k8s-device-plugin" / "internal" / "vgpu" / "pciutil.go"
+
+
+def _mock_config(name: str) -> bytes:
+    match = re.search(name + r"\s*= \[\]byte\{([^}]*)\}", PCIUTIL.read_text())
+    assert match is not None
+    return bytes(int(byte, 16) for byte in match.group(1).split(","))
+
+
+def test_gfd_vgpu_capability_from_pci_config_space() -> None:
+    passthrough, guest = _mock_config("gpuPassThroughConfig"), _mock_config("vgpuConfig")
+    assert len(passthrough) == len(guest) == 256
+    assert vgpu_of(passthrough) == Vgpu(False)
+    assert vgpu_of(guest) == Vgpu(True, "460.16", "r460_00")
+    assert vgpu_of(guest[:64]) is None  # not all read (unprivileged): GFD writes no vgpu labels
+    looping = bytearray(passthrough)
+    looping[0x34], looping[0x60:0x62] = 0x60, b"\x01\x60"
+    assert vgpu_of(bytes(looping)) == Vgpu(False)
+    stuck = bytearray(guest)  # a record of length 0, on which GFD's walk never ends
+    stuck[guest.index(b"VF") + 2:guest.index(b"VF") + 4] = b"\x01\x00"
+    assert vgpu_of(bytes(stuck)) == Vgpu(True)
+
+
+def test_gfd_vgpu_labels() -> None:
+    """internal/lm/vgpu.go: vgpu.present on every node whose GPUs' config space could be read, and on a vGPU
+    guest the version and branch of the host's vGPU manager."""
+    def labels(*found: Optional[Vgpu]) -> dict[str, str]:
+        gpus = tuple(dataclasses.replace(gpu, vgpu=v) for gpu, v in zip(renumbered([full()] * len(found)), found))
+        return {k: v for k, v in compute(Inventory("400.300", "8.0", gpus), True, "none", None).items()
+                if k.startswith("nvidia.com/vgpu.")}
+    assert labels(Vgpu(False), Vgpu(False)) == {"nvidia.com/vgpu.present": "false"}
+    assert labels(Vgpu(True, "460.16", "r460_00")) == {
+        "nvidia.com/vgpu.present": "true", "nvidia.com/vgpu.host-driver-version": "460.16",
+        "nvidia.com/vgpu.host-driver-branch": "r460_00"}
+    assert labels(Vgpu(False), None) == {}
+
+
+def test_the_simulated_gpus_are_3d_controllers_without_vgpu(tmp_path: Path) -> None:
+    """The simulator's sysfs gives each GPU its class and config space; discovery reads both."""
+    state = MachineState(Root(tmp_path))
+    state.ensure("dgx-a100")
+    root = Root(tmp_path).with_kernel(state.kernel_dir)
+    SimModprobe(state, root).load("nvidia")
+    gpus = Nvml(FakeNvml(state), root=root).inventory.read().gpus
+    assert {(gpu.pci_class, gpu.vgpu) for gpu in gpus} == {(0x030200, Vgpu(False))}
+    labels = compute(Inventory("550.90.07", "12.4", gpus), True, "none", None)
+    assert (labels["nvidia.com/gpu.mode"], labels["nvidia.com/vgpu.present"]) == ("compute", "false")

@@ -3,6 +3,7 @@ sample, so dashboards and alerts written for dcgm-exporter keep working; a scrap
 from __future__ import annotations
 
 import asyncio
+import csv
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,36 +24,35 @@ from gpu_agent.state import AgentState
 
 CAPTURE = Path(__file__).parent / "data" / "captures" / "h100-580-vm"
 
-# dcgm-exporter 4.5.3-4.8.2, etc/default-counters.csv: the counters NVML can supply, as it declares them.
-EXPECTED = {
-    "DCGM_FI_DEV_SM_CLOCK": ("gauge", "SM clock frequency (in MHz)."),
-    "DCGM_FI_DEV_MEM_CLOCK": ("gauge", "Memory clock frequency (in MHz)."),
-    "DCGM_FI_DEV_MEMORY_TEMP": ("gauge", "Memory temperature (in C)."),
-    "DCGM_FI_DEV_GPU_TEMP": ("gauge", "GPU temperature (in C)."),
-    "DCGM_FI_DEV_POWER_USAGE": ("gauge", "Power draw (in W)."),
-    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": ("counter", "Total energy consumption since boot (in mJ)."),
-    "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": ("counter", "Total number of PCIe retries."),
-    "DCGM_FI_DEV_GPU_UTIL": ("gauge", "GPU utilization (in %)."),
-    "DCGM_FI_DEV_MEM_COPY_UTIL": ("gauge", "Memory utilization (in %)."),
-    "DCGM_FI_DEV_ENC_UTIL": ("gauge", "Encoder utilization (in %)."),
-    "DCGM_FI_DEV_DEC_UTIL": ("gauge", "Decoder utilization (in %)."),
-    "DCGM_FI_DEV_XID_ERRORS": ("gauge", "Value of the last XID error encountered."),
-    "DCGM_FI_DEV_FB_FREE": ("gauge", "Framebuffer memory free (in MiB)."),
-    "DCGM_FI_DEV_FB_USED": ("gauge", "Framebuffer memory used (in MiB)."),
-    "DCGM_FI_DEV_FB_RESERVED": ("gauge", "Framebuffer memory reserved (in MiB)."),
-    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("counter", "Number of remapped rows for uncorrectable errors"),
-    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("counter", "Number of remapped rows for correctable errors"),
-    "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("gauge", "Whether remapping of rows has failed"),
-    "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL": ("counter", "Total number of NVLink bandwidth counters for all lanes."),
-    "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("gauge", "Ratio of time the graphics engine is active."),
-    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("gauge", "Ratio of cycles the tensor (HMMA) pipe is active."),
-    "DCGM_FI_PROF_DRAM_ACTIVE": ("gauge",
-                                 "Ratio of cycles the device memory interface is active sending or receiving data."),
-    "DCGM_FI_PROF_PCIE_TX_BYTES": ("gauge", "The rate of data transmitted over the PCIe bus - including both protocol "
-                                   "headers and data payloads - in bytes per second."),
-    "DCGM_FI_PROF_PCIE_RX_BYTES": ("gauge", "The rate of data received over the PCIe bus - including both protocol "
-                                   "headers and data payloads - in bytes per second."),
-}
+# dcgm-exporter 4.5.3-4.8.2 (its current release), etc/default-counters.csv and etc/dcp-metrics-included.csv,
+# copied to tests/data/upstream: every counter there but those NVML cannot give (docs/metrics.md lists them,
+# with why) is exported with the same name, type and help text. DCGM_FI_DRIVER_VERSION, of type "label",
+# is a label of every series.
+DCGM_ETC = Path(__file__).parent / "data" / "upstream" / "dcgm-exporter" / "etc"
+NOT_EXPORTED = {"DCGM_FI_DEV_VGPU_LICENSE_STATUS"}
+
+
+def _counters(name: str) -> dict[str, tuple[str, str]]:
+    """A dcgm-exporter counters file: `name, type, help` per line, # comments (its own parser: csv, trimmed)."""
+    found = {}
+    for row in csv.reader(line for line in (DCGM_ETC / name).read_text().splitlines()
+                          if line.strip() and not line.lstrip().startswith("#")):
+        found[row[0].strip()] = (row[1].strip(), ",".join(row[2:]).strip())
+    return found
+
+
+UPSTREAM = _counters("default-counters.csv")
+EXPECTED = {name: value for name, value in UPSTREAM.items()
+            if name not in NOT_EXPORTED and value[0] != "label"}
+
+
+def test_the_dcp_file_lists_the_default_counters() -> None:
+    """dcp-metrics-included.csv (the Helm chart's and image's profiling set) has the same counters and types."""
+    assert {name: kind for name, (kind, _) in _counters("dcp-metrics-included.csv").items()} == \
+        {name: kind for name, (kind, _) in UPSTREAM.items()}
+    assert UPSTREAM["DCGM_FI_DRIVER_VERSION"][0] == "label" and "DCGM_FI_DRIVER_VERSION" in LABELS
+    metrics_doc = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
+    assert all(f"`{name}`" in metrics_doc for name in NOT_EXPORTED)
 
 
 class Node:

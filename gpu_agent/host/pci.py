@@ -109,3 +109,62 @@ def numa_node(root: Root, address: str) -> Optional[int]:
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None
+
+
+def pci_class(root: Root, address: str) -> Optional[int]:
+    """The function's class code, all 24 bits (0x030200); None where it cannot be read."""
+    try:
+        return _hex(str(root(f"/sys/bus/pci/devices/{address.lower()}")), "class") & 0xFFFFFF
+    except (OSError, HostFormatError):
+        return None
+
+
+@dataclass(frozen=True)
+class Vgpu:
+    """What the vGPU capability in a GPU's PCI config space says, read as GFD's internal/vgpu reads it."""
+
+    present: bool  # the vendor-specific capability carries the vGPU signature "VF": a vGPU guest
+    host_driver_version: str = ""  # of the vGPU manager on the hypervisor ("460.16"); "" where not recorded
+    host_driver_branch: str = ""  # "r460_00"
+
+
+_STATUS, _CAPABILITY_LIST, _VENDOR_SPECIFIC = 0x06, 0x34, 0x09
+_RECORDS, _FIELD = 5, 10  # GFD's VGPUCapabilityRecordStart; HostDriverVersionLength and ...BranchLength
+
+
+def vgpu(root: Root, address: str) -> Optional[Vgpu]:
+    """The vGPU capability of the GPU at `address`; None where its config space cannot be read whole (GFD
+    then writes no vgpu labels: 'run GFD with privileged mode to read complete PCI configuration data')."""
+    try:
+        with open(root(f"/sys/bus/pci/devices/{address.lower()}/config"), "rb") as config:
+            return vgpu_of(config.read(256))
+    except OSError:
+        return None
+
+
+def vgpu_of(config: bytes) -> Optional[Vgpu]:
+    """GFD's GetVendorSpecificCapability, IsVGPUDevice and GetInfo on the first 256 bytes of config space:
+    the first vendor-specific capability (id 9) in the capability list; a vGPU when it is signed 'VF'; then
+    its records from offset 5, each [id, length, ...], until record 0, which holds the host driver's
+    version and branch, 10 NUL-padded bytes each. A list that loops or breaks (id 0xff) ends the walk."""
+    if len(config) < 256:
+        return None
+    capability = b""
+    position, visited = config[_CAPABILITY_LIST] if config[_STATUS] & 0x10 else 0, set()
+    while position and position not in visited and config[position] != 0xFF:
+        if config[position] == _VENDOR_SPECIFIC:
+            capability = config[position:position + config[(position + 2) & 0xFF]]
+            break
+        visited.add(position)
+        position = config[(position + 1) & 0xFF]
+    if len(capability) < 5 or capability[3:5] != b"VF":
+        return Vgpu(False)
+    position, record = _RECORDS, capability[_RECORDS] if len(capability) > _RECORDS else 0
+    while record != 0 and position + 1 < len(capability) and capability[position + 1]:  # a 0 length: GFD spins
+        position += capability[position + 1]
+        record = capability[position] if position < len(capability) else 0
+    start = position + 2
+    if record != 0 or start + 2 * _FIELD > len(capability):
+        return Vgpu(True)  # GFD fails the labeling pass here ("cannot find driver version record")
+    version, branch = capability[start:start + _FIELD], capability[start + _FIELD:start + 2 * _FIELD]
+    return Vgpu(True, *(field.strip(b"\0").decode("ascii", "replace") for field in (version, branch)))

@@ -85,7 +85,7 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
     labels.update({
         "gpu.present": "true",
         "gpu.machine": sanitise(machine) if machine is not None else "unknown",
-        "gpu.mode": "compute",
+        "gpu.mode": gpu_mode(inventory.gpus),
         "gpu.replicas": "1",
         "gpu.sharing-strategy": "none",
         "mig.capable": str(any(gpu.mig.capable for gpu in inventory.gpus)).lower(),
@@ -93,7 +93,10 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
     })
     if strategy != "none":
         labels["mig.strategy"] = strategy
-    labels.update({"gpu.product": product, "gpu.count": str(len(inventory.gpus)), "gpu.memory": str(first.memory_mib)})
+    # GFD labels one model (a random one of several: Go's map order); its count is the GPUs of that model
+    count = sum(gpu.product == first.product for gpu in inventory.gpus)
+    labels.update({"gpu.product": product, "gpu.count": str(count), "gpu.memory": str(first.memory_mib)})
+    labels.update(_vgpu(inventory.gpus))
     single = strategy == "single" and any(gpu.mig.enabled for gpu in inventory.gpus)
     if not single and all(gpu.mig.enabled for gpu in inventory.gpus):
         # GFD's newGPULabelers: the gpu.* labels of MIG-enabled GPUs never carry sharing (replicas 0),
@@ -106,6 +109,31 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
         labels.update(_single(inventory.gpus, product))
     labels.update(_sharing(labels, shared))
     return _prefixed(labels)
+
+
+_VGA, _3D = 0x030000, 0x030200
+
+
+def gpu_mode(gpus: tuple[Gpu, ...]) -> str:
+    """GFD's newGPUModeLabeler: `graphics` where every GPU's PCI class is VGA, `compute` where every one is
+    a 3D controller, `unknown` for a mix, another class, or a class that could not be read."""
+    classes = {gpu.pci_class for gpu in gpus}
+    if len(classes) != 1:
+        return "unknown"
+    return {_VGA: "graphics", _3D: "compute"}.get(classes.pop() or 0, "unknown")
+
+
+def _vgpu(gpus: tuple[Gpu, ...]) -> dict[str, str]:
+    """GFD's vgpu labeler: vgpu.present, and on a vGPU guest the host's vGPU manager version and branch.
+    Nothing where a GPU's config space could not be read (GFD logs 'unable to get vGPU devices')."""
+    if any(gpu.vgpu is None for gpu in gpus):
+        return {}
+    guests = [gpu.vgpu for gpu in gpus if gpu.vgpu is not None and gpu.vgpu.present]
+    labels = {"vgpu.present": str(bool(guests)).lower()}
+    for guest in guests[-1:]:
+        labels.update({"vgpu.host-driver-version": guest.host_driver_version,
+                       "vgpu.host-driver-branch": guest.host_driver_branch})
+    return labels
 
 
 def with_timestamp(wanted: Mapping[str, str], published: Mapping[str, str], now: float) -> dict[str, str]:

@@ -83,7 +83,8 @@ class MigConfigFile:
     def select(self, name: str) -> tuple[MigConfigEntry, ...]:
         if name not in self.configs:
             known = ", ".join(sorted(self.configs)[:40])
-            raise MigConfigError(f"{self.source}: no MIG config {shown(name)}; it has: {known}")
+            raise MigConfigError(f"{self.source}: no MIG config {shown(name)}; "
+                                 + (f"it has: {known}" if known else "it has none (no mig-configs)"))
         return self.configs[name]
 
 
@@ -134,8 +135,8 @@ class _Reader:
         return MigConfigError(f"{where}: {key}: {reason}")
 
     def file(self, data: Any) -> MigConfigFile:
-        if data is None:
-            raise MigConfigError(f"{self.name}: empty; a MIG config starts with `version: v1` and `mig-configs:`")
+        if data is None:  # mig-parted reads an empty file as a spec without configs: selecting any fails
+            return MigConfigFile(self.name, {})
         if not isinstance(data, dict):
             raise self.fail((), f"expected a mapping with version and mig-configs, got {_kind(data)}")
         if "version" not in data:
@@ -145,7 +146,9 @@ class _Reader:
         for key in data:
             if key not in ("version", "mig-configs"):
                 raise self.fail((str(key),), "unexpected field; a v1 file has only version and mig-configs")
-        configs = data.get("mig-configs")
+        if "mig-configs" not in data:  # as mig-parted: `version: v1` alone is a spec without configs
+            return MigConfigFile(self.name, {})
+        configs = data["mig-configs"]
         if not isinstance(configs, dict) or not configs:
             raise self.fail(("mig-configs",), "at least one named config is required, as a mapping of name to a "
                                               f"list of entries (got {_kind(configs)})")

@@ -19,7 +19,8 @@ from gpu_agent.nvml.session import NvmlSession
 
 class Nvml:
     def __init__(self, lib: Any, call_timeout: float = 5.0, root: Optional[Root] = None) -> None:
-        """`root`: where the GPUs' NUMA nodes are read (sysfs); without it they are unknown."""
+        """`root`: where the GPUs' NUMA nodes, PCI classes and config space are read (sysfs); without it
+        they are unknown."""
         self.lib = lib
         self.session = NvmlSession(lib, call_timeout)
         self.mig = NvmlMig(self.session)

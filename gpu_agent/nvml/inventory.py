@@ -7,7 +7,7 @@ import threading
 from typing import Any, NamedTuple, Optional
 
 from gpu_agent.host.paths import Root
-from gpu_agent.host.pci import numa_node
+from gpu_agent.host.pci import Vgpu, numa_node, pci_class, vgpu
 from gpu_agent.nvml.mig import NvmlMig
 from gpu_agent.nvml.model import Gpu, GpuLink, Inventory
 from gpu_agent.nvml.session import NvmlSession, describe, short_bus_id, text_of
@@ -27,6 +27,8 @@ class _GpuIdentity(NamedTuple):
     pci_device_id: int
     pci_subsystem_id: int
     numa_node: Optional[int]
+    pci_class: Optional[int]
+    vgpu: Optional[Vgpu]
     mig_mode: Optional[tuple[int, int]]  # as it was read with the rest
 
 
@@ -38,7 +40,8 @@ class DriverView(NamedTuple):
 
 class NvmlInventory:
     def __init__(self, session: NvmlSession, mig: NvmlMig, root: Optional[Root] = None) -> None:
-        """`root`: where the GPUs' NUMA nodes are read (sysfs); without it they are unknown."""
+        """`root`: where the GPUs' NUMA nodes, PCI classes and config space are read (sysfs); without it they
+        are unknown."""
         self.session = session
         self.mig = mig
         self.root = root
@@ -114,6 +117,8 @@ class NvmlInventory:
             pci_device_id=identity.pci_device_id,
             pci_subsystem_id=identity.pci_subsystem_id,
             numa_node=identity.numa_node,
+            pci_class=identity.pci_class,
+            vgpu=identity.vgpu,
         )
 
     def _identity(self, handle: Any, mig_mode: Optional[tuple[int, int]]) -> _GpuIdentity:
@@ -126,7 +131,9 @@ class NvmlInventory:
             uuid=uuid, pci_bus_id=bus_id, product=call("nvmlDeviceGetName", handle),
             compute_capability=(major, minor), minor_number=call("nvmlDeviceGetMinorNumber", handle),
             pci_device_id=pci.pciDeviceId, pci_subsystem_id=pci.pciSubSystemId,
-            numa_node=numa_node(self.root, bus_id) if self.root else None, mig_mode=mig_mode,
+            numa_node=numa_node(self.root, bus_id) if self.root else None,
+            pci_class=pci_class(self.root, bus_id) if self.root else None,
+            vgpu=vgpu(self.root, bus_id) if self.root else None, mig_mode=mig_mode,
         )
 
     # --- topology --------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any, Optional
 
+from gpu_agent.host.pci import Vgpu
+
 
 @dataclass(frozen=True)
 class MigProfile:
@@ -95,6 +97,8 @@ class Gpu:
     pci_device_id: int = 0  # 0xDDDDVVVV, as mig-parted's device-filter writes it
     pci_subsystem_id: int = 0  # 0xSSSSssss
     numa_node: Optional[int] = None  # the CPU NUMA node it hangs off (sysfs numa_node); None: unknown (-1, a VM)
+    pci_class: Optional[int] = None  # sysfs class: 0x030200 a 3D controller (compute), 0x030000 VGA; None: unread
+    vgpu: Optional[Vgpu] = None  # the vGPU capability in its PCI config space; None: config space unread
 
     @property
     def device_node(self) -> str:

@@ -280,9 +280,25 @@ def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) ->
         files[f"{base}/vendor"] = f"0x{vendor:04x}\n"
         files[f"{base}/device"] = f"0x{device:04x}\n"
         files[f"{base}/class"] = f"0x{pci_class:06x}\n"
+        if vendor == 0x10DE and pci_class >> 8 == 0x0302:
+            files[f"{base}/config"] = _config_space(vendor, device, pci_class).decode("utf-8", "surrogateescape")
     for gpu in state["gpus"]:
         files[f"sys/bus/pci/devices/{_sysfs_address(gpu['pci_bus_id'])}/numa_node"] = \
             f"{topology.of(gpu)['numa_node']}\n"
+
+
+def _config_space(vendor: int, device: int, pci_class: int) -> bytes:
+    """The first 256 bytes of a bare-metal GPU's PCI config space, as root reads sysfs `config`: the ids, a
+    capability list (power management, MSI, PCIe) and NVIDIA's vendor-specific capability, not signed
+    "VF" as a vGPU's is (GFD's vgpu labeler reads it: vgpu.present=false)."""
+    space = bytearray(256)
+    space[0:4] = vendor.to_bytes(2, "little") + device.to_bytes(2, "little")
+    space[0x06] = 0x10  # status: a capability list
+    space[0x09:0x0C] = pci_class.to_bytes(3, "little")
+    space[0x34] = 0x60
+    space[0x60:0x62], space[0x68:0x6A], space[0x78:0x7A] = b"\x01\x68", b"\x05\x78", b"\x10\xb4"
+    space[0xB4:0xB7] = b"\x09\x00\x14"  # id 9, the end of the list, 20 bytes
+    return bytes(space)
 
 
 def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> None:
