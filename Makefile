@@ -62,7 +62,8 @@ test-slow: $(BIN)/gpu-agent
 test-all: lint
 	GPU_AGENT_TEST_ALL=1 $(PYTEST)
 
-# The packages installed and run under a booted Debian 12 (root; debootstrap, systemd-nspawn, lintian, rpm).
+# The packages installed and run under a booted Debian 12 (root; debootstrap, systemd-nspawn, lintian, rpm), and
+# the runtime matrix: Debian 12 and 13 with their containerd, Docker and podman (tests/e2e/test_runtimes.py).
 e2e: $(BIN)/gpu-agent
 	$(BIN)/python -m pytest -q tests/e2e
 

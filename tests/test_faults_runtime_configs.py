@@ -488,6 +488,18 @@ def test_a_runtime_whose_config_directory_is_a_link_is_found(tmp_path: Path) -> 
     assert (root / "opt/containerd/conf.d/99-nvidia.toml").is_file()
 
 
+def test_debians_docker_is_found_by_its_dockerd_in_sbin(tmp_path: Path) -> None:
+    """docker.io installs /usr/sbin/dockerd and no daemon.json (the e2e matrix found it left out)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    make_node(root)
+    place(root, {"usr/sbin/dockerd": ""})
+    outcome = run_stage(root, tmp_path, (), {"runtimes": "auto"})
+    assert outcome.state == OK, outcome.message
+    assert outcome.services.restarts == ["docker.service"]
+    assert "nvidia" in json.loads((root / "etc/docker/daemon.json").read_text())["runtimes"]
+
+
 def test_a_link_never_leads_out_of_the_root(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()

@@ -45,7 +45,9 @@ class RuntimeKind:
 RUNTIMES = {
     "containerd": RuntimeKind("containerd.service", "/run/containerd/containerd.sock",
                               (containerd.ROOT_CONFIG, "/usr/bin/containerd", "/usr/local/bin/containerd")),
-    "docker": RuntimeKind("docker.service", "/run/docker.sock", (docker.DAEMON_JSON, "/usr/bin/dockerd")),
+    # Debian's and Ubuntu's docker.io install dockerd in /usr/sbin, Docker's own packages in /usr/bin.
+    "docker": RuntimeKind("docker.service", "/run/docker.sock",
+                          (docker.DAEMON_JSON, "/usr/bin/dockerd", "/usr/sbin/dockerd")),
     "crio": RuntimeKind("crio.service", "/var/run/crio/crio.sock", (crio.MAIN, crio.DROP_IN_DIR, "/usr/bin/crio")),
     # The distributions that embed containerd: found by the config they render (or template) at start;
     # their unit is the one the node runs (k3s or k3s-agent...), chosen when observed.
