@@ -4,7 +4,7 @@ For each such resource it makes /run/nvidia/mps/<resource>/{pipe,log} (recorded 
 starts `nvidia-cuda-mps-control -d` for exactly that resource's GPUs, sets the default active thread
 percentage (100 / replicas) and each GPU's pinned memory limit (its memory / replicas) as NVIDIA's
 mps-control-daemon does, and checks that it answers (get_server_list). It looks at each daemon every
-POLL_S: one that died (or stops answering) is down, its devices Unhealthy in the plugin, and it is started
+half second (Timing): one that died (or stops answering) is down, its devices Unhealthy in the plugin, and it is started
 again after a backoff (1 s, doubling to 30 s), the restarts counted. A resource the config no longer
 shares gets `quit` and its directories removed. A daemon left running by a previous agent process is
 adopted (its pid file in the pipe directory), so an agent restart does not cut off the clients.
@@ -30,9 +30,13 @@ from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5  # how often a daemon's pid is looked at: a dead one is seen within a second
-PROBE_S = 10.0  # how often a running daemon must answer get_server_list
-BACKOFF_S = (1.0, 30.0)
+
+
+@dataclass(frozen=True)
+class Timing:
+    poll_s: float = 0.5  # how often a daemon's pid is looked at: a dead one is seen within a second
+    probe_s: float = 10.0  # how often a running daemon must answer get_server_list
+    backoff_s: tuple[float, float] = (1.0, 30.0)  # the first wait before a restart, and the longest
 
 
 @dataclass
@@ -74,8 +78,10 @@ def wanted_daemons(root: Root, state: AgentState) -> tuple[dict[str, DaemonSpec]
 
 
 class MpsManager:
-    def __init__(self, root: Root, state: AgentState, control: MpsControl, changed: Callable[[], None]) -> None:
+    def __init__(self, root: Root, state: AgentState, control: MpsControl, changed: Callable[[], None],
+                 timing: Timing = Timing()) -> None:
         self.root = root
+        self.timing = timing
         self.state = state
         self.control = control
         self.changed = changed  # the daemon publishes: the plugin sees a daemon go down or come back
@@ -97,7 +103,7 @@ class MpsManager:
                 log.exception("MPS control daemon watch failed; this is a gpu-agent bug")
             if self.daemons:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), POLL_S)
+                    await asyncio.wait_for(wake.wait(), self.timing.poll_s)
             else:
                 await wake.wait()
 
@@ -116,6 +122,7 @@ class MpsManager:
         """Start it if it is not running and its backoff has passed; see whether a running one still runs."""
         now = time.monotonic()
         spec = running.spec
+        first, longest = self.timing.backoff_s
         if running.pid is None and running.error is None:  # first look: a daemon from before may run
             running.pid = self.control.pid(spec)
             if running.pid is not None:
@@ -125,14 +132,14 @@ class MpsManager:
         if running.error is None and running.pid is not None:
             pid = self.control.pid(spec)
             problem = None if pid is not None else "its control daemon exited"
-            if problem is None and now - running.probed_at >= PROBE_S:
+            if problem is None and now - running.probed_at >= self.timing.probe_s:
                 problem = self._probe(spec)
                 running.probed_at = now
             if problem is None:
                 running.pid = pid
                 return
             log.warning("MPS control daemon for %s is down: %s; starting it again", spec.resource, problem)
-            running.error, running.pid, running.next_try = problem, None, now + BACKOFF_S[0]
+            running.error, running.pid, running.next_try = problem, None, now + first
             running.failures = 1
             return
         if now < running.next_try:
@@ -143,7 +150,7 @@ class MpsManager:
         except AgentError as exc:
             running.error = str(exc)
             running.failures += 1
-            running.next_try = now + min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (running.failures - 1))
+            running.next_try = now + min(longest, first * 2 ** (running.failures - 1))
             log.warning("MPS control daemon for %s: %s; trying again in %.0f s", spec.resource, exc,
                         running.next_try - now)
             return
