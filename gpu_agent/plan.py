@@ -119,6 +119,18 @@ class SetPersistenceMode(Change):
 
 
 @dataclass(frozen=True)
+class StopMpsDaemon(Change):
+    """`quit` to an MPS control daemon (SIGTERM if it does not exit), before its directories go."""
+
+    kind: ClassVar[str] = "StopMpsDaemon"
+    resource: str
+    pid: int
+
+    def describe(self) -> str:
+        return f"stop the MPS control daemon for {self.resource} (pid {self.pid})"
+
+
+@dataclass(frozen=True)
 class InstallPackage(Change):
     kind: ClassVar[str] = "InstallPackage"
     package: str

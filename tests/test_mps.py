@@ -16,7 +16,9 @@ from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.labels import compute
 from gpu_agent.cli.status import print_mps
-from gpu_agent.mps.daemons import MpsManager, Timing
+from gpu_agent.mps.control import DaemonSpec
+from gpu_agent.mps.daemons import MpsManager, Timing, stop_daemon
+from gpu_agent.plan import RemoveFile, StopMpsDaemon
 from gpu_agent.nvml.model import Gpu, Inventory, MigState
 from gpu_agent.plugin.allocate import AllocationError, allocate
 from gpu_agent.plugin.devices import GPU_RESOURCE, advertised, sharing
@@ -221,7 +223,7 @@ async def _until(condition: Callable[[], bool], seconds: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_uninstall_removes_the_mps_directories(tmp_path: Path) -> None:
+def test_uninstall_stops_the_daemons_then_removes_their_directories(tmp_path: Path) -> None:
     from harness import SimNode
 
     node = SimNode(tmp_path, "dgx-h100")
@@ -230,5 +232,22 @@ def test_uninstall_removes_the_mps_directories(tmp_path: Path) -> None:
     state = AgentState(LoadedConfig(parse_config(MPS4, "c"), "c", "d"), inventory=EIGHT)
     asyncio.run(MpsManager(root, state, SimMpsControl(node.machine, 0.2), lambda: None).sync())
     assert tmp_path.joinpath("run/nvidia/mps/nvidia.com/gpu/log").is_dir()
-    node.uninstall()
+    pid = node.machine.read()["mps"][GPU_RESOURCE]["pid"]
+    planned = node.uninstall(dry_run=True).changes("owned-files")
+    assert planned[0] == StopMpsDaemon(GPU_RESOURCE, pid)
+    assert RemoveFile("/run/nvidia/mps/nvidia.com/gpu/pipe") in planned
+    assert node.machine.read()["mps"][GPU_RESOURCE]["alive"]  # a dry run stops nothing
+    assert node.uninstall().ok
+    assert not node.machine.read()["mps"][GPU_RESOURCE]["alive"]
     assert not tmp_path.joinpath("run/nvidia/mps").exists() and Ledger(root).mps_directories() == {}
+
+
+def test_a_daemon_that_does_not_answer_quit_gets_sigterm(tmp_path: Path) -> None:
+    machine = MachineState(Root(tmp_path))
+    machine.ensure("dgx-h100")
+    control = SimMpsControl(machine, 0.05)
+    spec = DaemonSpec.left(GPU_RESOURCE)
+    control.start(spec)
+    with machine.edit() as sim:
+        sim["faults"].append({"id": 1, "call": "mps", "error": "hang", "times": None})
+    assert stop_daemon(control, spec, wait_s=0.1) is None and control.pid(spec) is None

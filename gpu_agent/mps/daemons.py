@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 
 
+QUIT_WAIT_S = 5.0  # how long a daemon may take to exit after quit, and again after SIGTERM
+
+
 @dataclass(frozen=True)
 class Timing:
     poll_s: float = 0.5  # how often a daemon's pid is looked at: a dead one is seen within a second
@@ -190,17 +193,17 @@ class MpsManager:
 
     def _stop(self, running: Running) -> None:
         spec = running.spec
-        if self.control.pid(spec) is not None:
-            try:
-                self.control.send(spec, "quit")
-            except AgentError as exc:
-                log.warning("MPS control daemon for %s: %s", spec.resource, exc)
+        problem = stop_daemon(self.control, spec)
+        if problem is not None:
+            log.warning("%s; its directories are left", problem)
+            return
         log.info("MPS control daemon for %s stopped: the config no longer shares it by MPS", spec.resource)
         self._remove_directories(spec.resource)
 
     def _remove_left_over(self) -> None:
-        for resource in sorted(set(self.ledger.mps_directories().values())):
-            self._remove_directories(resource)
+        """The daemons and directories of resources no longer shared (by a previous agent process, too)."""
+        for problem in stop_left_over(self.root, self.ledger, self.control):
+            log.warning("%s", problem)
 
     def _remove_directories(self, resource: str) -> None:
         remove_mps_directories(self.root, self.ledger, resource)
@@ -218,10 +221,59 @@ class MpsManager:
             self.changed()
 
 
+def stop_daemon(control: MpsControl, spec: DaemonSpec, wait_s: float = QUIT_WAIT_S) -> Optional[str]:
+    """`quit` to the daemon, as NVIDIA's does to stop it, then SIGTERM if it has not exited within `wait_s`
+    (it waits for its clients, or does not answer), then as long again; None once it runs no more, else why
+    it still runs."""
+    pid = control.pid(spec)
+    if pid is None:
+        return None
+    try:
+        control.send(spec, "quit")
+    except AgentError as exc:
+        log.warning("MPS control daemon for %s: %s", spec.resource, exc)
+    if _exited(control, spec, wait_s):
+        return None
+    log.warning("MPS control daemon for %s (pid %d) still runs %g s after quit; sending it SIGTERM", spec.resource,
+                pid, wait_s)
+    control.terminate(spec)
+    if _exited(control, spec, wait_s):
+        return None
+    return f"the MPS control daemon for {spec.resource} (pid {pid}) still runs after quit and SIGTERM"
+
+
+def _exited(control: MpsControl, spec: DaemonSpec, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while control.pid(spec) is not None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _ancestors(directory: str) -> list[str]:
     """MPS_ROOT, then each directory down to `directory`: /run/nvidia/mps, .../nvidia.com, .../nvidia.com/gpu."""
     parts = directory[len(MPS_ROOT):].strip("/").split("/")
     return [MPS_ROOT] + [f"{MPS_ROOT}/{'/'.join(parts[:n])}" for n in range(1, len(parts) + 1)]
+
+
+def left_over(ledger: Ledger) -> list[str]:
+    """The resources whose daemons' directories the ledger holds."""
+    return sorted(set(ledger.mps_directories().values()))
+
+
+def stop_left_over(root: Root, ledger: Ledger, control: MpsControl, wait_s: float = QUIT_WAIT_S) -> list[str]:
+    """Stop the daemon of each resource the ledger holds directories of, then remove its directories; a
+    daemon that does not stop keeps them. Returns what could not be done."""
+    problems = []
+    for resource in left_over(ledger):
+        problem = stop_daemon(control, DaemonSpec.left(resource), wait_s)
+        if problem is not None:
+            problems.append(f"{problem}; its directories under {resource_dir(resource)} are left")
+            continue
+        for directory in remove_mps_directories(root, ledger, resource):
+            log.info("%s: removed (gpu-agent no longer manages it)", directory)
+    return problems
 
 
 def remove_mps_directories(root: Root, ledger: Ledger, resource: Optional[str] = None) -> list[str]:
