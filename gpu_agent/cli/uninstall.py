@@ -28,7 +28,8 @@ def stages(runtime: Runtime) -> list[Stage]:
     """The owned-files stage with nothing claimed."""
     from gpu_agent.stages.owned_files import OwnedFiles
 
-    return [OwnedFiles(runtime.root, runtime.services, set(), uninstall=True, mps=runtime.mps_control())]
+    mps = (runtime.mps_control(), runtime.nvml.inventory)
+    return [OwnedFiles(runtime.root, runtime.services, set(), uninstall=True, mps=mps)]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -438,7 +438,8 @@ class Daemon:
             return
         from gpu_agent.mps.daemons import MpsManager
 
-        self.mps = MpsManager(self.runtime.root, self.state, self.runtime.mps_control(), self.publish)
+        self.mps = MpsManager(self.runtime.root, self.state, self.runtime.mps_control(), self.runtime.nvml.inventory,
+                              self.publish)
         self._tasks.append(asyncio.create_task(self.mps.run(), name="mps"))
 
     def _ensure_plugin(self) -> None:

@@ -70,6 +70,16 @@ class MpsControl(Protocol):
         """SIGTERM to a daemon that ignored `quit`."""
 
 
+class ComputeModes(Protocol):
+    """A GPU's compute mode by UUID, named as nvidia-smi names it (nvml.inventory.NvmlInventory)."""
+
+    def compute_mode(self, uuid: str) -> str:
+        """An AgentError names the GPU and why it cannot be read."""
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        """An AgentError names the GPU and why it cannot be set."""
+
+
 class HostMpsControl:
     """The real one: argv lists, a timeout on each call, answers bounded."""
 

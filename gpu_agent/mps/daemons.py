@@ -16,14 +16,14 @@ import contextlib
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from gpu_agent.config.plugin import mig_strategy, plugin_wanted
 from gpu_agent.errors import AgentError
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.mps.control import DaemonSpec, MpsControl
+from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
 from gpu_agent.mps.layout import MPS_ROOT, log_dir, pipe_dir, resource_dir
 from gpu_agent.plugin.devices import advertised
 from gpu_agent.state import AgentState
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 
 
+EXCLUSIVE = "EXCLUSIVE_PROCESS"
 QUIT_WAIT_S = 5.0  # how long a daemon may take to exit after quit, and again after SIGTERM
 
 
@@ -52,6 +53,7 @@ class Running:
     error: Optional[str] = None  # why it is down
     next_try: float = 0.0
     probed_at: float = 0.0
+    modes_before: dict[str, str] = field(default_factory=dict)  # by GPU UUID: the compute mode put back at its stop
 
     def to_json(self) -> dict[str, Any]:
         spec = self.spec
@@ -59,7 +61,10 @@ class Running:
                 "replicas": spec.replicas, "pid": self.pid, "up": self.error is None and self.pid is not None,
                 "started_at": self.started_at, "active_thread_percentage": spec.thread_percentage,
                 "pinned_memory_limits": {str(spec.indices[n]): limit for n, limit in spec.pinned_limits()},
-                "pipe_directory": pipe_dir(spec.resource), "restarts": self.restarts, "error": self.error}
+                "pipe_directory": pipe_dir(spec.resource), "restarts": self.restarts, "error": self.error,
+                "compute_mode": EXCLUSIVE if self.modes_before else None,
+                "compute_modes_before": {str(index): self.modes_before[uuid]
+                                         for uuid, index in zip(spec.gpus, spec.indices) if uuid in self.modes_before}}
 
 
 def wanted_daemons(root: Root, state: AgentState) -> tuple[dict[str, DaemonSpec], dict[str, str]]:
@@ -81,12 +86,13 @@ def wanted_daemons(root: Root, state: AgentState) -> tuple[dict[str, DaemonSpec]
 
 
 class MpsManager:
-    def __init__(self, root: Root, state: AgentState, control: MpsControl, changed: Callable[[], None],
-                 timing: Timing = Timing()) -> None:
+    def __init__(self, root: Root, state: AgentState, control: MpsControl, modes: ComputeModes,
+                 changed: Callable[[], None], timing: Timing = Timing()) -> None:
         self.root = root
         self.timing = timing
         self.state = state
         self.control = control
+        self.modes = modes
         self.changed = changed  # the daemon publishes: the plugin sees a daemon go down or come back
         self.ledger = Ledger(root)
         self.daemons: dict[str, Running] = {}
@@ -131,6 +137,8 @@ class MpsManager:
             if running.pid is not None:
                 log.info("MPS control daemon for %s (pid %d) already runs; adopted", spec.resource, running.pid)
                 running.started_at = time.time()
+                recorded = self.ledger.compute_modes()
+                running.modes_before = {uuid: recorded[uuid][0] for uuid in spec.gpus if uuid in recorded}
                 return
         if running.error is None and running.pid is not None:
             pid = self.control.pid(spec)
@@ -149,7 +157,7 @@ class MpsManager:
             return
         restarting = running.error is not None
         try:
-            running.pid = self._start(spec)
+            running.pid = self._start(running)
         except AgentError as exc:
             running.error = str(exc)
             running.failures += 1
@@ -164,7 +172,8 @@ class MpsManager:
                  spec.resource, running.pid, ",".join(map(str, spec.indices)), spec.thread_percentage,
                  "/".join(limit for _, limit in spec.pinned_limits()) or "no memory limit")
 
-    def _start(self, spec: DaemonSpec) -> Optional[int]:
+    def _start(self, running: Running) -> Optional[int]:
+        spec = running.spec
         self.root(MPS_ROOT).parent.mkdir(parents=True, exist_ok=True)
         for directory in (*_ancestors(resource_dir(spec.resource)), pipe_dir(spec.resource), log_dir(spec.resource)):
             path = self.root(directory)
@@ -174,6 +183,7 @@ class MpsManager:
             if not path.exists():
                 self.ledger.own_mps_directory(directory, spec.resource)
                 path.mkdir(mode=0o755)
+        running.modes_before = exclusive(self.ledger, self.modes, spec)
         if self.control.pid(spec) is None:
             self.control.start(spec)
         for ordinal, limit in spec.pinned_limits():
@@ -195,14 +205,16 @@ class MpsManager:
         spec = running.spec
         problem = stop_daemon(self.control, spec)
         if problem is not None:
-            log.warning("%s; its directories are left", problem)
+            log.warning("%s; its directories and its GPUs' compute mode are left", problem)
             return
         log.info("MPS control daemon for %s stopped: the config no longer shares it by MPS", spec.resource)
+        for problem in restore_compute_modes(self.ledger, self.modes, spec.resource):
+            log.warning("%s", problem)
         self._remove_directories(spec.resource)
 
     def _remove_left_over(self) -> None:
         """The daemons and directories of resources no longer shared (by a previous agent process, too)."""
-        for problem in stop_left_over(self.root, self.ledger, self.control):
+        for problem in stop_left_over(self.root, self.ledger, self.control, self.modes):
             log.warning("%s", problem)
 
     def _remove_directories(self, resource: str) -> None:
@@ -258,19 +270,59 @@ def _ancestors(directory: str) -> list[str]:
 
 
 def left_over(ledger: Ledger) -> list[str]:
-    """The resources whose daemons' directories the ledger holds."""
-    return sorted(set(ledger.mps_directories().values()))
+    """The resources whose daemons' directories or GPUs' compute modes the ledger holds."""
+    return sorted(set(ledger.mps_directories().values()) | {owner for _, owner in ledger.compute_modes().values()})
 
 
-def stop_left_over(root: Root, ledger: Ledger, control: MpsControl, wait_s: float = QUIT_WAIT_S) -> list[str]:
-    """Stop the daemon of each resource the ledger holds directories of, then remove its directories; a
-    daemon that does not stop keeps them. Returns what could not be done."""
+def exclusive(ledger: Ledger, modes: ComputeModes, spec: DaemonSpec) -> dict[str, str]:
+    """Each of the daemon's GPUs in EXCLUSIVE_PROCESS compute mode, as NVIDIA's mps-control-daemon sets them
+    before it starts (its daemon.go setComputeMode), the mode each had before recorded first (kept from an
+    earlier start). Returns those, by UUID."""
+    before = {}
+    recorded = ledger.compute_modes()
+    for uuid, index in zip(spec.gpus, spec.indices):
+        try:
+            now = modes.compute_mode(uuid)
+            before[uuid] = recorded[uuid][0] if uuid in recorded else now
+            ledger.save_compute_mode(uuid, before[uuid], spec.resource)
+            if now != EXCLUSIVE:
+                modes.set_compute_mode(uuid, EXCLUSIVE)
+        except AgentError as exc:
+            raise AgentError(f"cannot set GPU {index} to {EXCLUSIVE} compute mode, which MPS needs: {exc}") from None
+    return before
+
+
+def restore_compute_modes(ledger: Ledger, modes: ComputeModes, resource: str) -> list[str]:
+    """The compute mode each GPU had before `resource`'s daemon, put back and forgotten; what failed stays
+    recorded and is returned."""
+    problems = []
+    for uuid, (mode, owner) in sorted(ledger.compute_modes().items()):
+        if owner != resource:
+            continue
+        try:
+            modes.set_compute_mode(uuid, mode)
+        except AgentError as exc:
+            problems.append(f"cannot put GPU {uuid}'s compute mode back to {mode} (set to {EXCLUSIVE} for the MPS "
+                            f"control daemon of {resource}): {exc}")
+            continue
+        ledger.clear_compute_mode(uuid)
+        log.info("GPU %s: compute mode %s again", uuid, mode)
+    return problems
+
+
+def stop_left_over(root: Root, ledger: Ledger, control: MpsControl, modes: ComputeModes,
+                   wait_s: float = QUIT_WAIT_S) -> list[str]:
+    """Stop the daemon of each resource the ledger holds directories or compute modes of, then put its
+    GPUs' compute modes back and remove its directories; a daemon that does not stop keeps them. Returns
+    what could not be done."""
     problems = []
     for resource in left_over(ledger):
         problem = stop_daemon(control, DaemonSpec.left(resource), wait_s)
         if problem is not None:
-            problems.append(f"{problem}; its directories under {resource_dir(resource)} are left")
+            problems.append(f"{problem}; its directories under {resource_dir(resource)} and its GPUs' compute "
+                            "mode are left")
             continue
+        problems += restore_compute_modes(ledger, modes, resource)
         for directory in remove_mps_directories(root, ledger, resource):
             log.info("%s: removed (gpu-agent no longer manages it)", directory)
     return problems

@@ -17,8 +17,8 @@ from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host import ledger as ledger_file, owned
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.mps.control import DaemonSpec, MpsControl
-from gpu_agent.plan import Change, RemoveFile, RemoveLink, RestartService, RestoreFile, StopMpsDaemon
+from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
+from gpu_agent.plan import Change, RemoveFile, RemoveLink, RestartService, RestoreFile, SetComputeMode, StopMpsDaemon
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.toolkit.services import ServiceControl
 
@@ -40,8 +40,9 @@ class OwnedFiles(Stage):
     gates_readiness = False
 
     def __init__(self, root: Root, services: ServiceControl, enabled: set[str], uninstall: bool = False,
-                 mps: Optional[MpsControl] = None) -> None:
-        """`mps`: at uninstall, what stops the MPS control daemons whose directories the ledger holds."""
+                 mps: Optional[tuple[MpsControl, ComputeModes]] = None) -> None:
+        """`mps`: at uninstall, what stops the MPS control daemons the ledger knows and puts their GPUs'
+        compute modes back."""
         self.root = root
         self.services = services
         self.mps = mps
@@ -78,7 +79,7 @@ class OwnedFiles(Stage):
             from gpu_agent.mps.daemons import left_over
 
             for resource in left_over(self.ledger):
-                pid = self.mps.pid(DaemonSpec.left(resource))
+                pid = self.mps[0].pid(DaemonSpec.left(resource))
                 if pid is not None:
                     state.mps_daemons[resource] = pid
         return state
@@ -94,8 +95,10 @@ class OwnedFiles(Stage):
         changes += [RestartService(unit) for unit in state.restarts]
         if self.uninstall:
             changes += [StopMpsDaemon(resource, pid) for resource, pid in sorted(state.mps_daemons.items())]
+            changes += [SetComputeMode(uuid, mode) for uuid, (mode, _) in sorted(self.ledger.compute_modes().items())]
             changes += [RemoveFile(directory) for directory in sorted(self.ledger.mps_directories())]
-        if not state.undo and not state.links and not (self.uninstall and self.ledger.mps_directories()):
+        if not state.undo and not state.links and not (self.uninstall and (self.ledger.mps_directories()
+                                                                             or self.ledger.compute_modes())):
             return []
         return [Action(tuple(changes), lambda: self._undo(state))]
 
@@ -126,7 +129,7 @@ class OwnedFiles(Stage):
 
             try:
                 if self.mps is not None:
-                    self._failures += stop_left_over(self.root, self.ledger, self.mps)
+                    self._failures += stop_left_over(self.root, self.ledger, *self.mps)
                 else:
                     for directory in remove_mps_directories(self.root, self.ledger):
                         log.info("%s: removed (gpu-agent no longer manages it)", directory)
