@@ -118,6 +118,34 @@ class SetPersistenceMode(Change):
         return f"{'enable' if self.enabled else 'disable'} persistence mode on GPU {self.gpu}"
 
 
+# nvmlComputeMode_t by value, in nvidia-smi's words (EXCLUSIVE_THREAD's support was removed).
+COMPUTE_MODES = ("DEFAULT", "EXCLUSIVE_THREAD", "PROHIBITED", "EXCLUSIVE_PROCESS")
+
+
+@dataclass(frozen=True)
+class SetComputeMode(Change):
+    """A GPU's compute mode: EXCLUSIVE_PROCESS under an MPS control daemon, the one it had before after."""
+
+    kind: ClassVar[str] = "SetComputeMode"
+    gpu: str  # UUID
+    mode: str  # one of COMPUTE_MODES
+
+    def describe(self) -> str:
+        return f"set GPU {self.gpu}'s compute mode to {self.mode}"
+
+
+@dataclass(frozen=True)
+class StopMpsDaemon(Change):
+    """`quit` to an MPS control daemon (SIGTERM if it does not exit), before its directories go."""
+
+    kind: ClassVar[str] = "StopMpsDaemon"
+    resource: str
+    pid: int
+
+    def describe(self) -> str:
+        return f"stop the MPS control daemon for {self.resource} (pid {self.pid})"
+
+
 @dataclass(frozen=True)
 class InstallPackage(Change):
     kind: ClassVar[str] = "InstallPackage"

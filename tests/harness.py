@@ -116,10 +116,9 @@ class SimNode:
 
     def uninstall(self, dry_run: bool = False) -> Pass:
         """`gpu-agent uninstall [--dry-run]`: the owned-files stage with nothing claimed."""
-        from gpu_agent.stages.owned_files import OwnedFiles
+        from gpu_agent.cli.uninstall import stages
 
-        return self._pass({}, dry_run, stages=lambda runtime: [
-            OwnedFiles(runtime.root, runtime.services, set(), uninstall=True)])
+        return self._pass({}, dry_run, stages=stages)
 
     def _pass(self, settings: dict[str, Any], dry_run: bool, env: Optional[dict[str, str]] = None,
               stages: Optional[Callable[[Runtime], list[Any]]] = None) -> Pass:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -15,7 +16,13 @@ from gpu_agent.errors import ConfigError
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.labels import compute
-from gpu_agent.mps.daemons import MpsManager
+from gpu_agent.cli.status import print_mps
+from gpu_agent.mps.control import DaemonSpec
+from gpu_agent.mps.daemons import MpsManager, Timing, stop_daemon
+from gpu_agent.plan import RemoveFile, SetComputeMode, StopMpsDaemon
+from gpu_agent.nvml.client import Nvml
+from gpu_agent.sim.fake import FakeNvml
+from gpu_agent.sim.kernel import SimModprobe
 from gpu_agent.nvml.model import Gpu, Inventory, MigState
 from gpu_agent.plugin.allocate import AllocationError, allocate
 from gpu_agent.plugin.devices import GPU_RESOURCE, advertised, sharing
@@ -119,22 +126,56 @@ def test_rename_and_devices_are_ignored_as_upstream_unless_opted_in(caplog: pyte
     assert len(found["nvidia.com/mine"].devices) == 4 and len(found[GPU_RESOURCE].devices) == 6
 
 
-def h100(index: int) -> Gpu:
-    return Gpu(index, f"GPU-{index:08d}-0000-0000-0000-000000000000", f"00000000:{0x18 + index:02X}:00.0",
+def h100(index: int, uuid: str = "") -> Gpu:
+    return Gpu(index, uuid or f"GPU-{index:08d}-0000-0000-0000-000000000000", f"00000000:{0x18 + index:02X}:00.0",
                "NVIDIA H100 80GB HBM3", 81559, (9, 0), index, MigState(True, False, False, ()))
 
 
 EIGHT = Inventory("550.90.07", "12.4", tuple(h100(i) for i in range(8)))
 MPS4 = ("version: v1\nplugin:\n  enabled: true\n  sharing:\n    mps:\n      resources:\n"
         "      - name: nvidia.com/gpu\n        replicas: 4\n")
+FAST = Timing(poll_s=0.05, backoff_s=(0.05, 0.2))  # a dead daemon seen and started again in a tenth of a second
 
 
-def test_mps_daemons_on_a_simulated_dgx_h100(tmp_path: Path) -> None:
-    root = Root(tmp_path)
-    machine = MachineState(root)
-    machine.ensure("dgx-h100")
-    state = AgentState(LoadedConfig(parse_config(MPS4, "c"), "c", "d"), inventory=EIGHT)
-    manager = MpsManager(root, state, SimMpsControl(machine, 0.2), lambda: None)
+@dataclass
+class SimDgx:
+    """A simulated DGX H100 with its driver loaded: its inventory, NVML's compute modes, the MPS agent state."""
+
+    root: Root
+    machine: MachineState
+    inventory: Inventory
+    nvml: Nvml
+
+    @classmethod
+    def make(cls, path: Path) -> SimDgx:
+        root = Root(path)
+        machine = MachineState(root)
+        machine.ensure("dgx-h100")
+        SimModprobe(machine, root.with_kernel(machine.kernel_dir)).load("nvidia")
+        gpus = tuple(h100(i, gpu["uuid"]) for i, gpu in enumerate(machine.read()["gpus"]))
+        return cls(root, machine, Inventory(EIGHT.driver_version, EIGHT.cuda_version, gpus), Nvml(FakeNvml(machine)))
+
+    def state(self, config: str = MPS4) -> AgentState:
+        return AgentState(LoadedConfig(parse_config(config, "c"), "c", "d"), inventory=self.inventory)
+
+    def manager(self, state: AgentState) -> MpsManager:
+        return MpsManager(self.root, state, SimMpsControl(self.machine, 0.2), self.nvml.inventory, lambda: None, FAST)
+
+    def compute_modes(self) -> list[int]:
+        return [gpu.get("compute_mode", 0) for gpu in self.machine.read()["gpus"]]
+
+
+@pytest.fixture
+def dgx(tmp_path: Path) -> Iterator[SimDgx]:
+    node = SimDgx.make(tmp_path)
+    yield node
+    node.nvml.close()
+
+
+def test_mps_daemons_on_a_simulated_dgx_h100(dgx: SimDgx, capsys: pytest.CaptureFixture[str]) -> None:
+    root, machine, inventory, tmp_path = dgx.root, dgx.machine, dgx.inventory, dgx.root.path
+    state = dgx.state()
+    manager = dgx.manager(state)
 
     async def scenario() -> None:
         task = asyncio.create_task(manager.run())
@@ -142,9 +183,12 @@ def test_mps_daemons_on_a_simulated_dgx_h100(tmp_path: Path) -> None:
             await _until(lambda: bool(state.mps and state.mps["daemons"][0]["up"]), 5)
             daemon = machine.read()["mps"][GPU_RESOURCE]
             assert daemon["thread_percentage"] == 25.0
-            assert daemon["visible_devices"] == ",".join(gpu.uuid for gpu in EIGHT.gpus)
+            assert daemon["visible_devices"] == ",".join(gpu.uuid for gpu in inventory.gpus)
             assert daemon["pinned_mem_limits"] == {str(n): f"{81559 // 4}M" for n in range(8)}  # a quarter of each
-            resource = advertised(EIGHT, {}, "none", state.config.config.plugin, mps_down=state.mps_down).resources[
+            assert dgx.compute_modes() == [3] * 8  # EXCLUSIVE_PROCESS, as NVIDIA's daemon sets them
+            assert state.mps["daemons"][0]["compute_mode"] == "EXCLUSIVE_PROCESS"
+            assert state.mps["daemons"][0]["compute_modes_before"] == {str(n): "DEFAULT" for n in range(8)}
+            resource = advertised(inventory, {}, "none", state.config.config.plugin, mps_down=state.mps_down).resources[
                 GPU_RESOURCE]
             assert len(resource.devices) == 32 and resource.strategy == "mps"
             assert all(device.healthy for device in resource.devices)
@@ -152,47 +196,56 @@ def test_mps_daemons_on_a_simulated_dgx_h100(tmp_path: Path) -> None:
             assert given.envs == {"CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe"}
             assert given.mounts == (("/mps/nvidia.com/gpu/pipe", "/run/nvidia/mps/nvidia.com/gpu/pipe"),
                                     ("/dev/shm", "/dev/shm"))
-            assert given.cdi_devices == (f"nvidia.com/gpu={EIGHT.gpus[1].uuid}",)
+            assert given.cdi_devices == (f"nvidia.com/gpu={inventory.gpus[1].uuid}",)
             with pytest.raises(AllocationError, match="maximum request size for shared resources is 1"):
                 allocate(resource, [d.id for d in resource.devices[:2]], "envvar", True)
             assert tmp_path.joinpath("run/nvidia/mps/nvidia.com/gpu/pipe").is_dir()
 
             kill(machine)
-            killed = time.monotonic()
             await _until(lambda: GPU_RESOURCE in state.mps_down, 2)
-            assert time.monotonic() - killed < 2
-            down = advertised(EIGHT, {}, "none", state.config.config.plugin, mps_down=state.mps_down)
+            down = advertised(inventory, {}, "none", state.config.config.plugin, mps_down=state.mps_down)
             assert not any(d.healthy for d in down.resources[GPU_RESOURCE].devices)
             await _until(lambda: not state.mps_down, 5)  # started again after its backoff
             assert state.mps is not None and state.mps["daemons"][0]["restarts"] == 1
             from gpu_agent.metrics.exporter import AgentCollector, make_registry, render
             exposed = render(make_registry(AgentCollector(state, lambda: 0, None))).decode()
             assert 'gpu_agent_mps_daemon_restarts_total{resource="nvidia.com/gpu"} 1' in exposed
+            print_mps(state.mps)
+            header, row = capsys.readouterr().out.strip().splitlines()
+            assert header.split() == ["MPS", "RESOURCE", "GPUS", "PID", "THREADS", "MEMORY", "LIMIT", "RESTARTS",
+                                      "STATE"]
+            pid = machine.read()["mps"][GPU_RESOURCE]["pid"]
+            assert row.split() == ["nvidia.com/gpu", "0,1,2,3,4,5,6,7", str(pid), "25%", "20389M", "per", "GPU", "1",
+                                   "up"]
 
             state.config = LoadedConfig(parse_config("version: v1\nplugin:\n  enabled: true\n", "c"), "c", "e")
             manager.wake()
             await _until(lambda: state.mps is None, 5)
             assert not machine.read()["mps"][GPU_RESOURCE]["alive"]  # sent quit
             assert not tmp_path.joinpath("run/nvidia/mps").exists() and Ledger(root).mps_directories() == {}
+            assert dgx.compute_modes() == [0] * 8 and Ledger(root).compute_modes() == {}  # DEFAULT again
         finally:
             task.cancel()
 
     asyncio.run(scenario())
 
 
-def test_a_pipe_directory_that_is_a_file_is_refused_and_nothing_starts(tmp_path: Path) -> None:
-    root = Root(tmp_path)
-    machine = MachineState(root)
-    machine.ensure("dgx-h100")
-    pipe = tmp_path / "run/nvidia/mps/nvidia.com/gpu/pipe"
+def test_a_pipe_directory_that_is_a_file_is_refused_and_nothing_starts(dgx: SimDgx,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    pipe = dgx.root.path / "run/nvidia/mps/nvidia.com/gpu/pipe"
     pipe.parent.mkdir(parents=True)
     pipe.write_text("not a directory")
-    state = AgentState(LoadedConfig(parse_config(MPS4, "c"), "c", "d"), inventory=EIGHT)
-    asyncio.run(MpsManager(root, state, SimMpsControl(machine, 0.2), lambda: None).sync())
+    state = dgx.state()
+    asyncio.run(dgx.manager(state).sync())
     assert state.mps is not None and "/run/nvidia/mps/nvidia.com/gpu/pipe: not a directory" in (
         state.mps["daemons"][0]["error"] or "")
-    assert "mps" not in machine.read() and pipe.read_text() == "not a directory"
+    assert "mps" not in dgx.machine.read() and pipe.read_text() == "not a directory"
+    assert dgx.compute_modes() == [0] * 8 and Ledger(dgx.root).compute_modes() == {}
     assert GPU_RESOURCE in state.mps_down
+    print_mps(state.mps)
+    table = capsys.readouterr().out
+    assert table.splitlines()[2].split()[-1] == "down" and "MPS nvidia.com/gpu down: /run/nvidia/mps/nvidia.com/" \
+        "gpu/pipe: not a directory" in table
 
 
 def test_mps_labels_follow_gfd() -> None:
@@ -209,14 +262,45 @@ async def _until(condition: Callable[[], bool], seconds: float) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_uninstall_removes_the_mps_directories(tmp_path: Path) -> None:
+def test_uninstall_stops_the_daemons_then_restores_compute_modes_and_removes_directories(dgx: SimDgx) -> None:
     from harness import SimNode
 
-    node = SimNode(tmp_path, "dgx-h100")
-    node.machine.ensure("dgx-h100")
-    root = Root(tmp_path)
-    state = AgentState(LoadedConfig(parse_config(MPS4, "c"), "c", "d"), inventory=EIGHT)
-    asyncio.run(MpsManager(root, state, SimMpsControl(node.machine, 0.2), lambda: None).sync())
-    assert tmp_path.joinpath("run/nvidia/mps/nvidia.com/gpu/log").is_dir()
-    node.uninstall()
-    assert not tmp_path.joinpath("run/nvidia/mps").exists() and Ledger(root).mps_directories() == {}
+    with dgx.machine.edit() as sim:
+        sim["gpus"][0]["compute_mode"] = 2  # PROHIBITED before the agent: put back as it was
+    asyncio.run(dgx.manager(dgx.state()).sync())
+    assert dgx.root.path.joinpath("run/nvidia/mps/nvidia.com/gpu/log").is_dir() and dgx.compute_modes() == [3] * 8
+    node = SimNode(dgx.root.path, "dgx-h100")
+    pid = dgx.machine.read()["mps"][GPU_RESOURCE]["pid"]
+    planned = node.uninstall(dry_run=True).changes("owned-files")
+    first = dgx.inventory.gpus[0].uuid
+    assert planned[0] == StopMpsDaemon(GPU_RESOURCE, pid) and SetComputeMode(first, "PROHIBITED") in planned
+    assert RemoveFile("/run/nvidia/mps/nvidia.com/gpu/pipe") in planned
+    assert dgx.machine.read()["mps"][GPU_RESOURCE]["alive"] and dgx.compute_modes() == [3] * 8  # a dry run: nothing
+    assert node.uninstall().ok
+    assert not dgx.machine.read()["mps"][GPU_RESOURCE]["alive"] and dgx.compute_modes() == [2] + [0] * 7
+    assert not dgx.root.path.joinpath("run/nvidia/mps").exists()
+    assert Ledger(dgx.root).mps_directories() == {} and Ledger(dgx.root).compute_modes() == {}
+
+
+def test_a_compute_mode_nvml_refuses_keeps_the_daemon_down_naming_why(dgx: SimDgx) -> None:
+    with dgx.machine.edit() as sim:
+        sim["faults"].append({"id": 1, "call": "nvmlDeviceSetComputeMode", "error": "NoPermission", "gpu": 3,
+                              "times": None})
+    state = dgx.state()
+    asyncio.run(dgx.manager(state).sync())
+    assert state.mps is not None and state.mps["daemons"][0]["error"] == (
+        f"cannot set GPU 3 to EXCLUSIVE_PROCESS compute mode, which MPS needs: GPU {dgx.inventory.gpus[3].uuid}: "
+        "nvmlDeviceSetComputeMode: Insufficient Permissions")
+    assert "mps" not in dgx.machine.read() and GPU_RESOURCE in state.mps_down
+    assert Ledger(dgx.root).compute_modes()[dgx.inventory.gpus[3].uuid] == ("DEFAULT", GPU_RESOURCE)
+
+
+def test_a_daemon_that_does_not_answer_quit_gets_sigterm(tmp_path: Path) -> None:
+    machine = MachineState(Root(tmp_path))
+    machine.ensure("dgx-h100")
+    control = SimMpsControl(machine, 0.05)
+    spec = DaemonSpec.left(GPU_RESOURCE)
+    control.start(spec)
+    with machine.edit() as sim:
+        sim["faults"].append({"id": 1, "call": "mps", "error": "hang", "times": None})
+    assert stop_daemon(control, spec, wait_s=0.1) is None and control.pid(spec) is None

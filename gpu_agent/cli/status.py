@@ -146,6 +146,30 @@ def print_table(status: dict[str, Any]) -> None:
                 if device.get("health_reason"):
                     print(f"GPU {gpu['index']} MIG device {device['uuid']} {device['health']}: "
                           f"{device['health_reason']}; recovers {_recovery(device)}")
+    if status.get("mps"):
+        print_mps(status["mps"])
+
+
+def print_mps(mps: dict[str, Any]) -> None:
+    """The MPS control daemons as /status `mps` has them: one row each, then why each down one is down and
+    which MPS resources are withheld."""
+    print()
+    rows: list[tuple[str, ...]] = [("MPS RESOURCE", "GPUS", "PID", "THREADS", "MEMORY LIMIT", "RESTARTS", "STATE")]
+    for daemon in mps["daemons"]:
+        limits = daemon["pinned_memory_limits"]
+        same = set(limits.values())
+        memory = (f"{same.pop()} per GPU" if len(same) == 1 else
+                  ", ".join(f"GPU {index}: {limit}" for index, limit in limits.items()) or "none")
+        rows.append((daemon["resource"], ",".join(map(str, daemon["gpus"])),
+                     str(daemon["pid"]) if daemon["pid"] is not None else "-",
+                     f"{daemon['active_thread_percentage']}%", memory, str(daemon["restarts"]),
+                     "up" if daemon["up"] else "down"))
+    _table(rows)
+    for daemon in mps["daemons"]:
+        if not daemon["up"]:
+            print(f"MPS {daemon['resource']} down: {daemon['error'] or 'not started yet'}")
+    for resource, why in sorted(mps["withheld"].items()):
+        print(f"MPS {resource} withheld: {why}")
 
 
 def _recovery(gpu: dict[str, Any]) -> str:

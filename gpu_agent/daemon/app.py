@@ -12,7 +12,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, TYPE_CHECKING, Any, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig
@@ -47,6 +47,9 @@ from gpu_agent.toolkit.packages import PackageInstaller, SystemPackages
 from gpu_agent.toolkit.services import ServiceControl, Systemd
 from gpu_agent.toolkit.versions import Versions
 from gpu_agent.state import AgentState
+
+if TYPE_CHECKING:
+    from gpu_agent.mps.control import MpsControl
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,16 @@ class Runtime:
     def _unit_active(self, unit: str) -> bool:
         found = self.services.state(unit)
         return found is not None and found.active in ("active", "activating", "reloading")
+
+    def mps_control(self) -> MpsControl:
+        """nvidia-cuda-mps-control: the simulated machine's, or the host's."""
+        from gpu_agent.mps.control import CONTROL_TIMEOUT_S
+
+        if self.machine is not None:
+            from gpu_agent.sim.mps import SimMpsControl
+            return SimMpsControl(self.machine, CONTROL_TIMEOUT_S)
+        from gpu_agent.mps.control import HostMpsControl
+        return HostMpsControl(self.root, CONTROL_TIMEOUT_S)
 
     def stages(self, config: AgentConfig) -> list[Stage]:
         """The enabled stages, in the order they run.
@@ -449,17 +462,10 @@ class Daemon:
             return
         if self.config.plugin.sharing.mps is None:
             return
-        from gpu_agent.mps.control import CONTROL_TIMEOUT_S
         from gpu_agent.mps.daemons import MpsManager
 
-        control: Any
-        if self.runtime.machine is not None:
-            from gpu_agent.sim.mps import SimMpsControl
-            control = SimMpsControl(self.runtime.machine, CONTROL_TIMEOUT_S)
-        else:
-            from gpu_agent.mps.control import HostMpsControl
-            control = HostMpsControl(self.runtime.root, CONTROL_TIMEOUT_S)
-        self.mps = MpsManager(self.runtime.root, self.state, control, self.publish)
+        self.mps = MpsManager(self.runtime.root, self.state, self.runtime.mps_control(), self.runtime.nvml.inventory,
+                              self.publish)
         self._tasks.append(asyncio.create_task(self.mps.run(), name="mps"))
 
     def _ensure_plugin(self) -> None:

@@ -13,6 +13,9 @@ under /var/lib/gpu-agent.
   after a kill -9, performs them first.
 - mps_directories: the directories the agent made for its MPS control daemons (under /run/nvidia/mps),
   recorded before each is made; removed with what is in them when the daemon stops or at uninstall.
+- compute_modes: by GPU UUID, the compute mode a GPU had before the agent set it to EXCLUSIVE_PROCESS for an
+  MPS control daemon, and that daemon's resource; recorded before the change and cleared once the mode
+  was put back (when the daemon stops, or at uninstall).
 - mig_checkpoints: by GPU UUID, the GPU's whole MIG state (mode, GPU instances with placements, compute
   instances) from before a MIG change, recorded before its first NVML change and cleared once the change
   was made or undone (gpu_agent.mig.checkpoint).
@@ -33,6 +36,7 @@ from gpu_agent.host import jsontext
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, followed, walk
+from gpu_agent.plan import COMPUTE_MODES
 
 PATH = "/var/lib/gpu-agent/ledger.json"
 MPS_DIRECTORY_ROOT = "/run/nvidia/mps"  # mps/layout.py's MPS_ROOT: the only place MPS directories may be
@@ -145,6 +149,23 @@ class Ledger:
         if document["mps_directories"].pop(path, None) is not None:
             self._write(document)
 
+    def compute_modes(self) -> dict[str, tuple[str, str]]:
+        """By GPU UUID: (the compute mode to put back, the MPS resource it was changed for)."""
+        return {uuid: (entry["mode"], entry["resource"]) for uuid, entry in self._read()["compute_modes"].items()}
+
+    def save_compute_mode(self, gpu_uuid: str, mode: str, resource: str) -> None:
+        """Durably, before the GPU's compute mode is changed."""
+        document = self._read()
+        entry = {"mode": mode, "resource": resource}
+        if document["compute_modes"].get(gpu_uuid) != entry:
+            document["compute_modes"][gpu_uuid] = entry
+            self._write(document)
+
+    def clear_compute_mode(self, gpu_uuid: str) -> None:
+        document = self._read()
+        if document["compute_modes"].pop(gpu_uuid, None) is not None:
+            self._write(document)
+
     def mig_checkpoint(self, gpu_uuid: str) -> Optional[dict[str, Any]]:
         """The MIG state recorded for a GPU before its change, or None."""
         entry = self._read()["mig_checkpoints"].get(gpu_uuid)
@@ -194,7 +215,7 @@ class Ledger:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
         if raw is None:
             return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {},
-                    "mps_directories": {}}
+                    "mps_directories": {}, "compute_modes": {}}
         try:
             document = jsontext.loads(raw.decode("utf-8"), max_digits=jsontext.OWN_DIGITS)
         except jsontext.NumberTooLong as exc:
@@ -239,12 +260,18 @@ class Ledger:
         if reload is not None and not (isinstance(reload, dict) and isinstance(reload.get("step"), str)):
             raise self._error('driver_reload: expected an object such as {"step": "wait-for-jobs-required", '
                               '"target": "570.124.06", ...}')
+        modes = document.setdefault("compute_modes", {})
+        if not isinstance(modes, dict) or not all(
+                isinstance(v, dict) and set(v) == {"mode", "resource"} and v["mode"] in COMPUTE_MODES
+                and isinstance(v["resource"], str) for v in modes.values()):
+            raise self._error('compute_modes: expected an object of GPU UUIDs, such as {"GPU-...": {"mode": "DEFAULT", '
+                              f'"resource": "nvidia.com/gpu"}}}} (a mode one of {", ".join(COMPUTE_MODES)})')
         return document
 
     def _write(self, document: dict[str, Any]) -> None:
         # a node without MIG changes or MPS keeps the file as it was
         document = {key: value for key, value in document.items()
-                    if key not in ("mig_checkpoints", "mps_directories") or value}
+                    if key not in ("mig_checkpoints", "mps_directories", "compute_modes") or value}
         path = self.root(PATH)
         try:
             path = self.path

@@ -9,6 +9,8 @@ environment) sends CMD and prints the answer.
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -31,6 +33,11 @@ class DaemonSpec:
     indices: tuple[int, ...]  # their NVML indices, for /status
     memory_mib: tuple[int, ...]  # each GPU's memory
     replicas: int
+
+    @classmethod
+    def left(cls, resource: str) -> DaemonSpec:
+        """A daemon known only by its resource (from the ledger's directories): enough to reach and stop it."""
+        return cls(resource, (), (), (), 1)
 
     @property
     def thread_percentage(self) -> int:
@@ -59,6 +66,19 @@ class MpsControl(Protocol):
     def pid(self, spec: DaemonSpec) -> Optional[int]:
         """Its pid while it runs, else None."""
 
+    def terminate(self, spec: DaemonSpec) -> None:
+        """SIGTERM to a daemon that ignored `quit`."""
+
+
+class ComputeModes(Protocol):
+    """A GPU's compute mode by UUID, named as nvidia-smi names it (nvml.inventory.NvmlInventory)."""
+
+    def compute_mode(self, uuid: str) -> str:
+        """An AgentError names the GPU and why it cannot be read."""
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        """An AgentError names the GPU and why it cannot be set."""
+
 
 class HostMpsControl:
     """The real one: argv lists, a timeout on each call, answers bounded."""
@@ -81,6 +101,17 @@ class HostMpsControl:
         if not text.isdigit():
             return None
         return int(text) if self.root(f"/proc/{text}").is_dir() else None
+
+    def terminate(self, spec: DaemonSpec) -> None:
+        pid = self.pid(spec)
+        if pid is None:
+            return
+        try:  # the pid file's process, if it still is the control daemon (not a pid reused since)
+            comm = self.root(f"/proc/{pid}/comm").read_text(errors="replace").strip()
+            if BINARY.rsplit("/", 1)[1].startswith(comm):
+                os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass  # it exited meanwhile
 
     def _run(self, spec: DaemonSpec, args: list[str], given: str) -> str:
         binary = str(self.root(BINARY))

@@ -4,7 +4,7 @@ For each such resource it makes /run/nvidia/mps/<resource>/{pipe,log} (recorded 
 starts `nvidia-cuda-mps-control -d` for exactly that resource's GPUs, sets the default active thread
 percentage (100 / replicas) and each GPU's pinned memory limit (its memory / replicas) as NVIDIA's
 mps-control-daemon does, and checks that it answers (get_server_list). It looks at each daemon every
-POLL_S: one that died (or stops answering) is down, its devices Unhealthy in the plugin, and it is started
+half second (Timing): one that died (or stops answering) is down, its devices Unhealthy in the plugin, and it is started
 again after a backoff (1 s, doubling to 30 s), the restarts counted. A resource the config no longer
 shares gets `quit` and its directories removed. A daemon left running by a previous agent process is
 adopted (its pid file in the pipe directory), so an agent restart does not cut off the clients.
@@ -16,23 +16,31 @@ import contextlib
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from gpu_agent.config.plugin import mig_strategy, plugin_wanted
 from gpu_agent.errors import AgentError
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.mps.control import DaemonSpec, MpsControl
+from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
 from gpu_agent.mps.layout import MPS_ROOT, log_dir, pipe_dir, resource_dir
 from gpu_agent.plugin.devices import advertised
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5  # how often a daemon's pid is looked at: a dead one is seen within a second
-PROBE_S = 10.0  # how often a running daemon must answer get_server_list
-BACKOFF_S = (1.0, 30.0)
+
+
+EXCLUSIVE = "EXCLUSIVE_PROCESS"
+QUIT_WAIT_S = 5.0  # how long a daemon may take to exit after quit, and again after SIGTERM
+
+
+@dataclass(frozen=True)
+class Timing:
+    poll_s: float = 0.5  # how often a daemon's pid is looked at: a dead one is seen within a second
+    probe_s: float = 10.0  # how often a running daemon must answer get_server_list
+    backoff_s: tuple[float, float] = (1.0, 30.0)  # the first wait before a restart, and the longest
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Running:
     error: Optional[str] = None  # why it is down
     next_try: float = 0.0
     probed_at: float = 0.0
+    modes_before: dict[str, str] = field(default_factory=dict)  # by GPU UUID: the compute mode put back at its stop
 
     def to_json(self) -> dict[str, Any]:
         spec = self.spec
@@ -52,7 +61,10 @@ class Running:
                 "replicas": spec.replicas, "pid": self.pid, "up": self.error is None and self.pid is not None,
                 "started_at": self.started_at, "active_thread_percentage": spec.thread_percentage,
                 "pinned_memory_limits": {str(spec.indices[n]): limit for n, limit in spec.pinned_limits()},
-                "pipe_directory": pipe_dir(spec.resource), "restarts": self.restarts, "error": self.error}
+                "pipe_directory": pipe_dir(spec.resource), "restarts": self.restarts, "error": self.error,
+                "compute_mode": EXCLUSIVE if self.modes_before else None,
+                "compute_modes_before": {str(index): self.modes_before[uuid]
+                                         for uuid, index in zip(spec.gpus, spec.indices) if uuid in self.modes_before}}
 
 
 def wanted_daemons(root: Root, state: AgentState) -> tuple[dict[str, DaemonSpec], dict[str, str]]:
@@ -74,10 +86,13 @@ def wanted_daemons(root: Root, state: AgentState) -> tuple[dict[str, DaemonSpec]
 
 
 class MpsManager:
-    def __init__(self, root: Root, state: AgentState, control: MpsControl, changed: Callable[[], None]) -> None:
+    def __init__(self, root: Root, state: AgentState, control: MpsControl, modes: ComputeModes,
+                 changed: Callable[[], None], timing: Timing = Timing()) -> None:
         self.root = root
+        self.timing = timing
         self.state = state
         self.control = control
+        self.modes = modes
         self.changed = changed  # the daemon publishes: the plugin sees a daemon go down or come back
         self.ledger = Ledger(root)
         self.daemons: dict[str, Running] = {}
@@ -97,7 +112,7 @@ class MpsManager:
                 log.exception("MPS control daemon watch failed; this is a gpu-agent bug")
             if self.daemons:
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(wake.wait(), POLL_S)
+                    await asyncio.wait_for(wake.wait(), self.timing.poll_s)
             else:
                 await wake.wait()
 
@@ -116,34 +131,37 @@ class MpsManager:
         """Start it if it is not running and its backoff has passed; see whether a running one still runs."""
         now = time.monotonic()
         spec = running.spec
+        first, longest = self.timing.backoff_s
         if running.pid is None and running.error is None:  # first look: a daemon from before may run
             running.pid = self.control.pid(spec)
             if running.pid is not None:
                 log.info("MPS control daemon for %s (pid %d) already runs; adopted", spec.resource, running.pid)
                 running.started_at = time.time()
+                recorded = self.ledger.compute_modes()
+                running.modes_before = {uuid: recorded[uuid][0] for uuid in spec.gpus if uuid in recorded}
                 return
         if running.error is None and running.pid is not None:
             pid = self.control.pid(spec)
             problem = None if pid is not None else "its control daemon exited"
-            if problem is None and now - running.probed_at >= PROBE_S:
+            if problem is None and now - running.probed_at >= self.timing.probe_s:
                 problem = self._probe(spec)
                 running.probed_at = now
             if problem is None:
                 running.pid = pid
                 return
             log.warning("MPS control daemon for %s is down: %s; starting it again", spec.resource, problem)
-            running.error, running.pid, running.next_try = problem, None, now + BACKOFF_S[0]
+            running.error, running.pid, running.next_try = problem, None, now + first
             running.failures = 1
             return
         if now < running.next_try:
             return
         restarting = running.error is not None
         try:
-            running.pid = self._start(spec)
+            running.pid = self._start(running)
         except AgentError as exc:
             running.error = str(exc)
             running.failures += 1
-            running.next_try = now + min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** (running.failures - 1))
+            running.next_try = now + min(longest, first * 2 ** (running.failures - 1))
             log.warning("MPS control daemon for %s: %s; trying again in %.0f s", spec.resource, exc,
                         running.next_try - now)
             return
@@ -154,7 +172,8 @@ class MpsManager:
                  spec.resource, running.pid, ",".join(map(str, spec.indices)), spec.thread_percentage,
                  "/".join(limit for _, limit in spec.pinned_limits()) or "no memory limit")
 
-    def _start(self, spec: DaemonSpec) -> Optional[int]:
+    def _start(self, running: Running) -> Optional[int]:
+        spec = running.spec
         self.root(MPS_ROOT).parent.mkdir(parents=True, exist_ok=True)
         for directory in (*_ancestors(resource_dir(spec.resource)), pipe_dir(spec.resource), log_dir(spec.resource)):
             path = self.root(directory)
@@ -164,6 +183,7 @@ class MpsManager:
             if not path.exists():
                 self.ledger.own_mps_directory(directory, spec.resource)
                 path.mkdir(mode=0o755)
+        running.modes_before = exclusive(self.ledger, self.modes, spec)
         if self.control.pid(spec) is None:
             self.control.start(spec)
         for ordinal, limit in spec.pinned_limits():
@@ -183,17 +203,19 @@ class MpsManager:
 
     def _stop(self, running: Running) -> None:
         spec = running.spec
-        if self.control.pid(spec) is not None:
-            try:
-                self.control.send(spec, "quit")
-            except AgentError as exc:
-                log.warning("MPS control daemon for %s: %s", spec.resource, exc)
+        problem = stop_daemon(self.control, spec)
+        if problem is not None:
+            log.warning("%s; its directories and its GPUs' compute mode are left", problem)
+            return
         log.info("MPS control daemon for %s stopped: the config no longer shares it by MPS", spec.resource)
+        for problem in restore_compute_modes(self.ledger, self.modes, spec.resource):
+            log.warning("%s", problem)
         self._remove_directories(spec.resource)
 
     def _remove_left_over(self) -> None:
-        for resource in sorted(set(self.ledger.mps_directories().values())):
-            self._remove_directories(resource)
+        """The daemons and directories of resources no longer shared (by a previous agent process, too)."""
+        for problem in stop_left_over(self.root, self.ledger, self.control, self.modes):
+            log.warning("%s", problem)
 
     def _remove_directories(self, resource: str) -> None:
         remove_mps_directories(self.root, self.ledger, resource)
@@ -211,10 +233,99 @@ class MpsManager:
             self.changed()
 
 
+def stop_daemon(control: MpsControl, spec: DaemonSpec, wait_s: float = QUIT_WAIT_S) -> Optional[str]:
+    """`quit` to the daemon, as NVIDIA's does to stop it, then SIGTERM if it has not exited within `wait_s`
+    (it waits for its clients, or does not answer), then as long again; None once it runs no more, else why
+    it still runs."""
+    pid = control.pid(spec)
+    if pid is None:
+        return None
+    try:
+        control.send(spec, "quit")
+    except AgentError as exc:
+        log.warning("MPS control daemon for %s: %s", spec.resource, exc)
+    if _exited(control, spec, wait_s):
+        return None
+    log.warning("MPS control daemon for %s (pid %d) still runs %g s after quit; sending it SIGTERM", spec.resource,
+                pid, wait_s)
+    control.terminate(spec)
+    if _exited(control, spec, wait_s):
+        return None
+    return f"the MPS control daemon for {spec.resource} (pid {pid}) still runs after quit and SIGTERM"
+
+
+def _exited(control: MpsControl, spec: DaemonSpec, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while control.pid(spec) is not None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _ancestors(directory: str) -> list[str]:
     """MPS_ROOT, then each directory down to `directory`: /run/nvidia/mps, .../nvidia.com, .../nvidia.com/gpu."""
     parts = directory[len(MPS_ROOT):].strip("/").split("/")
     return [MPS_ROOT] + [f"{MPS_ROOT}/{'/'.join(parts[:n])}" for n in range(1, len(parts) + 1)]
+
+
+def left_over(ledger: Ledger) -> list[str]:
+    """The resources whose daemons' directories or GPUs' compute modes the ledger holds."""
+    return sorted(set(ledger.mps_directories().values()) | {owner for _, owner in ledger.compute_modes().values()})
+
+
+def exclusive(ledger: Ledger, modes: ComputeModes, spec: DaemonSpec) -> dict[str, str]:
+    """Each of the daemon's GPUs in EXCLUSIVE_PROCESS compute mode, as NVIDIA's mps-control-daemon sets them
+    before it starts (its daemon.go setComputeMode), the mode each had before recorded first (kept from an
+    earlier start). Returns those, by UUID."""
+    before = {}
+    recorded = ledger.compute_modes()
+    for uuid, index in zip(spec.gpus, spec.indices):
+        try:
+            now = modes.compute_mode(uuid)
+            before[uuid] = recorded[uuid][0] if uuid in recorded else now
+            ledger.save_compute_mode(uuid, before[uuid], spec.resource)
+            if now != EXCLUSIVE:
+                modes.set_compute_mode(uuid, EXCLUSIVE)
+        except AgentError as exc:
+            raise AgentError(f"cannot set GPU {index} to {EXCLUSIVE} compute mode, which MPS needs: {exc}") from None
+    return before
+
+
+def restore_compute_modes(ledger: Ledger, modes: ComputeModes, resource: str) -> list[str]:
+    """The compute mode each GPU had before `resource`'s daemon, put back and forgotten; what failed stays
+    recorded and is returned."""
+    problems = []
+    for uuid, (mode, owner) in sorted(ledger.compute_modes().items()):
+        if owner != resource:
+            continue
+        try:
+            modes.set_compute_mode(uuid, mode)
+        except AgentError as exc:
+            problems.append(f"cannot put GPU {uuid}'s compute mode back to {mode} (set to {EXCLUSIVE} for the MPS "
+                            f"control daemon of {resource}): {exc}")
+            continue
+        ledger.clear_compute_mode(uuid)
+        log.info("GPU %s: compute mode %s again", uuid, mode)
+    return problems
+
+
+def stop_left_over(root: Root, ledger: Ledger, control: MpsControl, modes: ComputeModes,
+                   wait_s: float = QUIT_WAIT_S) -> list[str]:
+    """Stop the daemon of each resource the ledger holds directories or compute modes of, then put its
+    GPUs' compute modes back and remove its directories; a daemon that does not stop keeps them. Returns
+    what could not be done."""
+    problems = []
+    for resource in left_over(ledger):
+        problem = stop_daemon(control, DaemonSpec.left(resource), wait_s)
+        if problem is not None:
+            problems.append(f"{problem}; its directories under {resource_dir(resource)} and its GPUs' compute "
+                            "mode are left")
+            continue
+        problems += restore_compute_modes(ledger, modes, resource)
+        for directory in remove_mps_directories(root, ledger, resource):
+            log.info("%s: removed (gpu-agent no longer manages it)", directory)
+    return problems
 
 
 def remove_mps_directories(root: Root, ledger: Ledger, resource: Optional[str] = None) -> list[str]:

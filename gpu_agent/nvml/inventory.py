@@ -1,15 +1,17 @@
 """What GPUs there are: their identity, MIG geometry and topology in one reading, and the driver's
-own view (version, bus ids, persistence mode) and each GPU's compute processes."""
+own view (version, bus ids, persistence mode), each GPU's compute processes and its compute mode."""
 from __future__ import annotations
 
 import logging
 import threading
 from typing import Any, NamedTuple, Optional
 
+from gpu_agent.errors import AgentError
 from gpu_agent.host.paths import Root
 from gpu_agent.host.pci import Vgpu, numa_node, pci_class, vgpu
 from gpu_agent.nvml.mig import NvmlMig
 from gpu_agent.nvml.model import Gpu, GpuLink, Inventory
+from gpu_agent.plan import COMPUTE_MODES
 from gpu_agent.nvml.session import NvmlSession, describe, short_bus_id, text_of
 
 log = logging.getLogger(__name__)
@@ -243,6 +245,24 @@ class NvmlInventory:
         self.session.init()
         handle = self.session.handle(index)
         self.session.call("nvmlDeviceSetPersistenceMode", handle, self.session.lib.NVML_FEATURE_ENABLED)
+
+    def compute_mode(self, uuid: str) -> str:
+        """The GPU's compute mode, named as nvidia-smi names it (DEFAULT, EXCLUSIVE_PROCESS, ...); an
+        AgentError names the GPU and NVML's error."""
+        value = self._on_gpu(uuid, "nvmlDeviceGetComputeMode")
+        if not (isinstance(value, int) and 0 <= value < len(COMPUTE_MODES)):
+            raise AgentError(f"GPU {uuid}: nvmlDeviceGetComputeMode: {value!r} is not a compute mode NVML defines")
+        return COMPUTE_MODES[value]
+
+    def set_compute_mode(self, uuid: str, mode: str) -> None:
+        self._on_gpu(uuid, "nvmlDeviceSetComputeMode", COMPUTE_MODES.index(mode))
+
+    def _on_gpu(self, uuid: str, call: str, *args: Any) -> Any:
+        self.session.init()
+        try:
+            return self.session.call(call, self.session.call("nvmlDeviceGetHandleByUUID", uuid), *args)
+        except self.session.lib.NVMLError as exc:
+            raise AgentError(f"GPU {uuid}: {describe(exc)}") from None
 
     def processes(self, index: int) -> list[tuple[int, float]]:
         """(pid, MiB of GPU memory used) of each compute process on the GPU."""

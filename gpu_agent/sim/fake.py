@@ -460,6 +460,23 @@ class FakeNvml:
             state["gpus"][handle.gpu]["persistence"] = mode
 
     @_nvml
+    def nvmlDeviceGetComputeMode(self, handle: SimHandle) -> int:
+        return self._whole_gpu(handle).get("compute_mode", pynvml.NVML_COMPUTEMODE_DEFAULT)
+
+    @_nvml
+    def nvmlDeviceSetComputeMode(self, handle: SimHandle, mode: int) -> None:
+        """As the driver documents it: a mode outside nvmlComputeMode_t is INVALID_ARGUMENT; EXCLUSIVE_THREAD,
+        whose support was removed, is taken here as NOT_SUPPORTED (not checked on a real GPU). Not persistent:
+        `sim reboot` sets DEFAULT again, as a reboot does on Linux."""
+        self._whole_gpu(handle)
+        if mode not in range(pynvml.NVML_COMPUTEMODE_COUNT):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        with self._state.edit() as state:
+            state["gpus"][handle.gpu]["compute_mode"] = mode
+
+    @_nvml
     def nvmlDeviceGetCudaComputeCapability(self, handle: SimHandle) -> tuple[int, int]:
         return self._model(self._gpu(handle)).compute_capability
 

@@ -234,8 +234,9 @@ def reload_driver(gpu: dict[str, Any], model: GpuModel) -> None:
 
 def reboot(gpu: dict[str, Any], model: GpuModel) -> None:
     """A reboot: the processes are gone, a pending mode takes effect (the GPU is reset), then the driver
-    loads afresh."""
+    loads afresh: compute mode is DEFAULT again (not persistent across reboots on Linux)."""
     gpu["processes"] = []
+    gpu.pop("compute_mode", None)
     reset(gpu)
     reload_driver(gpu, model)
 

@@ -61,6 +61,9 @@ class SimMpsControl:
         daemon = self.machine.read().get("mps", {}).get(spec.resource)
         return daemon["pid"] if daemon and daemon["alive"] else None
 
+    def terminate(self, spec: DaemonSpec) -> None:
+        kill(self.machine, spec.resource)
+
     @staticmethod
     def _apply(daemon: dict[str, Any], words: list[str]) -> str:
         name, args = (words[0], words[1:]) if words else ("", [])

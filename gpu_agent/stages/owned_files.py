@@ -17,7 +17,8 @@ from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host import ledger as ledger_file, owned
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.plan import Change, RemoveFile, RemoveLink, RestartService, RestoreFile
+from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
+from gpu_agent.plan import Change, RemoveFile, RemoveLink, RestartService, RestoreFile, SetComputeMode, StopMpsDaemon
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.toolkit.services import ServiceControl
 
@@ -30,6 +31,7 @@ class OwnedState:
     links: list[owned.LinkUndo] = field(default_factory=list)
     restarts: list[str] = field(default_factory=list)  # units that read an undone file and run
     kept: int = 0  # files still wanted
+    mps_daemons: dict[str, int] = field(default_factory=dict)  # uninstall: the MPS control daemons running, pids
 
 
 class OwnedFiles(Stage):
@@ -37,9 +39,13 @@ class OwnedFiles(Stage):
     consumes = ("claims",)
     gates_readiness = False
 
-    def __init__(self, root: Root, services: ServiceControl, enabled: set[str], uninstall: bool = False) -> None:
+    def __init__(self, root: Root, services: ServiceControl, enabled: set[str], uninstall: bool = False,
+                 mps: Optional[tuple[MpsControl, ComputeModes]] = None) -> None:
+        """`mps`: at uninstall, what stops the MPS control daemons the ledger knows and puts their GPUs'
+        compute modes back."""
         self.root = root
         self.services = services
+        self.mps = mps
         self.enabled = enabled  # the stages that run: a file owned by any other is no longer wanted
         self.uninstall = uninstall
         self.ledger = Ledger(root)
@@ -69,6 +75,13 @@ class OwnedFiles(Stage):
                 raise StageError(f"cannot tell whether {unit} runs: {exc}") from None
             if unit_state is not None and unit_state.exists and not unit_state.stopped:
                 state.restarts.append(unit)
+        if self.uninstall and self.mps is not None:
+            from gpu_agent.mps.daemons import left_over
+
+            for resource in left_over(self.ledger):
+                pid = self.mps[0].pid(DaemonSpec.left(resource))
+                if pid is not None:
+                    state.mps_daemons[resource] = pid
         return state
 
     def plan(self, state: OwnedState) -> list[Action]:
@@ -81,8 +94,11 @@ class OwnedFiles(Stage):
         changes += [RemoveLink(u.entry.path, u.entry.target) for u in state.links if u.how == owned.REMOVE]
         changes += [RestartService(unit) for unit in state.restarts]
         if self.uninstall:
+            changes += [StopMpsDaemon(resource, pid) for resource, pid in sorted(state.mps_daemons.items())]
+            changes += [SetComputeMode(uuid, mode) for uuid, (mode, _) in sorted(self.ledger.compute_modes().items())]
             changes += [RemoveFile(directory) for directory in sorted(self.ledger.mps_directories())]
-        if not state.undo and not state.links and not (self.uninstall and self.ledger.mps_directories()):
+        if not state.undo and not state.links and not (self.uninstall and (self.ledger.mps_directories()
+                                                                             or self.ledger.compute_modes())):
             return []
         return [Action(tuple(changes), lambda: self._undo(state))]
 
@@ -108,12 +124,15 @@ class OwnedFiles(Stage):
             else:
                 if link.how == owned.CHANGED:
                     self._left.append(link.entry.path)
-        if self.uninstall:  # the MPS control daemons' directories (their daemons stop with the agent's watch)
-            from gpu_agent.mps.daemons import remove_mps_directories
+        if self.uninstall:  # the MPS control daemons, then their directories
+            from gpu_agent.mps.daemons import remove_mps_directories, stop_left_over
 
             try:
-                for directory in remove_mps_directories(self.root, self.ledger):
-                    log.info("%s: removed (gpu-agent no longer manages it)", directory)
+                if self.mps is not None:
+                    self._failures += stop_left_over(self.root, self.ledger, *self.mps)
+                else:
+                    for directory in remove_mps_directories(self.root, self.ledger):
+                        log.info("%s: removed (gpu-agent no longer manages it)", directory)
             except (OSError, AgentError) as exc:
                 self._failures.append(f"cannot remove the MPS directories: {getattr(exc, 'strerror', None) or exc}")
         for unit in state.restarts:
