@@ -198,6 +198,10 @@ ROWS: list[tuple[str, str | bytes, str]] = [
     *[(f"listen {listen}", V1 + f"http:\n  listen: '{listen}'\n", ":3: http.listen: expected HOST:PORT")
       for listen in ("[::1:9445", "::1]:9445", "::1:9445", "[::1]", "[]:9445", "[nope]:1", "host name:1", "h:0009445",
                      "[::1]:9445]", "h:\u0669")],
+    # --- a socket that could stand where a file of the system is
+    *[(f"socket {path}", V1 + f"http:\n  socket: '{path}'\n", ":3: http.socket: the socket must be under /run")
+      for path in ("/etc/passwd", "/var/lib/kubelet/device-plugins/kubelet.sock", "/run/../etc/shadow",
+                   "/runaway/agent.sock")],
 ]
 
 
@@ -411,6 +415,13 @@ def test_a_cdi_spec_in_a_spec_directory_is_accepted(config_dir: Path, path: str)
     config = config_dir / "config.yaml"
     config.write_text(V1 + f"toolkit:\n  cdi:\n    path: {path}\n")
     assert load_config(config, required=True).config.toolkit.cdi.path == path
+
+
+@pytest.mark.parametrize("socket", ["/run/gpu-agent/agent.sock", "/var/run/gpu-agent.sock", "/run/elsewhere/agent.sock", ""])
+def test_sockets_in_runtime_directories_are_accepted(config_dir: Path, socket: str) -> None:
+    config = config_dir / "config.yaml"
+    config.write_text(V1 + f"http:\n  socket: '{socket}'\n")
+    assert load_config(config, required=True).config.http.socket == socket
 
 
 @pytest.mark.parametrize("listen", ["[::1]:9445", "[fe80::1%eth0]:80", "0.0.0.0:1", "node-1.example:65535", ""])

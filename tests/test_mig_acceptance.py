@@ -27,7 +27,8 @@ MIXED = {"dgx-a100": (("1g.5gb", 2), ("2g.10gb", 1), ("3g.20gb", 1)),
          "dgx-h100": (("1g.10gb", 2), ("2g.20gb", 1), ("3g.40gb", 1))}
 
 
-# `make test` runs each case on the DGX H100; the DGX A100 runs are slow (`make test-slow`, CI).
+# `make test` runs the core cases on the DGX H100; the DGX A100 runs, and the cases whose apply-level or
+# stage-level sibling stays fast, are slow (`make test-slow`, CI).
 @pytest.fixture(params=[pytest.param("dgx-a100", marks=pytest.mark.slow), "dgx-h100"])
 def node(request: Any, tmp_path: Path) -> SimNode:
     root = tmp_path / "root"
@@ -84,6 +85,7 @@ def test_each_config_gives_its_geometry_and_reapplying_it_changes_nothing(node: 
     assert geometries(applied["enabled-empty"]) == [(True, ())] * 8
 
 
+@pytest.mark.slow  # fast sibling: test_mig_apply.py::test_one_changed_gpu_touches_only_that_gpu_and_keeps_what_fits
 def test_changing_one_gpu_touches_only_that_gpu(node: SimNode) -> None:
     node.apply(settings("mixed"))
     before = gpus(node)
@@ -98,6 +100,7 @@ def test_changing_one_gpu_touches_only_that_gpu(node: SimNode) -> None:
     assert all(gi in after[3]["mig"]["gpu_instances"] for gi in kept) and len(kept) == 2
 
 
+@pytest.mark.slow  # fast sibling: test_mig_apply.py::test_an_impossible_geometry_is_refused_before_any_change
 def test_an_impossible_geometry_is_refused_with_nothing_changed(node: SimNode) -> None:
     node.apply(settings("mixed"))
     before = gpus(node)
@@ -110,6 +113,7 @@ def test_an_impossible_geometry_is_refused_with_nothing_changed(node: SimNode) -
     assert result.changes("mig") == [] and gpus(node) == before and result.state.mig.state == "failed"
 
 
+@pytest.mark.slow  # fast sibling: test_mig_apply.py::test_a_busy_gpu_is_refused_naming_its_processes
 def test_a_busy_gpu_is_refused_naming_its_process(node: SimNode) -> None:
     node.apply(settings("mixed"))
     node.sim("add-process", "--gpu", "1", "--pid", "4242", "--name", "trainer")
@@ -123,6 +127,7 @@ def test_a_busy_gpu_is_refused_naming_its_process(node: SimNode) -> None:
     assert result.state.mig.state == "failed"
 
 
+@pytest.mark.slow  # fast sibling: test_mig_apply.py::test_an_nvml_failure_mid_apply_restores_the_previous_geometry
 def test_an_nvml_failure_mid_apply_restores_that_gpus_previous_geometry(node: SimNode) -> None:
     node.apply(settings("mixed"))
     before = gpus(node)
@@ -145,6 +150,7 @@ def test_an_nvml_failure_mid_apply_from_mig_off_restores_mig_off(node: SimNode) 
     assert geometries(result)[4] == (False, ()) and geometries(result)[3] == (True, MIXED[node.simulate])
 
 
+@pytest.mark.slow  # fast sibling: test_mig_apply.py::test_a_driver_reload_clears_hopper_mig_mode_and_every_...
 def test_a_driver_reload_is_repaired_at_the_next_pass(node: SimNode) -> None:
     node.apply(settings("mixed"))
     node.sim("reload-driver")
@@ -169,6 +175,7 @@ def sent_states(api: KubeEmulator) -> list[str]:
             if request.method == "PATCH" and STATE in ((request.json or {}).get("metadata") or {}).get("labels", {})]
 
 
+@pytest.mark.slow  # fast sibling: test_mig_stage.py::test_state_label_goes_pending_then_success_and_the_node_...
 def test_the_state_label_goes_pending_then_success(node: SimNode, api: KubeEmulator) -> None:
     api.write_kubeconfig(node.root / "etc/kubernetes/kubelet.conf", mode="cert-data")
     result = node.apply(settings("split-0-2", kubernetes={"node_name": NODE}))

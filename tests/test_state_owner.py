@@ -119,6 +119,7 @@ def cpu_load() -> Iterator[None]:
         spinner.wait(timeout=10)
 
 
+@pytest.mark.slow  # fast sibling: test_a_late_recorder_changes_nothing_a_converged_node_is_sent
 @pytest.mark.subprocess  # the load: a real process beside the test's
 def test_passes_on_a_converged_node_under_load_send_nothing(root: Path, api: KubeEmulator,
                                                             loaded: LoadedConfig) -> None:

@@ -39,9 +39,13 @@ def valid_listen(value: str) -> bool:
     return _HOST.fullmatch(host) is not None
 
 
+SOCKET_DIRECTORIES = ("/run/", "/var/run/")  # a socket elsewhere could take the name of a file the agent does not own
+
+
 def valid_socket(value: str) -> bool:
-    """An absolute path without control characters, or "" (the socket off)."""
-    return value == "" or (value.startswith("/") and not _CONTROL.search(value))
+    """A path under /run (or /var/run) without control characters or "..", or "" (the socket off)."""
+    return value == "" or (value.startswith(SOCKET_DIRECTORIES) and not _CONTROL.search(value)
+                           and ".." not in value.split("/"))
 
 
 class Endpoint(NamedTuple):  # not a dataclass: `gpu-agent status` would import dataclasses (and inspect) for it

@@ -9,7 +9,8 @@ from typing import Annotated, Literal, Optional
 
 
 from gpu_agent.config.driver import DriverConfig
-from gpu_agent.config.endpoint import DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, Endpoint, valid_listen
+from gpu_agent.config.endpoint import (DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MAX, SOCKET_DIRECTORIES, Endpoint,
+                                       valid_listen, valid_socket)
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
 from gpu_agent.config.plugin import PluginConfig
@@ -33,15 +34,18 @@ def _host_port(value: str) -> str:
     return value
 
 
-def _absolute_or_off(value: str) -> str:
-    return absolute_path(value) if value else value
+def _socket_path(value: str) -> str:
+    if value and not valid_socket(absolute_path(value)):
+        raise ValueError(f"the socket must be under {' or '.join(d.rstrip('/') for d in SOCKET_DIRECTORIES)} (a "
+                         f"runtime directory), without '..': {shown(value)} could stand where a file of the system is")
+    return value
 
 
 @dataclass(frozen=True)
 class HttpConfig(Section):
     listen: Annotated[str, Check(_host_port)] = setting(
         DEFAULT_LISTEN, 'TCP address of the read-only endpoint, HOST:PORT; "" turns TCP off.', max_length=LISTEN_MAX)
-    socket: Annotated[str, Check(_absolute_or_off)] = setting(
+    socket: Annotated[str, Check(_socket_path)] = setting(
         DEFAULT_SOCKET, 'Unix socket of the same endpoint (under --root); "" turns it off.', max_length=PATH_MAX)
 
     @property
