@@ -417,7 +417,8 @@ def test_a_cdi_spec_in_a_spec_directory_is_accepted(config_dir: Path, path: str)
     assert load_config(config, required=True).config.toolkit.cdi.path == path
 
 
-@pytest.mark.parametrize("socket", ["/run/gpu-agent/agent.sock", "/var/run/gpu-agent.sock", "/run/elsewhere/agent.sock", ""])
+@pytest.mark.parametrize("socket", ["/run/gpu-agent/agent.sock", "/var/run/gpu-agent.sock", "/run/elsewhere/agent.sock",
+                                    ""])
 def test_sockets_in_runtime_directories_are_accepted(config_dir: Path, socket: str) -> None:
     config = config_dir / "config.yaml"
     config.write_text(V1 + f"http:\n  socket: '{socket}'\n")
