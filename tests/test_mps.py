@@ -318,3 +318,26 @@ def test_a_daemon_that_does_not_answer_quit_gets_sigterm(tmp_path: Path) -> None
     with machine.edit() as sim:
         sim["faults"].append({"id": 1, "call": "mps", "error": "hang", "times": None})
     assert stop_daemon(control, spec, wait_s=0.1) is None and control.pid(spec) is None
+
+
+def test_a_tmpfs_gpu_agent_did_not_mount_is_refused_and_nothing_starts(dgx: SimDgx) -> None:
+    dgx.root.path.joinpath(SHM.lstrip("/")).mkdir(parents=True)
+    with dgx.machine.edit() as sim:  # NVIDIA's mps-control-daemon mounts one there too
+        sim["mounts"] = {SHM: {"fstype": "tmpfs", "source": "shm", "options": "rw"}}
+    state = dgx.state()
+    asyncio.run(dgx.manager(state).sync())
+    assert state.mps is not None and (state.mps["daemons"][0]["error"] or "").startswith(
+        f"{SHM}: a tmpfs file system is mounted there, not gpu-agent's")
+    assert "mps" not in dgx.machine.read() and dgx.compute_modes() == [0] * 8 and Ledger(dgx.root).mounts() == {}
+    assert dgx.machine.read()["mounts"][SHM]["options"] == "rw"  # left as it was
+
+
+def test_an_adopted_daemon_gets_its_tmpfs_back(dgx: SimDgx) -> None:
+    asyncio.run(dgx.manager(dgx.state()).sync())
+    pid = dgx.machine.read()["mps"][GPU_RESOURCE]["pid"]
+    with dgx.machine.edit() as sim:  # someone unmounted it while the agent was away
+        del sim["mounts"][SHM]
+    state = dgx.state()
+    asyncio.run(dgx.manager(state).sync())  # the agent's next process
+    assert state.mps is not None and state.mps["daemons"][0]["up"] and state.mps["daemons"][0]["pid"] == pid
+    assert SHM in dgx.machine.read()["mounts"] and set(Ledger(dgx.root).mounts()) == {SHM}
