@@ -332,12 +332,16 @@ def test_a_tmpfs_gpu_agent_did_not_mount_is_refused_and_nothing_starts(dgx: SimD
     assert dgx.machine.read()["mounts"][SHM]["options"] == "rw"  # left as it was
 
 
-def test_an_adopted_daemon_gets_its_tmpfs_back(dgx: SimDgx) -> None:
+def test_an_adopted_daemon_started_with_the_hosts_dev_shm_is_started_again_with_the_tmpfs(dgx: SimDgx) -> None:
     asyncio.run(dgx.manager(dgx.state()).sync())
-    pid = dgx.machine.read()["mps"][GPU_RESOURCE]["pid"]
-    with dgx.machine.edit() as sim:  # someone unmounted it while the agent was away
+    with dgx.machine.edit() as sim:  # as a gpu-agent from before the tmpfs left it
+        pid = sim["mps"][GPU_RESOURCE].pop("shm") and sim["mps"][GPU_RESOURCE]["pid"]
         del sim["mounts"][SHM]
     state = dgx.state()
-    asyncio.run(dgx.manager(state).sync())  # the agent's next process
-    assert state.mps is not None and state.mps["daemons"][0]["up"] and state.mps["daemons"][0]["pid"] == pid
-    assert SHM in dgx.machine.read()["mounts"] and set(Ledger(dgx.root).mounts()) == {SHM}
+    manager = dgx.manager(state)
+    asyncio.run(manager.sync())  # adopted, the tmpfs mounted again, the daemon found without it and sent quit
+    assert SHM in dgx.machine.read()["mounts"] and not dgx.machine.read()["mps"][GPU_RESOURCE]["alive"]
+    asyncio.run(manager.sync())  # started again, with it
+    daemon = dgx.machine.read()["mps"][GPU_RESOURCE]
+    assert daemon["alive"] and daemon["pid"] != pid and daemon["shm"]["source"] == SHM
+    assert state.mps is not None and state.mps["daemons"][0]["up"] and set(Ledger(dgx.root).mounts()) == {SHM}

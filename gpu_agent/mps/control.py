@@ -24,7 +24,7 @@ from typing import Optional, Protocol
 from gpu_agent.errors import AgentError
 from gpu_agent.host import mounts
 from gpu_agent.host.paths import Root
-from gpu_agent.mps.layout import LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, log_dir, pipe_dir
+from gpu_agent.mps.layout import CLIENT_SHM, LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, log_dir, pipe_dir
 
 BINARY = "/usr/bin/nvidia-cuda-mps-control"
 CONTROL_TIMEOUT_S = 5.0  # one call of nvidia-cuda-mps-control, start or command
@@ -86,6 +86,9 @@ class MpsControl(Protocol):
     def unmount_shm(self) -> None:
         """SHM_DIR's mount detached; an AgentError says why not."""
 
+    def uses_shm(self, spec: DaemonSpec) -> bool:
+        """Whether the running daemon's /dev/shm is the tmpfs at SHM_DIR (True when that cannot be told)."""
+
 
 class ComputeModes(Protocol):
     """A GPU's compute mode by UUID, named as nvidia-smi names it (nvml.inventory.NvmlInventory)."""
@@ -126,6 +129,16 @@ class HostMpsControl:
             mounts.unmount(str(self.root(SHM_DIR)))
         except OSError as exc:
             raise AgentError(f"cannot unmount {SHM_DIR}: {exc.strerror or exc}") from None
+
+    def uses_shm(self, spec: DaemonSpec) -> bool:
+        pid = self.pid(spec)
+        try:
+            ours = mounts.mount_at(self.root, SHM_DIR)
+            text = self.root(f"/proc/{pid}/mountinfo").read_text(errors="replace") if pid else ""
+        except (OSError, AgentError):
+            return True
+        theirs = [mount for mount in mounts.parse_mountinfo(text) if mount.point == CLIENT_SHM]
+        return ours is None or not theirs or theirs[-1].device == ours.device
 
     def pid(self, spec: DaemonSpec) -> Optional[int]:
         try:

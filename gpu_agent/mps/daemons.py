@@ -27,7 +27,7 @@ from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.mps import shm
 from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
-from gpu_agent.mps.layout import MPS_ROOT, log_dir, pipe_dir, resource_dir
+from gpu_agent.mps.layout import MPS_ROOT, SHM_DIR, log_dir, pipe_dir, resource_dir
 from gpu_agent.plugin.devices import advertised
 from gpu_agent.state import AgentState
 
@@ -144,6 +144,14 @@ class MpsManager:
                 except AgentError as exc:
                     log.warning("MPS control daemon for %s: %s", spec.resource, exc)
                     running.error, running.pid, running.next_try, running.failures = str(exc), None, now + first, 1
+                    return
+                if not self.control.uses_shm(spec):  # started by a gpu-agent before the tmpfs: not its clients'
+                    log.warning("MPS control daemon for %s does not have %s as its /dev/shm, as its clients do; "
+                                "starting it again", spec.resource, SHM_DIR)
+                    problem = stop_daemon(self.control, spec)
+                    running.pid = None
+                    if problem is not None:
+                        running.error, running.next_try, running.failures = problem, now + first, 1
                     return
                 running.started_at = time.time()
                 recorded = self.ledger.compute_modes()

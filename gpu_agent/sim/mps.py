@@ -73,6 +73,10 @@ class SimMpsControl:
     def terminate(self, spec: DaemonSpec) -> None:
         kill(self.machine, spec.resource)
 
+    def uses_shm(self, spec: DaemonSpec) -> bool:
+        daemon = self.machine.read().get("mps", {}).get(spec.resource)
+        return daemon is None or daemon.get("shm") is not None
+
     def shm_fstype(self) -> Optional[str]:
         mounted = self.machine.read().get("mounts", {}).get(SHM_DIR)
         return None if mounted is None else str(mounted["fstype"])
