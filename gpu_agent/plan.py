@@ -147,6 +147,17 @@ class StopMpsDaemon(Change):
 
 
 @dataclass(frozen=True)
+class Unmount(Change):
+    """A file system the agent mounted (the MPS daemons' tmpfs), detached, and its directory removed."""
+
+    kind: ClassVar[str] = "Unmount"
+    path: str
+
+    def describe(self) -> str:
+        return f"unmount {self.path}"
+
+
+@dataclass(frozen=True)
 class InstallPackage(Change):
     kind: ClassVar[str] = "InstallPackage"
     package: str

@@ -12,14 +12,15 @@ import pytest
 
 from gpu_agent.config.loader import LoadedConfig, parse_config, validated
 from gpu_agent.config.plugin import PluginConfig
-from gpu_agent.errors import ConfigError
-from gpu_agent.host.ledger import Ledger
+from gpu_agent.errors import AgentError, ConfigError
+from gpu_agent.host.ledger import Ledger, OwnedMount
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.labels import compute
 from gpu_agent.cli.status import print_mps
 from gpu_agent.mps.control import DaemonSpec
 from gpu_agent.mps.daemons import MpsManager, Timing, stop_daemon
-from gpu_agent.plan import RemoveFile, SetComputeMode, StopMpsDaemon
+from gpu_agent.mps.layout import SHM_DIR as SHM
+from gpu_agent.plan import RemoveFile, SetComputeMode, StopMpsDaemon, Unmount
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.sim.fake import FakeNvml
 from gpu_agent.sim.kernel import SimModprobe
@@ -195,7 +196,11 @@ def test_mps_daemons_on_a_simulated_dgx_h100(dgx: SimDgx, capsys: pytest.Capture
             given = allocate(resource, [resource.devices[5].id], "cdi-cri", True)
             assert given.envs == {"CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe"}
             assert given.mounts == (("/mps/nvidia.com/gpu/pipe", "/run/nvidia/mps/nvidia.com/gpu/pipe"),
-                                    ("/dev/shm", "/dev/shm"))
+                                    ("/dev/shm", SHM))  # the daemons' tmpfs, not the host's /dev/shm
+            shm_options = "nosuid,nodev,noexec,mode=1777,size=65536k"  # the simulated node has no /proc/meminfo
+            assert machine.read()["mounts"] == {SHM: {"fstype": "tmpfs", "source": "shm", "options": shm_options}}
+            assert daemon["shm"] == {"source": SHM, "target": "/dev/shm", "options": shm_options}  # mps.launch's
+            assert Ledger(root).mounts() == {SHM: OwnedMount(SHM, "tmpfs", shm_options, made=True)}
             assert given.cdi_devices == (f"nvidia.com/gpu={inventory.gpus[1].uuid}",)
             with pytest.raises(AllocationError, match="maximum request size for shared resources is 1"):
                 allocate(resource, [d.id for d in resource.devices[:2]], "envvar", True)
@@ -222,6 +227,7 @@ def test_mps_daemons_on_a_simulated_dgx_h100(dgx: SimDgx, capsys: pytest.Capture
             manager.wake()
             await _until(lambda: state.mps is None, 5)
             assert not machine.read()["mps"][GPU_RESOURCE]["alive"]  # sent quit
+            assert machine.read()["mounts"] == {} and Ledger(root).mounts() == {}  # unmounted, its directory gone
             assert not tmp_path.joinpath("run/nvidia/mps").exists() and Ledger(root).mps_directories() == {}
             assert dgx.compute_modes() == [0] * 8 and Ledger(root).compute_modes() == {}  # DEFAULT again
         finally:
@@ -275,11 +281,15 @@ def test_uninstall_stops_the_daemons_then_restores_compute_modes_and_removes_dir
     first = dgx.inventory.gpus[0].uuid
     assert planned[0] == StopMpsDaemon(GPU_RESOURCE, pid) and SetComputeMode(first, "PROHIBITED") in planned
     assert RemoveFile("/run/nvidia/mps/nvidia.com/gpu/pipe") in planned
+    assert planned.index(StopMpsDaemon(GPU_RESOURCE, pid)) < planned.index(Unmount(SHM)) < planned.index(
+        RemoveFile("/run/nvidia/mps"))
     assert dgx.machine.read()["mps"][GPU_RESOURCE]["alive"] and dgx.compute_modes() == [3] * 8  # a dry run: nothing
+    assert SHM in dgx.machine.read()["mounts"]
     assert node.uninstall().ok
     assert not dgx.machine.read()["mps"][GPU_RESOURCE]["alive"] and dgx.compute_modes() == [2] + [0] * 7
     assert not dgx.root.path.joinpath("run/nvidia/mps").exists()
     assert Ledger(dgx.root).mps_directories() == {} and Ledger(dgx.root).compute_modes() == {}
+    assert dgx.machine.read()["mounts"] == {} and Ledger(dgx.root).mounts() == {}
 
 
 def test_a_compute_mode_nvml_refuses_keeps_the_daemon_down_naming_why(dgx: SimDgx) -> None:
@@ -300,7 +310,38 @@ def test_a_daemon_that_does_not_answer_quit_gets_sigterm(tmp_path: Path) -> None
     machine.ensure("dgx-h100")
     control = SimMpsControl(machine, 0.05)
     spec = DaemonSpec.left(GPU_RESOURCE)
+    with pytest.raises(AgentError, match="/run/nvidia/mps/shm is not a mounted tmpfs"):  # as mps.launch refuses
+        control.start(spec)
+    tmp_path.joinpath(SHM.lstrip("/")).mkdir(parents=True)
+    control.mount_shm("mode=1777")
     control.start(spec)
     with machine.edit() as sim:
         sim["faults"].append({"id": 1, "call": "mps", "error": "hang", "times": None})
     assert stop_daemon(control, spec, wait_s=0.1) is None and control.pid(spec) is None
+
+
+def test_a_tmpfs_gpu_agent_did_not_mount_is_refused_and_nothing_starts(dgx: SimDgx) -> None:
+    dgx.root.path.joinpath(SHM.lstrip("/")).mkdir(parents=True)
+    with dgx.machine.edit() as sim:  # NVIDIA's mps-control-daemon mounts one there too
+        sim["mounts"] = {SHM: {"fstype": "tmpfs", "source": "shm", "options": "rw"}}
+    state = dgx.state()
+    asyncio.run(dgx.manager(state).sync())
+    assert state.mps is not None and (state.mps["daemons"][0]["error"] or "").startswith(
+        f"{SHM}: a tmpfs file system is mounted there, not gpu-agent's")
+    assert "mps" not in dgx.machine.read() and dgx.compute_modes() == [0] * 8 and Ledger(dgx.root).mounts() == {}
+    assert dgx.machine.read()["mounts"][SHM]["options"] == "rw"  # left as it was
+
+
+def test_an_adopted_daemon_started_with_the_hosts_dev_shm_is_started_again_with_the_tmpfs(dgx: SimDgx) -> None:
+    asyncio.run(dgx.manager(dgx.state()).sync())
+    with dgx.machine.edit() as sim:  # as a gpu-agent from before the tmpfs left it
+        pid = sim["mps"][GPU_RESOURCE].pop("shm") and sim["mps"][GPU_RESOURCE]["pid"]
+        del sim["mounts"][SHM]
+    state = dgx.state()
+    manager = dgx.manager(state)
+    asyncio.run(manager.sync())  # adopted, the tmpfs mounted again, the daemon found without it and sent quit
+    assert SHM in dgx.machine.read()["mounts"] and not dgx.machine.read()["mps"][GPU_RESOURCE]["alive"]
+    asyncio.run(manager.sync())  # started again, with it
+    daemon = dgx.machine.read()["mps"][GPU_RESOURCE]
+    assert daemon["alive"] and daemon["pid"] != pid and daemon["shm"]["source"] == SHM
+    assert state.mps is not None and state.mps["daemons"][0]["up"] and set(Ledger(dgx.root).mounts()) == {SHM}

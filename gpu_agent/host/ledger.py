@@ -13,6 +13,9 @@ under /var/lib/gpu-agent.
   after a kill -9, performs them first.
 - mps_directories: the directories the agent made for its MPS control daemons (under /run/nvidia/mps),
   recorded before each is made; removed with what is in them when the daemon stops or at uninstall.
+- mounts: the file systems the agent mounted (only the MPS control daemons' tmpfs, /run/nvidia/mps/shm),
+  with their options and whether the agent made the directory; recorded before the mount, and dropped
+  once it was unmounted (when the last daemon stops, or at uninstall).
 - compute_modes: by GPU UUID, the compute mode a GPU had before the agent set it to EXCLUSIVE_PROCESS for an
   MPS control daemon, and that daemon's resource; recorded before the change and cleared once the mode
   was put back (when the daemon stops, or at uninstall).
@@ -40,6 +43,7 @@ from gpu_agent.plan import COMPUTE_MODES
 
 PATH = "/var/lib/gpu-agent/ledger.json"
 MPS_DIRECTORY_ROOT = "/run/nvidia/mps"  # mps/layout.py's MPS_ROOT: the only place MPS directories may be
+MOUNT_POINTS = (f"{MPS_DIRECTORY_ROOT}/shm",)  # mps/layout.py's SHM_DIR: the only mount the agent makes
 VERSION = 1
 _MAX_BYTES = 1 << 20
 
@@ -58,6 +62,14 @@ class OwnedLink:
     path: str  # host path of the link
     owner: str  # the stage that made it
     target: str  # what the agent made it point to, as written in the link
+
+
+@dataclass(frozen=True)
+class OwnedMount:
+    path: str  # the mount point, a host path
+    fstype: str  # "tmpfs"
+    options: str  # as mount(8) takes them
+    made: bool  # the agent made the directory: removed after the unmount
 
 
 class LedgerError(AgentError):
@@ -149,6 +161,27 @@ class Ledger:
         if document["mps_directories"].pop(path, None) is not None:
             self._write(document)
 
+    def mounts(self) -> dict[str, OwnedMount]:
+        """The file systems the agent mounted, by mount point."""
+        return {path: OwnedMount(path=path, **entry) for path, entry in self._read()["mounts"].items()}
+
+    def own_mount(self, entry: OwnedMount) -> None:
+        """Record (durably, before the mount) that the agent mounts `entry`; whether it made the directory
+        stays as first recorded."""
+        if entry.path not in MOUNT_POINTS:
+            raise LedgerError(f"{entry.path}: not a mount point gpu-agent makes ({', '.join(MOUNT_POINTS)})")
+        document = self._read()
+        before = document["mounts"].get(entry.path)
+        fields = {"fstype": entry.fstype, "options": entry.options, "made": before["made"] if before else entry.made}
+        if before != fields:
+            document["mounts"][entry.path] = fields
+            self._write(document)
+
+    def disown_mount(self, path: str) -> None:
+        document = self._read()
+        if document["mounts"].pop(path, None) is not None:
+            self._write(document)
+
     def compute_modes(self) -> dict[str, tuple[str, str]]:
         """By GPU UUID: (the compute mode to put back, the MPS resource it was changed for)."""
         return {uuid: (entry["mode"], entry["resource"]) for uuid, entry in self._read()["compute_modes"].items()}
@@ -215,7 +248,7 @@ class Ledger:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
         if raw is None:
             return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {},
-                    "mps_directories": {}, "compute_modes": {}}
+                    "mps_directories": {}, "compute_modes": {}, "mounts": {}}
         try:
             document = jsontext.loads(raw.decode("utf-8"), max_digits=jsontext.OWN_DIGITS)
         except jsontext.NumberTooLong as exc:
@@ -256,6 +289,11 @@ class Ledger:
                 _mps_directory(k) and isinstance(v, str) for k, v in directories.items()):
             raise self._error(f'mps_directories: expected an object of directories under {MPS_DIRECTORY_ROOT}, such '
                               f'as {{"{MPS_DIRECTORY_ROOT}/nvidia.com/gpu": "nvidia.com/gpu"}}')
+        mounted = document.setdefault("mounts", {})
+        if not isinstance(mounted, dict) or not all(_mount_entry(k, v) for k, v in mounted.items()):
+            raise self._error(f'mounts: expected an object of mount points ({", ".join(MOUNT_POINTS)}), such as '
+                              f'{{"{MOUNT_POINTS[0]}": {{"fstype": "tmpfs", "options": "nosuid,nodev,noexec,mode=1777,'
+                              'size=65536k", "made": true}}}}')
         reload = document.get("driver_reload")
         if reload is not None and not (isinstance(reload, dict) and isinstance(reload.get("step"), str)):
             raise self._error('driver_reload: expected an object such as {"step": "wait-for-jobs-required", '
@@ -271,7 +309,7 @@ class Ledger:
     def _write(self, document: dict[str, Any]) -> None:
         # a node without MIG changes or MPS keeps the file as it was
         document = {key: value for key, value in document.items()
-                    if key not in ("mig_checkpoints", "mps_directories", "compute_modes") or value}
+                    if key not in ("mig_checkpoints", "mps_directories", "compute_modes", "mounts") or value}
         path = self.root(PATH)
         try:
             path = self.path
@@ -290,6 +328,11 @@ class Ledger:
 def _mps_directory(path: Any) -> bool:
     return isinstance(path, str) and (path == MPS_DIRECTORY_ROOT or path.startswith(MPS_DIRECTORY_ROOT + "/")) and \
         not {"..", "."} & set(path.split("/"))
+
+
+def _mount_entry(path: Any, entry: Any) -> bool:
+    return (path in MOUNT_POINTS and isinstance(entry, dict) and set(entry) == {"fstype", "options", "made"}
+            and entry["fstype"] == "tmpfs" and isinstance(entry["options"], str) and isinstance(entry["made"], bool))
 
 
 _UNIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@-]{0,199}\.(service|socket|target)")

@@ -6,18 +6,25 @@ As NVIDIA documents it (docs.nvidia.com/deploy/mps, "Tools and Interface Referen
 order), with its pipes in CUDA_MPS_PIPE_DIRECTORY and its logs in CUDA_MPS_LOG_DIRECTORY; it writes its pid
 to nvidia-cuda-mps-control.pid in the pipe directory; `echo CMD | nvidia-cuda-mps-control` (same
 environment) sends CMD and prints the answer.
+
+The daemon is started through mps.launch, in a mount namespace whose /dev/shm is the tmpfs at
+/run/nvidia/mps/shm (mps.shm); commands are sent from the agent's own namespace: they use only the pipe
+directory.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host import mounts
 from gpu_agent.host.paths import Root
-from gpu_agent.mps.layout import LOG_ENV, PID_FILE, PIPE_ENV, log_dir, pipe_dir
+from gpu_agent.mps.layout import CLIENT_SHM, LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, log_dir, pipe_dir
 
 BINARY = "/usr/bin/nvidia-cuda-mps-control"
 CONTROL_TIMEOUT_S = 5.0  # one call of nvidia-cuda-mps-control, start or command
@@ -69,6 +76,19 @@ class MpsControl(Protocol):
     def terminate(self, spec: DaemonSpec) -> None:
         """SIGTERM to a daemon that ignored `quit`."""
 
+    def shm_fstype(self) -> Optional[str]:
+        """The type of the file system mounted at SHM_DIR, None when none is; an AgentError when it
+        cannot be told."""
+
+    def mount_shm(self, options: str) -> None:
+        """A tmpfs at SHM_DIR (an existing directory) with `options`; an AgentError says why not."""
+
+    def unmount_shm(self) -> None:
+        """SHM_DIR's mount detached; an AgentError says why not."""
+
+    def uses_shm(self, spec: DaemonSpec) -> bool:
+        """Whether the running daemon's /dev/shm is the tmpfs at SHM_DIR (True when that cannot be told)."""
+
 
 class ComputeModes(Protocol):
     """A GPU's compute mode by UUID, named as nvidia-smi names it (nvml.inventory.NvmlInventory)."""
@@ -88,10 +108,37 @@ class HostMpsControl:
         self.timeout = timeout
 
     def start(self, spec: DaemonSpec) -> None:
-        self._run(spec, ["-d"], "")
+        self._run(spec, ["-d"], "", launcher(str(self.root(SHM_DIR))))
 
     def send(self, spec: DaemonSpec, command: str) -> str:
         return self._run(spec, [], command + "\n")
+
+    def shm_fstype(self) -> Optional[str]:
+        found = mounts.mount_at(self.root, SHM_DIR)
+        return None if found is None else found.fstype
+
+    def mount_shm(self, options: str) -> None:
+        try:
+            mounts.mount_tmpfs(str(self.root(SHM_DIR)), options)
+        except OSError as exc:
+            raise AgentError(f"cannot mount a tmpfs at {SHM_DIR} for the MPS daemons' shared memory: "
+                             f"{exc.strerror or exc}{_NEEDS_ADMIN if exc.errno == errno.EPERM else ''}") from None
+
+    def unmount_shm(self) -> None:
+        try:
+            mounts.unmount(str(self.root(SHM_DIR)))
+        except OSError as exc:
+            raise AgentError(f"cannot unmount {SHM_DIR}: {exc.strerror or exc}") from None
+
+    def uses_shm(self, spec: DaemonSpec) -> bool:
+        pid = self.pid(spec)
+        try:
+            ours = mounts.mount_at(self.root, SHM_DIR)
+            text = self.root(f"/proc/{pid}/mountinfo").read_text(errors="replace") if pid else ""
+        except (OSError, AgentError):
+            return True
+        theirs = [mount for mount in mounts.parse_mountinfo(text) if mount.point == CLIENT_SHM]
+        return ours is None or not theirs or theirs[-1].device == ours.device
 
     def pid(self, spec: DaemonSpec) -> Optional[int]:
         try:
@@ -113,12 +160,12 @@ class HostMpsControl:
         except OSError:
             pass  # it exited meanwhile
 
-    def _run(self, spec: DaemonSpec, args: list[str], given: str) -> str:
+    def _run(self, spec: DaemonSpec, args: list[str], given: str, before: tuple[str, ...] = ()) -> str:
         binary = str(self.root(BINARY))
         what = " ".join(["nvidia-cuda-mps-control", *args]) + (f" <<< {given.strip()!r}" if given else "")
         try:
-            done = subprocess.run([binary, *args], input=given.encode(), capture_output=True, env=spec.env(self.root),
-                                  timeout=self.timeout, check=False)
+            done = subprocess.run([*before, binary, *args], input=given.encode(), capture_output=True,
+                                  env=spec.env(self.root), timeout=self.timeout, check=False)
         except subprocess.TimeoutExpired:
             raise AgentError(f"{what} for {spec.resource}: no answer within {self.timeout:g} s") from None
         except OSError as exc:
@@ -128,3 +175,16 @@ class HostMpsControl:
             said = (done.stderr[:500].decode(errors="replace") or answer[:500]).strip()
             raise AgentError(f"{what} for {spec.resource} failed (exit {done.returncode}){': ' + said if said else ''}")
         return answer
+
+
+_NEEDS_ADMIN = " (mount(2) needs CAP_SYS_ADMIN in the host's mount namespace)"
+
+
+def launcher(shm: str) -> tuple[str, ...]:
+    """The argv before the binary's that runs it through mps.launch with `shm` as its /dev/shm: this
+    Python, isolated, with the agent's own package first on its path (the package keeps it outside
+    site-packages)."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (f"import sys; sys.path[:0] = [{package!r}]; "
+            "from gpu_agent.mps.launch import main; sys.exit(main(sys.argv[1:]))")
+    return sys.executable or "python3", "-I", "-B", "-c", code, shm

@@ -1,13 +1,15 @@
 """The MPS control daemons, one per resource shared by `plugin.sharing.mps`, run and watched by the agent.
 
 For each such resource it makes /run/nvidia/mps/<resource>/{pipe,log} (recorded in the ledger first),
-starts `nvidia-cuda-mps-control -d` for exactly that resource's GPUs, sets the default active thread
+mounts the daemons' shared tmpfs at /run/nvidia/mps/shm before the first one starts (mps.shm), starts
+`nvidia-cuda-mps-control -d` for exactly that resource's GPUs, sets the default active thread
 percentage (100 / replicas) and each GPU's pinned memory limit (its memory / replicas) as NVIDIA's
 mps-control-daemon does, and checks that it answers (get_server_list). It looks at each daemon every
-half second (Timing): one that died (or stops answering) is down, its devices Unhealthy in the plugin, and it is started
-again after a backoff (1 s, doubling to 30 s), the restarts counted. A resource the config no longer
-shares gets `quit` and its directories removed. A daemon left running by a previous agent process is
-adopted (its pid file in the pipe directory), so an agent restart does not cut off the clients.
+half second (Timing): one that died (or stops answering) is down, its devices Unhealthy in the plugin,
+and it is started again after a backoff (1 s, doubling to 30 s), the restarts counted. A resource the
+config no longer shares gets `quit` and its directories removed; the tmpfs is unmounted once no daemon
+runs. A daemon left running by a previous agent process is adopted (its pid file in the pipe
+directory), so an agent restart does not cut off the clients.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from gpu_agent.config.plugin import mig_strategy, plugin_wanted
 from gpu_agent.errors import AgentError
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
+from gpu_agent.mps import shm
 from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
-from gpu_agent.mps.layout import MPS_ROOT, log_dir, pipe_dir, resource_dir
+from gpu_agent.mps.layout import MPS_ROOT, SHM_DIR, log_dir, pipe_dir, resource_dir
 from gpu_agent.plugin.devices import advertised
 from gpu_agent.state import AgentState
 
@@ -136,6 +139,20 @@ class MpsManager:
             running.pid = self.control.pid(spec)
             if running.pid is not None:
                 log.info("MPS control daemon for %s (pid %d) already runs; adopted", spec.resource, running.pid)
+                try:  # the tmpfs its clients are given
+                    shm.ensure(self.root, self.ledger, self.control)
+                except AgentError as exc:
+                    log.warning("MPS control daemon for %s: %s", spec.resource, exc)
+                    running.error, running.pid, running.next_try, running.failures = str(exc), None, now + first, 1
+                    return
+                if not self.control.uses_shm(spec):  # started by a gpu-agent before the tmpfs: not its clients'
+                    log.warning("MPS control daemon for %s does not have %s as its /dev/shm, as its clients do; "
+                                "starting it again", spec.resource, SHM_DIR)
+                    problem = stop_daemon(self.control, spec)
+                    running.pid = None
+                    if problem is not None:
+                        running.error, running.next_try, running.failures = problem, now + first, 1
+                    return
                 running.started_at = time.time()
                 recorded = self.ledger.compute_modes()
                 running.modes_before = {uuid: recorded[uuid][0] for uuid in spec.gpus if uuid in recorded}
@@ -183,6 +200,7 @@ class MpsManager:
             if not path.exists():
                 self.ledger.own_mps_directory(directory, spec.resource)
                 path.mkdir(mode=0o755)
+        shm.ensure(self.root, self.ledger, self.control)
         running.modes_before = exclusive(self.ledger, self.modes, spec)
         if self.control.pid(spec) is None:
             self.control.start(spec)
@@ -315,13 +333,18 @@ def stop_left_over(root: Root, ledger: Ledger, control: MpsControl, modes: Compu
     """Stop the daemon of each resource the ledger holds directories or compute modes of, then put its
     GPUs' compute modes back and remove its directories; a daemon that does not stop keeps them. Returns
     what could not be done."""
-    problems = []
+    problems, stopped = [], []
     for resource in left_over(ledger):
         problem = stop_daemon(control, DaemonSpec.left(resource), wait_s)
-        if problem is not None:
+        if problem is None:
+            stopped.append(resource)
+        else:
             problems.append(f"{problem}; its directories under {resource_dir(resource)} and its GPUs' compute "
                             "mode are left")
-            continue
+    if not problems:  # no daemon runs: their shared memory goes before the directory it is in
+        problem = shm.release(root, ledger, control)
+        problems += [problem] if problem else []
+    for resource in stopped:
         problems += restore_compute_modes(ledger, modes, resource)
         for directory in remove_mps_directories(root, ledger, resource):
             log.info("%s: removed (gpu-agent no longer manages it)", directory)

@@ -1,12 +1,14 @@
 """Where the MPS pieces live: on the host, each shared resource's pipe and log directories under
-/run/nvidia/mps/<resource>/ (NVIDIA's --mps-root default and its Root.PipeDir/LogDir layout); in a
-client container, the pipe directory under /mps/ and the host's /dev/shm, which MPS clients and their
-server share (the control daemon runs on the host here, so its server's shared memory is the host's)."""
+/run/nvidia/mps/<resource>/ and the tmpfs all daemons share, /run/nvidia/mps/shm (NVIDIA's --mps-root
+default and its Root.PipeDir/LogDir/ShmDir layout); in a client container, the pipe directory under
+/mps/ and that tmpfs as /dev/shm, the shared memory of MPS clients and their server (the control
+daemon has it as its /dev/shm too: mps.launch)."""
 from __future__ import annotations
 
 MPS_ROOT = "/run/nvidia/mps"
 CONTAINER_ROOT = "/mps"  # NVIDIA's mps.ContainerRoot
-SHM_DIR = "/dev/shm"
+SHM_DIR = f"{MPS_ROOT}/shm"  # NVIDIA's Root.ShmDir: one for all resources
+CLIENT_SHM = "/dev/shm"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
 PID_FILE = "nvidia-cuda-mps-control.pid"  # the control daemon writes it in its pipe directory
@@ -35,5 +37,5 @@ def client_envs(resource: str) -> dict[str, str]:
 
 
 def client_mounts(resource: str) -> tuple[tuple[str, str], ...]:
-    """(container path, host path): the pipe directory, and /dev/shm."""
-    return (container_pipe_dir(resource), pipe_dir(resource)), (SHM_DIR, SHM_DIR)
+    """(container path, host path): the pipe directory, and the daemons' tmpfs as /dev/shm."""
+    return (container_pipe_dir(resource), pipe_dir(resource)), (CLIENT_SHM, SHM_DIR)

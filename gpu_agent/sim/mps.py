@@ -1,7 +1,9 @@
 """The simulated nvidia-cuda-mps-control: control daemons kept in the simulated machine, so that a CLI
 call (`gpu-agent sim fail mps`) and a running agent see the same ones, and tests read back what the
-agent set. It answers on its control pipe from ANSWERS below, which holds what NVIDIA's documentation
-says the real one prints; the capture of a real daemon (issue 25, point 6) is to be compared with it.
+agent set. It cannot mount: the machine's `mounts` table stands for the host's, and each daemon records
+the /dev/shm that mps.launch would give it. It answers on its control pipe from ANSWERS below, which
+holds what NVIDIA's documentation says the real one prints; the capture of a real daemon (issue 25,
+point 6) is to be compared with it.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.mps.control import DaemonSpec
+from gpu_agent.mps.layout import CLIENT_SHM, SHM_DIR
 
 # command -> the answer's template; {servers}: the server pids, one a line (none until a client connects).
 # Source: docs.nvidia.com/deploy/mps ("Tools and Interface Reference", "MPS v2 Interface"); not yet checked
@@ -34,12 +37,18 @@ class SimMpsControl:
     def start(self, spec: DaemonSpec) -> None:
         with self.machine.edit() as state:
             daemons = state.setdefault("mps", {})
+            shm = state.get("mounts", {}).get(SHM_DIR)
+            if shm is None or shm["fstype"] != "tmpfs":  # as mps.launch refuses it
+                raise AgentError(f"nvidia-cuda-mps-control -d for {spec.resource} failed (exit 1): cannot give "
+                                 f"/usr/bin/nvidia-cuda-mps-control {SHM_DIR} as its {CLIENT_SHM}: {SHM_DIR} is not a "
+                                 "mounted tmpfs")
             if daemons.get(spec.resource, {}).get("alive"):
                 raise AgentError(f"nvidia-cuda-mps-control -d for {spec.resource} failed (exit 1): An instance of "
                                  "this daemon is already running")
             daemons[spec.resource] = {"pid": next(_PIDS) + len(daemons), "alive": True, "started": time.time(),
                                       "visible_devices": ",".join(spec.gpus), "thread_percentage": 100.0,
-                                      "pinned_mem_limits": {}, "servers": []}
+                                      "pinned_mem_limits": {}, "servers": [],
+                                      "shm": {"source": SHM_DIR, "target": CLIENT_SHM, "options": shm["options"]}}
 
     def send(self, spec: DaemonSpec, command: str) -> str:
         words = command.split()
@@ -63,6 +72,26 @@ class SimMpsControl:
 
     def terminate(self, spec: DaemonSpec) -> None:
         kill(self.machine, spec.resource)
+
+    def uses_shm(self, spec: DaemonSpec) -> bool:
+        daemon = self.machine.read().get("mps", {}).get(spec.resource)
+        return daemon is None or daemon.get("shm") is not None
+
+    def shm_fstype(self) -> Optional[str]:
+        mounted = self.machine.read().get("mounts", {}).get(SHM_DIR)
+        return None if mounted is None else str(mounted["fstype"])
+
+    def mount_shm(self, options: str) -> None:
+        if not self.machine.root(SHM_DIR).is_dir():
+            raise AgentError(f"cannot mount a tmpfs at {SHM_DIR} for the MPS daemons' shared memory: No such file or "
+                             "directory")
+        with self.machine.edit() as state:
+            state.setdefault("mounts", {})[SHM_DIR] = {"fstype": "tmpfs", "source": "shm", "options": options}
+
+    def unmount_shm(self) -> None:
+        with self.machine.edit() as state:
+            if state.get("mounts", {}).pop(SHM_DIR, None) is None:
+                raise AgentError(f"cannot unmount {SHM_DIR}: Invalid argument")
 
     @staticmethod
     def _apply(daemon: dict[str, Any], words: list[str]) -> str:

@@ -18,7 +18,8 @@ from gpu_agent.host import ledger as ledger_file, owned
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
-from gpu_agent.plan import Change, RemoveFile, RemoveLink, RestartService, RestoreFile, SetComputeMode, StopMpsDaemon
+from gpu_agent.plan import (Change, RemoveFile, RemoveLink, RestartService, RestoreFile, SetComputeMode, StopMpsDaemon,
+                            Unmount)
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.toolkit.services import ServiceControl
 
@@ -96,9 +97,10 @@ class OwnedFiles(Stage):
         if self.uninstall:
             changes += [StopMpsDaemon(resource, pid) for resource, pid in sorted(state.mps_daemons.items())]
             changes += [SetComputeMode(uuid, mode) for uuid, (mode, _) in sorted(self.ledger.compute_modes().items())]
+            changes += [Unmount(path) for path in sorted(self.ledger.mounts())]
             changes += [RemoveFile(directory) for directory in sorted(self.ledger.mps_directories())]
-        if not state.undo and not state.links and not (self.uninstall and (self.ledger.mps_directories()
-                                                                             or self.ledger.compute_modes())):
+        if not state.undo and not state.links and not (self.uninstall and (
+                self.ledger.mps_directories() or self.ledger.compute_modes() or self.ledger.mounts())):
             return []
         return [Action(tuple(changes), lambda: self._undo(state))]
 
@@ -124,7 +126,7 @@ class OwnedFiles(Stage):
             else:
                 if link.how == owned.CHANGED:
                     self._left.append(link.entry.path)
-        if self.uninstall:  # the MPS control daemons, then their directories
+        if self.uninstall:  # the MPS control daemons, then their shared memory and directories
             from gpu_agent.mps.daemons import remove_mps_directories, stop_left_over
 
             try:
