@@ -128,3 +128,14 @@ def test_never_reports_only_and_a_refused_unload_leaves_it_cordoned_until_the_re
     again = node.apply(settings(api, node))  # the next attempt finishes what the first left
     assert again.stage("driver-upgrade").state == "ok", again.stage("driver-upgrade").message
     assert not api.get_node(NODE)["spec"].get("unschedulable")
+
+
+def test_a_gpu_off_the_bus_is_no_driver_failure_and_no_version_mismatch(tmp_path: Path) -> None:
+    """XID 79: NVML answers GPU_IS_LOST for GPU 3. That is gpu-health's to report; the driver stage, whose
+    versions agree, notes it and stays ok (it once read as 'NVML fails ... the library on disk is')."""
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    node.sim("inject-xid", "--gpu", "3", "--xid", "79")
+    driver = node.apply({"toolkit": {"enabled": False}}).stage("driver")
+    assert driver.state == "ok" and "GPU 3 lost" in driver.message, driver.message
+    node.sim("clear")
+    assert "lost" not in node.apply({"toolkit": {"enabled": False}}).stage("driver").message

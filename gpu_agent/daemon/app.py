@@ -505,10 +505,13 @@ class Daemon:
             await self._sample()
 
     async def _sample(self) -> None:
+        lost = {uuid for uuid, health in self.state.health.items() if health.lost}
         try:
             await asyncio.to_thread(self.sampler.sample)
         except Exception:  # a bug: log it, keep sampling
             log.exception("sampling GPU metrics failed; this is a gpu-agent bug")
+        if any(not (health := self.state.health.get(uuid)) or not health.lost for uuid in lost):
+            self.trigger(force=True)  # a GPU back on the bus: the stages that failed on it try again now
         self.publish()
 
     async def _check_loop(self) -> None:

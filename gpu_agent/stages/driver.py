@@ -56,6 +56,7 @@ class DriverState:
     nvml_version: Optional[str] = None
     nvml_error: Optional[str] = None
     nvml_bus_ids: list[str] = field(default_factory=list)
+    nvml_lost: tuple[int, ...] = ()  # GPU indices NVML answers GPU_IS_LOST for
     persistence: Optional[list[bool]] = None
     persistenced: bool = False
     installed: Optional[driver_version.Installed] = None
@@ -120,7 +121,7 @@ class Driver(Stage):
         state.installed = driver_version.installed(self.root)
         try:
             view = self.nvml.inventory.driver_view(persistence=self.settings.persistence)
-            state.nvml_version, state.nvml_bus_ids = view.version, view.bus_ids
+            state.nvml_version, state.nvml_bus_ids, state.nvml_lost = view.version, view.bus_ids, view.lost
             if view.persistence is not None:
                 state.persistence = view.persistence
                 state.persistenced = self._persistenced_running()
@@ -231,14 +232,14 @@ class Driver(Stage):
         if missing:
             raise StageError(f"modules not loaded: {', '.join(missing)}")
         self._verify_versions(state)
-        self._verify_gpus(state)
+        lost = self._verify_gpus(state)
         if state.node_problems or state.link_problems:
             problems = [*state.node_problems.values(), *state.link_problems.values()]
             raise StageError("device nodes: " + "; ".join(problems))
         if state.persistence is not None and not state.persistenced and not all(state.persistence):
             off = [str(i) for i, on in enumerate(state.persistence) if not on]
             raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
-        notes = self._parameters_drift(state)
+        notes = [*lost, *self._parameters_drift(state)]
         if self.settings.validate_cuda:
             notes.append(cuda_check.run(self.root, expected_gpus=len(state.pci.gpus)))
         gpus = len(state.managed_gpus)
@@ -309,14 +310,22 @@ class Driver(Stage):
             raise StageError(f"kernel module is {state.module_version} but the NVML library is {state.nvml_version} "
                              "(half-finished driver upgrade): reload the nvidia modules or reboot")
 
-    def _verify_gpus(self, state: DriverState) -> None:
+    def _verify_gpus(self, state: DriverState) -> list[str]:
+        """The GPUs NVML sees are those on the PCI bus. A GPU NVML answers GPU_IS_LOST for fell off the bus
+        (XID 79): the driver is not at fault, gpu-health reports it, and it is only noted here."""
         on_bus = {device.address for device in state.managed_gpus}
         in_nvml = set(state.nvml_bus_ids)
+        notes = []
+        if state.nvml_lost and in_nvml <= on_bus and len(on_bus - in_nvml) <= len(state.nvml_lost):
+            notes.append(f"GPU {', '.join(map(str, state.nvml_lost))} lost (NVML: GPU is lost; gpu-health "
+                        "reports it)")
+            on_bus = in_nvml
         if on_bus != in_nvml:
             lost = ", ".join(sorted(on_bus - in_nvml)) or "none"
             extra = ", ".join(sorted(in_nvml - on_bus)) or "none"
             raise StageError(f"{len(on_bus)} GPUs on the PCI bus but {len(in_nvml)} in NVML; missing from NVML: "
                              f"{lost}; unknown to PCI: {extra} (check dmesg for NVRM errors)")
+        return notes
 
     def _parameters_drift(self, state: DriverState) -> list[str]:
         notes = []
