@@ -301,14 +301,27 @@ class Driver(Stage):
             raise StageError(f"driver version pin (driver.version) is {pin} but the loaded kernel module "
                              f"is {state.module_version}")
         if state.nvml_error:
-            library = nvml_library_version(self.root)
-            named = f"; the NVML library on disk is {library}" if library else ""
-            raise StageError(
-                f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}{named}"
-            )
+            raise StageError(f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}"
+                             f"{self._library_ahead(state)}")
         if state.nvml_version != state.module_version:
             raise StageError(f"kernel module is {state.module_version} but the NVML library is {state.nvml_version} "
                              "(half-finished driver upgrade): reload the nvidia modules or reboot")
+
+    @staticmethod
+    def _library_ahead(state: DriverState) -> str:
+        """What an NVML failure's message adds about the driver on disk: a library newer than the module
+        modprobe would load is an upgrade whose kernel module was never installed for this kernel (a
+        failed DKMS build), which no reload fixes."""
+        installed = state.installed
+        library = installed.library if installed else None
+        if not library:
+            return ""
+        if installed and installed.module and installed.module != library:
+            return (f"; the NVML library on disk is {library} but the nvidia module for this kernel is "
+                    f"{installed.module} ({installed.module_path}): the {library} module was never installed for "
+                    "the running kernel (its DKMS build?), so a reload would load "
+                    f"{installed.module} again: install it, then reload the driver or reboot")
+        return f"; the NVML library on disk is {library}"
 
     def _verify_gpus(self, state: DriverState) -> list[str]:
         """The GPUs NVML sees are those on the PCI bus. A GPU NVML answers GPU_IS_LOST for fell off the bus
@@ -360,14 +373,6 @@ def _same_value(current: str, configured: object) -> bool:
         except ValueError:
             return value
     return normal(current) == normal(str(configured))
-
-
-def nvml_library_version(root: Root) -> Optional[str]:
-    """The version in libnvidia-ml.so.<version>'s name, from the usual library directories."""
-    for directory in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
-        for library in sorted(root(directory).glob("libnvidia-ml.so.*.*")):
-            return library.name[len("libnvidia-ml.so."):]
-    return None
 
 
 def load_module(loader: ModuleLoader, module: str) -> None:
