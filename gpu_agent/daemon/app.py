@@ -200,7 +200,7 @@ class Runtime:
                 self.units, self._unit_active, driver, node=sink if sink and sink.api else None, gate=self.plugin_gate)
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus, reload=reload))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
-            if driver.reload != "never" or (sink is not None and sink.api) or reload.progress() is not None:
+            if driver.reload != "never" or (sink is not None and sink.api) or _recorded(reload):
                 # Something to do: finish a reload (one `driver reload` began too), or tell the Node its upgrade
                 # state (the label).
                 upgrade = DriverUpgrade(reload)
@@ -632,6 +632,15 @@ class Daemon:
                 last = stamp
         finally:
             changes.close()
+
+
+def _recorded(reload: Reload) -> bool:
+    """Whether the ledger records a reload (one `gpu-agent driver reload` began); a ledger that cannot be read
+    is the driver stage's to report."""
+    try:
+        return reload.progress() is not None
+    except AgentError:
+        return False
 
 
 def _same_stage(old: Stage, new: Stage) -> bool:
