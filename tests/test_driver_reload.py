@@ -3,6 +3,7 @@ driver.reload: when-idle reloaded as the GPU Operator's upgrade controller does:
 GPUs to be idle, unload, load, verify, MIG and CDI back, uncordon, the upgrade-state label in order."""
 from __future__ import annotations
 
+import json
 import lzma
 import shutil
 from pathlib import Path
@@ -13,8 +14,9 @@ import pytest
 from gpu_agent.host import driver_version
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
+from gpu_agent.sim.kernel import loaded_version
 from gpu_agent.stages.driver_reload import ORDER
-from harness import SimNode
+from harness import SimNode, run_cli
 from kube_emulator import KubeEmulator
 
 NODE = "gpu-node-1"
@@ -128,3 +130,47 @@ def test_never_reports_only_and_a_refused_unload_leaves_it_cordoned_until_the_re
     again = node.apply(settings(api, node))  # the next attempt finishes what the first left
     assert again.stage("driver-upgrade").state == "ok", again.stage("driver-upgrade").message
     assert not api.get_node(NODE)["spec"].get("unschedulable")
+
+
+def test_a_gpu_off_the_bus_is_no_driver_failure_and_no_version_mismatch(tmp_path: Path) -> None:
+    """XID 79: NVML answers GPU_IS_LOST for GPU 3. That is gpu-health's to report; the driver stage, whose
+    versions agree, notes it and stays ok (it once read as 'NVML fails ... the library on disk is')."""
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    node.sim("inject-xid", "--gpu", "3", "--xid", "79")
+    driver = node.apply({"toolkit": {"enabled": False}}).stage("driver")
+    assert driver.state == "ok" and "GPU 3 lost" in driver.message, driver.message
+    node.sim("clear")
+    assert "lost" not in node.apply({"toolkit": {"enabled": False}}).stage("driver").message
+
+
+def test_driver_reload_command_plans_refuses_a_busy_gpu_then_forces(tmp_path: Path) -> None:
+    """`gpu-agent driver reload` in this process (no daemon holds the lock), with driver.reload: never."""
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\ntoolkit: {enabled: false}\n")
+    assert node.apply({"toolkit": {"enabled": False}}).stage("driver").state == "ok"
+
+    def driver_reload(*argv: str) -> Any:
+        return run_cli("--simulate", "dgx-h100", "driver", "reload", *argv, root=node.root, config=config)
+
+    nothing = driver_reload()
+    assert nothing.returncode == 0 and nothing.stdout.startswith("nothing to reload: driver 550.90.07")
+    node.sim("install-driver", NEW)
+    plan = driver_reload("--dry-run")
+    assert plan.returncode == 0 and f"reload required: loaded 550.90.07, installed {NEW}" in plan.stdout
+    assert "unload the 550.90.07 modules in dependency order" in plan.stdout
+    assert json.loads(driver_reload("--dry-run", "--json").stdout)["plan"][0]["step"] == "cordon-required"
+    assert loaded_version(node.machine.read(), "nvidia") == "550.90.07"  # the dry run changed nothing
+    node.sim("add-process", "--gpu", "1", "--pid", "777", "--name", "train.py")
+    busy = driver_reload("--timeout", "0")
+    assert busy.returncode == 1 and "failed at wait-for-jobs-required: still in use" in busy.stderr, busy.stderr
+    assert "777" in busy.stderr
+    forced = driver_reload("--force", "--json")
+    assert forced.returncode == 1, forced.stdout  # the process holds the module: rmmod refuses, named
+    assert "could not unload nvidia" in json.loads(forced.stdout)["message"]
+    node.sim("clear")
+    done = json.loads(driver_reload("--json").stdout)
+    assert done["ok"] and done["via"] == "in-process"
+    assert done["message"].startswith(f"driver reloaded 550.90.07 -> {NEW}")
+    assert done["reload"]["step"] == "upgrade-done" and not done["reload"]["forced"]
+    assert {m["name"]: m["version"] for m in node.machine.read()["kernel"]["loaded"]}["nvidia"] == NEW

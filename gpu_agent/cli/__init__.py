@@ -18,6 +18,7 @@ _SUBCOMMANDS = {
     "check": "preflight: report what is wrong or would change; changes nothing",
     "labels": "print the Kubernetes node labels the agent would set",
     "mig": "apply, assert or export MIG geometry (mig-parted's config files)",
+    "driver": "reload the NVIDIA driver now (driver reload)",
     "uninstall": "undo every change gpu-agent made (the package's purge runs it)",
     "sim": "inspect and rehearse failures on a simulated node",
     "capture": "write what the agent reads from this node to a directory that --simulate replays",

@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "the named NVMLError (GpuIsLost, Unknown, Timeout, ...) or hang. modprobe fails with "
                     "not-found (no module for this kernel) or key-rejected (Secure Boot); --error nouveau loads "
                     "nouveau at once, --error version-mismatch leaves an older nvidia module behind the NVML "
-                    "library (a half-finished upgrade), --error display has a display hold nvidia_drm. "
+                    "library (a half-finished upgrade whose new module was never built for this kernel: the one on "
+                    "disk is old too; `sim install-driver` is the upgrade a reload fixes), --error display has a "
+                    "display hold nvidia_drm. "
                     "rmmod fails with in-use (--module M: only that module). restart makes a container runtime's "
                     "restart fail "
                     "(--error failed), its socket never answer (--error not-ready), or systemctl hang until its "
@@ -241,13 +243,13 @@ def _fail_mps(machine: Any, args: argparse.Namespace) -> None:
 
 
 def _fail_modprobe(machine: Any, args: argparse.Namespace) -> None:
-    from gpu_agent.sim.kernel import KERNEL_STATE_ERRORS, MODPROBE_ERRORS, break_kernel
+    from gpu_agent.sim.kernel import KERNEL_STATE_ERRORS, MODPROBE_ERRORS
 
     error = args.error or "not-found"
     if error in KERNEL_STATE_ERRORS:
-        with machine.edit() as state:
-            break_kernel(state, error)
-        print({"nouveau": "nouveau is loaded", "version-mismatch": "the nvidia modules are now older than NVML",
+        machine.break_kernel(error)
+        print({"nouveau": "nouveau is loaded",
+               "version-mismatch": "the nvidia modules, loaded and on disk, are now older than NVML",
                "display": "a display holds nvidia_drm"}[error])
         return
     if error not in MODPROBE_ERRORS:

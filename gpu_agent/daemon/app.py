@@ -18,7 +18,7 @@ from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig
 from gpu_agent.config.loader import reload_config
 from gpu_agent.config.plugin import plugin_wanted
-from gpu_agent.daemon.engine import Engine
+from gpu_agent.daemon.engine import Engine, StageRun
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
@@ -40,6 +40,9 @@ from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.driver_features import DriverFeatures
 from gpu_agent.stages.driver_reload import DriverUpgrade, Reload
+from gpu_agent.daemon.reload_request import Outcome as ReloadOutcome
+from gpu_agent.daemon.reload_request import ReloadRequest, progress_of, take_request, write_result
+from gpu_agent.daemon.reload_request import outcome as reload_outcome
 from gpu_agent.stages.owned_files import OwnedFiles
 from gpu_agent.stages.toolkit import Toolkit
 from gpu_agent.toolkit import distributions
@@ -131,6 +134,28 @@ class Runtime:
 
     reload: Optional[Reload] = None  # the driver reload of the stages last built (`gpu-agent driver reload`)
 
+    def request_reload(self, force: bool, timeout: Optional[float]) -> Reload:
+        """`gpu-agent driver reload`: the running stages' reload goes ahead whatever driver.reload says, with
+        the driver-upgrade stage that finishes it. undo_request() when it is over."""
+        stages = list(self.engine.stages)
+        driver = next((stage for stage in stages if isinstance(stage, Driver)), None)
+        if driver is None or driver.reload is None:
+            raise AgentError("the driver stage is off (driver.enabled: false): the agent reloads no driver")
+        reload = driver.reload
+        reload.requested, reload.force = True, force
+        if timeout is not None:
+            reload.wait_seconds = timeout
+        if not any(isinstance(stage, DriverUpgrade) for stage in stages):
+            after = [i for i, stage in enumerate(stages) if stage.name not in ("labels", "owned-files")]
+            stages.insert(max(after) + 1, DriverUpgrade(reload))
+            self.engine.set_stages(stages)
+        return reload
+
+    @staticmethod
+    def undo_request(reload: Reload) -> None:
+        reload.requested = reload.force = False
+        reload.wait_seconds = reload.settings.reload_wait_seconds
+
     def _unit_active(self, unit: str) -> bool:
         found = self.services.state(unit)
         return found is not None and found.active in ("active", "activating", "reloading")
@@ -175,8 +200,9 @@ class Runtime:
                 self.units, self._unit_active, driver, node=sink if sink and sink.api else None, gate=self.plugin_gate)
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus, reload=reload))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
-            if driver.reload != "never" or (sink is not None and sink.api):
-                # Something to do: finish a reload, or tell the Node its upgrade state (the label).
+            if driver.reload != "never" or (sink is not None and sink.api) or _recorded(reload):
+                # Something to do: finish a reload (one `driver reload` began too), or tell the Node its upgrade
+                # state (the label).
                 upgrade = DriverUpgrade(reload)
         mig = config.mig
         if (mig.config or mig.follow_node_label) and may_change_gpus and self.gpu_reset and self.units:
@@ -267,6 +293,7 @@ class Daemon:
         self.xids = XidWatcher(runtime.nvml, self.state, self._after_xid)
         self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
+        self._driver_reload: Optional[tuple[ReloadRequest, Reload, Optional[dict[str, Any]]]] = None
         self._sample_now = asyncio.Event()
         self._force = False
         self._stopping = asyncio.Event()
@@ -358,10 +385,13 @@ class Daemon:
             self._reload_requested = False
             if await self._reload():
                 self._force = True  # a new config applies now; the engine still holds a failed restart's change
+        self._take_driver_reload()
         force, self._force = self._force, False
         self._wake.clear()
         started = time.monotonic()
-        await self.runtime.engine.reconcile(force=force or first)
+        runs = await self.runtime.engine.reconcile(force=force or first)
+        if self._driver_reload is not None:
+            self._conclude_driver_reload(runs)
         if first:
             await asyncio.to_thread(self.sampler.sample)
             await asyncio.to_thread(self.xids.start)
@@ -377,6 +407,33 @@ class Daemon:
         if first:  # what the first scrape needs (psutil's process), made beside the loop, after READY
             asyncio.get_running_loop().run_in_executor(None, self.registry.prepare)
         self.publish()
+
+    def _take_driver_reload(self) -> None:
+        """A `gpu-agent driver reload` waiting (reload_request.py): begun in this pass, forced."""
+        request = take_request(self.runtime.root)
+        if request is None:
+            return
+        log.info("driver reload requested (force: %s)", request.force)
+        try:
+            reload = self.runtime.request_reload(request.force, request.timeout)
+        except AgentError as exc:
+            write_result(self.runtime.root, ReloadOutcome(False, str(exc), request.id))
+            return
+        if self._driver_reload is not None:  # a newer request takes over the one in progress
+            write_result(self.runtime.root, ReloadOutcome(False, "superseded by another driver reload request",
+                                                          self._driver_reload[0].id))
+        self._driver_reload = (request, reload, progress_of(reload))
+        self._force = True
+
+    def _conclude_driver_reload(self, runs: list[StageRun]) -> None:
+        assert self._driver_reload is not None
+        request, reload, before = self._driver_reload
+        over = reload_outcome(reload, runs, before)
+        if over is None:
+            return
+        self.runtime.undo_request(reload)
+        self._driver_reload = None
+        write_result(self.runtime.root, ReloadOutcome(over.ok, over.message, request.id))
 
     async def _sleep_until_next(self) -> None:
         now = time.time()
@@ -505,10 +562,13 @@ class Daemon:
             await self._sample()
 
     async def _sample(self) -> None:
+        lost = {uuid for uuid, health in self.state.health.items() if health.lost}
         try:
             await asyncio.to_thread(self.sampler.sample)
         except Exception:  # a bug: log it, keep sampling
             log.exception("sampling GPU metrics failed; this is a gpu-agent bug")
+        if any(not (health := self.state.health.get(uuid)) or not health.lost for uuid in lost):
+            self.trigger(force=True)  # a GPU back on the bus: the stages that failed on it try again now
         self.publish()
 
     async def _check_loop(self) -> None:
@@ -572,6 +632,15 @@ class Daemon:
                 last = stamp
         finally:
             changes.close()
+
+
+def _recorded(reload: Reload) -> bool:
+    """Whether the ledger records a reload (one `gpu-agent driver reload` began); a ledger that cannot be read
+    is the driver stage's to report."""
+    try:
+        return reload.progress() is not None
+    except AgentError:
+        return False
 
 
 def _same_stage(old: Stage, new: Stage) -> bool:

@@ -36,8 +36,9 @@ class _GpuIdentity(NamedTuple):
 
 class DriverView(NamedTuple):
     version: str
-    bus_ids: list[str]
+    bus_ids: list[str]  # of the GPUs that answer
     persistence: Optional[list[bool]]  # by GPU index, when asked for
+    lost: tuple[int, ...] = ()  # GPUs NVML answers GPU_IS_LOST for (fallen off the bus: gpu-health's to report)
 
 
 class NvmlInventory:
@@ -229,8 +230,19 @@ class NvmlInventory:
                                   persistence)
 
     def _driver_view(self, persistence: bool) -> DriverView:
-        return DriverView(self.session.call("nvmlSystemGetDriverVersion"), self._bus_ids(),
-                          self._persistence_modes() if persistence else None)
+        version = self.session.call("nvmlSystemGetDriverVersion")
+        handles, lost = {}, []
+        for index in range(self.session.count()):
+            try:
+                handles[index] = self.session.handle(index)
+            except self.session.lib.NVMLError as exc:
+                if getattr(exc, "value", None) != self.session.lib.NVML_ERROR_GPU_IS_LOST:
+                    raise
+                lost.append(index)
+        bus_ids = [short_bus_id(self.session.call("nvmlDeviceGetPciInfo", h).busId) for h in handles.values()]
+        if persistence and not lost:
+            return DriverView(version, bus_ids, self._persistence_modes())
+        return DriverView(version, bus_ids, None, tuple(lost))
 
     def persistence_modes(self) -> list[bool]:
         """Persistence mode of each GPU, by index (one batch)."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
-from gpu_agent.sim.kernel import NVIDIA_MODULES, RELEASE, initial_kernel, render
+from gpu_agent.sim.kernel import NVIDIA_MODULES, OLD_VERSION, RELEASE, break_kernel, initial_kernel, render
 from gpu_agent.sim.mig import add_device
 from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
 from gpu_agent.sim.topology import UNKNOWN_NUMA, gpu_topology
@@ -226,6 +226,17 @@ class MachineState:
             release = state["kernel"]["release"]
         install_driver_userspace(self.root.path, version)
         install_driver_modules(self.root.path, release, version)
+
+    def break_kernel(self, how: str) -> None:
+        """`sim fail modprobe --error nouveau|version-mismatch|display`, with the files on disk to match: after
+        version-mismatch the nvidia module on disk is the older one too (the new driver's module was never
+        built for this kernel), so what modprobe would load is what is loaded."""
+        with self.edit() as state:
+            break_kernel(state, how)
+            release = state["kernel"]["release"]
+            files = not state.get("capture") and (self.root(f"/lib/modules/{release}/modules.dep")).exists()
+        if how == "version-mismatch" and files and os.path.realpath(self.root.path) != "/":
+            install_driver_modules(self.root.path, release, OLD_VERSION)
 
     def _replay(self, source: str, directory: Path) -> None:
         """A captured node (`gpu-agent capture DIR`) as this machine."""

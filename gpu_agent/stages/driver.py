@@ -56,6 +56,7 @@ class DriverState:
     nvml_version: Optional[str] = None
     nvml_error: Optional[str] = None
     nvml_bus_ids: list[str] = field(default_factory=list)
+    nvml_lost: tuple[int, ...] = ()  # GPU indices NVML answers GPU_IS_LOST for
     persistence: Optional[list[bool]] = None
     persistenced: bool = False
     installed: Optional[driver_version.Installed] = None
@@ -120,7 +121,7 @@ class Driver(Stage):
         state.installed = driver_version.installed(self.root)
         try:
             view = self.nvml.inventory.driver_view(persistence=self.settings.persistence)
-            state.nvml_version, state.nvml_bus_ids = view.version, view.bus_ids
+            state.nvml_version, state.nvml_bus_ids, state.nvml_lost = view.version, view.bus_ids, view.lost
             if view.persistence is not None:
                 state.persistence = view.persistence
                 state.persistenced = self._persistenced_running()
@@ -231,14 +232,14 @@ class Driver(Stage):
         if missing:
             raise StageError(f"modules not loaded: {', '.join(missing)}")
         self._verify_versions(state)
-        self._verify_gpus(state)
+        lost = self._verify_gpus(state)
         if state.node_problems or state.link_problems:
             problems = [*state.node_problems.values(), *state.link_problems.values()]
             raise StageError("device nodes: " + "; ".join(problems))
         if state.persistence is not None and not state.persistenced and not all(state.persistence):
             off = [str(i) for i, on in enumerate(state.persistence) if not on]
             raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
-        notes = self._parameters_drift(state)
+        notes = [*lost, *self._parameters_drift(state)]
         if self.settings.validate_cuda:
             notes.append(cuda_check.run(self.root, expected_gpus=len(state.pci.gpus)))
         gpus = len(state.managed_gpus)
@@ -300,23 +301,44 @@ class Driver(Stage):
             raise StageError(f"driver version pin (driver.version) is {pin} but the loaded kernel module "
                              f"is {state.module_version}")
         if state.nvml_error:
-            library = nvml_library_version(self.root)
-            named = f"; the NVML library on disk is {library}" if library else ""
-            raise StageError(
-                f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}{named}"
-            )
+            raise StageError(f"kernel module {state.module_version} is loaded but NVML fails: {state.nvml_error}"
+                             f"{self._library_ahead(state)}")
         if state.nvml_version != state.module_version:
             raise StageError(f"kernel module is {state.module_version} but the NVML library is {state.nvml_version} "
                              "(half-finished driver upgrade): reload the nvidia modules or reboot")
 
-    def _verify_gpus(self, state: DriverState) -> None:
+    @staticmethod
+    def _library_ahead(state: DriverState) -> str:
+        """What an NVML failure's message adds about the driver on disk: a library newer than the module
+        modprobe would load is an upgrade whose kernel module was never installed for this kernel (a
+        failed DKMS build), which no reload fixes."""
+        installed = state.installed
+        library = installed.library if installed else None
+        if not library:
+            return ""
+        if installed and installed.module and installed.module != library:
+            return (f"; the NVML library on disk is {library} but the nvidia module for this kernel is "
+                    f"{installed.module} ({installed.module_path}): the {library} module was never installed for "
+                    "the running kernel (its DKMS build?), so a reload would load "
+                    f"{installed.module} again: install it, then reload the driver or reboot")
+        return f"; the NVML library on disk is {library}"
+
+    def _verify_gpus(self, state: DriverState) -> list[str]:
+        """The GPUs NVML sees are those on the PCI bus. A GPU NVML answers GPU_IS_LOST for fell off the bus
+        (XID 79): the driver is not at fault, gpu-health reports it, and it is only noted here."""
         on_bus = {device.address for device in state.managed_gpus}
         in_nvml = set(state.nvml_bus_ids)
+        notes = []
+        if state.nvml_lost and in_nvml <= on_bus and len(on_bus - in_nvml) <= len(state.nvml_lost):
+            notes.append(f"GPU {', '.join(map(str, state.nvml_lost))} lost (NVML: GPU is lost; gpu-health "
+                        "reports it)")
+            on_bus = in_nvml
         if on_bus != in_nvml:
             lost = ", ".join(sorted(on_bus - in_nvml)) or "none"
             extra = ", ".join(sorted(in_nvml - on_bus)) or "none"
             raise StageError(f"{len(on_bus)} GPUs on the PCI bus but {len(in_nvml)} in NVML; missing from NVML: "
                              f"{lost}; unknown to PCI: {extra} (check dmesg for NVRM errors)")
+        return notes
 
     def _parameters_drift(self, state: DriverState) -> list[str]:
         notes = []
@@ -351,14 +373,6 @@ def _same_value(current: str, configured: object) -> bool:
         except ValueError:
             return value
     return normal(current) == normal(str(configured))
-
-
-def nvml_library_version(root: Root) -> Optional[str]:
-    """The version in libnvidia-ml.so.<version>'s name, from the usual library directories."""
-    for directory in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"):
-        for library in sorted(root(directory).glob("libnvidia-ml.so.*.*")):
-            return library.name[len("libnvidia-ml.so."):]
-    return None
 
 
 def load_module(loader: ModuleLoader, module: str) -> None:

@@ -183,6 +183,7 @@ class Reload:
         elif progress.step == FAILED:
             log.info("driver reload: trying %s again after: %s", progress.failed_step, progress.failure)
             progress.step, progress.failure = progress.failed_step or CORDON_REQUIRED, None
+            progress.forced = False  # each attempt is forced or not by its own request
             if progress.step == WAIT_FOR_JOBS:
                 progress.waiting_since = None
         progress.forced = progress.forced or self.force

@@ -1,0 +1,172 @@
+"""gpu-agent driver reload [--dry-run] [--json] [--timeout S] [--force]: reload the NVIDIA driver now (the
+sequence of stages/driver_reload.py), whatever driver.reload says. With a daemon running on the root it is
+the daemon's to do (daemon/reload_request.py); otherwise this process does it, under the agent's lock."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Optional
+
+from gpu_agent.cli.common import config_of, root_of
+from gpu_agent.errors import EXIT_ERROR, EXIT_OK, AgentError
+
+_POLL_S = 0.2  # how often the daemon's answer is looked for
+_PASS_EVERY_S = 1.0  # in this process: a pass a second while the GPUs are waited for
+_MARGIN_S = 600.0  # past the wait for idle GPUs: the unload, load, verification and the passes after
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="driver_command", metavar="ACTION", required=True)
+    reload = actions.add_parser(
+        "reload", help="reload the NVIDIA kernel modules now (cordon, wait for idle GPUs, unload, load, verify, "
+                       "MIG and CDI back, uncordon)",
+        description="Reload the installed NVIDIA driver now, as driver.reload: when-idle would, whatever "
+                    "driver.reload says. A running agent on this root does it; otherwise this command does, "
+                    "under the agent's lock. Exit 0 when the driver was reloaded or nothing needed it, 1 with "
+                    "the cause otherwise (the node then stays cordoned and /status says why).")
+    reload.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
+    reload.add_argument("--json", action="store_true", help="print the outcome (or the plan) as JSON")
+    reload.add_argument("--timeout", type=_seconds, metavar="S",
+                        help="wait at most S seconds for the GPUs to be idle (default: driver.reload_wait_seconds)")
+    reload.add_argument("--force", action="store_true",
+                        help="unload even while a process uses a GPU (never while a display holds nvidia_drm)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"{text} is not within 0 to 86400 seconds")
+    return value
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return _plan(args)
+    from gpu_agent.daemon.app import take_lock
+
+    root = root_of(args)
+    try:
+        lock = take_lock(root)
+    except AgentError as exc:
+        return _ask_the_daemon(args, str(exc))
+    try:
+        ok, message, record = _reload_here(args)
+    finally:
+        lock.close()
+    return _report(args, ok, message, "in-process", record)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gpu_agent.daemon.app import Runtime
+    from gpu_agent.plan import DriverReloadStep
+
+    runtime = Runtime.build(root_of(args), config_of(args), args.simulate)
+    try:
+        runtime.request_reload(args.force, args.timeout)
+        runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=True))
+    finally:
+        runtime.nvml.close()
+    driver = next((run for run in runs if run.stage == "driver"), None)
+    steps = [change for run in runs for action in run.planned for change in action.changes
+             if isinstance(change, DriverReloadStep)]
+    required = _versions(runtime.root)
+    if args.json:
+        print(json.dumps({"reload_required": required, "message": driver.message if driver else None,
+                          "plan": [{"step": s.step, "action": s.action} for s in steps]}, indent=2))
+        return EXIT_OK
+    if not steps:
+        print(f"nothing to reload: {driver.message if driver else 'the driver stage is off'}")
+        return EXIT_OK
+    print(f"reload required: {required}" if required else "a reload is under way: it would go on")
+    for change in steps:
+        print(f"    would: {change.describe()}")
+    return EXIT_OK
+
+
+def _versions(root: Any) -> Optional[str]:
+    """`loaded X, installed Y` when they differ, as the driver stage says it."""
+    from gpu_agent.host import driver_version
+    from gpu_agent.host.modules import KernelModules
+
+    loaded, installed = KernelModules(root).version("nvidia"), driver_version.installed(root).version
+    return f"loaded {loaded}, installed {installed}" if loaded and installed and loaded != installed else None
+
+
+def _reload_here(args: argparse.Namespace) -> tuple[bool, str, Optional[dict[str, Any]]]:
+    import asyncio
+
+    from gpu_agent.daemon.app import Runtime
+    from gpu_agent.daemon.reload_request import outcome, progress_of
+
+    runtime = Runtime.build(root_of(args), config_of(args), args.simulate)
+    try:
+        reload = runtime.request_reload(args.force, args.timeout)
+        before = progress_of(reload)
+        deadline = time.monotonic() + reload.wait_seconds + _MARGIN_S
+        while True:
+            runs = asyncio.run(runtime.engine.reconcile(force=True))
+            over = outcome(reload, runs, before)
+            if over is not None:
+                return over.ok, over.message, progress_of(reload)
+            if time.monotonic() > deadline:
+                limit = reload.wait_seconds + _MARGIN_S
+                return False, f"the reload did not end within {limit:g} s", progress_of(reload)
+            time.sleep(_PASS_EVERY_S)
+    finally:
+        runtime.nvml.close()
+
+
+def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
+    from gpu_agent.daemon.app import LOCK_PATH
+    from gpu_agent.daemon.reload_request import ReloadRequest, read_result, write_request
+
+    root = root_of(args)
+    pid = _daemon_pid(root(LOCK_PATH))
+    if pid is None:
+        print(f"gpu-agent: {locked}; it is no running daemon (`gpu-agent run`) to hand the reload to: try again "
+              "once it has finished", file=sys.stderr)
+        return EXIT_ERROR
+    request = ReloadRequest(args.force, args.timeout)
+    write_request(root, request)
+    os.kill(pid, signal.SIGHUP)
+    wait = args.timeout if args.timeout is not None else config_of(args).config.driver.reload_wait_seconds
+    deadline = time.monotonic() + wait + _MARGIN_S
+    while (result := read_result(root, request.id)) is None:
+        if time.monotonic() > deadline:
+            return _report(args, False, f"the agent (pid {pid}) gave no outcome within {wait + _MARGIN_S:g} s; "
+                                        "the reload may go on: see `gpu-agent status`", "daemon", None)
+        if not os.path.exists(f"/proc/{pid}"):
+            return _report(args, False, f"the agent (pid {pid}) exited before the reload ended; its next start "
+                                        "finds the reload where it stopped", "daemon", None)
+        time.sleep(_POLL_S)
+    return _report(args, result.ok, result.message, f"daemon (pid {pid})", None)
+
+
+def _daemon_pid(lock: Any) -> Optional[int]:
+    """The lock holder's pid when it is `gpu-agent ... run` (a SIGHUP would end another holder, apply --once)."""
+    try:
+        pid = int(lock.read_text().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    return pid if b"run" in argv and any(b"gpu_agent" in arg or b"gpu-agent" in arg for arg in argv) else None
+
+
+def _report(args: argparse.Namespace, ok: bool, message: str, via: str, record: Optional[dict[str, Any]]) -> int:
+    if args.json:
+        print(json.dumps({"ok": ok, "message": message, "via": via, "reload": record}, indent=2))
+    elif ok:
+        print(message)
+    else:
+        print(f"gpu-agent driver reload: {message}", file=sys.stderr)
+    return EXIT_OK if ok else EXIT_ERROR
