@@ -9,6 +9,8 @@ import pytest
 import tomlkit
 from harness import Pass, SimNode
 
+from gpu_agent.toolkit.versions import Versions
+
 BINARY = "/usr/bin/nvidia-container-runtime"
 K3S = "var/lib/rancher/k3s/agent/etc/containerd"
 RKE2 = "var/lib/rancher/rke2/agent/etc/containerd"
@@ -171,6 +173,25 @@ def test_k3s_that_found_the_runtime_itself_needs_nothing_or_only_the_default(nod
     drop_in = tomlkit.parse((node / K3S / "config-v3.toml.d/99-nvidia.toml").read_text()).unwrap()
     assert drop_in["plugins"]["io.containerd.cri.v1.runtime"] == {"containerd": {"default_runtime_name": "nvidia"}}
     assert not (node / K3S / "config-v3.toml.tmpl").exists()
+
+
+def test_k3s_on_containerd_1_6_takes_the_nvidia_runtime_path(node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device path reads k3s's own containerd (its data/current/bin/containerd --version on the running
+    system; here, in a sandbox, that answer): 1.6 gets nvidia as its default runtime and no enable_cdi."""
+    read = Versions.read
+    monkeypatch.setattr(Versions, "read", lambda self, name: ("1.6.19-k3s1", "containerd --version")
+                        if name == "k3s" else read(self, name))
+    k3s(node, RKE2_V2.replace("rke2", "k3s"))
+    (node / "var/lib/kubelet/device-plugins").mkdir(parents=True)  # k3s's kubelet serves device plugins
+    done = apply(node)
+    path = done.state.device_path
+    assert (path.strategy, path.kubelet_runtime, path.cdi, path.nvidia_default) == ("envvar", "k3s", (), ("k3s",))
+    cri = tomlkit.parse((node / K3S / "config.toml.d/99-nvidia.toml").read_text()).unwrap()["plugins"][
+        "io.containerd.grpc.v1.cri"]
+    assert "enable_cdi" not in cri and cri["containerd"]["default_runtime_name"] == "nvidia"
+    assert "k3s: k3s (containerd 1.6.19-k3s1) does not apply CDI (from 1.7): no enable_cdi written" in \
+        done.stage("toolkit").message and "nvidia is k3s's default runtime" in done.stage("toolkit").message
+    assert done.stage("cdi").message.startswith("no CDI spec needed") and not (node / "var/run/cdi").exists()
 
 
 def test_rke2_with_its_own_template_gets_the_import_and_a_whole_v2_table(node: Path) -> None:

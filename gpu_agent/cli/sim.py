@@ -64,9 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     process.add_argument("--name", required=True)
     process.add_argument("--memory-mib", type=int, default=1024, metavar="MIB")
     runtime = actions.add_parser(
-        "install-runtime", help="install a container runtime or the kubelet at a version, as its Debian package "
-                                "would: its binary and its record in the package database")
-    runtime.add_argument("name", choices=("containerd", "docker", "crio", "kubelet"))
+        "install-runtime", help="install a container runtime, the kubelet or Podman at a version, as its Debian "
+                                "package would: its binary and its record in the package database")
+    runtime.add_argument("name", choices=("containerd", "docker", "crio", "kubelet", "podman"))
     runtime.add_argument("version", metavar="VERSION", help="e.g. 1.6.20 (Debian 12's containerd) or 1.7.24")
     actions.add_parser("clear", help="remove injected faults, XID events, processes and `sim set` conditions; "
                                      "put GPUs that fell off the bus (XID 79) back")

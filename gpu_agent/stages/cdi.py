@@ -3,7 +3,8 @@ only when its content changes (a driver update, a MIG change, device numbers aft
 
 It consumes the inventory, so a MIG change made earlier in the same pass reaches the spec in that pass,
 and the device path: the spec is written whenever anything will name its devices (a runtime whose CDI
-switch the toolkit writes, or the device plugin with a CDI strategy), and only then. Without a device
+switch the toolkit writes, a CDI consumer such as Podman, or the device plugin with a CDI strategy),
+and only then. Without a device
 path (its stage off), whenever the toolkit stage found a container runtime. The device names the spec
 holds once written go to the device plugin, which names no other.
 """
@@ -53,7 +54,8 @@ class Cdi(Stage):
         path: Optional[DevicePath] = self.inputs.get("device_path")
         if path is not None and not path.spec_needed:
             return CdiState(self.settings.path, None, None, why_none="no CDI spec needed: no runtime here gets CDI "
-                            f"switched on and the device plugin names no CDI device ({path.strategy})")
+                            "switched on, no CDI consumer (Podman 4.1+, nerdctl 2.1+) is installed and the device "
+                            f"plugin names no CDI device ({path.strategy})")
         if path is None and not self.inputs.get("runtimes"):
             return CdiState(self.settings.path, None, None, why_none="no container runtime found: no CDI spec needed")
         if inventory is None:

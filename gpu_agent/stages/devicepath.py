@@ -1,5 +1,6 @@
 """Device-path stage: which way a pod's GPU reaches its container on this node (CDI in the CRI, CDI
-annotations, or NVIDIA_VISIBLE_DEVICES through the nvidia runtime), and why. It changes nothing; the
+annotations, or NVIDIA_VISIBLE_DEVICES through the nvidia runtime), and why; and whether a CDI
+consumer outside the CRI (Podman, nerdctl) needs the spec. It changes nothing; the
 toolkit (CDI switches, the default runtime), the cdi stage (the spec) and the device plugin (what
 Allocate answers) follow its choice. The decision itself is toolkit.devicepath.choose."""
 from __future__ import annotations
@@ -13,7 +14,7 @@ from gpu_agent.config.toolkit import ToolkitConfig
 from gpu_agent.host.paths import Root
 from gpu_agent.stages.base import Stage
 from gpu_agent.stages.toolkit import found_runtimes
-from gpu_agent.toolkit.devicepath import DevicePath, Found, Inputs, choose, from_node
+from gpu_agent.toolkit.devicepath import CONSUMERS, EMBEDDED, DevicePath, Found, Inputs, choose, from_node
 from gpu_agent.toolkit.versions import Versions
 
 log = logging.getLogger(__name__)
@@ -43,21 +44,28 @@ class DevicePathStage(Stage):
     def observe(self) -> Observed:
         info = (self.node_info() if self.node_info is not None else None) or {}
         node_runtime, node_kubelet = _text(info.get("containerRuntimeVersion")), _text(info.get("kubeletVersion"))
-        runtimes, read = [], {}
-        for name in found_runtimes(self.root, self.toolkit):
-            version, source = self.versions.read(name)
-            runtimes.append(Found(name, version, source))
-            read[name] = f"{version} ({source})" if version else f"unknown ({source})"
-        kubelet, source = (node_kubelet, "the Node's kubeletVersion") if node_kubelet else self.versions.read("kubelet")
+        read: dict[str, str] = {}
+        runtimes = [self._found(name, read) for name in found_runtimes(self.root, self.toolkit)]
+        consumers = [self._found(name, read) for name in CONSUMERS if self.versions.installed(name)]
+        # k3s, RKE2 and microk8s run their own kubelet: its version is theirs
+        kubelet_of = next((f"{runtime.name}-kubelet" for runtime in runtimes if runtime.name in EMBEDDED), "kubelet")
+        kubelet, source = (node_kubelet, "the Node's kubeletVersion") if node_kubelet else \
+            self.versions.read(kubelet_of)
         read["kubelet"] = f"{kubelet} ({source})" if kubelet else f"unknown ({source})"
         node = from_node(node_runtime)
         if node is not None:
             read["node_runtime"] = node_runtime or ""
         inputs = Inputs(setting=self.plugin.device_list_strategy, plugin=plugin_wanted(self.root, self.plugin),
                         spec=self.toolkit.enabled and self.toolkit.cdi.enabled,
-                        set_as_default=self.toolkit.set_as_default, runtimes=tuple(runtimes), kubelet=kubelet,
+                        set_as_default=self.toolkit.set_as_default, runtimes=tuple(runtimes),
+                        consumers=tuple(consumers), kubelet=kubelet,
                         kubelet_source=source, node_runtime=node_runtime)
         return Observed(choose(inputs), read)
+
+    def _found(self, name: str, read: dict[str, str]) -> Found:
+        version, source = self.versions.read(name)
+        read[name] = f"{version} ({source})" if version else f"unknown ({source})"
+        return Found(name, version, source)
 
     def verify(self, observed: Observed) -> str:
         summary = observed.path.summary()

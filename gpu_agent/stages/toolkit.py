@@ -178,15 +178,15 @@ class Toolkit(Stage):
     def _cdi(self, runtime: Optional[str] = None) -> bool:
         """Whether to write `runtime`'s CDI switch: where the device path says its version applies it."""
         path: Optional[DevicePath] = self.inputs.get("device_path")
-        if runtime is None or path is None or runtime in distributions.DISTRIBUTIONS:
-            return self.settings.cdi.enabled  # the distributions' own containerd: not in the device path's table yet
+        if runtime is None or path is None:
+            return self.settings.cdi.enabled
         return runtime in path.cdi
 
     def _default(self, runtime: str) -> bool:
         """Whether nvidia is `runtime`'s default runtime: set_as_default true, or (auto) where the device path
         sends pods' GPUs through NVIDIA_VISIBLE_DEVICES."""
         path: Optional[DevicePath] = self.inputs.get("device_path")
-        if path is None or runtime in distributions.DISTRIBUTIONS:
+        if path is None:
             return self.settings.set_as_default is True
         return runtime in path.nvidia_default
 

@@ -12,6 +12,12 @@ CDI reaches a container only where every link applies it:
   KEP-4009, alpha in 1.28 behind the DevicePluginCDIDevices gate, beta (on) in 1.29, GA in 1.31
   (https://www.kubernetes.dev/resources/keps/4009/). An older kubelet still passes annotations,
   which containerd 1.7 and CRI-O read: cdi-annotations there.
+- k3s, RKE2 and microk8s run their own kubelet on the containerd they embed: the same rules, with that
+  containerd's version (k3s and RKE2 ship k3s-io's containerd, 1.7.23-k3s2 say; k3s 1.32 and later 2.0).
+The CDI spec is also read outside the CRI, by the CLIs that take `--device nvidia.com/gpu=0` and apply the
+spec themselves, with no switch: Podman from 4.1 (its release notes, 4.1.0, "CDI"; docker/cli#3864
+says the same) and nerdctl from 2.1 (containerd/nerdctl#4170). Where one is installed the spec is written,
+whatever the kubelet's path.
 Elsewhere the GPU goes in through NVIDIA_VISIBLE_DEVICES, which only the nvidia runtime reads: it is
 then the kubelet's runtime's default runtime (as `nvidia-ctk runtime configure --set-as-default` and
 the GPU Operator make it), or pods name `runtimeClassName: nvidia`.
@@ -29,20 +35,30 @@ CDI_BY_DEFAULT = {"containerd": (2, 0), "crio": (1, 23)}  # no switch needed fro
 KUBELET_CDI_DEVICES = (1, 29)
 SWITCH = {"containerd": "enable_cdi", "docker": "features.cdi", "crio": "none (CDI is always on)"}
 NODE_RUNTIMES = {"containerd": "containerd", "cri-o": "crio", "docker": "docker"}  # containerRuntimeVersion schemes
-DISPLAY = {"containerd": "containerd", "docker": "Docker", "crio": "CRI-O"}
+EMBEDDED = {"k3s": "containerd", "rke2": "containerd", "microk8s": "containerd"}  # their kubelet's, their runtime
+CONSUMERS = {"podman": (4, 1), "nerdctl": (2, 1)}  # read CDI specs themselves (--device), from these versions
+DISPLAY = {"containerd": "containerd", "docker": "Docker", "crio": "CRI-O", "k3s": "k3s", "rke2": "RKE2",
+           "microk8s": "microk8s", "podman": "Podman", "nerdctl": "nerdctl"}
 
 
 @dataclass(frozen=True)
 class Found:
     """A container runtime on the node and its version, as read from `source`."""
 
-    name: str  # containerd, docker or crio
-    version: Optional[str] = None
+    name: str  # containerd, docker, crio, k3s, rke2 or microk8s; podman or nerdctl (a CDI consumer)
+    version: Optional[str] = None  # k3s, rke2, microk8s: their containerd's
     source: str = ""  # where the version was read: a package record, `containerd --version`, the Node
 
+    @property
+    def engine(self) -> str:
+        """The runtime whose rules apply: containerd for the distributions that embed it."""
+        return EMBEDDED.get(self.name, self.name)
+
     def describe(self) -> str:
-        return f"{DISPLAY.get(self.name, self.name)} {self.version}" if self.version else \
-            f"{DISPLAY.get(self.name, self.name)} (version unknown)"
+        name = DISPLAY.get(self.name, self.name)
+        if self.engine != self.name:
+            return f"{name} (containerd {self.version or 'version unknown'})"
+        return f"{name} {self.version}" if self.version else f"{name} (version unknown)"
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,7 @@ class Inputs:
     spec: bool = True  # the agent writes the CDI spec and the runtimes' CDI switches (toolkit and toolkit.cdi on)
     set_as_default: Union[bool, str] = "auto"  # toolkit.set_as_default
     runtimes: tuple[Found, ...] = ()
+    consumers: tuple[Found, ...] = ()  # Podman, nerdctl: read the CDI spec themselves
     kubelet: Optional[str] = None  # the kubelet's version
     kubelet_source: str = ""
     node_runtime: Optional[str] = None  # the Node's status.nodeInfo.containerRuntimeVersion
@@ -67,7 +84,8 @@ class DevicePath:
     cdi: tuple[str, ...]  # runtimes whose CDI switch the toolkit writes
     no_cdi: dict[str, str] = field(default_factory=dict)  # runtime: why no CDI switch is written there
     nvidia_default: tuple[str, ...] = ()  # runtimes where nvidia is made the default runtime
-    spec_needed: bool = False  # some runtime or the plugin names CDI devices
+    spec_needed: bool = False  # some runtime, CDI consumer or the plugin names CDI devices
+    consumers: tuple[str, ...] = ()  # the CDI consumers (Podman, nerdctl) that read the spec
     reason: str = ""
     warning: Optional[str] = None  # an explicit setting on a node where it cannot work
 
@@ -75,7 +93,8 @@ class DevicePath:
         return {"strategy": self.strategy, "chosen_by": "auto" if self.chosen else "config",
                 "kubelet_runtime": self.kubelet_runtime, "cdi_runtimes": list(self.cdi),
                 "no_cdi": dict(self.no_cdi), "nvidia_default": list(self.nvidia_default),
-                "cdi_spec_needed": self.spec_needed, "reason": self.reason, "warning": self.warning}
+                "cdi_consumers": list(self.consumers), "cdi_spec_needed": self.spec_needed, "reason": self.reason,
+                "warning": self.warning}
 
     def summary(self) -> str:
         text = f"{self.strategy} ({'auto' if self.chosen else 'set in the config'}): {self.reason}"
@@ -96,7 +115,9 @@ def applies_cdi(runtime: Found, switch: bool) -> Optional[bool]:
     version = version_tuple(runtime.version)
     if version is None:
         return None
-    since = CDI_BY_DEFAULT.get(runtime.name) if not switch else CDI_SINCE.get(runtime.name)
+    if runtime.name in CONSUMERS:
+        return version[:2] >= CONSUMERS[runtime.name]
+    since = CDI_BY_DEFAULT.get(runtime.engine) if not switch else CDI_SINCE.get(runtime.engine)
     return since is not None and version[:2] >= since
 
 
@@ -108,18 +129,28 @@ def from_node(value: Optional[str]) -> Optional[Found]:
 
 
 def kubelet_runtime(inputs: Inputs) -> Optional[Found]:
-    """The runtime the kubelet's pods run through: the Node says; else CRI-O, containerd, Docker, the
-    first one found (a kubelet talks CRI: CRI-O or containerd before Docker, which needs cri-dockerd)."""
+    """The runtime the kubelet's pods run through, with the Node's version where it says one: the one the
+    Node names; else k3s, RKE2 or microk8s (their own kubelet), CRI-O, containerd, Docker, the first found
+    (a kubelet talks CRI: CRI-O or containerd before Docker, which needs cri-dockerd)."""
     found = {runtime.name: runtime for runtime in inputs.runtimes}
     node = from_node(inputs.node_runtime)
-    if node is not None:
-        return node if node.version or node.name not in found else found[node.name]
-    return next((found[name] for name in ("crio", "containerd", "docker") if name in found), None)
+    if node is None:
+        return next((found[name] for name in (*EMBEDDED, "crio", "containerd", "docker") if name in found), None)
+    # The one whose version the Node reports; else k3s and RKE2, which run k3s-io's containerd (versions
+    # ending in -k3sN), else microk8s, which runs containerd's own; else the runtime the Node names.
+    same = tuple(name for name, runtime in found.items()
+                 if version_tuple(runtime.version) and version_tuple(runtime.version) == version_tuple(node.version))
+    names = same + (("k3s", "rke2") if "-k3s" in (node.version or "") else ("microk8s", "containerd"))
+    name = next((name for name in (*names, *EMBEDDED, node.name) if name in found and found[name].engine == node.name),
+                None)
+    if name is None:
+        return node
+    return dataclasses.replace(node, name=name) if node.version else found[name]
 
 
 def choose(inputs: Inputs) -> DevicePath:
-    node = from_node(inputs.node_runtime)
-    runtimes = [node if node is not None and node.name == runtime.name and node.version else runtime
+    pod_runtime = kubelet_runtime(inputs)
+    runtimes = [pod_runtime if pod_runtime is not None and pod_runtime.name == runtime.name else runtime
                 for runtime in inputs.runtimes]
     cdi, no_cdi = [], {}
     for runtime in runtimes:
@@ -128,11 +159,17 @@ def choose(inputs: Inputs) -> DevicePath:
             continue
         if applies is False:
             no_cdi[runtime.name] = (f"{runtime.describe()} does not apply CDI (from "
-                                    f"{'.'.join(map(str, CDI_SINCE[runtime.name]))}): no {SWITCH[runtime.name]} "
+                                    f"{'.'.join(map(str, CDI_SINCE[runtime.engine]))}): no {SWITCH[runtime.engine]} "
                                     "written, it would be ignored")
         else:
             cdi.append(runtime.name)
-    pod_runtime = kubelet_runtime(dataclasses.replace(inputs, runtimes=tuple(runtimes)))
+    consumers = []
+    for consumer in inputs.consumers if inputs.spec else ():
+        if applies_cdi(consumer, switch=False) is False:
+            no_cdi[consumer.name] = (f"{consumer.describe()} reads no CDI spec (from "
+                                     f"{'.'.join(map(str, CONSUMERS[consumer.name]))})")
+        else:
+            consumers.append(consumer)
     strategy, reason, warning = _strategy(inputs, pod_runtime)
     envvar_default = inputs.plugin and strategy == "envvar" and pod_runtime is not None
     if inputs.set_as_default is True:
@@ -145,9 +182,13 @@ def choose(inputs: Inputs) -> DevicePath:
         if envvar_default and pod_runtime is not None:
             reason += ("; toolkit.set_as_default is false: pods get their GPU only with runtimeClassName: nvidia "
                        "(packaging/kubernetes/gpu-agent-shim.yaml ships that RuntimeClass)")
-    spec_needed = bool(cdi) or (inputs.plugin and strategy != "envvar" and inputs.spec)
+    if consumers:
+        reason += (f"; the CDI spec is written for {', '.join(consumer.describe() for consumer in consumers)}, "
+                   "which read it themselves (--device nvidia.com/gpu=...)")
+    spec_needed = bool(cdi) or bool(consumers) or (inputs.plugin and strategy != "envvar" and inputs.spec)
     return DevicePath(strategy, inputs.setting == "auto", pod_runtime.name if pod_runtime else None, tuple(cdi),
-                      no_cdi, nvidia_default, spec_needed, reason, warning)
+                      no_cdi, nvidia_default, spec_needed, tuple(consumer.name for consumer in consumers), reason,
+                      warning)
 
 
 def _strategy(inputs: Inputs, runtime: Optional[Found]) -> tuple[str, str, Optional[str]]:
@@ -161,13 +202,13 @@ def _strategy(inputs: Inputs, runtime: Optional[Found]) -> tuple[str, str, Optio
         verdict = ("envvar", "the agent writes no CDI spec (toolkit.cdi.enabled false or the toolkit off): "
                    f"NVIDIA_VISIBLE_DEVICES through the nvidia runtime in {runtime.describe()}")
     else:
-        applies = applies_cdi(runtime, switch=runtime.name != "docker")
+        applies = applies_cdi(runtime, switch=runtime.engine != "docker")
         if runtime.name == "docker":
             verdict = ("envvar", f"the kubelet runs pods through {runtime.describe()} (cri-dockerd), which passes no "
                        "CDI devices: NVIDIA_VISIBLE_DEVICES through the nvidia runtime")
         elif applies is False:
             verdict = ("envvar", f"{runtime.describe()} does not apply CDI (from "
-                       f"{'.'.join(map(str, CDI_SINCE[runtime.name]))}): NVIDIA_VISIBLE_DEVICES through the "
+                       f"{'.'.join(map(str, CDI_SINCE[runtime.engine]))}): NVIDIA_VISIBLE_DEVICES through the "
                        "nvidia runtime")
         elif kubelet is not None and kubelet[:2] < KUBELET_CDI_DEVICES:
             verdict = ("cdi-annotations", f"{runtime.describe()} applies CDI; {kubelet_text} passes no CDI devices "

@@ -1,6 +1,20 @@
-"""The versions of the container runtimes and of the kubelet on the node: from the package database
-under --root (dpkg's status file, also in a sandbox root), else, on the running system, from the
-binary's own `--version` (run again only once the binary changed)."""
+"""The versions of the container runtimes, the CDI consumers and the kubelet on the node: from the
+package database under --root (dpkg's status file, also in a sandbox root), else, on the running system,
+from the binary's own `--version` (run again only once the binary changed).
+
+k3s, RKE2 and microk8s embed containerd and their own kubelet, and have no package record:
+- k3s extracts its binaries to /var/lib/rancher/k3s/data/<hash>/bin, `current` linking to the one in
+  use (k3s-io/k3s#11137 shows the layout); its bin/containerd is containerd's own main
+  (k3s-io/k3s cmd/containerd/main.go), so `containerd --version` names the version the Node reports
+  (`containerd github.com/k3s-io/containerd v1.7.23-k3s2`). `k3s --version` names k3s's, which is its
+  kubelet's (`k3s version v1.31.4+k3s1`) and not containerd's.
+- RKE2 links /var/lib/rancher/rke2/bin to its data/<version>/bin, containerd and its tools included
+  (https://docs.rke2.io/reference/linux_agent_config and the cluster-access page put the tools on PATH
+  from there); `rke2 --version` names its kubelet's.
+- microk8s runs $SNAP/bin/containerd (canonical/microk8s microk8s-resources/wrappers/
+  run-containerd-with-args); the snap's version (meta/snap.yaml, `version: v1.32.3`) is its
+  Kubernetes', read as a file, so also in a sandbox root.
+"""
 from __future__ import annotations
 
 import re
@@ -9,7 +23,7 @@ from typing import Optional
 from gpu_agent.errors import AgentError
 from gpu_agent.host import proc
 from gpu_agent.host.files import read_text
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, followed
 
 DPKG_STATUS = "/var/lib/dpkg/status"
 # Debian's packages and the runtimes' own repositories' (Docker's docker-ce, containerd.io).
@@ -18,13 +32,25 @@ PACKAGES = {
     "docker": ("docker.io", "docker-ce", "moby-engine"),
     "crio": ("cri-o",),
     "kubelet": ("kubelet",),
+    "podman": ("podman",),
+    "nerdctl": ("nerdctl",),  # not packaged by Debian; its release tarball puts it in /usr/local/bin
+    "k3s": (), "rke2": (), "microk8s": (), "k3s-kubelet": (), "rke2-kubelet": (), "microk8s-kubelet": (),
 }
 BINARIES = {
     "containerd": ("/usr/bin/containerd", "/usr/local/bin/containerd"),
     "docker": ("/usr/bin/dockerd", "/usr/local/bin/dockerd"),
     "crio": ("/usr/bin/crio", "/usr/local/bin/crio"),
     "kubelet": ("/usr/bin/kubelet", "/usr/local/bin/kubelet"),
+    "podman": ("/usr/bin/podman", "/usr/local/bin/podman"),
+    "nerdctl": ("/usr/local/bin/nerdctl", "/usr/bin/nerdctl"),
+    "k3s": ("/var/lib/rancher/k3s/data/current/bin/containerd",),
+    "rke2": ("/var/lib/rancher/rke2/bin/containerd",),
+    "microk8s": ("/snap/microk8s/current/bin/containerd",),
+    "k3s-kubelet": ("/usr/local/bin/k3s", "/usr/bin/k3s"),
+    "rke2-kubelet": ("/usr/local/bin/rke2", "/usr/bin/rke2"),
+    "microk8s-kubelet": (),
 }
+SNAP_YAML = {"microk8s-kubelet": "/snap/microk8s/current/meta/snap.yaml"}  # `version: v1.32.3`
 TIMEOUT_S = 10.0
 # `containerd github.com/containerd/containerd 1.6.20~ds1 ...`, `Docker version 20.10.24+dfsg1, build x`,
 # `crio version 1.28.1`, `Kubernetes v1.29.3`: the first word that is a version.
@@ -55,11 +81,30 @@ class Versions:
         self.timeout = timeout
         self._ran: dict[str, tuple[tuple[int, int], Optional[str]]] = {}
 
+    def installed(self, name: str) -> bool:
+        """Whether the package database or a binary says `name` is on the node."""
+        return (from_dpkg(read_text(self.root(DPKG_STATUS)) or "", PACKAGES[name]) is not None
+                or any(self._exists(binary) for binary in BINARIES[name]))
+
+    def _exists(self, host_path: str) -> bool:
+        try:
+            return self.root(followed(self.root, host_path)).exists()
+        except OSError:  # a loop of links
+            return False
+
     def read(self, name: str) -> tuple[Optional[str], str]:
-        """(version, where it was read) of containerd, docker, crio or kubelet; (None, why not)."""
+        """(version, where it was read) of a name of PACKAGES: containerd, docker, crio, kubelet, podman,
+        nerdctl, the containerd of k3s, rke2 or microk8s, or their kubelet (k3s-kubelet...); (None, why not)."""
         record = from_dpkg(read_text(self.root(DPKG_STATUS)) or "", PACKAGES[name])
         if record is not None:
             return record[0], f"package {record[1]}"
+        if name in SNAP_YAML:
+            try:
+                text = read_text(self.root(followed(self.root, SNAP_YAML[name]))) or ""
+            except (OSError, ValueError):  # a loop of links, a directory, bytes that are not UTF-8
+                text = ""
+            match = re.search(r"^version:[ \t]*['\"]?v?(\d+\.\d+[0-9A-Za-z.+-]*)", text, re.MULTILINE)
+            return (match.group(1), SNAP_YAML[name]) if match else (None, f"no version in {SNAP_YAML[name]}")
         if not self.root.is_running_system:
             return None, f"no package record under {self.root.path}"
         for binary in BINARIES[name]:

@@ -116,18 +116,15 @@ def agent(node: Node, *argv: str, check: bool = True) -> str:
     return done.stdout + done.stderr
 
 
-def device_path(node: Node) -> str:
-    """How the agent hands a pod its GPU on this node, read from `gpu-agent check --json`: "cdi" (CDI
-    devices through the CRI) or "nvidia-runtime" (NVIDIA_VISIBLE_DEVICES through the nvidia runtime).
-
-    h-devpath: plugin.device_list_strategy auto chooses the path by the runtimes' versions and says why
-    in check --json; once merged, read its key here (and its reason). Until then the agent always takes
-    CDI, which is what this reads: a cdi stage that keeps a spec."""
+def device_path(node: Node) -> dict[str, Any]:
+    """The `device_path` key of `gpu-agent check --json`: which way the agent hands a pod its GPU here,
+    and why."""
     report: dict[str, Any] = json.loads(node.container.exec(
         "gpu-agent", "--root", "/node", "--simulate", "dgx-h100", "check", "--json", timeout=300).stdout)
     stages = {stage["stage"]: stage for stage in report["stages"]}
     assert stages["toolkit"]["state"] == "ok", stages["toolkit"]
-    return "cdi" if stages.get("cdi", {}).get("state") == "ok" else "nvidia-runtime"
+    found: dict[str, Any] = report["device_path"]
+    return found
 
 
 def test_the_agent_configures_every_runtime_present(node: Node) -> None:
@@ -137,7 +134,12 @@ def test_the_agent_configures_every_runtime_present(node: Node) -> None:
     out = agent(node, "apply", "--once")
     print(out)
     assert re.search(r"^\[\+\] toolkit: ok: nvidia runtime configured for containerd(, | and )docker", out, re.M)
-    assert "[+] cdi: ok" in out
+    # No CDI switch where the runtime's version ignores it, and the toolkit says so
+    containerd = re.search(r"containerd: containerd 1\.6\.20\S* does not apply CDI \(from 1\.7\): no enable_cdi", out)
+    docker = re.search(r"docker: Docker 20\.10\.24\S* does not apply CDI \(from 25\.0\): no features\.cdi", out)
+    assert (bool(containerd), bool(docker)) == (not node.cdi_in_containerd, not node.cdi_in_docker), out
+    # podman reads the spec on both (/var/run links to /run: the message names where the spec is)
+    assert re.search(r"^\[\+\] cdi: ok: CDI spec (/var)?/run/cdi/nvidia\.yaml is up to date", out, re.M), out
     for path in ("/etc/containerd/conf.d/99-nvidia.toml", "/etc/docker/daemon.json", "/var/run/cdi/nvidia.yaml"):
         assert c.exec("test", "-s", path, check=False).returncode == 0, path
     # The kernel driver's nodes: the simulated kernel's, made in the node's /dev.
@@ -214,10 +216,16 @@ def test_containerd_gives_a_pod_its_gpu_through_the_cri_where_it_applies_cdi(nod
         assert "char /dev/nvidia0" not in output, output
 
 
-# What the agent should choose on each release, and what it chooses today.
-CHOICE = {"bookworm": "cdi",  # h-devpath: "nvidia-runtime" (containerd 1.6 and Docker 20.10 apply no CDI)
-          "trixie": "cdi"}
+# What the agent chooses on each release: strategy cdi-cri or cdi-annotations is "cdi", envvar
+# (NVIDIA_VISIBLE_DEVICES through the nvidia runtime) "nvidia-runtime"; and how its reason starts.
+CHOICE = {"bookworm": ("nvidia-runtime", r"containerd 1\.6\.20\S* does not apply CDI \(from 1\.7\)"),
+          "trixie": ("cdi", r"containerd 1\.7\.24\S* applies CDI")}
 
 
 def test_the_agent_chooses_the_device_path_the_runtimes_apply(node: Node) -> None:
-    assert device_path(node) == CHOICE[node.suite]
+    found = device_path(node)
+    path = "nvidia-runtime" if found["strategy"] == "envvar" else "cdi"
+    assert (path, found["chosen_by"]) == (CHOICE[node.suite][0], "auto"), found
+    assert re.match(CHOICE[node.suite][1], found["reason"]), found
+    assert found["kubelet_runtime"] == "containerd" and found["cdi_consumers"] == ["podman"], found
+    assert found["cdi_spec_needed"] is True  # podman 4.3 and 5.4 apply the spec themselves
