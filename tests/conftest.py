@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -84,6 +85,7 @@ class _Guard:
     active = False
     subprocess = False
     host_paths = False
+    basetemp: tuple[str, ...] = ()  # --basetemp, where `make test` puts the tests' folders (on a tmpfs)
 
     @classmethod
     def audit(cls, event: str, args: tuple) -> None:
@@ -101,7 +103,7 @@ class _Guard:
         if not isinstance(path, (str, os.PathLike)) or not os.path.isabs(os.fspath(path)):
             return  # a file descriptor, or relative to one the test already opened
         real = _resolved(os.fspath(path))
-        if _inside(real, _NEVER) or not _inside(real, _ALWAYS):
+        if _inside(real, _NEVER) or not _inside(real, _ALWAYS + _Guard.basetemp):
             raise RuntimeError(f"this test touched the host path {real} ({event}); use a tmp root, or mark "
                                "it @pytest.mark.host_paths")
 
@@ -166,6 +168,16 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "subprocess: the test may start real processes (the process contract)")
     config.addinivalue_line("markers", "host_paths: the test may touch real host paths")
+    if config.option.basetemp:
+        _Guard.basetemp = (os.path.realpath(config.option.basetemp),)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A passing run leaves no folders in the tmpfs `make test` gives it (a failing one keeps them to look
+    at; the next run removes them)."""
+    basetemp = session.config.option.basetemp
+    if basetemp and exitstatus == 0 and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(basetemp, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -14,9 +14,10 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -42,14 +43,26 @@ def snapshot(directory: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def canary(tmp_path: Path) -> Path:
-    """A directory outside the root, with a file, a subdirectory and a link to compare afterwards."""
-    directory = tmp_path / "canary"
+def canary(tmp_path: Path) -> Iterator[Path]:
+    """A directory outside the root, with a file, a subdirectory and a link to compare afterwards; not
+    under /dev where `make test` keeps tmp_path on /dev/shm (a capture's libraries there are refused
+    for being under /dev, before the escape these tests are about)."""
+    if not tmp_path.is_relative_to("/dev"):
+        yield from _canary(tmp_path / "canary")
+        return
+    outside = Path(tempfile.mkdtemp(prefix="canary-"))
+    try:
+        yield from _canary(outside / "canary")
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+def _canary(directory: Path) -> Iterator[Path]:
     (directory / "lib64").mkdir(parents=True)
     (directory / "lib64" / "libcuda.so.1").write_text("the canary's own\n")
     (directory / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
     (directory / "link").symlink_to("passwd")
-    return directory
+    yield directory
 
 
 def edited(tmp_path: Path, part: str, edit: Callable[[Any], Any]) -> Path:

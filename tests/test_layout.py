@@ -21,6 +21,7 @@ production module imports it or branches on it.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpu_agent"
@@ -93,6 +94,7 @@ def _excepted(module: str, name: str) -> bool:
     return any(module == where and (name == what or name.startswith(f"{what}.")) for where, what in EXCEPTIONS)
 
 
+@functools.lru_cache(maxsize=1)  # parsed once per test process, not once per test
 def _modules() -> list[tuple[str, str, ast.AST]]:
     return [(path.relative_to(PACKAGE).as_posix(), _name(path), ast.parse(path.read_text(), str(path)))
             for path in sorted(PACKAGE.rglob("*.py"))]
