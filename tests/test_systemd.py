@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 import shutil
 import stat
 import subprocess
@@ -61,6 +63,35 @@ def test_unit_declares_the_daemon_contract() -> None:
                      "ExecStart=/usr/bin/gpu-agent run"):
         assert expected in lines
     assert any(line.startswith("ExecReload=") and "HUP" in line for line in lines)
+
+
+def _writable(unit: str) -> list[str]:
+    """The folders ProtectSystem=strict leaves the service writable: ReadWritePaths and StateDirectory."""
+    found = []
+    for line in unit.splitlines():
+        key, _, value = line.partition("=")
+        if key == "ReadWritePaths":
+            found += [path.lstrip("-") for path in value.split()]
+        elif key == "StateDirectory":
+            found += [f"/var/lib/{name}" for name in value.split()]
+    return found
+
+
+def test_every_place_the_agent_writes_is_writable_under_the_unit() -> None:
+    """Each file a stage may own, the kubelet's device-plugin folders (the plugin's socket) and the MPS
+    control daemons' folder, under ProtectSystem=strict: one missing is a stage that works in the tests
+    and fails on every installed node."""
+    from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, MICROK8S_DEVICE_PLUGIN_DIR
+    from gpu_agent.host.owned import OWNABLE
+    from gpu_agent.mps.layout import MPS_ROOT
+
+    writable = _writable((SYSTEMD / "gpu-agent.service").read_text())
+    needed = [posixpath.dirname(pattern) for pattern in OWNABLE]
+    needed += [DEVICE_PLUGIN_DIR, MICROK8S_DEVICE_PLUGIN_DIR, MPS_ROOT]
+    needed = [re.sub(r"^/var/run/", "/run/", path) for path in needed]  # /var/run is a link to /run
+    missing = [path for path in needed
+               if not any(path == folder or path.startswith(folder.rstrip("/") + "/") for folder in writable)]
+    assert not missing, f"add ReadWritePaths=-<folder> to systemd/gpu-agent.service for: {missing}"
 
 
 def test_tmpfiles_creates_the_runtime_directory(tmp_path: Path) -> None:
