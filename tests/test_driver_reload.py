@@ -174,3 +174,53 @@ def test_driver_reload_command_plans_refuses_a_busy_gpu_then_forces(tmp_path: Pa
     assert done["message"].startswith(f"driver reloaded 550.90.07 -> {NEW}")
     assert done["reload"]["step"] == "upgrade-done" and not done["reload"]["forced"]
     assert {m["name"]: m["version"] for m in node.machine.read()["kernel"]["loaded"]}["nvidia"] == NEW
+
+
+def downgrade_what_modprobe_loads(node: SimNode) -> None:
+    """A stale nvidia.ko earlier in modprobe's search path: the load succeeds with the old version."""
+    with node.machine.edit() as state:
+        state["kernel"]["installed"]["nvidia"] = "550.90.07"
+
+
+def upgrade_what_modprobe_loads(node: SimNode) -> None:
+    with node.machine.edit() as state:
+        state["kernel"]["installed"]["nvidia"] = NEW
+
+
+FAULTS = {
+    "load": (lambda node: node.sim("fail", "modprobe", "--module", "nvidia", "--error", "key-rejected"),
+             "could not load nvidia", lambda node: node.sim("clear")),
+    "verify-version": (downgrade_what_modprobe_loads, "the loaded nvidia module is 550.90.07, not 570.124.06",
+                       upgrade_what_modprobe_loads),
+    "verify-nvml": (lambda node: node.sim("fail", "nvmlSystemGetDriverVersion"), "NVML fails with the new driver",
+                    lambda node: node.sim("clear")),
+}
+
+
+@pytest.mark.parametrize("step", sorted(FAULTS))
+def test_a_failing_load_or_verify_stays_cordoned_named_and_the_next_attempt_finishes(
+        tmp_path: Path, api: KubeEmulator, step: str) -> None:
+    inject, cause, cure = FAULTS[step]
+    node = SimNode(tmp_path / "root", "t4")
+    config = {**settings(api, node), "mig": {}}
+    assert node.apply(config).stage("driver").state == "ok"
+    node.sim("install-driver", NEW)
+    inject(node)
+    a_minute_later(node)
+    failed = node.apply(config)
+    assert failed.stage("driver").state == "failed" and cause in failed.stage("driver").message, \
+        failed.stage("driver").message
+    stored = api.get_node(NODE)
+    assert stored["spec"].get("unschedulable") is True and stored["metadata"]["labels"][STATE] == "upgrade-failed"
+    reload = failed.state.stages["driver-upgrade"].facts["reload"]
+    assert (reload["step"], reload["failed_step"], reload["cordoned"]) == ("upgrade-failed", "pod-restart-required",
+                                                                          True)
+    assert cause in reload["failure"] and reload["stopped_units"] == []
+    cure(node)
+    a_minute_later(node)
+    again = node.apply(config)
+    assert again.stage("driver").state == "ok", again.stage("driver").message
+    assert again.stage("driver-upgrade").state == "ok", again.stage("driver-upgrade").message
+    assert loaded_version(node.machine.read(), "nvidia") == NEW
+    stored = api.get_node(NODE)
+    assert not stored["spec"].get("unschedulable") and stored["metadata"]["labels"][STATE] == "upgrade-done"
