@@ -174,3 +174,96 @@ def test_driver_reload_command_plans_refuses_a_busy_gpu_then_forces(tmp_path: Pa
     assert done["message"].startswith(f"driver reloaded 550.90.07 -> {NEW}")
     assert done["reload"]["step"] == "upgrade-done" and not done["reload"]["forced"]
     assert {m["name"]: m["version"] for m in node.machine.read()["kernel"]["loaded"]}["nvidia"] == NEW
+
+
+def assert_reloaded(run: Any, node: SimNode, api: KubeEmulator) -> None:
+    """The pass finished the reload: the new module loaded, the node uncordoned, upgrade-done."""
+    assert run.stage("driver").state == "ok", run.stage("driver").message
+    assert run.stage("driver-upgrade").state == "ok", run.stage("driver-upgrade").message
+    assert loaded_version(node.machine.read(), "nvidia") == NEW
+    stored = api.get_node(NODE)
+    assert not stored["spec"].get("unschedulable") and stored["metadata"]["labels"][STATE] == "upgrade-done"
+
+
+def downgrade_what_modprobe_loads(node: SimNode) -> None:
+    """A stale nvidia.ko earlier in modprobe's search path: the load succeeds with the old version."""
+    with node.machine.edit() as state:
+        state["kernel"]["installed"]["nvidia"] = "550.90.07"
+
+
+def upgrade_what_modprobe_loads(node: SimNode) -> None:
+    with node.machine.edit() as state:
+        state["kernel"]["installed"]["nvidia"] = NEW
+
+
+FAULTS = {
+    "load": (lambda node: node.sim("fail", "modprobe", "--module", "nvidia", "--error", "key-rejected"),
+             "could not load nvidia", lambda node: node.sim("clear")),
+    "verify-version": (downgrade_what_modprobe_loads, "the loaded nvidia module is 550.90.07, not 570.124.06",
+                       upgrade_what_modprobe_loads),
+    "verify-nvml": (lambda node: node.sim("fail", "nvmlSystemGetDriverVersion"), "NVML fails with the new driver",
+                    lambda node: node.sim("clear")),
+}
+
+
+@pytest.mark.parametrize("step", sorted(FAULTS))
+def test_a_failing_load_or_verify_stays_cordoned_named_and_the_next_attempt_finishes(
+        tmp_path: Path, api: KubeEmulator, step: str) -> None:
+    inject, cause, cure = FAULTS[step]
+    node = SimNode(tmp_path / "root", "t4")
+    config = {**settings(api, node), "mig": {}}
+    assert node.apply(config).stage("driver").state == "ok"
+    node.sim("install-driver", NEW)
+    inject(node)
+    a_minute_later(node)
+    failed = node.apply(config)
+    assert failed.stage("driver").state == "failed" and cause in failed.stage("driver").message, \
+        failed.stage("driver").message
+    stored = api.get_node(NODE)
+    assert stored["spec"].get("unschedulable") is True and stored["metadata"]["labels"][STATE] == "upgrade-failed"
+    reload = failed.state.stages["driver-upgrade"].facts["reload"]
+    assert (reload["step"], reload["failed_step"], reload["cordoned"]) == ("upgrade-failed", "pod-restart-required",
+                                                                          True)
+    assert cause in reload["failure"] and reload["stopped_units"] == []
+    cure(node)
+    a_minute_later(node)
+    assert_reloaded(node.apply(config), node, api)
+
+
+class Killed(BaseException):
+    """kill -9: nothing after this point of the pass runs (no handler sees it)."""
+
+
+CRASH_POINTS = (*ORDER[1:], "unloaded")
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_killed_at_any_step_the_restarted_agent_finishes_or_says_why(
+        tmp_path: Path, api: KubeEmulator, monkeypatch: pytest.MonkeyPatch, point: str) -> None:
+    """The agent dies right after recording `point` (or with every module unloaded); a fresh runtime on the
+    same root (a restart) goes on from the ledger and finishes."""
+    node = SimNode(tmp_path / "root", "t4")
+    config = {**settings(api, node), "mig": {}}
+    assert node.apply(config).stage("driver").state == "ok"
+    node.sim("install-driver", NEW)
+    a_minute_later(node)
+    with monkeypatch.context() as patch:
+        if point == "unloaded":
+            def crash_at_load(*_: Any) -> None:
+                assert "nvidia" not in node.loaded_modules()
+                raise Killed
+
+            patch.setattr("gpu_agent.stages.driver.load_module", crash_at_load)
+        else:
+            save = Ledger.save_driver_reload
+
+            def crash_after(ledger: Ledger, entry: dict[str, Any]) -> None:
+                save(ledger, entry)
+                if entry["step"] == point:
+                    raise Killed
+
+            patch.setattr(Ledger, "save_driver_reload", crash_after)
+        with pytest.raises(Killed):
+            node.apply(config)
+    a_minute_later(node)
+    assert_reloaded(node.apply(config), node, api)

@@ -22,10 +22,12 @@ from gpu_agent.nvml.session import NvmlUnavailable, describe
 from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
-from gpu_agent.stages.driver_reload import CORDON_REQUIRED, DRAIN, POD_DELETION, POD_RESTART, WAIT_FOR_JOBS, Reload
+from gpu_agent.stages.driver_reload import (CORDON_REQUIRED, DRAIN, FAILED, POD_DELETION, POD_RESTART, WAIT_FOR_JOBS,
+                                           Reload)
 
 _VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
 RELOADING = (CORDON_REQUIRED, WAIT_FOR_JOBS, POD_DELETION, DRAIN, POD_RESTART)
+UNFINISHED = (*RELOADING, FAILED)  # a failed step is tried again, whatever driver.reload says now
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
 BLACKLIST_CONTENT = (
@@ -61,6 +63,7 @@ class DriverState:
     persistenced: bool = False
     installed: Optional[driver_version.Installed] = None
     reload_step: Optional[str] = None  # the ledger's driver reload step, when one is recorded
+    reload_target: Optional[str] = None  # and the version it loads
 
     @property
     def mismatch(self) -> Optional[str]:
@@ -107,7 +110,10 @@ class Driver(Stage):
         if self.reload is not None:
             progress = self.reload.progress()
             state.reload_step = progress.step if progress is not None else None
+            state.reload_target = progress.target if progress is not None else None
         if "nvidia" not in state.loaded:
+            if state.reload_step in UNFINISHED:  # unloaded by the reload: what it will load
+                state.installed = driver_version.installed(self.root)
             return state
         if self.loaded_by is None:
             self.loaded_by = PRELOADED
@@ -271,14 +277,14 @@ class Driver(Stage):
         reload = self.reload
         if reload is None or not self.may_change_gpus:
             return []
-        midway = state.reload_step in RELOADING
-        if not (state.mismatch or midway) or not (self.settings.reload == "when-idle" or reload.requested):
+        midway = state.reload_step in UNFINISHED
+        if not midway and not (state.mismatch and (self.settings.reload == "when-idle" or reload.requested)):
             return []
         self._skip = None if reload.requested or midway else reload.skipped()
         if self._skip:
             return []
         loaded = state.module_version or "none"
-        target = (state.installed.version if state.installed else None) or loaded
+        target = (state.installed.version if state.installed else None) or state.reload_target or loaded
         modules = list(state.loaded)
         return [Action(tuple(reload.planned(loaded, target)), lambda: reload.run(loaded, target, modules))]
 

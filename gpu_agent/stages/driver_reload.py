@@ -186,6 +186,7 @@ class Reload:
             progress.forced = False  # each attempt is forced or not by its own request
             if progress.step == WAIT_FOR_JOBS:
                 progress.waiting_since = None
+            self._enter(progress, progress.step)  # VALIDATION, UNCORDON: the driver-upgrade stage's to retry
         progress.forced = progress.forced or self.force
         if progress.step == CORDON_REQUIRED:
             self._cordon(progress)
@@ -212,11 +213,11 @@ class Reload:
             progress.notes.append("the node was already cordoned: it is left cordoned")
             self._enter(progress, WAIT_FOR_JOBS)
             return
+        progress.cordoned = True  # recorded before the patch: an agent killed after it still uncordons
         try:
             self._enter(progress, WAIT_FOR_JOBS, patch_unschedulable=True)
-            progress.cordoned = True
-            self.ledger.save_driver_reload(asdict(progress))
         except AgentError as exc:
+            progress.cordoned = False
             if "403" in str(exc) or "Forbidden" in str(exc):
                 progress.notes.append(f"not cordoned: the node's credentials may not ({exc}); going on with "
                                       "the label and condition")
@@ -332,16 +333,15 @@ class Reload:
             raise self.fail(progress, VALIDATION, "; ".join(failing))
         if self.gate is not None:
             self.gate.open()
-        self._enter(progress, UNCORDON)
-        if not (progress.cordoned and self.node is not None):
-            self._enter(progress, DONE)
-            return
-        try:
-            progress.cordoned = False
-            self._enter(progress, DONE, patch_unschedulable=False)
-        except AgentError as exc:
-            progress.cordoned = True
-            raise self.fail(progress, UNCORDON, f"cannot uncordon the node: {exc}") from None
+        if progress.step != UNCORDON:
+            self._enter(progress, UNCORDON)
+        if progress.cordoned and self.node is not None:
+            try:  # uncordoned before DONE is recorded: an agent killed between them uncordons again
+                self.node.patch_node(False, {STATE_LABEL: DONE})
+            except AgentError as exc:
+                raise self.fail(progress, UNCORDON, f"cannot uncordon the node: {exc}") from None
+        progress.cordoned = False
+        self._enter(progress, DONE)
 
 
 class DriverUpgrade(Stage):
@@ -360,7 +360,7 @@ class DriverUpgrade(Stage):
         return self.reload.progress()
 
     def plan(self, progress: Optional[Progress]) -> list[Action]:
-        if progress is None or progress.step != VALIDATION:
+        if progress is None or progress.step not in (VALIDATION, UNCORDON):
             return []
         outcomes = dict(self.inputs.get(OUTCOMES, {}))
         return [Action.of(DriverReloadStep(VALIDATION, "validate and uncordon"),
