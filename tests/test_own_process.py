@@ -24,9 +24,17 @@ def test_memory_cpu_descriptors_and_threads_are_this_process(tmp_path: Path) -> 
                            "process_threads"}
     assert before["process_resident_memory_bytes"] > 10 * 2**20 and before["process_cpu_seconds_total"] > 0
     assert before["process_threads"] >= 1
-    opened = [os.open(os.devnull, os.O_RDONLY) for _ in range(7)]
-    try:
-        assert scrape(state)["process_open_fds"] == before["process_open_fds"] + 7
-    finally:
-        for fd in opened:
-            os.close(fd)
+    # Other threads of a test worker (xdist's, a finished test's) open and close descriptors too: the
+    # count follows these seven in one of a few tries, each measured against its own baseline.
+    differences = []
+    for _ in range(5):
+        baseline = scrape(state)["process_open_fds"]
+        opened = [os.open(os.devnull, os.O_RDONLY) for _ in range(7)]
+        try:
+            differences.append(scrape(state)["process_open_fds"] - baseline)
+        finally:
+            for fd in opened:
+                os.close(fd)
+        if differences[-1] == 7:
+            break
+    assert differences[-1] == 7, differences
