@@ -45,6 +45,7 @@ DROP_IN_DIR = "/etc/containerd/conf.d"
 DROP_IN = f"{DROP_IN_DIR}/99-nvidia.toml"
 IMPORT_GLOB = f"{DROP_IN_DIR}/*.toml"
 RUNTIME_NAME = "nvidia"
+RUNC_V2 = "io.containerd.runc.v2"  # the runtime_type nvidia-ctk fills in where the copied one is empty
 CRI_PLUGIN = {1: "cri", 2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime"}
 HEADER = "# Written by gpu-agent: the nvidia runtime, with the CRI settings it inherits. Do not edit.\n"
 MAX_FILES = 256  # files one containerd config may import, all levels together
@@ -241,11 +242,15 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
     containerd = cri.setdefault("containerd", {})
     runtimes = containerd.setdefault("runtimes", {})
     default_name = containerd.get("default_runtime_name", "runc")
+    base = copy.deepcopy(inherited(runtimes, default_name))
     # Our runtimes map replaces containerd's built-in one: keep the default runtime in it.
-    runtimes.setdefault(default_name, {"runtime_type": "io.containerd.runc.v2"})
-    base = copy.deepcopy(runtimes.get(default_name) or runtimes.get("runc") or {})
-    base["runtime_type"] = "io.containerd.runc.v2"
-    base.setdefault("options", {})["BinaryName"] = binary
+    runtimes.setdefault(default_name, {"runtime_type": RUNC_V2})
+    if not base.get("runtime_type"):
+        base["runtime_type"] = RUNC_V2
+    options = base.setdefault("options", {})
+    options["BinaryName"] = binary
+    if version == 1:
+        options["Runtime"] = binary  # the legacy io.containerd.runtime.v1.linux shim's name for it
     runtimes[RUNTIME_NAME] = base
     if enable_cdi:
         cri["enable_cdi"] = True
@@ -254,6 +259,14 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
     document: dict[str, Any] = {} if version == 1 else {"version": version}
     document["plugins"] = {CRI_PLUGIN[version]: cri}
     return HEADER + tomlkit.dumps(document)
+
+
+def inherited(runtimes: dict[str, Any], default_name: str) -> dict[str, Any]:
+    """The runtime whose settings the nvidia runtime copies, as nvidia-ctk picks it
+    (pkg/config/engine.GetLowLevelRuntimes): the default runtime unless it is an nvidia one, else
+    runc, else crun; nothing when none is defined."""
+    names = ([] if default_name.startswith("nvidia") else [default_name]) + ["runc", "crun"]
+    return next((runtimes[name] for name in names if isinstance(runtimes.get(name), dict)), {})
 
 
 drop_in = _drop_in  # the drop-in's text, for the distributions that embed containerd (distributions.py)

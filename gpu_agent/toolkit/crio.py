@@ -1,5 +1,6 @@
 """CRI-O: an `nvidia` runtime in /etc/crio/crio.conf.d/99-nvidia.conf, inheriting the default
-runtime's settings. CRI-O merges drop-ins key by key, so the drop-in holds only what it adds."""
+runtime's settings (else runc's, else crun's, as nvidia-ctk picks them). CRI-O merges drop-ins key
+by key, so the drop-in holds only what it adds."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,7 @@ import tomlkit
 
 from gpu_agent.errors import StageError
 from gpu_agent.host.paths import Root
-from gpu_agent.toolkit import configfile
+from gpu_agent.toolkit import configfile, containerd
 from gpu_agent.toolkit.document import STRING, TABLE
 from gpu_agent.toolkit.tomldoc import deep_merge, load
 
@@ -31,7 +32,7 @@ SCHEMA = (
 def desired(root: Root, binary: str, set_as_default: bool) -> str:
     runtime = _effective(root)
     default_name = runtime.get("default_runtime", "crun")
-    inherited = copy.deepcopy(runtime.get("runtimes", {}).get(default_name, {}))
+    inherited = copy.deepcopy(containerd.inherited(runtime.get("runtimes", {}), default_name))
     for key in OWN_KEYS:
         inherited.pop(key, None)
     nvidia: dict[str, Any] = {"runtime_path": binary, "runtime_type": "oci", **inherited}

@@ -200,8 +200,8 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
     if needs_default:
         wanted.setdefault("containerd", {})["default_runtime_name"] = containerd.RUNTIME_NAME
     if not has_runtime:
-        runtime = copy.deepcopy(runtimes.get(default) or runtimes.get("runc") or {})
-        runtime.setdefault("runtime_type", "io.containerd.runc.v2")
+        runtime = copy.deepcopy(containerd.inherited(runtimes, default))
+        runtime["runtime_type"] = runtime.get("runtime_type") or containerd.RUNC_V2
         runtime.setdefault("options", {})["BinaryName"] = binary
         wanted.setdefault("containerd", {}).setdefault("runtimes", {})[containerd.RUNTIME_NAME] = runtime
     plugins = {"plugins": {containerd.CRI_PLUGIN[version]: wanted}}
@@ -276,8 +276,8 @@ def _microk8s_file(root: Root, distribution: Distribution, binary: str, enable_c
     newline = "\r\n" if "\r\n" in text else "\n"
     header = f'[plugins."{plugin}".containerd.runtimes.{containerd.RUNTIME_NAME}'
     if containerd.RUNTIME_NAME not in runtimes:
-        default = runtimes.get(table.get("default_runtime_name", "runc")) or runtimes.get("runc") or {}
-        runtime = {"runtime_type": default.get("runtime_type", "io.containerd.runc.v2")}
+        default = containerd.inherited(runtimes, table.get("default_runtime_name", "runc"))
+        runtime = {"runtime_type": default.get("runtime_type") or containerd.RUNC_V2}
         options = {**default.get("options", {}), "BinaryName": binary}
         block = (f"{ADDED}: the nvidia runtime{newline}{header}]{newline}"
                  + _keys(runtime, newline) + f"{header}.options]{newline}" + _keys(options, newline))
