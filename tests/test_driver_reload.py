@@ -75,8 +75,14 @@ def label_history(api: KubeEmulator) -> list[str]:
 
 def test_when_idle_waits_for_the_gpu_process_then_reloads_and_uncordons(tmp_path: Path, api: KubeEmulator) -> None:
     node = SimNode(tmp_path / "root", "dgx-h100")
-    config = settings(api, node)
-    assert node.apply(config).stage("mig").state == "ok"
+    for binary in ("nvidia-container-runtime", "nvidia-container-runtime-hook", "nvidia-cdi-hook"):
+        (node.root / "usr/bin").mkdir(parents=True, exist_ok=True)
+        (node.root / "usr/bin" / binary).write_text("#!/bin/sh\n")
+    node.sim("install-runtime", "podman", "5.4.2")  # reads the CDI spec: the agent writes one
+    config = {**settings(api, node), "toolkit": {"enabled": True}}
+    first = node.apply(config)
+    assert first.stage("mig").state == "ok" and first.state.inventory is not None
+    made_before = {device.uuid for gpu in first.state.inventory.gpus for device in gpu.mig.devices}
     geometry = [gpu["mig"] for gpu in node.machine.read()["gpus"]]
     node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
     node.sim("install-driver", NEW)
@@ -97,6 +103,12 @@ def test_when_idle_waits_for_the_gpu_process_then_reloads_and_uncordons(tmp_path
     assert [gpu["mig"]["current"] for gpu in node.machine.read()["gpus"]] == [g["current"] for g in geometry]
     assert [len(gpu["mig"]["gpu_instances"]) for gpu in node.machine.read()["gpus"]] == [
         len(g["gpu_instances"]) for g in geometry] and geometry[0]["gpu_instances"]
+    assert done.stage("cdi").state == "ok", done.stage("cdi").message  # the spec names the MIG devices made again
+    spec = (node.root / "var/run/cdi/nvidia.yaml").read_text()
+    assert done.state.inventory is not None
+    mig_devices = [device.uuid for gpu in done.state.inventory.gpus for device in gpu.mig.devices]
+    assert mig_devices and all(uuid in spec for uuid in mig_devices)
+    assert not made_before & set(mig_devices) and not any(uuid in spec for uuid in made_before)  # made again
     stored = api.get_node(NODE)
     assert not stored["spec"].get("unschedulable")
     assert stored["metadata"]["labels"][STATE] == "upgrade-done"
