@@ -43,10 +43,10 @@ lint: $(BIN)/gpu-agent
 # pytest-xdist workers: three per CPU, since much of the suite's time is spent waiting on the daemons it
 # starts (quiet periods, backoff, timeouts) while using no CPU.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) * 3 )))
-# The tests' folders (about 70,000 small files a run) on /dev/shm where it has 1 GiB free: on a disk,
+# The tests' folders (about 70,000 small files a run) on /dev/shm where it has 600 MiB free: on a disk,
 # making and removing them took a fifth of the suite's time. One folder per clone, its name short for
 # the unix sockets in it (108 bytes); a passing run removes it (conftest.py).
-TEST_TMP ?= $(shell [ -w /dev/shm ] && [ "$$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $$4}')" -gt 1048576 ] \
+TEST_TMP ?= $(shell [ -w /dev/shm ] && [ "$$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $$4}')" -gt 614400 ] \
 	2>/dev/null && echo /dev/shm/gat$$(id -u)-$$(echo '$(CURDIR)' | cksum | cut -c1-6))
 # Bytecode is written even where the environment says PYTHONDONTWRITEBYTECODE: without it each worker
 # rewrites every test module's asserts again (5 s of CPU each) and each agent a test starts compiles the
