@@ -23,6 +23,7 @@ LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr
 _MODULE_NAMES = ("nvidia.ko", "nvidia.ko.xz", "nvidia.ko.gz", "nvidia.ko.zst")
 _MOST_BYTES = 256 << 20  # the nvidia module is about 60 MiB uncompressed; a larger file is not one
 _VERSION = re.compile(rb"\x00version=([0-9A-Za-z.+~-]{1,64})\x00")
+_LONGEST_MATCH = 80  # a match straddling two reads is found in the last read's tail and the next
 _RELEASE = re.compile(r"[0-9A-Za-z._+-]{1,128}")
 
 
@@ -74,22 +75,48 @@ def module_path(root: Root) -> Optional[str]:
 
 
 def module_version(root: Root, host_path: str) -> Optional[str]:
-    """`modinfo -F version` of the module file; None when it cannot be read or holds no version."""
+    """`modinfo -F version` of the module file; None when it cannot be read or holds no version.
+
+    The driver stage asks at every pass: the answer is kept while the file is the same one (its inode,
+    size and time), and the file is read a MiB at a time, so a 60 MiB module is neither read at every
+    pass nor held whole."""
+    if host_path.endswith(".zst"):
+        return None
+    path = root(host_path)
     try:
-        with open(root(host_path), "rb") as module:
-            data = module.read(_MOST_BYTES + 1)
-        if len(data) > _MOST_BYTES:
-            return None
-        if host_path.endswith(".xz"):
-            data = lzma.decompress(data)
-        elif host_path.endswith(".gz"):
-            data = gzip.decompress(data)
-        elif host_path.endswith(".zst"):
-            return None
+        st = os.stat(path)
+    except OSError:
+        return None
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _READ.get(str(path))
+    if known is not None and known[0] == identity:
+        return known[1]
+    version = _read_version(str(path), host_path)
+    if len(_READ) >= 8:
+        _READ.clear()
+    _READ[str(path)] = (identity, version)
+    return version
+
+
+_READ: dict[str, tuple[tuple[int, ...], Optional[str]]] = {}  # module file -> (its identity, its version)
+
+
+def _read_version(path: str, host_path: str) -> Optional[str]:
+    opener = lzma.open if host_path.endswith(".xz") else gzip.open if host_path.endswith(".gz") else open
+    tail, total = b"", 0
+    try:
+        with opener(path, "rb") as module:
+            while chunk := module.read(1 << 20):
+                total += len(chunk)
+                if total > _MOST_BYTES:
+                    return None
+                match = _VERSION.search(tail + chunk)
+                if match:
+                    return match.group(1).decode("ascii")
+                tail = (tail + chunk)[-_LONGEST_MATCH:]
     except (OSError, lzma.LZMAError, EOFError, ValueError):
         return None
-    match = _VERSION.search(data)
-    return match.group(1).decode("ascii") if match else None
+    return None
 
 
 def modinfo_bytes(version: str) -> bytes:
