@@ -70,6 +70,13 @@ class GpuProcess:
     used_mib: float
 
 
+# The results stages record (their `produces`), each kept in the attribute of that name: inventory
+# (discovery), pci_gpus and mellanox_nics (driver), mig (mig), runtimes (toolkit), driver_mismatch
+# (driver), driver_upgrade (driver-upgrade), device_path (device-path), cdi_devices (cdi).
+STAGE_OUTPUTS = ("inventory", "pci_gpus", "mellanox_nics", "mig", "runtimes", "driver_mismatch", "driver_upgrade",
+                 "device_path", "cdi_devices")
+
+
 @dataclass
 class AgentState:
     config: LoadedConfig
@@ -200,13 +207,11 @@ class AgentState:
     # --- stage results (written by the engine only) ----------------------------------------------
 
     def output(self, name: str) -> Any:
-        """A stage result as last recorded: inventory (discovery; last_inventory, the last one that was
-        not None), pci_gpus and mellanox_nics (driver), mig (mig), runtimes (toolkit)."""
-        outputs = {"inventory": self.inventory, "last_inventory": self.last_inventory, "pci_gpus": self.pci_gpus,
-                   "mellanox_nics": self.mellanox_nics, "mig": self.mig, "runtimes": self.runtimes,
-                   "driver_mismatch": self.driver_mismatch, "driver_upgrade": self.driver_upgrade,
-                   "device_path": self.device_path, "cdi_devices": self.cdi_devices}
-        return outputs[name]
+        """A stage result as last recorded (STAGE_OUTPUTS), or last_inventory: the last inventory that
+        was not None."""
+        if name != "last_inventory" and name not in STAGE_OUTPUTS:
+            raise KeyError(name)
+        return getattr(self, name)
 
     def record_runtime_restarts(self, restarts: Mapping[str, int]) -> None:
         """Add a pass's restarts of the container runtimes, by runtime, to the counts."""
@@ -217,28 +222,11 @@ class AgentState:
             self.runtime_restarts = counts
 
     def record_output(self, name: str, value: Any) -> None:
-        if name == "inventory":
-            self.inventory = value
-            if value is not None:
-                self.last_inventory = value
-        elif name == "pci_gpus":
-            self.pci_gpus = value
-        elif name == "mellanox_nics":
-            self.mellanox_nics = value
-        elif name == "mig":
-            self.mig = value
-        elif name == "runtimes":
-            self.runtimes = value
-        elif name == "driver_mismatch":
-            self.driver_mismatch = value
-        elif name == "driver_upgrade":
-            self.driver_upgrade = value
-        elif name == "device_path":
-            self.device_path = value
-        elif name == "cdi_devices":
-            self.cdi_devices = value
-        else:
+        if name not in STAGE_OUTPUTS:
             raise ValueError(f"no stage result called {name!r}")
+        setattr(self, name, value)
+        if name == "inventory" and value is not None:
+            self.last_inventory = value
 
     # --- readiness -----------------------------------------------------------------------------
 
