@@ -18,7 +18,7 @@ k3s, RKE2 and microk8s embed containerd and their own kubelet, and have no packa
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import AbstractSet, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import proc
@@ -59,12 +59,21 @@ _VERSION = re.compile(r"(?:^|\s)v?(\d+\.\d+(?:\.\d+)?[0-9A-Za-z.~+-]*)")
 
 def from_dpkg(status: str, packages: tuple[str, ...]) -> Optional[tuple[str, str]]:
     """(version without its epoch and Debian revision, package) of the first of `packages` installed."""
+    return _first(installed_packages(status, set(packages)), packages)
+
+
+def installed_packages(status: str, wanted: AbstractSet[str]) -> dict[str, str]:
+    """Each of the `wanted` packages installed, by name: its version without epoch and Debian revision."""
     found: dict[str, str] = {}
     for paragraph in status.split("\n\n"):
         fields = dict(line.partition(": ")[::2] for line in paragraph.splitlines() if ": " in line)
-        if fields.get("Package") in packages and fields.get("Status", "").endswith(" installed"):
+        if fields.get("Package") in wanted and fields.get("Status", "").endswith(" installed"):
             version = fields.get("Version", "").split(":", 1)[-1]
             found[fields["Package"]] = version.rsplit("-", 1)[0] if "-" in version else version
+    return found
+
+
+def _first(found: dict[str, str], packages: tuple[str, ...]) -> Optional[tuple[str, str]]:
     return next(((found[name], name) for name in packages if found.get(name)), None)
 
 
@@ -74,17 +83,31 @@ def from_output(text: str) -> Optional[str]:
 
 
 class Versions:
-    """What `read` answers, cached per binary (its inode and mtime) so a pass runs no process."""
+    """What `read` answers, cached per binary (its inode and mtime) so a pass runs no process, and the
+    package database read once per version of it (a pass asks for each runtime and consumer)."""
 
     def __init__(self, root: Root, timeout: float = TIMEOUT_S) -> None:
         self.root = root
         self.timeout = timeout
         self._ran: dict[str, tuple[tuple[int, int], Optional[str]]] = {}
+        self._dpkg: Optional[tuple[tuple[int, int, int], dict[str, str]]] = None
+
+    def _package(self, name: str) -> Optional[tuple[str, str]]:
+        """(version, package) of `name`'s first package installed, from dpkg's status file."""
+        path = self.root(DPKG_STATUS)
+        try:
+            status = path.stat()
+        except OSError:
+            return None
+        stamp = (status.st_ino, status.st_mtime_ns, status.st_size)
+        if self._dpkg is None or self._dpkg[0] != stamp:
+            wanted = {package for packages in PACKAGES.values() for package in packages}
+            self._dpkg = (stamp, installed_packages(read_text(path) or "", wanted))
+        return _first(self._dpkg[1], PACKAGES[name])
 
     def installed(self, name: str) -> bool:
         """Whether the package database or a binary says `name` is on the node."""
-        return (from_dpkg(read_text(self.root(DPKG_STATUS)) or "", PACKAGES[name]) is not None
-                or any(self._exists(binary) for binary in BINARIES[name]))
+        return self._package(name) is not None or any(self._exists(binary) for binary in BINARIES[name])
 
     def _exists(self, host_path: str) -> bool:
         try:
@@ -95,7 +118,7 @@ class Versions:
     def read(self, name: str) -> tuple[Optional[str], str]:
         """(version, where it was read) of a name of PACKAGES: containerd, docker, crio, kubelet, podman,
         nerdctl, the containerd of k3s, rke2 or microk8s, or their kubelet (k3s-kubelet...); (None, why not)."""
-        record = from_dpkg(read_text(self.root(DPKG_STATUS)) or "", PACKAGES[name])
+        record = self._package(name)
         if record is not None:
             return record[0], f"package {record[1]}"
         if name in SNAP_YAML:
