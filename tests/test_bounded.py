@@ -43,3 +43,31 @@ def test_a_link_is_followed_only_when_asked(tmp_path: Path) -> None:
     with pytest.raises(OSError) as error:
         read_bounded(tmp_path / "link", 10, follow=False)
     assert error.value.errno == errno.ELOOP
+
+
+KMALLOC_MAX_SIZE = 4 << 20  # x86-64
+
+
+def test_no_read_asks_for_what_the_kernel_refuses_on_proc_sys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linux answers a read(2) of a /proc/sys file with a count of KMALLOC_MAX_SIZE or more with ENOMEM
+    (fs/proc/proc_sysctl.c, proc_sys_call_handler): the real H200 node's driver stage failed on
+    /proc/sys/kernel/osrelease while procfs asked for its whole 4 MiB limit in one read."""
+    from gpu_agent.host import bounded
+    from gpu_agent.host.paths import Root
+    from gpu_agent.host.procfs import MAX_PROC_BYTES, read
+
+    real_read = os.read
+
+    def sysctl_read(fd: int, count: int) -> bytes:
+        if count >= KMALLOC_MAX_SIZE:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        return real_read(fd, count)
+
+    monkeypatch.setattr(bounded.os, "read", sysctl_read)
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.18.44-fc-v657-gpu\n")
+    assert MAX_PROC_BYTES >= KMALLOC_MAX_SIZE
+    assert read(Root(tmp_path), "/proc/sys/kernel/osrelease") == "6.18.44-fc-v657-gpu\n"
+    big = tmp_path / "big"
+    big.write_bytes(bytes(range(256)) * (3 * bounded.READ_CHUNK // 256 + 7))
+    assert read_bounded(big, MAX_PROC_BYTES) == big.read_bytes()

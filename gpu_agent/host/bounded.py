@@ -11,6 +11,12 @@ import stat
 from pathlib import Path
 from typing import Optional, Union
 
+# The most one read(2) asks for. Linux refuses a read of a /proc/sys file whose count is KMALLOC_MAX_SIZE
+# (4 MiB on x86-64) or more with ENOMEM (fs/proc/proc_sysctl.c, proc_sys_call_handler, since 5.8), so
+# asking for the whole limit at once failed every read of /proc/sys/kernel/osrelease on a real node; and a
+# smaller request keeps Python from allocating the limit's bytes for each read of a 10-byte file.
+READ_CHUNK = 64 << 10
+
 
 class NotRegular(Exception):
     """The path names something other than a regular file; `kind` says what, in words."""
@@ -56,7 +62,7 @@ def read_bounded_file(path: Union[str, Path], limit: int,
         chunks: list[bytes] = []
         size = 0
         while size <= limit:  # /proc and /sys files say 0 bytes and may answer in pieces
-            chunk = os.read(fd, limit + 1 - size)
+            chunk = os.read(fd, min(READ_CHUNK, limit + 1 - size))
             if not chunk:
                 break
             chunks.append(chunk)
