@@ -156,3 +156,26 @@ def _launcher_test(tmp_path: Path) -> None:
     assert found["shared"] == [mark]  # what the daemon wrote in its /dev/shm is in the agent's tmpfs ...
     assert not Path("/dev/shm", mark).exists()  # ... and not in the host's
     assert found["problem"] is None and found["after"] == [True, False, True]
+
+
+@pytest.mark.subprocess
+def test_the_control_binary_is_found_where_drivers_install_it(tmp_path: Path) -> None:
+    """/usr/bin for packages and the .run installer; /usr/local/nvidia/bin where the real H200 node had it
+    (tests/data/mps/README.md). A file that is not executable is passed over; none found is named."""
+    from gpu_agent.mps.control import BINARY_DIRS, DaemonSpec, HostMpsControl, find_binary
+
+    root = Root(tmp_path)
+    spec = DaemonSpec("nvidia.com/gpu", ("GPU-0",), (0,), (81559,), 4)
+    with pytest.raises(AgentError, match=r"nvidia-cuda-mps-control is not installed \(looked in /usr/bin, "):
+        HostMpsControl(root, 5.0).send(spec, "get_server_list")
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/nvidia-cuda-mps-control").write_text("not executable")
+    assert find_binary(root) is None
+    vendor = tmp_path / "usr/local/nvidia/bin/nvidia-cuda-mps-control"
+    vendor.parent.mkdir(parents=True)
+    vendor.write_text("#!/bin/sh\necho \"$CUDA_MPS_PIPE_DIRECTORY\"\n")
+    vendor.chmod(0o755)
+    assert "/usr/local/nvidia/bin" in BINARY_DIRS
+    assert find_binary(root) == "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
+    pipe = f"{tmp_path}/run/nvidia/mps/nvidia.com/gpu/pipe\n"
+    assert HostMpsControl(root, 5.0).send(spec, "get_server_list") == pipe

@@ -26,7 +26,10 @@ from gpu_agent.host import mounts
 from gpu_agent.host.paths import Root
 from gpu_agent.mps.layout import CLIENT_SHM, LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, log_dir, pipe_dir
 
-BINARY = "/usr/bin/nvidia-cuda-mps-control"
+BINARY = "nvidia-cuda-mps-control"
+# Where drivers install it: distribution packages and NVIDIA's .run installer in /usr/bin, a driver kept under
+# its own prefix (the real H200 node this was checked on: /usr/local/nvidia/bin) beside its libraries.
+BINARY_DIRS = ("/usr/bin", "/usr/local/bin", "/usr/local/nvidia/bin")
 CONTROL_TIMEOUT_S = 5.0  # one call of nvidia-cuda-mps-control, start or command
 MAX_ANSWER = 64 << 10  # what one command's answer may be; a server list of 48 pids is under 400 bytes
 
@@ -155,26 +158,38 @@ class HostMpsControl:
             return
         try:  # the pid file's process, if it still is the control daemon (not a pid reused since)
             comm = self.root(f"/proc/{pid}/comm").read_text(errors="replace").strip()
-            if BINARY.rsplit("/", 1)[1].startswith(comm):
+            if BINARY.startswith(comm):
                 os.kill(pid, signal.SIGTERM)
         except OSError:
             pass  # it exited meanwhile
 
     def _run(self, spec: DaemonSpec, args: list[str], given: str, before: tuple[str, ...] = ()) -> str:
-        binary = str(self.root(BINARY))
-        what = " ".join(["nvidia-cuda-mps-control", *args]) + (f" <<< {given.strip()!r}" if given else "")
+        what = " ".join([BINARY, *args]) + (f" <<< {given.strip()!r}" if given else "")
+        binary = find_binary(self.root)
+        if binary is None:
+            raise AgentError(f"{what} for {spec.resource}: {BINARY} is not installed (looked in "
+                             f"{', '.join(BINARY_DIRS)}): it comes with the NVIDIA driver's utilities")
         try:
-            done = subprocess.run([*before, binary, *args], input=given.encode(), capture_output=True,
+            done = subprocess.run([*before, str(self.root(binary)), *args], input=given.encode(), capture_output=True,
                                   env=spec.env(self.root), timeout=self.timeout, check=False)
         except subprocess.TimeoutExpired:
             raise AgentError(f"{what} for {spec.resource}: no answer within {self.timeout:g} s") from None
         except OSError as exc:
-            raise AgentError(f"{what} for {spec.resource}: cannot run {BINARY}: {exc.strerror or exc}") from None
+            raise AgentError(f"{what} for {spec.resource}: cannot run {binary}: {exc.strerror or exc}") from None
         answer = done.stdout[:MAX_ANSWER].decode(errors="replace")
         if done.returncode != 0:
             said = (done.stderr[:500].decode(errors="replace") or answer[:500]).strip()
             raise AgentError(f"{what} for {spec.resource} failed (exit {done.returncode}){': ' + said if said else ''}")
         return answer
+
+
+def find_binary(root: Root) -> Optional[str]:
+    """The host path of nvidia-cuda-mps-control: the first executable file in BINARY_DIRS."""
+    for directory in BINARY_DIRS:
+        path = root(f"{directory}/{BINARY}")
+        if path.is_file() and os.access(path, os.X_OK):
+            return f"{directory}/{BINARY}"
+    return None
 
 
 _NEEDS_ADMIN = " (mount(2) needs CAP_SYS_ADMIN in the host's mount namespace)"
