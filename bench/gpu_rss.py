@@ -6,7 +6,7 @@ at most 1.3x. Not part of `make bench` (which runs on simulated nodes); run it a
 
 The agent runs on the real root with every stage that could change the host off: driver (no modprobe),
 toolkit, Kubernetes and MIG (no config); it reads NVML, samples metrics, watches XIDs and serves its
-endpoints on a free loopback port and a socket in a temporary directory. What it writes is its own: its
+endpoints on a free loopback port and a socket in a temporary directory under /run. What it writes is its own: its
 lock in /run/gpu-agent. Exits 2 when NVML does not initialise here, 1 when the goal is missed.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     python = baseline(args.idle_seconds)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir="/run", prefix="gpu-agent-rss-") as tmp:  # http.socket must be under /run
         measured, status = agent(Path(tmp), args.idle_seconds)
     ratio = measured / python
     figures = {"python_pynvml_nvmlinit_rss_mib": round(python, 2), "agent_idle_rss_mib": round(measured, 2),
