@@ -312,3 +312,53 @@ def test_a_gpus_identity_is_read_once_until_its_mig_mode_changes(machine: Any) -
     changed = nvml.inventory.read()
     assert changed.gpus[2].mig.enabled and changed.gpus[2].uuid == first.gpus[2].uuid
     assert {name: calls[name] - asked[name] for name in identity_calls} == dict.fromkeys(identity_calls, 1)
+
+
+def _waiting(nvml: Nvml, timeout_ms: int) -> tuple[Any, list[Any]]:
+    """An XID event wait of `timeout_ms` running on its own thread, as the XID watcher's; what it ended with."""
+    import threading
+
+    wait = nvml.events.watch_xids()
+    ended: list[Any] = []
+
+    def run() -> None:
+        try:
+            ended.append(wait(timeout_ms))
+        except AgentError as exc:
+            ended.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not nvml.session._waits and time.monotonic() < deadline:  # the wait is in flight
+        time.sleep(0.005)
+    return thread, ended
+
+
+def test_pausing_nvml_waits_for_an_event_wait_in_flight_rather_than_calling_the_driver_hung(machine: Any) -> None:
+    """A real driver (an H200, 580.159.04) holds nvmlShutdown until a concurrent nvmlEventSetWait returns:
+    pausing NVML for a driver reload must not take that for a hung driver (which left NVML refusing
+    calls while the reload went on to unload the module this process still held)."""
+    state, nvml = machine("dgx-h100", call_timeout=0.2)
+    nvml.inventory.read()
+    thread, ended = _waiting(nvml, 600)
+    nvml.session.pause("the driver is being reloaded")
+    assert nvml.session.timeouts == 0 and nvml.lib._init_count == 0  # shut down: the module is not held
+    with pytest.raises(NvmlUnavailable, match="the driver is being reloaded"):
+        nvml.events.watch_xids()  # nothing new starts while NVML is let go
+    thread.join()
+    assert ended == [None]  # the wait ended at its timeout
+    nvml.session.resume()
+    assert len(nvml.inventory.read().gpus) == 8
+
+
+def test_closing_with_an_event_wait_in_flight_leaves_nvml_to_the_process_exit(machine: Any) -> None:
+    """The agent's stop (2 s for everything) does not sit behind the XID watcher's wait, nor say NVML hung."""
+    state, nvml = machine("dgx-h100", call_timeout=0.2)
+    nvml.inventory.read()
+    thread, ended = _waiting(nvml, 800)
+    nvml.close()
+    assert not ended and nvml.lib._init_count == 1 and nvml.session.timeouts == 0
+    with pytest.raises(NvmlUnavailable, match="NVML is closed"):
+        nvml.inventory.read()
+    thread.join()

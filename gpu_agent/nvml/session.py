@@ -128,7 +128,9 @@ class NvmlSession:
         self._call = _TimedCalls(call_timeout)
         self._init_lock = threading.Lock()
         self._initialised = False
-        self._paused: Optional[str] = None  # why NVML is let go (the driver is being reloaded)
+        self._paused: Optional[str] = None  # why NVML is let go (the driver is being reloaded, the agent stops)
+        self._gate = threading.Lock()  # _paused and _waits change together, so no wait slips past a pause
+        self._waits: dict[object, float] = {}  # blocking waits in flight (XID events): when each must end
         self._batch = threading.local()  # `handles`: the GPU handles asked for in the batch running on this thread
         self._counters_lock = threading.Lock()
         self.generation = 0
@@ -147,12 +149,23 @@ class NvmlSession:
         return self._call.timeouts
 
     def call(self, name: str, *args: Any, extra_timeout: float = 0.0) -> Any:
-        """lib.name(*args) on a worker, under the timeout (within a batch: on the batch's worker)."""
+        """lib.name(*args) on a worker, under the timeout (within a batch: on the batch's worker); refused
+        with NvmlUnavailable while NVML is let go. A call given extra_timeout is a blocking wait."""
+        token = object()
+        with self._gate:
+            if self._paused is not None and name != "nvmlShutdown":
+                raise NvmlUnavailable(self._paused)
+            if extra_timeout:
+                self._waits[token] = time.monotonic() + self._call.timeout + extra_timeout
         try:
             result = self._call(name, getattr(self.lib, name), *args, extra_timeout=extra_timeout)
         except self.lib.NVMLError as exc:
             exc.call = name  # so a message can say which query failed
             raise
+        finally:
+            if extra_timeout:
+                with self._gate:
+                    del self._waits[token]
         return printable(result) if type(result) is str else result  # a name, UUID or version: shown everywhere
 
     def init(self) -> None:
@@ -175,25 +188,39 @@ class NvmlSession:
             self._initialised = True
 
     def close(self) -> None:
+        """For good: no call is made after it. NVML holds nvmlShutdown until a blocking wait in flight
+        returns (an H200 with driver 580: 4.5 s behind a 5 s nvmlEventSetWait), so with one in flight
+        the shutdown is left to the process's exit, which releases NVML as well."""
         with self._init_lock:
+            waiting = self._let_go("NVML is closed")
+            if waiting and self._initialised:
+                log.debug("nvmlShutdown left to the process exit: a blocking NVML wait ends in %.1f s", waiting)
+                self._initialised = False
             self._shutdown()
         self._call.close()
 
-    def _shutdown(self) -> None:
-        """nvmlShutdown when initialised; called with the init lock held."""
+    def _let_go(self, reason: str) -> float:
+        """Refuse new calls with `reason`; the seconds until the last blocking wait in flight ends (0: none)."""
+        with self._gate:
+            self._paused = reason
+            now = time.monotonic()
+            return max((end - now for end in self._waits.values()), default=0.0)
+
+    def _shutdown(self, wait_s: float = 0.0) -> None:
+        """nvmlShutdown when initialised, given `wait_s` more than a call's timeout; with the init lock held."""
         if self._initialised:
             try:
-                self.call("nvmlShutdown")
+                self.call("nvmlShutdown", extra_timeout=wait_s)
             except (self.lib.NVMLError, NvmlHung) as exc:
                 log.debug("nvmlShutdown: %s", exc)
             self._initialised = False
 
     def pause(self, reason: str) -> None:
-        """Let the driver go (nvmlShutdown: this process no longer holds the nvidia module) and refuse to
-        initialise again, with `reason`, until resume()."""
+        """Let the driver go (nvmlShutdown: this process no longer holds the nvidia module) and refuse every
+        call, with `reason`, until resume(). The shutdown waits for a blocking wait in flight to end (the
+        XID watcher's, up to its timeout), which NVML makes it wait for, instead of calling NVML hung."""
         with self._init_lock:
-            self._paused = reason
-            self._shutdown()
+            self._shutdown(self._let_go(reason))
         self.gpus_changed()
 
     def resume(self) -> None:

@@ -258,6 +258,8 @@ class FakeNvml:
         self.machine = state  # the simulator's own handle, not part of pynvml's surface
         self._init_count = 0
         self._lock = threading.Lock()
+        self._waits_done = threading.Condition(self._lock)
+        self._waits = 0  # nvmlEventSetWait calls in flight: nvmlShutdown returns only once none is
         self.calls: collections.Counter[str] = collections.Counter()  # by NVML function, for tests and rehearsals
         self._started = time.monotonic()
         self._devices_memo: Optional[tuple[dict[str, Any], list[Any]]] = None  # (GPU as read, its MIG devices)
@@ -372,7 +374,10 @@ class FakeNvml:
             self._init_count += 1
 
     def nvmlShutdown(self) -> None:
+        """As a real driver's does (an H200, driver 580.159.04): it returns only once the event waits in
+        flight have returned, at their timeout if no event comes (4.5 s behind a 5 s wait)."""
         with self._lock:
+            self._waits_done.wait_for(lambda: self._waits == 0)
             if self._init_count == 0:
                 raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
             self._init_count -= 1
@@ -1041,6 +1046,16 @@ class FakeNvml:
 
     @_nvml
     def nvmlEventSetWait_v2(self, event_set: SimEventSet, timeout_ms: int) -> SimEventData:
+        with self._lock:
+            self._waits += 1
+        try:
+            return self._wait_for_event(event_set, timeout_ms)
+        finally:
+            with self._lock:
+                self._waits -= 1
+                self._waits_done.notify_all()
+
+    def _wait_for_event(self, event_set: SimEventSet, timeout_ms: int) -> SimEventData:
         deadline = time.monotonic() + timeout_ms / 1000
         self._state.release()  # it waits for a change: each read looks at the file
         event_set.watch(self._state)  # before reading: an XID raised after the read wakes the wait
