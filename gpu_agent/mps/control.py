@@ -183,6 +183,22 @@ class HostMpsControl:
         return answer
 
 
+def pinned_mib(value: str) -> int:
+    """A pinned memory limit as the control daemon takes it (`<n>M` or `<n>G`) in MiB; -1 for another."""
+    unit, digits = value[-1:].upper(), value[:-1]
+    if unit not in ("M", "G") or not digits.isdigit():
+        return -1
+    return int(digits) * (1024 if unit == "G" else 1)
+
+
+def shown_limit(value: str) -> str:
+    """How get_default_device_pinned_mem_limit shows a limit set as `value`: whole GiB from 1024 MiB on,
+    rounded down (1536M is shown 1G, 20000M 19G), else MiB, as a real daemon did (H200, driver 580: the
+    limit itself stays exact: its server logged 1000M as 0x3e800000 bytes)."""
+    mib = pinned_mib(value)
+    return f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
+
+
 def find_binary(root: Root) -> Optional[str]:
     """The host path of nvidia-cuda-mps-control: the first executable file in BINARY_DIRS."""
     for directory in BINARY_DIRS:

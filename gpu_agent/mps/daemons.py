@@ -26,7 +26,7 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.mps import shm
-from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
+from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl, shown_limit
 from gpu_agent.mps.layout import MPS_ROOT, SHM_DIR, log_dir, pipe_dir, resource_dir
 from gpu_agent.plugin.devices import advertised
 from gpu_agent.state import AgentState
@@ -206,7 +206,17 @@ class MpsManager:
             self.control.start(spec)
         for ordinal, limit in spec.pinned_limits():
             self.control.send(spec, f"set_default_device_pinned_mem_limit {ordinal} {limit}")
-        self.control.send(spec, f"set_default_active_thread_percentage {spec.thread_percentage}")
+            shown = self.control.send(spec, f"get_default_device_pinned_mem_limit {ordinal}").strip()
+            if shown != shown_limit(limit):
+                raise AgentError(f"the MPS control daemon for {spec.resource} shows the pinned memory limit of its "
+                                 f"device {ordinal} as {shown or 'none'} after it was set to {limit} (expected "
+                                 f"{shown_limit(limit)}): its clients would not be limited")
+        expected = f"{spec.thread_percentage:.1f}"
+        answer = self.control.send(spec, f"set_default_active_thread_percentage {spec.thread_percentage}").strip()
+        if answer != expected:
+            raise AgentError(f"the MPS control daemon for {spec.resource} answered {answer or 'nothing'} to "
+                             f"set_default_active_thread_percentage {spec.thread_percentage} (expected {expected}): "
+                             "its clients would not be limited")
         problem = self._probe(spec)
         if problem is not None:
             raise AgentError(problem)

@@ -1,9 +1,8 @@
 """The simulated nvidia-cuda-mps-control: control daemons kept in the simulated machine, so that a CLI
 call (`gpu-agent sim fail mps`) and a running agent see the same ones, and tests read back what the
 agent set. It cannot mount: the machine's `mounts` table stands for the host's, and each daemon records
-the /dev/shm that mps.launch would give it. It answers on its control pipe from ANSWERS below, which
-holds what NVIDIA's documentation says the real one prints; the capture of a real daemon (issue 25,
-point 6) is to be compared with it.
+the /dev/shm that mps.launch would give it. It answers on its control pipe as a real one did on an H200
+with driver 580.159.04 (tests/data/mps/h200-580-vm/control-pipe.json, replayed by tests/test_mps_real.py).
 """
 from __future__ import annotations
 
@@ -12,19 +11,12 @@ import time
 from typing import Any, Optional
 
 from gpu_agent.errors import AgentError
-from gpu_agent.mps.control import DaemonSpec
+from gpu_agent.mps.control import DaemonSpec, pinned_mib, shown_limit
 from gpu_agent.mps.layout import CLIENT_SHM, SHM_DIR
 
-# command -> the answer's template; {servers}: the server pids, one a line (none until a client connects).
-# Source: docs.nvidia.com/deploy/mps ("Tools and Interface Reference", "MPS v2 Interface"); not yet checked
-# against a real daemon.
-ANSWERS = {
-    "get_server_list": "{servers}",
-    "get_default_active_thread_percentage": "{thread_percentage}",
-    "set_default_active_thread_percentage": "{thread_percentage}",
-    "set_default_device_pinned_mem_limit": "",
-    "quit": "",
-}
+COMMANDS = ("get_server_list", "get_default_active_thread_percentage", "set_default_active_thread_percentage",
+            "get_default_device_pinned_mem_limit", "set_default_device_pinned_mem_limit",
+            "get_active_thread_percentage", "quit")
 FAULTS = ("die", "hang")
 _PIDS = itertools.count(40000)
 
@@ -95,17 +87,44 @@ class SimMpsControl:
 
     @staticmethod
     def _apply(daemon: dict[str, Any], words: list[str]) -> str:
+        """The answer a real control daemon prints (always exit 0): nothing for a set of a limit or for an
+        empty list, the thread percentage after a set (unchanged by a value it refuses), a limit as the
+        daemon shows it."""
         name, args = (words[0], words[1:]) if words else ("", [])
-        if name not in ANSWERS:
-            return f"Unknown command: {name}\n"  # and exit 0, as an interactive shell would go on
+        if name not in COMMANDS:
+            return f'Unknown command "{name}"\n'
         if name == "set_default_active_thread_percentage" and args:
-            daemon["thread_percentage"] = float(args[0])
+            daemon["thread_percentage"] = thread_percentage(args[0], daemon["thread_percentage"])
         elif name == "set_default_device_pinned_mem_limit" and len(args) == 2:
-            daemon["pinned_mem_limits"][args[0]] = args[1]
+            mib = pinned_mib(args[1])
+            if mib == 0:  # 0M takes the limit away
+                daemon["pinned_mem_limits"].pop(args[0], None)
+            elif mib > 0:  # one it cannot read is ignored: the transcript cannot tell (no limit was set then)
+                daemon["pinned_mem_limits"][args[0]] = args[1]
         elif name == "quit":
             daemon["alive"] = False
-        return ANSWERS[name].format(servers="\n".join(map(str, daemon["servers"])),
-                                    thread_percentage=f"{daemon['thread_percentage']:.1f}") + "\n"
+            return ""
+        if name == "get_server_list":
+            return "".join(f"{pid}\n" for pid in daemon["servers"])
+        if name == "get_default_device_pinned_mem_limit":
+            limit = daemon["pinned_mem_limits"].get(args[0]) if args else None
+            return "" if limit is None else shown_limit(limit) + "\n"
+        if name == "set_default_device_pinned_mem_limit":
+            return ""
+        if name == "get_active_thread_percentage" and (not args or not args[0].isdigit()
+                                                        or int(args[0]) not in daemon["servers"]):
+            return ""
+        return f"{daemon['thread_percentage']:.1f}\n"
+
+
+def thread_percentage(value: str, current: float) -> float:
+    """What set_default_active_thread_percentage leaves: the value when it is a number in (0, 100], else the
+    percentage it had (150 and abc were ignored, the old value printed)."""
+    try:
+        number = float(value)
+    except ValueError:
+        return current
+    return number if 0 < number <= 100 else current
 
 
 def kill(machine: Any, resource: Optional[str] = None) -> list[str]:
