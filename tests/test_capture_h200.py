@@ -2,7 +2,7 @@
 on 2026-11-27 by bench/real_gpu_checklist.sh; one NVIDIA H200 in a Firecracker VM, driver 580.159.04, MIG
 disabled), replayed: `check --json`, `mig export` and `mig apply --dry-run` must say what they said on the
 real node (h200-580-vm-outputs/: check.json from a second machine of the same kind, the MIG outputs from the
-captured one)."""
+captured one, and driver reload --dry-run --json)."""
 from __future__ import annotations
 
 import importlib
@@ -59,3 +59,11 @@ def test_mig_export_and_dry_runs_on_the_replayed_h200_match_the_real_node(title:
         assert out.pop("file") == str(OUTPUTS / "mig-configs.yaml")
         real.pop("file")
     assert (code, out) == (status, real)
+
+
+def test_driver_reload_dry_run_on_the_replayed_h200_finds_what_the_real_node_did(tmp_path: Path, capsys: Any) -> None:
+    """Issue 26, point 5: on the real node the loaded and installed drivers agree (580.159.04): nothing to
+    reload; the replay says the same, word for word."""
+    real = json.loads((OUTPUTS / "driver-reload-dry-run.json").read_text())
+    code, out = command(capsys, tmp_path, "driver", "reload", "--dry-run", "--json")
+    assert (code, json.loads(out)) == (0, real) and real["reload_required"] is None and real["plan"] == []
