@@ -19,6 +19,7 @@ from gpu_agent.host.ledger import Ledger, LedgerError, OwnedMount
 from gpu_agent.host.mounts import Mount, mount_at, parse_mountinfo
 from gpu_agent.host.paths import Root
 from gpu_agent.mps import launch, shm
+from gpu_agent.mps.control import DaemonSpec
 from gpu_agent.mps.layout import SHM_DIR
 
 MOUNTINFO = """\
@@ -179,3 +180,90 @@ def test_the_control_binary_is_found_where_drivers_install_it(tmp_path: Path) ->
     assert find_binary(root) == "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
     pipe = f"{tmp_path}/run/nvidia/mps/nvidia.com/gpu/pipe\n"
     assert HostMpsControl(root, 5.0).send(spec, "get_server_list") == pipe
+
+
+def test_under_systemd_each_daemon_gets_a_transient_unit_of_its_own(tmp_path: Path) -> None:
+    """The argv of systemd-run for a daemon (Type=forking, its pid file, its environment, the launcher) and
+    for the mount helper; the unit's name escaped as systemd-escape(1) writes it."""
+    from gpu_agent.mps.control import SystemdRun, launcher, unit_name
+
+    assert unit_name("nvidia.com/gpu") == "gpu-agent-mps-nvidia.com-gpu.service"
+    assert unit_name("a-b/.c") == "gpu-agent-mps-a\\x2db-.c.service" and unit_name(".x").endswith("\\x2ex.service")
+    assert unit_name("gpu é") == "gpu-agent-mps-gpu\\x20\\xc3\\xa9.service"
+    root = Root(tmp_path)
+    spec = DaemonSpec("nvidia.com/gpu", ("GPU-a", "GPU-b"), (0, 1), (81559, 81559), 4)
+    command = [*launcher(str(root(SHM_DIR))), "/usr/bin/nvidia-cuda-mps-control", "-d"]
+    argv = SystemdRun("/usr/bin/systemd-run", 5.0).daemon(spec, root, command)
+    pipe = f"{tmp_path}/run/nvidia/mps/nvidia.com/gpu/pipe"
+    assert argv[:argv.index("--")] == [
+        "/usr/bin/systemd-run", "--unit=gpu-agent-mps-nvidia.com-gpu.service", "--quiet", "--collect",
+        "--service-type=forking", "--description=MPS control daemon for nvidia.com/gpu (started by gpu-agent)",
+        f"--property=PIDFile={pipe}/nvidia-cuda-mps-control.pid", "--property=TimeoutStartSec=5s",
+        "--setenv=PATH=/usr/sbin:/usr/bin:/sbin:/bin", "--setenv=CUDA_VISIBLE_DEVICES=GPU-a,GPU-b",
+        f"--setenv=CUDA_MPS_PIPE_DIRECTORY={pipe}", f"--setenv=CUDA_MPS_LOG_DIRECTORY={pipe[:-4]}log"]
+    assert argv[argv.index("--") + 1:] == command
+    helper = SystemdRun("/bin/systemd-run", 5.0).helper(["python3", "--unmount", "/run/nvidia/mps/shm"])
+    assert helper[:3] == ["/bin/systemd-run", "--wait", "--pipe"] and helper[-4:] == [
+        "--", "python3", "--unmount", "/run/nvidia/mps/shm"]
+
+
+def test_systemd_is_used_only_for_a_service_of_the_running_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    """INVOCATION_ID and /run/systemd/system under a --root are a sandbox's: the daemons stay the agent's
+    children there. Simulated GPUs get the simulated control unless GPU_AGENT_MPS_CONTROL=host over /."""
+    from types import SimpleNamespace
+
+    from gpu_agent.daemon.app import Runtime
+    from gpu_agent.mps.control import HostMpsControl, under_systemd
+    from gpu_agent.sim.mps import SimMpsControl
+
+    (tmp_path / "run/systemd/system").mkdir(parents=True)
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/systemd-run").write_text("#!/bin/sh\n")
+    (tmp_path / "usr/bin/systemd-run").chmod(0o755)
+    assert under_systemd(Root(tmp_path), {"INVOCATION_ID": "0f"}) is None
+    assert under_systemd(Root("/"), {}) is None  # not a service: decided without looking at the host
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    monkeypatch.setenv("GPU_AGENT_MPS_CONTROL", "host")
+    sandboxed = SimpleNamespace(machine=object(), real_root_simulated=False, root=Root(tmp_path))
+    assert isinstance(Runtime.mps_control(sandboxed), SimMpsControl)  # type: ignore[arg-type]
+    over_root = SimpleNamespace(machine=object(), real_root_simulated=True, root=Root("/", kernel=tmp_path))
+    control = Runtime.mps_control(over_root)  # type: ignore[arg-type]
+    assert isinstance(control, HostMpsControl) and control.root.kernel is None and control.systemd is None
+    monkeypatch.setenv("GPU_AGENT_MPS_CONTROL", "simulated")
+    assert isinstance(Runtime.mps_control(over_root), SimMpsControl)  # type: ignore[arg-type]
+
+
+@pytest.mark.subprocess
+def test_what_systemd_run_says_is_the_error(tmp_path: Path) -> None:
+    """A daemon's unit that cannot start, and a mount helper that fails, name systemd-run's words; the
+    start passes the launcher and the binary found under the root."""
+    from gpu_agent.mps.control import HostMpsControl, SystemdRun
+
+    fake = tmp_path / "systemd-run"
+    calls = tmp_path / "calls"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n"
+                    "case \"$*\" in *--wait*) echo 'cannot mount /x: Permission denied' >&2; exit 1 ;; esac\n"
+                    "echo 'Unit gpu-agent-mps-gpu.service was already loaded or has a fragment file.' >&2; exit 1\n")
+    fake.chmod(0o755)
+    binary = tmp_path / "usr/bin/nvidia-cuda-mps-control"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    control = HostMpsControl(Root(tmp_path), 5.0, SystemdRun(str(fake), 5.0))
+    spec = DaemonSpec("gpu", ("GPU-a",), (0,), (1024,), 2)
+    with pytest.raises(AgentError, match=r"^nvidia-cuda-mps-control -d for gpu failed \(exit 1\): Unit gpu-agent-mps-"
+                                         r"gpu.service was already loaded"):
+        control.start(spec)
+    with pytest.raises(AgentError, match=r"^cannot mount a tmpfs at /run/nvidia/mps/shm for the MPS daemons' shared "
+                                         r"memory \(through systemd-run, exit 1\): cannot mount /x: Permission denied"):
+        control.mount_shm("mode=1777")
+    started, mounted = calls.read_text().splitlines()
+    assert started.endswith(f"{tmp_path}/run/nvidia/mps/shm {binary} -d") and "gpu_agent.mps.launch" in started
+    assert mounted.endswith(f"--mount {tmp_path}/run/nvidia/mps/shm mode=1777")
+
+
+def test_the_mount_helper_refuses_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert launch.main(["--mount", "relative", "size=1k"]) == 2 and "usage:" in capsys.readouterr().err
+    assert launch.main(["--unmount"]) == 2
+    assert launch.main(["--unmount", str(tmp_path)]) == 0  # nothing mounted there: nothing to do

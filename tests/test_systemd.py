@@ -102,3 +102,10 @@ def test_tmpfiles_creates_the_runtime_directory(tmp_path: Path) -> None:
                    check=True, timeout=60, capture_output=True)
     runtime = tmp_path / "run/gpu-agent"
     assert runtime.is_dir() and stat.S_IMODE(runtime.stat().st_mode) == 0o750
+    # ReadWritePaths=-/run/nvidia/mps makes it writable only when it is there as the unit starts: a node booted
+    # without it could not make its MPS daemons' folders (ProtectSystem=strict leaves /run read-only)
+    from gpu_agent.mps.layout import MPS_ROOT
+
+    mps = tmp_path / MPS_ROOT.lstrip("/")
+    assert mps.is_dir() and stat.S_IMODE(mps.stat().st_mode) == 0o755
+    assert f"ReadWritePaths=-{MPS_ROOT}" in (SYSTEMD / "gpu-agent.service").read_text().splitlines()

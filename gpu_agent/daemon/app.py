@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOCK_PATH = "/run/gpu-agent/agent.lock"
+MPS_CONTROL_ENV = "GPU_AGENT_MPS_CONTROL"
 _SIM_POLL_S = 0.25
 _DRIFT_POLL_S = 1.0
 _STOP_BUDGET_S = 2.0  # SIGTERM to exit, whatever is blocked
@@ -161,14 +162,17 @@ class Runtime:
         return found is not None and found.active in ("active", "activating", "reloading")
 
     def mps_control(self) -> MpsControl:
-        """nvidia-cuda-mps-control: the simulated machine's, or the host's."""
-        from gpu_agent.mps.control import CONTROL_TIMEOUT_S
+        """nvidia-cuda-mps-control: the simulated machine's, or the host's (through systemd-run when the
+        agent is a systemd service). Simulated GPUs over the real / with GPU_AGENT_MPS_CONTROL=host get the
+        host's too (docs/device-plugin.md)."""
+        from gpu_agent.mps.control import CONTROL_TIMEOUT_S, HostMpsControl, under_systemd
 
-        if self.machine is not None:
+        if self.machine is not None and not (self.real_root_simulated
+                                             and os.environ.get(MPS_CONTROL_ENV) == "host"):
             from gpu_agent.sim.mps import SimMpsControl
             return SimMpsControl(self.machine, CONTROL_TIMEOUT_S)
-        from gpu_agent.mps.control import HostMpsControl
-        return HostMpsControl(self.root, CONTROL_TIMEOUT_S)
+        root = Root(self.root.path)  # the running kernel's /proc: a simulated machine's is not where daemons run
+        return HostMpsControl(root, CONTROL_TIMEOUT_S, under_systemd(root, os.environ))
 
     def stages(self, config: AgentConfig) -> list[Stage]:
         """The enabled stages, in the order they run.

@@ -10,6 +10,15 @@ environment) sends CMD and prints the answer.
 The daemon is started through mps.launch, in a mount namespace whose /dev/shm is the tmpfs at
 /run/nvidia/mps/shm (mps.shm); commands are sent from the agent's own namespace: they use only the pipe
 directory.
+
+Under systemd (SystemdRun) the daemon and the tmpfs's mount and unmount are not the agent's own
+children: each runs in a transient unit (systemd-run(1): "a clean and detached execution environment,
+with the service manager as its parent process"), so that the mount is made in the host's mount
+namespace, where the kubelet's runtime finds it for the clients, and not in the one the agent's
+sandboxed unit has (ProtectSystem=, ReadWritePaths=, PrivateTmp= give it its own, systemd.exec(5)),
+the launcher may unshare(CLONE_NEWNS), which the agent's RestrictNamespaces=yes forbids, and the
+daemon lives in its own control group, which `systemctl restart gpu-agent` (KillMode=control-group,
+systemd.kill(5)) does not kill.
 """
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Mapping, Optional, Protocol
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import mounts
@@ -104,14 +113,22 @@ class ComputeModes(Protocol):
 
 
 class HostMpsControl:
-    """The real one: argv lists, a timeout on each call, answers bounded."""
+    """The real one: argv lists, a timeout on each call, answers bounded. `systemd`: the daemons and the
+    tmpfs's mount started through it (under_systemd decides when)."""
 
-    def __init__(self, root: Root, timeout: float) -> None:
+    def __init__(self, root: Root, timeout: float, systemd: Optional[SystemdRun] = None) -> None:
         self.root = root
         self.timeout = timeout
+        self.systemd = systemd
 
     def start(self, spec: DaemonSpec) -> None:
-        self._run(spec, ["-d"], "", launcher(str(self.root(SHM_DIR))))
+        shm = str(self.root(SHM_DIR))
+        if self.systemd is None:
+            self._run(spec, ["-d"], "", launcher(shm))
+            return
+        binary = self._binary(spec, "-d")
+        self._call(spec, f"{BINARY} -d", self.systemd.daemon(spec, self.root, [*launcher(shm), binary, "-d"]),
+                   "", {})
 
     def send(self, spec: DaemonSpec, command: str) -> str:
         return self._run(spec, [], command + "\n")
@@ -121,17 +138,38 @@ class HostMpsControl:
         return None if found is None else found.fstype
 
     def mount_shm(self, options: str) -> None:
+        what = f"cannot mount a tmpfs at {SHM_DIR} for the MPS daemons' shared memory"
+        if self.systemd is not None:
+            self._helper(what, ["--mount", str(self.root(SHM_DIR)), options])
+            return
         try:
             mounts.mount_tmpfs(str(self.root(SHM_DIR)), options)
         except OSError as exc:
-            raise AgentError(f"cannot mount a tmpfs at {SHM_DIR} for the MPS daemons' shared memory: "
-                             f"{exc.strerror or exc}{_NEEDS_ADMIN if exc.errno == errno.EPERM else ''}") from None
+            needs = _NEEDS_ADMIN if exc.errno == errno.EPERM else ""
+            raise AgentError(f"{what}: {exc.strerror or exc}{needs}") from None
 
     def unmount_shm(self) -> None:
+        if self.systemd is not None:
+            self._helper(f"cannot unmount {SHM_DIR}", ["--unmount", str(self.root(SHM_DIR))])
+            return
         try:
             mounts.unmount(str(self.root(SHM_DIR)))
         except OSError as exc:
             raise AgentError(f"cannot unmount {SHM_DIR}: {exc.strerror or exc}") from None
+
+    def _helper(self, what: str, args: list[str]) -> None:
+        """mps.launch --mount/--unmount in a transient unit, waited for; its stderr says why it failed."""
+        assert self.systemd is not None
+        try:
+            done = subprocess.run(self.systemd.helper([*_python(), *args]), capture_output=True,
+                                  timeout=self.timeout, check=False, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise AgentError(f"{what}: systemd-run gave no answer within {self.timeout:g} s") from None
+        except OSError as exc:
+            raise AgentError(f"{what}: cannot run {self.systemd.binary}: {exc.strerror or exc}") from None
+        if done.returncode != 0:
+            said = (done.stderr[-500:] or done.stdout[-500:]).decode(errors="replace").strip()
+            raise AgentError(f"{what} (through systemd-run, exit {done.returncode}){': ' + said if said else ''}")
 
     def uses_shm(self, spec: DaemonSpec) -> bool:
         pid = self.pid(spec)
@@ -163,19 +201,26 @@ class HostMpsControl:
         except OSError:
             pass  # it exited meanwhile
 
-    def _run(self, spec: DaemonSpec, args: list[str], given: str, before: tuple[str, ...] = ()) -> str:
-        what = " ".join([BINARY, *args]) + (f" <<< {given.strip()!r}" if given else "")
+    def _binary(self, spec: DaemonSpec, what: str) -> str:
         binary = find_binary(self.root)
         if binary is None:
             raise AgentError(f"{what} for {spec.resource}: {BINARY} is not installed (looked in "
                              f"{', '.join(BINARY_DIRS)}): it comes with the NVIDIA driver's utilities")
+        return str(self.root(binary))
+
+    def _run(self, spec: DaemonSpec, args: list[str], given: str, before: tuple[str, ...] = ()) -> str:
+        what = " ".join([BINARY, *args]) + (f" <<< {given.strip()!r}" if given else "")
+        binary = self._binary(spec, what)
+        return self._call(spec, what, [*before, binary, *args], given, spec.env(self.root))
+
+    def _call(self, spec: DaemonSpec, what: str, argv: list[str], given: str, env: dict[str, str]) -> str:
         try:
-            done = subprocess.run([*before, str(self.root(binary)), *args], input=given.encode(), capture_output=True,
-                                  env=spec.env(self.root), timeout=self.timeout, check=False)
+            done = subprocess.run(argv, input=given.encode(), capture_output=True, env=env or None,
+                                  timeout=self.timeout, check=False)
         except subprocess.TimeoutExpired:
             raise AgentError(f"{what} for {spec.resource}: no answer within {self.timeout:g} s") from None
         except OSError as exc:
-            raise AgentError(f"{what} for {spec.resource}: cannot run {binary}: {exc.strerror or exc}") from None
+            raise AgentError(f"{what} for {spec.resource}: cannot run {argv[0]}: {exc.strerror or exc}") from None
         answer = done.stdout[:MAX_ANSWER].decode(errors="replace")
         if done.returncode != 0:
             said = (done.stderr[:500].decode(errors="replace") or answer[:500]).strip()
@@ -212,10 +257,69 @@ _NEEDS_ADMIN = " (mount(2) needs CAP_SYS_ADMIN in the host's mount namespace)"
 
 
 def launcher(shm: str) -> tuple[str, ...]:
-    """The argv before the binary's that runs it through mps.launch with `shm` as its /dev/shm: this
-    Python, isolated, with the agent's own package first on its path (the package keeps it outside
-    site-packages)."""
+    """The argv before the binary's that runs it through mps.launch with `shm` as its /dev/shm."""
+    return (*_python(), shm)
+
+
+def _python() -> tuple[str, ...]:
+    """mps.launch's main: this Python, isolated, with the agent's own package first on its path (the
+    package keeps it outside site-packages)."""
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = (f"import sys; sys.path[:0] = [{package!r}]; "
             "from gpu_agent.mps.launch import main; sys.exit(main(sys.argv[1:]))")
-    return sys.executable or "python3", "-I", "-B", "-c", code, shm
+    return sys.executable or "python3", "-I", "-B", "-c", code
+
+
+SYSTEMD_RUN_DIRS = ("/usr/bin", "/bin")
+UNIT_PREFIX = "gpu-agent-mps-"
+
+
+class SystemdRun:
+    """The argv of systemd-run for a control daemon's transient unit and for a mount helper's."""
+
+    def __init__(self, binary: str, timeout: float) -> None:
+        self.binary = binary
+        self.timeout = timeout
+
+    def daemon(self, spec: DaemonSpec, root: Root, command: list[str]) -> list[str]:
+        """`command` (the launcher and `nvidia-cuda-mps-control -d`) as unit_name(resource): Type=forking,
+        as `-d` forks the daemon and exits, its pid file the main pid's; systemd-run returns once the start
+        job is done (the parent exited). Collected once inactive or failed, so that the next start may take
+        the name again; its environment the daemon's (the unit's own is clean)."""
+        return [self.binary, f"--unit={unit_name(spec.resource)}", "--quiet", "--collect", "--service-type=forking",
+                f"--description=MPS control daemon for {spec.resource} (started by gpu-agent)",
+                f"--property=PIDFile={root(pipe_dir(spec.resource))}/{PID_FILE}",
+                f"--property=TimeoutStartSec={max(1, int(self.timeout))}s",
+                *(f"--setenv={key}={value}" for key, value in spec.env(root).items()), "--", *command]
+
+    def helper(self, command: list[str]) -> list[str]:
+        """`command` in a transient unit of systemd's naming, waited for, with its output and exit status."""
+        return [self.binary, "--wait", "--pipe", "--quiet", "--collect", "--service-type=exec",
+                "--description=gpu-agent: the MPS daemons' shared memory", "--", *command]
+
+
+def unit_name(resource: str) -> str:
+    """gpu-agent-mps-nvidia.com-gpu.service: the resource escaped as systemd-escape(1) does (`/` as `-`,
+    what a unit name cannot hold as \\xNN)."""
+    escaped = []
+    for n, char in enumerate(resource):
+        if char == "/":
+            escaped.append("-")
+        elif char.isascii() and (char.isalnum() or char in ":_" or (char == "." and n > 0)):
+            escaped.append(char)
+        else:
+            escaped.append("".join(f"\\x{byte:02x}" for byte in char.encode()))
+    return f"{UNIT_PREFIX}{''.join(escaped)}.service"
+
+
+def under_systemd(root: Root, environ: Mapping[str, str]) -> Optional[SystemdRun]:
+    """systemd-run, when the agent runs as a systemd service (INVOCATION_ID, which systemd sets for each
+    unit's processes, systemd.exec(5)) on a node booted with systemd (/run/systemd/system, sd_booted(3))
+    and manages the running system; else None: the daemons are its children, as without systemd."""
+    if not root.is_running_system or not environ.get("INVOCATION_ID") or not root("/run/systemd/system").is_dir():
+        return None
+    for directory in SYSTEMD_RUN_DIRS:
+        path = root(f"{directory}/systemd-run")
+        if path.is_file() and os.access(path, os.X_OK):
+            return SystemdRun(str(path), CONTROL_TIMEOUT_S)
+    return None

@@ -95,6 +95,77 @@ def test_stop_is_clean_and_the_journal_has_the_start_line(container: Container) 
     assert "stopped" in journal
 
 
+# nvidia-cuda-mps-control stood in for (no GPU here): `-d` leaves a daemon that writes its pid file and a
+# mark in its /dev/shm and runs until its `quit`; a command without a daemon fails as the real one does.
+STAND_IN = """\
+#!/bin/sh
+pidfile="$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+case "$1" in
+-d) "$0" --serve </dev/null >/dev/null 2>&1 &
+    echo $! > "$pidfile"; exit 0 ;;
+--serve) echo shared > /dev/shm/stand-in-mark
+    trap 'exit 0' TERM; while :; do sleep 0.2; done ;;
+esac
+pid=$(cat "$pidfile" 2>/dev/null) && kill -0 "$pid" 2>/dev/null ||
+    { echo "Cannot find MPS control daemon process"; exit 1; }
+read -r command
+case "$command" in quit) kill "$pid" ;; set_default_active_thread_percentage*) echo "${command##* }" ;; esac
+"""
+MPS_CONFIG = ("version: v1\nplugin:\n  sharing:\n    mps:\n      resources:\n      - name: nvidia.com/gpu\n"
+              "        replicas: 4\n")
+SIMULATED = ("env", "GPU_AGENT_SIMULATE=dgx-h100", "GPU_AGENT_MPS_CONTROL=host")
+SHM = "/run/nvidia/mps/shm"
+UNIT = "gpu-agent-mps-nvidia.com-gpu.service"
+
+
+def _daemon_pid(container: Container) -> str:
+    """The stand-in daemon's pid once it runs in its unit (waited for, up to a deadline)."""
+    return container.sh(f"for i in $(seq 150); do p=$(systemctl show -p MainPID --value {UNIT} 2>/dev/null); "
+                        "[ \"${p:-0}\" != 0 ] && echo $p && exit 0; sleep 0.2; done; "
+                        f"systemctl status {UNIT} --no-pager; journalctl -u gpu-agent --no-pager | tail -30; exit 1"
+                        ).stdout.strip()
+
+
+def _mount_device(container: Container, pid: str, point: str) -> list[str]:
+    lines = container.exec("cat", f"/proc/{pid}/mountinfo").stdout.splitlines()
+    return [line.split()[2] for line in lines if line.split()[4] == point]
+
+
+def test_mps_under_the_packaged_unit(container: Container) -> None:
+    """The packaged unit with sharing.mps (simulated GPUs, this node's MPS control, a stand-in binary): the
+    tmpfs is in the host's mount namespace (PID 1's) and is the daemon's /dev/shm, the daemon runs in a
+    unit of its own and outlives `systemctl restart gpu-agent`, and uninstall leaves nothing."""
+    container.sh(f"cat > /usr/bin/nvidia-cuda-mps-control <<'EOF'\n{STAND_IN}EOF\n"
+                 "chmod 755 /usr/bin/nvidia-cuda-mps-control && mkdir -p /var/lib/kubelet/device-plugins && "
+                 f"mkdir -p {Path(DROP_IN).parent} && "
+                 f"printf '{MPS_CONFIG}' > /etc/gpu-agent/config.yaml && "
+                 "printf '[Service]\\nEnvironment=GPU_AGENT_SIMULATE=dgx-h100 GPU_AGENT_MPS_CONTROL=host\\n' > "
+                 f"{DROP_IN}")
+    container.exec("systemctl", "daemon-reload")
+    container.exec("systemctl", "restart", "gpu-agent")
+    pid = _daemon_pid(container)
+    host = _mount_device(container, "1", SHM)  # PID 1's mount namespace: the host's, the runtimes'
+    assert host and f" {SHM} " in container.sh("grep ' - tmpfs ' /proc/1/mountinfo").stdout
+    assert _mount_device(container, pid, "/dev/shm")[-1:] == host[-1:], "the daemon's /dev/shm is not the tmpfs"
+    assert container.exec("cat", f"{SHM}/stand-in-mark").stdout == "shared\n"
+    agent = container.exec("systemctl", "show", "-p", "ControlGroup", "--value", "gpu-agent").stdout.strip()
+    assert not container.exec("cat", f"/proc/{pid}/cgroup").stdout.strip().endswith(agent)
+
+    container.exec("systemctl", "restart", "gpu-agent")
+    assert container.exec("systemctl", "is-active", "gpu-agent").stdout.strip() == "active"
+    assert _daemon_pid(container) == pid
+    container.exec("systemctl", "stop", "gpu-agent")
+    assert container.exec("test", "-d", f"/proc/{pid}", check=False).returncode == 0, "the agent's stop killed it"
+
+    undone = container.exec(*SIMULATED, "gpu-agent", "uninstall")
+    assert container.exec("test", "-d", f"/proc/{pid}", check=False).returncode != 0, undone.stdout
+    assert not _mount_device(container, "1", SHM), undone.stdout
+    assert container.exec("ls", "-A", "/run/nvidia/mps").stdout == "", undone.stdout  # the package's, empty
+    assert container.exec("systemctl", "is-active", UNIT, check=False).stdout.strip() == "inactive"
+    container.exec("rm", "/usr/bin/nvidia-cuda-mps-control", DROP_IN)
+    container.exec("systemctl", "daemon-reload")
+
+
 def test_purge_removes_the_unit_and_the_files(container: Container) -> None:
     purged = container.exec("dpkg", "--purge", "gpu-agent")
     assert "nothing of gpu-agent's is left to undo" in purged.stdout + purged.stderr  # prerm ran `uninstall`
