@@ -170,7 +170,7 @@ def test_purge_removes_the_unit_and_the_files(container: Container) -> None:
     purged = container.exec("dpkg", "--purge", "gpu-agent")
     assert "nothing of gpu-agent's is left to undo" in purged.stdout + purged.stderr  # prerm ran `uninstall`
     for path in ("/usr/lib/systemd/system/gpu-agent.service", "/usr/bin/gpu-agent", "/usr/lib/gpu-agent",
-                 "/etc/gpu-agent", "/var/lib/gpu-agent"):
+                 "/etc/gpu-agent", "/var/lib/gpu-agent", "/run/gpu-agent", "/run/nvidia/mps"):
         assert container.exec("test", "-e", path, check=False).returncode == 1, path
     assert "gpu-agent.service" not in container.exec("systemctl", "list-unit-files", "--no-pager").stdout
 
