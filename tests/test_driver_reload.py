@@ -3,26 +3,38 @@ driver.reload: when-idle reloaded as the GPU Operator's upgrade controller does:
 GPUs to be idle, unload, load, verify, MIG and CDI back, uncordon, the upgrade-state label in order."""
 from __future__ import annotations
 
+import asyncio
 import json
 import lzma
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import yaml
+from grpclib.client import Channel
+from grpclib.server import Server, Stream
 
+from gpu_agent.config import load_config
+from gpu_agent.daemon.app import Runtime
 from gpu_agent.host import driver_version
+from gpu_agent.host.sockets import socket_address
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
+from gpu_agent.plugin.service import DevicePluginManager
 from gpu_agent.sim.kernel import loaded_version
 from gpu_agent.stages.driver_reload import ORDER
 from harness import SimNode, run_cli
 from kube_emulator import KubeEmulator
+from kubelet_api import deviceplugin_pb2 as pb
+from kubelet_api.deviceplugin_grpc import DevicePluginStub, RegistrationBase
 
 NODE = "gpu-node-1"
 NEW = "570.124.06"
 STATE = "nvidia.com/gpu-driver-upgrade-state"
 CONFIG_FILE = "/etc/gpu-agent/mig-acceptance.yaml"
+PLUGIN_DIR = "var/lib/kubelet/device-plugins"
 
 
 def test_installed_versions_as_modprobe_and_modinfo_find_them(tmp_path: Path) -> None:
@@ -279,3 +291,127 @@ def test_killed_at_any_step_the_restarted_agent_finishes_or_says_why(
             node.apply(config)
     a_minute_later(node)
     assert_reloaded(node.apply(config), node, api)
+
+
+A30_MIG = """version: v1
+mig-configs:
+  split:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"2g.12gb": 1, "1g.6gb": 2}
+"""
+
+
+class Kubelet(RegistrationBase):
+    """The kubelet's Registration service: what registered, in order."""
+
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+
+    async def Register(self, stream: Stream[pb.RegisterRequest, pb.Empty]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        self.registered.append(request.resource_name)
+        await stream.send_message(pb.Empty())
+
+
+def test_the_plugin_is_held_off_across_a_restart_and_registers_again_with_the_new_mig_devices(tmp_path: Path) -> None:
+    """A reload that fails after the plugin stopped, then an agent restarted: the new process keeps the
+    plugin off from its first sync (the ledger's record), and once the reload finishes the plugin registers
+    again and ListAndWatch serves the MIG devices made again."""
+    node = SimNode(tmp_path / "root", "a30")
+    (node.root / "etc/gpu-agent").mkdir(parents=True)
+    (node.root / "etc/gpu-agent/mig.yaml").write_text(A30_MIG)
+    (node.root / PLUGIN_DIR).mkdir(parents=True)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "version": "v1", "toolkit": {"enabled": False}, "driver": {"reload": "when-idle"},
+        "mig": {"config": "split", "config_file": "/etc/gpu-agent/mig.yaml", "strategy": "mixed"}}))
+    resource = "nvidia.com/mig-1g.6gb"
+
+    def runtime() -> Runtime:
+        return Runtime.build(Root(node.root), load_config(config, required=True), "a30")
+
+    async def listed(manager: DevicePluginManager, descriptors: list[int]) -> list[str]:
+        address, fd = socket_address(manager.endpoints[resource].path)
+        descriptors.extend([fd] if fd is not None else [])
+        channel = Channel(path=address)
+        try:
+            async with DevicePluginStub(channel).ListAndWatch.open() as stream:
+                await stream.send_message(pb.Empty(), end=True)
+                response = await asyncio.wait_for(stream.recv_message(), timeout=10)
+                await stream.cancel()  # ListAndWatch never ends of itself
+                assert response is not None
+                return sorted(device.ID for device in response.devices)
+        finally:
+            channel.close()
+
+    async def registered(manager: DevicePluginManager) -> None:
+        for _ in range(200):
+            if resource in manager.registered:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"not registered: {manager.errors}")
+
+    async def scenario() -> dict[str, Any]:
+        kubelet = Kubelet()
+        server = Server([kubelet])
+        address, fd = socket_address(node.root / PLUGIN_DIR / "kubelet.sock")
+        descriptors = [fd] if fd is not None else []
+        await server.start(path=address)
+        first = runtime()
+        runtimes, managers = [first], [DevicePluginManager(first.root, first.state, first.plugin_gate)]
+        try:
+            assert all(run.state == "ok" for run in await first.engine.reconcile(force=True))
+            await managers[0].sync()
+            await registered(managers[0])
+            before = await listed(managers[0], descriptors)
+            node.sim("install-driver", NEW)
+            node.sim("fail", "rmmod", "--module", "nvidia")
+            failed = await first.engine.reconcile(force=True)
+            await managers[0].sync()
+            held = dict(first.state.plugin or {})
+            await managers[0].stop_all()  # the first agent is gone; a new one starts
+            second = runtime()
+            runtimes.append(second)
+            managers.append(DevicePluginManager(second.root, second.state, second.plugin_gate))
+            restarted = second.plugin_gate.closed  # before any pass of the new process
+            await managers[1].sync()
+            off = dict(second.state.plugin or {})
+            registrations_while_off = list(kubelet.registered)
+            node.sim("clear")
+            done = await second.engine.reconcile(force=True)
+            await managers[1].sync()
+            await registered(managers[1])
+            after = await listed(managers[1], descriptors)
+            second.plugin_gate.close("a reload within one pass")  # closed and open again between two syncs
+            second.plugin_gate.open()
+            await managers[1].sync()
+            await registered(managers[1])
+            assert second.state.inventory is not None
+            made = sorted(device.uuid for gpu in second.state.inventory.gpus for device in gpu.mig.devices
+                          if device.profile == "1g.6gb")
+            return {"before": before, "failed": next(r for r in failed if r.stage == "driver").message,
+                    "held": held, "restarted": restarted, "off": off, "while_off": registrations_while_off,
+                    "done": {r.stage: r.state for r in done}, "after": after, "made": made,
+                    "registered": list(kubelet.registered)}
+        finally:
+            for manager in managers:
+                await manager.stop_all()
+            for each in runtimes:
+                each.nvml.close()
+            server.close()
+            await server.wait_closed()
+            for descriptor in descriptors:
+                os.close(descriptor)
+
+    result = asyncio.run(scenario())
+    assert len(result["before"]) == 2 and "could not unload nvidia" in result["failed"]
+    assert result["held"]["resources"] == [] and result["held"]["reason"] == f"off: driver reload to {NEW} in progress"
+    assert result["restarted"] == f"driver reload to {NEW} in progress"
+    assert result["off"]["resources"] == [] and result["off"]["reason"] == result["held"]["reason"]
+    assert result["while_off"].count(resource) == 1  # the first registration only
+    assert result["done"]["driver-upgrade"] == "ok" and result["done"]["mig"] == "ok"
+    assert result["registered"].count(resource) == 3  # registered again after each reload
+    assert result["after"] == result["made"] and len(result["after"]) == 2
+    assert not set(result["before"]) & set(result["after"])  # the MIG devices made again, new UUIDs
