@@ -8,8 +8,10 @@ import json
 import lzma
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import yaml
@@ -415,3 +417,61 @@ def test_the_plugin_is_held_off_across_a_restart_and_registers_again_with_the_ne
     assert result["registered"].count(resource) == 3  # registered again after each reload
     assert result["after"] == result["made"] and len(result["after"]) == 2
     assert not set(result["before"]) & set(result["after"])  # the MIG devices made again, new UUIDs
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.subprocess
+@pytest.mark.host_paths  # the command reads /proc/PID/cmdline of the lock's holder
+def test_driver_reload_is_handed_to_the_running_daemon(agent: Any, root: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command, in this process, against a daemon subprocess: a request file, SIGHUP, the result file.
+    What is not a request, or is stale, starts no reload; a daemon that does not take the request in time
+    gets it withdrawn, with a clear error; --dry-run and the real run."""
+    daemon = agent(simulate="t4", settings={"toolkit": {"enabled": False}})
+    daemon.wait_ready()
+    node = SimNode(root, "t4")
+    node.sim("install-driver", NEW)  # driver.reload: never; the command reloads all the same
+    config = tmp_path / "config.yaml"
+    request, result = root / "run/gpu-agent/driver-reload.request", root / "run/gpu-agent/driver-reload.result"
+
+    def driver_reload(*argv: str) -> Any:
+        return run_cli("--simulate", "t4", "driver", "reload", *argv, root=root, config=config)
+
+    request.write_text("not a request\n")
+    daemon.signal(signal.SIGHUP)
+    wait_until(lambda: not request.exists(), "the foreign request dropped")
+    stale = {"force": False, "timeout": None, "id": "0" * 32, "at": time.time() - 3600}
+    request.write_text(json.dumps(stale))
+    daemon.signal(signal.SIGHUP)
+    answer = wait_until(lambda: result.exists() and json.loads(result.read_text()), "the stale request answered")
+    assert answer["id"] == stale["id"] and not answer["ok"] and "stale" in answer["message"]
+    plan = driver_reload("--dry-run")
+    assert plan.returncode == 0 and f"reload required: loaded 550.90.07, installed {NEW}" in plan.stdout
+    assert loaded_version(node.machine.read(), "nvidia") == "550.90.07" and Ledger(Root(root)).driver_reload() is None
+
+    daemon.signal(signal.SIGSTOP)  # a daemon that does not answer
+    try:
+        request.write_text(json.dumps({**stale, "id": "1" * 32, "at": time.time()}))
+        busy = driver_reload()
+        assert busy.returncode == 1 and "another `gpu-agent driver reload` is waiting" in busy.stderr, busy.stderr
+        request.unlink()
+        monkeypatch.setattr("gpu_agent.daemon.reload_request.REQUEST_TTL_S", 0.5)
+        stuck = driver_reload()
+        assert stuck.returncode == 1 and "did not take the request within 0.5 s" in stuck.stderr, stuck.stderr
+        assert not request.exists()  # withdrawn: the daemon, going on, starts no reload nobody waits for
+    finally:
+        daemon.signal(signal.SIGCONT)
+    monkeypatch.undo()
+    done = driver_reload("--json")
+    outcome = json.loads(done.stdout)
+    assert done.returncode == 0 and outcome["via"] == f"daemon (pid {daemon.proc.pid})", done.stdout + done.stderr
+    assert outcome["message"].startswith(f"driver reloaded 550.90.07 -> {NEW}")
+    assert loaded_version(node.machine.read(), "nvidia") == NEW
