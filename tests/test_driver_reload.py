@@ -25,7 +25,8 @@ from gpu_agent.host.sockets import socket_address
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.plugin.service import DevicePluginManager
-from gpu_agent.sim.kernel import loaded_version
+from gpu_agent.errors import AgentError
+from gpu_agent.sim.kernel import SimModprobe, loaded_version
 from gpu_agent.stages.driver_reload import ORDER
 from harness import SimNode, run_cli
 from kube_emulator import KubeEmulator
@@ -56,8 +57,9 @@ def test_installed_versions_as_modprobe_and_modinfo_find_them(tmp_path: Path) ->
     assert driver_version.installed(root).version == "575.51.03" and driver_version.installed(root).module is None
 
 
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[KubeEmulator]:
+@pytest.fixture(name="api")
+def kube_api(tmp_path: Path) -> Iterator[KubeEmulator]:
+    """The Kubernetes API emulator with this node; `api` in the tests (here and test_driver_reload_daemon.py)."""
     emulator = KubeEmulator(tmp_path / "pki", nodes=(NODE,)).start()
     yield emulator
     emulator.close()
@@ -317,6 +319,23 @@ class Kubelet(RegistrationBase):
         await stream.send_message(pb.Empty())
 
 
+async def list_devices(socket: Path) -> list[str]:
+    """The device IDs a plugin's ListAndWatch sends first."""
+    address, fd = socket_address(socket)
+    channel = Channel(path=address)
+    try:
+        async with DevicePluginStub(channel).ListAndWatch.open() as stream:
+            await stream.send_message(pb.Empty(), end=True)
+            response = await asyncio.wait_for(stream.recv_message(), timeout=10)
+            await stream.cancel()  # ListAndWatch never ends of itself
+            assert response is not None
+            return sorted(device.ID for device in response.devices)
+    finally:
+        channel.close()
+        if fd is not None:
+            os.close(fd)
+
+
 def test_the_plugin_is_held_off_across_a_restart_and_registers_again_with_the_new_mig_devices(tmp_path: Path) -> None:
     """A reload that fails after the plugin stopped, then an agent restarted: the new process keeps the
     plugin off from its first sync (the ledger's record), and once the reload finishes the plugin registers
@@ -333,20 +352,6 @@ def test_the_plugin_is_held_off_across_a_restart_and_registers_again_with_the_ne
 
     def runtime() -> Runtime:
         return Runtime.build(Root(node.root), load_config(config, required=True), "a30")
-
-    async def listed(manager: DevicePluginManager, descriptors: list[int]) -> list[str]:
-        address, fd = socket_address(manager.endpoints[resource].path)
-        descriptors.extend([fd] if fd is not None else [])
-        channel = Channel(path=address)
-        try:
-            async with DevicePluginStub(channel).ListAndWatch.open() as stream:
-                await stream.send_message(pb.Empty(), end=True)
-                response = await asyncio.wait_for(stream.recv_message(), timeout=10)
-                await stream.cancel()  # ListAndWatch never ends of itself
-                assert response is not None
-                return sorted(device.ID for device in response.devices)
-        finally:
-            channel.close()
 
     async def registered(manager: DevicePluginManager) -> None:
         for _ in range(200):
@@ -367,7 +372,7 @@ def test_the_plugin_is_held_off_across_a_restart_and_registers_again_with_the_ne
             assert all(run.state == "ok" for run in await first.engine.reconcile(force=True))
             await managers[0].sync()
             await registered(managers[0])
-            before = await listed(managers[0], descriptors)
+            before = await list_devices(managers[0].endpoints[resource].path)
             node.sim("install-driver", NEW)
             node.sim("fail", "rmmod", "--module", "nvidia")
             failed = await first.engine.reconcile(force=True)
@@ -385,7 +390,7 @@ def test_the_plugin_is_held_off_across_a_restart_and_registers_again_with_the_ne
             done = await second.engine.reconcile(force=True)
             await managers[1].sync()
             await registered(managers[1])
-            after = await listed(managers[1], descriptors)
+            after = await list_devices(managers[1].endpoints[resource].path)
             second.plugin_gate.close("a reload within one pass")  # closed and open again between two syncs
             second.plugin_gate.open()
             await managers[1].sync()
@@ -475,3 +480,15 @@ def test_driver_reload_is_handed_to_the_running_daemon(agent: Any, root: Path, t
     assert done.returncode == 0 and outcome["via"] == f"daemon (pid {daemon.proc.pid})", done.stdout + done.stderr
     assert outcome["message"].startswith(f"driver reloaded 550.90.07 -> {NEW}")
     assert loaded_version(node.machine.read(), "nvidia") == NEW
+
+
+def test_a_hung_modprobe_is_killed_after_its_timeout_and_loads_once_cleared(tmp_path: Path) -> None:
+    node = SimNode(tmp_path / "root", "t4")
+    node.sim("fail", "modprobe", "--module", "nvidia", "--error", "hang")
+    modprobe = SimModprobe(node.machine, Root(node.root), timeout=0.1)
+    with pytest.raises(AgentError, match="modprobe nvidia did not finish within 0.1 s and was killed"):
+        modprobe.load("nvidia")
+    assert "nvidia" not in node.loaded_modules()
+    node.sim("clear")
+    modprobe.load("nvidia")
+    assert "nvidia" in node.loaded_modules()
