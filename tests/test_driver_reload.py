@@ -3,26 +3,41 @@ driver.reload: when-idle reloaded as the GPU Operator's upgrade controller does:
 GPUs to be idle, unload, load, verify, MIG and CDI back, uncordon, the upgrade-state label in order."""
 from __future__ import annotations
 
+import asyncio
 import json
 import lzma
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
+import yaml
+from grpclib.client import Channel
+from grpclib.server import Server, Stream
 
+from gpu_agent.config import load_config
+from gpu_agent.daemon.app import Runtime
 from gpu_agent.host import driver_version
+from gpu_agent.host.sockets import socket_address
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.sim.kernel import loaded_version
+from gpu_agent.plugin.service import DevicePluginManager
+from gpu_agent.errors import AgentError
+from gpu_agent.sim.kernel import SimModprobe, loaded_version
 from gpu_agent.stages.driver_reload import ORDER
 from harness import SimNode, run_cli
 from kube_emulator import KubeEmulator
+from kubelet_api import deviceplugin_pb2 as pb
+from kubelet_api.deviceplugin_grpc import DevicePluginStub, RegistrationBase
 
 NODE = "gpu-node-1"
 NEW = "570.124.06"
 STATE = "nvidia.com/gpu-driver-upgrade-state"
 CONFIG_FILE = "/etc/gpu-agent/mig-acceptance.yaml"
+PLUGIN_DIR = "var/lib/kubelet/device-plugins"
 
 
 def test_installed_versions_as_modprobe_and_modinfo_find_them(tmp_path: Path) -> None:
@@ -42,8 +57,9 @@ def test_installed_versions_as_modprobe_and_modinfo_find_them(tmp_path: Path) ->
     assert driver_version.installed(root).version == "575.51.03" and driver_version.installed(root).module is None
 
 
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[KubeEmulator]:
+@pytest.fixture(name="api")
+def kube_api(tmp_path: Path) -> Iterator[KubeEmulator]:
+    """The Kubernetes API emulator with this node; `api` in the tests (here and test_driver_reload_daemon.py)."""
     emulator = KubeEmulator(tmp_path / "pki", nodes=(NODE,)).start()
     yield emulator
     emulator.close()
@@ -139,7 +155,9 @@ def test_never_reports_only_and_a_refused_unload_leaves_it_cordoned_until_the_re
     assert api.get_node(NODE)["metadata"]["labels"][STATE] == "upgrade-failed"
     assert Ledger(Root(node.root)).driver_reload()["failed_step"] == "pod-restart-required"
     a_minute_later(node)
-    again = node.apply(settings(api, node))  # the next attempt finishes what the first left
+    # The next attempt finishes what the first left, also with driver.reload back at never: a node left
+    # cordoned with its modules half swapped is worse than the reload it was asked for.
+    again = node.apply(settings(api, node, "never"))
     assert again.stage("driver-upgrade").state == "ok", again.stage("driver-upgrade").message
     assert not api.get_node(NODE)["spec"].get("unschedulable")
 
@@ -279,3 +297,200 @@ def test_killed_at_any_step_the_restarted_agent_finishes_or_says_why(
             node.apply(config)
     a_minute_later(node)
     assert_reloaded(node.apply(config), node, api)
+
+
+A30_MIG = """version: v1
+mig-configs:
+  split:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"2g.12gb": 1, "1g.6gb": 2}
+"""
+
+
+class Kubelet(RegistrationBase):
+    """The kubelet's Registration service: what registered, in order."""
+
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+
+    async def Register(self, stream: Stream[pb.RegisterRequest, pb.Empty]) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        self.registered.append(request.resource_name)
+        await stream.send_message(pb.Empty())
+
+
+async def list_devices(socket: Path) -> list[str]:
+    """The device IDs a plugin's ListAndWatch sends first."""
+    address, fd = socket_address(socket)
+    channel = Channel(path=address)
+    try:
+        async with DevicePluginStub(channel).ListAndWatch.open() as stream:
+            await stream.send_message(pb.Empty(), end=True)
+            response = await asyncio.wait_for(stream.recv_message(), timeout=10)
+            await stream.cancel()  # ListAndWatch never ends of itself
+            assert response is not None
+            return sorted(device.ID for device in response.devices)
+    finally:
+        channel.close()
+        if fd is not None:
+            os.close(fd)
+
+
+def test_the_plugin_is_held_off_across_a_restart_and_registers_again_with_the_new_mig_devices(tmp_path: Path) -> None:
+    """A reload that fails after the plugin stopped, then an agent restarted: the new process keeps the
+    plugin off from its first sync (the ledger's record), and once the reload finishes the plugin registers
+    again and ListAndWatch serves the MIG devices made again."""
+    node = SimNode(tmp_path / "root", "a30")
+    (node.root / "etc/gpu-agent").mkdir(parents=True)
+    (node.root / "etc/gpu-agent/mig.yaml").write_text(A30_MIG)
+    (node.root / PLUGIN_DIR).mkdir(parents=True)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "version": "v1", "toolkit": {"enabled": False}, "driver": {"reload": "when-idle"},
+        "mig": {"config": "split", "config_file": "/etc/gpu-agent/mig.yaml", "strategy": "mixed"}}))
+    resource = "nvidia.com/mig-1g.6gb"
+
+    def runtime() -> Runtime:
+        return Runtime.build(Root(node.root), load_config(config, required=True), "a30")
+
+    async def registered(manager: DevicePluginManager) -> None:
+        for _ in range(200):
+            if resource in manager.registered:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"not registered: {manager.errors}")
+
+    async def scenario() -> dict[str, Any]:
+        kubelet = Kubelet()
+        server = Server([kubelet])
+        address, fd = socket_address(node.root / PLUGIN_DIR / "kubelet.sock")
+        descriptors = [fd] if fd is not None else []
+        await server.start(path=address)
+        first = runtime()
+        runtimes, managers = [first], [DevicePluginManager(first.root, first.state, first.plugin_gate)]
+        try:
+            assert all(run.state == "ok" for run in await first.engine.reconcile(force=True))
+            await managers[0].sync()
+            await registered(managers[0])
+            before = await list_devices(managers[0].endpoints[resource].path)
+            node.sim("install-driver", NEW)
+            node.sim("fail", "rmmod", "--module", "nvidia")
+            failed = await first.engine.reconcile(force=True)
+            await managers[0].sync()
+            held = dict(first.state.plugin or {})
+            await managers[0].stop_all()  # the first agent is gone; a new one starts
+            second = runtime()
+            runtimes.append(second)
+            managers.append(DevicePluginManager(second.root, second.state, second.plugin_gate))
+            restarted = second.plugin_gate.closed  # before any pass of the new process
+            await managers[1].sync()
+            off = dict(second.state.plugin or {})
+            registrations_while_off = list(kubelet.registered)
+            node.sim("clear")
+            done = await second.engine.reconcile(force=True)
+            await managers[1].sync()
+            await registered(managers[1])
+            after = await list_devices(managers[1].endpoints[resource].path)
+            second.plugin_gate.close("a reload within one pass")  # closed and open again between two syncs
+            second.plugin_gate.open()
+            await managers[1].sync()
+            await registered(managers[1])
+            assert second.state.inventory is not None
+            made = sorted(device.uuid for gpu in second.state.inventory.gpus for device in gpu.mig.devices
+                          if device.profile == "1g.6gb")
+            return {"before": before, "failed": next(r for r in failed if r.stage == "driver").message,
+                    "held": held, "restarted": restarted, "off": off, "while_off": registrations_while_off,
+                    "done": {r.stage: r.state for r in done}, "after": after, "made": made,
+                    "registered": list(kubelet.registered)}
+        finally:
+            for manager in managers:
+                await manager.stop_all()
+            for each in runtimes:
+                each.nvml.close()
+            server.close()
+            await server.wait_closed()
+            for descriptor in descriptors:
+                os.close(descriptor)
+
+    result = asyncio.run(scenario())
+    assert len(result["before"]) == 2 and "could not unload nvidia" in result["failed"]
+    assert result["held"]["resources"] == [] and result["held"]["reason"] == f"off: driver reload to {NEW} in progress"
+    assert result["restarted"] == f"driver reload to {NEW} in progress"
+    assert result["off"]["resources"] == [] and result["off"]["reason"] == result["held"]["reason"]
+    assert result["while_off"].count(resource) == 1  # the first registration only
+    assert result["done"]["driver-upgrade"] == "ok" and result["done"]["mig"] == "ok"
+    assert result["registered"].count(resource) == 3  # registered again after each reload
+    assert result["after"] == result["made"] and len(result["after"]) == 2
+    assert not set(result["before"]) & set(result["after"])  # the MIG devices made again, new UUIDs
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.05)
+    return value
+
+
+@pytest.mark.subprocess
+@pytest.mark.host_paths  # the command reads /proc/PID/cmdline of the lock's holder
+def test_driver_reload_is_handed_to_the_running_daemon(agent: Any, root: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command, in this process, against a daemon subprocess: a request file, SIGHUP, the result file.
+    What is not a request, or is stale, starts no reload; a daemon that does not take the request in time
+    gets it withdrawn, with a clear error; --dry-run and the real run."""
+    daemon = agent(simulate="t4", settings={"toolkit": {"enabled": False}})
+    daemon.wait_ready()
+    node = SimNode(root, "t4")
+    node.sim("install-driver", NEW)  # driver.reload: never; the command reloads all the same
+    config = tmp_path / "config.yaml"
+    request, result = root / "run/gpu-agent/driver-reload.request", root / "run/gpu-agent/driver-reload.result"
+
+    def driver_reload(*argv: str) -> Any:
+        return run_cli("--simulate", "t4", "driver", "reload", *argv, root=root, config=config)
+
+    request.write_text("not a request\n")
+    daemon.signal(signal.SIGHUP)
+    wait_until(lambda: not request.exists(), "the foreign request dropped")
+    stale = {"force": False, "timeout": None, "id": "0" * 32, "at": time.time() - 3600}
+    request.write_text(json.dumps(stale))
+    daemon.signal(signal.SIGHUP)
+    answer = wait_until(lambda: result.exists() and json.loads(result.read_text()), "the stale request answered")
+    assert answer["id"] == stale["id"] and not answer["ok"] and "stale" in answer["message"]
+    plan = driver_reload("--dry-run")
+    assert plan.returncode == 0 and f"reload required: loaded 550.90.07, installed {NEW}" in plan.stdout
+    assert loaded_version(node.machine.read(), "nvidia") == "550.90.07" and Ledger(Root(root)).driver_reload() is None
+
+    daemon.signal(signal.SIGSTOP)  # a daemon that does not answer
+    try:
+        request.write_text(json.dumps({**stale, "id": "1" * 32, "at": time.time()}))
+        busy = driver_reload()
+        assert busy.returncode == 1 and "another `gpu-agent driver reload` is waiting" in busy.stderr, busy.stderr
+        request.unlink()
+        monkeypatch.setattr("gpu_agent.daemon.reload_request.REQUEST_TTL_S", 0.5)
+        stuck = driver_reload()
+        assert stuck.returncode == 1 and "did not take the request within 0.5 s" in stuck.stderr, stuck.stderr
+        assert not request.exists()  # withdrawn: the daemon, going on, starts no reload nobody waits for
+    finally:
+        daemon.signal(signal.SIGCONT)
+    monkeypatch.undo()
+    done = driver_reload("--json")
+    outcome = json.loads(done.stdout)
+    assert done.returncode == 0 and outcome["via"] == f"daemon (pid {daemon.proc.pid})", done.stdout + done.stderr
+    assert outcome["message"].startswith(f"driver reloaded 550.90.07 -> {NEW}")
+    assert loaded_version(node.machine.read(), "nvidia") == NEW
+
+
+def test_a_hung_modprobe_is_killed_after_its_timeout_and_loads_once_cleared(tmp_path: Path) -> None:
+    node = SimNode(tmp_path / "root", "t4")
+    node.sim("fail", "modprobe", "--module", "nvidia", "--error", "hang")
+    modprobe = SimModprobe(node.machine, Root(node.root), timeout=0.1)
+    with pytest.raises(AgentError, match="modprobe nvidia did not finish within 0.1 s and was killed"):
+        modprobe.load("nvidia")
+    assert "nvidia" not in node.loaded_modules()
+    node.sim("clear")
+    modprobe.load("nvidia")
+    assert "nvidia" in node.loaded_modules()

@@ -127,7 +127,15 @@ def _reload_here(args: argparse.Namespace) -> tuple[bool, str, Optional[dict[str
 
 def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
     from gpu_agent.daemon.app import LOCK_PATH
-    from gpu_agent.daemon.reload_request import ReloadRequest, read_result, write_request
+    from gpu_agent.daemon.reload_request import (
+        REQUEST,
+        REQUEST_TTL_S,
+        ReloadRequest,
+        pending_request,
+        read_result,
+        withdraw_request,
+        write_request,
+    )
 
     root = root_of(args)
     pid = _daemon_pid(root(LOCK_PATH))
@@ -135,19 +143,45 @@ def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
         print(f"gpu-agent: {locked}; it is no running daemon (`gpu-agent run`) to hand the reload to: try again "
               "once it has finished", file=sys.stderr)
         return EXIT_ERROR
+    other = pending_request(root)
+    if other is not None and 0 <= other.age() <= REQUEST_TTL_S:
+        return _report(args, False, f"another `gpu-agent driver reload` is waiting for the agent (its request "
+                                    f"{REQUEST} is {other.age():.0f} s old): try again once it has finished",
+                       "daemon", None)
     request = ReloadRequest(args.force, args.timeout)
     write_request(root, request)
     os.kill(pid, signal.SIGHUP)
     wait = args.timeout if args.timeout is not None else config_of(args).config.driver.reload_wait_seconds
-    deadline = time.monotonic() + wait + _MARGIN_S
-    while (result := read_result(root, request.id)) is None:
-        if time.monotonic() > deadline:
-            return _report(args, False, f"the agent (pid {pid}) gave no outcome within {wait + _MARGIN_S:g} s; "
-                                        "the reload may go on: see `gpu-agent status`", "daemon", None)
-        if not os.path.exists(f"/proc/{pid}"):
-            return _report(args, False, f"the agent (pid {pid}) exited before the reload ended; its next start "
-                                        "finds the reload where it stopped", "daemon", None)
-        time.sleep(_POLL_S)
+    taken = False
+    deadline = time.monotonic() + REQUEST_TTL_S
+    try:
+        while (result := read_result(root, request.id)) is None:
+            if not taken:
+                waiting = pending_request(root)
+                if waiting is not None and waiting.id != request.id:
+                    return _report(args, False, "another `gpu-agent driver reload` replaced this request before "
+                                                "the agent took it", "daemon", None)
+                if waiting is None or (time.monotonic() > deadline and not withdraw_request(root, request.id)):
+                    taken, deadline = True, time.monotonic() + wait + _MARGIN_S
+                elif time.monotonic() > deadline:
+                    return _report(args, False, f"the agent (pid {pid}) did not take the request within "
+                                                f"{REQUEST_TTL_S:g} s (its reconcile loop may be stuck: see "
+                                                "`gpu-agent status` and its log); nothing was done, the request is "
+                                                "withdrawn", "daemon", None)
+            elif time.monotonic() > deadline:
+                return _report(args, False, f"the agent (pid {pid}) gave no outcome within {wait + _MARGIN_S:g} s; "
+                                            "the reload may go on: see `gpu-agent status`", "daemon", None)
+            if not os.path.exists(f"/proc/{pid}"):
+                if not taken and withdraw_request(root, request.id):
+                    return _report(args, False, f"the agent (pid {pid}) exited before it took the request; nothing "
+                                                "was done, the request is withdrawn", "daemon", None)
+                return _report(args, False, f"the agent (pid {pid}) exited before the reload ended; its next start "
+                                            "finds the reload where it stopped", "daemon", None)
+            time.sleep(_POLL_S)
+    except KeyboardInterrupt:
+        if withdraw_request(root, request.id):
+            print("gpu-agent driver reload: interrupted; the request is withdrawn", file=sys.stderr)
+        raise
     return _report(args, result.ok, result.message, f"daemon (pid {pid})", None)
 
 

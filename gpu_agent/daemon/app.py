@@ -105,7 +105,7 @@ class Runtime:
             machine.ensure(simulate)
             root = root.with_kernel(machine.kernel_dir)
             nvml = Nvml(_simulated_nvml(machine), config.nvml.call_timeout_seconds, root)
-            loader = SimModprobe(machine, root)
+            loader = SimModprobe(machine, root, config.driver.modprobe_timeout_seconds)
             services = SimServices(machine, config.toolkit.restart_timeout_seconds)
             packages = SimPackages(machine, root)
             gpu_reset: GpuReset = SimGpuReset(machine)

@@ -2,11 +2,16 @@
 SIGHUP; the daemon takes the request at its next pass, runs the reload sequence whatever driver.reload
 says, and writes the outcome to a result file the command waits for. Both files live under /run (gone at
 a reboot, as the lock is); nothing that changes the host is reachable over the HTTP endpoint.
+
+A request not taken within REQUEST_TTL_S is void: the command withdraws it and says the agent did not
+answer, and an agent that finds one older (left by a command killed before it could withdraw it) drops it,
+so a reload nobody waits for any more never starts.
 """
 from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
@@ -20,6 +25,7 @@ log = logging.getLogger(__name__)
 
 REQUEST = "/run/gpu-agent/driver-reload.request"
 RESULT = "/run/gpu-agent/driver-reload.result"
+REQUEST_TTL_S = 120.0  # a reconcile pass (a MIG change with GPU resets) takes less; the agent takes it after one
 
 
 @dataclass
@@ -27,6 +33,10 @@ class ReloadRequest:
     force: bool = False
     timeout: Optional[float] = None  # how long to wait for the GPUs to be idle; None: driver.reload_wait_seconds
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    at: float = field(default_factory=time.time)  # when it was written
+
+    def age(self) -> float:
+        return time.time() - self.at
 
 
 @dataclass
@@ -41,25 +51,60 @@ def write_request(root: Root, request: ReloadRequest) -> None:
 
 
 def take_request(root: Root) -> Optional[ReloadRequest]:
-    """The request waiting, removed; None when there is none or it is not one (said in the log)."""
+    """The request waiting, removed; None when there is none, it is not one or it is stale (said in the log;
+    a stale one's result says so too)."""
     path = root(REQUEST)
     try:
         text = path.read_text()
-        path.unlink()
+        path.unlink()  # whoever removes it has it: the agent, or the command withdrawing it
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
         log.error("driver reload request %s unreadable: %s", REQUEST, exc)
         return None
     try:
-        data = json.loads(text)
-        request = ReloadRequest(force=data["force"], timeout=data["timeout"], id=data["id"])
-        if not (isinstance(request.force, bool) and isinstance(request.id, str)
-                and (request.timeout is None or (isinstance(request.timeout, (int, float)) and request.timeout >= 0))):
-            raise TypeError("a field of the wrong type")
-    except (ValueError, KeyError, TypeError) as exc:
+        request = _parse(text)
+    except ValueError as exc:
         log.error("driver reload request %s ignored: not a request (%s)", REQUEST, exc)
         return None
+    if not 0 <= request.age() <= REQUEST_TTL_S:
+        log.error("driver reload request %s ignored: written %.0f s ago, the command that wrote it gave up "
+                  "after %g s", REQUEST, request.age(), REQUEST_TTL_S)
+        write_result(root, Outcome(False, f"the request was stale ({request.age():.0f} s old): ignored", request.id))
+        return None
+    return request
+
+
+def pending_request(root: Root) -> Optional[ReloadRequest]:
+    """The request waiting for the agent, left where it is; None when there is none or it is not one."""
+    try:
+        return _parse(root(REQUEST).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def withdraw_request(root: Root, request_id: str) -> bool:
+    """Remove this request if the agent has not taken it; True when it was still waiting."""
+    pending = pending_request(root)
+    if pending is None or pending.id != request_id:
+        return False
+    try:
+        root(REQUEST).unlink()
+    except FileNotFoundError:
+        return False  # the agent took it just now
+    return True
+
+
+def _parse(text: str) -> ReloadRequest:
+    try:
+        data = json.loads(text)
+        request = ReloadRequest(force=data["force"], timeout=data["timeout"], id=data["id"], at=data["at"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
+    if not (isinstance(request.force, bool) and isinstance(request.id, str)
+            and isinstance(request.at, (int, float)) and not isinstance(request.at, bool)
+            and (request.timeout is None or (isinstance(request.timeout, (int, float)) and request.timeout >= 0))):
+        raise ValueError("a field of the wrong type")
     return request
 
 

@@ -48,6 +48,7 @@ class DevicePluginManager:
         self._kubelet: Optional[tuple[int, int]] = None  # kubelet.sock (inode, ctime) at our registrations
         self._wake: Optional[asyncio.Event] = None  # made in run(): asyncio objects belong to the loop (3.9)
         self._last: Optional[Advertised] = None
+        self._closures = 0  # the gate's closures this plugin has unregistered for
 
     @property
     def settings(self) -> PluginConfig:
@@ -93,11 +94,16 @@ class DevicePluginManager:
 
     async def sync(self) -> None:
         held = self.gate.closed if self.gate is not None else None
-        if held is not None:
+        # Closed since the last sync, maybe open again already (a reload within one pass): the sockets
+        # still go and come back, so the kubelet sees the new driver's devices registered anew.
+        reloaded = self.gate is not None and self.gate.closures != self._closures
+        if held is not None or reloaded:
+            self._closures = self.gate.closures if self.gate is not None else 0
             if self.endpoints:
-                log.info("device plugin: unregistering: %s", held)
+                log.info("device plugin: unregistering: %s", held or "the driver was reloaded")
             await self.stop_all()
             self.registered.clear()
+        if held is not None:
             self._publish(None, f"off: {held}")
             return
         if not plugin_wanted(self.root, self.settings):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,7 +36,7 @@ CHAR_MAJORS = {"nvidia": (195, "nvidia"), "nvidia_uvm": (510, "nvidia-uvm"),
 BASE_CHAR_DEVICES = ((1, "mem"), (4, "/dev/vc/0"), (4, "tty"), (5, "/dev/tty"), (5, "/dev/console"),
                      (10, "misc"), (13, "input"), (136, "pts"), (226, "drm"))
 OLD_VERSION = "550.54.15"  # what a half-finished upgrade leaves loaded
-MODPROBE_ERRORS = ("not-found", "key-rejected")
+MODPROBE_ERRORS = ("not-found", "key-rejected", "hang")  # hang: until `sim clear` or modprobe's timeout
 KERNEL_STATE_ERRORS = ("nouveau", "version-mismatch", "display")  # change the kernel's state at once
 RMMOD_ERRORS = ("in-use",)
 GPU_FILE_MODULES = ("nvidia", "nvidia_uvm")  # a process using a GPU holds /dev/nvidia* (and nvidia-uvm) open
@@ -103,25 +104,40 @@ def _modprobe_missing(state: dict[str, Any]) -> bool:
 class SimModprobe:
     """modprobe against the simulated kernel: dependencies first, options from /etc/modprobe.d."""
 
-    def __init__(self, machine: Any, root: Root) -> None:
+    def __init__(self, machine: Any, root: Root, timeout: float = 60.0) -> None:
         self.machine = machine
         self.root = root
+        self.timeout = timeout  # driver.modprobe_timeout_seconds: a hung modprobe is killed after it
 
     def load(self, module: str) -> None:
         state = self.machine.read()
         if state.get("capture") and _modprobe_missing(state):
             # What running modprobe on a host that has none does (gpu_agent.host.proc.run).
             raise AgentError("cannot run modprobe: not installed or not on PATH")
+        error = None
         with self.machine.edit() as state:
             fault = next((f for f in state["faults"] if f["call"] == "modprobe"
                           and f.get("module") in (None, module) and (f.get("times") is None or f["times"] > 0)), None)
             if fault is not None and fault.get("times") is not None:
                 fault["times"] -= 1
-                if fault["times"] <= 0:
+                if fault["times"] <= 0 and fault["error"] != "hang":
                     state["faults"].remove(fault)
-            error = self._insert(state, module, fault["error"] if fault else None)
+            if fault is None or fault["error"] != "hang":
+                error = self._insert(state, module, fault["error"] if fault else None)
+        if fault is not None and fault["error"] == "hang":
+            self._hang(fault["id"], module)
+            self.load(module)
+            return
         if error:
             raise ModuleLoadError(module, error)
+
+    def _hang(self, fault_id: int, module: str) -> None:
+        """Until the fault is cleared; past the timeout, what proc.run says of a modprobe it killed."""
+        deadline = time.monotonic() + self.timeout
+        while any(f["id"] == fault_id for f in self.machine.read()["faults"]):
+            if time.monotonic() > deadline:
+                raise AgentError(f"modprobe {module} did not finish within {self.timeout:g} s and was killed")
+            time.sleep(0.05)
 
     def unload(self, module: str) -> None:
         """rmmod: refused while another module holds it, a process has the GPUs open, or a display holds

@@ -79,6 +79,7 @@ class Progress:
     failed_step: Optional[str] = None
     failure: Optional[str] = None
     forced: bool = False
+    plugin_stopped: bool = False  # the device plugin is held off until the reload is validated
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Progress:
@@ -110,12 +111,23 @@ class Reload:
         self.force = False  # `gpu-agent driver reload --force`: unload while GPU processes run
         self.requested = False  # `gpu-agent driver reload`: whatever driver.reload says
         self.wait_seconds = settings.reload_wait_seconds
+        try:
+            self.progress()  # the plugin held off from a new process's first pass, as the record says
+        except AgentError:
+            pass  # the driver stage reports the ledger
 
     # --- the record ------------------------------------------------------------------------------
 
     def progress(self) -> Optional[Progress]:
+        """The record; the plugin gate follows it (closed while it says the plugin is stopped)."""
         entry = self.ledger.driver_reload()
-        return Progress.from_json(entry) if entry is not None else None
+        progress = Progress.from_json(entry) if entry is not None else None
+        if self.gate is not None:
+            if progress is not None and progress.plugin_stopped:
+                self.gate.close(f"driver reload to {progress.target} in progress")
+            else:
+                self.gate.open()
+        return progress
 
     def _enter(self, progress: Progress, step: str, patch_unschedulable: Optional[bool] = None) -> None:
         """Record `step` before taking it; publish it as the node's label (one patch with the cordon)."""
@@ -272,6 +284,8 @@ class Reload:
                                                    "GPU; the agent never unloads it from under one")
         if self.unloader is None:
             raise self.fail(progress, POD_RESTART, "no way to unload modules here")
+        progress.plugin_stopped = True  # recorded first: a restarted agent keeps the plugin off
+        self.ledger.save_driver_reload(asdict(progress))
         if self.gate is not None:
             self.gate.close(f"driver reload to {progress.target} in progress")
         for unit in self.settings.reload_units:
@@ -331,10 +345,11 @@ class Reload:
                    if (outcome := outcomes.get(name)) is not None and outcome.state != "ok"]
         if failing:
             raise self.fail(progress, VALIDATION, "; ".join(failing))
-        if self.gate is not None:
-            self.gate.open()
+        progress.plugin_stopped = False
         if progress.step != UNCORDON:
             self._enter(progress, UNCORDON)
+        if self.gate is not None:
+            self.gate.open()
         if progress.cordoned and self.node is not None:
             try:  # uncordoned before DONE is recorded: an agent killed between them uncordons again
                 self.node.patch_node(False, {STATE_LABEL: DONE})
