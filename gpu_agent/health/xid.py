@@ -28,9 +28,11 @@ log = logging.getLogger(__name__)
 
 # At most, between two looks at the inventory and at recoveries: how late a GPU that comes (a driver
 # reload, a GPU back on the bus) has its events registered, and a reload's shorter recover_after_seconds
-# applies. An event ends the wait at once and a due recovery shortens it, so the bound is only that:
-# 6 wake-ups a minute of an idle agent's watcher (and of the NVML worker that waits for it).
-_WAIT_MS = 10_000
+# applies. An event ends the wait at once and a due recovery shortens it. It also bounds how long a driver
+# reload's NVML pause waits: a real driver holds nvmlShutdown until the wait in flight returns (an H200:
+# 4.5 s behind a 5 s wait), so the wait is short: a wake-up a second of an idle agent's watcher (a queue
+# hand-off and one NVML call, some tens of microseconds of CPU).
+_WAIT_MS = 1_000
 _RETRY_S = 5.0
 
 
