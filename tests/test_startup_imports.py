@@ -57,8 +57,9 @@ def test_status_and_labels_ask_the_daemon_without_pydantic_or_asyncio(agent, roo
     assert "nvidia.com/gpu.product=NVIDIA-A30\n" in from_daemon and "nvidia.com/gpu-agent.ready=true\n" in from_daemon
 
     daemon.stop()
-    # Nor OpenSSL (test_openssl_is_loaded_only_for_tls), nor psutil while no process runs on a GPU.
-    assert not _imported_by(daemon.output()) & {"_ssl", "psutil"}
+    # Nor OpenSSL (test_openssl_is_loaded_only_for_tls), nor psutil while no process runs on a GPU, nor
+    # tomlkit while no runtime's config is read.
+    assert not _imported_by(daemon.output()) & {"_ssl", "psutil", "tomlkit"}
     here = cli("--simulate", "a30", "labels", root=root, config=daemon.config)
     assert here.returncode == 0, here.stderr
     assert here.stdout == from_daemon  # the daemon's labels are the ones a pass in this process computes
