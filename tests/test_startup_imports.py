@@ -2,6 +2,8 @@
 without loading pydantic or asyncio, which cost them most of their start-up."""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import subprocess
 import sys
@@ -36,7 +38,7 @@ def test_help_imports_neither_pydantic_nor_asyncio(root: Path, write_config) -> 
 
 @pytest.mark.subprocess
 def test_status_and_labels_ask_the_daemon_without_pydantic_or_asyncio(agent, root: Path) -> None:
-    daemon = agent("a30")
+    daemon = agent("a30", env={"PYTHONPROFILEIMPORTTIME": "1"})
     daemon.wait_ready()
     status, modules = imported("status", root=root, config=daemon.config)
     assert status.returncode == 0, status.stderr[-2000:]
@@ -55,6 +57,9 @@ def test_status_and_labels_ask_the_daemon_without_pydantic_or_asyncio(agent, roo
     assert "nvidia.com/gpu.product=NVIDIA-A30\n" in from_daemon and "nvidia.com/gpu-agent.ready=true\n" in from_daemon
 
     daemon.stop()
+    # Nor OpenSSL (test_openssl_is_loaded_only_for_tls), nor psutil while no process runs on a GPU, nor
+    # tomlkit while no runtime's config is read.
+    assert not _imported_by(daemon.output()) & {"_ssl", "psutil", "tomlkit"}
     here = cli("--simulate", "a30", "labels", root=root, config=daemon.config)
     assert here.returncode == 0, here.stderr
     assert here.stdout == from_daemon  # the daemon's labels are the ones a pass in this process computes
@@ -165,3 +170,35 @@ def test_the_daemon_validates_its_config_itself_at_start_and_on_reload(agent, ro
     imported = _imported_by(daemon.output())
     assert {"gpu_agent.daemon.app", "pydantic"} <= imported, sorted(imported)[-50:]
     assert not imported & set(DAEMON_NEVER), sorted(imported & set(DAEMON_NEVER))
+
+
+OPENSSL = r"\S*(?:libcrypto|libssl|_hashlib|_ssl)\S*"  # in /proc/PID/maps: what loads with OpenSSL
+
+
+@pytest.mark.subprocess
+def test_openssl_is_loaded_only_for_tls() -> None:
+    """The daemon's modules imported as `gpu-agent run` does (hashlib and asyncio without OpenSSL) load no
+    OpenSSL; the digests are the same and coroutines run; ssl, imported afterwards (the kube client's HTTPS),
+    loads it and makes contexts as ever."""
+    digests = (hashlib.sha256(b"gpu").hexdigest(), hashlib.blake2b(b"gpu", digest_size=12).hexdigest(),
+               hmac.new(b"k", b"m", "sha256").hexdigest())  # with OpenSSL's, in this process
+    code = f"""if True:
+        import re, sys
+        from gpu_agent.host.openssl import import_without_openssl
+        import_without_openssl()
+        import asyncio, hashlib, hmac, secrets
+        import gpu_agent.config.loader, gpu_agent.daemon.app, gpu_agent.daemon.http
+        mapped = re.findall({OPENSSL!r}, open("/proc/self/maps").read())
+        assert not mapped, mapped
+        ours = (hashlib.sha256(b"gpu").hexdigest(), hashlib.blake2b(b"gpu", digest_size=12).hexdigest(),
+                hmac.new(b"k", b"m", "sha256").hexdigest())
+        assert ours == {digests!r}, ours
+        assert secrets.token_hex(4)
+        assert asyncio.run(asyncio.sleep(0, "ran")) == "ran"
+        assert None not in sys.modules.values()
+        import ssl
+        ssl.create_default_context()
+        assert re.findall({OPENSSL!r}, open("/proc/self/maps").read())
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr

@@ -14,6 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import logging  # here: every command's parser imports this module, and `status` needs no logging
 
+    from gpu_agent.host.openssl import import_without_openssl
+
+    import_without_openssl()
     from gpu_agent.config import load_config
 
     path, required = config_location(args)

@@ -201,7 +201,7 @@ class AgentCollector:
 
 class AgentRegistry:
     """What /metrics shows: the agent's collector (its own families, then the DCGM series) and the
-    process' own resources, whose collector (psutil) is made at the first render or by prepare()."""
+    process' own resources, whose collector is made at the first render or by prepare()."""
 
     def __init__(self, collector: AgentCollector) -> None:
         self.collector = collector
@@ -209,7 +209,7 @@ class AgentRegistry:
 
     def prepare(self) -> OwnProcessCollector:
         if self._own is None:
-            from gpu_agent.metrics.own_process import OwnProcessCollector  # psutil: the daemon's, not every CLI's
+            from gpu_agent.metrics.own_process import OwnProcessCollector  # the daemon's, not every CLI's
 
             self._own = OwnProcessCollector()
         return self._own

@@ -1,38 +1,42 @@
-"""The agent's own resources on /metrics, read with psutil from the running kernel's /proc whatever
---root is: resident memory, CPU seconds, open file descriptors and threads, under the names every
-Prometheus client library gives them (process_*), so the usual dashboards and alerts find them."""
+"""The agent's own resources on /metrics, read from the running kernel's /proc whatever --root is: resident
+memory, CPU seconds, open file descriptors and threads, under the names every Prometheus client library
+gives them (process_*), so the usual dashboards and alerts find them. Read as psutil's Linux code reads
+them (statm, stat, fd/ and status), without psutil: its modules hold 0.75 MiB of an idle agent's resident
+set, for four numbers."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterator
 
-import psutil
-
-from gpu_agent.host import processes
 from gpu_agent.metrics.text import Family, counter, gauge
 
 log = logging.getLogger(__name__)
 
-PROC = "/proc"  # this process's own table, never the one under --root
+PROC = "/proc/self"  # this process's own table, never the one under --root
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _read(name: str) -> str:
+    with open(f"{PROC}/{name}") as f:
+        return f.read()
 
 
 class OwnProcessCollector:
-    def __init__(self) -> None:
-        with processes.procfs(PROC):
-            self._process = psutil.Process()
-
     def collect(self) -> Iterator[Family]:
         try:
-            with processes.procfs(PROC), self._process.oneshot():
-                rss = self._process.memory_info().rss
-                times = self._process.cpu_times()
-                fds = self._process.num_fds()
-                threads = self._process.num_threads()
-        except (psutil.Error, OSError) as exc:  # /proc not mounted in the agent's namespace
+            rss = int(_read("statm").split()[1]) * _PAGE_BYTES
+            stat = _read("stat")
+            fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
+            cpu_seconds = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+            fds = len(os.listdir(f"{PROC}/fd"))
+            threads = next(int(line.split()[1]) for line in _read("status").splitlines()
+                           if line.startswith("Threads:"))
+        except (OSError, ValueError, IndexError, StopIteration) as exc:  # /proc not mounted in the namespace
             log.debug("own resource metrics unavailable: %s", exc)
             return
         yield gauge("process_resident_memory_bytes", "Resident memory size in bytes.", value=rss)
-        yield counter("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
-                      value=times.user + times.system)
+        yield counter("process_cpu_seconds", "Total user and system CPU time spent in seconds.", value=cpu_seconds)
         yield gauge("process_open_fds", "Number of open file descriptors.", value=fds)
         yield gauge("process_threads", "Number of OS threads in the process.", value=threads)

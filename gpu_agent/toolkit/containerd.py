@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import tomlkit
-
 from gpu_agent.errors import StageError
 from gpu_agent.host import proc
 from gpu_agent.host.paths import Root
@@ -239,6 +237,8 @@ def _effective_cri(document: Document, imported: dict[str, _File], version: int)
 
 
 def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, set_as_default: bool) -> str:
+    import tomlkit
+
     containerd = cri.setdefault("containerd", {})
     runtimes = containerd.setdefault("runtimes", {})
     default_name = containerd.get("default_runtime_name", "runc")
@@ -274,6 +274,8 @@ drop_in = _drop_in  # the drop-in's text, for the distributions that embed conta
 
 def with_import(text: str, has_imports: bool) -> str:
     """The root config with the conf.d glob added to `imports`; every other byte as it was."""
+    import tomlkit
+
     text = without_bom(text)
     if has_imports:
         document = tomlkit.parse(text)
@@ -341,6 +343,8 @@ def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 3
 
 def _imports_under(text: str, tree: str) -> str:
     """The file with its absolute imports moved under `tree`; every other byte as it was."""
+    import tomlkit
+
     if "imports" not in text:
         return text
     document = tomlkit.parse(without_bom(text))

@@ -6,8 +6,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import tomlkit
-
 from gpu_agent.errors import StageError
 from gpu_agent.host.paths import Root
 from gpu_agent.toolkit import configfile, containerd
@@ -30,6 +28,8 @@ SCHEMA = (
 
 
 def desired(root: Root, binary: str, set_as_default: bool) -> str:
+    import tomlkit
+
     runtime = _effective(root)
     default_name = runtime.get("default_runtime", "crun")
     inherited = copy.deepcopy(containerd.inherited(runtime.get("runtimes", {}), default_name))

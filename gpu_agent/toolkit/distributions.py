@@ -36,8 +36,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import tomlkit
-
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, MICROK8S_DEVICE_PLUGIN_DIR
 from gpu_agent.errors import AgentError, StageError
@@ -184,6 +182,8 @@ def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, s
     """What the drop-in holds, None when the rendered config already is what is asked. Version 3 files are
     merged key by key (containerd 2.x): only what differs. Version 2 files may be read by containerd 1.7,
     whose imports replace the whole CRI table: then it is all there, as containerd.py writes it."""
+    import tomlkit
+
     table = cri.get("containerd", {})
     runtimes = table.get("runtimes", {})
     default = table.get("default_runtime_name", "runc")
@@ -230,6 +230,8 @@ def _with_import(text: Optional[str], name: str, pattern: str) -> str:
 def check_template(text: str, name: str) -> None:
     """A Go template whose actions are all closed, and whose TOML after the base template (when nothing
     but TOML follows it) is valid; else an error naming the file and line."""
+    import tomlkit
+
     position = 0
     actions = []
     while True:
@@ -301,6 +303,8 @@ def _microk8s_file(root: Root, distribution: Distribution, binary: str, enable_c
 
 
 def _keys(values: dict[str, Any], newline: str) -> str:
+    import tomlkit
+
     return "".join(f"  {key} = {tomlkit.item(value).as_string()}{newline}" for key, value in values.items()
                    if not isinstance(value, dict))
 
@@ -308,6 +312,8 @@ def _keys(values: dict[str, Any], newline: str) -> str:
 def _set(text: str, name: str, table: tuple[str, ...], key: str, value: Any) -> str:
     """The text with table.key = value: the value replaced where the key is, else a line added under the
     table's header (or where tomlkit puts it when the table has none); every other byte kept."""
+    import tomlkit
+
     document = tomlkit.parse(text)
     node: Any = document
     for part in table:

@@ -10,9 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-import tomlkit
-from tomlkit.exceptions import ConvertError
-
 from gpu_agent.errors import StageError
 from gpu_agent.toolkit.document import ANY, TABLE
 from gpu_agent.toolkit.tomldoc import load, without_bom
@@ -56,6 +53,8 @@ def desired(current: Optional[str], settings: dict[str, Any], record: Record,
     that `settings` no longer names put back; and the record after. (None, {}) when there is nothing to do."""
     if not settings and not record:
         return None, {}
+    import tomlkit
+
     checked = load(current, name) if current is not None else None  # a clear error for a broken file
     document = tomlkit.parse(without_bom(current or ""))
     after: Record = {}
@@ -76,13 +75,15 @@ def desired(current: Optional[str], settings: dict[str, Any], record: Record,
         if table.get(key) != value:
             try:
                 table[key] = value
-            except (ConvertError, TypeError, ValueError):
+            except (tomlkit.exceptions.ConvertError, TypeError, ValueError):
                 raise StageError(f"toolkit.runtime_config: {dotted}: a value TOML cannot hold "
                                  f"({type(value).__name__}); {name} was not changed") from None
     return tomlkit.dumps(document), after
 
 
 def _table(document: Any, parents: list[str]) -> Any:
+    import tomlkit
+
     table = document
     for parent in parents:
         if parent not in table:

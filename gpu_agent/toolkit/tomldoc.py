@@ -1,31 +1,35 @@
 """TOML as the runtimes read it: parsing with errors that name file, line and column (never the
-content: a runtime config can hold registry credentials), finding a key's line, and merging."""
+content: a runtime config can hold registry credentials), finding a key's line, and merging.
+
+tomlkit (0.7 MiB resident) is imported by the functions that parse or write TOML, here and in the other
+toolkit modules: the device-path stage imports them all, and an agent that reads no runtime's config
+(the toolkit off, or no runtime installed) does without it."""
 from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Iterator, Optional, Sequence
-
-import tomlkit
-from tomlkit import exceptions
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from gpu_agent.errors import StageError
 from gpu_agent.toolkit.document import MAX_DEPTH, Document, too_deep
 
-_REASONS: tuple[tuple[type, str], ...] = (
-    (exceptions.EmptyKeyError, "an empty key"),
-    (exceptions.EmptyTableNameError, "an empty table name"),
-    (exceptions.InvalidCharInStringError, "a character a string may not hold"),
-    (exceptions.InvalidControlChar, "a control character TOML does not allow there"),
-    (exceptions.InvalidUnicodeValueError, "an invalid unicode escape"),
-    (exceptions.InvalidNumberError, "an invalid number"),
-    (exceptions.InvalidDateError, "an invalid date"),
-    (exceptions.InvalidTimeError, "an invalid time"),
-    (exceptions.InvalidDateTimeError, "an invalid date-time"),
-    (exceptions.InvalidNumberOrDateError, "an invalid number or date"),
-    (exceptions.MixedArrayTypesError, "an array that mixes types"),
-    (exceptions.UnexpectedCharError, "an unexpected character"),
-    (exceptions.UnexpectedEofError, "the file ends in the middle of something"),
+if TYPE_CHECKING:
+    from tomlkit import exceptions
+
+_REASONS = (  # tomlkit.exceptions by name: tomlkit is imported when a file is parsed
+    ("EmptyKeyError", "an empty key"),
+    ("EmptyTableNameError", "an empty table name"),
+    ("InvalidCharInStringError", "a character a string may not hold"),
+    ("InvalidControlChar", "a control character TOML does not allow there"),
+    ("InvalidUnicodeValueError", "an invalid unicode escape"),
+    ("InvalidNumberError", "an invalid number"),
+    ("InvalidDateError", "an invalid date"),
+    ("InvalidTimeError", "an invalid time"),
+    ("InvalidDateTimeError", "an invalid date-time"),
+    ("InvalidNumberOrDateError", "an invalid number or date"),
+    ("MixedArrayTypesError", "an array that mixes types"),
+    ("UnexpectedCharError", "an unexpected character"),
+    ("UnexpectedEofError", "the file ends in the middle of something"),
 )
 # tomlkit's plain ParseError messages, some of which quote the input: only these words are shown.
 _MESSAGES = (("already exists", "a key or table defined twice"), ("Redefinition", "a table defined twice"),
@@ -35,11 +39,13 @@ _MESSAGES = (("already exists", "a key or table defined twice"), ("Redefinition"
 
 def parse(text: str, name: str) -> dict[str, Any]:
     """TOML to plain data; a syntax error names the file, line and column, and a reason of our own."""
+    import tomlkit
+
     try:
         data = tomlkit.parse(without_bom(text)).unwrap()
-    except exceptions.ParseError as exc:
+    except tomlkit.exceptions.ParseError as exc:
         raise StageError(f"{name}:{exc.line}:{exc.col}: not valid TOML: {_reason(exc)}; nothing was changed") from None
-    except exceptions.KeyAlreadyPresent:  # raised by tomlkit without a position
+    except tomlkit.exceptions.KeyAlreadyPresent:  # raised by tomlkit without a position
         line = _redefined_line(text)
         raise StageError(f"{name}{f':{line}' if line else ''}: not valid TOML: a key or table defined twice; "
                          "nothing was changed") from None
@@ -66,8 +72,10 @@ def load(text: str, name: str) -> Document:
 
 
 def _reason(exc: exceptions.ParseError) -> str:
+    import tomlkit
+
     for kind, reason in _REASONS:
-        if isinstance(exc, kind):
+        if isinstance(exc, getattr(tomlkit.exceptions, kind)):
             return reason
     message = str(exc)
     return next((reason for words, reason in _MESSAGES if words in message), "a syntax error")
@@ -129,6 +137,8 @@ def _key(text: str) -> Optional[tuple[str, ...]]:
     simple = [_SIMPLE_PART.fullmatch(part) for part in text.split(".")]
     if all(simple):  # the common case, without a parser (no escapes, no dots inside quotes)
         return tuple(next(group for group in match.groups() if group is not None) for match in simple if match)
+    import tomlkit
+
     try:
         data: Any = tomlkit.parse(f"{text} = 0\n").unwrap()
     except Exception:  # not a key, whatever the parser makes of it
