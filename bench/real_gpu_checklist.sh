@@ -140,7 +140,7 @@ rm -rf "$RUNDIR"
 
 step_gpu_rss() {
 step "bench/gpu_rss.py"
-timeout 150 "$PY" bench/gpu_rss.py --idle-seconds 20 --json "$OUT/gpu_rss.json"; echo "rc=$?"
+timeout 150 "$PY" bench/gpu_rss.py --idle-seconds 30 --json "$OUT/gpu_rss.json"; echo "rc=$?"
 }
 
 step_capture() {
