@@ -484,6 +484,22 @@ def test_driver_reload_is_handed_to_the_running_daemon(agent: Any, root: Path, t
     assert loaded_version(node.machine.read(), "nvidia") == NEW
 
 
+@pytest.mark.parametrize("number", ["1" + "0" * 400, "1e400", "NaN", "Infinity"])
+@pytest.mark.parametrize("field", ["at", "timeout"])
+def test_a_request_whose_time_is_no_finite_number_is_no_request(tmp_path: Path, field: str, number: str) -> None:
+    """A time JSON can write but a float cannot hold (its age would raise OverflowError in the agent's loop
+    and in the command) is refused as not a request, by the agent and by the command looking for one."""
+    from gpu_agent.daemon.reload_request import REQUEST, pending_request, take_request
+
+    root = Root(tmp_path)
+    request = root(REQUEST)
+    request.parent.mkdir(parents=True)
+    fields = {"force": "false", "timeout": "null", "id": '"0"', "at": repr(time.time()), field: number}
+    request.write_text("{" + ", ".join(f'"{key}": {value}' for key, value in fields.items()) + "}")
+    assert pending_request(root) is None
+    assert take_request(root) is None and not request.exists()
+
+
 def test_a_hung_modprobe_is_killed_after_its_timeout_and_loads_once_cleared(tmp_path: Path) -> None:
     node = SimNode(tmp_path / "root", "t4")
     node.sim("fail", "modprobe", "--module", "nvidia", "--error", "hang")

@@ -362,3 +362,17 @@ def test_closing_with_an_event_wait_in_flight_leaves_nvml_to_the_process_exit(ma
     with pytest.raises(NvmlUnavailable, match="NVML is closed"):
         nvml.inventory.read()
     thread.join()
+
+
+def test_what_was_allocated_is_let_go_quietly_while_nvml_is_paused(machine: Any) -> None:
+    """nvmlShutdown released a GPM sample and an event set already; freeing one while NVML is let go (a
+    sample's GPU dropped just after a reload's pause began) must not raise out of the sampler as a bug."""
+    state, nvml = machine("dgx-h100")
+    nvml.inventory.read()
+    sample, xids = nvml.gpm.alloc(), nvml.events.watch_xids()
+    nvml.session.pause("the driver is being reloaded")
+    nvml.gpm.free(sample)
+    xids.free()
+    with pytest.raises(NvmlUnavailable, match="the driver is being reloaded"):
+        nvml.gpm.alloc()
+    nvml.session.resume()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -101,11 +102,21 @@ def _parse(text: str) -> ReloadRequest:
         request = ReloadRequest(force=data["force"], timeout=data["timeout"], id=data["id"], at=data["at"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}") from None
-    if not (isinstance(request.force, bool) and isinstance(request.id, str)
-            and isinstance(request.at, (int, float)) and not isinstance(request.at, bool)
-            and (request.timeout is None or (isinstance(request.timeout, (int, float)) and request.timeout >= 0))):
+    if not (isinstance(request.force, bool) and isinstance(request.id, str) and _seconds(request.at)
+            and (request.timeout is None or (_seconds(request.timeout) and request.timeout >= 0))):
         raise ValueError("a field of the wrong type")
     return request
+
+
+def _seconds(value: Any) -> bool:
+    """A number of seconds that arithmetic on floats takes: not inf or NaN, nor an integer too big for a
+    float (its age, or a wait's deadline, would raise OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def write_result(root: Root, outcome: Outcome) -> None:

@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional
 
 from gpu_agent.nvml.model import XidEvent
-from gpu_agent.nvml.session import NvmlHung, NvmlSession
+from gpu_agent.nvml.session import NvmlHung, NvmlSession, NvmlUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -71,5 +71,5 @@ class XidWait:
     def free(self) -> None:
         try:
             self._call("nvmlEventSetFree", self._event_set)
-        except (self._lib.NVMLError, NvmlHung) as exc:
+        except (self._lib.NVMLError, NvmlHung, NvmlUnavailable) as exc:  # let go: shutdown freed it
             log.debug("nvmlEventSetFree: %s", exc)

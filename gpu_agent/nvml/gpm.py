@@ -6,7 +6,7 @@ import logging
 import threading
 from typing import Any, Optional
 
-from gpu_agent.nvml.session import NvmlHung, NvmlSession, describe
+from gpu_agent.nvml.session import NvmlHung, NvmlSession, NvmlUnavailable, describe
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class NvmlGpm:
     def free(self, sample: Any) -> None:
         try:
             self.session.call("nvmlGpmSampleFree", sample)
-        except (self.session.lib.NVMLError, NvmlHung) as exc:
+        except (self.session.lib.NVMLError, NvmlHung, NvmlUnavailable) as exc:  # let go: shutdown freed it
             log.debug("nvmlGpmSampleFree: %s", exc)
 
     def metrics(self, first: Any, second: Any) -> dict[str, float]:
