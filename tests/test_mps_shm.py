@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -261,6 +262,30 @@ def test_what_systemd_run_says_is_the_error(tmp_path: Path) -> None:
     started, mounted = calls.read_text().splitlines()
     assert started.endswith(f"{tmp_path}/run/nvidia/mps/shm {binary} -d") and "gpu_agent.mps.launch" in started
     assert mounted.endswith(f"--mount {tmp_path}/run/nvidia/mps/shm mode=1777")
+
+
+def test_systemd_not_our_timeout_decides_a_slow_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """systemd-run is waited for longer than the unit's TimeoutStartSec, so that a start we gave up on cannot
+    go on in systemd and hold the unit's name."""
+    from gpu_agent.mps import control as control_module
+    from gpu_agent.mps.control import HostMpsControl, SystemdRun
+
+    binary = tmp_path / "usr/bin/nvidia-cuda-mps-control"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    waited: list[tuple[list[str], float]] = []
+
+    def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+        waited.append((argv, kwargs["timeout"]))
+        return subprocess.CompletedProcess(argv, 0, b"", b"")
+
+    monkeypatch.setattr(control_module.subprocess, "run", run)
+    HostMpsControl(Root(tmp_path), 5.0, SystemdRun("/usr/bin/systemd-run", 5.0)).start(
+        DaemonSpec("gpu", ("GPU-a",), (0,), (1024,), 2))
+    (argv, timeout), = waited
+    start_limit = next(arg for arg in argv if arg.startswith("--property=TimeoutStartSec="))
+    assert timeout > float(start_limit.split("=")[-1].rstrip("s"))
 
 
 def test_the_mount_helper_refuses_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

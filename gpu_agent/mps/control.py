@@ -40,6 +40,9 @@ BINARY = "nvidia-cuda-mps-control"
 # its own prefix (the real H200 node this was checked on: /usr/local/nvidia/bin) beside its libraries.
 BINARY_DIRS = ("/usr/bin", "/usr/local/bin", "/usr/local/nvidia/bin")
 CONTROL_TIMEOUT_S = 5.0  # one call of nvidia-cuda-mps-control, start or command
+# systemd-run waits for its unit's start job, which TimeoutStartSec (the control timeout) ends: waited for a
+# little longer, systemd decides a slow start, not our timeout, so no start goes on unseen after ours.
+SYSTEMD_MARGIN_S = 5.0
 MAX_ANSWER = 64 << 10  # what one command's answer may be; a server list of 48 pids is under 400 bytes
 
 
@@ -128,7 +131,7 @@ class HostMpsControl:
             return
         binary = self._binary(spec, "-d")
         self._call(spec, f"{BINARY} -d", self.systemd.daemon(spec, self.root, [*launcher(shm), binary, "-d"]),
-                   "", {})
+                   "", {}, self.timeout + SYSTEMD_MARGIN_S)
 
     def send(self, spec: DaemonSpec, command: str) -> str:
         return self._run(spec, [], command + "\n")
@@ -213,12 +216,14 @@ class HostMpsControl:
         binary = self._binary(spec, what)
         return self._call(spec, what, [*before, binary, *args], given, spec.env(self.root))
 
-    def _call(self, spec: DaemonSpec, what: str, argv: list[str], given: str, env: dict[str, str]) -> str:
+    def _call(self, spec: DaemonSpec, what: str, argv: list[str], given: str, env: dict[str, str],
+              timeout: Optional[float] = None) -> str:
+        timeout = timeout or self.timeout
         try:
             done = subprocess.run(argv, input=given.encode(), capture_output=True, env=env or None,
-                                  timeout=self.timeout, check=False)
+                                  timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
-            raise AgentError(f"{what} for {spec.resource}: no answer within {self.timeout:g} s") from None
+            raise AgentError(f"{what} for {spec.resource}: no answer within {timeout:g} s") from None
         except OSError as exc:
             raise AgentError(f"{what} for {spec.resource}: cannot run {argv[0]}: {exc.strerror or exc}") from None
         answer = done.stdout[:MAX_ANSWER].decode(errors="replace")

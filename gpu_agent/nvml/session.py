@@ -204,7 +204,7 @@ class NvmlSession:
         with self._gate:
             self._paused = reason
             now = time.monotonic()
-            return max((end - now for end in self._waits.values()), default=0.0)
+            return max([0.0, *(end - now for end in self._waits.values())])
 
     def _shutdown(self, wait_s: float = 0.0) -> None:
         """nvmlShutdown when initialised, given `wait_s` more than a call's timeout; with the init lock held."""
