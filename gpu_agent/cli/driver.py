@@ -148,10 +148,10 @@ def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
         return _report(args, False, f"another `gpu-agent driver reload` is waiting for the agent (its request "
                                     f"{REQUEST} is {other.age():.0f} s old): try again once it has finished",
                        "daemon", None)
+    wait = args.timeout if args.timeout is not None else config_of(args).config.driver.reload_wait_seconds
     request = ReloadRequest(args.force, args.timeout)
     write_request(root, request)
     os.kill(pid, signal.SIGHUP)
-    wait = args.timeout if args.timeout is not None else config_of(args).config.driver.reload_wait_seconds
     taken = False
     deadline = time.monotonic() + REQUEST_TTL_S
     try:
