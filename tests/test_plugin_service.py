@@ -151,7 +151,5 @@ def test_a_kubelet_directory_made_after_start_restarts_the_agent_under_systemd(
     assert restarts == ["restart"]
     assert state.plugin is not None
     (resource,) = state.plugin["resources"]
-    assert resource["error"] == (
-        "cannot serve nvidia.com/gpu on /var/lib/kubelet/device-plugins/nvidia-gpu.sock: "
-        "/var/lib/kubelet/device-plugins appeared after gpu-agent started and is read-only in its sandbox "
-        "(ProtectSystem=strict): restarting so that systemd makes it writable")
+    assert resource["error"] == ("cannot serve nvidia.com/gpu on /var/lib/kubelet/device-plugins/nvidia-gpu.sock: "
+                                 "read-only in gpu-agent's sandbox (EROFS) until it restarts, as it does now")

@@ -35,6 +35,7 @@ LATE_WRITABLE = (
     "/run/nvidia/mps",
 )
 RESTARTED = "/run/gpu-agent/restarted-for"  # the directories a restart was asked for, one a line
+RESTARTING = "read-only in gpu-agent's sandbox (EROFS) until it restarts, as it does now"  # the error's reason
 EXIT_RESTART = 75  # EX_TEMPFAIL (sysexits.h): the unit's Restart=on-failure and RestartForceExitStatus=75
 
 
@@ -46,9 +47,10 @@ def late_writable(host_path: str) -> Optional[str]:
 
 
 def in_systemd_unit(root: Root, environ: Mapping[str, str]) -> bool:
-    """Whether this process runs as a systemd service (INVOCATION_ID, systemd.exec(5)) on the node it
-    manages, booted with systemd (/run/systemd/system, sd_booted(3))."""
-    return root.is_running_system and bool(environ.get("INVOCATION_ID")) and root("/run/systemd/system").is_dir()
+    """Whether this process runs as a systemd service (INVOCATION_ID, systemd.exec(5)) writing the files of the
+    node it runs on (the root is /, its GPUs simulated or not), booted with systemd (/run/systemd/system,
+    sd_booted(3))."""
+    return root.path == Path("/") and bool(environ.get("INVOCATION_ID")) and root("/run/systemd/system").is_dir()
 
 
 def _writable(path: Path) -> bool:
@@ -108,17 +110,16 @@ class Sandbox:
                         "writable: a read-only mount, or a gpu-agent.service without "
                         f"ReadWritePaths=-{directory}; not restarting again")
             if self._asked is not None:
-                return f"{appeared}: restarting so that systemd makes it writable"
+                return RESTARTING
             try:
                 self._record(self._tried | {directory})
             except OSError as exc:
                 return (f"{appeared}: restart gpu-agent to make it writable (it cannot record a restart of its own "
                         f"in {RESTARTED}: {exc.strerror or exc}, and so does not restart itself)")
             self._asked = directory
-        message = f"{appeared}: restarting so that systemd makes it writable"
-        log.warning("%s", message)
+        log.warning("%s: restarting so that systemd makes it writable", appeared)  # the one line that says why
         self._restart()
-        return message
+        return RESTARTING
 
     def _host(self, path: Path) -> str:
         try:
