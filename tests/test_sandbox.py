@@ -146,3 +146,18 @@ def test_late_writable_takes_the_innermost_directory_and_var_run() -> None:
     assert sandbox.late_writable("/var/run/cdi/nvidia.yaml") == "/run/cdi"
     assert sandbox.late_writable("/etc/containerd-other/x") is None
     assert sandbox.late_writable("/var/lib/gpu-agent/ledger.json") is None
+
+
+def test_a_marker_that_cannot_be_updated_at_start_is_only_warned_about(
+        tmp_path: Path, read_only: set[Path], caplog: pytest.LogCaptureFixture) -> None:
+    marker = tmp_path / RESTARTED.lstrip("/")
+    marker.parent.mkdir(parents=True)
+    marker.write_text("/etc/containerd\n/etc/docker\n")  # docker's gone now: to be forgotten
+    (tmp_path / "etc/containerd").mkdir(parents=True)
+    read_only.update({marker.parent, tmp_path / "etc/containerd"})
+    with caplog.at_level(logging.WARNING, "gpu_agent.host.sandbox"):
+        jail = _under_systemd(tmp_path, [])
+    assert marker.read_text() == "/etc/containerd\n/etc/docker\n"
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"cannot update {RESTARTED}: ") and warning.endswith("(EROFS)")
+    assert "although gpu-agent restarted" in jail.read_only(tmp_path / "etc/containerd/config.toml")

@@ -79,7 +79,10 @@ class Sandbox:
             return set()
         kept = {d for d in listed if d in LATE_WRITABLE and self.root(d).is_dir() and not _writable(self.root(d))}
         if kept != listed:
-            self._record(kept)
+            try:
+                self._record(kept)
+            except OSError as exc:  # forgotten in this run all the same; the next start tries again
+                log.warning("cannot update %s: %s", RESTARTED, exc.strerror or exc)
         return kept
 
     def _record(self, directories: set[str]) -> None:
