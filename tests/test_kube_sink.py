@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -305,3 +307,22 @@ def test_the_gfd_timestamp_is_kept_until_another_label_changes(api: KubeEmulator
     api.set_labels({"nvidia.com/gpu.count": "7"})
     assert apply(kube_root).ok
     assert api.labels()["nvidia.com/gpu.count"] == "8" and int(api.labels()[TIMESTAMP]) > 1594644571
+
+
+def test_a_read_only_nfd_directory_fails_the_stage_naming_it(api: KubeEmulator, kube_root: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """NFD's directory read-only (EROFS simulated; in the unit's sandbox: made after the agent started)."""
+    from gpu_agent.host import files
+
+    mkstemp = files.tempfile.mkstemp
+    features = kube_root / NFD_FILE.rpartition("/")[0]
+
+    def refused(dir: str, **kwargs: str) -> tuple[int, str]:
+        if Path(dir) == features:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), dir)
+        return mkstemp(dir=dir, **kwargs)
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", refused)
+    message = labels_failed(apply(kube_root, "t4", nfd_feature_file=True))
+    assert message == (f"cannot write the NFD features file /{NFD_FILE}: {features} is on a read-only file system "
+                       "(EROFS)")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 from grpclib.client import Channel
 from grpclib.server import Server, Stream
 
@@ -122,3 +124,32 @@ def test_a_socket_that_cannot_be_served_is_reported_and_the_service_goes_on(tmp_
     assert resource["name"] == "nvidia.com/gpu" and resource["socket"] is None
     assert resource["error"] == ("cannot serve nvidia.com/gpu on /var/lib/kubelet/device-plugins/nvidia-gpu.sock: "
                                  "a directory is where its socket goes; remove it")
+
+
+def test_a_kubelet_directory_made_after_start_restarts_the_agent_under_systemd(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket's bind refused with EROFS (the directory is read-only in the unit's sandbox, simulated): the
+    restart is asked for once, and the resource's error says why."""
+    from gpu_agent.host import sandbox
+    from gpu_agent.plugin import server
+
+    root, state = sim_state(tmp_path)
+    (root / PLUGIN_DIR).mkdir(parents=True)
+
+    async def refused(self: server.PluginEndpoint) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(server.PluginEndpoint, "start", refused)
+    restarts: list[str] = []
+    sandbox.install(sandbox.Sandbox(Root(root), systemd=True, restart=lambda: restarts.append("restart")))
+    try:
+        manager = DevicePluginManager(Root(root), state)
+        asyncio.run(manager.sync())
+        asyncio.run(manager.sync())
+    finally:
+        sandbox.install(None)
+    assert restarts == ["restart"]
+    assert state.plugin is not None
+    (resource,) = state.plugin["resources"]
+    assert resource["error"] == ("cannot serve nvidia.com/gpu on /var/lib/kubelet/device-plugins/nvidia-gpu.sock: "
+                                 "read-only in gpu-agent's sandbox (EROFS) until it restarts, as it does now")

@@ -109,3 +109,15 @@ def test_tmpfiles_creates_the_runtime_directory(tmp_path: Path) -> None:
     mps = tmp_path / MPS_ROOT.lstrip("/")
     assert mps.is_dir() and stat.S_IMODE(mps.stat().st_mode) == 0o755
     assert f"ReadWritePaths=-{MPS_ROOT}" in (SYSTEMD / "gpu-agent.service").read_text().splitlines()
+
+
+def test_the_directories_that_may_appear_late_are_the_units_and_so_is_the_exit_status() -> None:
+    """host/sandbox.py lists the ReadWritePaths=-... entries (writable only when they exist as the unit starts)
+    rather than read the unit at run time; the unit restarts the agent on the status it exits with for them."""
+    from gpu_agent.host.sandbox import EXIT_RESTART, LATE_WRITABLE
+
+    unit = (SYSTEMD / "gpu-agent.service").read_text()
+    optional = [path[1:] for line in unit.splitlines() if line.startswith("ReadWritePaths=")
+                for path in line.partition("=")[2].split() if path.startswith("-")]
+    assert sorted(optional) == sorted(LATE_WRITABLE)
+    assert f"RestartForceExitStatus={EXIT_RESTART}" in unit.splitlines()

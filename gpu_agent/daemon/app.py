@@ -23,6 +23,7 @@ from gpu_agent.host.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
 from gpu_agent.health.reset import ResetHealsGpu
+from gpu_agent.host import sandbox
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader, ModuleUnloader
@@ -60,6 +61,7 @@ LOCK_PATH = "/run/gpu-agent/agent.lock"
 MPS_CONTROL_ENV = "GPU_AGENT_MPS_CONTROL"
 _SIM_POLL_S = 0.25
 _DRIFT_POLL_S = 1.0
+_LATE_POLL_S = 5.0  # where inotify cannot be had
 _STOP_BUDGET_S = 2.0  # SIGTERM to exit, whatever is blocked
 _WORKERS = 8
 
@@ -301,6 +303,7 @@ class Daemon:
         self._sample_now = asyncio.Event()
         self._force = False
         self._stopping = asyncio.Event()
+        self._exit_status = 0
         self._reload_requested = False
         self._last_ready: Optional[bool] = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -321,6 +324,16 @@ class Daemon:
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(signum, self._stopping.set)
         self._loop.add_signal_handler(signal.SIGHUP, self._request_reload)
+        loop = self._loop
+        jail = sandbox.Sandbox(self.runtime.root, sandbox.in_systemd_unit(self.runtime.root, os.environ),
+                               lambda: loop.call_soon_threadsafe(self._restart_for_sandbox))
+        sandbox.install(jail)
+        try:
+            return await self._run(jail)
+        finally:
+            sandbox.install(None)
+
+    async def _run(self, jail: sandbox.Sandbox) -> int:
         await self.http.start(self.config.http)
         self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler"),
                        asyncio.create_task(self.pod_labels.run(), name="pod-labels")]
@@ -330,6 +343,8 @@ class Daemon:
         if self.runtime.machine is not None:
             self._tasks.append(asyncio.create_task(self._watch_simulator(self.runtime.machine), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
+        if jail.systemd:
+            self._tasks.append(asyncio.create_task(self._watch_late_directories(), name="late directories"))
         self._ensure_plugin()
         reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._tasks.append(reconciler)
@@ -354,7 +369,13 @@ class Daemon:
         except asyncio.TimeoutError:
             log.warning("stopping without waiting for NVML to shut down (a call into the driver is hung)")
         log.info("stopped")
-        return 0
+        return self._exit_status
+
+    def _restart_for_sandbox(self) -> None:
+        """A directory appeared after start, read-only in the unit's sandbox (host/sandbox.py): exit, so that
+        systemd starts the agent again with it writable."""
+        self._exit_status = sandbox.EXIT_RESTART
+        self._stopping.set()
 
     def _loop_alive(self) -> bool:
         return any(t.get_name() == "reconcile" and not t.done() for t in self._tasks)
@@ -617,6 +638,29 @@ class Daemon:
                     log.info("%s changed on disk; reconciling", ", ".join(changed))
                     self.trigger()
                 last = now
+        finally:
+            changes.close()
+
+    async def _watch_late_directories(self) -> None:
+        """Under the unit: a directory it would have made writable (host/sandbox.py) appearing wakes the
+        stages and the device plugin now, so that their first write there finds it read-only and the agent
+        restarts within seconds, not at the next pass."""
+        def missing() -> list[str]:
+            return [d for d in sandbox.LATE_WRITABLE if not self.runtime.root(d).is_dir()]
+
+        changes = FileChanges("sandbox watch", _LATE_POLL_S)
+        try:
+            waiting = missing()
+            while waiting:
+                changes.watch_for(self.runtime.root(d) for d in waiting)
+                await changes.wait()
+                now = missing()
+                appeared = [d for d in waiting if d not in now]
+                if appeared:
+                    log.info("%s appeared; reconciling", ", ".join(appeared))
+                    self.trigger(force=True)
+                    self.publish()
+                waiting = now
         finally:
             changes.close()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import os
 import re
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+from gpu_agent.host import sandbox
 from gpu_agent.host.masking import masked
 from gpu_agent.host.paths import Root
 
@@ -77,8 +79,13 @@ def atomic_write(path: Path, data: bytes | str, mode: Optional[int] = None) -> N
         existing: Optional[os.stat_result] = os.stat(path)
     except FileNotFoundError:
         existing = None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise sandbox.read_only_error(path) from None
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -17,6 +17,7 @@ import time
 from typing import Any, Optional
 
 from gpu_agent.config.plugin import PluginConfig, device_plugin_dir, mig_strategy, plugin_wanted
+from gpu_agent.host import sandbox
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.host.paths import Root
 from gpu_agent.plugin.gate import PluginGate
@@ -139,8 +140,12 @@ class DevicePluginManager:
                 await endpoint.feed.update(resource)
             except OSError as exc:
                 where = f"{self.host_directory}/{resource.socket_name}"
-                reason = ("a directory is where its socket goes; remove it" if exc.errno == errno.EISDIR
-                          else exc.strerror or str(exc))
+                if exc.errno == errno.EISDIR:
+                    reason = "a directory is where its socket goes; remove it"
+                elif exc.errno == errno.EROFS:  # made after the agent started, in its sandbox: it restarts
+                    reason = sandbox.current().read_only(self.directory / resource.socket_name)
+                else:
+                    reason = exc.strerror or str(exc)
                 self._fail(name, f"cannot serve {name} on {where}: {reason}")
                 continue
             if kubelet is None:

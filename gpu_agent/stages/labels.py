@@ -180,14 +180,19 @@ class KubeSink(Stage):
 
     # --- plan and apply --------------------------------------------------------------------------
 
+    def _write_nfd(self, text: str) -> None:
+        try:
+            owned.write(self.root, Ledger(self.root), self.name, NFD_FILE, text)
+        except OSError as exc:  # NFD's directory read-only (host/sandbox.py), or the disk full
+            raise StageError(f"cannot write the NFD features file {NFD_FILE}: {exc.strerror or exc}") from None
+
     def plan(self, state: SinkState) -> list[Action]:
         actions = []
         if self.settings.nfd_feature_file:  # first: a failing API request must not keep the local file back
             text = "".join(f"{key}={value}\n" for key, value in sorted(state.labels.items()))
             current = read_text(self.root(NFD_FILE))
             if current != text:
-                actions.append(Action.of(WriteFile.of(NFD_FILE, text, current),
-                                         lambda: owned.write(self.root, Ledger(self.root), self.name, NFD_FILE, text)))
+                actions.append(Action.of(WriteFile.of(NFD_FILE, text, current), lambda: self._write_nfd(text)))
         if state.node is None:
             return actions
         patch = self._labels_patch(state)

@@ -85,6 +85,24 @@ def test_reload_keeps_it_active(container: Container) -> None:
     assert "reloading configuration from /etc/gpu-agent/config.yaml" in journal
 
 
+def test_a_kubelet_directory_made_after_start_restarts_the_agent_once_to_serve_there(container: Container) -> None:
+    """GPU-first provisioning: the agent started with no /var/lib/kubelet, so ReadWritePaths=-... skipped its
+    device-plugins directory; made now, it is read-only to the agent until systemd starts it again."""
+    assert container.exec("test", "-e", "/var/lib/kubelet", check=False).returncode == 1
+    restarts = int(container.exec("systemctl", "show", "-p", "NRestarts", "--value", "gpu-agent").stdout)
+    container.exec("mkdir", "-p", "/var/lib/kubelet/device-plugins")
+    socket = "/var/lib/kubelet/device-plugins/nvidia-gpu.sock"
+    served = container.sh(f"for i in $(seq 250); do [ -S {socket} ] && exit 0; sleep 0.1; done; exit 1", check=False)
+    journal = container.exec("journalctl", "-u", "gpu-agent", "--no-pager", "-o", "cat").stdout
+    assert served.returncode == 0, journal[-3000:]
+    assert int(container.exec("systemctl", "show", "-p", "NRestarts", "--value", "gpu-agent").stdout) == restarts + 1
+    assert journal.count("/var/lib/kubelet/device-plugins appeared after gpu-agent started and is read-only in its "
+                         "sandbox (ProtectSystem=strict): restarting so that systemd makes it writable\n") == 1
+    assert "status=75/TEMPFAIL" in journal
+    # the restart helped: nothing kept that would stop the next one
+    assert container.exec("test", "-e", "/run/gpu-agent/restarted-for", check=False).returncode == 1
+
+
 def test_stop_is_clean_and_the_journal_has_the_start_line(container: Container) -> None:
     container.exec("systemctl", "stop", "gpu-agent")
     assert container.exec("systemctl", "is-active", "gpu-agent", check=False).stdout.strip() == "inactive"
