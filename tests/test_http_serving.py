@@ -15,6 +15,7 @@ import pytest
 from served import Served, read_responses
 
 from gpu_agent.config import load_config
+from gpu_agent.daemon import http as http_module
 from gpu_agent.daemon import responses as responses_module
 from gpu_agent.daemon.http import Endpoints, build_app
 from gpu_agent.daemon.responses import Capped, Response
@@ -73,7 +74,8 @@ def test_before_the_first_reconcile_status_is_rendered_every_time(agent_state: A
     assert served.endpoints.caches["/status"].renders == 3
 
 
-def test_gzip_when_asked_etag_and_304(served: Served) -> None:
+def test_gzip_when_asked_etag_and_304(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_module, "this_second", lambda: 7)  # one body throughout: no second ticks between gets
     plain, body = served.get("/metrics", {"Accept-Encoding": "identity"})
     assert plain.status == 200 and plain.getheader("Content-Encoding") is None
     assert b"DCGM_FI_DEV_GPU_TEMP" in body and plain.getheader("Content-Length") == str(len(body))

@@ -47,11 +47,16 @@ class Endpoints:
         self.connection_errors: Counter[str] = Counter() if connection_errors is None else connection_errors
 
 
+def this_second() -> int:
+    """The second of the monotonic clock: what /metrics's cached body is valid for."""
+    return int(time.monotonic())
+
+
 def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[], bool]) -> Endpoints:
     status_cache = RenderCache(lambda: (json.dumps(_status(state), indent=2) + "\n").encode(), lambda: state.version)
     # A second at most: the body carries gpu_agent_sample_age_seconds.
     metrics_cache = RenderCache(lambda: render(registry),
-                                lambda: None if state.version is None else (state.version, int(time.monotonic())))
+                                lambda: None if state.version is None else (state.version, this_second()))
 
     def index(request: Request) -> Response:
         return Response.text("gpu-agent: /healthz /livez /readyz /readyz?verbose /status /metrics\n")
