@@ -488,6 +488,21 @@ def test_a_runtime_whose_config_directory_is_a_link_is_found(tmp_path: Path) -> 
     assert (root / "opt/containerd/conf.d/99-nvidia.toml").is_file()
 
 
+def test_a_temp_file_a_crash_left_in_a_linked_directory_is_found_there_not_on_this_machine(tmp_path: Path) -> None:
+    """The stray temp files are looked for where /etc/docker leads under the root. Given root/etc/docker, a
+    link to /usr/lib, the OS followed it to this machine's /usr/lib (which every machine has; Python 3.13's
+    glob lists such a directory whether it exists or not): a temp file of that name there would have been
+    removed from this machine, and the guard sees the listing."""
+    root = tmp_path / "root"
+    root.mkdir()
+    make_node(root)
+    place(root, {"usr/lib/daemon.json": "{}\n", "etc/docker": link("/usr/lib"),
+                 "usr/lib/.daemon.json.k2j4x9qz.tmp": "half written"})
+    outcome = run_stage(root, tmp_path, ("docker",), {})
+    assert outcome.state == OK, outcome.message
+    assert not (root / "usr/lib/.daemon.json.k2j4x9qz.tmp").exists()
+
+
 def test_debians_docker_is_found_by_its_dockerd_in_sbin(tmp_path: Path) -> None:
     """docker.io installs /usr/sbin/dockerd and no daemon.json (the e2e matrix found it left out)."""
     root = tmp_path / "root"

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, resolve
 from gpu_agent.host.procfs import read
 
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
@@ -49,7 +49,8 @@ def installed(root: Root) -> Installed:
 def library_version(root: Root) -> Optional[str]:
     """The version in libnvidia-ml.so.<version>'s name, from the usual library directories."""
     for directory in LIBRARY_DIRS:
-        for library in sorted(root(directory).glob("libnvidia-ml.so.*.*")):
+        real = resolve(root, directory)  # its links followed under the root, never on the host
+        for library in sorted(root(real).glob("libnvidia-ml.so.*.*")) if real else ():
             return library.name[len("libnvidia-ml.so."):]
     return None
 

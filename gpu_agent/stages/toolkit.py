@@ -17,7 +17,7 @@ from gpu_agent.host import ledger as ledger_file
 from gpu_agent.host import owned, proc
 from gpu_agent.host.files import BACKUP_DIR, read_text, remove, stray_temps
 from gpu_agent.host.ledger import Ledger
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, resolve
 from gpu_agent.plan import InstallPackage, RemoveFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.errors import AgentError
@@ -146,8 +146,10 @@ class Toolkit(Stage):
         by_directory: dict[str, list[str]] = {BACKUP_DIR: [], owned.ORIGINALS: []}
         for path in dict.fromkeys(managed + targets):
             by_directory.setdefault(posixpath.dirname(path), []).append(posixpath.basename(path))
-        return [posixpath.join(directory, found.name) for directory, names in by_directory.items()
-                for found in stray_temps(self.root(directory), names or None)]
+        found_in = {directory: resolve(self.root, directory) for directory in by_directory}  # never the host's
+        return [posixpath.join(real, found.name) for directory, names in by_directory.items()
+                if (real := found_in[directory]) is not None
+                for found in stray_temps(self.root(real), names or None)]
 
     def _runtimes(self) -> list[str]:
         return found_runtimes(self.root, self.settings)

@@ -69,7 +69,8 @@ def discover(root: Root, driver_version: str) -> DriverFiles:
             libraries.append(real)
     found = {posixpath.basename(path) for path in libraries}
     firmware_dir = f"{FIRMWARE_DIR}/{driver_version}"
-    firmware = sorted(p.name for p in root(firmware_dir).glob("*.bin") if p.is_file())
+    real_firmware_dir = resolve(root, firmware_dir)  # its links followed under the root, never on the host
+    firmware = sorted(p.name for p in root(real_firmware_dir).glob("*.bin") if p.is_file()) if real_firmware_dir else []
     return DriverFiles(
         version=driver_version,
         libraries=tuple(sorted(libraries)),
