@@ -105,9 +105,7 @@ class Ledger:
             self._write(document)
 
     def disown(self, path: str) -> None:
-        document = self._read()
-        if document["owned"].pop(path, None) is not None:
-            self._write(document)
+        self._forget("owned", path)
 
     def links(self) -> dict[str, OwnedLink]:
         """The symbolic links the agent created, by host path."""
@@ -115,16 +113,10 @@ class Ledger:
 
     def own_link(self, entry: OwnedLink) -> None:
         """Record (durably, before the link is made) that the agent creates `entry.path`."""
-        document = self._read()
-        fields = {"owner": entry.owner, "target": entry.target}
-        if document["links"].get(entry.path) != fields:
-            document["links"][entry.path] = fields
-            self._write(document)
+        self._record("links", entry.path, {"owner": entry.owner, "target": entry.target})
 
     def disown_link(self, path: str) -> None:
-        document = self._read()
-        if document["links"].pop(path, None) is not None:
-            self._write(document)
+        self._forget("links", path)
 
     def pending_restarts(self) -> set[str]:
         """The units the agent owes a restart."""
@@ -139,9 +131,7 @@ class Ledger:
 
     def clear_pending_restart(self, unit: str) -> None:
         """Once the unit was restarted and answered."""
-        document = self._read()
-        if document["pending_restarts"].pop(unit, None) is not None:
-            self._write(document)
+        self._forget("pending_restarts", unit)
 
     def mps_directories(self) -> dict[str, str]:
         """The MPS directories the agent made (under /run/nvidia/mps), by host path: the resource they serve."""
@@ -151,15 +141,10 @@ class Ledger:
         """Record (durably, before it is made) that the agent makes directory `path` for `resource`."""
         if not _mps_directory(path):
             raise LedgerError(f"{path}: not under {MPS_DIRECTORY_ROOT}, never an MPS directory of gpu-agent's")
-        document = self._read()
-        if document["mps_directories"].get(path) != resource:
-            document["mps_directories"][path] = resource
-            self._write(document)
+        self._record("mps_directories", path, resource)
 
     def disown_mps_directory(self, path: str) -> None:
-        document = self._read()
-        if document["mps_directories"].pop(path, None) is not None:
-            self._write(document)
+        self._forget("mps_directories", path)
 
     def mounts(self) -> dict[str, OwnedMount]:
         """The file systems the agent mounted, by mount point."""
@@ -178,9 +163,7 @@ class Ledger:
             self._write(document)
 
     def disown_mount(self, path: str) -> None:
-        document = self._read()
-        if document["mounts"].pop(path, None) is not None:
-            self._write(document)
+        self._forget("mounts", path)
 
     def compute_modes(self) -> dict[str, tuple[str, str]]:
         """By GPU UUID: (the compute mode to put back, the MPS resource it was changed for)."""
@@ -188,16 +171,10 @@ class Ledger:
 
     def save_compute_mode(self, gpu_uuid: str, mode: str, resource: str) -> None:
         """Durably, before the GPU's compute mode is changed."""
-        document = self._read()
-        entry = {"mode": mode, "resource": resource}
-        if document["compute_modes"].get(gpu_uuid) != entry:
-            document["compute_modes"][gpu_uuid] = entry
-            self._write(document)
+        self._record("compute_modes", gpu_uuid, {"mode": mode, "resource": resource})
 
     def clear_compute_mode(self, gpu_uuid: str) -> None:
-        document = self._read()
-        if document["compute_modes"].pop(gpu_uuid, None) is not None:
-            self._write(document)
+        self._forget("compute_modes", gpu_uuid)
 
     def mig_checkpoint(self, gpu_uuid: str) -> Optional[dict[str, Any]]:
         """The MIG state recorded for a GPU before its change, or None."""
@@ -206,16 +183,11 @@ class Ledger:
 
     def save_mig_checkpoint(self, gpu_uuid: str, entry: dict[str, Any]) -> None:
         """Durably, before the GPU's first MIG change."""
-        document = self._read()
-        if document["mig_checkpoints"].get(gpu_uuid) != entry:
-            document["mig_checkpoints"][gpu_uuid] = entry
-            self._write(document)
+        self._record("mig_checkpoints", gpu_uuid, entry)
 
     def clear_mig_checkpoint(self, gpu_uuid: str) -> None:
         """Once the GPU's change was made or undone."""
-        document = self._read()
-        if document["mig_checkpoints"].pop(gpu_uuid, None) is not None:
-            self._write(document)
+        self._forget("mig_checkpoints", gpu_uuid)
 
     def driver_reload(self) -> Optional[dict[str, Any]]:
         entry = self._read().get("driver_reload")
@@ -229,6 +201,19 @@ class Ledger:
                 document.pop("driver_reload", None)
             else:
                 document["driver_reload"] = entry
+            self._write(document)
+
+    def _record(self, section: str, key: str, value: Any) -> None:
+        """`value` under `key` in `section`, written only when it changes it."""
+        document = self._read()
+        if document[section].get(key) != value:
+            document[section][key] = value
+            self._write(document)
+
+    def _forget(self, section: str, key: str) -> None:
+        """`key` out of `section`, written only when it was there."""
+        document = self._read()
+        if document[section].pop(key, None) is not None:
             self._write(document)
 
     # --- the file --------------------------------------------------------------------------------
