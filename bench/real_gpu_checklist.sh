@@ -26,6 +26,18 @@ step() { echo; echo "=== $* ($(date -u +%T))"; }
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 ga() { timeout 120 "$PY" -m gpu_agent "$@"; }
 
+# A config in a new $RUNDIR under /run (http.socket must be there) for the agent on a free loopback $PORT, with
+# every stage that could change the host off (as bench/gpu_rss.py's), and what stdin adds.
+agent_config() {
+RUNDIR=$(mktemp -d "/run/$1.XXXXXX")
+PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+{
+    printf 'version: v1\nhttp:\n  listen: 127.0.0.1:%s\n  socket: %s/agent.sock\n' "$PORT" "$RUNDIR"
+    printf 'driver:\n  enabled: false\ntoolkit:\n  enabled: false\nkubernetes:\n  enabled: false\n'
+    cat
+} > "$RUNDIR/config.yaml"
+}
+
 step_node() {
 step "node"
 uname -r
@@ -77,19 +89,7 @@ cat "$OUT/driver.json"
 
 step_run() {
 step "run with /metrics"
-RUNDIR=$(mktemp -d /run/gpu-agent-checklist.XXXXXX)
-PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-cat > "$RUNDIR/config.yaml" <<EOF
-version: v1
-http:
-  listen: 127.0.0.1:$PORT
-  socket: $RUNDIR/agent.sock
-driver:
-  enabled: false
-toolkit:
-  enabled: false
-kubernetes:
-  enabled: false
+agent_config gpu-agent-checklist <<EOF
 metrics:
   sample_interval_seconds: 5
 EOF
@@ -232,19 +232,7 @@ EOF
 
 step_mps_agent() {
 step "MPS through the agent: sharing.mps replicas 4 on GPU 0, one client, then uninstall"
-RUNDIR=$(mktemp -d /run/gpu-agent-mps.XXXXXX)
-PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-cat > "$RUNDIR/config.yaml" <<EOF
-version: v1
-http:
-  listen: 127.0.0.1:$PORT
-  socket: $RUNDIR/agent.sock
-driver:
-  enabled: false
-toolkit:
-  enabled: false
-kubernetes:
-  enabled: false
+agent_config gpu-agent-mps <<EOF
 plugin:
   enabled: true
   sharing:
