@@ -188,9 +188,7 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
     if args.call == "rmmod":
         from gpu_agent.sim.kernel import RMMOD_ERRORS
 
-        error = args.error or "in-use"
-        if error not in RMMOD_ERRORS:
-            raise AgentError(f"--error {error}: unknown for rmmod; one of {', '.join(RMMOD_ERRORS)}")
+        error = _error(args, "rmmod", RMMOD_ERRORS)
         _add_fault(machine, args, {"call": "rmmod", "module": args.module, "error": error})
         print(f"rmmod {args.module or '(any module)'} will fail: in use")
         return
@@ -204,9 +202,7 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
     if args.call == "restart":
         from gpu_agent.sim.services import RESTART_ERRORS
 
-        error = args.error or "failed"
-        if error not in RESTART_ERRORS:
-            raise AgentError(f"--error {error}: unknown for restart; one of {', '.join(RESTART_ERRORS)}")
+        error = _error(args, "restart", RESTART_ERRORS)
         _add_fault(machine, args, {"call": "restart", "unit": args.unit, "error": error})
         print(f"restarting {args.unit or '(any unit)'} will leave it {error}")
         return
@@ -227,14 +223,20 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
     print(f"{args.call} will fail with {error}")
 
 
+def _error(args: argparse.Namespace, call: str, known: tuple[str, ...]) -> str:
+    """--error, else the first (the usual) of `call`'s errors; an AgentError for one it does not know."""
+    error = args.error or known[0]
+    if error not in known:
+        raise AgentError(f"--error {error}: unknown for {call}; one of {', '.join(known)}")
+    return error
+
+
 def _fail_mps(machine: Any, args: argparse.Namespace) -> None:
     """die: the MPS control daemons (of --resource, or all) exit now, as after kill -9; hang: they stop
     answering on their control pipe until `sim clear`."""
     from gpu_agent.sim.mps import FAULTS, kill
 
-    error = args.error or "die"
-    if error not in FAULTS:
-        raise AgentError(f"--error {error}: unknown for mps; one of {', '.join(FAULTS)}")
+    error = _error(args, "mps", FAULTS)
     if error == "hang":
         _add_fault(machine, args, {"call": "mps", "error": "hang"})
         print("the MPS control daemons will not answer on their control pipes")
@@ -246,16 +248,13 @@ def _fail_mps(machine: Any, args: argparse.Namespace) -> None:
 def _fail_modprobe(machine: Any, args: argparse.Namespace) -> None:
     from gpu_agent.sim.kernel import KERNEL_STATE_ERRORS, MODPROBE_ERRORS
 
-    error = args.error or "not-found"
+    error = _error(args, "modprobe", MODPROBE_ERRORS + KERNEL_STATE_ERRORS)
     if error in KERNEL_STATE_ERRORS:
         machine.break_kernel(error)
         print({"nouveau": "nouveau is loaded",
                "version-mismatch": "the nvidia modules, loaded and on disk, are now older than NVML",
                "display": "a display holds nvidia_drm"}[error])
         return
-    if error not in MODPROBE_ERRORS:
-        raise AgentError(f"--error {error}: unknown for modprobe; one of "
-                         f"{', '.join(MODPROBE_ERRORS + KERNEL_STATE_ERRORS)}")
     _add_fault(machine, args, {"call": "modprobe", "module": args.module, "error": error})
     print(f"modprobe {args.module or '(any module)'} will fail with {error}")
 
