@@ -6,7 +6,7 @@ import os
 import posixpath
 import stat
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 # The kernel's own file systems, and the kernel's configuration. With a kernel directory they come from
 # there instead (another kernel's trees, given by the composition root), never from the running kernel.
@@ -65,6 +65,19 @@ def resolve(root: Root, path: str) -> Optional[str]:
     except OSError:
         return None
     return done if not rest else None
+
+
+def first_executable(root: Root, directories: Iterable[str], name: str) -> Optional[str]:
+    """DIRECTORY/name of the first of `directories` holding an executable regular file `name`, its links
+    followed under the root; None when none does."""
+    for directory in directories:
+        path = f"{directory}/{name}"
+        real = resolve(root, path)
+        if real is not None:
+            status = os.stat(root(real))
+            if stat.S_ISREG(status.st_mode) and status.st_mode & 0o111:
+                return path
+    return None
 
 
 def followed(root: Root, path: str) -> str:

@@ -32,7 +32,8 @@ from typing import Mapping, Optional, Protocol
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import mounts
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, first_executable
+from gpu_agent.host.sandbox import in_systemd_unit
 from gpu_agent.mps.layout import CLIENT_SHM, LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, log_dir, pipe_dir
 
 BINARY = "nvidia-cuda-mps-control"
@@ -251,11 +252,7 @@ def shown_limit(value: str) -> str:
 
 def find_binary(root: Root) -> Optional[str]:
     """The host path of nvidia-cuda-mps-control: the first executable file in BINARY_DIRS."""
-    for directory in BINARY_DIRS:
-        path = root(f"{directory}/{BINARY}")
-        if path.is_file() and os.access(path, os.X_OK):
-            return f"{directory}/{BINARY}"
-    return None
+    return first_executable(root, BINARY_DIRS, BINARY)
 
 
 _NEEDS_ADMIN = " (mount(2) needs CAP_SYS_ADMIN in the host's mount namespace)"
@@ -321,10 +318,7 @@ def under_systemd(root: Root, environ: Mapping[str, str]) -> Optional[SystemdRun
     """systemd-run, when the agent runs as a systemd service (INVOCATION_ID, which systemd sets for each
     unit's processes, systemd.exec(5)) on a node booted with systemd (/run/systemd/system, sd_booted(3))
     and manages the running system; else None: the daemons are its children, as without systemd."""
-    if not root.is_running_system or not environ.get("INVOCATION_ID") or not root("/run/systemd/system").is_dir():
+    if not root.is_running_system or not in_systemd_unit(root, environ):
         return None
-    for directory in SYSTEMD_RUN_DIRS:
-        path = root(f"{directory}/systemd-run")
-        if path.is_file() and os.access(path, os.X_OK):
-            return SystemdRun(str(path), CONTROL_TIMEOUT_S)
-    return None
+    found = first_executable(root, SYSTEMD_RUN_DIRS, "systemd-run")
+    return SystemdRun(str(root(found)), CONTROL_TIMEOUT_S) if found else None

@@ -20,7 +20,7 @@ import yaml
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
 from gpu_agent.host.files import read_text
-from gpu_agent.host.paths import Root, resolve
+from gpu_agent.host.paths import Root, first_executable, resolve
 from gpu_agent.nvml.model import Gpu, Inventory
 
 KIND = "nvidia.com/gpu"
@@ -74,7 +74,7 @@ def discover(root: Root, driver_version: str) -> DriverFiles:
     return DriverFiles(
         version=driver_version,
         libraries=tuple(sorted(libraries)),
-        binaries=tuple(path for path in (_binary(root, name) for name in BINARIES) if path),
+        binaries=tuple(path for path in (first_executable(root, BINARY_DIRS, name) for name in BINARIES) if path),
         firmware=tuple(f"{firmware_dir}/{name}" for name in firmware),
         ipc=tuple(path for path in IPC if root(path).exists()),
         missing=tuple(f"{name}.so.{driver_version}" for name in REQUIRED if f"{name}.so.{driver_version}" not in found),
@@ -213,17 +213,6 @@ def _sorted_nodes(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _depth_order(path: str) -> tuple[int, str]:
     """nvidia-ctk's order: shallower paths first, then by name."""
     return posixpath.normpath(path).count("/"), path
-
-
-def _binary(root: Root, name: str) -> Optional[str]:
-    for directory in BINARY_DIRS:
-        path = f"{directory}/{name}"
-        real = resolve(root, path)
-        if real is not None:
-            st = os.stat(root(real))
-            if stat.S_ISREG(st.st_mode) and st.st_mode & 0o111:
-                return path
-    return None
 
 
 class _Dumper(yaml.SafeDumper):
