@@ -43,9 +43,11 @@ _ALWAYS_AS_GIVEN = {
 }
 # Opened paths are compared resolved, so the allowed ones are too.
 _ALWAYS = tuple(sorted({str(p) for p in _ALWAYS_AS_GIVEN} | {os.path.realpath(p) for p in _ALWAYS_AS_GIVEN}))
-# Test data is in tests/data. A checkout beside the clone is refused even where the clone's folder is also
-# the temporary one (a clone in /tmp): ../shared is not in a fresh clone.
+# Test data is in tests/data; upstream's own data files are read from ../shared/upstream and
+# ../shared/schemas (tests/upstream_data.py), and only read. The rest of a checkout beside the clone is
+# refused even where the clone's folder is also the temporary one (a clone in /tmp).
 _NEVER = (os.path.realpath(_PROJECT.parent / "shared"),)
+_READ_ONLY = tuple(os.path.realpath(_PROJECT.parent / "shared" / name) for name in ("upstream", "schemas"))
 
 
 def _inside(path: str, folders: tuple[str, ...]) -> bool:
@@ -81,6 +83,13 @@ def _resolved(path: str) -> str:
 _FOLDERS: dict[tuple[str, int, int], str] = {}
 
 
+def _only_reads(event: str, args: tuple) -> bool:
+    if event in ("os.listdir", "os.scandir"):
+        return True
+    return event == "open" and isinstance(args[2], int) and args[2] & os.O_ACCMODE == os.O_RDONLY \
+        and not args[2] & (os.O_CREAT | os.O_TRUNC) and (not isinstance(args[1], str) or args[1] in ("r", "rb", "rt"))
+
+
 class _Guard:
     active = False
     subprocess = False
@@ -103,6 +112,8 @@ class _Guard:
         if not isinstance(path, (str, os.PathLike)) or not os.path.isabs(os.fspath(path)):
             return  # a file descriptor, or relative to one the test already opened
         real = _resolved(os.fspath(path))
+        if _inside(real, _READ_ONLY) and _only_reads(event, args):
+            return
         if _inside(real, _NEVER) or not _inside(real, _ALWAYS + _Guard.basetemp):
             raise RuntimeError(f"this test touched the host path {real} ({event}); use a tmp root, or mark "
                                "it @pytest.mark.host_paths")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+from upstream_data import schema_file
 import yaml
 
 from gpu_agent.errors import AgentError
@@ -21,7 +22,6 @@ from gpu_agent.sim.machine import MachineState
 from gpu_agent.sim.userspace import install_driver_userspace, lib_dir
 from gpu_agent.toolkit import cdi
 
-SCHEMA_DIR = Path(__file__).resolve().parent / "data" / "schemas" / "cdi"
 VERSION = "550.90.07"
 LIB = lib_dir()
 MIG_MACHINE = {"name": "mig-node", "gpus": [
@@ -85,15 +85,16 @@ def node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
 
 
 def schema_validator() -> Any:
-    """The CDI JSON schema (draft-07; schema.json refers to defs.json by relative name), vendored in
-    tests/data/schemas/cdi/ (see its README)."""
+    """The CDI JSON schema (draft-07; schema.json refers to defs.json by relative name), read from
+    ../shared/schemas/cdi/ (its README names the commit)."""
     import jsonschema
     import referencing
     from referencing.jsonschema import DRAFT7
 
-    base = SCHEMA_DIR.as_uri() + "/"
-    schema = {**json.loads((SCHEMA_DIR / "schema.json").read_text()), "$id": base + "schema.json"}
-    defs = referencing.Resource.from_contents(json.loads((SCHEMA_DIR / "defs.json").read_text()),
+    schema_dir = schema_file("cdi/schema.json").parent
+    base = schema_dir.as_uri() + "/"
+    schema = {**json.loads((schema_dir / "schema.json").read_text()), "$id": base + "schema.json"}
+    defs = referencing.Resource.from_contents(json.loads(schema_file("cdi/defs.json").read_text()),
                                               default_specification=DRAFT7)
     registry = referencing.Registry().with_resource(base + "defs.json", defs)
     return jsonschema.Draft7Validator(schema, registry=registry)
@@ -216,13 +217,16 @@ def test_ipc_sockets_are_mounted_when_present(node: Callable[..., Node], monkeyp
 # --- MIG ---------------------------------------------------------------------------------------
 
 
+def test_a_mig_spec_is_valid_cdi(node: Callable[..., Node]) -> None:
+    assert not list(schema_validator().iter_errors(node(MIG_MACHINE).spec()))
+
+
 def test_mig_devices_by_position_and_uuid_with_their_capability_nodes(node: Callable[..., Node]) -> None:
     mig = node(MIG_MACHINE)
     inventory = mig.inventory()
     gpu = inventory.gpus[0]
     assert [d.profile for d in gpu.mig.devices] == ["3g.40gb", "3g.40gb"]
     spec = mig.spec()
-    assert not list(schema_validator().iter_errors(spec))
     mig_uuids = [d.uuid for d in gpu.mig.devices]
     assert names(spec) == ["0", "0:0", "0:1", "1"] + sorted([g.uuid for g in inventory.gpus] + mig_uuids) + ["all"]
     # GPU instances 1 and 2 (compute instance 0 each): minors 12/13 and 21/22 on GPU minor 0

@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from upstream_data import upstream_file
 import tomlkit
 from harness import Pass, SimNode
 
@@ -15,7 +16,6 @@ BINARY = "/usr/bin/nvidia-container-runtime"
 K3S = "var/lib/rancher/k3s/agent/etc/containerd"
 RKE2 = "var/lib/rancher/rke2/agent/etc/containerd"
 MICROK8S_TEMPLATE = "var/snap/microk8s/current/args/containerd-template.toml"
-UPSTREAM = Path(__file__).parent / "data/upstream/microk8s/containerd-template.toml"
 
 # What k3s 1.32 (containerd 2.0) renders from its built-in template before it finds the nvidia runtime.
 K3S_V3 = """\
@@ -216,7 +216,7 @@ def test_rke2_with_its_own_template_gets_the_import_and_a_whole_v2_table(node: P
 
 def test_microk8s_template_is_edited_in_place_and_restored(node: Path) -> None:
     put(node, "etc/systemd/system/snap.microk8s.daemon-containerd.service", "[Service]\n")
-    shipped = UPSTREAM.read_text()
+    shipped = upstream_file("microk8s", "microk8s-resources/default-args/containerd-template.toml").read_text()
     template = put(node, MICROK8S_TEMPLATE, shipped)
     done = apply(node, {"toolkit": {"set_as_default": True}})
     assert written(done) == [("WriteFile", f"/{MICROK8S_TEMPLATE}"),

@@ -32,11 +32,26 @@ def test_a_marked_test_may_start_a_process() -> None:
     assert subprocess.run(["true"], check=False).returncode == 0
 
 
-def test_a_file_beside_the_clone_is_outside_it() -> None:
-    """Test data lives in tests/data: a checkout beside the clone (../shared) is a host path like any other."""
-    beside = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "cdi" / "schema.json"
+def test_beside_the_clone_only_upstreams_data_may_be_read(tmp_path: Path) -> None:
+    """../shared/upstream and ../shared/schemas are read by the tests that check the agent against
+    upstream's files (tests/upstream_data.py); nothing there is written, and the rest of ../shared
+    (hardware captures, hooks) is a host path like any other. The guard decides before the file system
+    does, so it holds whether or not ../shared is there."""
+    from upstream_data import SHARED
+
+    schema = SHARED / "schemas" / "cdi" / "schema.json"
+    if schema.is_file():
+        assert "$schema" in schema.read_text()
     with pytest.raises(RuntimeError, match="touched the host path"):
-        beside.read_text()
+        schema.with_name("planted.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="touched the host path"):
+        (SHARED / "upstream" / "planted.yaml").open("a")
+    with pytest.raises(RuntimeError, match="touched the host path"):
+        (SHARED / "upstream" / "made").mkdir()
+    with pytest.raises(RuntimeError, match="touched the host path"):
+        (SHARED / "hardware" / "README.md").read_text()
+    with pytest.raises(RuntimeError, match="touched the host path"):
+        (SHARED / "DESIGN.md").read_text()
 
 
 @pytest.mark.subprocess

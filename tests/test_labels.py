@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from harness import SimNode, run_cli
+from upstream_data import upstream_file
 
 from gpu_agent.kube.labels import compute, family, sanitise, valid_key, valid_value
 from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuInstance, Inventory, MigProfile, MigState
@@ -119,14 +120,11 @@ def test_the_machine_is_unknown_only_when_it_cannot_be_read() -> None:
             for machine in (None, "", "(?)", "DGX H100")] == ["unknown", "", "", "DGX-H100"]
 
 
-# GFD's expected label files (NVIDIA/k8s-device-plugin tests/expected-output*.txt, copied to
-# tests/data/upstream): one regular expression a line, checked as its cmd/gpu-feature-discovery/main_test.go
+# GFD's expected label files (NVIDIA/k8s-device-plugin tests/expected-output*.txt, read from
+# ../shared/upstream): one regular expression a line, checked as its cmd/gpu-feature-discovery/main_test.go
 # checkResult does (every label line matches one), and here also the other way (every label it expects is
 # written). The agent's own namespace (gpu-agent.*) and gpu.present (the GPU Operator's NFD rule writes it)
 # are not GFD's.
-GFD_EXPECTED = Path(__file__).parent / "data" / "upstream" / "k8s-device-plugin" / "tests"
-
-
 def test_the_labels_match_gfds_expected_output() -> None:
     import re
 
@@ -137,7 +135,8 @@ def test_the_labels_match_gfds_expected_output() -> None:
     lines = [f"{k}={v}" for k, v in labels.items() if not k.startswith("nvidia.com/gpu-agent.")
              and k != "nvidia.com/gpu.present"]
     for name in ("expected-output.txt", "expected-output-mig-none.txt"):
-        expected = [re.compile(line) for line in (GFD_EXPECTED / name).read_text().rstrip("\n").split("\n")]
+        text = upstream_file("k8s-device-plugin", f"tests/{name}").read_text()
+        expected = [re.compile(line) for line in text.rstrip("\n").split("\n")]
         assert [line for line in lines if not any(r.search(line) for r in expected)] == [], name
         assert [r.pattern for r in expected if not any(r.search(line) for line in lines)] == [], name
     assert labels["nvidia.com/gfd.timestamp"] == "1724632719" and labels["nvidia.com/mps.capable"] == "false"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from upstream_data import upstream_file
 
 from gpu_agent.config.loader import validated
 from gpu_agent.config.plugin import PluginConfig
@@ -209,9 +210,8 @@ def test_a_sharing_resource_the_node_lacks_is_ignored_and_said_so() -> None:
     assert "matches no device of this node with mig.strategy none" in served.ignored["nvidia.com/not-gpu"]
 
 
-# GFD's expected label files for the MIG strategies (tests/expected-output-mig-*.txt, copied to
-# tests/data/upstream), checked both ways as test_labels.py checks the others.
-GFD_EXPECTED = Path(__file__).parent / "data" / "upstream" / "k8s-device-plugin" / "tests"
+# GFD's expected label files for the MIG strategies (tests/expected-output-mig-*.txt, read from
+# ../shared/upstream), checked both ways as test_labels.py checks the others.
 
 
 @pytest.mark.parametrize("strategy, gpus", [
@@ -225,7 +225,7 @@ def test_the_labels_match_gfds_expected_mig_output(strategy: str, gpus: list[Gpu
     labels = with_timestamp(compute(inventory, True, strategy, "DGX A100"), {}, 1724632719.6)
     lines = [f"{k}={v}" for k, v in labels.items() if not k.startswith("nvidia.com/gpu-agent.")
              and k != "nvidia.com/gpu.present"]
-    text = (GFD_EXPECTED / f"expected-output-mig-{strategy}.txt").read_text()
+    text = upstream_file("k8s-device-plugin", f"tests/expected-output-mig-{strategy}.txt").read_text()
     expected = [re.compile(line) for line in text.rstrip("\n").split("\n")]
     assert [line for line in lines if not any(r.search(line) for r in expected)] == []
     assert [r.pattern for r in expected if not any(r.search(line) for line in lines)] == []
@@ -263,19 +263,40 @@ def test_gpu_count_is_of_the_model_labeled() -> None:
     assert (labels["nvidia.com/gpu.product"], labels["nvidia.com/gpu.count"]) == ("MOCKMODEL", "3")
 
 
-# GFD's internal/vgpu/pciutil.go NewMockNvidiaPCI: the config space of a passed-through GPU and of a vGPU
-# (copied to tests/data/upstream), read as its pciutil_test.go and vgpu_test.go read them.
-PCIUTIL = Path(__file__).parent / "data" / "upstream" / "k8s-device-plugin" / "internal" / "vgpu" / "pciutil.go"
+# GFD's internal/vgpu/pciutil.go NewMockNvidiaPCI (NVIDIA/k8s-device-plugin 1b826acc6af3079d8923bac395c3124b8861a9a6)
+# holds two config spaces, read by its pciutil_test.go and vgpu_test.go. What those tests depend on, built
+# here from the facts of its bytes: a passed-through GPU (device 0x118a; status 0x0010; capabilities at 0x60
+# power management, 0x68 MSI, 0x78 PCI Express, 0xb4 vendor-specific of 20 bytes whose signature bytes are
+# 01 00, not "VF") and a vGPU guest (device 0x1eb8; status 0x06ff; capabilities at 0xd0 vendor-specific of
+# 27 bytes signed "VF", then 0x68 MSI ending the list; in the vendor capability, at offset 5, record 0 of
+# 22 bytes whose two NUL-padded 10-byte fields are the host driver's version 460.16 and branch r460_00).
+def _config_space(device: int, status: int, capabilities: dict[int, bytes], first: int) -> bytes:
+    """256 bytes of config space: NVIDIA's vendor id, the device, the status, a 3D controller's class, and
+    each capability's bytes (its id, its next pointer, its body) at its offset, the list starting at `first`."""
+    space = bytearray(256)
+    space[0:4] = (0x10DE).to_bytes(2, "little") + device.to_bytes(2, "little")
+    space[6:8] = status.to_bytes(2, "little")
+    space[0x0B] = 0x03
+    space[0x34] = first
+    for offset, body in capabilities.items():
+        space[offset:offset + len(body)] = body
+    return bytes(space)
 
 
-def _mock_config(name: str) -> bytes:
-    match = re.search(name + r"\s*= \[\]byte\{([^}]*)\}", PCIUTIL.read_text())
-    assert match is not None
-    return bytes(int(byte, 16) for byte in match.group(1).split(","))
+def _vendor_capability(next_pointer: int, length: int, signature: bytes, records: bytes) -> bytes:
+    return bytes([0x09, next_pointer, length]) + signature + records
+
+
+PASSTHROUGH = _config_space(0x118A, 0x0010, {
+    0x60: b"\x01\x68\x03\x00", 0x68: b"\x05\x78\x81\x00", 0x78: b"\x10\xb4\x02\x00",
+    0xB4: _vendor_capability(0x00, 20, b"\x01\x00", b"")}, first=0x60)
+VGPU_GUEST = _config_space(0x1EB8, 0x06FF, {
+    0xD0: _vendor_capability(0x68, 27, b"VF", b"\x00\x16" + b"460.16".ljust(10, b"\0") + b"r460_00".ljust(10, b"\0")),
+    0x68: b"\x05\x00\x81\x00"}, first=0xD0)
 
 
 def test_gfd_vgpu_capability_from_pci_config_space() -> None:
-    passthrough, guest = _mock_config("gpuPassThroughConfig"), _mock_config("vgpuConfig")
+    passthrough, guest = PASSTHROUGH, VGPU_GUEST
     assert len(passthrough) == len(guest) == 256
     assert vgpu_of(passthrough) == Vgpu(False)
     assert vgpu_of(guest) == Vgpu(True, "460.16", "r460_00")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import functools
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from upstream_data import upstream_file
 
 from gpu_agent.config import load_config
 from gpu_agent.daemon.app import Runtime
@@ -25,32 +27,34 @@ from gpu_agent.state import AgentState
 CAPTURE = Path(__file__).parent / "data" / "captures" / "h100-580-vm"
 
 # dcgm-exporter 4.5.3-4.8.2 (its current release), etc/default-counters.csv and etc/dcp-metrics-included.csv,
-# copied to tests/data/upstream: every counter there but those NVML cannot give (docs/metrics.md lists them,
-# with why) is exported with the same name, type and help text. DCGM_FI_DRIVER_VERSION, of type "label",
-# is a label of every series.
-DCGM_ETC = Path(__file__).parent / "data" / "upstream" / "dcgm-exporter" / "etc"
+# read from ../shared/upstream/dcgm-exporter: every counter there but those NVML cannot give (docs/metrics.md
+# lists them, with why) is exported with the same name, type and help text. DCGM_FI_DRIVER_VERSION, of type
+# "label", is a label of every series.
 NOT_EXPORTED = {"DCGM_FI_DEV_VGPU_LICENSE_STATUS"}
 
 
+@functools.cache
 def _counters(name: str) -> dict[str, tuple[str, str]]:
     """A dcgm-exporter counters file: `name, type, help` per line, # comments (its own parser: csv, trimmed)."""
     found = {}
-    for row in csv.reader(line for line in (DCGM_ETC / name).read_text().splitlines()
-                          if line.strip() and not line.lstrip().startswith("#")):
+    text = upstream_file("dcgm-exporter", f"etc/{name}").read_text()
+    for row in csv.reader(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")):
         found[row[0].strip()] = (row[1].strip(), ",".join(row[2:]).strip())
     return found
 
 
-UPSTREAM = _counters("default-counters.csv")
-EXPECTED = {name: value for name, value in UPSTREAM.items()
+def _exported() -> dict[str, tuple[str, str]]:
+    """The default counters the agent exports: all but the labels and those NVML cannot give."""
+    return {name: value for name, value in _counters("default-counters.csv").items()
             if name not in NOT_EXPORTED and value[0] != "label"}
 
 
 def test_the_dcp_file_lists_the_default_counters() -> None:
     """dcp-metrics-included.csv (the Helm chart's and image's profiling set) has the same counters and types."""
+    default = _counters("default-counters.csv")
     assert {name: kind for name, (kind, _) in _counters("dcp-metrics-included.csv").items()} == \
-        {name: kind for name, (kind, _) in UPSTREAM.items()}
-    assert UPSTREAM["DCGM_FI_DRIVER_VERSION"][0] == "label" and "DCGM_FI_DRIVER_VERSION" in LABELS
+        {name: kind for name, (kind, _) in default.items()}
+    assert default["DCGM_FI_DRIVER_VERSION"][0] == "label" and "DCGM_FI_DRIVER_VERSION" in LABELS
     metrics_doc = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
     assert all(f"`{name}`" in metrics_doc for name in NOT_EXPORTED)
 
@@ -84,16 +88,26 @@ def node(tmp_path: Path) -> Iterator[Any]:
         n.nvml.close()
 
 
-def test_default_dcgm_counters_by_name_type_help_and_labels(node) -> None:
+def test_default_dcgm_counters_by_name_type_and_help_are_dcgm_exporters(node) -> None:
+    expected = _exported()
     n = node()
     n.sampler.sample()
     n.sampler.sample()  # NVLink bandwidth and the GPM (PROF) series are over an interval: two readings
     families = n.scrape()
-    assert {c.name for c in DEFAULT_COUNTERS + (XID_ERRORS,)} == set(EXPECTED)
+    assert {c.name for c in DEFAULT_COUNTERS + (XID_ERRORS,)} == set(expected)
+    for name, (kind, help_text) in expected.items():
+        assert (families[name].type, families[name].documentation) == (kind, help_text), name
+
+
+def test_default_dcgm_counters_labels_and_values(node) -> None:
+    names = [c.name for c in DEFAULT_COUNTERS + (XID_ERRORS,)]
+    n = node()
+    n.sampler.sample()
+    n.sampler.sample()
+    families = n.scrape()
     gpus = n.state.inventory.gpus
-    for name, (kind, help_text) in EXPECTED.items():
+    for name in names:
         family = families[name]
-        assert (family.type, family.documentation) == (kind, help_text), name
         assert len(family.samples) == 8, name
         # dcgm-exporter's attributes of the XID series: its err_code and err_msg, after the labels
         xid = {"err_code": "0", "err_msg": "No Error"} if name == "DCGM_FI_DEV_XID_ERRORS" else {}
@@ -103,7 +117,7 @@ def test_default_dcgm_counters_by_name_type_help_and_labels(node) -> None:
                 "gpu": str(gpu.index), "UUID": gpu.uuid, "pci_bus_id": "0000" + gpu.pci_bus_id.upper(),
                 "device": f"nvidia{gpu.index}", "modelName": "NVIDIA H100 80GB HBM3", "Hostname": "node-1",
                 "DCGM_FI_DRIVER_VERSION": "550.90.07", **xid}, name
-    value = {name: families[name].samples[0].value for name in EXPECTED}
+    value = {name: families[name].samples[0].value for name in names}
     assert value["DCGM_FI_DEV_SM_CLOCK"] == 345 and value["DCGM_FI_DEV_MEM_CLOCK"] == 2619
     assert 20 < value["DCGM_FI_DEV_GPU_TEMP"] < 90 and 50 < value["DCGM_FI_DEV_POWER_USAGE"] <= 700
     assert value["DCGM_FI_DEV_FB_USED"] + value["DCGM_FI_DEV_FB_FREE"] + value["DCGM_FI_DEV_FB_RESERVED"] == 81559
@@ -192,22 +206,26 @@ def test_the_real_h100_capture_answers_as_the_node_did(tmp_path: Path) -> None:
 
 
 # dcgm-exporter's XID attributes: internal/pkg/collector/gpu_collector.go (toMetric) sets err_code to the
-# value and err_msg to xidErrCodeToText[value] (internal/pkg/collector/xid_errors.go, copied to
-# tests/data/upstream/dcgm-exporter) or "Unknown Error"; gpu_collector_test.go checks 0, 42 and 255.
-XID_ERRORS_GO = Path(__file__).parent / "data" / "upstream" / "dcgm-exporter" / "internal" / "pkg" / "collector" / \
-    "xid_errors.go"
+# value and err_msg to xidErrCodeToText[value] (internal/pkg/collector/xid_errors.go) or "Unknown Error";
+# gpu_collector_test.go checks 0, 42 and 255. The map itself is Go source, so it is not kept here; what is
+# kept is a fact about it, read at NVIDIA/dcgm-exporter d5e5f510a1b6b393f39a43293ccd9dc985defc79: its keys
+# are 0-172 without a gap, and the SHA-256 of its entries written one a line as "<xid>\t<text>\n", in
+# order, is XID_MAP_SHA256. A changed text in the agent's table changes that digest.
+XID_MAP_SIZE = 173
+XID_MAP_SHA256 = "575a731f3e7ee9551fc59f0dff7abc39b17ecf1187b72c485d44ed836cdefccf"
 
 
 def test_the_xid_texts_are_dcgm_exporters_xid_err_code_to_text() -> None:
-    import re
+    import hashlib
 
     from gpu_agent.metrics.dcgm import XID_TEXT, xid_labels
 
-    upstream = {int(n): t for n, t in re.findall(r'^\s*(\d+):\s*"([^"]*)",\s*$', XID_ERRORS_GO.read_text(), re.M)}
-    assert len(upstream) > 170 and dict(enumerate(XID_TEXT)) == upstream
+    entries = "".join(f"{xid}\t{text}\n" for xid, text in enumerate(XID_TEXT))
+    assert len(XID_TEXT) == XID_MAP_SIZE
+    assert hashlib.sha256(entries.encode()).hexdigest() == XID_MAP_SHA256
     # gpu_collector_test.go's cases: no error, a known value, an unknown value
-    assert xid_labels(0) == ("0", upstream[0]) == ("0", "No Error")
-    assert xid_labels(42) == ("42", upstream[42])
+    assert xid_labels(0) == ("0", "No Error")
+    assert xid_labels(42) == ("42", XID_TEXT[42])
     assert xid_labels(255) == ("255", "Unknown Error")
     assert xid_labels(79) == ("79", "GPU has fallen off the bus")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import pytest
+from upstream_data import upstream_file
 import yaml
 
 from gpu_agent.host.paths import Root
@@ -409,16 +410,15 @@ def replace_instances(gpu: Any, profiles: Any) -> Any:
     return replace(gpu, mig=replace(gpu.mig, profiles=profiles))
 
 
-# mig-parted's own example configs (NVIDIA/mig-parted, examples/config.yaml, copied to tests/data/upstream):
+# mig-parted's own example configs (NVIDIA/mig-parted, examples/config.yaml, read from ../shared/upstream):
 # its apply skips a GPU that cannot do MIG when `devices: all` selects it ("Skipping -- non MIG-capable GPU",
 # cmd/nvidia-mig-parted/apply/mode.go and config.go) and fails one named by index ("cannot set MIG mode on
 # non MIG-capable GPU").
-MIG_PARTED_EXAMPLES = Path(__file__).resolve().parent / "data" / "upstream" / "mig-parted" / "examples" / "config.yaml"
 
 
 def test_devices_all_skips_a_gpu_that_cannot_do_mig_as_mig_parted_does(node: Any) -> None:
     n = node("gpus:\n  - model: A100-SXM4-40GB\n  - model: T4\n")
-    examples = load_mig_config(MIG_PARTED_EXAMPLES)
+    examples = load_mig_config(upstream_file("mig-parted", "examples/config.yaml"))
     for name in ("all-enabled", "all-1g.5gb", "all-balanced", "all-disabled"):
         results = n.apply(examples, name)
         assert [r.state for r in results] == [SUCCESS, SUCCESS], (name, results)
@@ -439,7 +439,7 @@ def test_devices_all_skips_a_gpu_that_cannot_do_mig_as_mig_parted_does(node: Any
 
 def test_a_gpu_named_by_index_that_cannot_do_mig_is_still_refused(node: Any) -> None:
     n = node("gpus:\n  - model: A100-SXM4-40GB\n    count: 5\n  - model: T4\n")
-    examples = load_mig_config(MIG_PARTED_EXAMPLES)
+    examples = load_mig_config(upstream_file("mig-parted", "examples/config.yaml"))
     results = n.apply(examples, "custom-config")  # its `devices: [5]` entry asks GPU 5 for 3x 2g.10gb
     assert [r.state for r in results[:5]] == [SUCCESS] * 5
     assert results[5].state == FAILED and results[5].mutations == 0

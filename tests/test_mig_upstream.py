@@ -2,7 +2,7 @@
 NVIDIA/mig-parted at commit bd7160f43f16462eeb21e1eda5e67b5b6b03fd7d, api/spec/v1/spec_test.go (TestSpec,
 TestMigConfigSpec, TestMarshallUnmarshall), api/spec/v1/helpers_test.go (TestMigConfigSpecMatchesDeviceFilter),
 pkg/types/device_test.go (TestNewDeviceIDFromString, TestDeviceIDMatches), pkg/mig/config/known_configs_test.go
-(TestValidConfiguration) and examples/dgx-station-80gb-config.yaml (copied to tests/data/upstream). Each row
+(TestValidConfiguration) and examples/dgx-station-80gb-config.yaml (read from ../shared/upstream). Each row
 keeps upstream's description; where the agent deliberately refuses what mig-parted reads (docs/mig.md,
 "Where the agent differs from mig-parted"), the row says so."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from upstream_data import upstream_file
 import yaml
 
 from gpu_agent.host.paths import Root
@@ -217,7 +218,6 @@ def test_mig_parted_valid_configuration(a100: Gpu, description: str, devices: di
     assert (plan.refused == "") is valid, plan.refused
 
 
-EXAMPLES = Path(__file__).resolve().parent / "data" / "upstream" / "mig-parted" / "examples"
 
 
 def test_mig_parted_dgx_station_example_plans_on_its_gpus(tmp_path: Path) -> None:
@@ -227,7 +227,7 @@ def test_mig_parted_dgx_station_example_plans_on_its_gpus(tmp_path: Path) -> Non
     machine = tmp_path / "station.yaml"
     machine.write_text("gpus:\n  - model: A100-SXM4-80GB\n    count: 5\n")
     found = _gpus(tmp_path, str(machine))
-    examples = load_mig_config(EXAMPLES / "dgx-station-80gb-config.yaml")
+    examples = load_mig_config(upstream_file("mig-parted", "examples/dgx-station-80gb-config.yaml"))
     assert len(examples.configs) == 9
     for name, entries in examples.configs.items():
         for gpu, plan in zip(found, plans_for(found, entries)):

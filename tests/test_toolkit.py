@@ -325,9 +325,7 @@ def test_drift_is_repaired_by_the_running_daemon(agent, node: Path) -> None:
         time.sleep(0.1)
 
 
-def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) -> None:
-    from test_cdi import schema_validator
-
+def test_the_cdi_spec_is_written_kept_and_follows_mig_changes(node: Path) -> None:
     from gpu_agent.host.paths import Root
     from gpu_agent.sim.machine import MachineState
     from gpu_agent.sim.mig import add_device
@@ -337,7 +335,6 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
     assert apply(node).ok
     spec_path = node / "var/run/cdi/nvidia.yaml"
     spec = yaml.safe_load(spec_path.read_text())
-    schema_validator().validate(spec)
     assert {"0", "7", "all"} <= {device["name"] for device in spec["devices"]}
     stamp = (spec_path.stat().st_ino, spec_path.stat().st_mtime_ns)
     assert not any(run.planned for run in apply(node).runs)
@@ -350,8 +347,15 @@ def test_the_cdi_spec_is_written_valid_kept_and_follows_mig_changes(node: Path) 
         mig_uuid = gpu["mig"]["gpu_instances"][0]["compute_instances"][0]["uuid"]
     assert changes(apply(node), "cdi") == [("WriteFile", "/var/run/cdi/nvidia.yaml")]
     spec = yaml.safe_load(spec_path.read_text())
-    schema_validator().validate(spec)
     assert {"0:0", mig_uuid} <= {device["name"] for device in spec["devices"]}
+
+
+def test_the_cdi_spec_written_through_the_toolkit_stage_is_valid_cdi(node: Path) -> None:
+    from test_cdi import schema_validator
+
+    containerd_config(node, CONTAINERD_V2)
+    assert apply(node).ok
+    schema_validator().validate(yaml.safe_load((node / "var/run/cdi/nvidia.yaml").read_text()))
 
 
 def test_the_cdi_spec_goes_through_var_run_linked_to_run(node: Path) -> None:

@@ -63,8 +63,9 @@ def xid_labels(xid: int) -> tuple[str, str]:
     return str(xid), XID_TEXT[xid] if 0 <= xid < len(XID_TEXT) else UNKNOWN_XID
 
 
-# err_msg by XID, verbatim from dcgm-exporter's internal/pkg/collector/xid_errors.go (xidErrCodeToText,
-# Apache-2.0, NVIDIA), so that alerts matching its text keep matching.
+# err_msg by XID: the label values dcgm-exporter gives each XID (its xidErrCodeToText, in
+# internal/pkg/collector/xid_errors.go), character for character, so that alerts matching them keep
+# matching; tests/test_metrics.py checks them against a digest of that map.
 XID_TEXT = (
     "No Error",  # 0
     "Invalid or corrupted push buffer stream",  # 1
