@@ -1,4 +1,4 @@
-"""Installing the NVIDIA Container Toolkit with the distribution's package manager."""
+"""nvidia-container-toolkit put on the node by apt-get or dnf, whichever the distribution has."""
 from __future__ import annotations
 
 import shutil
