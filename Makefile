@@ -92,8 +92,9 @@ clean:
 
 # protobuf's own Python classes for the kubelet APIs the agent speaks (tests/kubelet_api/, committed): the
 # tests' kubelet peers and the yardstick for gpu_agent/proto3.py. Debian's protoc (protobuf-compiler) with
-# grpclib's plugin from the venv; the .proto files are vendored unchanged from k8s.io/kubelet/pkg/apis/
-# (deviceplugin/v1beta1/api.proto, podresources/v1/api.proto).
+# grpclib's plugin from the venv. The .proto files are our own statement of the APIs' wire facts (names,
+# field numbers, types), read from k8s.io/kubelet/pkg/apis/ (deviceplugin/v1beta1, podresources/v1) at
+# the commit each file's header names.
 kubelet-api-stubs: $(BIN)/gpu-agent
 	protoc -I tests --python_out=tests --pyi_out=tests --grpclib_python_out=tests \
 	  --plugin=protoc-gen-grpclib_python=$(BIN)/protoc-gen-grpclib_python tests/kubelet_api/*.proto

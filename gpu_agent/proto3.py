@@ -7,8 +7,8 @@ wire rules (protobuf.dev/programming-guides/encoding): fields in number order, z
 messages left out, maps as repeated key/value entries. Decoding keeps what protobuf keeps: unknown
 fields and fields of an unexpected wire type are skipped, the last value of a singular scalar wins,
 repeated occurrences of a singular message merge, and strings must be valid UTF-8. Anything else
-malformed raises DecodeError. tests/test_proto3.py holds each declaration to the vendored .proto and
-each encoding to protobuf's own.
+malformed raises DecodeError. tests/test_proto3.py holds each declaration to the APIs' .proto files
+(tests/kubelet_api) and each encoding to protobuf's own.
 """
 from __future__ import annotations
 

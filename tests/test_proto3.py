@@ -1,4 +1,4 @@
-"""gpu_agent.proto3 held to protobuf itself: the declarations to the vendored kubelet .proto files (their
+"""gpu_agent.proto3 held to protobuf itself: the declarations to the kubelet APIs' .proto files (their
 descriptors, as protoc compiled them into tests/kubelet_api), and every encoding, decoding and
 rejection to protobuf's own runtime on the same messages and bytes."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The kubelet's pod-resources API, k8s.io/kubelet/pkg/apis/podresources/v1/api.proto (vendored in
+"""The kubelet's pod-resources API, k8s.io/kubelet/pkg/apis/podresources/v1 (its wire facts stated in
 tests/kubelet_api/podresources.proto), declared for gpu_agent.proto3: List, and of its answer the
 fields that attribute a device to a container. The rest (CPUs, memory, dynamic resources) is skipped
 on decoding, as protobuf skips fields a reader does not know."""

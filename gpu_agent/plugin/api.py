@@ -1,4 +1,4 @@
-"""The kubelet's device plugin API, k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1/api.proto (vendored in
+"""The kubelet's device plugin API, k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1 (its wire facts stated in
 tests/kubelet_api/deviceplugin.proto), declared for gpu_agent.proto3: every message, field for field."""
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekubelet_api/podresources.proto\x12\x02v1\"\x1d\n\x1b\x41llocatableResourcesRequest\"{\n\x1c\x41llocatableResourcesResponse\x12%\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x14.v1.ContainerDevices\x12\x0f\n\x07\x63pu_ids\x18\x02 \x03(\x03\x12#\n\x06memory\x18\x03 \x03(\x0b\x32\x13.v1.ContainerMemory\"\x19\n\x17ListPodResourcesRequest\"C\n\x18ListPodResourcesResponse\x12\'\n\rpod_resources\x18\x01 \x03(\x0b\x32\x10.v1.PodResources\"\x91\x01\n\x0cPodResources\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12*\n\ncontainers\x18\x03 \x03(\x0b\x32\x16.v1.ContainerResources\x12\x0f\n\x07\x63pu_ids\x18\x04 \x03(\x03\x12#\n\x06memory\x18\x05 \x03(\x0b\x32\x13.v1.ContainerMemory\"\xaf\x01\n\x12\x43ontainerResources\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x14.v1.ContainerDevices\x12\x0f\n\x07\x63pu_ids\x18\x03 \x03(\x03\x12#\n\x06memory\x18\x04 \x03(\x0b\x32\x13.v1.ContainerMemory\x12.\n\x11\x64ynamic_resources\x18\x05 \x03(\x0b\x32\x13.v1.DynamicResource\"X\n\x0f\x43ontainerMemory\x12\x13\n\x0bmemory_type\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\"\n\x08topology\x18\x03 \x01(\x0b\x32\x10.v1.TopologyInfo\"a\n\x10\x43ontainerDevices\x12\x15\n\rresource_name\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\"\n\x08topology\x18\x03 \x01(\x0b\x32\x10.v1.TopologyInfo\"+\n\x0cTopologyInfo\x12\x1b\n\x05nodes\x18\x01 \x03(\x0b\x32\x0c.v1.NUMANode\"\x16\n\x08NUMANode\x12\n\n\x02ID\x18\x01 \x01(\x03\"j\n\x0f\x44ynamicResource\x12\x12\n\nclaim_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63laim_namespace\x18\x03 \x01(\t\x12*\n\x0f\x63laim_resources\x18\x04 \x03(\x0b\x32\x11.v1.ClaimResource\"\x94\x01\n\rClaimResource\x12\"\n\x0b\x63\x64i_devices\x18\x01 \x03(\x0b\x32\r.v1.CDIDevice\x12\x13\n\x0b\x64river_name\x18\x02 \x01(\t\x12\x11\n\tpool_name\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x04 \x01(\t\x12\x15\n\x08share_id\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\x0b\n\t_share_id\"\x19\n\tCDIDevice\x12\x0c\n\x04name\x18\x01 \x01(\t\"A\n\x16GetPodResourcesRequest\x12\x10\n\x08pod_name\x18\x01 \x01(\t\x12\x15\n\rpod_namespace\x18\x02 \x01(\t\"B\n\x17GetPodResourcesResponse\x12\'\n\rpod_resources\x18\x01 \x01(\x0b\x32\x10.v1.PodResources2\xfb\x01\n\x12PodResourcesLister\x12\x43\n\x04List\x12\x1b.v1.ListPodResourcesRequest\x1a\x1c.v1.ListPodResourcesResponse\"\x00\x12^\n\x17GetAllocatableResources\x12\x1f.v1.AllocatableResourcesRequest\x1a .v1.AllocatableResourcesResponse\"\x00\x12@\n\x03Get\x12\x1a.v1.GetPodResourcesRequest\x1a\x1b.v1.GetPodResourcesResponse\"\x00\x42)Z\'k8s.io/kubelet/pkg/apis/podresources/v1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ekubelet_api/podresources.proto\x12\x02v1\"\x19\n\x17ListPodResourcesRequest\"C\n\x18ListPodResourcesResponse\x12\'\n\rpod_resources\x18\x01 \x03(\x0b\x32\x10.v1.PodResources\"A\n\x16GetPodResourcesRequest\x12\x10\n\x08pod_name\x18\x01 \x01(\t\x12\x15\n\rpod_namespace\x18\x02 \x01(\t\"B\n\x17GetPodResourcesResponse\x12\'\n\rpod_resources\x18\x01 \x01(\x0b\x32\x10.v1.PodResources\"\x1d\n\x1b\x41llocatableResourcesRequest\"{\n\x1c\x41llocatableResourcesResponse\x12%\n\x07\x64\x65vices\x18\x01 \x03(\x0b\x32\x14.v1.ContainerDevices\x12\x0f\n\x07\x63pu_ids\x18\x02 \x03(\x03\x12#\n\x06memory\x18\x03 \x03(\x0b\x32\x13.v1.ContainerMemory\"\x91\x01\n\x0cPodResources\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12*\n\ncontainers\x18\x03 \x03(\x0b\x32\x16.v1.ContainerResources\x12\x0f\n\x07\x63pu_ids\x18\x04 \x03(\x03\x12#\n\x06memory\x18\x05 \x03(\x0b\x32\x13.v1.ContainerMemory\"\xaf\x01\n\x12\x43ontainerResources\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x14.v1.ContainerDevices\x12\x0f\n\x07\x63pu_ids\x18\x03 \x03(\x03\x12#\n\x06memory\x18\x04 \x03(\x0b\x32\x13.v1.ContainerMemory\x12.\n\x11\x64ynamic_resources\x18\x05 \x03(\x0b\x32\x13.v1.DynamicResource\"a\n\x10\x43ontainerDevices\x12\x15\n\rresource_name\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12\"\n\x08topology\x18\x03 \x01(\x0b\x32\x10.v1.TopologyInfo\"X\n\x0f\x43ontainerMemory\x12\x13\n\x0bmemory_type\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\"\n\x08topology\x18\x03 \x01(\x0b\x32\x10.v1.TopologyInfo\"+\n\x0cTopologyInfo\x12\x1b\n\x05nodes\x18\x01 \x03(\x0b\x32\x0c.v1.NUMANode\"\x16\n\x08NUMANode\x12\n\n\x02ID\x18\x01 \x01(\x03\"j\n\x0f\x44ynamicResource\x12\x12\n\nclaim_name\x18\x02 \x01(\t\x12\x17\n\x0f\x63laim_namespace\x18\x03 \x01(\t\x12*\n\x0f\x63laim_resources\x18\x04 \x03(\x0b\x32\x11.v1.ClaimResource\"\x94\x01\n\rClaimResource\x12\"\n\x0b\x63\x64i_devices\x18\x01 \x03(\x0b\x32\r.v1.CDIDevice\x12\x13\n\x0b\x64river_name\x18\x02 \x01(\t\x12\x11\n\tpool_name\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x04 \x01(\t\x12\x15\n\x08share_id\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\x0b\n\t_share_id\"\x19\n\tCDIDevice\x12\x0c\n\x04name\x18\x01 \x01(\t2\xfb\x01\n\x12PodResourcesLister\x12\x43\n\x04List\x12\x1b.v1.ListPodResourcesRequest\x1a\x1c.v1.ListPodResourcesResponse\"\x00\x12^\n\x17GetAllocatableResources\x12\x1f.v1.AllocatableResourcesRequest\x1a .v1.AllocatableResourcesResponse\"\x00\x12@\n\x03Get\x12\x1a.v1.GetPodResourcesRequest\x1a\x1b.v1.GetPodResourcesResponse\"\x00\x42)Z\'k8s.io/kubelet/pkg/apis/podresources/v1b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kubelet_api.podresources_pb2', globals())
@@ -21,36 +21,36 @@ if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
   DESCRIPTOR._serialized_options = b'Z\'k8s.io/kubelet/pkg/apis/podresources/v1'
-  _ALLOCATABLERESOURCESREQUEST._serialized_start=38
-  _ALLOCATABLERESOURCESREQUEST._serialized_end=67
-  _ALLOCATABLERESOURCESRESPONSE._serialized_start=69
-  _ALLOCATABLERESOURCESRESPONSE._serialized_end=192
-  _LISTPODRESOURCESREQUEST._serialized_start=194
-  _LISTPODRESOURCESREQUEST._serialized_end=219
-  _LISTPODRESOURCESRESPONSE._serialized_start=221
-  _LISTPODRESOURCESRESPONSE._serialized_end=288
-  _PODRESOURCES._serialized_start=291
-  _PODRESOURCES._serialized_end=436
-  _CONTAINERRESOURCES._serialized_start=439
-  _CONTAINERRESOURCES._serialized_end=614
-  _CONTAINERMEMORY._serialized_start=616
-  _CONTAINERMEMORY._serialized_end=704
-  _CONTAINERDEVICES._serialized_start=706
-  _CONTAINERDEVICES._serialized_end=803
-  _TOPOLOGYINFO._serialized_start=805
-  _TOPOLOGYINFO._serialized_end=848
-  _NUMANODE._serialized_start=850
-  _NUMANODE._serialized_end=872
-  _DYNAMICRESOURCE._serialized_start=874
-  _DYNAMICRESOURCE._serialized_end=980
-  _CLAIMRESOURCE._serialized_start=983
-  _CLAIMRESOURCE._serialized_end=1131
-  _CDIDEVICE._serialized_start=1133
-  _CDIDEVICE._serialized_end=1158
-  _GETPODRESOURCESREQUEST._serialized_start=1160
-  _GETPODRESOURCESREQUEST._serialized_end=1225
-  _GETPODRESOURCESRESPONSE._serialized_start=1227
-  _GETPODRESOURCESRESPONSE._serialized_end=1293
+  _LISTPODRESOURCESREQUEST._serialized_start=38
+  _LISTPODRESOURCESREQUEST._serialized_end=63
+  _LISTPODRESOURCESRESPONSE._serialized_start=65
+  _LISTPODRESOURCESRESPONSE._serialized_end=132
+  _GETPODRESOURCESREQUEST._serialized_start=134
+  _GETPODRESOURCESREQUEST._serialized_end=199
+  _GETPODRESOURCESRESPONSE._serialized_start=201
+  _GETPODRESOURCESRESPONSE._serialized_end=267
+  _ALLOCATABLERESOURCESREQUEST._serialized_start=269
+  _ALLOCATABLERESOURCESREQUEST._serialized_end=298
+  _ALLOCATABLERESOURCESRESPONSE._serialized_start=300
+  _ALLOCATABLERESOURCESRESPONSE._serialized_end=423
+  _PODRESOURCES._serialized_start=426
+  _PODRESOURCES._serialized_end=571
+  _CONTAINERRESOURCES._serialized_start=574
+  _CONTAINERRESOURCES._serialized_end=749
+  _CONTAINERDEVICES._serialized_start=751
+  _CONTAINERDEVICES._serialized_end=848
+  _CONTAINERMEMORY._serialized_start=850
+  _CONTAINERMEMORY._serialized_end=938
+  _TOPOLOGYINFO._serialized_start=940
+  _TOPOLOGYINFO._serialized_end=983
+  _NUMANODE._serialized_start=985
+  _NUMANODE._serialized_end=1007
+  _DYNAMICRESOURCE._serialized_start=1009
+  _DYNAMICRESOURCE._serialized_end=1115
+  _CLAIMRESOURCE._serialized_start=1118
+  _CLAIMRESOURCE._serialized_end=1266
+  _CDIDEVICE._serialized_start=1268
+  _CDIDEVICE._serialized_end=1293
   _PODRESOURCESLISTER._serialized_start=1296
   _PODRESOURCESLISTER._serialized_end=1547
 # @@protoc_insertion_point(module_scope)

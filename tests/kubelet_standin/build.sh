@@ -1,6 +1,7 @@
 #!/bin/sh
 # Builds the kubelet stand-in offline: GOPATH mode over Debian's Go sources (/usr/share/gocode), with
-# the device plugin stubs generated from our vendored proto by Debian's protoc-gen-go (1.3, grpc plugin).
+# the device plugin stubs generated from tests/kubelet_api/deviceplugin.proto by Debian's protoc-gen-go
+# (1.3, grpc plugin).
 # usage: build.sh OUTPUT_BINARY WORK_DIR
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
