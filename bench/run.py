@@ -91,7 +91,7 @@ def fleet_section(steady: Optional[dict[str, Any]], storm: Optional[dict[str, An
         "https://kubernetes.io/docs/reference/node/node-status/ (heartbeats: .status updates and the Lease), "
         "https://kubernetes.io/docs/reference/config-api/kubelet-config.v1beta1/ (the two frequencies) and "
         "https://github.com/kubernetes/enhancements/blob/0460fcf4637d440ce7d539a931e44dae931f9849/keps/sig-node/"
-        "0009-node-heartbeat.md (\"Kubelet sending heartbeats every 10s\"). "
+        "0009-node-heartbeat.md (the 10 s heartbeat that leases were made to relieve). "
         "The agent's requests are capped by its node-wide budget (gpu_agent/kube/budget.py: 12 a minute), "
         "so no storm can exceed 720 per node per hour.",
     ])

@@ -137,12 +137,12 @@ def _vgpu(gpus: tuple[Gpu, ...]) -> dict[str, str]:
 
 
 def with_timestamp(wanted: Mapping[str, str], published: Mapping[str, str], now: float) -> dict[str, str]:
-    """`wanted` with nvidia.com/gfd.timestamp, GFD's "timestamp of the generated labels": Unix seconds, as
-    its internal/lm/timestamp.go writes them. GFD takes it once when it starts and writes the same value at
-    every labeling pass (cmd/gpu-feature-discovery main_test.go TestRunSleep: "Timestamp label changed"
-    fails it). Here it is the time the agent last changed any of its labels: `published` (what the node or
-    the NFD feature file has now) keeps its timestamp while every other label is as wanted, so a pass that
-    changes nothing writes nothing; any change of another label takes a new one."""
+    """`wanted` with nvidia.com/gfd.timestamp, the label in which GFD says when its labels were made: Unix
+    seconds, as its internal/lm/timestamp.go writes them. GFD takes it once when it starts and writes the
+    same value at every labeling pass (cmd/gpu-feature-discovery main_test.go, TestRunSleep, fails when the
+    value changes between two passes). Here it is the time the agent last changed any of its labels:
+    `published` (what the node or the NFD feature file has now) keeps its timestamp while every other label
+    is as wanted, so a pass that changes nothing writes nothing; any change of another label takes a new one."""
     wanted = {key: value for key, value in wanted.items() if key != TIMESTAMP}
     kept = published.get(TIMESTAMP, "")
     same = {key: value for key, value in published.items() if key != TIMESTAMP} == wanted

@@ -12,8 +12,8 @@ The daemon is started through mps.launch, in a mount namespace whose /dev/shm is
 directory.
 
 Under systemd (SystemdRun) the daemon and the tmpfs's mount and unmount are not the agent's own
-children: each runs in a transient unit (systemd-run(1): "a clean and detached execution environment,
-with the service manager as its parent process"), so that the mount is made in the host's mount
+children: each runs in a transient unit, which the service manager starts as its own child in a fresh
+execution environment, not the caller's (systemd-run(1)), so that the mount is made in the host's mount
 namespace, where the kubelet's runtime finds it for the clients, and not in the one the agent's
 sandboxed unit has (ProtectSystem=, ReadWritePaths=, PrivateTmp= give it its own, systemd.exec(5)),
 the launcher may unshare(CLONE_NEWNS), which the agent's RestrictNamespaces=yes forbids, and the

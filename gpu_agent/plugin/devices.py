@@ -112,8 +112,9 @@ def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], 
 
 def ignored_sharing(bases: list[_Base], settings: PluginConfig, strategy: str) -> dict[str, str]:
     """The timeSlicing or mps resources no device of the node is advertised as: NVIDIA's plugin skips them
-    (internal/rm/device_map.go updateDeviceMapWithReplicas, "Skip any resources not matched") and GFD
-    labels nothing for them (internal/lm/resource_test.go "time-slicing ignores non-matching resource")."""
+    (internal/rm/device_map.go, updateDeviceMapWithReplicas passes over a resource that matches no device)
+    and GFD labels nothing for them (internal/lm/resource_test.go, test case "time-slicing ignores
+    non-matching resource")."""
     present = {base.resource for base in bases}
     chosen = settings.sharing.replicated
     return {entry.name: f"matches no device of this node with mig.strategy {strategy}: ignored, as NVIDIA's "
