@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import LoadedConfig
 from gpu_agent.health.policy import GPU_CHECKS, NVML_RESPONSIVE, gates_readiness, recovers_at
 from gpu_agent.health.policy import meaning as xid_meaning
-from gpu_agent.nvml.model import Gpu, GpuHealth, GpuSample, Inventory, MigDevice, to_json
+from gpu_agent.nvml.model import Gpu, GpuHealth, GpuSample, Inventory, MigDevice, UnidentifiedGpu, to_json
 
 PENDING, OK, FAILED, WAITING = "pending", "ok", "failed", "waiting"
 _PUBLISH = threading.Lock()  # the watcher threads' updates of the model, one at a time
@@ -194,14 +194,29 @@ class AgentState:
                 return _mig_name(gpu, device)
         return f"GPU {uuid}"
 
+    def health_of(self, inventory: Optional[Inventory]) -> Mapping[str, GpuHealth]:
+        """By GPU or MIG device UUID, the watchers' health with discovery's word on each GPU of `inventory` that
+        NVML could not read: unhealthy for that (as query_error) until a watcher has found its own reason."""
+        health = self.health
+        unread = [gpu for gpu in inventory.gpus if gpu.unreadable] if inventory else []
+        if not unread:
+            return health
+        merged = dict(health)
+        for gpu in unread:
+            own = merged.get(gpu.uuid, GpuHealth())
+            if not own.query_error:
+                merged[gpu.uuid] = replace(own, query_error=f"NVML cannot read it: {gpu.unreadable}")
+        return merged
+
     def device_health(self, uuid: str) -> GpuHealth:
         """The health of a GPU or of a MIG device, by UUID, as the device plugin should read it: a MIG
         device is unhealthy when it is (an XID attributed to its GPU instance) or when its GPU is."""
-        own = self.health.get(uuid, GpuHealth())
         inventory = self.inventory or self.last_inventory
+        health = self.health_of(inventory)
+        own = health.get(uuid, GpuHealth())
         parent = next((gpu.uuid for gpu in inventory.gpus if any(d.uuid == uuid for d in gpu.mig.devices)),
                       None) if inventory else None
-        whole = self.health.get(parent, GpuHealth()) if parent else GpuHealth()
+        whole = health.get(parent, GpuHealth()) if parent else GpuHealth()
         return own if not own.healthy or whole.healthy else whole
 
     # --- stage results (written by the engine only) ----------------------------------------------
@@ -238,12 +253,12 @@ class AgentState:
 
     def _checks(self, outcomes: Mapping[str, Outcome], inventory: Optional[Inventory]) -> list[Check]:
         """The stages' outcomes, then the GPUs' health as the watchers last published it (one reading)."""
-        health = self.health
+        health = self.health_of(inventory)
         checks = [Check(name, outcome.state == OK, outcome.message) for name, outcome in outcomes.items()]
         checks.append(self._gpu_health_check(inventory, health))
         if self.checked_at is not None:  # the periodic checks, once they have run
             nvml_check, gpu_checks = self.nvml_check, self.gpu_checks
-            total = len(inventory.gpus) if inventory else 0
+            total = inventory.count if inventory else 0
             checks.append(Check(NVML_RESPONSIVE, nvml_check is None, nvml_check or "NVML answers within its timeout"))
             checks += [self._periodic_check(name, gpu_checks.get(name, {}), total) for name in GPU_CHECKS]
         return checks
@@ -252,12 +267,11 @@ class AgentState:
         if self.nvml_error:
             return Check("gpu-health", False, self.nvml_error)
         if inventory is None:
-            # Discovery fails (a GPU off the bus fails it all): name the sick GPUs it last found, if any.
+            # Discovery fails (NVML does not answer at all): name the sick GPUs it last found, if any.
             sick, _ = _sick(self.last_inventory, health)
             return Check("gpu-health", False, "; ".join(sick) or "no GPU discovered")
         sick, failing = _sick(inventory, health)
-        return self._gated("gpu-health", failing, len(inventory.gpus), "; ".join(sick),
-                           f"{len(inventory.gpus)} GPUs healthy")
+        return self._gated("gpu-health", failing, inventory.count, "; ".join(sick), f"{inventory.count} GPUs healthy")
 
     def _periodic_check(self, name: str, failing: dict[str, str], total: int) -> Check:
         why = "; ".join(f"{self.gpu_name(uuid)}: {reason}" for uuid, reason in failing.items())
@@ -338,7 +352,7 @@ class AgentState:
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
-            "gpus": [self._gpu_json(gpu) for gpu in inventory.gpus] if inventory else [],
+            "gpus": self._gpus_json(inventory) if inventory else [],
             "labels": dict(labels) if labels is not None else None,
             "plugin": self.plugin,
             "mps": self.mps,
@@ -360,16 +374,26 @@ class AgentState:
         links = self.inventory.links if self.inventory else ()
         return {str(link.b if link.a == index else link.a): link.kind for link in links if index in (link.a, link.b)}
 
-    def _gpu_json(self, gpu: Any) -> dict[str, Any]:
-        health = self.health.get(gpu.uuid, GpuHealth())
+    def _gpus_json(self, inventory: Inventory) -> list[dict[str, Any]]:
+        """Every GPU NVML counts, by index: those it cannot read too, as far as they are known."""
+        health = self.health_of(inventory)
+        found = [(gpu.index, self._gpu_json(gpu, health)) for gpu in inventory.gpus]
+        found += [(unnamed.index, _unidentified_json(unnamed)) for unnamed in inventory.unidentified]
+        return [doc for _, doc in sorted(found, key=lambda pair: pair[0])]
+
+    def _gpu_json(self, gpu: Gpu, healths: Mapping[str, GpuHealth]) -> dict[str, Any]:
+        health = healths.get(gpu.uuid, GpuHealth())
         settings = self.config.config.health
+        known = gpu.details_known
         return {
             "index": gpu.index,
             "uuid": gpu.uuid,
             "pci_bus_id": gpu.pci_bus_id,
             "product": gpu.product,
-            "memory_mib": gpu.memory_mib,
-            "compute_capability": "{}.{}".format(*gpu.compute_capability),
+            "unreadable": gpu.unreadable or None,  # why NVML cannot read it now: the rest is what is known of it
+            "known_from": gpu.known_from,  # nvml (read now), "last reading", "identity only" (no MIG, memory)
+            "memory_mib": gpu.memory_mib if known else None,
+            "compute_capability": "{}.{}".format(*gpu.compute_capability) if known else None,
             "numa_node": gpu.numa_node,
             "links": self._links_json(gpu.index),
             "health": "healthy" if health.healthy else "unhealthy",
@@ -381,7 +405,7 @@ class AgentState:
             "query_error": health.query_error or None,  # NVML fails for it: healthy once it answers again
             "failing_checks": health.check_reason or None,  # periodic checks: healthy once they pass
             "xid_counts": {str(xid): count for xid, count in health.xid_counts},
-            "mig": {
+            "mig": None if not known else {
                 "capable": gpu.mig.capable,
                 "mode": "enabled" if gpu.mig.enabled else "disabled",
                 "pending_mode": "enabled" if gpu.mig.pending_enabled else "disabled",
@@ -406,17 +430,31 @@ class AgentState:
         }
 
 
+def _unidentified_json(unnamed: UnidentifiedGpu) -> dict[str, Any]:
+    """/status of a GPU NVML counts and cannot read, which nothing else names: its index and why."""
+    reason = f"NVML cannot read it: {unnamed.reason}"
+    return {"index": unnamed.index, "uuid": None, "pci_bus_id": None, "product": None, "unreadable": unnamed.reason,
+            "known_from": None, "memory_mib": None, "compute_capability": None, "numa_node": None, "links": {},
+            "health": "unhealthy", "health_reason": reason, "last_xid": None, "recovers_at": None, "lost": False,
+            "query_error": reason, "failing_checks": None, "xid_counts": {}, "mig": None, "processes": [],
+            "metrics": None}
+
+
 def _sick(inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -> tuple[list[str], int]:
-    """What is unhealthy among the inventory's GPUs and MIG devices, and how many GPUs that touches."""
-    sick, failing = [], 0
+    """What is unhealthy among the inventory's GPUs (those NVML cannot name among them) and MIG devices, by
+    GPU index, and how many GPUs that touches."""
+    found: list[tuple[int, list[str]]] = [
+        (unnamed.index, [f"GPU {unnamed.index}: NVML cannot read it: {unnamed.reason}"])
+        for unnamed in (inventory.unidentified if inventory else ())]
     for gpu in inventory.gpus if inventory else ():
         own = health.get(gpu.uuid)
-        found = [f"GPU {gpu.index} ({gpu.uuid}): {own.reason}"] if own and not own.healthy else []
-        found += [f"{_mig_name(gpu, device)}: {health[device.uuid].reason}" for device in gpu.mig.devices
-                  if device.uuid in health and not health[device.uuid].healthy]
-        failing += bool(found)
-        sick += found
-    return sick, failing
+        reasons = [f"GPU {gpu.index} ({gpu.uuid}): {own.reason}"] if own and not own.healthy else []
+        reasons += [f"{_mig_name(gpu, device)}: {health[device.uuid].reason}" for device in gpu.mig.devices
+                    if device.uuid in health and not health[device.uuid].healthy]
+        if reasons:
+            found.append((gpu.index, reasons))
+    found.sort(key=lambda pair: pair[0])
+    return [reason for _, reasons in found for reason in reasons], len(found)
 
 
 def _mig_name(gpu: Gpu, device: MigDevice) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -266,6 +267,42 @@ def test_missing_capability_file_is_an_error_naming_it(node: Callable[..., Node]
     mig.root("/proc/driver/nvidia/capabilities/gpu0/mig/gi2/ci0/access").unlink()
     with pytest.raises(AgentError, match=r"/proc/driver/nvidia/capabilities/gpu0/mig/gi2/ci0/access is missing"):
         mig.spec()
+
+
+def _unreadable(inventory: Inventory, index: int) -> Inventory:
+    """`inventory` with GPU `index` as discovery has it once NVML cannot read it: as last read, marked."""
+    lost = replace(inventory.gpus[index], unreadable="nvmlDeviceGetHandleByIndex: GPU is lost",
+                   known_from="last reading")
+    return replace(inventory, gpus=tuple(lost if gpu.index == index else gpu for gpu in inventory.gpus))
+
+
+def test_a_gpu_nvml_cannot_read_keeps_its_devices_while_its_node_exists(node: Callable[..., Node]) -> None:
+    """Issue 33: the spec does not change with a loss (a container restarted with the GPU resolves its name);
+    once the GPU's device node is gone, its devices go (and `all` does not name a node that is not there)."""
+    dgx = node("dgx-h100")
+    dgx.make_device_nodes()
+    inventory = dgx.inventory()
+    files = cdi.discover(dgx.root, VERSION)
+    lost = _unreadable(inventory, 3)
+    assert cdi.build_spec(lost, dgx.root, files) == cdi.build_spec(inventory, dgx.root, files)
+    dgx.root("/dev/nvidia3").unlink()
+    spec = cdi.build_spec(lost, dgx.root, files)
+    assert "3" not in names(spec) and inventory.gpus[3].uuid not in names(spec) and len(names(spec)) == 15
+    assert "/dev/nvidia3" not in paths(device(spec, "all")["containerEdits"])
+    assert "3" in names(cdi.build_spec(inventory, dgx.root, files))  # read now: listed, the runtime finds it
+    assert not list(schema_validator().iter_errors(spec))
+
+
+def test_a_gpu_nvml_cannot_read_keeps_the_mig_devices_the_driver_still_has(node: Callable[..., Node]) -> None:
+    mig = node(MIG_MACHINE)
+    mig.make_device_nodes()
+    inventory = mig.inventory()
+    files = cdi.discover(mig.root, VERSION)
+    mig.root("/proc/driver/nvidia/capabilities/gpu0/mig/gi2/ci0/access").unlink()  # the driver dropped GI 2's
+    spec = cdi.build_spec(_unreadable(inventory, 0), mig.root, files)
+    assert names(spec)[:3] == ["0", "0:0", "1"] and inventory.gpus[0].mig.devices[1].uuid not in names(spec)
+    with pytest.raises(AgentError, match="gi2/ci0/access is missing"):  # a GPU read now: the driver must have it
+        cdi.build_spec(inventory, mig.root, files)
 
 
 # --- determinism and change ----------------------------------------------------------------------

@@ -38,7 +38,9 @@ def test_quick_start_a_gpu_off_the_bus_is_back_after_sim_clear(agent, root: Path
     """The README's quick start: XID 79 takes GPU 3 off the simulated bus (NVML answers GPU_IS_LOST for
     it) and /readyz turns 503; `sim clear` puts it back at the same bus id, and /readyz is 200 again.
     No periodic sample within the test, and `sim clear` as soon as /readyz says 503: the XID itself
-    has the GPU sampled, so it is seen gone (and then back) however quickly the user clears it."""
+    has the GPU sampled, so it is seen gone (and then back) however quickly the user clears it.
+    Meanwhile the lost GPU is that GPU's fact (issue 33): discovery lists all eight, /metrics keeps the other
+    seven's series and GPU 3's XID 79 (once, the whole discovery failed and took every series with it)."""
     daemon = agent("dgx-h100", settings={"metrics": {"sample_interval_seconds": 3600}})
     daemon.wait_ready()
 
@@ -46,6 +48,17 @@ def test_quick_start_a_gpu_off_the_bus_is_back_after_sim_clear(agent, root: Path
     assert raised.returncode == 0 and "GPU 3 has fallen off the bus" in raised.stdout
     _, body = daemon.wait_http("/readyz?verbose", lambda status, b: status == 503 and "XID 79" in b)
     assert "[-]gpu-health failed: GPU 3" in body
+    _, status = daemon.wait_http("/status", lambda _, b: json.loads(b)["gpus"][3]["unreadable"] is not None)
+    assert [stage["state"] for stage in json.loads(status)["stages"] if stage["name"] in ("discovery", "cdi")] == [
+        "ok", "ok"]
+    metrics = daemon.get("/metrics")[1].splitlines()
+    assert "gpu_agent_gpus 8.0" in metrics
+    assert any(line.startswith('DCGM_FI_DEV_XID_ERRORS{gpu="3"') and 'err_code="79"' in line
+               and line.endswith(" 79.0") for line in metrics)
+    powered = {line.split('"')[1] for line in metrics if line.startswith("DCGM_FI_DEV_POWER_USAGE{")}
+    assert powered == {"0", "1", "2", "4", "5", "6", "7"}
+    lost = json.loads(status)["gpus"][3]
+    assert lost["unreadable"] == "nvmlDeviceGetHandleByIndex: GPU is lost" and lost["health"] == "unhealthy"
 
     cleared = run_cli("sim", "clear", root=root)
     assert cleared.returncode == 0 and "GPU 3 back on the bus" in cleared.stdout

@@ -137,3 +137,29 @@ def test_mig_file_defaults_to_the_configs_mig_config_file_under_the_root(gpu_age
     (gpu_agent.root / "etc/gpu-agent/mig.yaml").write_text(Path(SHIPPED).read_text())
     code, out, _ = gpu_agent("mig", "apply", "-c", "all-balanced", "--dry-run")
     assert code == 0 and "would-change-mode" in out and "(dry run, nothing changed)" in out
+
+
+def test_a_gpu_off_the_bus_is_left_out_and_named(gpu_agent: Any) -> None:
+    """XID 79 on GPU 3: its geometry can be neither read nor changed. assert fails naming it; apply changes the
+    other seven and exits 1 naming it; export writes the others' geometry and warns; the daemon's mig stage
+    stays ok and notes it (issue 33: a lost GPU is that GPU's fact)."""
+    assert gpu_agent("sim", "inject-xid", "--gpu", "3", "--xid", "79")[0] == 0
+    code, out, _ = gpu_agent("mig", "apply", "-f", SHIPPED, "-c", "all-balanced", "--json")
+    results = json.loads(out)
+    assert code == 1 and results["state"] == "failed"
+    assert [g["gpu"] for g in results["gpus"]] == [0, 1, 2, 4, 5, 6, 7] and {g["mutations"] for g in results["gpus"]} \
+        == {9}
+    code, out, _ = gpu_agent("mig", "assert", "-f", SHIPPED, "-c", "all-balanced")
+    assert code == 1 and "GPU 3 (" in out and "NVML cannot read it: nvmlDeviceGetHandleByIndex: GPU is lost: its " \
+        "geometry cannot be checked" in out
+    code, out, err = gpu_agent("mig", "export")
+    assert code == 0 and "warning: GPU 3 (" in err and "left out of the export" in err
+    assert yaml.safe_load(out)["mig-configs"]["current"][0]["mig-enabled"] is True
+    config = gpu_agent.root.parent / "config.yaml"
+    config.write_text("version: v1\ntoolkit: {enabled: false}\nmig: {config: all-balanced}\n")
+    (gpu_agent.root / "etc/gpu-agent").mkdir(parents=True, exist_ok=True)
+    (gpu_agent.root / "etc/gpu-agent/mig.yaml").write_text(Path(SHIPPED).read_text())
+    code, out, _ = gpu_agent("apply", "--once", "--json")
+    mig = next(stage for stage in json.loads(out)["stages"] if stage["stage"] == "mig")
+    assert mig["state"] == "ok" and "GPU 3 (" in mig["message"] and "its MIG geometry is left as it is" in mig[
+        "message"]

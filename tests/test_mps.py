@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -345,3 +345,46 @@ def test_an_adopted_daemon_started_with_the_hosts_dev_shm_is_started_again_with_
     daemon = dgx.machine.read()["mps"][GPU_RESOURCE]
     assert daemon["alive"] and daemon["pid"] != pid and daemon["shm"]["source"] == SHM
     assert state.mps is not None and state.mps["daemons"][0]["up"] and set(Ledger(dgx.root).mounts()) == {SHM}
+
+
+def test_a_gpu_off_the_bus_keeps_the_daemon_serving_the_others(dgx: SimDgx) -> None:
+    """GPU 3 falls off the bus (NVML: GPU_IS_LOST, discovery keeps it as last read, unreadable): the running
+    daemon is not restarted (its clients on the other GPUs keep their server); one that dies starts again on
+    the seven GPUs NVML reads, whose compute modes it can set; GPU 3 back, the daemon is started on all eight."""
+    state = dgx.state()
+    manager = dgx.manager(state)
+    lost = replace(dgx.inventory.gpus[3], unreadable="nvmlDeviceGetHandleByIndex: GPU is lost",
+                   known_from="last reading")
+    uuids = [gpu.uuid for gpu in dgx.inventory.gpus]
+
+    async def scenario() -> None:
+        task = asyncio.create_task(manager.run())
+        try:
+            await _until(lambda: bool(state.mps and state.mps["daemons"][0]["up"]), 5)
+            pid = dgx.machine.read()["mps"][GPU_RESOURCE]["pid"]
+            with dgx.machine.edit() as sim:
+                sim["lost_gpus"] = [3]
+            state.inventory = replace(dgx.inventory, gpus=(*dgx.inventory.gpus[:3], lost, *dgx.inventory.gpus[4:]))
+            await manager.sync()
+            daemon = dgx.machine.read()["mps"][GPU_RESOURCE]
+            assert daemon["alive"] and daemon["pid"] == pid and not state.mps_down  # kept as it runs
+            assert state.mps is not None and state.mps["daemons"][0]["restarts"] == 0
+
+            kill(dgx.machine)
+            await _until(lambda: bool(state.mps and state.mps["daemons"][0]["restarts"] == 1 and not state.mps_down),
+                         5)
+            daemon = dgx.machine.read()["mps"][GPU_RESOURCE]
+            assert daemon["visible_devices"] == ",".join(uuids[:3] + uuids[4:])  # GPU 3 left out
+            assert state.mps["daemons"][0]["gpus"] == [0, 1, 2, 4, 5, 6, 7]
+            assert dgx.compute_modes() == [3] * 8  # GPU 3's was set before it was lost, and left alone
+
+            with dgx.machine.edit() as sim:
+                sim["lost_gpus"] = []
+            state.inventory = dgx.inventory
+            manager.wake()
+            await _until(lambda: dgx.machine.read()["mps"][GPU_RESOURCE]["visible_devices"] == ",".join(uuids)
+                         and dgx.machine.read()["mps"][GPU_RESOURCE]["alive"], 5)
+        finally:
+            task.cancel()
+
+    asyncio.run(scenario())

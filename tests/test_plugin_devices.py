@@ -128,6 +128,19 @@ def test_one_sick_gpu_marks_only_its_devices_and_each_device_has_its_gpus_numa_n
     assert [d.numa_node for d in ads(placed).resources[GPU_RESOURCE].devices] == [0, 0, 0, 0, 1, 1, 1, None]
 
 
+def test_a_gpu_known_by_its_identity_alone_is_a_whole_gpu_only_where_mig_plays_no_part() -> None:
+    """Issue 33: a GPU NVML cannot read, never read whole since the agent started (its MIG state unknown), is
+    listed (Unhealthy by its health) under mig.strategy none, and left out under single and mixed rather than
+    guessed at: single goes on with the MIG devices of the others, instead of withholding the resource."""
+    unknown = dataclasses.replace(gpu(3), mig=MigState(False), known_from="identity only",
+                                  unreadable="nvmlDeviceGetHandleByIndex: GPU is lost")
+    migs = [gpu(i, "3g.40gb", "3g.40gb") for i in range(3)]
+    node = inventory(*migs, unknown)
+    assert ids(ads(node)) == [g.uuid for g in node.gpus]
+    assert ids(ads(node, "single")) == [d.uuid for g in migs for d in g.mig.devices]
+    assert list(ads(node, "mixed").resources) == [mig_resource("3g.40gb")]
+
+
 def test_a_gpu_failing_a_periodic_check_is_advertised_unhealthy_with_the_checks_reason() -> None:
     """health/checks.py puts a failing periodic check (row remaps, temperature) into the GPU's health."""
     reason = "row-remap-failure: row remapping failed (no spare rows left): replace the GPU"

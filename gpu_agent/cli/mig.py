@@ -73,8 +73,18 @@ def main(args: argparse.Namespace) -> int:
 def _export(runtime: Any, args: argparse.Namespace) -> int:
     from gpu_agent.mig.export import export
 
-    sys.stdout.write(export(runtime.nvml.inventory.read().gpus, args.config_name))
+    inventory = runtime.nvml.inventory.read()
+    _warn_unreadable(inventory, "left out of the export")
+    sys.stdout.write(export(inventory.readable, args.config_name))
     return EXIT_OK
+
+
+def _warn_unreadable(inventory: Any, what: str) -> list[str]:
+    """One stderr line per GPU NVML cannot read (it has no geometry to read or change); those notes."""
+    notes = inventory.unreadable_notes()
+    for note in notes:
+        print(f"warning: {note}: {what}", file=sys.stderr)
+    return notes
 
 
 def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writes: bool) -> int:
@@ -93,9 +103,10 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
         name = next(iter(file.configs))
     entries = file.select(name)
     inventory = runtime.nvml.inventory.read()
-    plans = plans_for(inventory.gpus, entries)
+    plans = plans_for(inventory.readable, entries)
     if args.mig_command == "assert":
-        reasons = not_applied(plans)
+        reasons = not_applied(plans) + [f"{note}: its geometry cannot be checked" for note in
+                                        inventory.unreadable_notes()]
         if reasons:
             print(f"MIG config {name} is not applied:")
             for reason in reasons:
@@ -106,8 +117,9 @@ def _apply_or_assert(runtime: Any, args: argparse.Namespace, settings: Any, writ
     applier = Applier(runtime.nvml, runtime.gpu_reset, CheckpointStore(runtime.root), runtime.root,
                       force=args.force or settings.force)
     hooks = Hooks(settings.stop_units, runtime.units) if settings.stop_units and writes else None
-    results = applier.apply_all(inventory.gpus, plans, dry_run=not writes, hooks=hooks)
-    state = node_state(results)
+    unreadable = _warn_unreadable(inventory, "its geometry is left as it is")
+    results = applier.apply_all(inventory.readable, plans, dry_run=not writes, hooks=hooks)
+    state = FAILED if unreadable else node_state(results)
     if args.json:
         print(json.dumps({"config": name, "file": file.source, "dry_run": not writes, "state": state,
                           "gpus": [result.to_json() for result in results]}, indent=2))

@@ -131,18 +131,19 @@ def print_table(status: dict[str, Any]) -> None:
         print()
         rows = [("GPU", "UUID", "PCI", "PRODUCT", "MEMORY", "MIG", "HEALTH", "LAST XID", "RECOVERS")]
         for gpu in status["gpus"]:
-            mig = gpu["mig"]
-            mig_text = "n/a" if not mig["capable"] else (
+            mig = gpu["mig"]  # None: not known (NVML cannot read the GPU, and never could since the agent started)
+            mig_text = "?" if mig is None else "n/a" if not mig["capable"] else (
                 f"on ({len(mig['instances'])} instances)" if mig["mode"] == "enabled" else "off")
             last = gpu.get("last_xid")
-            rows.append((str(gpu["index"]), gpu["uuid"], gpu["pci_bus_id"], gpu["product"],
-                         f"{gpu['memory_mib']} MiB", mig_text, gpu["health"],
+            memory = gpu["memory_mib"]
+            rows.append((str(gpu["index"]), gpu["uuid"] or "?", gpu["pci_bus_id"] or "?", gpu["product"] or "?",
+                         "?" if memory is None else f"{memory} MiB", mig_text, gpu["health"],
                          f"{last['xid']} ({last['meaning']})" if last else "-", _recovery(gpu)))
         _table(rows)
         for gpu in status["gpus"]:
             if gpu["health_reason"]:
                 print(f"GPU {gpu['index']} {gpu['health']}: {gpu['health_reason']}")
-            for device in gpu["mig"]["instances"]:
+            for device in gpu["mig"]["instances"] if gpu["mig"] else ():
                 if device.get("health_reason"):
                     print(f"GPU {gpu['index']} MIG device {device['uuid']} {device['health']}: "
                           f"{device['health_reason']}; recovers {_recovery(device)}")

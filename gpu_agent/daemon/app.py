@@ -587,14 +587,19 @@ class Daemon:
             await self._sample()
 
     async def _sample(self) -> None:
-        lost = {uuid for uuid, health in self.state.health.items() if health.lost}
+        before = self._not_answering()
         try:
             await asyncio.to_thread(self.sampler.sample)
         except Exception:  # a bug: log it, keep sampling
             log.exception("sampling GPU metrics failed; this is a gpu-agent bug")
-        if any(not (health := self.state.health.get(uuid)) or not health.lost for uuid in lost):
-            self.trigger(force=True)  # a GPU back on the bus: the stages that failed on it try again now
+        now = self._not_answering()
+        if now != before:  # discovery reads a GPU that stopped answering, or answers again, now: not in a minute
+            self.trigger(force=bool(before - now))  # one back: the stages that failed on it try again at once
         self.publish()
+
+    def _not_answering(self) -> set[str]:
+        """The GPUs off the bus (XID 79) or whose NVML queries fail, by UUID."""
+        return {uuid for uuid, health in self.state.health.items() if health.lost or health.query_error}
 
     async def _check_loop(self) -> None:
         """The periodic health checks; a hung NVML call fails them after its timeout, on a worker thread."""

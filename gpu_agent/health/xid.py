@@ -61,9 +61,10 @@ class XidWatcher:
         self._stop.set()
 
     def _register(self) -> Optional[XidWait]:
-        """The event wait for the GPUs in the inventory, registered again when they change."""
+        """The event wait for the GPUs in the inventory, registered again when they change (a GPU NVML could
+        not read, and so not register, is registered once it is read again)."""
         inventory = self.state.inventory
-        uuids = tuple(gpu.uuid for gpu in inventory.gpus) if inventory else ()
+        uuids = tuple(gpu.uuid for gpu in inventory.readable) if inventory else ()
         with self._lock:
             if uuids and (self._wait is None or uuids != self._watched):
                 if self._wait is not None:

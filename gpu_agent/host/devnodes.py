@@ -10,6 +10,7 @@ import stat
 from dataclasses import dataclass
 from typing import Optional
 
+from gpu_agent.host.driver_gpus import driver_gpus
 from gpu_agent.host.paths import Root
 from gpu_agent.host.procfs import MAX_MINOR, MAX_MODE, UINT32_MAX, KeyValues, parse_key_values, read
 
@@ -68,16 +69,7 @@ def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules:
 
 def gpu_minors(root: Root) -> dict[str, int]:
     """Device minor of each GPU by PCI address, from /proc/driver/nvidia/gpus/*/information."""
-    try:
-        addresses = sorted(os.listdir(root("/proc/driver/nvidia/gpus")))
-    except (FileNotFoundError, NotADirectoryError):
-        addresses = []
-    minors = {}
-    for address in addresses:
-        info = driver_file(root, f"/proc/driver/nvidia/gpus/{address}/information")
-        if "Device Minor" in info:
-            minors[address.lower()] = info.integer("Device Minor", 0, MAX_MINOR)
-    return minors
+    return {gpu.bus_id: gpu.minor for gpu in driver_gpus(root) if gpu.minor is not None}
 
 
 def node_problem(root: Root, node: DeviceNode) -> Optional[str]:

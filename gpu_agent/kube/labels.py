@@ -73,8 +73,13 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
     labels = {"gpu-agent.ready": str(ready).lower()}
     if inventory is None or not inventory.gpus:
         return _prefixed(labels)
+    # A GPU NVML cannot read keeps its labels as last read, and counts in gpu.count: it is still the node's
+    # (its devices go Unhealthy in the plugin). Known by its identity alone, its MIG state and memory are
+    # unknown: the other GPUs describe the node. (GFD, whose NVML enumeration fails as a whole, exits,
+    # removing its labels file: docs/health.md.)
+    gpus = tuple(gpu for gpu in inventory.gpus if gpu.details_known) or inventory.gpus
     # As GFD: a node's GPUs are one model, and a GPU with MIG off describes it before one with MIG on.
-    first = next((gpu for gpu in inventory.gpus if not gpu.mig.enabled), inventory.gpus[0])
+    first = next((gpu for gpu in gpus if not gpu.mig.enabled), gpus[0])
     product = sanitise(first.product)
     shared = dict(shared or {})
     labels.update(_versions(inventory))
@@ -88,7 +93,7 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
         "gpu.mode": gpu_mode(inventory.gpus),
         "gpu.replicas": "1",
         "gpu.sharing-strategy": "none",
-        "mig.capable": str(any(gpu.mig.capable for gpu in inventory.gpus)).lower(),
+        "mig.capable": str(any(gpu.mig.capable for gpu in gpus)).lower(),
         "mps.capable": "false",  # GFD's value unless the plugin shares by MPS (_sharing)
     })
     if strategy != "none":
@@ -97,16 +102,16 @@ def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine:
     count = sum(gpu.product == first.product for gpu in inventory.gpus)
     labels.update({"gpu.product": product, "gpu.count": str(count), "gpu.memory": str(first.memory_mib)})
     labels.update(_vgpu(inventory.gpus))
-    single = strategy == "single" and any(gpu.mig.enabled for gpu in inventory.gpus)
-    if not single and all(gpu.mig.enabled for gpu in inventory.gpus):
+    single = strategy == "single" and any(gpu.mig.enabled for gpu in gpus)
+    if not single and all(gpu.mig.enabled for gpu in gpus):
         # GFD's newGPULabelers: the gpu.* labels of MIG-enabled GPUs never carry sharing (replicas 0),
         # whatever the plugin does with them; only a GPU with MIG off brings the config's sharing in.
         labels["gpu.replicas"] = "0"
         shared.pop(_GPU, None)
     if strategy == "mixed":
-        labels.update(_mixed(inventory.gpus, product))
+        labels.update(_mixed(gpus, product))
     elif single:
-        labels.update(_single(inventory.gpus, product))
+        labels.update(_single(gpus, product))
     labels.update(_sharing(labels, shared))
     return _prefixed(labels)
 

@@ -57,7 +57,7 @@ class AgentCollector:
         yield text.counter("gpu_agent_nvml_call_timeouts", "NVML calls abandoned after their timeout.",
                            value=self.nvml_timeouts())
         yield text.gauge("gpu_agent_gpus", "GPUs visible through NVML.",
-                         value=len(state.inventory.gpus) if state.inventory else 0)
+                         value=state.inventory.count if state.inventory else 0)
         restarts = text.counter("gpu_agent_runtime_restarts", "Container runtime restarts by the agent.",
                                 labels=["runtime"])
         for runtime, count in sorted(state.runtime_restarts.items()):
@@ -105,8 +105,9 @@ class AgentCollector:
         xid_total = text.counter("gpu_agent_xid_events", "XID events seen, by XID.",
                                  labels=["gpu", "UUID", "xid"])
         healthy = text.gauge("gpu_agent_gpu_healthy", "1 when the GPU is healthy.", labels=list(LABELS))
+        healths = self.state.health_of(inventory)
         for gpu in inventory.gpus:
-            health = self.state.health.get(gpu.uuid)
+            health = healths.get(gpu.uuid)
             healthy.add(self._labels(gpu), int(health.healthy) if health else 1)
             for code, count in health.xid_counts if health else ():
                 xid_total.add([str(gpu.index), gpu.uuid, str(code)], count)

@@ -39,8 +39,8 @@ class Sampler:
             self._running.release()
 
     def _sample(self) -> None:
-        # While discovery fails (a GPU off the bus fails the whole inventory), the GPUs it last found: so
-        # a lost GPU is seen gone, and back, between two passes.
+        # Every GPU discovery found, those NVML could not read too (so a lost GPU is seen gone, and back,
+        # between two passes); while discovery fails, the GPUs it last found.
         inventory = self.state.inventory or self.state.last_inventory
         if inventory is None:
             return
@@ -121,8 +121,7 @@ class Sampler:
         health = self.state.health.get(gpu.uuid)
         if health is None or not (health.lost and health.missing):
             return
-        bus_ids = self.nvml.inventory.bus_ids()
-        found = bus_ids[gpu.index] if gpu.index < len(bus_ids) else None
+        found = self.nvml.inventory.bus_id(gpu.index)  # that GPU's alone: another may still be off the bus
         if found != gpu.pci_bus_id:
             if gpu.uuid not in self._misplaced:  # said once, not at every sample
                 self._misplaced.add(gpu.uuid)

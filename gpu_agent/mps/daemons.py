@@ -18,7 +18,7 @@ import contextlib
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from gpu_agent.config.plugin import mig_strategy, plugin_wanted
@@ -76,6 +76,8 @@ def wanted_daemons(root: Root, state: AgentState) -> tuple[dict[str, DaemonSpec]
     if settings.sharing.strategy != "mps" or not plugin_wanted(root, settings):
         return {}, {}
     inventory = state.inventory or state.last_inventory
+    if inventory is not None:  # a daemon starts on the GPUs NVML reads: it could not set a lost one's compute mode
+        inventory = replace(inventory, gpus=inventory.readable)
     found = advertised(inventory, {}, mig_strategy(state.config.config), settings)
     specs: dict[str, DaemonSpec] = {}
     gpus = {gpu.uuid: gpu for gpu in inventory.gpus} if inventory else {}
@@ -121,14 +123,23 @@ class MpsManager:
 
     async def sync(self) -> None:
         wanted, withheld = await asyncio.to_thread(wanted_daemons, self.root, self.state)
-        for name in [name for name, running in self.daemons.items() if wanted.get(name) != running.spec]:
+        unreadable = self._unreadable()
+        for name in [name for name, running in self.daemons.items()
+                     if not _serves(running, wanted.get(name), unreadable)]:
             await asyncio.to_thread(self._stop, self.daemons.pop(name))
         for name, spec in wanted.items():
             running = self.daemons.setdefault(name, Running(spec))
+            if running.pid is None and running.spec != spec:  # down: it starts again on the GPUs NVML reads
+                running.spec = spec
             await asyncio.to_thread(self._keep, running)
         if not wanted:
             await asyncio.to_thread(self._remove_left_over)
         self._publish(withheld)
+
+    def _unreadable(self) -> frozenset[str]:
+        """The UUIDs of the GPUs discovery found but NVML cannot read now."""
+        inventory = self.state.inventory or self.state.last_inventory
+        return frozenset(gpu.uuid for gpu in inventory.gpus if gpu.unreadable) if inventory else frozenset()
 
     def _keep(self, running: Running) -> None:
         """Start it if it is not running and its backoff has passed; see whether a running one still runs."""
@@ -259,6 +270,18 @@ class MpsManager:
         section = {"daemons": daemons, "withheld": withheld} if daemons or withheld else None
         if self.state.publish_mps(section, down):
             self.changed()
+
+
+def _serves(running: Running, wanted: Optional[DaemonSpec], unreadable: frozenset[str]) -> bool:
+    """Whether a daemon may go on: as wanted, or wanted but for GPUs NVML cannot read now (one off the bus is
+    that GPU's fact: the daemon's clients on the others keep their server; one down starts without it)."""
+    spec = running.spec
+    if wanted is None or spec == wanted:
+        return wanted is not None
+    keep = [n for n, uuid in enumerate(spec.gpus) if uuid not in unreadable]
+    return len(keep) < len(spec.gpus) and wanted == replace(
+        spec, gpus=tuple(spec.gpus[n] for n in keep), indices=tuple(spec.indices[n] for n in keep),
+        memory_mib=tuple(spec.memory_mib[n] for n in keep))
 
 
 def stop_daemon(control: MpsControl, spec: DaemonSpec, wait_s: float = QUIT_WAIT_S) -> Optional[str]:

@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional
 
 from gpu_agent.nvml.model import XidEvent
-from gpu_agent.nvml.session import NvmlHung, NvmlSession, NvmlUnavailable
+from gpu_agent.nvml.session import NvmlHung, NvmlSession, NvmlUnavailable, describe
 
 log = logging.getLogger(__name__)
 
@@ -19,19 +19,27 @@ class NvmlEvents:
         self.session = session
 
     def watch_xids(self) -> XidWait:
-        """Register every GPU for XID events; returns wait(timeout_ms) -> event or None."""
+        """Register for XID events every GPU NVML answers for (one it does not answer for is that GPU's
+        fact: the others are watched); returns wait(timeout_ms) -> event or None."""
         self.session.init()
         lib = self.session.lib
         event_set = self.session.call("nvmlEventSetCreate")
         uuids: dict[int, tuple[Any, str]] = {}
         for index in range(self.session.count()):
-            handle = self.session.handle(index)
             try:
+                handle = self.session.handle(index)
                 self.session.call("nvmlDeviceRegisterEvents", handle, lib.nvmlEventTypeXidCriticalError, event_set)
             except lib.NVMLError_NotSupported:
                 log.warning("GPU %d does not report XID events; its health is not watched", index)
                 continue
-            uuids[_handle_key(handle)] = (handle, self.session.call("nvmlDeviceGetUUID", handle))
+            except lib.NVMLError as exc:
+                log.warning("GPU %d: XID events not watched until NVML answers for it again: %s", index,
+                            describe(exc))
+                continue
+            try:
+                uuids[_handle_key(handle)] = (handle, self.session.call("nvmlDeviceGetUUID", handle))
+            except lib.NVMLError:
+                pass  # registered: an event of it asks NVML for its UUID then
         return XidWait(self.session, event_set, uuids)
 
 

@@ -7,12 +7,14 @@ import threading
 from typing import Any, NamedTuple, Optional
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.driver_gpus import DriverGpu, driver_gpus
 from gpu_agent.host.paths import Root
 from gpu_agent.host.pci import Vgpu, numa_node, pci_class, vgpu
 from gpu_agent.nvml.mig import NvmlMig
 from gpu_agent.nvml.model import Gpu, GpuLink, Inventory
 from gpu_agent.plan import COMPUTE_MODES
 from gpu_agent.nvml.session import NvmlSession, describe, short_bus_id, text_of
+from gpu_agent.nvml.unreadable import Unread, stand_ins
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,8 @@ class DriverView(NamedTuple):
     version: str
     bus_ids: list[str]  # of the GPUs that answer
     persistence: Optional[list[bool]]  # by GPU index, when asked for
-    lost: tuple[int, ...] = ()  # GPUs NVML answers GPU_IS_LOST for (fallen off the bus: gpu-health's to report)
+    lost: tuple[tuple[int, str], ...] = ()  # (index, NVML's error) of each GPU NVML answers no bus id for
+    # (GPU_IS_LOST: off the bus): gpu-health's to report
 
 
 class NvmlInventory:
@@ -58,6 +61,7 @@ class NvmlInventory:
         # again. Kept for the session's `changes` count it was read under.
         self._identities: dict[int, _GpuIdentity] = {}
         self._identities_of = 0
+        self._last_read: dict[int, Gpu] = {}  # by index: each GPU as last read whole (what is known of it when lost)
         self._links: dict[tuple[str, ...], tuple[GpuLink, ...]] = {}  # by the GPUs' bus ids: hardware, read once
         self._links_complete = True  # no unexpected NVML error while reading them (else read again next time)
 
@@ -95,9 +99,50 @@ class NvmlInventory:
         call = self.session.call
         driver = call("nvmlSystemGetDriverVersion")
         cuda = call("nvmlSystemGetCudaDriverVersion")
-        gpus = tuple(self._gpu(index) for index in range(self.session.count()))
+        read: dict[int, Gpu] = {}
+        unread: list[Unread] = []
+        for index in range(self.session.count()):
+            try:
+                read[index] = self._gpu(index)
+            except self.session.lib.NVMLError as exc:  # that GPU's fact: the others are read on
+                unread.append(self._unread(index, exc))
+        self._last_read.update(read)
+        stand_in, unidentified = stand_ins(unread, read, self._last_read, self._driver_gpus(),
+                                           self.root) if unread else ([], [])
+        gpus = tuple(sorted((*read.values(), *stand_in), key=lambda gpu: gpu.index))
         return Inventory(driver_version=driver, cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}", gpus=gpus,
-                         links=self.links(gpus))
+                         links=self.links(gpus), unidentified=tuple(unidentified))
+
+    def _unread(self, index: int, exc: Exception) -> Unread:
+        """A GPU NVML could not read whole: why, and what NVML may still answer of its identity."""
+        log.debug("GPU %d: %s", index, describe(exc))
+        try:
+            handle = self.session.handle(index)
+        except self.session.lib.NVMLError:
+            return Unread(index, describe(exc))
+        uuid, pci, name, minor = (self._answer(call, handle) for call in (
+            "nvmlDeviceGetUUID", "nvmlDeviceGetPciInfo", "nvmlDeviceGetName", "nvmlDeviceGetMinorNumber"))
+        return Unread(index, describe(exc), uuid=uuid if isinstance(uuid, str) and uuid else None,
+                      bus_id=short_bus_id(text_of(pci.busId)) if pci is not None else None,
+                      product=name if isinstance(name, str) and name else None,
+                      minor=minor if isinstance(minor, int) else None)
+
+    def _answer(self, name: str, *args: Any) -> Any:
+        """NVML's answer, or None where it has none."""
+        try:
+            return self.session.call(name, *args)
+        except self.session.lib.NVMLError:
+            return None
+
+    def _driver_gpus(self) -> list[DriverGpu]:
+        """The driver's own list of its GPUs (under the root), or none where it cannot be read."""
+        if self.root is None:
+            return []
+        try:
+            return driver_gpus(self.root)
+        except AgentError as exc:
+            log.warning("what the driver knows of the GPUs NVML cannot read is unknown: %s", exc)
+            return []
 
     def _gpu(self, index: int) -> Gpu:
         handle = self.session.handle(index)
@@ -144,24 +189,29 @@ class NvmlInventory:
     def links(self, gpus: tuple[Gpu, ...]) -> tuple[GpuLink, ...]:
         """How each pair of GPUs is connected: NVLinks (direct, or through NVSwitch where NVML says the
         pair can talk over NVLink) and their nearest common PCIe ancestor. Read once per set of GPUs,
-        as it changes only with the hardware; what NVML does not support stays unknown."""
+        as it changes only with the hardware; what NVML does not support stays unknown, and so do the links
+        of a GPU NVML cannot read (those read before it was lost are kept)."""
         key = tuple(gpu.pci_bus_id for gpu in gpus)
         if key in self._links:
             return self._links[key]
+        readable = tuple(gpu for gpu in gpus if not gpu.unreadable)
+        partial = (*key, "readable:", *(gpu.pci_bus_id for gpu in readable))  # the links among those read
+        if len(readable) < len(gpus) and partial in self._links:
+            return self._links[partial]
         self._links_complete = True
-        handles = [self.session.handle(gpu.index) for gpu in gpus]
+        handles = [self.session.handle(gpu.index) for gpu in readable]
         reach = [self._nvlink_reach(handle) for handle in handles]
         links = []
-        for i, a in enumerate(gpus):
-            for j in range(i + 1, len(gpus)):
-                b = gpus[j]
+        for i, a in enumerate(readable):
+            for j in range(i + 1, len(readable)):
+                b = readable[j]
                 nvlinks = reach[i][0].get(b.pci_bus_id, 0)
                 if reach[i][1] and reach[j][1] and self._p2p_over_nvlink(handles[i], handles[j]):
                     nvlinks += min(reach[i][1], reach[j][1])
                 level = self._optional("nvmlDeviceGetTopologyCommonAncestor", handles[i], handles[j])
                 links.append(GpuLink(a.index, b.index, nvlinks, _PCIE_LEVELS.get(level, "")))
         if self._links_complete:
-            self._links[key] = tuple(links)
+            self._links[key if len(readable) == len(gpus) else partial] = tuple(links)
         return tuple(links)
 
     def _nvlink_reach(self, handle: Any) -> tuple[dict[str, int], int]:
@@ -223,6 +273,16 @@ class NvmlInventory:
         handles = [self.session.handle(i) for i in range(self.session.count())]
         return [short_bus_id(self.session.call("nvmlDeviceGetPciInfo", handle).busId) for handle in handles]
 
+    def bus_id(self, index: int) -> Optional[str]:
+        """The PCI bus id NVML answers for GPU `index` now; None where it answers none (a GPU off the bus)."""
+        return self.session.batch(f"nvmlDeviceGetPciInfo(GPU {index})", self._bus_id, index)
+
+    def _bus_id(self, index: int) -> Optional[str]:
+        try:
+            return short_bus_id(self.session.call("nvmlDeviceGetPciInfo", self.session.handle(index)).busId)
+        except self.session.lib.NVMLError:
+            return None
+
     def driver_view(self, persistence: bool) -> DriverView:
         """What the driver stage asks NVML, in one batch: the driver's version, every GPU's bus id, and
         (when `persistence`) their persistence modes."""
@@ -231,18 +291,20 @@ class NvmlInventory:
 
     def _driver_view(self, persistence: bool) -> DriverView:
         version = self.session.call("nvmlSystemGetDriverVersion")
-        handles, lost = {}, []
+        bus_ids, lost, errors = [], {}, []
         for index in range(self.session.count()):
-            try:
-                handles[index] = self.session.handle(index)
+            try:  # a GPU NVML cannot answer for is that GPU's fact (gpu-health's), not the driver's...
+                bus_ids.append(short_bus_id(self.session.call("nvmlDeviceGetPciInfo",
+                                                              self.session.handle(index)).busId))
             except self.session.lib.NVMLError as exc:
-                if getattr(exc, "value", None) != self.session.lib.NVML_ERROR_GPU_IS_LOST:
-                    raise
-                lost.append(index)
-        bus_ids = [short_bus_id(self.session.call("nvmlDeviceGetPciInfo", h).busId) for h in handles.values()]
+                lost[index] = describe(exc)
+                errors.append(exc)
+        lib = self.session.lib
+        if errors and not bus_ids and not any(getattr(e, "value", None) == lib.NVML_ERROR_GPU_IS_LOST for e in errors):
+            raise errors[0]  # ...but NVML failing alike for every GPU, none of them lost, is the driver's
         if persistence and not lost:
             return DriverView(version, bus_ids, self._persistence_modes())
-        return DriverView(version, bus_ids, None, tuple(lost))
+        return DriverView(version, bus_ids, None, tuple(lost.items()))
 
     def persistence_modes(self) -> list[bool]:
         """Persistence mode of each GPU, by index (one batch)."""

@@ -99,10 +99,35 @@ class Gpu:
     numa_node: Optional[int] = None  # the CPU NUMA node it hangs off (sysfs numa_node); None: unknown (-1, a VM)
     pci_class: Optional[int] = None  # sysfs class: 0x030200 a 3D controller (compute), 0x030000 VGA; None: unread
     vgpu: Optional[Vgpu] = None  # the vGPU capability in its PCI config space; None: config space unread
+    # Why NVML cannot read it now ("nvmlDeviceGetHandleByIndex: GPU is lost"); "": read whole. Such a GPU is
+    # a fact about that GPU, not a failed inventory: its record holds what is known of it (known_from).
+    unreadable: str = ""
+    known_from: str = "nvml"  # NVML (read now), LAST_READING or IDENTITY
 
     @property
     def device_node(self) -> str:
         return f"nvidia{self.minor_number}"
+
+    @property
+    def details_known(self) -> bool:
+        """Whether its MIG state, memory and compute capability are known (read now or as last read): a GPU
+        known by its identity alone has none of them."""
+        return self.known_from != IDENTITY
+
+
+# Where an unreadable GPU's record comes from: the last reading of it at its index and bus id (the daemon's),
+# or its identity alone (UUID, bus id, product, device minor: what NVML still answers of it, and the driver's
+# /proc/driver/nvidia/gpus/<bus id>/information), nothing of its MIG state, memory or compute capability.
+LAST_READING = "last reading"
+IDENTITY = "identity only"
+
+
+@dataclass(frozen=True)
+class UnidentifiedGpu:
+    """A GPU NVML counts but cannot read, and nothing else names (no earlier reading, no driver record)."""
+
+    index: int
+    reason: str
 
 
 # How far apart two GPUs are on PCIe, in nvidia-smi topo's words (NVML's nvmlGpuTopologyLevel_t), nearest first.
@@ -130,6 +155,23 @@ class Inventory:
     cuda_version: str  # "12.4"
     gpus: tuple[Gpu, ...] = ()
     links: tuple[GpuLink, ...] = ()  # one per pair of GPUs NVML could relate; none on a one-GPU node
+    unidentified: tuple[UnidentifiedGpu, ...] = ()  # beside `gpus`: counted by NVML, unreadable, unnamed
+
+    @property
+    def readable(self) -> tuple[Gpu, ...]:
+        """The GPUs NVML read whole in this reading: those its queries and changes may address."""
+        return tuple(gpu for gpu in self.gpus if not gpu.unreadable)
+
+    @property
+    def count(self) -> int:
+        """Every GPU NVML counts, readable or not."""
+        return len(self.gpus) + len(self.unidentified)
+
+    def unreadable_notes(self) -> list[str]:
+        """`GPU 3 (GPU-...): NVML cannot read it: ...`, one per GPU NVML could not read."""
+        return ([f"GPU {gpu.index} ({gpu.uuid}): NVML cannot read it: {gpu.unreadable}"
+                 for gpu in self.gpus if gpu.unreadable]
+                + [f"GPU {gpu.index}: NVML cannot read it: {gpu.reason}" for gpu in self.unidentified])
 
     def link(self, a: int, b: int) -> Optional[GpuLink]:
         """How GPUs `a` and `b` (indexes) are connected, or None where it is not known."""

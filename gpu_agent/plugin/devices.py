@@ -122,8 +122,10 @@ def ignored_sharing(bases: list[_Base], settings: PluginConfig, strategy: str) -
 
 
 def _bases(inventory: Inventory, strategy: str) -> tuple[list[_Base], dict[str, str]]:
-    """The devices before sharing, by strategy, and the resources withheld with the reason."""
-    gpus = inventory.gpus
+    """The devices before sharing, by strategy, and the resources withheld with the reason. A GPU NVML cannot
+    read is there as last read (Unhealthy by its health); one whose MIG state is unknown (known by its identity
+    alone) only as a whole GPU, where MIG plays no part (mig.strategy none)."""
+    gpus = inventory.gpus if strategy == "none" else tuple(gpu for gpu in inventory.gpus if gpu.details_known)
     whole = [_Base(GPU_RESOURCE, gpu.uuid, gpu) for gpu in gpus]
     if strategy == "none":
         return whole, {}

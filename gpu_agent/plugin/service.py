@@ -167,13 +167,12 @@ class DevicePluginManager:
         discovery = state.stages.get("discovery")
         if inventory is None and discovery is not None and discovery.state == "failed":
             unavailable = f"discovery failed: {discovery.message}"
-        return advertised(inventory, state.health, mig_strategy(state.config.config), self.settings, unavailable,
-                          state.mps_down)
+        return advertised(inventory, state.health_of(inventory), mig_strategy(state.config.config), self.settings,
+                          unavailable, state.mps_down)
 
     def _inventory(self) -> Optional[Inventory]:
-        """The GPUs to serve: discovery's, or, while discovery fails with NVML answering (one GPU fallen
-        off the bus fails the whole inventory), the GPUs it last found. The lost GPU's devices are then
-        Unhealthy by its health, and the other GPUs' devices go on serving."""
+        """The GPUs to serve: discovery's (a GPU NVML cannot read among them, Unhealthy by its health, the
+        others serving), or, while discovery fails with NVML answering, the GPUs it last found."""
         return self.state.inventory or self.state.last_inventory
 
     def _service_args(self) -> dict[str, Any]:

@@ -204,8 +204,7 @@ def _nvml(fn: Callable[..., Any]) -> Callable[..., Any]:
         machine = self._state
         state = machine.read()
         if state["faults"]:
-            gpu = args[0].gpu if args and isinstance(args[0], (SimHandle, SimGpuInstance, SimComputeInstance)) else None
-            self._fault(name, gpu)
+            self._fault(name, _target_gpu(name, args))  # `sim fail nvmlDeviceGetHandleByIndex --gpu 3` too
             state = machine.read()  # the fault may have changed it
         lost = state.get("lost_gpus")
         if lost and name not in _ANSWERED_WHEN_LOST and _target_gpu(name, args) in lost:

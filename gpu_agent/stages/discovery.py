@@ -33,7 +33,9 @@ class Discovery(Stage):
         return {"inventory": inventory}
 
     def verify(self, inventory: Inventory) -> str:
-        found = len(inventory.gpus)
+        """A GPU NVML cannot read (off the bus, its queries failing) is in the inventory as what is known of it,
+        and noted here: it is gpu-health's to judge, and the other GPUs are served as ever."""
+        found = inventory.count
         if found == 0:
             raise StageError(
                 f"no NVIDIA GPU was found: driver {inventory.driver_version} is loaded but NVML reports no GPU"
@@ -45,4 +47,5 @@ class Discovery(Stage):
                 f"expected {expected} GPUs (discovery.expected_gpus) but NVML reports {found}: {seen}; "
                 "a missing GPU has usually fallen off the bus (check dmesg for XID 79)"
             )
-        return inventory.summary()
+        notes = inventory.unreadable_notes()
+        return inventory.summary() + "".join(f"; {note} (gpu-health reports it)" for note in notes)

@@ -58,7 +58,7 @@ class DriverState:
     nvml_version: Optional[str] = None
     nvml_error: Optional[str] = None
     nvml_bus_ids: list[str] = field(default_factory=list)
-    nvml_lost: tuple[int, ...] = ()  # GPU indices NVML answers GPU_IS_LOST for
+    nvml_lost: tuple[tuple[int, str], ...] = ()  # (index, NVML's error) of each GPU NVML answers no bus id for
     persistence: Optional[list[bool]] = None
     persistenced: bool = False
     installed: Optional[driver_version.Installed] = None
@@ -330,14 +330,13 @@ class Driver(Stage):
         return f"; the NVML library on disk is {library}"
 
     def _verify_gpus(self, state: DriverState) -> list[str]:
-        """The GPUs NVML sees are those on the PCI bus. A GPU NVML answers GPU_IS_LOST for fell off the bus
-        (XID 79): the driver is not at fault, gpu-health reports it, and it is only noted here."""
+        """The GPUs NVML sees are those on the PCI bus. A GPU NVML cannot answer for (GPU_IS_LOST: fell off
+        the bus, XID 79) is that GPU's fault, not the driver's: gpu-health reports it, and it is only noted here."""
         on_bus = {device.address for device in state.managed_gpus}
         in_nvml = set(state.nvml_bus_ids)
         notes = []
         if state.nvml_lost and in_nvml <= on_bus and len(on_bus - in_nvml) <= len(state.nvml_lost):
-            notes.append(f"GPU {', '.join(map(str, state.nvml_lost))} lost (NVML: GPU is lost; gpu-health "
-                        "reports it)")
+            notes += [f"GPU {index} lost to NVML ({why}; gpu-health reports it)" for index, why in state.nvml_lost]
             on_bus = in_nvml
         if on_bus != in_nvml:
             lost = ", ".join(sorted(on_bus - in_nvml)) or "none"

@@ -88,7 +88,8 @@ class Mig(Stage):
             entries = load_mig_config(self.root(self.settings.config_file), "mig.config_file").select(name)
         except AgentError as exc:
             return MigObservation(name, source, inventory, error=f"{exc} (config from {source})")
-        return MigObservation(name, source, inventory, tuple(plans_for(inventory.gpus, entries)))
+        # A GPU NVML cannot read has no geometry to compare or change: left as it is (verify notes it).
+        return MigObservation(name, source, inventory, tuple(plans_for(inventory.readable, entries)))
 
     def _selected(self) -> tuple[Optional[str], str]:
         if self.settings.follow_node_label and self.node_label is not None:
@@ -129,7 +130,7 @@ class Mig(Stage):
                 log.warning("cannot set %s=pending before the MIG change: %s", STATE_LABEL, exc)
         hooks = Hooks(self.settings.stop_units, self.units) if self.settings.stop_units else None
         try:
-            self._results = tuple(self.applier.apply_all(inventory.gpus, plans, hooks=hooks))
+            self._results = tuple(self.applier.apply_all(inventory.readable, plans, hooks=hooks))
         finally:
             self.nvml.inventory.forget()  # a GPU reset changes MIG outside NVML's calls
         for result in self._results:
@@ -152,6 +153,8 @@ class Mig(Stage):
         if reasons:
             raise StageError(f"MIG config {observed.config}: " + "; ".join(reasons))
         skipped = [plan.skipped for plan in observed.plans if plan.skipped]
+        if observed.inventory is not None:
+            skipped += [f"{note}: its MIG geometry is left as it is" for note in observed.inventory.unreadable_notes()]
         return (f"MIG config {observed.config} applied ({len(observed.plans)} GPUs)"
                 + "".join(f"; {reason}" for reason in skipped))
 

@@ -82,19 +82,30 @@ def discover(root: Root, driver_version: str) -> DriverFiles:
 
 
 def build_spec(inventory: Inventory, root: Root, files: DriverFiles, hook: str = HOOK) -> dict[str, Any]:
-    """The spec as a dict (cdiVersion set to the lowest version whose features it uses)."""
+    """The spec as a dict (cdiVersion set to the lowest version whose features it uses). A GPU NVML cannot
+    read keeps its devices as last known while its device node is there (a container restarted with it
+    resolves its name, and the spec does not change with each loss), the plugin having made it Unhealthy."""
     if not inventory.gpus:
         raise AgentError("no GPUs: a CDI spec needs at least one device (an \"all\" without nodes is invalid)")
     devices: list[dict[str, Any]] = []
     for gpu in inventory.gpus:
         gpu_node = f"/dev/{gpu.device_node}"
+        if gpu.unreadable and "major" not in _node(root, gpu_node):
+            continue  # NVML cannot read it and its device node is gone: nothing a container could be given
         devices += [_device(name, root, [gpu_node], hook) for name in (str(gpu.index), gpu.uuid)]
         if not gpu.mig.enabled:
             continue
         for position, mig in enumerate(gpu.mig.devices):
             gi, ci = mig.gpu_instance_id, mig.compute_instance_id
-            nodes = [gpu_node, _cap_node(root, gpu, gi), _cap_node(root, gpu, gi, ci)]
+            try:
+                nodes = [gpu_node, _cap_node(root, gpu, gi), _cap_node(root, gpu, gi, ci)]
+            except AgentError:
+                if gpu.unreadable:  # its MIG devices as last read, where the driver still has their capabilities
+                    continue
+                raise
             devices += [_device(name, root, nodes, hook) for name in (f"{gpu.index}:{position}", mig.uuid)]
+    if not devices:
+        raise AgentError("no GPU device node: NVML cannot read any GPU and their device nodes are gone")
     every = [node["path"] for device in devices for node in device["containerEdits"]["deviceNodes"]]
     devices.append(_device("all", root, list(dict.fromkeys(every)), hook))
     spec: dict[str, Any] = {
