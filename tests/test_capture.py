@@ -289,6 +289,7 @@ def test_apply_converges_without_modprobe_and_adds_only_the_dev_char_links(tmp_p
     assert ledger is not None and json.loads(ledger[1])["links"] == {
         link: {"owner": "driver", "target": os.path.relpath(target, "/dev/char")}
         for link, target in DEV_CHAR_LINKS.items()}
+    assert changed.pop("var/lib/gpu-agent/ledger.lock") == ("file", f"{os.getpid()}\n".encode(), 0o600)  # its lock
     assert changed == {f"{kernel}/dev/char": ("dir", 0o755), **{
         f"{kernel}{link}": ("link", os.path.relpath(target, "/dev/char")) for link, target in DEV_CHAR_LINKS.items()}}
     assert [action for run in second for action in run.planned] == []

@@ -9,6 +9,7 @@ import lzma
 import os
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,6 +28,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.plugin.service import DevicePluginManager
 from gpu_agent.errors import AgentError
 from gpu_agent.sim.kernel import SimModprobe, loaded_version
+from gpu_agent.stages import driver as driver_stage
 from gpu_agent.stages.driver_reload import ORDER
 from harness import SimNode, run_cli
 from kube_emulator import KubeEmulator
@@ -297,6 +299,39 @@ def test_killed_at_any_step_the_restarted_agent_finishes_or_says_why(
             node.apply(config)
     a_minute_later(node)
     assert_reloaded(node.apply(config), node, api)
+
+
+def test_the_ledger_is_not_locked_across_the_reload(tmp_path: Path, api: KubeEmulator,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger's lock is held for each step's record only: while the module loads (the longest step),
+    another writer, such as the MPS control daemons' thread, takes it at once."""
+    node = SimNode(tmp_path / "root", "t4")
+    config = {**settings(api, node), "mig": {}}
+    assert node.apply(config).stage("driver").state == "ok"
+    node.sim("install-driver", NEW)
+    a_minute_later(node)
+    load = driver_stage.load_module
+    other_writer: list[str] = []
+
+    def load_while_another_writes(*args: Any, **kwargs: Any) -> Any:
+        def write() -> None:  # a change each time: one that finds nothing to do takes no lock
+            uuid = f"GPU-{len(other_writer)}"
+            try:
+                Ledger(Root(node.root), lock_timeout_s=0).save_compute_mode(uuid, "DEFAULT", "nvidia.com/gpu")
+            except AgentError as exc:
+                other_writer.append(str(exc))
+            else:
+                other_writer.append("written")
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        thread.join()
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(driver_stage, "load_module", load_while_another_writes)
+    assert_reloaded(node.apply(config), node, api)
+    assert other_writer and set(other_writer) == {"written"}
+    assert len(Ledger(Root(node.root)).compute_modes()) == len(other_writer)
 
 
 A30_MIG = """version: v1

@@ -24,24 +24,36 @@ under /var/lib/gpu-agent.
   was made or undone (gpu_agent.mig.checkpoint).
 - driver_reload: the step a driver reload has reached (gpu_agent.stages.driver_reload), recorded before
   each step is taken, so that after a kill -9 the next agent finishes the sequence or says where it stopped.
+
+Every change is a read, an edit and a write of the whole file, made under one lock (host/lockfile.py)
+between the agent's threads (the engine's stages, the MPS control daemons' thread) and its processes
+(the daemon, `gpu-agent uninstall`, `mig apply`, `driver reload`): /var/lib/gpu-agent/ledger.lock, held
+only for that read and write, never across a restart, a wait or an NVML change. A change that finds
+nothing to do writes nothing and takes no lock; readers never wait (the file is replaced atomically).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import posixpath
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import jsontext
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
+from gpu_agent.host.lockfile import Busy, FileLock
 from gpu_agent.host.paths import Root, followed, walk
 from gpu_agent.plan import COMPUTE_MODES
 
 PATH = "/var/lib/gpu-agent/ledger.json"
+LOCK_PATH = "/var/lib/gpu-agent/ledger.lock"  # not a file the agent owns: the package's purge removes it
+LOCK_TIMEOUT_S = 10.0  # a change holds the lock for milliseconds: a holder this long is stuck
 MPS_DIRECTORY_ROOT = "/run/nvidia/mps"  # mps/layout.py's MPS_ROOT: the only place MPS directories may be
 MOUNT_POINTS = (f"{MPS_DIRECTORY_ROOT}/shm",)  # mps/layout.py's SHM_DIR: the only mount the agent makes
 VERSION = 1
@@ -80,8 +92,9 @@ class Ledger:
     """`{"version": 1, "pending_restarts": {"containerd.service": {"since": "2025-01-06T10:00:00Z"}},
     "owned": {...}, "mig_checkpoints": {...}}`"""
 
-    def __init__(self, root: Root) -> None:
+    def __init__(self, root: Root, lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         self.root = root
+        self.lock_timeout_s = lock_timeout_s
 
     @property
     def path(self) -> Path:
@@ -95,14 +108,9 @@ class Ledger:
 
     def own(self, entry: Owned) -> None:
         """Record (durably, before the write) that the agent writes `entry.path`; the first original stays."""
-        document = self._read()
-        before = document["owned"].get(entry.path)
         fields = {key: value for key, value in asdict(entry).items() if key != "path"}
-        if before is not None:
-            fields["original"] = before["original"]
-        if before != fields:
-            document["owned"][entry.path] = fields
-            self._write(document)
+        self._merge("owned", entry.path, lambda before: fields if before is None
+                    else {**fields, "original": before["original"]})
 
     def disown(self, path: str) -> None:
         self._forget("owned", path)
@@ -124,10 +132,8 @@ class Ledger:
 
     def add_pending_restart(self, unit: str) -> None:
         """Durably, before the change that makes the restart necessary."""
-        document = self._read()
-        if unit not in document["pending_restarts"]:
-            document["pending_restarts"][unit] = {"since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            self._write(document)
+        since = {"since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self._merge("pending_restarts", unit, lambda before: since if before is None else before)
 
     def clear_pending_restart(self, unit: str) -> None:
         """Once the unit was restarted and answered."""
@@ -155,12 +161,8 @@ class Ledger:
         stays as first recorded."""
         if entry.path not in MOUNT_POINTS:
             raise LedgerError(f"{entry.path}: not a mount point gpu-agent makes ({', '.join(MOUNT_POINTS)})")
-        document = self._read()
-        before = document["mounts"].get(entry.path)
-        fields = {"fstype": entry.fstype, "options": entry.options, "made": before["made"] if before else entry.made}
-        if before != fields:
-            document["mounts"][entry.path] = fields
-            self._write(document)
+        self._merge("mounts", entry.path, lambda before: {
+            "fstype": entry.fstype, "options": entry.options, "made": entry.made if before is None else before["made"]})
 
     def disown_mount(self, path: str) -> None:
         self._forget("mounts", path)
@@ -169,9 +171,13 @@ class Ledger:
         """By GPU UUID: (the compute mode to put back, the MPS resource it was changed for)."""
         return {uuid: (entry["mode"], entry["resource"]) for uuid, entry in self._read()["compute_modes"].items()}
 
-    def save_compute_mode(self, gpu_uuid: str, mode: str, resource: str) -> None:
-        """Durably, before the GPU's compute mode is changed."""
-        self._record("compute_modes", gpu_uuid, {"mode": mode, "resource": resource})
+    def save_compute_mode(self, gpu_uuid: str, mode: str, resource: str) -> str:
+        """Durably, before the GPU's compute mode is changed: `mode`, unless one is recorded already (an
+        earlier start changed it: that one is what to put back), now for `resource`. Returns the mode
+        recorded."""
+        recorded = self._merge("compute_modes", gpu_uuid, lambda before: {
+            "mode": mode if before is None else before["mode"], "resource": resource})
+        return str(recorded["mode"])
 
     def clear_compute_mode(self, gpu_uuid: str) -> None:
         self._forget("compute_modes", gpu_uuid)
@@ -181,9 +187,11 @@ class Ledger:
         entry = self._read()["mig_checkpoints"].get(gpu_uuid)
         return None if entry is None else dict(entry)
 
-    def save_mig_checkpoint(self, gpu_uuid: str, entry: dict[str, Any]) -> None:
-        """Durably, before the GPU's first MIG change."""
-        self._record("mig_checkpoints", gpu_uuid, entry)
+    def save_mig_checkpoint(self, gpu_uuid: str, entry: dict[str, Any],
+                            keep: Callable[[dict[str, Any]], bool] = lambda earlier: False) -> None:
+        """Durably, before the GPU's first MIG change; an entry recorded earlier stays if `keep` says so."""
+        self._merge("mig_checkpoints", gpu_uuid,
+                    lambda earlier: earlier if earlier is not None and keep(dict(earlier)) else entry)
 
     def clear_mig_checkpoint(self, gpu_uuid: str) -> None:
         """Once the GPU's change was made or undone."""
@@ -195,26 +203,72 @@ class Ledger:
 
     def save_driver_reload(self, entry: Optional[dict[str, Any]]) -> None:
         """Durably, before the step it names is taken; None once the sequence is over."""
-        document = self._read()
-        if document.get("driver_reload") != entry:
+        def change(document: dict[str, Any]) -> bool:
+            if document.get("driver_reload") == entry:
+                return False
             if entry is None:
                 document.pop("driver_reload", None)
             else:
                 document["driver_reload"] = entry
-            self._write(document)
+            return True
+
+        self._update(change)
 
     def _record(self, section: str, key: str, value: Any) -> None:
         """`value` under `key` in `section`, written only when it changes it."""
-        document = self._read()
-        if document[section].get(key) != value:
-            document[section][key] = value
-            self._write(document)
+        self._merge(section, key, lambda before: value)
+
+    def _merge(self, section: str, key: str, value: Callable[[Optional[Any]], Any]) -> Any:
+        """`value(what is recorded under key, or None)` recorded under `key` in `section`, read and written
+        under the lock (written only when it changes it). Returns what is recorded now."""
+        now = None
+
+        def change(document: dict[str, Any]) -> bool:
+            nonlocal now
+            before = document[section].get(key)
+            now = document[section][key] = value(before)
+            return before != now
+
+        self._update(change)
+        return now
 
     def _forget(self, section: str, key: str) -> None:
         """`key` out of `section`, written only when it was there."""
-        document = self._read()
-        if document[section].pop(key, None) is not None:
-            self._write(document)
+        self._update(lambda document: document[section].pop(key, None) is not None)
+
+    # --- one change at a time --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The ledger to this thread alone (re-entrant), against the agent's other threads and processes:
+        for a read and the changes decided from it, never for long work (a restart, a wait, an NVML
+        call). LedgerError, naming the lock file and its holder, when it is held past the timeout."""
+        directory, name = posixpath.split(LOCK_PATH)
+        try:  # the directory's links followed under the root; never a link at the lock's name (it is written to)
+            lock = FileLock(self.root(followed(self.root, directory)) / name, self.lock_timeout_s)
+            lock.acquire()
+        except Busy as exc:
+            raise LedgerError(f"{LOCK_PATH}: {exc.holder} has held the ledger's lock for more than "
+                              f"{self.lock_timeout_s:g} s, where a change takes milliseconds: it is stuck; nothing "
+                              f"was changed: stop it, or wait for it, and try again") from None
+        except OSError as exc:
+            raise LedgerError(f"{LOCK_PATH}: cannot lock the ledger ({exc.strerror or exc}); nothing was "
+                              "changed") from None
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _update(self, change: Callable[[dict[str, Any]], bool]) -> None:
+        """`change` edits the document and says whether it changed it; it may be called twice. A change
+        found on a read without the lock is made again on a read under it: no write is lost, and one
+        that changes nothing takes no lock."""
+        if not change(self._read()):
+            return
+        with self.locked():
+            document = self._read()
+            if change(document):
+                self._write(document)
 
     # --- the file --------------------------------------------------------------------------------
 

@@ -119,9 +119,10 @@ def write(root: Root, ledger: Ledger, owner: str, host_path: str, content: str, 
     reason = refusal(root, host_path)
     if reason is not None:
         raise NotOwnable(f"{host_path}: {reason}; not written")
-    entry = ledger.owned().get(host_path)
-    original = entry.original if entry is not None else _save_original(root, host_path)
-    ledger.own(Owned(host_path, owner, original, digest(content.encode()), restart))
+    with ledger.locked():  # the original is saved once: never again over what another writer wrote
+        entry = ledger.owned().get(host_path)
+        original = entry.original if entry is not None else _save_original(root, host_path)
+        ledger.own(Owned(host_path, owner, original, digest(content.encode()), restart))
     atomic_write(_where(root, host_path), content, mode)
 
 

@@ -85,12 +85,11 @@ class CheckpointStore:
         """Record the GPU's state before a change toward the geometry `toward`, unless a change killed
         midway recorded one: the GPU is not what that change was making, so its checkpoint is the
         geometry from before both. One whose change did finish (killed before it was cleared) is replaced."""
-        earlier = self.ledger.mig_checkpoint(gpu_uuid)
-        if earlier is not None and earlier.get("toward") != _geometry_json(checkpoint.geometry()):
-            return
+        now = _geometry_json(checkpoint.geometry())
         self.ledger.save_mig_checkpoint(gpu_uuid, {
             "gpu": gpu_index, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "checkpoint": checkpoint.to_json(), "toward": _geometry_json(toward) if toward is not None else None})
+            "checkpoint": checkpoint.to_json(), "toward": _geometry_json(toward) if toward is not None else None},
+            keep=lambda earlier: earlier.get("toward") != now)
 
     def load(self, gpu_uuid: str) -> Optional[Checkpoint]:
         """The saved checkpoint; None when there is none."""

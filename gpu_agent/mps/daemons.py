@@ -330,12 +330,10 @@ def exclusive(ledger: Ledger, modes: ComputeModes, spec: DaemonSpec) -> dict[str
     before it starts (its daemon.go setComputeMode), the mode each had before recorded first (kept from an
     earlier start). Returns those, by UUID."""
     before = {}
-    recorded = ledger.compute_modes()
     for uuid, index in zip(spec.gpus, spec.indices):
         try:
             now = modes.compute_mode(uuid)
-            before[uuid] = recorded[uuid][0] if uuid in recorded else now
-            ledger.save_compute_mode(uuid, before[uuid], spec.resource)
+            before[uuid] = ledger.save_compute_mode(uuid, now, spec.resource)
             if now != EXCLUSIVE:
                 modes.set_compute_mode(uuid, EXCLUSIVE)
         except AgentError as exc:
