@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
+from gpu_agent.host.bounded import NotRegular, read_head
 from gpu_agent.host.paths import Root
 
 _LOCK = threading.Lock()
@@ -79,10 +80,9 @@ def device_users(root: Root) -> list[NamedProcess]:
         except OSError:  # gone, or not ours to read
             continue
         if held:
-            comm = entry / "comm"
             try:
-                name = comm.read_text(errors="replace").strip() or "?"
-            except OSError:
+                name = (read_head(entry / "comm", 64) or b"").decode(errors="replace").strip() or "?"
+            except (OSError, NotRegular):
                 name = "?"
             found.append(NamedProcess(int(entry.name), name))
     return sorted(found, key=lambda p: p.pid)

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from gpu_agent.errors import HostFormatError, StageError
-from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
+from gpu_agent.errors import HostFormatError
+from gpu_agent.host.bounded import read_text
 from gpu_agent.host.paths import Root
 
 
@@ -20,16 +20,8 @@ MAX_PROC_BYTES = 4 << 20  # /proc/modules of a busy kernel is tens of KiB
 def read(root: Root, host_path: str) -> Optional[str]:
     """A kernel or driver file's text; None when it does not exist. Bytes that are not UTF-8 are
     replaced, so they fail the parser with its message instead of a decoding error."""
-    try:
-        data = read_bounded(root(host_path), MAX_PROC_BYTES)
-    except NotRegular as exc:
-        raise StageError(f"cannot read {host_path}: it is {exc.kind}, not a file") from None
-    except TooLarge:
-        raise StageError(f"cannot read {host_path}: more than {MAX_PROC_BYTES} bytes, not what the kernel "
-                         "writes there") from None
-    except OSError as exc:
-        raise StageError(f"cannot read {host_path}: {exc.strerror or exc}") from None
-    return None if data is None else data.decode("utf-8", errors="replace")
+    return read_text(root(host_path), host_path, MAX_PROC_BYTES, errors="replace",
+                     why_limit=", not what the kernel writes there")
 
 
 # Linux's dev_t: 12 bits of major, 20 of minor (MINORBITS); values past them cannot name a device node.
