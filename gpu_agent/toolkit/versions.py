@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import AbstractSet, Optional, Union
 
 from gpu_agent.errors import AgentError
@@ -57,6 +58,7 @@ BINARIES = {
 }
 SNAP_YAML = {"microk8s-kubelet": "/snap/microk8s/current/meta/snap.yaml"}  # `version: v1.32.3`
 TIMEOUT_S = 10.0
+VERSION_OUTPUT_BYTES = 64 << 10  # of `--version`: a line or two; a program printing more is killed
 MAX_VERSION_CHARS = 64  # of a version as read and shown: Debian's longest are about 40
 _VERSION_CHARS = f"[0-9A-Za-z.~+-]{{0,{MAX_VERSION_CHARS - 3}}}"
 # `containerd github.com/containerd/containerd 1.6.20~ds1 ...`, `Docker version 20.10.24+dfsg1, build x`,
@@ -116,7 +118,7 @@ class Versions:
     def __init__(self, root: Root, timeout: float = TIMEOUT_S) -> None:
         self.root = root
         self.timeout = timeout
-        self._ran: dict[str, tuple[tuple[int, int], Optional[str]]] = {}
+        self._ran: dict[str, tuple[tuple[int, int], Optional[str], str]] = {}  # stamp, version, why none
         self._dpkg: Optional[tuple[tuple[int, ...], dict[str, str], Optional[str]]] = None
 
     def _packages(self) -> tuple[dict[str, str], Optional[str]]:
@@ -174,16 +176,22 @@ class Versions:
                 continue
             stamp = (status.st_ino, status.st_mtime_ns)
             if binary not in self._ran or self._ran[binary][0] != stamp:
-                try:
-                    done = proc.run([str(path), "--version"], timeout=self.timeout)
-                    version = from_output(done.stdout + "\n" + done.stderr) if done.returncode == 0 else None
-                except AgentError:
-                    version = None
-                self._ran[binary] = (stamp, version)
+                self._ran[binary] = (stamp, *self._run_version(binary, path))
             if self._ran[binary][1] is not None:
                 return self._ran[binary][1], f"{binary} --version"
-            return None, f"{binary} --version told no version"
+            return None, self._ran[binary][2]
         return None, problem or "no package record and no binary"
+
+    def _run_version(self, binary: str, path: Path) -> tuple[Optional[str], str]:
+        """(version, why none) from `binary --version`: its output bounded, what it prints decoded whatever
+        the bytes, a binary that root does not own refused (host/trusted.py)."""
+        try:
+            done = proc.run([str(path), "--version"], timeout=self.timeout, limit=VERSION_OUTPUT_BYTES)
+        except AgentError as exc:
+            return None, str(exc)
+        version = from_output(done.stdout + "\n" + done.stderr) if done.returncode == 0 else None
+        exit_status = f" (exit {done.returncode})" if done.returncode else ""
+        return version, f"{binary} --version told no version{exit_status}"
 
     def _snap_version(self, host_path: str) -> tuple[Optional[str], str]:
         try:
