@@ -239,7 +239,7 @@ def backup(root: Root, host_path: str) -> Optional[Path]:
     return target
 
 
-_BACKUP_SUFFIX = re.compile(r"\.(\d{8}T\d{6})(?:~(\d+))?$")
+_BACKUP_SUFFIX = re.compile(r"\.([0-9]{8}T[0-9]{6})(?:~([0-9]{1,9}))?$")
 
 
 def _backups_of(directory: Path, name: str) -> list[Path]:

@@ -11,6 +11,7 @@ from typing import Optional
 
 from gpu_agent.errors import HostFormatError
 from gpu_agent.host.bounded import read_text
+from gpu_agent.numbers import decimal
 from gpu_agent.host.paths import Root
 
 
@@ -29,7 +30,6 @@ MAX_MAJOR = (1 << 12) - 1
 MAX_MINOR = (1 << 20) - 1
 MAX_MODE = 0o7777
 UINT32_MAX = (1 << 32) - 1
-_DECIMAL = re.compile(r"[0-9]{1,20}")
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,9 @@ def parse_modules(path: str, text: str) -> dict[str, LoadedModule]:
         fields = line.split()
         if not fields:
             continue
-        if len(fields) < 4 or not fields[1].isdigit() or not (fields[2] == "-" or fields[2].isdigit()):
+        refcnt = decimal(fields[2]) if len(fields) >= 4 else None
+        if len(fields) < 4 or decimal(fields[1]) is None or not (fields[2] == "-" or refcnt is not None):
             raise HostFormatError(path, number, line, "name, size, refcount (a number or -), holders, state, address")
-        refcnt = None if fields[2] == "-" else int(fields[2])
         holders = tuple(h for h in fields[3].split(",") if h and h != "-")
         modules[fields[0]] = LoadedModule(fields[0], refcnt, holders)
     return modules
@@ -70,12 +70,13 @@ def parse_char_majors(path: str, text: str) -> dict[str, int]:
         if stripped.endswith("devices:"):
             section = stripped
             continue
-        major, _, name = stripped.partition(" ")
-        if section is None or _DECIMAL.fullmatch(major) is None or int(major) > MAX_MAJOR or not name.strip():
+        text, _, name = stripped.partition(" ")
+        major = decimal(text, MAX_MAJOR)
+        if section is None or major is None or not name.strip():
             raise HostFormatError(path, number, line, "a 'Character devices:' or 'Block devices:' heading, "
                                   f"or a major number (0 to {MAX_MAJOR}) and a driver name")
         if section == "Character devices:":
-            majors.setdefault(name.strip(), int(major))
+            majors.setdefault(name.strip(), major)
     return majors
 
 
@@ -116,11 +117,11 @@ class KeyValues(dict[str, str]):
         """A decimal value from 0 to `maximum`; anything else is a HostFormatError naming its line."""
         if key not in self:
             return default
-        value = self[key]
-        if _DECIMAL.fullmatch(value) is None or int(value) > maximum:
+        value = decimal(self[key], maximum)
+        if value is None:
             number, line = self.lines[key]
             raise HostFormatError(self.path, number, line, f"{key} to be a decimal number from 0 to {maximum}")
-        return int(value)
+        return value
 
 
 def parse_key_values(path: str, text: str) -> KeyValues:
