@@ -6,6 +6,7 @@ error. A FIFO blocked the pass for good before; a Latin-1 byte or a directory at
 device-path and toolkit stages fail as "internal error: UnicodeDecodeError"."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
-from harness import Pass, SimNode
+from harness import Pass, SimNode, run_cli
 
 from gpu_agent.host.paths import Root
 from gpu_agent.stages.labels import MAX_NFD_BYTES, NFD_FILE
@@ -41,7 +42,7 @@ SAID = {"fifo": "it is a FIFO, not a file", "directory": "it is a directory, not
         "device": "it is a character device, not a file"}
 
 
-def completes(work: Callable[[], Pass], fifo: Optional[Path] = None) -> Pass:
+def completes(work: Callable[[], Any], fifo: Optional[Path] = None) -> Any:
     """`work()` in a thread; a pass still running after BLOCKED_S fails the test (the FIFO is then opened
     for writing, so the blocked reader returns and the thread ends)."""
     done: list[Any] = []
@@ -57,7 +58,7 @@ def completes(work: Callable[[], Pass], fifo: Optional[Path] = None) -> Pass:
     return done[0]
 
 
-def _outcome(work: Callable[[], Pass]) -> Any:
+def _outcome(work: Callable[[], Any]) -> Any:
     try:
         return work()
     except BaseException as exc:  # handed to the test's thread
@@ -69,20 +70,26 @@ def no_internal_error(done: Pass) -> None:
     assert not bugs
 
 
-@pytest.fixture
-def sim(root: Path) -> SimNode:
-    """A simulated DGX H100 with Docker, the kubelet and the toolkit installed as Debian's packages (Docker:
-    containerd's config would be checked by running the containerd installed here)."""
-    node = SimNode(root, "dgx-h100")
+def docker_node(root: Path) -> Path:
+    """Docker, the kubelet and the toolkit installed as Debian's packages under `root` (Docker: containerd's
+    config would be checked by running the containerd installed here); returns dpkg's status file."""
     for binary in ("/usr/bin/nvidia-container-runtime", "/usr/bin/nvidia-container-runtime-hook",
                    "/usr/bin/nvidia-cdi-hook", "/usr/sbin/dockerd"):
         (root / binary.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
         (root / binary.lstrip("/")).write_text("#!/bin/sh\n")
     (root / "etc/docker").mkdir(parents=True)
     (root / "etc/docker/daemon.json").write_text("{}\n")
-    (root / DPKG_STATUS.lstrip("/")).parent.mkdir(parents=True)
-    (root / DPKG_STATUS.lstrip("/")).write_text(STATUS)
-    return node
+    status = root / DPKG_STATUS.lstrip("/")
+    status.parent.mkdir(parents=True)
+    status.write_text(STATUS)
+    return status
+
+
+@pytest.fixture
+def sim(root: Path) -> SimNode:
+    """A simulated DGX H100 that is a docker_node()."""
+    docker_node(root)
+    return SimNode(root, "dgx-h100")
 
 
 def versions_read(done: Pass) -> dict[str, str]:
@@ -101,6 +108,19 @@ def test_dpkg_status_that_is_not_a_file_leaves_versions_unknown_and_says_why(sim
     assert done.stage("device-path").state == "ok"
     assert versions_read(done)["docker"] == f"unknown (cannot read {DPKG_STATUS}: {SAID[kind]})"
     assert done.stage("toolkit").state in ("ok", "pending")
+
+
+def test_check_on_a_node_whose_dpkg_status_is_a_fifo_completes_and_says_why(sim: SimNode) -> None:
+    """`gpu-agent check` blocked on the FIFO as the daemon's passes did."""
+    status = sim.root / DPKG_STATUS.lstrip("/")
+    status.unlink()
+    os.mkfifo(status)
+    config = sim.root.parent / "config.yaml"
+    config.write_text("version: v1\ntoolkit: {enabled: true}\n")
+    done = completes(lambda: run_cli("--simulate", "dgx-h100", "check", "--json", root=sim.root, config=config),
+                     status)
+    assert "Traceback" not in done.stderr and "internal error" not in done.stdout
+    assert json.loads(done.stdout)["device_path"]["strategy"] == "envvar"  # Docker behind the kubelet: no CDI
 
 
 def test_dpkg_status_past_its_cap_is_refused_unread(sim: SimNode) -> None:
@@ -192,7 +212,7 @@ def test_the_nfd_features_file_of_any_kind_fails_the_labels_stage_naming_it(root
     done = completes(lambda: sim.apply(settings), path if kind == "fifo" else None)
     no_internal_error(done)
     failed = [(run.stage, run.message) for run in done.runs if run.state == "failed"]
-    said = f"cannot read {NFD_FILE}: {SAID[kind]}" if kind in SAID else f"cannot read {NFD_FILE}: more than {MAX_NFD_BYTES}"
+    said = f"cannot read {NFD_FILE}: " + (SAID[kind] if kind in SAID else f"more than {MAX_NFD_BYTES}")
     assert failed and all(said in message for _, message in failed), failed
 
 

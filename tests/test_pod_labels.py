@@ -387,8 +387,7 @@ def test_a_hundred_thousand_pods_are_decoded_off_the_event_loop_and_not_kept(nod
     assert [pod.name for pod in kept.pod_resources] == ["trainer"]
 
 
-def test_more_pods_holding_devices_than_a_node_runs_is_an_error_naming_the_limit(node: Node,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_more_pods_holding_devices_than_a_node_runs_is_an_error(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(podresources, "MAX_HOLDING_PODS", 50)
     answer = response(*[("ns", f"p{n}", {"c": {"nvidia.com/gpu": [node.gpus[0].uuid]}}) for n in range(51)])
     with pytest.raises(podresources.DecodeError, match="more than 50 pods hold devices"):
