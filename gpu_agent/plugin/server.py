@@ -37,6 +37,7 @@ API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 4 << 20  # grpc-go's default for a message received
 MAX_REPLY_BYTES = 64 << 10  # of the kubelet's answer to Register
+DECODE_INLINE_BYTES = 64 << 10  # a request larger than this is decoded in a worker thread
 MAX_CONNECTIONS = 16
 MAX_STREAMS = 32  # calls at once on one connection (ListAndWatch holds one)
 
@@ -187,7 +188,10 @@ async def _receive(stream: Stream[Request, Any], refused: Counter[str]) -> Optio
         raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
     if data is None:
         return None
-    message: Request = stream._codec.decode(data, stream._recv_type)
+    if len(data) <= DECODE_INLINE_BYTES:
+        message: Request = stream._codec.decode(data, stream._recv_type)
+    else:  # a request of a million device ids takes seconds to decode: not on the loop that answers /healthz
+        message = await asyncio.to_thread(stream._codec.decode, data, stream._recv_type)
     return message
 
 
