@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 from gpu_agent import __version__
 from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
-from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded, read_head
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, resolve
 from gpu_agent.nvml import answers
@@ -329,11 +329,11 @@ class HostReader:
 
     def pci(self) -> None:
         for entry in self.entries(PCI_DEVICES):
-            vendor = self.root(f"{entry}/vendor")
             try:
-                if vendor.read_text().strip() not in PCI_VENDORS:
-                    continue
-            except OSError:
+                vendor = read_head(self.root(f"{entry}/vendor"), 64) or b""
+            except (OSError, NotRegular):
+                continue
+            if vendor.decode("ascii", errors="replace").strip() not in PCI_VENDORS:
                 continue
             self.directories.append(entry)
             for attribute in PCI_ATTRIBUTES:
@@ -433,6 +433,7 @@ def write_part(directory: Path, name: str, document: Any) -> None:
 
 def _read(path: Path) -> Optional[str]:
     try:
-        return path.read_text()
-    except OSError:
+        data = read_bounded(path, MAX_FILE_BYTES)
+    except (OSError, NotRegular, TooLarge):
         return None
+    return None if data is None else data.decode("utf-8", errors="replace")

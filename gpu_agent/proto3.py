@@ -13,6 +13,7 @@ malformed raises DecodeError. tests/test_proto3.py holds each declaration to the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple, Optional, TypeVar, Union
 
 from grpclib.encoding.base import CodecBase
@@ -25,6 +26,7 @@ MESSAGE = "message"
 STRING_MAP = "map<string, string>"
 
 _VARINT, _FIXED64, _LENGTH, _GROUP_START, _GROUP_END, _FIXED32 = 0, 1, 2, 3, 4, 5
+LENGTH_DELIMITED = _LENGTH
 _WIRE_TYPE = {STRING: _LENGTH, BOOL: _VARINT, INT32: _VARINT, INT64: _VARINT, MESSAGE: _LENGTH, STRING_MAP: _LENGTH}
 _RANGE = {INT32: 1 << 31, INT64: 1 << 63}
 _MASK64 = (1 << 64) - 1
@@ -288,6 +290,28 @@ def _decode(kind: type[M], data: memoryview, depth: int) -> M:
         merged = chunks[0] if len(chunks) == 1 else memoryview(b"".join(chunks))  # concatenation merges
         values[field.name] = _decode(field.message, merged, depth + 1)  # type: ignore[arg-type]
     return kind(**values)
+
+
+def fields_of(data: Data, where: str) -> Iterator[tuple[int, int, Union[int, memoryview]]]:
+    """(number, wire type, value) of each field of an encoded message, in order, for a reader that keeps
+    only part of a large one: a varint's value, a length-delimited field's bytes as a view (nothing is
+    copied); fixed-size fields and groups skipped. Raises DecodeError as decode() does, `where` naming
+    the message."""
+    view = memoryview(data)
+    pos = 0
+    while pos < len(view):
+        key, pos = _read_varint(view, pos, where)
+        number, wire_type = key >> 3, key & 7
+        if not 0 < number <= _MAX_FIELD_NUMBER:
+            raise DecodeError(f"{where}: the invalid field number {number}")
+        if wire_type == _VARINT:
+            value, pos = _read_varint(view, pos, where)
+            yield number, wire_type, value
+        elif wire_type == _LENGTH:
+            chunk, pos = _read_length(view, pos, where)
+            yield number, wire_type, chunk
+        else:
+            pos = _skip(view, pos, number, wire_type, 0, where)
 
 
 class Codec(CodecBase):

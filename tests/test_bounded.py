@@ -4,10 +4,12 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded, read_bounded_file
+from gpu_agent.host.bounded import (NotRegular, TooLarge, TooSlow, Unreadable, read_bounded, read_bounded_file,
+                                    read_head, read_text)
 
 
 def test_a_regular_file_up_to_the_limit_is_read_whole(tmp_path: Path) -> None:
@@ -71,3 +73,64 @@ def test_no_read_asks_for_what_the_kernel_refuses_on_proc_sys(tmp_path: Path, mo
     big = tmp_path / "big"
     big.write_bytes(bytes(range(256)) * (3 * bounded.READ_CHUNK // 256 + 7))
     assert read_bounded(big, MAX_PROC_BYTES) == big.read_bytes()
+
+
+def test_a_sparse_2_gib_file_is_refused_by_its_size_without_a_read(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_agent.host import bounded
+
+    huge = tmp_path / "huge"
+    with open(huge, "wb") as f:
+        f.truncate(2 << 30)  # sparse: nothing written
+    asked: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(bounded.os, "read", lambda fd, count: asked.append(count) or real_read(fd, count))
+    with pytest.raises(Unreadable, match=rf"cannot read /var/lib/dpkg/status: more than {1 << 20} bytes$"):
+        read_text(huge, "/var/lib/dpkg/status", 1 << 20)
+    assert asked == []
+
+
+def test_a_file_that_keeps_answering_is_given_up_after_the_time_cap(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /proc or /sys file answering in small pieces: each read(2) a chunk, the clock past the cap."""
+    from gpu_agent.host import bounded
+
+    slow = tmp_path / "slow"
+    slow.write_bytes(b"x" * (3 * bounded.READ_CHUNK))
+    clock = iter(range(0, 1000, 4))  # four seconds a read
+    monkeypatch.setattr(bounded.time, "monotonic", lambda: float(next(clock)))
+    with pytest.raises(TooSlow) as error:
+        read_bounded(slow, 1 << 20)
+    assert isinstance(error.value, OSError) and error.value.errno == errno.ETIMEDOUT
+    with pytest.raises(Unreadable, match=r"cannot read /sys/x: still answering after 5 s, given up"):
+        read_text(slow, "/sys/x", 1 << 20)
+
+
+@pytest.mark.parametrize("errors, expected", [("replace", "caf\ufffd\n"), ("surrogateescape", "caf\udce9\n")])
+def test_text_is_decoded_as_its_format_says(tmp_path: Path, errors: str, expected: str) -> None:
+    latin1 = tmp_path / "latin1"
+    latin1.write_bytes(b"ok\ncaf\xe9\n")
+    assert read_text(latin1, "/etc/x", 100, errors=errors) == "ok\n" + expected
+    with pytest.raises(Unreadable, match=r"^cannot read /etc/x:2: not UTF-8 text \(byte 6\)$"):
+        read_text(latin1, "/etc/x", 100)
+
+
+@pytest.mark.parametrize("make, kind", [
+    (lambda p: os.mkfifo(p), "a FIFO"),
+    (lambda p: p.mkdir(), "a directory"),
+    (lambda p: os.mknod(p, 0o600 | __import__("stat").S_IFCHR, os.makedev(1, 5)), "a character device"),
+])
+def test_every_reader_refuses_what_is_not_a_file_without_blocking(tmp_path: Path, make: Any, kind: str) -> None:
+    path = tmp_path / "odd"
+    make(path)
+    with pytest.raises(Unreadable, match=rf"^cannot read /x: it is {kind}, not a file$"):
+        read_text(path, "/x", 100)
+    with pytest.raises(NotRegular, match=kind):
+        read_head(path, 10)
+
+
+def test_read_head_reads_the_first_bytes_only(tmp_path: Path) -> None:
+    path = tmp_path / "cmdline"
+    path.write_bytes(b"/usr/bin/nvidia-persistenced\0--verbose\0" + b"x" * (1 << 20))
+    assert read_head(path, 32) == b"/usr/bin/nvidia-persistenced\0--v"
+    assert read_head(tmp_path / "missing", 32) is None

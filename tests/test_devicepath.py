@@ -158,7 +158,7 @@ def test_versions_of_the_distributions_and_podman_where_they_put_them(root: Path
     # On the running system, k3s's own containerd answers --version (k3s-io/k3s cmd/containerd/main.go)
     ran = []
 
-    def run(argv: list[str], timeout: float) -> Completed:
+    def run(argv: list[str], timeout: float, limit: int) -> Completed:
         ran.append(argv)
         return Completed(tuple(argv), 0, "containerd github.com/k3s-io/containerd v1.7.23-k3s2 d9a0b1\n", "")
 

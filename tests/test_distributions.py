@@ -275,3 +275,42 @@ def test_the_kubelets_kubeconfig_and_device_plugin_directory_are_found_where_eac
     assert device_plugin_dir(sandbox) == "/var/lib/kubelet/device-plugins"
     (root / "var/snap/microk8s/common/var/lib/kubelet/device-plugins").mkdir(parents=True)
     assert device_plugin_dir(sandbox) == "/var/snap/microk8s/common/var/lib/kubelet/device-plugins"
+
+
+def test_a_large_rendered_config_is_parsed_once_while_it_is_unchanged(node: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """k3s configs near configfile's 1 MiB limit took tomlkit 28 s a pass, parsed again at every pass."""
+    from gpu_agent.toolkit import tomldoc
+
+    filler = "".join(f"\n[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.'r{n}']\n"
+                     f'  runtime_type = "io.containerd.runc.v2"\n' for n in range(1500))
+    rendered = f"# {node}\n" + K3S_V3 + filler  # this test's own text: nothing parsed it before
+    assert len(rendered) > tomldoc.CACHED_FROM
+    k3s(node, rendered)
+    parsed: list[str] = []
+    real = tomldoc._parse
+    monkeypatch.setattr(tomldoc, "_parse", lambda text, name: parsed.append(name) or real(text, name))
+    assert written(apply(node)) and parsed.count(f"/{K3S}/config.toml") == 1
+    for _ in range(2):
+        assert not written(apply(node))
+    assert parsed.count(f"/{K3S}/config.toml") == 1
+    put(node, f"{K3S}/config.toml", rendered + "\n# k3s rendered it again, one byte more\n")
+    apply(node)
+    assert parsed.count(f"/{K3S}/config.toml") == 2
+
+
+def test_a_large_config_that_does_not_parse_is_not_parsed_again_either(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_agent.errors import StageError
+    from gpu_agent.toolkit import tomldoc
+
+    broken = f"# {id(monkeypatch)}\n" + "a = 1\n" * (tomldoc.CACHED_FROM // 6) + "[unclosed\n"
+    parsed: list[str] = []
+    real = tomldoc._parse
+    monkeypatch.setattr(tomldoc, "_parse", lambda text, name: parsed.append(name) or real(text, name))
+    for _ in range(3):
+        with pytest.raises(StageError, match=r"^/etc/x.toml:\d+:\d+: not valid TOML"):
+            tomldoc.parse(broken, "/etc/x.toml")
+    assert parsed == ["/etc/x.toml"]
+    first = tomldoc.parse(K3S_V3 + "\n" * tomldoc.CACHED_FROM, "/etc/y.toml")
+    first["version"] = 99  # the caller's own copy
+    assert tomldoc.parse(K3S_V3 + "\n" * tomldoc.CACHED_FROM, "/etc/y.toml")["version"] == 3

@@ -180,3 +180,51 @@ def test_digits_in_strings_and_integers_up_to_the_bound_are_read() -> None:
     assert jsontext.loads(f'{{"s": "{LONG}", "n": -{longest}}}') == {"s": LONG, "n": -int(longest)}
     with pytest.raises(jsontext.NumberTooLong, match="an integer of 101 digits"):
         jsontext.loads(f"[1, {longest}9]")
+
+
+# --- digits: a number of 5,000 digits, or digits of another script, wherever the agent reads one ----------
+
+LONG_DIGITS = ("9" * 5000, "\u00b2", "\u0663\u0660")  # Python's int() raised ValueError for each
+
+
+@pytest.mark.parametrize("digits", LONG_DIGITS[1:] + ("9" * 200,))  # a file name has at most 255 bytes
+def test_a_proc_entry_named_by_odd_digits_is_no_process(tmp_path: Path, digits: str) -> None:
+    from gpu_agent.host.processes import device_users
+
+    (tmp_path / "proc" / digits / "fd").mkdir(parents=True)
+    assert device_users(Root(tmp_path)) == []
+
+
+@pytest.mark.parametrize("digits", LONG_DIGITS)
+def test_a_module_line_with_an_odd_refcount_is_a_format_error(digits: str) -> None:
+    from gpu_agent.errors import HostFormatError
+    from gpu_agent.host.procfs import parse_char_majors, parse_key_values, parse_modules
+
+    with pytest.raises(HostFormatError, match=r"^/proc/modules:1: cannot read"):
+        parse_modules("/proc/modules", f"nvidia 56807424 {digits} - Live 0x0\n")
+    with pytest.raises(HostFormatError, match=r"^/proc/devices:2: cannot read"):
+        parse_char_majors("/proc/devices", f"Character devices:\n{digits} nvidia\n")
+    with pytest.raises(HostFormatError, match=r"DeviceFileMinor to be a decimal number"):
+        parse_key_values("/proc/x", f"DeviceFileMinor: {digits}\n").integer("DeviceFileMinor", 0)
+
+
+def test_odd_digits_in_the_environment_config_and_answers_are_refused_by_name(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_agent.cli.local_http import BadResponse, _head
+    from gpu_agent.config.plugin import _device_ref
+    from gpu_agent.daemon.notify import Notifier
+    from gpu_agent.sim.replay import handle_of
+
+    for digits in LONG_DIGITS:
+        monkeypatch.setenv("WATCHDOG_USEC", digits)
+        notifier = Notifier.__new__(Notifier)
+        notifier.enabled = True
+        assert notifier.watchdog_interval() is None
+        with pytest.raises(BadResponse, match="Content-Length is not a number"):
+            _head(b"HTTP/1.1 200 OK\r\nContent-Length: " + digits.encode() + b"\r\n")
+        with pytest.raises(ValueError, match="unsupported device"):
+            _device_ref(digits)
+        with pytest.raises(ValueError, match="unknown handle reference"):
+            handle_of(f"gpu{digits}")
+    with pytest.raises(ValueError, match="unsupported device"):
+        _device_ref("9" * 5000 + ":0")  # as a MIG index

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from grpclib.client import Channel
@@ -137,3 +138,33 @@ def test_connections_beyond_the_cap_are_closed_and_counted() -> None:
             assert await _options(channel)  # the kubelet's connection is served again
 
     asyncio.run(scenario())
+
+
+def test_a_large_request_is_decoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request near the 4 MiB cap (a million device ids) took seconds of the loop that answers /healthz;
+    a small one is decoded where it arrives."""
+    from gpu_agent import proto3
+
+    where: list[str] = []  # of each request the plugin decoded
+    real = proto3.Codec.decode
+
+    def decode(self: Any, data: bytes, message_type: Any) -> Any:
+        if message_type is api.PreferredAllocationRequest:
+            try:
+                asyncio.get_running_loop()
+                where.append("event loop")
+            except RuntimeError:
+                where.append("worker")
+        return real(self, data, message_type)
+
+    monkeypatch.setattr(proto3.Codec, "decode", decode)
+
+    async def scenario() -> None:
+        async with _plugin() as (endpoint, channel):
+            every = [device.id for device in endpoint.feed.resource.devices]
+            await _prefer(channel, every[:2], 1)
+            with pytest.raises(GRPCError):  # ids it does not advertise, past any node's count
+                await _prefer(channel, [f"GPU-{n:040d}" for n in range(60_000)], 1)
+
+    asyncio.run(scenario())
+    assert where == ["event loop", "worker"]

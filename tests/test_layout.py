@@ -2,8 +2,8 @@
 
 The layers, lowest first (a package, or a module where one module of a package sits apart):
 
- 1. gpu_agent (the package: its version), errors, printable, plan, proto3, kube.names: leaves that
-    import nothing of the agent (kube.names: the Kubernetes name rules the config validates with)
+ 1. gpu_agent (the package: its version), errors, printable, numbers, plan, proto3, grpcsize, kube.names:
+    leaves that import nothing of the agent (kube.names: the Kubernetes name rules the config validates with)
  2. host: the machine under --root (files, paths, processes, kernel interfaces, inotify watches)
  3. config, nvml: the settings, and NVML behind its session
  4. health.policy: what a GPU's health and XIDs mean (the state applies it)
@@ -28,7 +28,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpu_agent"
 WIRING = {"daemon/app.py"}  # the composition root
 
 LAYERS = (
-    ("gpu_agent", "errors", "printable", "plan", "proto3", "kube.names"),
+    ("gpu_agent", "errors", "printable", "numbers", "plan", "proto3", "grpcsize", "kube.names"),
     ("host",),
     ("config", "nvml"),
     ("health.policy",),

@@ -130,7 +130,7 @@ def test_device_ids_map_to_gpus_and_gpu_instances(node: Node) -> None:
         ("dev", "notebook", {"nb": {"nvidia.com/mig-3g.40gb": [node.mig[1].uuid], "example.com/fpga": ["fpga-0"]}}),
         ("dev", "stranger", {"x": {"nvidia.com/gpu": ["GPU-not-on-this-node"]}}),
     )
-    decoded = podresources.ListPodResourcesResponse.decode(answer.SerializeToString())  # as the kubelet sent it
+    decoded = podresources.holdings(answer.SerializeToString())  # as the kubelet sent it
     holders = attribute(decoded, node.state.inventory)
     assert holders == {
         (gpu0, None): (Holder("ml", "trainer", "main"),),
@@ -270,3 +270,127 @@ def test_the_daemon_wires_pod_labels_to_its_state_config_and_metrics(root: Path,
     assert len(held) == 1 and f'UUID="{runtime.state.inventory.gpus[3].uuid}"' in held[0]
     assert json.loads(json.dumps(daemon.state.to_json()))["pod_labels"]["devices"][0]["holders"] == [
         {"pod": "trainer", "namespace": "ml", "container": "main"}]
+
+
+# --- hostile answers: sizes, names, counts -------------------------------------------------------------
+
+def test_names_kubernetes_would_not_accept_never_become_label_values(node: Node, kubelet: Kubelet) -> None:
+    """One pod with a 1 MB name made /metrics 192 MB and the daemon 610 MB: each of the GPU's series
+    carried it. Kubernetes' own limits: pod names 253 characters of a DNS subdomain, namespaces and
+    container names 63 of a DNS label."""
+    gpu0, gpu1 = node.gpus[0].uuid, node.gpus[1].uuid
+    good = ("ml", "trainer", {"main": {"nvidia.com/gpu": [gpu0]}})
+    kubelet.answer = response(
+        good,
+        ("ml", "p" * (1 << 20), {"c": {"nvidia.com/gpu": [gpu1]}}),  # a 1 MB pod name
+        ("ml", "x" * 254, {"c": {"nvidia.com/gpu": [gpu1]}}),
+        ("n" * 64, "pod", {"c": {"nvidia.com/gpu": [gpu1]}}),
+        ("ml", "pod", {"c" * 64: {"nvidia.com/gpu": [gpu1]}}),
+        ("ml", 'pod"} evil{x="', {"c": {"nvidia.com/gpu": [gpu1]}}),
+        ("ml", "Pod\nforged_metric 1", {"c": {"nvidia.com/gpu": [gpu1]}}),
+        ("ml", "pod", {"c": {"nvidia.com/gpu": [gpu1 + "x" * 300]}}),  # a device id no GPU has
+        ("ml", "a" * 253, {"c" * 63: {"nvidia.com/gpu": [f"{gpu1}::7"]}}),  # at the limits: kept
+    )
+    result = asyncio.run(node.labels().refresh())
+    assert result.error is None and result.skipped == 6
+    assert result.of(gpu0) == (Holder("ml", "trainer", "main"),)
+    assert result.of(gpu1) == (Holder("ml", "a" * 253, "c" * 63),)
+    text = render(node.registry)
+    assert len(text) < 64 << 10 and b"evil" not in text and b"forged_metric" not in text
+    assert node.state.to_json()["pod_labels"]["skipped_holders"] == 6
+
+
+def test_an_answer_larger_than_the_limit_is_refused_by_its_length(node: Node, kubelet: Kubelet) -> None:
+    gpu0 = node.gpus[0].uuid
+    kubelet.answer = response(("x" * (podresources.MAX_MESSAGE_BYTES + 1), "pod", {"c": {"nvidia.com/gpu": [gpu0]}}))
+    result = asyncio.run(node.labels(timeout=30).refresh())
+    assert "MessageTooLarge: a message of" in str(result.error)
+    assert f"the limit is {podresources.MAX_MESSAGE_BYTES}" in str(result.error)
+
+
+class RawKubelet:
+    """A pod-resources List that answers with the bytes `frame` gives (a gRPC message's 5-byte prefix and
+    whatever follows), by grpclib, to declare what grpcio would never send."""
+
+    def __init__(self, root: Path, frame: Callable[[], Iterator[bytes]]) -> None:
+        self.path = Root(root)(SOCKET)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.frame = frame
+        self.sent = 0
+
+    def __mapping__(self) -> dict[str, Any]:
+        from grpclib.const import Cardinality, Handler
+
+        return {"/v1.PodResourcesLister/List": Handler(self._list, Cardinality.UNARY_UNARY,
+                                                      podresources.ListPodResourcesRequest,
+                                                      podresources.ListPodResourcesResponse)}
+
+    async def _list(self, stream: Any) -> None:
+        await stream.recv_message()
+        await stream.send_initial_metadata()
+        for data in self.frame():
+            await stream._stream.send_data(data)
+            self.sent += len(data)
+
+    async def serve(self, work: Any) -> Any:
+        from grpclib.server import Server
+
+        from gpu_agent.proto3 import Codec
+
+        server = Server([self], codec=Codec())
+        directory = os.open(self.path.parent, os.O_PATH | os.O_DIRECTORY)
+        try:
+            await server.start(path=f"/proc/self/fd/{directory}/{self.path.name}")
+            return await work
+        finally:
+            server.close()
+            os.close(directory)
+
+
+def test_a_declared_2_gib_answer_is_refused_before_it_is_read(node: Node) -> None:
+    """Such an answer grew the daemon to 687 MB at every refresh: grpclib read whatever length the prefix
+    declared, acknowledging each part so that the kubelet sent more."""
+    def frame() -> Iterator[bytes]:
+        yield b"\0" + (2 << 30).to_bytes(4, "big")
+        while True:
+            yield b"\0" * (1 << 20)
+
+    kubelet = RawKubelet(node.root, frame)
+    result = asyncio.run(kubelet.serve(node.labels(timeout=30).refresh()))
+    assert f"a message of {2 << 30} bytes; the limit is {podresources.MAX_MESSAGE_BYTES}" in str(result.error)
+    assert kubelet.sent < podresources.MAX_MESSAGE_BYTES  # flow control held the rest back: never asked for
+
+
+def test_a_hundred_thousand_pods_are_decoded_off_the_event_loop_and_not_kept(node: Node, kubelet: Kubelet,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """100,000 pods stalled /healthz 3.8 s a refresh: the answer was decoded on the event loop, each pod an
+    object. Now it is walked in a worker thread and only the pods holding devices are kept."""
+    gpu0 = node.gpus[0].uuid
+    pods = [("ns", f"idle-{n}", {"c": {}}) for n in range(100_000)]
+    kubelet.answer = response(*pods, ("ml", "trainer", {"main": {"nvidia.com/gpu": [gpu0]}}))
+    threads = []
+    real = podresources.holdings
+
+    def recorded(data: bytes) -> Any:
+        try:
+            asyncio.get_running_loop()
+            threads.append("event loop")
+        except RuntimeError:
+            threads.append("worker")
+        return real(data)
+
+    monkeypatch.setattr(podresources, "holdings", recorded)
+    result = asyncio.run(node.labels(timeout=60).refresh())
+    assert result.error is None and threads == ["worker"]
+    assert result.of(gpu0) == (Holder("ml", "trainer", "main"),)
+    kept = real(kubelet.answer.SerializeToString())
+    assert [pod.name for pod in kept.pod_resources] == ["trainer"]
+
+
+def test_more_pods_holding_devices_than_a_node_runs_is_an_error(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(podresources, "MAX_HOLDING_PODS", 50)
+    answer = response(*[("ns", f"p{n}", {"c": {"nvidia.com/gpu": [node.gpus[0].uuid]}}) for n in range(51)])
+    with pytest.raises(podresources.DecodeError, match="more than 50 pods hold devices"):
+        podresources.holdings(answer.SerializeToString())
+    assert len(podresources.holdings(response(*[("ns", f"p{n}", {"c": {"nvidia.com/gpu": ["GPU-x"]}})
+                                                for n in range(50)]).SerializeToString()).pod_resources) == 50

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpu_agent.errors import AgentError
 from gpu_agent.sim.machine import load_machine_file
@@ -79,3 +80,38 @@ def test_a_bad_machine_file_is_refused_naming_file_and_line(tmp_path: Path, text
     with pytest.raises(AgentError) as caught:
         load_machine_file(path)
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("key, value, reason", [
+    ("driver_version", "5/50", "expected a driver version such as 550.90.07"),
+    ("driver_version", "../../../etc/x", "expected a driver version"),
+    ("driver_version", "550.90.07/", "expected a driver version"),
+    ("driver_version", "9" * 5000, "expected a driver version"),
+    ("driver_version", "", "expected a driver version"),
+    ("driver_version", "550", "expected a driver version"),
+    ("driver_version", "550.90.07\n", "expected a driver version"),
+    ("driver_version", "\u0665\u0665\u0660.90", "expected a driver version"),  # Arabic-Indic digits
+    ("cuda_version", "1" + "2" * 5000 + ".4", "expected MAJOR.MINOR such as 12.4"),
+    ("cuda_version", "\u00b2.4", "expected MAJOR.MINOR"),  # '²'.isdigit() is True, int('²') raises
+    ("cuda_version", "12", "expected MAJOR.MINOR"),
+    ("cuda_version", "12.4.1", "expected MAJOR.MINOR"),
+    ("cuda_version", "100.0", "expected MAJOR.MINOR"),
+    ("name", "n" * 65, "at most 64 characters"),
+])
+def test_versions_and_names_are_validated_naming_the_key_and_line(tmp_path: Path, key: str, value: str,
+                                                                   reason: str) -> None:
+    """A '/' in driver_version named files outside the library directory and then failed as a traceback;
+    a cuda_version of 5,000 digits raised ValueError at int()."""
+    path = tmp_path / "machine.yaml"
+    path.write_text(yaml.safe_dump({key: value, "gpus": [{"model": "T4"}]}, sort_keys=False))
+    with pytest.raises(AgentError) as caught:
+        load_machine_file(path)
+    assert str(caught.value).startswith(f"{path}:1: {key}: ") and reason in str(caught.value)
+
+
+def test_a_valid_driver_and_cuda_version_are_taken() -> None:
+    from gpu_agent.sim.machine_file import MachineSpec
+
+    spec = MachineSpec.model_validate({"driver_version": "580.159.04", "cuda_version": "13.0"})
+    assert (spec.driver_version, spec.cuda) == ("580.159.04", 13000)
+    assert MachineSpec.model_validate({"driver_version": None}).driver_version is None

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from conftest import cli
@@ -199,6 +200,26 @@ def test_openssl_is_loaded_only_for_tls() -> None:
         import ssl
         ssl.create_default_context()
         assert re.findall({OPENSSL!r}, open("/proc/self/maps").read())
+    """
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("flag, hidden", [("1\n", False), ("0\n", True), (None, True)])
+def test_on_a_fips_host_hashlib_and_asyncio_keep_openssl(tmp_path: Path, flag: Optional[str], hidden: bool) -> None:
+    """On a FIPS host hashlib must be OpenSSL's (its FIPS provider refuses what FIPS does not approve) and
+    asyncio keeps TLS: the trick is skipped there, by /proc/sys/crypto/fips_enabled under --root."""
+    if flag is not None:
+        (tmp_path / "proc/sys/crypto").mkdir(parents=True)
+        (tmp_path / "proc/sys/crypto/fips_enabled").write_text(flag)
+    code = f"""if True:
+        import sys
+        from gpu_agent.host.openssl import import_without_openssl
+        assert import_without_openssl({str(tmp_path)!r}) is {hidden!r}
+        import asyncio.sslproto, hashlib
+        assert ("_hashlib" in sys.modules) is {not hidden!r}, sorted(sys.modules)
+        assert (asyncio.sslproto.ssl is None) is {hidden!r}
     """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr

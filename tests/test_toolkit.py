@@ -234,7 +234,8 @@ def test_a_missing_or_vulnerable_toolkit_is_refused(root: Path, node: Path) -> N
     missing = failed(apply(node))
     assert "the NVIDIA Container Toolkit is not installed (/usr/bin/nvidia-container-runtime missing)" in missing
     (node / BINARY.lstrip("/")).write_text("#!/bin/sh\n")
-    (node / "var/lib/dpkg/status").write_text("Package: nvidia-container-toolkit\nVersion: 1.16.2-1\n\n")
+    (node / "var/lib/dpkg/status").write_text(
+        "Package: nvidia-container-toolkit\nStatus: install ok installed\nVersion: 1.16.2-1\n\n")
     old = failed(apply(node))
     assert "1.16.2 is older than 1.17.8" in old and "CVE-2025-23266" in old
     assert not (node / DROP_IN).exists()

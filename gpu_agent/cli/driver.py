@@ -13,7 +13,10 @@ from typing import Any, Optional
 
 from gpu_agent.cli.common import config_of, root_of
 from gpu_agent.errors import EXIT_ERROR, EXIT_OK, AgentError
+from gpu_agent.host.bounded import NotRegular, read_head
+from gpu_agent.numbers import decimal
 
+CMDLINE_HEAD = 4096  # of /proc/PID/cmdline: enough for `python -m gpu_agent run`
 _POLL_S = 0.2  # how often the daemon's answer is looked for
 _PASS_EVERY_S = 1.0  # in this process: a pass a second while the GPUs are waited for
 _MARGIN_S = 600.0  # past the wait for idle GPUs: the unload, load, verification and the passes after
@@ -188,10 +191,9 @@ def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
 def _daemon_pid(lock: Any) -> Optional[int]:
     """The lock holder's pid when it is `gpu-agent ... run` (a SIGHUP would end another holder, apply --once)."""
     try:
-        pid = int(lock.read_text().strip())
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().split(b"\0")
-    except (OSError, ValueError):
+        pid = decimal((read_head(lock, 32) or b"").decode("ascii", errors="replace"))
+        argv = (read_head(f"/proc/{pid}/cmdline", CMDLINE_HEAD) or b"").split(b"\0") if pid else []
+    except (OSError, NotRegular):
         return None
     return pid if b"run" in argv and any(b"gpu_agent" in arg or b"gpu-agent" in arg for arg in argv) else None
 

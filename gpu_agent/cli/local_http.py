@@ -7,6 +7,8 @@ from __future__ import annotations
 import socket
 import time
 
+from gpu_agent.numbers import decimal
+
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # /status of 64 GPUs with MIG is a few MiB
 
 
@@ -65,9 +67,9 @@ def _head(head: bytes) -> tuple[int, int | None, bool]:
             raise BadResponse(f"not a header line: {line[:60]!r}")
         name, value = name.strip().lower(), value.strip()
         if name == b"content-length":
-            if not value.isdigit():
+            length = decimal(value.decode("ascii", errors="replace"))
+            if length is None:
                 raise BadResponse(f"Content-Length is not a number: {value[:20]!r}")
-            length = int(value)
         elif name == b"transfer-encoding":
             chunked = value.lower().endswith(b"chunked")
     return int(parts[1]), (None if chunked else length), chunked

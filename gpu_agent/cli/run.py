@@ -16,7 +16,7 @@ def main(args: argparse.Namespace) -> int:
 
     from gpu_agent.host.openssl import import_without_openssl
 
-    import_without_openssl()
+    import_without_openssl(root_of(args))  # not on a FIPS host
     from gpu_agent.config import load_config
 
     path, required = config_location(args)

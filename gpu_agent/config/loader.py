@@ -19,6 +19,7 @@ from gpu_agent.config.schema import AgentConfig
 from gpu_agent.config.text import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH
 from gpu_agent.config.text import MAX_CONFIG_BYTES, read_config_text, shown
 from gpu_agent.errors import ConfigError
+from gpu_agent.numbers import decimal
 
 __all__ = ["DEFAULT_CONFIG_PATH", "LoadedConfig", "check_config", "line_of", "load_config", "parse_config",
            "reload_config", "validated"]
@@ -139,9 +140,15 @@ def check_config(text: str, name: str) -> tuple[AgentConfig, list[str]]:
     return config, warnings
 
 
+def _index(part: str) -> str | int:
+    """A key path's part as line_of takes it: a list index as a number."""
+    index = decimal(part)
+    return part if index is None or part != part.strip() else index
+
+
 def _line(document: yaml.Node | None, loc: tuple[str, ...]) -> int | None:
     """A key path's line, its digits as list indices."""
-    return line_of(document, tuple(int(part) if part.isdigit() else part for part in loc))
+    return line_of(document, tuple(_index(part) for part in loc))
 
 
 def _describe(error: Any, document: yaml.Node | None, name: str) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal, Optional, Union
 
 from gpu_agent.config.section import Bounds, Check, Section, setting, shown
+from gpu_agent.numbers import decimal
 
 if TYPE_CHECKING:
     from gpu_agent.config.schema import AgentConfig
@@ -24,7 +25,7 @@ _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]
 _UUID = r"([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}|[0-9a-fA-F]{32})"
 _GPU_UUID = re.compile(f"GPU-{_UUID}")
 _MIG_UUID = re.compile(f"MIG-({_UUID}|GPU-{_UUID}/[0-9]+/[0-9]+)")
-_MIG_INDEX = re.compile(r"[0-9]+:[0-9]+")
+_MIG_INDEX = re.compile(r"[0-9]{1,9}:[0-9]{1,9}")
 
 
 def _resource_name(value: str) -> str:
@@ -48,8 +49,9 @@ def _device_ref(value: Union[int, str]) -> Union[int, str]:
     `<gpu>:<mig>`, a GPU UUID, or a MIG UUID (MIG-<uuid> or MIG-GPU-<uuid>/<gi>/<ci>)."""
     if isinstance(value, int):
         return value
-    if value.isdigit() and value.isascii():
-        return int(value)
+    index = decimal(value)
+    if index is not None and value == value.strip():
+        return index
     if is_mig_ref(value) or _GPU_UUID.fullmatch(value):
         return value
     raise ValueError(f"unsupported device {shown(value)}: a GPU index, a MIG index such as \"0:1\", "

@@ -221,10 +221,11 @@ class Runtime:
                               else None))
         stages.append(Discovery(self.nvml, config.discovery))
         toolkit = config.toolkit if not self.real_root_simulated else dataclasses.replace(config.toolkit, enabled=False)
-        stages.append(DevicePathStage(self.root, config.plugin, toolkit, self.versions or Versions(self.root),
+        versions = self.versions or Versions(self.root)
+        stages.append(DevicePathStage(self.root, config.plugin, toolkit, versions,
                                       node_info=sink.node_info if sink is not None and sink.api else None))
         if config.toolkit.enabled and not self.real_root_simulated:
-            stages.append(Toolkit(self.root, self.services, self.packages, config.toolkit))
+            stages.append(Toolkit(self.root, self.services, self.packages, config.toolkit, versions))
             if config.toolkit.cdi.enabled:
                 stages.append(Cdi(self.root, config.toolkit.cdi))
         if upgrade is not None:
@@ -259,7 +260,7 @@ def take_lock(root: Root) -> IO[str]:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
-        holder = handle.read().strip() or "unknown"
+        holder = handle.read(32).strip() or "unknown"  # a pid; the file is not trusted to hold only that
         handle.close()
         raise AgentError(
             f"another gpu-agent (pid {holder}) is running on root {root.path} and holds {path}; "

@@ -8,6 +8,7 @@ from typing import Optional
 
 import sdnotify
 
+from gpu_agent.numbers import decimal
 from gpu_agent.printable import printable
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Notifier:
         """Half of WATCHDOG_USEC when systemd watches this process, else None."""
         usec = os.environ.get("WATCHDOG_USEC")
         pid = os.environ.get("WATCHDOG_PID")
-        if not self.enabled or not usec or not usec.isdigit() or (pid and pid != str(os.getpid())):
+        microseconds = decimal(usec or "")
+        if not self.enabled or not microseconds or (pid and pid != str(os.getpid())):
             return None
-        return int(usec) / 2 / 1_000_000
+        return microseconds / 2 / 1_000_000

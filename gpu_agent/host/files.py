@@ -15,11 +15,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+from gpu_agent.errors import AgentError
 from gpu_agent.host import sandbox
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded, read_bounded_file
 from gpu_agent.host.masking import masked
 from gpu_agent.host.paths import Root
 
 BACKUP_DIR = "/var/lib/gpu-agent/backups"
+MAX_BACKUP_BYTES = 16 << 20  # as host.owned's limit: more than any file the agent replaces
 KEEP_BACKUPS = 5  # per file; the original before gpu-agent's first change is kept apart (host/owned.py)
 _TMP_SUFFIX = ".tmp"
 
@@ -150,13 +153,6 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_text(path: Path) -> Optional[str]:
-    try:
-        return path.read_text()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
 def unified_diff(host_path: str, current: Optional[str], desired: str) -> str:
     """The change as a diff for people to read, masked (runtime configs hold registry passwords and
     tokens, and a diff's context lines would show them; host/masking.py) before it is compared. The
@@ -220,10 +216,13 @@ def backup(root: Root, host_path: str) -> Optional[Path]:
     and with the file's mode; not again while the newest backup of it holds the same bytes."""
     source = root(host_path)
     try:
-        data = source.read_bytes()
-        mode = stat.S_IMODE(os.stat(source).st_mode)
-    except FileNotFoundError:
+        found = read_bounded_file(source, MAX_BACKUP_BYTES)
+    except (NotRegular, TooLarge) as exc:
+        raise AgentError(f"cannot back up {host_path}: it is {exc}") from None
+    if found is None:
         return None
+    data, status = found
+    mode = stat.S_IMODE(status.st_mode)
     directory = root(BACKUP_DIR)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = host_path.strip("/").replace("/", "_")
@@ -240,7 +239,7 @@ def backup(root: Root, host_path: str) -> Optional[Path]:
     return target
 
 
-_BACKUP_SUFFIX = re.compile(r"\.(\d{8}T\d{6})(?:~(\d+))?$")
+_BACKUP_SUFFIX = re.compile(r"\.([0-9]{8}T[0-9]{6})(?:~([0-9]{1,9}))?$")
 
 
 def _backups_of(directory: Path, name: str) -> list[Path]:
@@ -257,8 +256,10 @@ def _order(name: str, path: Path) -> tuple[str, int]:
     return match.group(1), int(match.group(2) or 0)
 
 
-def read_bytes(path: Path) -> Optional[bytes]:
+def read_bytes(path: Path, limit: int = MAX_BACKUP_BYTES) -> Optional[bytes]:
+    """The bytes of the regular file at `path`; None when it is missing, not a regular file, larger than
+    `limit` or unreadable."""
     try:
-        return path.read_bytes()
-    except OSError:
+        return read_bounded(path, limit)
+    except (OSError, NotRegular, TooLarge):
         return None

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Optional, Union
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
 
 PATH = "/etc/ld.so.cache"
+MAX_CACHE_BYTES = 64 << 20  # a cache of tens of thousands of libraries is a few MiB
 
 OLD_MAGIC = b"ld.so-1.7.0"
 NEW_MAGIC = b"glibc-ld.so.cache1.1"
@@ -79,11 +81,16 @@ def native_flags() -> int:
 def read_cache(path: Union[str, Path]) -> list[CacheEntry]:
     """Every entry of the cache file at `path` (a real path, already under the agent's root)."""
     try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise AgentError(f"{path}: no ld.so cache; run ldconfig to create it") from None
+        data = read_bounded(path, MAX_CACHE_BYTES)
+    except NotRegular as exc:
+        raise AgentError(f"{path}: not an ld.so cache: it is {exc.kind}; run ldconfig to rebuild it") from None
+    except TooLarge:
+        raise AgentError(f"{path}: more than {MAX_CACHE_BYTES} bytes, not an ld.so cache; "
+                         "run ldconfig to rebuild it") from None
     except OSError as exc:
         raise AgentError(f"{path}: cannot read the ld.so cache: {exc.strerror}") from None
+    if data is None:
+        raise AgentError(f"{path}: no ld.so cache; run ldconfig to create it")
     try:
         return parse(data)
     except ValueError as exc:

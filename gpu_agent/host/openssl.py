@@ -3,11 +3,21 @@ agent's resident set, and only the Kubernetes API client's HTTPS uses them; yet 
 them at import whatever they are used for: hashlib (through _hashlib; pydantic imports it through secrets
 and hmac) and asyncio (ssl, for TLS transports the agent never makes: the kube client's sockets are its
 own). Imported here first with both hidden, hashlib takes CPython's own digests (the same digests) and
-asyncio has no TLS; a later `import ssl` loads OpenSSL as ever."""
+asyncio has no TLS; a later `import ssl` loads OpenSSL as ever.
+
+Not on a FIPS host (/proc/sys/crypto/fips_enabled under --root says 1): there hashlib must be OpenSSL's,
+whose FIPS provider refuses what FIPS does not approve, and CPython's own digests would quietly take
+its place; docs/systemd.md says what the trick turns off."""
 from __future__ import annotations
 
 import importlib.util
 import sys
+from typing import Union
+
+from gpu_agent.host.bounded import NotRegular, read_head
+from gpu_agent.host.paths import Root
+
+FIPS_ENABLED = "/proc/sys/crypto/fips_enabled"
 
 # hashlib without _hashlib builds every guaranteed algorithm from these at import; a build that lacks one
 # (a FIPS build may) keeps OpenSSL's rather than log an error for each.
@@ -18,8 +28,19 @@ def _builtin_digests() -> bool:
     return all(any(importlib.util.find_spec(name) is not None for name in names) for names in _BUILTIN_DIGESTS)
 
 
-def import_without_openssl() -> None:
-    """Import hashlib, hmac and asyncio without OpenSSL where none of them is imported yet."""
+def fips_enabled(root: Root) -> bool:
+    """Whether the kernel under `root` runs in FIPS mode; an unreadable flag is taken as not."""
+    try:
+        return (read_head(root(FIPS_ENABLED), 8) or b"").strip() == b"1"
+    except (OSError, NotRegular):
+        return False
+
+
+def import_without_openssl(root: Union[Root, str] = "/") -> bool:
+    """Import hashlib, hmac and asyncio without OpenSSL where none of them is imported yet, unless the
+    host is in FIPS mode (then nothing is imported here). Whether it did."""
+    if fips_enabled(root if isinstance(root, Root) else Root(root)):
+        return False
     hidden = []
     if not {"_hashlib", "hashlib", "hmac"} & sys.modules.keys() and _builtin_digests():
         hidden.append("_hashlib")
@@ -35,3 +56,4 @@ def import_without_openssl() -> None:
         for name in hidden:
             if name in sys.modules and sys.modules[name] is None:
                 del sys.modules[name]
+    return True

@@ -2,11 +2,14 @@
 driver is diagnosed as such and never mistaken for "no GPU"."""
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Union
 
 from gpu_agent.errors import HostFormatError
+from gpu_agent.host.bounded import NotRegular, read_head
 from gpu_agent.host.paths import Root
 
 NVIDIA = 0x10DE
@@ -89,10 +92,20 @@ def _identity(entry: str) -> _Identity:
     return (link.st_ino, link.st_mtime_ns, link.st_ctime_ns, announced)
 
 
+def _head(path: Union[str, Path], size: int) -> bytes:
+    """The first `size` bytes of a sysfs attribute; OSError where it is missing or not a regular file."""
+    try:
+        data = read_head(path, size)
+    except NotRegular as exc:
+        raise OSError(errno.EINVAL, f"it is {exc.kind}", str(path)) from None
+    if data is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    return data
+
+
 def _hex(entry: str, name: str) -> int:
     """One of sysfs' hexadecimal attributes (vendor 0x10de, class 0x030200)."""
-    with open(f"{entry}/{name}", "rb") as attribute:
-        text = attribute.read(64).decode("ascii", errors="replace").strip()
+    text = _head(f"{entry}/{name}", 64).decode("ascii", errors="replace").strip()
     try:
         return int(text, 16)
     except ValueError:
@@ -104,7 +117,7 @@ def numa_node(root: Root, address: str) -> Optional[int]:
     """The NUMA node a PCI function hangs off, as the kernel (and so the kubelet) sees it; None where the
     kernel does not know (-1: one node, a VM) or says something else."""
     try:
-        text = root(f"/sys/bus/pci/devices/{address.lower()}/numa_node").read_bytes()[:32]
+        text = _head(root(f"/sys/bus/pci/devices/{address.lower()}/numa_node"), 32)
         node = int(text.decode("ascii", errors="replace").strip())
     except (OSError, ValueError):
         return None
@@ -136,8 +149,7 @@ def vgpu(root: Root, address: str) -> Optional[Vgpu]:
     """The vGPU capability of the GPU at `address`; None where its config space cannot be read whole (GFD
     then writes no vgpu labels: 'run GFD with privileged mode to read complete PCI configuration data')."""
     try:
-        with open(root(f"/sys/bus/pci/devices/{address.lower()}/config"), "rb") as config:
-            return vgpu_of(config.read(256))
+        return vgpu_of(_head(root(f"/sys/bus/pci/devices/{address.lower()}/config"), 256))
     except OSError:
         return None
 

@@ -15,7 +15,9 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
+from gpu_agent.host.bounded import NotRegular, read_head
 from gpu_agent.host.paths import Root
+from gpu_agent.numbers import decimal
 
 _LOCK = threading.Lock()
 
@@ -71,7 +73,8 @@ def device_users(root: Root) -> list[NamedProcess]:
     found = []
     proc = root("/proc")
     for entry in proc.iterdir() if proc.is_dir() else ():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        pid = decimal(entry.name)
+        if pid is None or pid == os.getpid():
             continue
         try:
             with os.scandir(entry / "fd") as fds:
@@ -79,10 +82,9 @@ def device_users(root: Root) -> list[NamedProcess]:
         except OSError:  # gone, or not ours to read
             continue
         if held:
-            comm = entry / "comm"
             try:
-                name = comm.read_text(errors="replace").strip() or "?"
-            except OSError:
+                name = (read_head(entry / "comm", 64) or b"").decode(errors="replace").strip() or "?"
+            except (OSError, NotRegular):
                 name = "?"
-            found.append(NamedProcess(int(entry.name), name))
+            found.append(NamedProcess(pid, name))
     return sorted(found, key=lambda p: p.pid)

@@ -9,8 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from gpu_agent.errors import HostFormatError, StageError
-from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
+from gpu_agent.errors import HostFormatError
+from gpu_agent.host.bounded import read_text
+from gpu_agent.numbers import decimal
 from gpu_agent.host.paths import Root
 
 
@@ -20,16 +21,8 @@ MAX_PROC_BYTES = 4 << 20  # /proc/modules of a busy kernel is tens of KiB
 def read(root: Root, host_path: str) -> Optional[str]:
     """A kernel or driver file's text; None when it does not exist. Bytes that are not UTF-8 are
     replaced, so they fail the parser with its message instead of a decoding error."""
-    try:
-        data = read_bounded(root(host_path), MAX_PROC_BYTES)
-    except NotRegular as exc:
-        raise StageError(f"cannot read {host_path}: it is {exc.kind}, not a file") from None
-    except TooLarge:
-        raise StageError(f"cannot read {host_path}: more than {MAX_PROC_BYTES} bytes, not what the kernel "
-                         "writes there") from None
-    except OSError as exc:
-        raise StageError(f"cannot read {host_path}: {exc.strerror or exc}") from None
-    return None if data is None else data.decode("utf-8", errors="replace")
+    return read_text(root(host_path), host_path, MAX_PROC_BYTES, errors="replace",
+                     why_limit=", not what the kernel writes there")
 
 
 # Linux's dev_t: 12 bits of major, 20 of minor (MINORBITS); values past them cannot name a device node.
@@ -37,7 +30,6 @@ MAX_MAJOR = (1 << 12) - 1
 MAX_MINOR = (1 << 20) - 1
 MAX_MODE = 0o7777
 UINT32_MAX = (1 << 32) - 1
-_DECIMAL = re.compile(r"[0-9]{1,20}")
 
 
 @dataclass(frozen=True)
@@ -58,9 +50,9 @@ def parse_modules(path: str, text: str) -> dict[str, LoadedModule]:
         fields = line.split()
         if not fields:
             continue
-        if len(fields) < 4 or not fields[1].isdigit() or not (fields[2] == "-" or fields[2].isdigit()):
+        refcnt = decimal(fields[2]) if len(fields) >= 4 else None
+        if len(fields) < 4 or decimal(fields[1]) is None or not (fields[2] == "-" or refcnt is not None):
             raise HostFormatError(path, number, line, "name, size, refcount (a number or -), holders, state, address")
-        refcnt = None if fields[2] == "-" else int(fields[2])
         holders = tuple(h for h in fields[3].split(",") if h and h != "-")
         modules[fields[0]] = LoadedModule(fields[0], refcnt, holders)
     return modules
@@ -78,12 +70,13 @@ def parse_char_majors(path: str, text: str) -> dict[str, int]:
         if stripped.endswith("devices:"):
             section = stripped
             continue
-        major, _, name = stripped.partition(" ")
-        if section is None or _DECIMAL.fullmatch(major) is None or int(major) > MAX_MAJOR or not name.strip():
+        text, _, name = stripped.partition(" ")
+        major = decimal(text, MAX_MAJOR)
+        if section is None or major is None or not name.strip():
             raise HostFormatError(path, number, line, "a 'Character devices:' or 'Block devices:' heading, "
                                   f"or a major number (0 to {MAX_MAJOR}) and a driver name")
         if section == "Character devices:":
-            majors.setdefault(name.strip(), int(major))
+            majors.setdefault(name.strip(), major)
     return majors
 
 
@@ -124,11 +117,11 @@ class KeyValues(dict[str, str]):
         """A decimal value from 0 to `maximum`; anything else is a HostFormatError naming its line."""
         if key not in self:
             return default
-        value = self[key]
-        if _DECIMAL.fullmatch(value) is None or int(value) > maximum:
+        value = decimal(self[key], maximum)
+        if value is None:
             number, line = self.lines[key]
             raise HostFormatError(self.path, number, line, f"{key} to be a decimal number from 0 to {maximum}")
-        return int(value)
+        return value
 
 
 def parse_key_values(path: str, text: str) -> KeyValues:

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from gpu_agent.host.bounded import Unreadable, read_text
 from gpu_agent.host.paths import Root
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ LATE_WRITABLE = (
     "/run/nvidia/mps",
 )
 RESTARTED = "/run/gpu-agent/restarted-for"  # the directories a restart was asked for, one a line
+MAX_RESTARTED_BYTES = 64 << 10  # a few directory names
 RESTARTING = "read-only in gpu-agent's sandbox (EROFS) until it restarts, as it does now"  # the error's reason
 EXIT_RESTART = 75  # EX_TEMPFAIL (sysexits.h): the unit's Restart=on-failure and RestartForceExitStatus=75
 
@@ -74,8 +76,10 @@ class Sandbox:
         """The directories an earlier run restarted for that are read-only still: that restart did not help.
         The others (writable now, or gone) are forgotten, so that their next appearance restarts again."""
         try:
-            listed = set(self.root(RESTARTED).read_text().split())
-        except OSError:
+            text = read_text(self.root(RESTARTED), RESTARTED, MAX_RESTARTED_BYTES, errors="replace")
+            listed = set((text or "").split())
+        except Unreadable as exc:  # forgotten: the next start may restart again
+            log.warning("%s", exc)
             return set()
         kept = {d for d in listed if d in LATE_WRITABLE and self.root(d).is_dir() and not _writable(self.root(d))}
         if kept != listed:

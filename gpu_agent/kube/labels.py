@@ -7,7 +7,7 @@ import re
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from gpu_agent.config.plugin import RESOURCE_PREFIX, mig_strategy
-from gpu_agent.host.files import read_text
+from gpu_agent.host import procfs
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Gpu, Inventory, MigDevice
 from gpu_agent.plugin.devices import GPU_RESOURCE, Shared, mig_resource, sharing
@@ -53,7 +53,7 @@ def family(major: int, minor: int) -> str:
 
 def machine_name(root: Root) -> Optional[str]:
     """The DMI product name, for gpu.machine."""
-    name = read_text(root("/sys/class/dmi/id/product_name"))
+    name = procfs.read(root, "/sys/class/dmi/id/product_name")
     return name.strip() if name is not None else None
 
 

@@ -9,18 +9,22 @@ import logging
 import os
 from typing import Iterator
 
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.metrics.text import Family, counter, gauge
 
 log = logging.getLogger(__name__)
 
 PROC = "/proc/self"  # this process's own table, never the one under --root
+MAX_BYTES = 64 << 10  # statm, stat and status are under 2 KiB
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _read(name: str) -> str:
-    with open(f"{PROC}/{name}") as f:
-        return f.read()
+    data = read_bounded(f"{PROC}/{name}", MAX_BYTES)
+    if data is None:
+        raise FileNotFoundError(f"{PROC}/{name}")
+    return data.decode("ascii", errors="replace")
 
 
 class OwnProcessCollector:
@@ -33,7 +37,8 @@ class OwnProcessCollector:
             fds = len(os.listdir(f"{PROC}/fd"))
             threads = next(int(line.split()[1]) for line in _read("status").splitlines()
                            if line.startswith("Threads:"))
-        except (OSError, ValueError, IndexError, StopIteration) as exc:  # /proc not mounted in the namespace
+        # /proc not mounted in the namespace
+        except (OSError, NotRegular, TooLarge, ValueError, IndexError, StopIteration) as exc:
             log.debug("own resource metrics unavailable: %s", exc)
             return
         yield gauge("process_resident_memory_bytes", "Resident memory size in bytes.", value=rss)

@@ -7,8 +7,11 @@ MIG device's holders label its GPU instance's series (GPU_I_ID), each with `pod`
 `container`. A device several containers share (replicas) gets one series per holder, as dcgm-exporter
 writes them for shared GPUs; a device nobody holds keeps its series without those labels.
 
-The query runs on its own timer (the sample interval), never on a scrape, and is bounded by a timeout.
-When it fails, the series go without pod labels and /status says why.
+The query runs on its own timer (the sample interval), never on a scrape, and is bounded by a timeout;
+the answer by its size (kube/podresources.py: MAX_MESSAGE_BYTES, refused before it is read), and it is
+decoded in a worker thread, off the event loop that answers /healthz. Only pods holding devices are
+kept, and only names Kubernetes accepts become label values. When it fails, the series go without pod
+labels and /status says why.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Inventory
 
 if TYPE_CHECKING:
-    from gpu_agent.kube.podresources import ListPodResourcesResponse
+    from gpu_agent.kube.podresources import Holdings
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class PodAttribution:
     holders: dict[Key, tuple[Holder, ...]] = field(default_factory=dict)
     error: Optional[str] = None
     at: Optional[float] = None  # when the kubelet last answered (unix time)
+    skipped: int = 0  # holders whose names Kubernetes would not accept (kube/podresources.py)
 
     def of(self, uuid: str, gpu_instance: Optional[int] = None) -> tuple[Holder, ...]:
         return self.holders.get((uuid, gpu_instance), ())
@@ -64,6 +68,7 @@ class PodAttribution:
         return {
             "error": self.error,
             "updated_at": self.at,
+            "skipped_holders": self.skipped,
             "devices": [
                 {"uuid": uuid, "gpu_instance_id": gi,
                  "holders": [{"pod": h.pod, "namespace": h.namespace, "container": h.container} for h in holders]}
@@ -76,8 +81,8 @@ def _gi(value: Optional[int]) -> int:
     return -1 if value is None else value
 
 
-def attribute(response: ListPodResourcesResponse, inventory: Optional[Inventory]) -> dict[Key, tuple[Holder, ...]]:
-    """Who holds each of the inventory's GPUs and GPU instances, from a ListPodResourcesResponse."""
+def attribute(response: Holdings, inventory: Optional[Inventory]) -> dict[Key, tuple[Holder, ...]]:
+    """Who holds each of the inventory's GPUs and GPU instances, from the kubelet's answer."""
     devices: dict[str, Key] = {}
     for gpu in inventory.gpus if inventory else ():
         devices[gpu.uuid] = (gpu.uuid, None)
@@ -95,17 +100,26 @@ def attribute(response: ListPodResourcesResponse, inventory: Optional[Inventory]
     return {key: tuple(sorted(holders)[:MAX_HOLDERS]) for key, holders in found.items()}
 
 
-async def list_pod_resources(socket: Path, timeout: float) -> ListPodResourcesResponse:
-    """The kubelet's ListPodResourcesResponse; raises OSError, asyncio.TimeoutError or a grpclib error."""
+async def list_pod_resources(socket: Path, timeout: float) -> Holdings:
+    """The pods holding devices, as the kubelet's List answers (decoded in a worker thread); raises
+    OSError, asyncio.TimeoutError, a grpclib error, grpcsize.MessageTooLarge or proto3.DecodeError."""
     from grpclib.client import Channel
 
-    from gpu_agent.kube.podresources import ListPodResourcesRequest, list_method
-    from gpu_agent.proto3 import Codec
+    from gpu_agent.grpcsize import unary_reply
+    from gpu_agent.kube.podresources import MAX_MESSAGE_BYTES, ListPodResourcesRequest, holdings, list_method
+    from gpu_agent.proto3 import Codec, DecodeError
+
+    async def call() -> Optional[bytes]:
+        async with list_method(channel).open(timeout=timeout) as stream:
+            return await unary_reply(stream, ListPodResourcesRequest(), MAX_MESSAGE_BYTES)
 
     address, fd = socket_address(socket)
     channel = Channel(path=address, codec=Codec())
     try:
-        return await asyncio.wait_for(list_method(channel)(ListPodResourcesRequest(), timeout=timeout), timeout)
+        data = await asyncio.wait_for(call(), timeout)
+        if data is None:
+            raise DecodeError("the kubelet answered List with no message")
+        return await asyncio.to_thread(holdings, data)
     finally:
         channel.close()
         if fd is not None:
@@ -155,7 +169,9 @@ class PodLabels:
         """One query; a failure is published as the reason the series have no pod labels."""
         try:
             response = await list_pod_resources(self.socket, self.timeout)
-            attribution = PodAttribution(attribute(response, self.inventory()), None, time.time())
+            inventory = self.inventory()
+            holders = await asyncio.to_thread(attribute, response, inventory)
+            attribution = PodAttribution(holders, None, time.time(), response.skipped)
         except asyncio.TimeoutError:
             attribution = self._failed(f"the kubelet's pod-resources API at {self.socket} did not answer List "
                                        f"within {self.timeout:g} s")

@@ -13,10 +13,12 @@ import logging
 from typing import Optional
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host import procfs
 from gpu_agent.host.ledger import Ledger, OwnedMount
 from gpu_agent.host.paths import Root
 from gpu_agent.mps.control import MpsControl
 from gpu_agent.mps.layout import SHM_DIR
+from gpu_agent.numbers import decimal
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +29,16 @@ FSTYPE = "tmpfs"
 def size(root: Root) -> str:
     """Half the node's memory, in MemTotal's unit (`k`), as NVIDIA's getDefaultShmSize."""
     try:
-        with root("/proc/meminfo").open(errors="replace") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    words = line[len("MemTotal:"):].split()
-                    if words and words[0].isdigit():
-                        return f"{int(words[0]) // 2}{words[1][0] if len(words) > 1 else ''}"
-                    break
-    except OSError:
-        pass
+        meminfo = procfs.read(root, "/proc/meminfo") or ""
+    except AgentError:
+        return FALLBACK_SIZE
+    for line in meminfo.splitlines():
+        if line.startswith("MemTotal:"):
+            words = line[len("MemTotal:"):].split()
+            total = decimal(words[0]) if words else None
+            if total is not None:
+                return f"{total // 2}{words[1][0] if len(words) > 1 else ''}"
+            break
     return FALLBACK_SIZE
 
 

@@ -25,7 +25,7 @@ from typing import Optional
 
 from gpu_agent.nvml.model import PCIE_LEVELS, Inventory
 
-REPLICA = re.compile(r"^(?P<base>.+)::(?P<n>\d+)$")
+REPLICA = re.compile(r"^(?P<base>.+)::(?P<n>[0-9]{1,9})$")
 NVLINK_SCORE = 1000  # per pair of NVLink-joined GPUs, plus one per link: above anything PCIe can score
 SAME_NUMA_SCORE = 100  # above any PCIe level
 PCIE_SCORES = {level: 10 * (len(PCIE_LEVELS) - n) for n, level in enumerate(PCIE_LEVELS)}  # BOARD 60 .. SYS 10

@@ -5,7 +5,8 @@ the endpoint we named, as in k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1.
 What a client of the socket can make the daemon hold is bounded: MAX_CONNECTIONS connections (the
 kubelet opens one or two; a connection beyond is closed at once), MAX_STREAMS calls at once on each,
 and a request of MAX_MESSAGE_BYTES at most, refused by its length prefix before it is read
-(RESOURCE_EXHAUSTED), so that no more than HTTP/2's flow-control window of it is ever buffered. What is
+(RESOURCE_EXHAUSTED, gpu_agent/grpcsize.py), so that no more than HTTP/2's flow-control window of it is
+ever buffered; the kubelet's answer to Register is read the same way, MAX_REPLY_BYTES at most. What is
 refused is counted (PluginEndpoint.refused), not logged: a client can repeat it at will.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.server import Server, Stream
 from h2.settings import SettingCodes
 
+from gpu_agent.grpcsize import Compressed, MessageTooLarge, Truncated, read_message, unary_reply
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.plugin import api
 from gpu_agent.plugin.allocate import AllocationError, allocate
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 4 << 20  # grpc-go's default for a message received
+MAX_REPLY_BYTES = 64 << 10  # of the kubelet's answer to Register
+DECODE_INLINE_BYTES = 64 << 10  # a request larger than this is decoded in a worker thread
 MAX_CONNECTIONS = 16
 MAX_STREAMS = 32  # calls at once on one connection (ListAndWatch holds one)
 
@@ -174,24 +178,20 @@ async def request_of(stream: Stream[Request, Any], refused: Optional[Counter[str
 
 async def _receive(stream: Stream[Request, Any], refused: Counter[str]) -> Optional[Request]:
     """grpclib's Stream.recv_message, but with the length prefix checked before the message is read
-    (grpclib reads whatever length it declares, acknowledging each part so the client sends more).
-    It reads grpclib 0.4's stream internals (the version is pinned in constraints.txt)."""
-    h2_stream = stream._stream
+    (gpu_agent/grpcsize.py)."""
     try:
-        prefix = await h2_stream.recv_data(5)
-        if not prefix:
-            return None
-        length = int.from_bytes(prefix[1:5], "big")
-        if prefix[0]:
-            raise GRPCError(Status.INVALID_ARGUMENT, "compressed messages are not accepted")
-        if length > MAX_MESSAGE_BYTES:
-            refused["message_too_large"] += 1
-            raise GRPCError(Status.RESOURCE_EXHAUSTED,
-                            f"a message of {length} bytes; the limit is {MAX_MESSAGE_BYTES}")
-        data = await h2_stream.recv_data(length)
-    except AssertionError:  # grpclib: the stream ended before the length it declared
-        raise GRPCError(Status.INVALID_ARGUMENT, "the request ended before its declared length") from None
-    message: Request = stream._codec.decode(data, stream._recv_type)
+        data = await read_message(stream._stream, MAX_MESSAGE_BYTES)
+    except MessageTooLarge as exc:
+        refused["message_too_large"] += 1
+        raise GRPCError(Status.RESOURCE_EXHAUSTED, str(exc)) from None
+    except (Compressed, Truncated) as exc:
+        raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+    if data is None:
+        return None
+    if len(data) <= DECODE_INLINE_BYTES:
+        message: Request = stream._codec.decode(data, stream._recv_type)
+    else:  # a request of a million device ids takes seconds to decode: not on the loop that answers /healthz
+        message = await asyncio.to_thread(stream._codec.decode, data, stream._recv_type)
     return message
 
 
@@ -315,11 +315,11 @@ class PluginEndpoint:
     async def register(self, kubelet_socket: Path) -> None:
         address, fd = socket_address(kubelet_socket)
         channel = Channel(path=address, codec=Codec())
+        request = api.RegisterRequest(version=API_VERSION, endpoint=self.path.name, resource_name=self.name,
+                                      options=options())
         try:
-            await api.register_method(channel)(
-                api.RegisterRequest(version=API_VERSION, endpoint=self.path.name, resource_name=self.name,
-                                    options=options()),
-                timeout=REGISTER_TIMEOUT_S)
+            async with api.register_method(channel).open(timeout=REGISTER_TIMEOUT_S) as stream:
+                await unary_reply(stream, request, MAX_REPLY_BYTES)  # Empty: a kubelet's is 0 bytes
         finally:
             channel.close()
             if fd is not None:

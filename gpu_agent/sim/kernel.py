@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.bounded import Unreadable, read_text
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.modules import ModuleLoadError, ModuleUnloadError
 from gpu_agent.host.paths import Root, link_text, place
 
 RELEASE = "6.1.0-18-amd64"
+MAX_CONF_BYTES = 1 << 20  # of a modprobe.d file read by the simulated modprobe
 NVIDIA_MODULES = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_drm", "nvidia_peermem")
 DEPENDS = {
     "nvidia_uvm": ("nvidia",),
@@ -197,7 +199,11 @@ class SimModprobe:
         options: dict[str, str] = {}
         directory = self.root("/etc/modprobe.d")
         for conf in sorted(directory.glob("*.conf")) if directory.is_dir() else ():
-            for line in conf.read_text().splitlines():
+            try:
+                text = read_text(conf, f"/etc/modprobe.d/{conf.name}", MAX_CONF_BYTES, errors="replace") or ""
+            except Unreadable:  # modprobe skips what it cannot read
+                continue
+            for line in text.splitlines():
                 words = line.split("#", 1)[0].split()
                 if len(words) >= 3 and words[0] == "options" and words[1].replace("-", "_") == module:
                     options.update(word.partition("=")[::2] for word in words[2:] if "=" in word)

@@ -89,10 +89,7 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
                          "belong to nvidia-modeset and nvidiactl")
     if spec.nvlinks and not spec.nvswitches:
         raise AgentError(f"{path}: nvlinks: NVLink all-to-all goes through NVSwitches; set nvswitches too")
-    major, _, minor = spec.cuda_version.partition(".")
-    if not (major.isdigit() and minor.isdigit()):
-        raise AgentError(f"{path}: cuda_version: expected MAJOR.MINOR such as 12.4, got {spec.cuda_version!r}")
-    machine = Machine(spec.name, spec.driver_version, int(major) * 1000 + int(minor) * 10, tuple(gpus),
+    machine = Machine(spec.name, spec.driver_version, spec.cuda, tuple(gpus),
                       nvswitches=tuple(f"0000:{0xc0 + n:02x}:00.0" for n in range(spec.nvswitches)),
                       mellanox_nics=tuple(f"0000:{0xe0 + n:02x}:00.0" for n in range(spec.mellanox_nics)),
                       nouveau=spec.nouveau, product_name=spec.product_name,

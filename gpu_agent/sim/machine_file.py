@@ -2,9 +2,12 @@
 only when such a file is loaded (sim/machine.py load_machine_file), so a built-in profile needs no pydantic."""
 from __future__ import annotations
 
+import re
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpu_agent.numbers import decimal
 
 
 # GPU minors are 0, 1, ...; the driver keeps 254 for nvidia-modeset and 255 for nvidiactl.
@@ -31,8 +34,13 @@ class GpuSpec(_Spec):
         description="the PCIe switches above these GPUs, from the root port down: `sw0`, or `sw0/sw0.1`")
 
 
+# The driver's version names files (libcuda.so.550.90.07, the modules' modinfo): digits and dots only.
+DRIVER_VERSION = re.compile(r"[0-9]{1,4}(?:\.[0-9]{1,4}){1,3}")
+MAX_CUDA_PART = 99
+
+
 class MachineSpec(_Spec):
-    name: str = "custom"
+    name: str = Field("custom", max_length=64)
     driver_version: Optional[str] = "550.90.07"
     cuda_version: str = "12.4"
     gpus: list[GpuSpec] = Field(default_factory=list)
@@ -43,3 +51,25 @@ class MachineSpec(_Spec):
     nouveau: bool = Field(False, description="the distribution loaded nouveau at boot")
     product_name: str = Field("Standard PC", description="DMI product name (the gpu.machine label)")
     passthrough: bool = Field(False, description="a VM with its GPUs passed through: it cannot reset them")
+
+    @field_validator("driver_version")
+    @classmethod
+    def _driver_version(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and DRIVER_VERSION.fullmatch(value) is None:
+            raise ValueError("expected a driver version such as 550.90.07: up to four numbers of at most "
+                             "four digits, separated by dots")
+        return value
+
+    @field_validator("cuda_version")
+    @classmethod
+    def _cuda_version(cls, value: str) -> str:
+        major, dot, minor = value.partition(".")
+        if not dot or decimal(major, MAX_CUDA_PART) is None or decimal(minor, MAX_CUDA_PART) is None:
+            raise ValueError(f"expected MAJOR.MINOR such as 12.4, each at most {MAX_CUDA_PART}")
+        return value
+
+    @property
+    def cuda(self) -> int:
+        """The CUDA version as NVML's nvmlSystemGetCudaDriverVersion answers it: 12040 for 12.4."""
+        major, _, minor = self.cuda_version.partition(".")
+        return int(major) * 1000 + int(minor) * 10

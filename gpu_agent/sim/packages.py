@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host.files import atomic_write, read_text
+from gpu_agent.host.bounded import read_text
+from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root, followed, place
-from gpu_agent.toolkit.versions import BINARIES, DPKG_STATUS, PACKAGES
+from gpu_agent.toolkit.versions import BINARIES, DPKG_STATUS, MAX_STATUS_BYTES, PACKAGES
 
 
 class SimPackages:
@@ -45,7 +46,7 @@ def record(root: Root, package: str, version: str) -> None:
     """`package` at `version` in the package database under the root, any earlier record of it replaced."""
     status = root(followed(root, DPKG_STATUS))
     status.parent.mkdir(parents=True, exist_ok=True)
-    kept = [paragraph for paragraph in (read_text(status) or "").split("\n\n")
+    kept = [paragraph for paragraph in (read_text(status, DPKG_STATUS, MAX_STATUS_BYTES) or "").split("\n\n")
             if paragraph.strip() and f"Package: {package}" not in paragraph.splitlines()]
     kept.append(f"Package: {package}\nStatus: install ok installed\nVersion: {version}")
     atomic_write(status, "\n\n".join(kept) + "\n\n")

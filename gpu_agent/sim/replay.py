@@ -477,7 +477,7 @@ def ref_of(value: Any) -> Optional[str]:
 
 
 def handle_of(ref: str) -> Any:
-    match = re.fullmatch(r"gpu(\d+)(?:/(mig|gi)(\d+)(?:/ci(\d+))?)?", ref)
+    match = re.fullmatch(r"gpu([0-9]{1,9})(?:/(mig|gi)([0-9]{1,9})(?:/ci([0-9]{1,9}))?)?", ref)
     if match is None or (match.group(4) is not None and match.group(2) != "gi"):
         raise ValueError(f"unknown handle reference {ref!r}")
     gpu = int(match.group(1))

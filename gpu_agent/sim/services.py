@@ -7,6 +7,7 @@ import time
 from typing import Any, Callable, Optional
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host.files import read_bytes
 from gpu_agent.host.paths import Root
 from gpu_agent.toolkit.distributions import DISTRIBUTIONS
 from gpu_agent.toolkit.services import UnitState
@@ -30,8 +31,9 @@ def config_digests(root: Root, unit: str) -> dict[str, str]:
     for pattern in CONFIGS.get(unit, ()):
         directory, _, name = pattern.rpartition("/")
         for path in sorted(root(directory).glob(name)):
-            if path.is_file():
-                found[f"{directory}/{path.name}"] = hashlib.sha256(path.read_bytes()).hexdigest()
+            data = read_bytes(path) if path.is_file() else None
+            if data is not None:
+                found[f"{directory}/{path.name}"] = hashlib.sha256(data).hexdigest()
     return found
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host import ldcache, proc
 from gpu_agent.host.paths import Root, resolve
+from gpu_agent.numbers import decimal
 
 TIMEOUT_S = 120.0
 ALLOCATION = 1 << 20
@@ -42,7 +43,10 @@ def run(root: Root, expected_gpus: Optional[int] = None) -> str:
     done = proc.run([sys.executable, "-I", "-c", code], timeout=TIMEOUT_S)
     if done.returncode != 0:
         raise StageError(f"CUDA validation failed: {done.output or f'exit status {done.returncode}'}")
-    count = int(done.stdout.split()[-1])  # our last line; the library may print before it
+    words = done.stdout.split()
+    count = decimal(words[-1]) if words else None  # our last line; the library may print before it
+    if count is None:
+        raise StageError(f"CUDA validation printed no device count: {done.output[-200:]!r}")
     if expected_gpus is not None and count < expected_gpus:
         raise StageError(f"CUDA validation: CUDA sees {count} devices, {expected_gpus} GPUs are present")
     return f"CUDA validated on {count} device{'s' if count != 1 else ''}"

@@ -12,7 +12,8 @@ from gpu_agent.config.driver import DriverConfig
 from gpu_agent.errors import StageError
 from gpu_agent.host import devnodes, pci, procfs
 from gpu_agent.host import driver_version, owned
-from gpu_agent.host.files import read_text, unified_diff
+from gpu_agent.host.bounded import NotRegular, read_head, read_text
+from gpu_agent.host.files import unified_diff
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.modules import KernelModules, LoadedModule, ModuleLoader, ModuleLoadError
 from gpu_agent.host.paths import Root
@@ -30,6 +31,8 @@ RELOADING = (CORDON_REQUIRED, WAIT_FOR_JOBS, POD_DELETION, DRAIN, POD_RESTART)
 UNFINISHED = (*RELOADING, FAILED)  # a failed step is tried again, whatever driver.reload says now
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
+MAX_CONF_BYTES = 1 << 20  # a modprobe.d file the agent writes is one or two lines
+CMDLINE_HEAD = 4096  # of /proc/PID/cmdline: the program's path (PATH_MAX) and its NUL
 BLACKLIST_CONTENT = (
     "# Written by gpu-agent (driver.blacklist_nouveau): nouveau must not claim the NVIDIA GPUs.\n"
     "blacklist nouveau\noptions nouveau modeset=0\n"
@@ -146,7 +149,8 @@ class Driver(Stage):
             desired[f"/etc/modprobe.d/gpu-agent-{module}.conf"] = (
                 f"# Written by gpu-agent from driver.parameters.{module}; edit the agent's config, not this file.\n"
                 f"options {module} {line}\n")
-        return {path: (read_text(self.root(path)), content) for path, content in desired.items()}
+        return {path: (read_text(self.root(path), path, MAX_CONF_BYTES, errors="replace"), content)
+                for path, content in desired.items()}
 
     def _persistenced_running(self) -> bool:
         """By program name: /proc/PID/comm keeps only 15 characters, cmdline has the path."""
@@ -154,8 +158,8 @@ class Driver(Stage):
         for entry in proc.iterdir() if proc.is_dir() else ():
             if entry.name.isdigit():
                 try:
-                    argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
-                except OSError:  # the process ended, or is not ours to read
+                    argv0 = (read_head(entry / "cmdline", CMDLINE_HEAD) or b"").split(b"\0", 1)[0]
+                except (OSError, NotRegular):  # the process ended, or is not ours to read
                     continue
                 if os.path.basename(argv0) == b"nvidia-persistenced":
                     return True

@@ -21,7 +21,7 @@ from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.text import shown
 from gpu_agent.errors import StageError
 from gpu_agent.host import owned
-from gpu_agent.host.files import read_text
+from gpu_agent.host.bounded import read_text
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 MANAGED = "nvidia.com/gpu-agent.managed-labels"
 CONDITION = "GPUAgentReady"
 NFD_FILE = "/etc/kubernetes/node-feature-discovery/features.d/gpu-agent"
+MAX_NFD_BYTES = 1 << 20  # the agent writes a few dozen labels there
 NODE_REFRESH_S = 300.0  # GET the node at most this often (and after a 409)
 MIG_STATE = "nvidia.com/mig.config.state"
 UPGRADE_STATE = "nvidia.com/gpu-driver-upgrade-state"
@@ -133,9 +134,12 @@ class KubeSink(Stage):
 
     def _nfd_labels(self) -> dict[str, str]:
         """Our labels as the NFD feature file has them (none when the file is not ours to write)."""
-        text = read_text(self.root(NFD_FILE)) if self.settings.nfd_feature_file else None
+        text = self._nfd_text() if self.settings.nfd_feature_file else None
         pairs = (line.partition("=") for line in (text or "").splitlines())
         return {key: value for key, sep, value in pairs if sep and key.startswith(gfd.PREFIX)}
+
+    def _nfd_text(self) -> Optional[str]:
+        return read_text(self.root(NFD_FILE), NFD_FILE, MAX_NFD_BYTES, errors="replace")
 
     def node_label(self, key: str) -> Optional[str]:
         """A label of this node as the API server has it now (the mig stage's nvidia.com/mig.config)."""
@@ -190,7 +194,7 @@ class KubeSink(Stage):
         actions = []
         if self.settings.nfd_feature_file:  # first: a failing API request must not keep the local file back
             text = "".join(f"{key}={value}\n" for key, value in sorted(state.labels.items()))
-            current = read_text(self.root(NFD_FILE))
+            current = self._nfd_text()
             if current != text:
                 actions.append(Action.of(WriteFile.of(NFD_FILE, text, current), lambda: self._write_nfd(text)))
         if state.node is None:

@@ -7,17 +7,17 @@ import functools
 import json
 import logging
 import posixpath
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from gpu_agent.config.toolkit import ToolkitConfig
 from gpu_agent.errors import StageError
 from gpu_agent.host import ledger as ledger_file
-from gpu_agent.host import owned, proc
-from gpu_agent.host.files import BACKUP_DIR, read_text, remove, stray_temps
+from gpu_agent.host import owned
+from gpu_agent.host.files import BACKUP_DIR, remove, stray_temps
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root, resolve
+from gpu_agent.numbers import version_numbers
 from gpu_agent.plan import InstallPackage, RemoveFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.errors import AgentError
@@ -26,6 +26,7 @@ from gpu_agent.toolkit.devicepath import DevicePath
 from gpu_agent.toolkit.packages import PACKAGE, PackageInstaller
 from gpu_agent.toolkit.services import ServiceControl
 from gpu_agent.toolkit.transaction import FileChange, RuntimeChange
+from gpu_agent.toolkit.versions import Versions
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +88,15 @@ class Toolkit(Stage):
     consumes = ("device_path",)
 
     def __init__(self, root: Root, services: ServiceControl, packages: PackageInstaller,
-                 settings: ToolkitConfig) -> None:
+                 settings: ToolkitConfig, versions: Optional[Versions] = None) -> None:
         self.root = root
+        self.versions = versions or Versions(root)  # shared with the device-path stage: dpkg parsed once
         self.services = services
         self.packages = packages
         self.settings = settings
         self.ledger = Ledger(root)
         self._restarted: dict[str, int] = {}  # by runtime: its restarts in the current pass (it gets one)
         self._failures: dict[str, str] = {}  # runtimes whose change failed in the current pass, and why
-        self._ctk_version: Optional[tuple[tuple[int, int], Optional[str]]] = None
 
     # --- observe ---------------------------------------------------------------------------------
 
@@ -159,23 +160,11 @@ class Toolkit(Stage):
 
     def _version(self) -> Optional[str]:
         """From the package database under the root; on the running system, nvidia-ctk --version."""
-        status = read_text(self.root("/var/lib/dpkg/status")) or ""
-        match = re.search(r"^Package: nvidia-container-toolkit\n(?:[^\n]+\n)*?Version: ([^\s-]+)", status, re.MULTILINE)
-        if match:
-            return match.group(1)
-        ctk = self.root("/usr/bin/nvidia-ctk")
-        if self.root.is_running_system and ctk.exists():
-            stamp = (ctk.stat().st_ino, ctk.stat().st_mtime_ns)
-            if self._ctk_version is None or self._ctk_version[0] != stamp:  # run it again only after an upgrade
-                done = proc.run([str(ctk), "--version"], timeout=30)
-                found = re.search(r"version (\d+\.\d+\.\d+)", done.stdout)
-                self._ctk_version = (stamp, found.group(1) if found else None)
-            return self._ctk_version[1]
-        return None
+        return self.versions.read("nvidia-ctk")[0]
 
     def _too_old(self, version: Optional[str]) -> bool:
-        return (version is not None and not self.settings.allow_vulnerable_toolkit
-                and tuple(int(p) for p in re.findall(r"\d+", version)[:3]) < MINIMUM_VERSION)
+        numbers = version_numbers(version)
+        return numbers is not None and not self.settings.allow_vulnerable_toolkit and numbers < MINIMUM_VERSION
 
     def _cdi(self, runtime: Optional[str] = None) -> bool:
         """Whether to write `runtime`'s CDI switch: where the device path says its version applies it."""

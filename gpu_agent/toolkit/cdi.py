@@ -18,8 +18,7 @@ from typing import Any, Optional
 import yaml
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host import ldcache
-from gpu_agent.host.files import read_text
+from gpu_agent.host import ldcache, procfs
 from gpu_agent.host.paths import Root, first_executable, resolve
 from gpu_agent.nvml.model import Gpu, Inventory
 
@@ -196,7 +195,7 @@ def _node(root: Root, path: str) -> dict[str, Any]:
 def _cap_node(root: Root, gpu: Gpu, gi: int, ci: Optional[int] = None) -> str:
     """/dev/nvidia-caps/nvidia-capN for a GPU instance's (or compute instance's) access capability."""
     proc = f"{CAPS}/gpu{gpu.minor_number}/mig/gi{gi}" + (f"/ci{ci}" if ci is not None else "") + "/access"
-    text = read_text(root(proc))
+    text = procfs.read(root, proc)
     if text is None:
         raise AgentError(f"{proc} is missing: the driver has not registered MIG instance gi{gi}"
                          f"{f'/ci{ci}' if ci is not None else ''} of GPU {gpu.index}; query again once MIG is settled")

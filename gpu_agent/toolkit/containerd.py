@@ -26,6 +26,7 @@ from typing import Any, Optional
 from gpu_agent.errors import StageError
 from gpu_agent.host import proc
 from gpu_agent.host.paths import Root
+from gpu_agent.numbers import version_numbers
 from gpu_agent.toolkit import configfile
 from gpu_agent.printable import printable
 from gpu_agent.toolkit.document import (
@@ -37,6 +38,7 @@ from gpu_agent.toolkit.document import (
     Document,
 )
 from gpu_agent.toolkit.tomldoc import deep_merge, load, parse, without_bom
+from gpu_agent.toolkit.versions import VERSION_OUTPUT_BYTES, from_output
 
 ROOT_CONFIG = "/etc/containerd/config.toml"
 DROP_IN_DIR = "/etc/containerd/conf.d"
@@ -384,6 +386,6 @@ class Skipped(Exception):
 
 
 def _major_version(containerd: str, timeout: float) -> int:
-    done = proc.run([containerd, "--version"], timeout=timeout)
-    match = re.search(r"\s v?(\d+)\.(\d+)", " " + done.stdout)
-    return int(match.group(1)) if match else 1
+    done = proc.run([containerd, "--version"], timeout=timeout, limit=VERSION_OUTPUT_BYTES)
+    numbers = version_numbers(from_output(done.stdout))
+    return numbers[0] if numbers else 1

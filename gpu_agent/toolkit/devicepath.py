@@ -25,9 +25,10 @@ the GPU Operator make it), or pods name `runtimeClassName: nvidia`.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
+
+from gpu_agent.numbers import version_numbers
 
 STRATEGIES = ("cdi-cri", "cdi-annotations", "envvar")
 CDI_SINCE = {"containerd": (1, 7), "crio": (1, 23), "docker": (25, 0)}
@@ -101,18 +102,10 @@ class DevicePath:
         return text + (f"; WARNING: {self.warning}" if self.warning else "")
 
 
-def version_tuple(version: Optional[str]) -> Optional[tuple[int, ...]]:
-    """`1.6.20~ds1` -> (1, 6, 20); `v1.29.3+k3s1` -> (1, 29, 3); None when it holds no version."""
-    match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version or "")
-    if not match:
-        return None
-    return tuple(int(part) for part in match.groups() if part is not None)
-
-
 def applies_cdi(runtime: Found, switch: bool) -> Optional[bool]:
     """Whether `runtime` puts CDI devices into containers, with its switch written (`switch`) or not;
     None when its version is unknown."""
-    version = version_tuple(runtime.version)
+    version = version_numbers(runtime.version)
     if version is None:
         return None
     if runtime.name in CONSUMERS:
@@ -138,8 +131,9 @@ def kubelet_runtime(inputs: Inputs) -> Optional[Found]:
         return next((found[name] for name in (*EMBEDDED, "crio", "containerd", "docker") if name in found), None)
     # The one whose version the Node reports; else k3s and RKE2, which run k3s-io's containerd (versions
     # ending in -k3sN), else microk8s, which runs containerd's own; else the runtime the Node names.
+    node_version = version_numbers(node.version)
     same = tuple(name for name, runtime in found.items()
-                 if version_tuple(runtime.version) and version_tuple(runtime.version) == version_tuple(node.version))
+                 if node_version and version_numbers(runtime.version) == node_version)
     names = same + (("k3s", "rke2") if "-k3s" in (node.version or "") else ("microk8s", "containerd"))
     name = next((name for name in (*names, *EMBEDDED, node.name) if name in found and found[name].engine == node.name),
                 None)
@@ -193,7 +187,7 @@ def choose(inputs: Inputs) -> DevicePath:
 
 def _strategy(inputs: Inputs, runtime: Optional[Found]) -> tuple[str, str, Optional[str]]:
     """(strategy, why, a warning for an explicit setting that cannot work here)."""
-    kubelet = version_tuple(inputs.kubelet)
+    kubelet = version_numbers(inputs.kubelet)
     kubelet_text = f"kubelet {inputs.kubelet}" if inputs.kubelet else "kubelet version unknown"
     if runtime is None:
         verdict = ("envvar", "no container runtime found (containerd, Docker, CRI-O): NVIDIA_VISIBLE_DEVICES, which "

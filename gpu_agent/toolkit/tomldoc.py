@@ -7,8 +7,11 @@ toolkit modules: the device-path stage imports them all, and an agent that reads
 from __future__ import annotations
 
 import copy
+import hashlib
 import re
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 from gpu_agent.errors import StageError
 from gpu_agent.toolkit.document import MAX_DEPTH, Document, too_deep
@@ -37,8 +40,39 @@ _MESSAGES = (("already exists", "a key or table defined twice"), ("Redefinition"
              ("array", "an invalid array"))
 
 
+# tomlkit takes seconds for a large file (ten for 1 MiB of tables, configfile's limit), and a pass reads
+# the same files again: what a large text parsed to, or the error it gave, is kept for the next pass.
+CACHED_FROM = 64 << 10  # bytes of text; real runtime configs are a few KiB and parse in milliseconds
+_KEEP = 4  # texts; a parsed 1 MiB config holds a few MiB
+_parsed: OrderedDict[tuple[str, bytes], Union[dict[str, Any], str]] = OrderedDict()
+_parsed_lock = threading.Lock()
+
+
 def parse(text: str, name: str) -> dict[str, Any]:
-    """TOML to plain data; a syntax error names the file, line and column, and a reason of our own."""
+    """TOML to plain data (the caller's own copy); a syntax error names the file, line and column, and a
+    reason of our own."""
+    if len(text) < CACHED_FROM:
+        return _parse(text, name)
+    key = (name, hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
+    with _parsed_lock:
+        found = _parsed.get(key)
+        if found is not None:
+            _parsed.move_to_end(key)
+    if found is None:
+        try:
+            found = _parse(text, name)
+        except StageError as exc:
+            found = str(exc)
+        with _parsed_lock:
+            _parsed[key] = found
+            while len(_parsed) > _KEEP:
+                _parsed.popitem(last=False)
+    if isinstance(found, str):
+        raise StageError(found)
+    return copy.deepcopy(found)
+
+
+def _parse(text: str, name: str) -> dict[str, Any]:
     import tomlkit
 
     try:
