@@ -178,6 +178,10 @@ class PluginConfig(Section):
     gpu_replicas: GpuReplicas = setting(
         {}, 'Replicas per GPU, by index ("0") or UUID; overrides timeSlicing for that GPU and its MIG '
             "devices. 1 takes the GPU out of sharing.", max_length=1024)
+    shared_devices_allocation_policy: Literal["distributed", "packed"] = setting(
+        "distributed", "Which replicas and MIG devices GetPreferredAllocation offers, as NVIDIA's plugin v0.20: "
+                       "distributed (those of the least loaded GPUs, counting what is allocated) or packed (the "
+                       "most loaded first, keeping other GPUs free). Whole GPUs are placed by topology either way.")
 
 
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"  # kubeadm's, k3s's and RKE2's kubelet
