@@ -176,6 +176,11 @@ def test_allocate_refuses_unknown_unhealthy_and_too_large_shared_requests() -> N
         allocate(shared, two, "cdi-cri", True)
     # without the flag, two replicas of one GPU give that GPU once
     assert allocate(shared, two, "envvar", False).envs == {"NVIDIA_VISIBLE_DEVICES": EIGHT.gpus[0].uuid}
+    # Only replicas count, as NVIDIA's check looks for them: two GPUs out of sharing pass, one beside a replica not.
+    whole = [EIGHT.gpus[1].uuid, EIGHT.gpus[2].uuid]
+    assert allocate(shared, whole, "envvar", True).envs == {"NVIDIA_VISIBLE_DEVICES": ",".join(whole)}
+    with pytest.raises(AllocationError, match="; found 2$"):
+        allocate(shared, [EIGHT.gpus[1].uuid, two[0]], "envvar", True)
 
 
 def test_every_allocated_name_is_a_device_of_the_cdi_spec(tmp_path: Path) -> None:

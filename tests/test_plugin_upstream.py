@@ -1,6 +1,7 @@
 """NVIDIA's device plugin v0.20 test tables, replayed on the agent: the shared-devices allocation policy
 (tests/facts/device_plugin_allocation.py), on upstream's own device ids and over gRPC on a simulated
-dgx-h100 with 7 replicas per GPU. Each case names upstream's file, test and commit."""
+dgx-h100 with 7 replicas per GPU; Allocate's request check and how failRequestsGreaterThanOne loads
+(device_plugin_requests.py). Each case names upstream's file, test and commit."""
 from __future__ import annotations
 
 import asyncio
@@ -15,11 +16,13 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from facts import device_plugin_allocation as allocation
+from facts import device_plugin_requests as requests
 from gpu_agent.config.loader import parse_config, validated
 from gpu_agent.config.plugin import PluginConfig
 from gpu_agent.errors import ConfigError
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
+from gpu_agent.plugin.allocate import AllocationError, allocate
 from gpu_agent.plugin.devices import GPU_RESOURCE, PluginDevice, Resource
 from gpu_agent.plugin.preferred import preferred
 from gpu_agent.plugin.service import DevicePluginManager
@@ -156,3 +159,49 @@ def test_upstream_allocation_cases_on_a_simulated_dgx_h100_with_7_replicas_per_g
             continue
         assert isinstance(answer, list), (case.name, answer)
         check(case, answer, {uuids[n]: gpu for n, (gpu, _) in enumerate(case.replicas)})
+
+
+# --- Allocate's request check and failRequestsGreaterThanOne ------------------------------------------------
+
+def request_resource(case: requests.RequestCase) -> Resource:
+    devices = tuple(PluginDevice(device, device.split("::")[0], device.split("::")[0], 0, None, True)
+                    for device in case.devices)
+    shared = any("::" in device for device in case.devices)
+    strategy = {"none": "none", "timeSlicing": "time-slicing", "mps": "mps"}[case.strategy]
+    return Resource(GPU_RESOURCE, devices, 2 if shared else 1, strategy)
+
+
+@pytest.mark.parametrize("case", requests.REQUEST_CASES, ids=lambda case: case.description)
+def test_upstream_request_cases(case: requests.RequestCase) -> None:
+    resource = request_resource(case)
+    if not case.refused:
+        assert allocate(resource, list(case.requested), "envvar", bool(case.fail)).envs
+        return
+    with pytest.raises(AllocationError) as refused:
+        allocate(resource, list(case.requested), "envvar", bool(case.fail))
+    message = str(refused.value)
+    if case.fail:
+        assert message == (f'invalid allocation request for "{GPU_RESOURCE}": invalid request: '
+                           + requests.MESSAGE.format(count=len(case.requested)))
+    else:
+        assert message.startswith("unknown device 'device2' for nvidia.com/gpu")
+
+
+@pytest.mark.parametrize("case", requests.LOAD_CASES, ids=lambda case: case.test)
+def test_upstream_fail_requests_greater_than_one_as_loaded(case: requests.LoadCase) -> None:
+    settings = validated(PluginConfig, {"sharing": case.sharing})
+    assert settings.sharing.fail_requests_greater_than_one is case.loaded
+
+
+def test_under_mps_the_loaded_setting_decides_a_request_for_two_replicas() -> None:
+    """The two tables together, as a node runs them: an MPS config that leaves the setting unset refuses
+    two replicas; one that sets it false gives them."""
+    resource = request_resource(requests.REQUEST_CASES[-1])
+    for case in requests.LOAD_CASES:
+        fail = validated(PluginConfig, {"sharing": case.sharing}).sharing.fail_requests_greater_than_one
+        if case.loaded:
+            with pytest.raises(AllocationError, match="maximum request size for shared resources is 1; found 2"):
+                allocate(resource, list(requests.TWO), "envvar", fail)
+        else:
+            assert allocate(resource, list(requests.TWO), "envvar", fail).envs["NVIDIA_VISIBLE_DEVICES"] == \
+                "device0,device1"
