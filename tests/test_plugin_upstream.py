@@ -1,7 +1,8 @@
 """NVIDIA's device plugin v0.20 test tables, replayed on the agent: the shared-devices allocation policy
 (tests/facts/device_plugin_allocation.py), on upstream's own device ids and over gRPC on a simulated
 dgx-h100 with 7 replicas per GPU; Allocate's request check and how failRequestsGreaterThanOne loads
-(device_plugin_requests.py). Each case names upstream's file, test and commit."""
+(device_plugin_requests.py); MIG profiles with suffixes as their own resources (device_plugin_resources.py).
+Each case names upstream's file, test and commit."""
 from __future__ import annotations
 
 import asyncio
@@ -17,13 +18,15 @@ from grpclib.exceptions import GRPCError
 
 from facts import device_plugin_allocation as allocation
 from facts import device_plugin_requests as requests
+from facts import device_plugin_resources as resources
 from gpu_agent.config.loader import parse_config, validated
 from gpu_agent.config.plugin import PluginConfig
 from gpu_agent.errors import ConfigError
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
+from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuInstance, Inventory, MigState
 from gpu_agent.plugin.allocate import AllocationError, allocate
-from gpu_agent.plugin.devices import GPU_RESOURCE, PluginDevice, Resource
+from gpu_agent.plugin.devices import GPU_RESOURCE, PluginDevice, Resource, advertised
 from gpu_agent.plugin.preferred import preferred
 from gpu_agent.plugin.service import DevicePluginManager
 from gpu_agent.plugin.shared_policy import NotEnoughDevices, preferred_allocation
@@ -205,3 +208,27 @@ def test_under_mps_the_loaded_setting_decides_a_request_for_two_replicas() -> No
         else:
             assert allocate(resource, list(requests.TWO), "envvar", fail).envs["NVIDIA_VISIBLE_DEVICES"] == \
                 "device0,device1"
+
+
+# --- MIG profiles with suffixes -----------------------------------------------------------------------------
+
+def mig_gpu(index: int, profile: str) -> Gpu:
+    instance = GpuInstance(1, 0, profile, 1, (0, 1), 24064,
+                           (ComputeInstance(0, 0, profile, 1, (0, 1), 46, f"MIG-{index:08d}-0000-0000-0000-0000", 0),))
+    return Gpu(index, f"GPU-{index:08d}-0000-0000-0000-000000000000", f"00000000:{0x18 + index:02X}:00.0",
+               "a MIG GPU", 97887, (12, 0), index, MigState(True, True, True, (instance,)))
+
+
+@pytest.mark.parametrize("description, resource_profile, device_profile, matches", resources.PROFILE_CASES,
+                         ids=[case[0] for case in resources.PROFILE_CASES])
+def test_upstream_mig_profile_cases(description: str, resource_profile: str, device_profile: str,
+                                    matches: bool) -> None:
+    """A GPU with a MIG device of the resource's profile beside one with a device of the other profile,
+    under mig.strategy mixed: the two share a resource exactly when upstream matches them."""
+    node = Inventory("580.95.05", "13.0", (mig_gpu(0, resource_profile), mig_gpu(1, device_profile)))
+    result = advertised(node, {}, "mixed", PluginConfig())
+    holding = {name for name, resource in result.resources.items()
+               if any(device.gpu_index == 1 for device in resource.devices)}
+    assert len(holding) == 1
+    assert (f"nvidia.com/mig-{resource_profile.replace('+', '.')}" in holding) is matches
+    assert len(result.resources) == (1 if matches else 2)
