@@ -1,15 +1,15 @@
 """NVIDIA's device plugin v0.20 test tables, replayed on the agent: the shared-devices allocation policy
 (tests/facts/device_plugin_allocation.py), on upstream's own device ids and over gRPC on a simulated
 dgx-h100 with 7 replicas per GPU; Allocate's request check and how failRequestsGreaterThanOne loads
-(device_plugin_requests.py); MIG profiles with suffixes as their own resources (device_plugin_resources.py).
-Each case names upstream's file, test and commit."""
+(device_plugin_requests.py); MIG profiles with suffixes as their own resources (device_plugin_resources.py);
+and the XID health-check lists (device_plugin_health.py). Each case names upstream's file, test and commit."""
 from __future__ import annotations
 
 import asyncio
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from grpclib.client import Channel
@@ -17,11 +17,14 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from facts import device_plugin_allocation as allocation
+from facts import device_plugin_health as health_facts
 from facts import device_plugin_requests as requests
 from facts import device_plugin_resources as resources
 from gpu_agent.config.loader import parse_config, validated
 from gpu_agent.config.plugin import PluginConfig
+from gpu_agent.config.schema import HealthConfig
 from gpu_agent.errors import ConfigError
+from gpu_agent.health.policy import is_critical
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuInstance, Inventory, MigState
@@ -232,3 +235,35 @@ def test_upstream_mig_profile_cases(description: str, resource_profile: str, dev
     assert len(holding) == 1
     assert (f"nvidia.com/mig-{resource_profile.replace('+', '.')}" in holding) is matches
     assert len(result.resources) == (1 if matches else 2)
+
+
+# --- the XID health-check lists -----------------------------------------------------------------------------
+
+def health_settings(disabled: str, enabled: str) -> HealthConfig:
+    """DP_DISABLE_HEALTHCHECKS and DP_ENABLE_HEALTHCHECKS as docs/health.md maps them: `all` (or `xids`) to
+    ignored_xids: all, other XIDs added to the default ignored_xids; the enable list to extra_critical_xids."""
+    default = HealthConfig().ignored_xids
+    assert isinstance(default, list)
+
+    def xids(value: str) -> Optional[list[int]]:
+        words = [word.strip() for word in value.lower().split(",") if word.strip()]
+        return None if {"all", "xids"} & set(words) else [int(word) for word in words]
+
+    ignored, extra = xids(disabled), xids(enabled)
+    return validated(HealthConfig, {"ignored_xids": "all" if ignored is None else default + ignored,
+                                    "extra_critical_xids": "all" if extra is None else extra})
+
+
+@pytest.mark.parametrize("case", health_facts.XID_CASES, ids=lambda case: case.description)
+def test_upstream_xid_cases(case: health_facts.XidCase) -> None:
+    settings = health_settings(case.disabled, case.enabled)
+    assert {xid: not is_critical(xid, settings) for xid in case.ignored} == case.ignored
+    every_xid = range(1, 200)
+    assert (not any(is_critical(xid, settings) for xid in every_xid)) is case.all_disabled
+
+
+def test_xids_enabled_while_all_are_disabled_still_count() -> None:
+    """DP_DISABLE_HEALTHCHECKS=all with DP_ENABLE_HEALTHCHECKS=48: upstream's comment says XID 48 still
+    counts, but its checker stops before looking (IsAllDisabled); the agent does what the comment says."""
+    settings = health_settings("all", "48")
+    assert is_critical(48, settings) and not is_critical(79, settings) and not is_critical(13, settings)
