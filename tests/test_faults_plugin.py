@@ -22,7 +22,7 @@ from grpclib.exceptions import GRPCError
 from gpu_agent.plugin import api
 from gpu_agent.plugin import server as server_module
 from gpu_agent.plugin.devices import PluginDevice, Resource
-from gpu_agent.plugin.preferred import preferred
+from gpu_agent.plugin.shared_policy import preferred_allocation
 from gpu_agent.plugin.server import PluginEndpoint
 from gpu_agent.proto3 import Codec
 
@@ -40,7 +40,8 @@ async def _plugin() -> AsyncIterator[tuple[PluginEndpoint, Channel]]:
     with tempfile.TemporaryDirectory() as directory:  # short: a unix socket path has at most 107 bytes
         endpoint = PluginEndpoint(Path(directory), _resource(), {
             "list_strategy": lambda: "envvar", "fail_greater_than_one": lambda: False,
-            "prefer": lambda available, must, size: preferred(available, must, size, None)})
+            "prefer": lambda resource, available, must, size: preferred_allocation(
+                resource, available, must, size, "distributed", None)})
         await endpoint.start()
         channel = Channel(path=str(endpoint.path), codec=Codec())
         try:

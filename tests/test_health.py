@@ -144,6 +144,19 @@ def test_extra_critical_xids_win_over_ignored_ones(node) -> None:
     assert not n.state.ready and "XID 31 (GPU memory page fault)" in n.state.summary_line()
 
 
+def test_all_in_either_list_covers_every_xid(node) -> None:
+    """DP_DISABLE_HEALTHCHECKS=all with DP_ENABLE_HEALTHCHECKS=48, and DP_ENABLE_HEALTHCHECKS=all."""
+    quiet = node("{ignored_xids: all, extra_critical_xids: [48]}")
+    quiet.xid(0, 74)
+    quiet.xid(1, 94)
+    assert quiet.state.ready and quiet.transitions() == {}
+    quiet.xid(2, 48)
+    assert not quiet.state.ready and "XID 48" in quiet.state.summary_line()
+    strict = node("{extra_critical_xids: all}")
+    strict.xid(0, 13)
+    assert not strict.state.ready and "XID 13 (graphics engine exception)" in strict.state.summary_line()
+
+
 def test_recovery_follows_the_configured_quiet_period(node) -> None:
     n = node("{recover_after_seconds: 5}")
     n.xid(1, 94)

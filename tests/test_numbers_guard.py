@@ -44,7 +44,6 @@ BOUNDED = {
     ("mig/profile.py", "int(g_text)"): "_FIELDS: at most 6 digits",
     ("mig/profile.py", "int(gb_text)"): "_FIELDS: at most 6 digits",
     ("mig/profile.py", "int(c_text)"): "_FIELDS: at most 6 digits",
-    ("plugin/preferred.py", "int(match.group('n'))"): "REPLICA: at most 9 digits",
     ("stages/driver.py", "int(value, 0)"): "ValueError is caught: the value is compared as text",
     ("toolkit/containerd.py", "int(version)"): "a TOML integer already, one of CRI_PLUGIN's keys",
     ("sim/fake.py", "int(rest.split('.')[0], 16)"): "the simulator's own bus ids",

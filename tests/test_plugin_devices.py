@@ -17,6 +17,7 @@ from gpu_agent.kube.labels import compute
 from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuHealth, GpuInstance, Inventory, MigState
 from gpu_agent.plugin.allocate import AllocationError, allocate
 from gpu_agent.plugin.devices import GPU_RESOURCE, advertised, mig_resource, sharing
+from gpu_agent.sim.profiles import MODELS, GiProfile, GpuModel
 from gpu_agent.toolkit import cdi
 
 from harness import SimNode
@@ -75,6 +76,47 @@ def test_mixed_strategy_names_mig_profiles_and_keeps_whole_gpus() -> None:
     assert ids(result, "nvidia.com/mig-3g.40gb") == [d.uuid for d in node.gpus[0].mig.devices]
     assert result.resources["nvidia.com/mig-1g.10gb.me"].socket_name == "nvidia-mig-1g.10gb.me.sock"
     assert mig_resource("1g.10gb+me") == "nvidia.com/mig-1g.10gb.me"
+
+
+# A GPU for the test alone, not a product: 4 slices, with a profile of each kind of suffix NVML has
+# (Blackwell's), named as NVML and go-nvlib name them. Ids, counts and sizes are made up.
+SUFFIXED = GpuModel(
+    key="test-suffixed-profiles", name="NVIDIA test GPU with suffixed MIG profiles", memory_mib=97887,
+    compute_capability=(12, 0), pci_device_id=0x2BB510DE, idle_temp_c=30, idle_power_w=40, max_power_w=600,
+    mig_profiles=tuple(
+        GiProfile(f"NVML_GPU_INSTANCE_PROFILE_{constant}", id, f"MIG {name}", slices, instances, 46 * slices,
+                  24064 * slices, slices, slices, 0, slices, 0, starts, slices)
+        for constant, id, name, slices, instances, starts in (
+            ("1_SLICE", 19, "1g.24gb", 1, 4, (0, 1, 2, 3)),
+            ("1_SLICE_REV1", 20, "1g.24gb+me", 1, 1, (0, 1, 2, 3)),
+            ("1_SLICE_GFX", 47, "1g.24gb+gfx", 1, 4, (0, 1, 2, 3)),
+            ("1_SLICE_NO_ME", 48, "1g.24gb-me", 1, 4, (0, 1, 2, 3)),
+            ("1_SLICE_ALL_ME", 49, "1g.24gb+me.all", 1, 1, (0, 1, 2, 3)),
+            ("2_SLICE", 14, "2g.48gb", 2, 2, (0, 2)),
+            ("2_SLICE_GFX", 50, "2g.48gb+gfx", 2, 2, (0, 2)),
+            ("4_SLICE", 5, "4g.96gb", 4, 1, (0,)))))
+
+
+def test_mig_profiles_with_suffixes_are_read_and_advertised_as_their_own_resources(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device plugin v0.20 (#1807): `-me`, `+me.all` and `+gfx` MIG devices are resources of their own, never
+    the base profile's. Read through NVML from the simulator, as on a node."""
+    monkeypatch.setitem(MODELS, SUFFIXED.key, SUFFIXED)
+    machine = tmp_path / "suffixed.yaml"
+    machine.write_text(f"name: suffixed\ngpus:\n"
+                       f"  - model: {SUFFIXED.key}\n    mig: {{enabled: true, devices: [1g.24gb, 1g.24gb-me, "
+                       f"1g.24gb+me.all, 1g.24gb+gfx]}}\n"
+                       f"  - model: {SUFFIXED.key}\n    mig: {{enabled: true, devices: [2g.48gb+gfx, 2g.48gb]}}\n")
+    state = SimNode(tmp_path / "root", str(machine)).apply({"toolkit": {"enabled": False},
+                                                            "mig": {"strategy": "mixed"}}).state
+    assert state.inventory is not None
+    result = ads(state.inventory, "mixed")
+    by_profile = {name: [device.gpu_index for device in resource.devices]
+                  for name, resource in result.resources.items()}
+    assert by_profile == {"nvidia.com/mig-1g.24gb": [0], "nvidia.com/mig-1g.24gb-me": [0],
+                          "nvidia.com/mig-1g.24gb.me.all": [0], "nvidia.com/mig-1g.24gb.gfx": [0],
+                          "nvidia.com/mig-2g.48gb.gfx": [1], "nvidia.com/mig-2g.48gb": [1]}
+    assert result.resources["nvidia.com/mig-1g.24gb.me.all"].socket_name == "nvidia-mig-1g.24gb.me.all.sock"
 
 
 def test_single_strategy_needs_one_profile_on_every_gpu() -> None:
@@ -176,6 +218,11 @@ def test_allocate_refuses_unknown_unhealthy_and_too_large_shared_requests() -> N
         allocate(shared, two, "cdi-cri", True)
     # without the flag, two replicas of one GPU give that GPU once
     assert allocate(shared, two, "envvar", False).envs == {"NVIDIA_VISIBLE_DEVICES": EIGHT.gpus[0].uuid}
+    # Only replicas count, as NVIDIA's check looks for them: two GPUs out of sharing pass, one beside a replica not.
+    whole = [EIGHT.gpus[1].uuid, EIGHT.gpus[2].uuid]
+    assert allocate(shared, whole, "envvar", True).envs == {"NVIDIA_VISIBLE_DEVICES": ",".join(whole)}
+    with pytest.raises(AllocationError, match="; found 2$"):
+        allocate(shared, [EIGHT.gpus[1].uuid, two[0]], "envvar", True)
 
 
 def test_every_allocated_name_is_a_device_of_the_cdi_spec(tmp_path: Path) -> None:

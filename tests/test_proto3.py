@@ -278,7 +278,7 @@ def test_a_malformed_allocate_request_is_answered_invalid_argument(tmp_path: Pat
     async def scenario() -> GRPCError:
         endpoint = PluginEndpoint(tmp_path, Resource("nvidia.com/gpu", ()),
                                   {"list_strategy": lambda: "envvar", "fail_greater_than_one": lambda: False,
-                                   "prefer": lambda available, must, size: available[:size]})
+                                   "prefer": lambda resource, available, must, size: available[:size]})
         await endpoint.start()
         address, fd = socket_address(endpoint.path)
         channel = Channel(path=address, codec=RawCodec())

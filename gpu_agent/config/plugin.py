@@ -93,8 +93,9 @@ class ReplicatedResources(Section):
 
     rename_by_default: bool = setting(False, "Advertise shared resources as <name>.shared.", alias="renameByDefault")
     fail_requests_greater_than_one: Optional[bool] = setting(
-        None, "Refuse an Allocate asking for more than one device of a shared resource (default: false for "
-              "timeSlicing, true for mps, as NVIDIA's plugin).", alias="failRequestsGreaterThanOne")
+        None, "Refuse an Allocate asking for more than one device when any is a replica (unset: false for "
+              "timeSlicing, true for mps; false honoured under mps too, as NVIDIA's plugin since v0.20).",
+        alias="failRequestsGreaterThanOne")
     resources: list[ReplicatedResource] = setting([], max_length=64)
 
     def __post_init__(self) -> None:
@@ -138,7 +139,8 @@ class Sharing(Section):
 
     @property
     def fail_requests_greater_than_one(self) -> bool:
-        """Unset: true under mps (NVIDIA's NewConfig keeps its historical MPS behaviour), false otherwise."""
+        """As NVIDIA's plugin v0.20 loads it: unset, true under mps (its NewConfig keeps the historical MPS
+        behaviour) and false otherwise; set, as set (before v0.20 MPS refused two replicas regardless)."""
         chosen = self.replicated
         if chosen is None or chosen.fail_requests_greater_than_one is None:
             return self.mps is not None
@@ -180,6 +182,10 @@ class PluginConfig(Section):
     gpu_replicas: GpuReplicas = setting(
         {}, 'Replicas per GPU, by index ("0") or UUID; overrides timeSlicing for that GPU and its MIG '
             "devices. 1 takes the GPU out of sharing.", max_length=1024)
+    shared_devices_allocation_policy: Literal["distributed", "packed"] = setting(
+        "distributed", "Which replicas and MIG devices GetPreferredAllocation offers, as NVIDIA's plugin v0.20: "
+                       "distributed (those of the least loaded GPUs, counting what is allocated) or packed (the "
+                       "most loaded first, keeping other GPUs free). Whole GPUs are placed by topology either way.")
 
 
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"  # kubeadm's, k3s's and RKE2's kubelet

@@ -5,7 +5,7 @@ pydantic (config/loader.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 
 from gpu_agent.config.driver import DriverConfig
@@ -14,7 +14,7 @@ from gpu_agent.config.endpoint import (DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MA
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
 from gpu_agent.config.plugin import PluginConfig
-from gpu_agent.config.section import PATH_MAX, Bounds, Check, Section, absolute_path, seconds, setting, shown
+from gpu_agent.config.section import PATH_MAX, AllOr, Bounds, Check, Section, absolute_path, seconds, setting, shown
 from gpu_agent.config.toolkit import ToolkitConfig
 
 MAX_GPUS = 1024  # more than any node has: catches a typo, not a machine
@@ -87,16 +87,18 @@ class DiscoveryConfig(Section):
 
 
 Xid = Annotated[int, Bounds(ge=0, le=65535)]
+Xids = Annotated[Union[Literal["all"], list[Xid]], AllOr(Annotated[list[Xid], Bounds(max_length=1024)])]
 
 
 @dataclass(frozen=True)
 class HealthConfig(Section):
-    ignored_xids: list[Xid] = setting(
+    ignored_xids: Xids = setting(
         [13, 31, 43, 45, 68, 109], "XIDs caused by applications, not the GPU (the Kubernetes device plugin's "
-        "list, as DP_DISABLE_HEALTHCHECKS); any other XID marks the GPU unhealthy.", max_length=1024)
-    extra_critical_xids: list[Xid] = setting(
-        [], "XIDs that mark the GPU unhealthy even when ignored_xids lists them (as DP_ENABLE_HEALTHCHECKS).",
-        max_length=1024)
+        "list; DP_DISABLE_HEALTHCHECKS adds to it); all: no XID marks a GPU unhealthy unless "
+        "extra_critical_xids names it. Any other XID marks the GPU unhealthy.")
+    extra_critical_xids: Xids = setting(
+        [], "XIDs that mark the GPU unhealthy even when ignored_xids lists them (DP_ENABLE_HEALTHCHECKS); all: "
+            "every XID does, the application ones too.")
     recover_after_seconds: float = seconds(
         300, 86400, "A GPU made unhealthy by an XID is healthy again after this long without another critical "
         "XID; one off the bus (XID 79) only once NVML answers for it again at the same PCI bus id.")

@@ -64,6 +64,26 @@ class Bounds:
         return handler.generate_schema(Annotated[constrained])
 
 
+@dataclasses.dataclass(frozen=True)
+class AllOr:
+    """Annotated metadata of `Union[Literal["all"], T]`: the word `all`, or what `of` (T) takes, with an
+    error about T alone (not one per branch of the union)."""
+
+    of: Any
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        from pydantic_core import core_schema
+
+        def validate(value: Any, validate_other: Callable[[Any], Any]) -> Any:
+            if value == "all":
+                return value
+            if isinstance(value, str):
+                raise ValueError(f"{shown(value)} is neither all nor a list")
+            return validate_other(value)
+
+        return core_schema.no_info_wrap_validator_function(validate, handler.generate_schema(self.of))
+
+
 def setting(default: Any = dataclasses.MISSING, description: str = "", **bounds: Any) -> Any:
     """A field: its default (a list or dict copied for each instance), its description for the shipped
     config (config/defaults.py), and bounds pydantic checks (gt, ge, le, min_length, max_length, alias)."""

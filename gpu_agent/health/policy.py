@@ -44,8 +44,10 @@ def meaning(xid: int) -> str:
 
 
 def is_critical(xid: int, settings: HealthConfig) -> bool:
-    """As the device plugin decides: critical unless ignored, and extra_critical_xids win over ignored_xids."""
-    return xid in settings.extra_critical_xids or xid not in settings.ignored_xids
+    """As the device plugin decides: critical unless ignored, and extra_critical_xids win over ignored_xids
+    (`all` in either: every XID)."""
+    extra, ignored = settings.extra_critical_xids, settings.ignored_xids
+    return extra == "all" or xid in extra or not (ignored == "all" or xid in ignored)
 
 
 def after_xid(health: GpuHealth, xid: int, at: float, settings: HealthConfig, when: str) -> GpuHealth:

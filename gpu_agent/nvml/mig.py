@@ -11,15 +11,26 @@ from gpu_agent.nvml.session import NvmlSession, describe
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# NVML_GPU_INSTANCE_PROFILE_* constants worth asking about, in the order nvidia-smi lists them.
+# NVML_GPU_INSTANCE_PROFILE_* constants worth asking about, in the order nvidia-smi lists them: by slices,
+# then the constant. The GFX, NO_ME and ALL_ME ones (Blackwell's `+gfx`, `-me` and `+me.all` profiles) are
+# each their own profile, MIG devices of which the device plugin advertises as their own resources; a pynvml
+# without one of them skips it.
 _GI_PROFILE_CONSTANTS = (
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE",
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1",
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2",
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX",
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME",
+    "NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME",
     "NVML_GPU_INSTANCE_PROFILE_2_SLICE",
     "NVML_GPU_INSTANCE_PROFILE_2_SLICE_REV1",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME",
+    "NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME",
     "NVML_GPU_INSTANCE_PROFILE_3_SLICE",
+    "NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX",
     "NVML_GPU_INSTANCE_PROFILE_4_SLICE",
+    "NVML_GPU_INSTANCE_PROFILE_4_SLICE_GFX",
     "NVML_GPU_INSTANCE_PROFILE_6_SLICE",
     "NVML_GPU_INSTANCE_PROFILE_7_SLICE",
     "NVML_GPU_INSTANCE_PROFILE_8_SLICE",

@@ -37,16 +37,19 @@ def allocate(resource: Resource, requested: Sequence[str], strategy: str,
                               "device-path stage in `gpu-agent status`)")
     if not requested:
         raise AllocationError(f"empty request for {resource.name}")
-    if fail_requests_greater_than_one and resource.shared and len(requested) > 1:
-        # NVIDIA's wording, so that existing alerts on it keep matching
-        raise AllocationError(f"request for '{resource.name}: {len(requested)}' too large: maximum request size "
-                              "for shared resources is 1")
     devices = {device.id: device for device in resource.devices}
     for device_id in requested:
         device = devices.get(device_id)
         if device is None:
             raise AllocationError(f"unknown device {shown(device_id, 100)} for {resource.name}: this node advertises "
                                   "no such device (a stale id after a MIG change or GPU replacement?)")
+    replicas = any(devices[device_id].id != devices[device_id].uuid for device_id in requested)
+    if fail_requests_greater_than_one and replicas and len(requested) > 1:
+        # NVIDIA's wording (v0.20), so that existing alerts on it keep matching
+        raise AllocationError(f'invalid allocation request for "{resource.name}": invalid request: maximum request '
+                              f"size for shared resources is 1; found {len(requested)}")
+    for device_id in requested:
+        device = devices[device_id]
         if not device.healthy:
             raise AllocationError(f"device {device_id} of {resource.name} (GPU {device.gpu_index}) is unhealthy: "
                                   f"{device.reason or 'see gpu-agent status'}")

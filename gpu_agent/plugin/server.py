@@ -29,6 +29,7 @@ from gpu_agent.host.sockets import socket_address
 from gpu_agent.plugin import api
 from gpu_agent.plugin.allocate import AllocationError, allocate
 from gpu_agent.plugin.devices import Resource
+from gpu_agent.plugin.shared_policy import NotEnoughDevices
 from gpu_agent.proto3 import Codec, DecodeError
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ MAX_STREAMS = 32  # calls at once on one connection (ListAndWatch holds one)
 
 Request = TypeVar("Request")
 
-# (available, must_include, size) -> the preferred device ids
-Preference = Callable[[list[str], list[str], int], list[str]]
+# (resource, available, must_include, size) -> the preferred device ids; NotEnoughDevices when unmeetable
+Preference = Callable[[Resource, list[str], list[str], int], list[str]]
 
 
 class DeviceFeed:
@@ -122,7 +123,11 @@ class DevicePluginService(api.DevicePluginBase):
         for container in request.container_requests:
             available, must = list(container.available_deviceIDs), list(container.must_include_deviceIDs)
             self._check_ids(resource.name, known, available, must)
-            chosen = self.prefer(available, must, container.allocation_size)
+            try:
+                chosen = self.prefer(resource, available, must, container.allocation_size)
+            except NotEnoughDevices as exc:
+                self.refused["not_enough_devices"] += 1
+                raise GRPCError(Status.INVALID_ARGUMENT, f"{resource.name}: {exc}") from None
             answers.append(api.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         await stream.send_message(api.PreferredAllocationResponse(container_responses=answers))
 

@@ -23,7 +23,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.plugin.gate import PluginGate
 from gpu_agent.nvml.model import Inventory
 from gpu_agent.plugin.devices import Advertised, advertised
-from gpu_agent.plugin.preferred import preferred
+from gpu_agent.plugin.shared_policy import preferred_allocation
 from gpu_agent.plugin.server import PluginEndpoint
 from gpu_agent.state import AgentState
 
@@ -178,7 +178,9 @@ class DevicePluginManager:
     def _service_args(self) -> dict[str, Any]:
         return {"list_strategy": self._strategy, "cdi_spec": self._cdi_spec,
                 "fail_greater_than_one": lambda: self.settings.sharing.fail_requests_greater_than_one,
-                "prefer": lambda available, must, size: preferred(available, must, size, self._inventory())}
+                "prefer": lambda resource, available, must, size: preferred_allocation(
+                    resource, available, must, size, self.settings.shared_devices_allocation_policy,
+                    self._inventory())}
 
     def _strategy(self) -> str:
         """plugin.device_list_strategy, or what the device-path stage chose for auto ("" before it has)."""
