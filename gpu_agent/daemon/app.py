@@ -311,6 +311,7 @@ class Daemon:
         self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
         self._plugin_task: Optional[asyncio.Task[Any]] = None
         self.mps: Optional[Any] = None  # the MPS control daemons' watch, started once sharing.mps asks (mps/)
+        self._mps_looked = False  # whether the ledger was looked at for an earlier process's MPS daemons
 
     @property
     def config(self) -> AgentConfig:
@@ -537,13 +538,25 @@ class Daemon:
             self.trigger()  # the sinks tell Kubernetes within seconds
 
     def _ensure_mps(self) -> None:
-        """The MPS control daemons' watch, beside the plugin: started when sharing.mps is first asked for, then
-        kept (it stops the daemons when the config no longer asks for them)."""
+        """The MPS control daemons' watch, beside the plugin: started when sharing.mps is first asked for, or
+        at the first publish when the ledger holds an earlier process's daemons (a config that no longer asks
+        for them), then kept (it stops the daemons when the config no longer asks for them)."""
         if self.mps is not None:
             self.mps.wake()
             return
         if self.config.plugin.sharing.mps is None:
-            return
+            if self._mps_looked:
+                return
+            self._mps_looked = True
+            from gpu_agent.host.ledger import Ledger
+
+            try:
+                ledger = Ledger(self.runtime.root)
+                if not ledger.mps_directories() and not ledger.compute_modes():
+                    return
+            except AgentError as exc:  # the ledger's own problem, which the stages report
+                log.warning("cannot tell whether MPS control daemons of an earlier gpu-agent are left: %s", exc)
+                return
         from gpu_agent.mps.daemons import MpsManager
 
         self.mps = MpsManager(self.runtime.root, self.state, self.runtime.mps_control(), self.runtime.nvml.inventory,

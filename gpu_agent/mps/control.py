@@ -62,6 +62,12 @@ class DaemonSpec:
         """A daemon known only by its resource (from the ledger's directories): enough to reach and stop it."""
         return cls(resource, (), (), (), 1)
 
+    def runs_as(self, other: Optional[DaemonSpec]) -> bool:
+        """Whether a daemon started as `other` is one started as this: its GPUs, their memory and the
+        replicas (the NVML indices, shown in /status only, may differ)."""
+        return other is not None and (self.gpus, self.memory_mib, self.replicas) == (
+            other.gpus, other.memory_mib, other.replicas)
+
     @property
     def thread_percentage(self) -> int:
         """100 / replicas, as NVIDIA's mps-control-daemon computes it (integer division)."""
