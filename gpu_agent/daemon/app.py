@@ -164,9 +164,9 @@ class Runtime:
         return found is not None and found.active in ("active", "activating", "reloading")
 
     def mps_control(self) -> MpsControl:
-        """nvidia-cuda-mps-control: the simulated machine's, or the host's (through systemd-run when the
-        agent is a systemd service). Simulated GPUs over the real / with GPU_AGENT_MPS_CONTROL=host get the
-        host's too (docs/device-plugin.md)."""
+        """nvidia-cuda-mps-control: the simulated machine's, or the host's (its packaged units, through
+        systemctl, when the agent is a systemd service). Simulated GPUs over the real / with
+        GPU_AGENT_MPS_CONTROL=host get the host's too (docs/device-plugin.md)."""
         from gpu_agent.mps.control import CONTROL_TIMEOUT_S, HostMpsControl, under_systemd
 
         if self.machine is not None and not (self.real_root_simulated
