@@ -277,3 +277,100 @@ def test_mps_replicas_are_not_advertised_healthy_before_their_daemon_runs(dgx: S
     sync(manager)
     after = advertised(dgx.inventory, {}, "none", plugin, mps_down=state.mps_down, mps_running=state.mps_running)
     assert all(device.healthy for device in after.resources[GPU_RESOURCE].devices)
+
+
+def test_the_watch_starts_for_an_earlier_processes_daemons_when_the_config_asks_for_none(dgx: SimDgx) -> None:
+    """An agent restarted with sharing.mps taken out of its config: the ledger holds the daemon, so the watch
+    starts at the first publish and stops it; on a node without any, it stays off."""
+    from types import SimpleNamespace
+
+    from gpu_agent.daemon.app import Daemon as App
+
+    sync(agent(dgx, config(4))[1])
+    plain = "version: v1\nplugin:\n  enabled: true\n"
+
+    def app(state: AgentState) -> Any:
+        runtime = SimpleNamespace(root=dgx.root, mps_control=lambda: SimMpsControl(dgx.machine, 0.2),
+                                  nvml=SimpleNamespace(inventory=dgx.nvml.inventory))
+        return SimpleNamespace(mps=None, _mps_looked=False, runtime=runtime, state=state, publish=lambda: None,
+                               _tasks=[], config=state.config.config)
+
+    async def scenario() -> None:
+        state = agent(dgx, plain)[0]
+        started = app(state)
+        App._ensure_mps(started)
+        try:
+            assert started.mps is not None
+            deadline = asyncio.get_running_loop().time() + 5
+            while daemon(dgx)["alive"] or dgx.root("/run/nvidia/mps").exists():
+                assert asyncio.get_running_loop().time() < deadline, "the earlier daemon was left running"
+                await asyncio.sleep(0.05)
+        finally:
+            for task in started._tasks:
+                task.cancel()
+        assert dgx.compute_modes() == [DEFAULT] * 8 and dgx.machine.read()["mounts"] == {}
+        idle = app(agent(dgx, plain)[0])
+        App._ensure_mps(idle)
+        App._ensure_mps(idle)
+        assert idle.mps is None and idle._tasks == []
+
+    asyncio.run(scenario())
+
+
+EVENTS = ("agent restarts", "agent restarts while NVML fails", "NVML answers again", "replicas change",
+          "sharing.mps removed", "sharing.mps back", "the daemon dies", "someone sets its threads")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
+def test_random_runs_of_restarts_outages_and_changes_keep_the_invariants(dgx: SimDgx, seed: int) -> None:
+    """Seeded runs of the events above, each followed by two passes: without an inventory the daemon is
+    exactly as it was; with one, it runs with the settings asked for, its pipe directory the same one for as
+    long as MPS stays on, and only it is healthy; with MPS off, nothing of it is left."""
+    import random
+
+    chance = random.Random(seed)
+    replicas, shared, inventory = 4, True, True
+    state, manager = agent(dgx, config(replicas), timing=AT_ONCE)
+    sync(manager)
+    inode = dgx.root(pipe_dir(GPU_RESOURCE)).stat().st_ino
+    for _ in range(25):
+        event = chance.choice(EVENTS)
+        before = dict(daemon(dgx)) if "mps" in dgx.machine.read() else None
+        text = config(replicas) if shared else "version: v1\nplugin:\n  enabled: true\n"
+        if event.startswith("agent restarts"):
+            inventory = event == "agent restarts"
+            state, manager = agent(dgx, text, inventory=inventory, timing=AT_ONCE)
+        elif event == "NVML answers again":
+            inventory, state.inventory = True, dgx.inventory
+        elif event in ("replicas change", "sharing.mps removed", "sharing.mps back"):
+            replicas = chance.choice([2, 3, 4, 8, 48]) if event == "replicas change" else replicas
+            shared = event != "sharing.mps removed" if event != "replicas change" else shared
+            text = config(replicas) if shared else "version: v1\nplugin:\n  enabled: true\n"
+            state.config = LoadedConfig(parse_config(text, "c"), "c", "e")
+        elif event == "the daemon dies":
+            from gpu_agent.sim.mps import kill
+            kill(dgx.machine)
+            before = dict(daemon(dgx)) if before else None
+        elif before and before["alive"]:
+            _threads_set_to_50(dgx)
+            before = dict(daemon(dgx))
+        sync(manager, 2)
+        where = f"seed {seed}, after {event!r}"
+        if shared and not inventory:
+            now = daemon(dgx) if before else None
+            assert now == before, where  # untouched: not started, stopped or set
+            assert not state.mps_running, where
+            continue
+        if not shared:
+            assert "mps" not in dgx.machine.read() or not daemon(dgx)["alive"], where
+            assert not dgx.root("/run/nvidia/mps").exists() and dgx.compute_modes() == [DEFAULT] * 8, where
+            inode = -1  # made again when MPS comes back
+            continue
+        running = daemon(dgx)
+        assert running["alive"] and running["thread_percentage"] == 100 // replicas, where
+        assert running["pinned_mem_limits"] == {str(n): f"{MEMORY // replicas}M" for n in range(8)}, where
+        assert state.mps_running == {GPU_RESOURCE} and shown(state)["replicas"] == replicas, where
+        pipe = dgx.root(pipe_dir(GPU_RESOURCE)).stat().st_ino
+        assert inode in (-1, pipe), f"{where}: the pipe directory was made again"
+        inode = pipe

@@ -48,7 +48,7 @@ MAX_STEPS = 6  # steps one pass may take for one daemon: a restart in place is q
 @dataclass(frozen=True)
 class Timing:
     poll_s: float = 0.5  # how often a daemon's pid is looked at: a dead one is seen within a second
-    probe_s: float = 10.0  # how often a running daemon must answer get_server_list
+    probe_s: float = 10.0  # how often a running daemon's settings are read back (it must answer)
     backoff_s: tuple[float, float] = (1.0, 30.0)  # the first wait before a restart, and the longest
 
 
@@ -212,24 +212,16 @@ class MpsManager:
         if seen is Seen.ABSENT or spec is None:
             return Facts(want, seen, Settings.UNREAD, due), "its control daemon exited" if spec else None
         if daemon.phase is Phase.RUNNING:
-            problem = None
-            if now - daemon.probed_at >= self.timing.probe_s:
-                problem, daemon.probed_at = self._probe(daemon.resource), now
-            settings = Settings.SAME if spec.runs_as(daemon.spec) else Settings.DIFFERENT
-            daemon.spec = spec if settings is Settings.SAME else daemon.spec  # the GPUs' indices as NVML has them now
-            changed = None if settings is Settings.SAME else f"the config asks for {describe(spec)}"
-            return Facts(want, Seen.SILENT if problem else Seen.ANSWERS, settings, due), problem or changed
-        if daemon.phase in (Phase.ADOPTED, Phase.STARTING, Phase.DOWN):
+            if not spec.runs_as(daemon.spec):
+                return Facts(want, seen, Settings.DIFFERENT, due), f"the config asks for {describe(spec)}"
+            daemon.spec = spec  # the GPUs' indices as NVML has them now
+            if now - daemon.probed_at < self.timing.probe_s:
+                return Facts(want, seen, Settings.SAME, due), None
+            daemon.probed_at = now  # every probe_s: it answers, and still with the settings it was given
+        if daemon.phase in (Phase.RUNNING, Phase.ADOPTED, Phase.STARTING, Phase.DOWN):
             seen, settings, problem = read_back(self.root, self.control, spec)
             return Facts(want, seen, settings, due), problem
         return Facts(want, Seen.ANSWERS, Settings.UNREAD, due), None
-
-    def _probe(self, resource: str) -> Optional[str]:
-        try:
-            self.control.send(DaemonSpec.left(resource), "get_server_list")
-        except AgentError as exc:
-            return str(exc)
-        return None
 
     # --- the steps ----------------------------------------------------------------------------------------
 
