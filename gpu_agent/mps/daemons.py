@@ -218,6 +218,8 @@ class MpsManager:
             if now - daemon.probed_at < self.timing.probe_s:
                 return Facts(want, seen, Settings.SAME, due), None
             daemon.probed_at = now  # every probe_s: it answers, and still with the settings it was given
+        if daemon.phase is Phase.DOWN and not due:  # nothing is done before the backoff has passed: not read
+            return Facts(want, seen, Settings.UNREAD, due), None
         if daemon.phase in (Phase.RUNNING, Phase.ADOPTED, Phase.STARTING, Phase.DOWN):
             seen, settings, problem = read_back(self.root, self.control, spec)
             return Facts(want, seen, settings, due), problem
