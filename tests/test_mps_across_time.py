@@ -369,3 +369,27 @@ def test_random_runs_of_restarts_outages_and_changes_keep_the_invariants(dgx: Si
         pipe = dgx.root(pipe_dir(GPU_RESOURCE)).stat().st_ino
         assert inode in (-1, pipe), f"{where}: the pipe directory was made again"
         inode = pipe
+
+
+@pytest.mark.parametrize("record", [None, "CUDA_VISIBLE_DEVICES=GPU-x\n", "GPU_AGENT_MPS_REPLICAS=four\n", ""])
+def test_an_adopted_daemon_without_a_whole_record_is_restarted_in_place(dgx: SimDgx, record: Any) -> None:
+    """Its GPUs cannot be told (a daemon of a gpu-agent from before the record, or a record cut short): it is
+    started again, in place, and the record written anew."""
+    from gpu_agent.mps import instance
+    from gpu_agent.mps.layout import record_path
+
+    sync(agent(dgx, config(4))[1])
+    written = dgx.root(record_path(GPU_RESOURCE))
+    assert instance.parse(GPU_RESOURCE, written.read_text()) == instance.read(dgx.root, GPU_RESOURCE) is not None
+    if record is None:
+        written.unlink()
+    else:
+        written.write_text(record)
+    pid = daemon(dgx)["pid"]
+    pipe, inode = mark_a_pods_mount(dgx)
+    state, manager = agent(dgx, config(4))
+    sync(manager)
+    assert daemon(dgx)["alive"] and daemon(dgx)["pid"] != pid and shown(state)["up"]
+    assert (pipe / "pod-sees-this").exists() and pipe.stat().st_ino == inode
+    spec = instance.read(dgx.root, GPU_RESOURCE)
+    assert spec is not None and spec.replicas == 4 and spec.gpus == tuple(gpu.uuid for gpu in dgx.inventory.gpus)
