@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import LoadedConfig
@@ -110,7 +110,8 @@ class AgentState:
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
     plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
     mps: Optional[dict[str, Any]] = None  # the MPS control daemons' /status section (mps/daemons.py)
-    mps_down: dict[str, str] = field(default_factory=dict)  # by shared resource: why its MPS daemon does not answer
+    mps_down: dict[str, str] = field(default_factory=dict)  # by MPS resource: why its daemon does not run as asked
+    mps_running: frozenset[str] = frozenset()  # the MPS resources whose daemon runs as asked: healthy only then
     reconciles: int = 0
     first_reconcile_done: bool = False
     published: int = 0  # bumped each time the daemon publishes the model: the endpoints render again
@@ -167,13 +168,15 @@ class AgentState:
             self.published += 1  # the endpoints render /status again
             return True
 
-    def publish_mps(self, section: Optional[dict[str, Any]], down: Mapping[str, str]) -> bool:
-        """The MPS control daemons' /status section and, by resource, why its daemon is down (its devices
-        are Unhealthy meanwhile); False when both are as published."""
+    def publish_mps(self, section: Optional[dict[str, Any]], down: Mapping[str, str],
+                    running: Collection[str] = ()) -> bool:
+        """The MPS control daemons' /status section, by resource why its daemon does not run as asked, and
+        the resources whose daemon does (their devices are Healthy only then); False when all are as
+        published."""
         with _PUBLISH:
-            if section == self.mps and dict(down) == self.mps_down:
+            if section == self.mps and dict(down) == self.mps_down and frozenset(running) == self.mps_running:
                 return False
-            self.mps, self.mps_down = section, dict(down)
+            self.mps, self.mps_down, self.mps_running = section, dict(down), frozenset(running)
             self.published += 1
             return True
 

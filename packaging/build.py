@@ -230,6 +230,11 @@ def nfpm_config(target: Target, stage: Path) -> dict:
         {"src": str(stage / LIB), "dst": f"/{LIB}", "type": "tree"},
         {"src": str(systemd / "gpu-agent.service"), "dst": "/usr/lib/systemd/system/gpu-agent.service",
          "file_info": {"mode": 0o644}},
+        # The MPS control daemons' units (docs/device-plugin.md): started by gpu-agent by name, never enabled.
+        {"src": str(systemd / "gpu-agent-mps@.service"), "dst": "/usr/lib/systemd/system/gpu-agent-mps@.service",
+         "file_info": {"mode": 0o644}},
+        {"src": str(systemd / "run-nvidia-mps-shm.mount"), "dst": "/usr/lib/systemd/system/run-nvidia-mps-shm.mount",
+         "file_info": {"mode": 0o644}},
         {"src": str(HERE / "gpu-agent.preset"), "dst": "/usr/lib/systemd/system-preset/90-gpu-agent.preset",
          "file_info": {"mode": 0o644}},
         {"src": str(systemd / "gpu-agent.tmpfiles"), "dst": "/usr/lib/tmpfiles.d/gpu-agent.conf",

@@ -90,8 +90,9 @@ def test_a_daemon_that_does_not_show_the_limit_set_is_kept_down_naming_why(tmp_p
         asyncio.run(manager.sync())
         assert state.mps is not None
         assert state.mps["daemons"][0]["error"] == (
-            f"the MPS control daemon for {GPU_RESOURCE} shows the pinned memory limit of its device 0 as none after "
-            "it was set to 20389M (expected 19G): its clients would not be limited")
+            f"the MPS control daemon for {GPU_RESOURCE} shows the pinned memory limit of its device 0 as none, not "
+            "19G (20389M): its clients would not be limited as asked")
+        assert state.mps["daemons"][0]["state"] == "down" and GPU_RESOURCE not in state.mps_running
         assert GPU_RESOURCE in state.mps_down
     finally:
         dgx.nvml.close()

@@ -183,29 +183,24 @@ def test_the_control_binary_is_found_where_drivers_install_it(tmp_path: Path) ->
     assert HostMpsControl(root, 5.0).send(spec, "get_server_list") == pipe
 
 
-def test_under_systemd_each_daemon_gets_a_transient_unit_of_its_own(tmp_path: Path) -> None:
-    """The argv of systemd-run for a daemon (Type=forking, its pid file, its environment, the launcher) and
-    for the mount helper; the unit's name escaped as systemd-escape(1) writes it."""
-    from gpu_agent.mps.control import SystemdRun, launcher, unit_name
+@pytest.mark.subprocess
+def test_under_systemd_each_daemon_is_an_instance_of_the_packaged_template(tmp_path: Path) -> None:
+    """The instance is the resource as systemd-escape(1) writes it (checked against it where it is), so that
+    the unit's %I is the resource again; systemctl starts it by that name and nothing else."""
+    from gpu_agent.mps.control import SystemdUnits
+    from gpu_agent.mps.layout import unit_name
 
-    assert unit_name("nvidia.com/gpu") == "gpu-agent-mps-nvidia.com-gpu.service"
-    assert unit_name("a-b/.c") == "gpu-agent-mps-a\\x2db-.c.service" and unit_name(".x").endswith("\\x2ex.service")
-    assert unit_name("gpu é") == "gpu-agent-mps-gpu\\x20\\xc3\\xa9.service"
-    root = Root(tmp_path)
-    spec = DaemonSpec("nvidia.com/gpu", ("GPU-a", "GPU-b"), (0, 1), (81559, 81559), 4)
-    command = [*launcher(str(root(SHM_DIR))), "/usr/bin/nvidia-cuda-mps-control", "-d"]
-    argv = SystemdRun("/usr/bin/systemd-run", 5.0).daemon(spec, root, command)
-    pipe = f"{tmp_path}/run/nvidia/mps/nvidia.com/gpu/pipe"
-    assert argv[:argv.index("--")] == [
-        "/usr/bin/systemd-run", "--unit=gpu-agent-mps-nvidia.com-gpu.service", "--quiet", "--collect",
-        "--service-type=forking", "--description=MPS control daemon for nvidia.com/gpu (started by gpu-agent)",
-        f"--property=PIDFile={pipe}/nvidia-cuda-mps-control.pid", "--property=TimeoutStartSec=5s",
-        "--setenv=PATH=/usr/sbin:/usr/bin:/sbin:/bin", "--setenv=CUDA_VISIBLE_DEVICES=GPU-a,GPU-b",
-        f"--setenv=CUDA_MPS_PIPE_DIRECTORY={pipe}", f"--setenv=CUDA_MPS_LOG_DIRECTORY={pipe[:-4]}log"]
-    assert argv[argv.index("--") + 1:] == command
-    helper = SystemdRun("/bin/systemd-run", 5.0).helper(["python3", "--unmount", "/run/nvidia/mps/shm"])
-    assert helper[:3] == ["/bin/systemd-run", "--wait", "--pipe"] and helper[-4:] == [
-        "--", "python3", "--unmount", "/run/nvidia/mps/shm"]
+    names = {"nvidia.com/gpu": "nvidia.com-gpu", "a-b/.c": "a\\x2db-.c", ".x": "\\x2ex",
+             "gpu é": "gpu\\x20\\xc3\\xa9", "nvidia.com/gpu-shared": "nvidia.com-gpu\\x2dshared", "a:b_c": "a:b_c"}
+    for resource, escaped in names.items():
+        assert unit_name(resource) == f"gpu-agent-mps@{escaped}.service"
+        if shutil.which("systemd-escape"):
+            said = subprocess.run(["systemd-escape", "--", resource], capture_output=True, text=True, timeout=30)
+            assert said.stdout.strip() == escaped
+            back = subprocess.run(["systemd-escape", "-u", "--", escaped], capture_output=True, text=True, timeout=30)
+            assert back.stdout.strip() == resource  # %I in the unit
+    assert SystemdUnits("/usr/bin/systemctl").argv("start", unit_name("nvidia.com/gpu")) == [
+        "/usr/bin/systemctl", "start", "--no-ask-password", "--quiet", "gpu-agent-mps@nvidia.com-gpu.service"]
 
 
 def test_systemd_is_used_only_for_a_service_of_the_running_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -220,8 +215,8 @@ def test_systemd_is_used_only_for_a_service_of_the_running_system(tmp_path: Path
 
     (tmp_path / "run/systemd/system").mkdir(parents=True)
     (tmp_path / "usr/bin").mkdir(parents=True)
-    (tmp_path / "usr/bin/systemd-run").write_text("#!/bin/sh\n")
-    (tmp_path / "usr/bin/systemd-run").chmod(0o755)
+    (tmp_path / "usr/bin/systemctl").write_text("#!/bin/sh\n")
+    (tmp_path / "usr/bin/systemctl").chmod(0o755)
     assert under_systemd(Root(tmp_path), {"INVOCATION_ID": "0f"}) is None
     assert under_systemd(Root("/"), {}) is None  # not a service: decided without looking at the host
     monkeypatch.delenv("INVOCATION_ID", raising=False)
@@ -236,39 +231,52 @@ def test_systemd_is_used_only_for_a_service_of_the_running_system(tmp_path: Path
 
 
 @pytest.mark.subprocess
-def test_what_systemd_run_says_is_the_error(tmp_path: Path) -> None:
-    """A daemon's unit that cannot start, and a mount helper that fails, name systemd-run's words; the
-    start passes the launcher and the binary found under the root."""
-    from gpu_agent.mps.control import HostMpsControl, SystemdRun
+def test_what_systemctl_says_is_the_error(tmp_path: Path) -> None:
+    """A daemon's instance that cannot start, and a tmpfs that cannot be mounted, name systemctl's words and
+    the unit's journal; a missing binary is named before systemd is asked (its ExecSearchPath= is
+    BINARY_DIRS). SIGTERM's place is taken by `systemctl stop` of the instance: its servers go too."""
+    from gpu_agent.mps.control import HostMpsControl, SystemdUnits
 
-    fake = tmp_path / "systemd-run"
+    fake = tmp_path / "systemctl"
     calls = tmp_path / "calls"
     fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n"
-                    "case \"$*\" in *--wait*) echo 'cannot mount /x: Permission denied' >&2; exit 1 ;; esac\n"
-                    "echo 'Unit gpu-agent-mps-gpu.service was already loaded or has a fragment file.' >&2; exit 1\n")
+                    "echo \"Job for $4 failed because the control process exited with error code.\" >&2; exit 1\n")
     fake.chmod(0o755)
-    binary = tmp_path / "usr/bin/nvidia-cuda-mps-control"
+    control = HostMpsControl(Root(tmp_path), 5.0, SystemdUnits(str(fake), 5.0))
+    spec = DaemonSpec("gpu", ("GPU-a",), (0,), (1024,), 2)
+    with pytest.raises(AgentError, match=r"^cannot start the MPS control daemon for gpu: nvidia-cuda-mps-control is "
+                                         r"not installed"):
+        control.start(spec)
+    assert not calls.exists()
+    binary = tmp_path / "usr/local/nvidia/bin/nvidia-cuda-mps-control"
     binary.parent.mkdir(parents=True)
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
-    control = HostMpsControl(Root(tmp_path), 5.0, SystemdRun(str(fake), 5.0))
-    spec = DaemonSpec("gpu", ("GPU-a",), (0,), (1024,), 2)
-    with pytest.raises(AgentError, match=r"^nvidia-cuda-mps-control -d for gpu failed \(exit 1\): Unit gpu-agent-mps-"
-                                         r"gpu.service was already loaded"):
+    with pytest.raises(AgentError) as started:
         control.start(spec)
+    assert str(started.value) == (
+        "cannot start the MPS control daemon for gpu: systemctl start gpu-agent-mps@gpu.service failed (exit 1): Job "
+        "for gpu-agent-mps@gpu.service failed because the control process exited with error code.; see journalctl -u "
+        "gpu-agent-mps@gpu.service")
     with pytest.raises(AgentError, match=r"^cannot mount a tmpfs at /run/nvidia/mps/shm for the MPS daemons' shared "
-                                         r"memory \(through systemd-run, exit 1\): cannot mount /x: Permission denied"):
+                                         r"memory: systemctl start run-nvidia-mps-shm.mount failed \(exit 1\)"):
         control.mount_shm("mode=1777")
-    started, mounted = calls.read_text().splitlines()
-    assert started.endswith(f"{tmp_path}/run/nvidia/mps/shm {binary} -d") and "gpu_agent.mps.launch" in started
-    assert mounted.endswith(f"--mount {tmp_path}/run/nvidia/mps/shm mode=1777")
+    with pytest.raises(AgentError, match=r"^cannot unmount /run/nvidia/mps/shm: systemctl stop run-nvidia-mps-shm"):
+        control.unmount_shm()
+    with pytest.raises(AgentError, match=r"^cannot stop the MPS control daemon for gpu: systemctl stop "):
+        control.terminate(spec)
+    assert calls.read_text().splitlines() == [
+        "start --no-ask-password --quiet gpu-agent-mps@gpu.service",
+        "start --no-ask-password --quiet run-nvidia-mps-shm.mount",
+        "stop --no-ask-password --quiet run-nvidia-mps-shm.mount",
+        "stop --no-ask-password --quiet gpu-agent-mps@gpu.service"]
 
 
 def test_systemd_not_our_timeout_decides_a_slow_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """systemd-run is waited for longer than the unit's TimeoutStartSec, so that a start we gave up on cannot
-    go on in systemd and hold the unit's name."""
+    """systemctl is waited for longer than the units' own TimeoutStartSec= (tests/test_systemd.py holds those
+    at START_LIMIT_S), so that a start we gave up on cannot go on in systemd unseen."""
     from gpu_agent.mps import control as control_module
-    from gpu_agent.mps.control import HostMpsControl, SystemdRun
+    from gpu_agent.mps.control import START_LIMIT_S, HostMpsControl, SystemdUnits
 
     binary = tmp_path / "usr/bin/nvidia-cuda-mps-control"
     binary.parent.mkdir(parents=True)
@@ -276,19 +284,12 @@ def test_systemd_not_our_timeout_decides_a_slow_start(tmp_path: Path, monkeypatc
     binary.chmod(0o755)
     waited: list[tuple[list[str], float]] = []
 
-    def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
-        waited.append((argv, kwargs["timeout"]))
-        return subprocess.CompletedProcess(argv, 0, b"", b"")
+    def run_bytes(argv: list[str], timeout: float, **kwargs: Any) -> tuple[int, bytes, bytes]:
+        waited.append((argv, timeout))
+        return 0, b"", b""
 
-    monkeypatch.setattr(control_module.subprocess, "run", run)
-    HostMpsControl(Root(tmp_path), 5.0, SystemdRun("/usr/bin/systemd-run", 5.0)).start(
+    monkeypatch.setattr(control_module.proc, "run_bytes", run_bytes)
+    HostMpsControl(Root(tmp_path), 5.0, SystemdUnits("/usr/bin/systemctl")).start(
         DaemonSpec("gpu", ("GPU-a",), (0,), (1024,), 2))
     (argv, timeout), = waited
-    start_limit = next(arg for arg in argv if arg.startswith("--property=TimeoutStartSec="))
-    assert timeout > float(start_limit.split("=")[-1].rstrip("s"))
-
-
-def test_the_mount_helper_refuses_bad_arguments(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert launch.main(["--mount", "relative", "size=1k"]) == 2 and "usage:" in capsys.readouterr().err
-    assert launch.main(["--unmount"]) == 2
-    assert launch.main(["--unmount", str(tmp_path)]) == 0  # nothing mounted there: nothing to do
+    assert argv[-1] == "gpu-agent-mps@gpu.service" and timeout > START_LIMIT_S

@@ -121,3 +121,79 @@ def test_the_directories_that_may_appear_late_are_the_units_and_so_is_the_exit_s
                 for path in line.partition("=")[2].split() if path.startswith("-")]
     assert sorted(optional) == sorted(LATE_WRITABLE)
     assert f"RestartForceExitStatus={EXIT_RESTART}" in unit.splitlines()
+
+
+MPS_TEMPLATE = SYSTEMD / "gpu-agent-mps@.service"
+SHM_MOUNT = SYSTEMD / "run-nvidia-mps-shm.mount"
+
+
+def _settings(unit: str) -> dict[str, list[str]]:
+    """Each key of a unit file, with every value it is given, in order."""
+    found: dict[str, list[str]] = {}
+    for line in unit.splitlines():
+        if line and not line.startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            found.setdefault(key, []).append(value)
+    return found
+
+
+def _verify_mps_units(tmp_path: Path, template: str) -> subprocess.CompletedProcess[str]:
+    root = _unit_root(tmp_path, (SYSTEMD / "gpu-agent.service").read_text())
+    (root / "usr/bin/nvidia-cuda-mps-control").write_text("#!/bin/sh\n")  # systemd-analyze looks in /usr/bin only
+    (root / "usr/bin/nvidia-cuda-mps-control").chmod(0o755)
+    (root / "etc/systemd/system/gpu-agent-mps@.service").write_text(template)
+    shutil.copy(SHM_MOUNT, root / "etc/systemd/system")
+    return subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}",
+                           "/etc/systemd/system/gpu-agent-mps@nvidia.com-gpu.service",
+                           "/etc/systemd/system/run-nvidia-mps-shm.mount"], capture_output=True, text=True, timeout=60)
+
+
+def test_the_mps_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    result = _verify_mps_units(tmp_path / "good", MPS_TEMPLATE.read_text())
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stderr
+    broken = _verify_mps_units(tmp_path / "broken", MPS_TEMPLATE.read_text().replace("Type=forking", "Type=forkin"))
+    assert "Failed to parse service type" in broken.stderr
+
+
+def test_the_mps_template_is_what_the_agent_expects() -> None:
+    """ExecStart= fixed and found where the agent looks for the binary; the directories, pid file and record
+    derived from the instance (%I: the resource) as gpu_agent.mps.layout derives them; the tmpfs as /dev/shm
+    and required; systemd's limits the agent waits out; nothing that ties a daemon to gpu-agent.service, so
+    that `systemctl restart gpu-agent` leaves it running; nothing that enables or restarts it on its own."""
+    from gpu_agent.mps.control import BINARY, BINARY_DIRS, START_LIMIT_S
+    from gpu_agent.mps.layout import LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, SHM_UNIT, log_dir, pipe_dir, record_path
+
+    unit = _settings(MPS_TEMPLATE.read_text())
+    assert unit["ExecStart"] == [f"{BINARY} -d"] and unit["Type"] == ["forking"]
+    assert unit["ExecSearchPath"] == [":".join(BINARY_DIRS)]
+    assert unit["PIDFile"] == [f"{pipe_dir('%I')}/{PID_FILE}"]
+    assert unit["Environment"] == [f"{PIPE_ENV}={pipe_dir('%I')} {LOG_ENV}={log_dir('%I')}"]
+    assert unit["EnvironmentFile"] == [record_path("%I")]  # CUDA_VISIBLE_DEVICES, written before each start
+    assert unit["ReadWritePaths"] == [pipe_dir("%I").rsplit("/", 1)[0]] and unit["ProtectSystem"] == ["strict"]
+    assert unit["BindPaths"] == [f"{SHM_DIR}:/dev/shm"]
+    assert unit["Requires"] == [SHM_UNIT] and unit["After"] == [SHM_UNIT]
+    assert unit["TimeoutStartSec"] == unit["TimeoutStopSec"] == [f"{START_LIMIT_S:g}s"]
+    for absent in ("Restart", "PartOf", "BindsTo", "WantedBy", "RequiredBy"):
+        assert absent not in unit, absent
+    assert "[Install]" not in MPS_TEMPLATE.read_text() + SHM_MOUNT.read_text()
+    mount = _settings(SHM_MOUNT.read_text())
+    assert SHM_MOUNT.name == SHM_UNIT and mount["Where"] == [SHM_DIR] and mount["Type"] == ["tmpfs"]
+    assert mount["LazyUnmount"] == ["yes"] and mount["TimeoutSec"] == [f"{START_LIMIT_S:g}s"]
+    # the options gpu-agent itself mounts with (without systemd), the size as a share of the memory
+    from gpu_agent.host.paths import Root
+    from gpu_agent.mps import shm
+
+    ours = shm.options(Root("/nonexistent")).split(",")
+    assert mount["Options"][0].split(",")[:-1] == ours[:-1] and mount["Options"][0].endswith(",size=50%")
+
+
+def test_the_agent_may_write_the_mps_records_and_the_units_are_packaged() -> None:
+    """The record lies in the resource's directory, writable to the agent's unit; the packages carry both
+    MPS units beside the agent's."""
+    from gpu_agent.mps.layout import MPS_ROOT, record_path
+
+    writable = _writable((SYSTEMD / "gpu-agent.service").read_text())
+    assert any(record_path("nvidia.com/gpu").startswith(folder + "/") for folder in writable) and MPS_ROOT in writable
+    build = (SYSTEMD.parent / "packaging/build.py").read_text()
+    for unit in (MPS_TEMPLATE, SHM_MOUNT):
+        assert f'"/usr/lib/systemd/system/{unit.name}"' in build, unit.name

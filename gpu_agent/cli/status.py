@@ -161,14 +161,15 @@ def print_mps(mps: dict[str, Any]) -> None:
         same = set(limits.values())
         memory = (f"{same.pop()} per GPU" if len(same) == 1 else
                   ", ".join(f"GPU {index}: {limit}" for index, limit in limits.items()) or "none")
-        rows.append((daemon["resource"], ",".join(map(str, daemon["gpus"])),
+        threads = daemon["active_thread_percentage"]
+        rows.append((daemon["resource"], ",".join(map(str, daemon["gpus"] or ())) or "-",
                      str(daemon["pid"]) if daemon["pid"] is not None else "-",
-                     f"{daemon['active_thread_percentage']}%", memory, str(daemon["restarts"]),
-                     "up" if daemon["up"] else "down"))
+                     f"{threads}%" if threads is not None else "-", memory, str(daemon["restarts"]),
+                     daemon.get("state") or ("up" if daemon["up"] else "down")))
     _table(rows)
     for daemon in mps["daemons"]:
         if not daemon["up"]:
-            print(f"MPS {daemon['resource']} down: {daemon['error'] or 'not started yet'}")
+            print(f"MPS {daemon['resource']} {daemon.get('state') or 'down'}: {daemon['error'] or 'not started yet'}")
     for resource, why in sorted(mps["withheld"].items()):
         print(f"MPS {resource} withheld: {why}")
 

@@ -164,9 +164,9 @@ class Runtime:
         return found is not None and found.active in ("active", "activating", "reloading")
 
     def mps_control(self) -> MpsControl:
-        """nvidia-cuda-mps-control: the simulated machine's, or the host's (through systemd-run when the
-        agent is a systemd service). Simulated GPUs over the real / with GPU_AGENT_MPS_CONTROL=host get the
-        host's too (docs/device-plugin.md)."""
+        """nvidia-cuda-mps-control: the simulated machine's, or the host's (its packaged units, through
+        systemctl, when the agent is a systemd service). Simulated GPUs over the real / with
+        GPU_AGENT_MPS_CONTROL=host get the host's too (docs/device-plugin.md)."""
         from gpu_agent.mps.control import CONTROL_TIMEOUT_S, HostMpsControl, under_systemd
 
         if self.machine is not None and not (self.real_root_simulated
@@ -312,6 +312,7 @@ class Daemon:
         self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
         self._plugin_task: Optional[asyncio.Task[Any]] = None
         self.mps: Optional[Any] = None  # the MPS control daemons' watch, started once sharing.mps asks (mps/)
+        self._mps_looked = False  # whether the ledger was looked at for an earlier process's MPS daemons
 
     @property
     def config(self) -> AgentConfig:
@@ -538,13 +539,25 @@ class Daemon:
             self.trigger()  # the sinks tell Kubernetes within seconds
 
     def _ensure_mps(self) -> None:
-        """The MPS control daemons' watch, beside the plugin: started when sharing.mps is first asked for, then
-        kept (it stops the daemons when the config no longer asks for them)."""
+        """The MPS control daemons' watch, beside the plugin: started when sharing.mps is first asked for, or
+        at the first publish when the ledger holds an earlier process's daemons (a config that no longer asks
+        for them), then kept (it stops the daemons when the config no longer asks for them)."""
         if self.mps is not None:
             self.mps.wake()
             return
         if self.config.plugin.sharing.mps is None:
-            return
+            if self._mps_looked:
+                return
+            self._mps_looked = True
+            from gpu_agent.host.ledger import Ledger
+
+            try:
+                ledger = Ledger(self.runtime.root)
+                if not ledger.mps_directories() and not ledger.compute_modes():
+                    return
+            except AgentError as exc:  # the ledger's own problem, which the stages report
+                log.warning("cannot tell whether MPS control daemons of an earlier gpu-agent are left: %s", exc)
+                return
         from gpu_agent.mps.daemons import MpsManager
 
         self.mps = MpsManager(self.runtime.root, self.state, self.runtime.mps_control(), self.runtime.nvml.inventory,

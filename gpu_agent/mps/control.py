@@ -7,43 +7,42 @@ order), with its pipes in CUDA_MPS_PIPE_DIRECTORY and its logs in CUDA_MPS_LOG_D
 to nvidia-cuda-mps-control.pid in the pipe directory; `echo CMD | nvidia-cuda-mps-control` (same
 environment) sends CMD and prints the answer.
 
-The daemon is started through mps.launch, in a mount namespace whose /dev/shm is the tmpfs at
-/run/nvidia/mps/shm (mps.shm); commands are sent from the agent's own namespace: they use only the pipe
-directory.
+Without systemd the daemon is started through mps.launch, in a mount namespace whose /dev/shm is the
+tmpfs at /run/nvidia/mps/shm (mps.shm), which the agent mounts itself; commands are sent from the agent's
+own namespace: they use only the pipe directory.
 
-Under systemd (SystemdRun) the daemon and the tmpfs's mount and unmount are not the agent's own
-children: each runs in a transient unit, which the service manager starts as its own child in a fresh
-execution environment, not the caller's (systemd-run(1)), so that the mount is made in the host's mount
-namespace, where the kubelet's runtime finds it for the clients, and not in the one the agent's
-sandboxed unit has (ProtectSystem=, ReadWritePaths=, PrivateTmp= give it its own, systemd.exec(5)),
-the launcher may unshare(CLONE_NEWNS), which the agent's RestrictNamespaces=yes forbids, and the
-daemon lives in its own control group, which `systemctl restart gpu-agent` (KillMode=control-group,
-systemd.kill(5)) does not kill.
+Under systemd (SystemdUnits) neither the daemon nor the tmpfs is the agent's own: each daemon is an
+instance of the packaged template gpu-agent-mps@.service (mps.instance), started and stopped by name
+with systemctl, and the tmpfs is the packaged run-nvidia-mps-shm.mount. PID 1 starts them in the host's
+mount namespace, where the kubelet's runtime finds the tmpfs for the clients, and not in the one the
+agent's sandboxed unit has (ProtectSystem=, ReadWritePaths=, PrivateTmp= give it its own, systemd.exec(5));
+the template gives the daemon the tmpfs as /dev/shm itself (BindPaths=), which the agent's
+RestrictNamespaces=yes would forbid it to do; and each daemon lives in its own control group, which
+`systemctl restart gpu-agent` (KillMode=control-group, systemd.kill(5)) does not kill.
 """
 from __future__ import annotations
 
 import errno
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host import mounts
+from gpu_agent.host import mounts, proc
 from gpu_agent.host.paths import Root, first_executable
 from gpu_agent.host.sandbox import in_systemd_unit
-from gpu_agent.mps.layout import CLIENT_SHM, LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, log_dir, pipe_dir
+from gpu_agent.mps.layout import (CLIENT_SHM, LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, SHM_UNIT, log_dir, pipe_dir,
+                                  unit_name)
 
 BINARY = "nvidia-cuda-mps-control"
 # Where drivers install it: distribution packages and NVIDIA's .run installer in /usr/bin, a driver kept under
 # its own prefix (the real H200 node this was checked on: /usr/local/nvidia/bin) beside its libraries.
 BINARY_DIRS = ("/usr/bin", "/usr/local/bin", "/usr/local/nvidia/bin")
 CONTROL_TIMEOUT_S = 5.0  # one call of nvidia-cuda-mps-control, start or command
-# systemd-run waits for its unit's start job, which TimeoutStartSec (the control timeout) ends: waited for a
-# little longer, systemd decides a slow start, not our timeout, so no start goes on unseen after ours.
-SYSTEMD_MARGIN_S = 5.0
+START_LIMIT_S = 10.0  # TimeoutStartSec= and TimeoutStopSec= of the packaged units (tests/test_systemd.py holds them)
+SYSTEMD_MARGIN_S = 5.0  # systemctl is waited for this much longer than the unit's own limit
 MAX_ANSWER = 64 << 10  # what one command's answer may be; a server list of 48 pids is under 400 bytes
 
 
@@ -61,6 +60,12 @@ class DaemonSpec:
     def left(cls, resource: str) -> DaemonSpec:
         """A daemon known only by its resource (from the ledger's directories): enough to reach and stop it."""
         return cls(resource, (), (), (), 1)
+
+    def runs_as(self, other: Optional[DaemonSpec]) -> bool:
+        """Whether a daemon started as `other` is one started as this: its GPUs, their memory and the
+        replicas (the NVML indices, shown in /status only, may differ)."""
+        return other is not None and (self.gpus, self.memory_mib, self.replicas) == (
+            other.gpus, other.memory_mib, other.replicas)
 
     @property
     def thread_percentage(self) -> int:
@@ -90,7 +95,7 @@ class MpsControl(Protocol):
         """Its pid while it runs, else None."""
 
     def terminate(self, spec: DaemonSpec) -> None:
-        """SIGTERM to a daemon that ignored `quit`."""
+        """End a daemon that ignored `quit`: SIGTERM, or, under systemd, `systemctl stop` of its unit."""
 
     def shm_fstype(self) -> Optional[str]:
         """The type of the file system mounted at SHM_DIR, None when none is; an AgentError when it
@@ -118,21 +123,20 @@ class ComputeModes(Protocol):
 
 class HostMpsControl:
     """The real one: argv lists, a timeout on each call, answers bounded. `systemd`: the daemons and the
-    tmpfs's mount started through it (under_systemd decides when)."""
+    tmpfs started and stopped as its units (under_systemd decides when)."""
 
-    def __init__(self, root: Root, timeout: float, systemd: Optional[SystemdRun] = None) -> None:
+    def __init__(self, root: Root, timeout: float, systemd: Optional[SystemdUnits] = None) -> None:
         self.root = root
         self.timeout = timeout
         self.systemd = systemd
 
     def start(self, spec: DaemonSpec) -> None:
-        shm = str(self.root(SHM_DIR))
         if self.systemd is None:
-            self._run(spec, ["-d"], "", launcher(shm))
+            self._run(spec, ["-d"], "", launcher(str(self.root(SHM_DIR))))
             return
-        binary = self._binary(spec, "-d")
-        self._call(spec, f"{BINARY} -d", self.systemd.daemon(spec, self.root, [*launcher(shm), binary, "-d"]),
-                   "", {}, self.timeout + SYSTEMD_MARGIN_S)
+        what = "cannot start the MPS control daemon"
+        self._binary(spec, what)  # the unit's ExecSearchPath= is BINARY_DIRS: one missing is named before systemd
+        self.systemd.call("start", unit_name(spec.resource), f"{what} for {spec.resource}")
 
     def send(self, spec: DaemonSpec, command: str) -> str:
         return self._run(spec, [], command + "\n")
@@ -143,8 +147,8 @@ class HostMpsControl:
 
     def mount_shm(self, options: str) -> None:
         what = f"cannot mount a tmpfs at {SHM_DIR} for the MPS daemons' shared memory"
-        if self.systemd is not None:
-            self._helper(what, ["--mount", str(self.root(SHM_DIR)), options])
+        if self.systemd is not None:  # the unit's Options= are these, its size=50% the same half of MemTotal
+            self.systemd.call("start", SHM_UNIT, what)
             return
         try:
             mounts.mount_tmpfs(str(self.root(SHM_DIR)), options)
@@ -153,27 +157,13 @@ class HostMpsControl:
             raise AgentError(f"{what}: {exc.strerror or exc}{needs}") from None
 
     def unmount_shm(self) -> None:
-        if self.systemd is not None:
-            self._helper(f"cannot unmount {SHM_DIR}", ["--unmount", str(self.root(SHM_DIR))])
+        if self.systemd is not None:  # LazyUnmount=yes, as umount2(MNT_DETACH) below
+            self.systemd.call("stop", SHM_UNIT, f"cannot unmount {SHM_DIR}")
             return
         try:
             mounts.unmount(str(self.root(SHM_DIR)))
         except OSError as exc:
             raise AgentError(f"cannot unmount {SHM_DIR}: {exc.strerror or exc}") from None
-
-    def _helper(self, what: str, args: list[str]) -> None:
-        """mps.launch --mount/--unmount in a transient unit, waited for; its stderr says why it failed."""
-        assert self.systemd is not None
-        try:
-            done = subprocess.run(self.systemd.helper([*_python(), *args]), capture_output=True,
-                                  timeout=self.timeout, check=False, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            raise AgentError(f"{what}: systemd-run gave no answer within {self.timeout:g} s") from None
-        except OSError as exc:
-            raise AgentError(f"{what}: cannot run {self.systemd.binary}: {exc.strerror or exc}") from None
-        if done.returncode != 0:
-            said = (done.stderr[-500:] or done.stdout[-500:]).decode(errors="replace").strip()
-            raise AgentError(f"{what} (through systemd-run, exit {done.returncode}){': ' + said if said else ''}")
 
     def uses_shm(self, spec: DaemonSpec) -> bool:
         pid = self.pid(spec)
@@ -195,6 +185,10 @@ class HostMpsControl:
         return int(text) if self.root(f"/proc/{text}").is_dir() else None
 
     def terminate(self, spec: DaemonSpec) -> None:
+        if self.systemd is not None:  # its whole control group, the MPS servers too
+            self.systemd.call("stop", unit_name(spec.resource),
+                              f"cannot stop the MPS control daemon for {spec.resource}")
+            return
         pid = self.pid(spec)
         if pid is None:
             return
@@ -221,16 +215,13 @@ class HostMpsControl:
               timeout: Optional[float] = None) -> str:
         timeout = timeout or self.timeout
         try:
-            done = subprocess.run(argv, input=given.encode(), capture_output=True, env=env or None,
-                                  timeout=timeout, check=False)
-        except subprocess.TimeoutExpired:
-            raise AgentError(f"{what} for {spec.resource}: no answer within {timeout:g} s") from None
-        except OSError as exc:
-            raise AgentError(f"{what} for {spec.resource}: cannot run {argv[0]}: {exc.strerror or exc}") from None
-        answer = done.stdout[:MAX_ANSWER].decode(errors="replace")
-        if done.returncode != 0:
-            said = (done.stderr[:500].decode(errors="replace") or answer[:500]).strip()
-            raise AgentError(f"{what} for {spec.resource} failed (exit {done.returncode}){': ' + said if said else ''}")
+            returncode, out, err = proc.run_bytes(argv, timeout, env=env or None, given=given.encode())
+        except AgentError as exc:
+            raise AgentError(f"{what} for {spec.resource}: {exc}") from None
+        answer = out[:MAX_ANSWER].decode(errors="replace")
+        if returncode != 0:
+            said = (err[:500].decode(errors="replace") or answer[:500]).strip()
+            raise AgentError(f"{what} for {spec.resource} failed (exit {returncode}){': ' + said if said else ''}")
         return answer
 
 
@@ -272,53 +263,40 @@ def _python() -> tuple[str, ...]:
     return sys.executable or "python3", "-I", "-B", "-c", code
 
 
-SYSTEMD_RUN_DIRS = ("/usr/bin", "/bin")
-UNIT_PREFIX = "gpu-agent-mps-"
+SYSTEMCTL_DIRS = ("/usr/bin", "/bin")
 
 
-class SystemdRun:
-    """The argv of systemd-run for a control daemon's transient unit and for a mount helper's."""
+class SystemdUnits:
+    """systemctl start and stop of the packaged units: a daemon's instance of gpu-agent-mps@.service, the
+    tmpfs's run-nvidia-mps-shm.mount. systemctl waits for the job, which the unit's TimeoutStartSec= or
+    TimeoutStopSec= (START_LIMIT_S) ends: waited for a little longer, systemd decides a slow start, not our
+    timeout, so no start goes on unseen after ours."""
 
-    def __init__(self, binary: str, timeout: float) -> None:
+    def __init__(self, binary: str, timeout: float = START_LIMIT_S + SYSTEMD_MARGIN_S) -> None:
         self.binary = binary
         self.timeout = timeout
 
-    def daemon(self, spec: DaemonSpec, root: Root, command: list[str]) -> list[str]:
-        """`command` (the launcher and `nvidia-cuda-mps-control -d`) as unit_name(resource): Type=forking,
-        as `-d` forks the daemon and exits, its pid file the main pid's; systemd-run returns once the start
-        job is done (the parent exited). Collected once inactive or failed, so that the next start may take
-        the name again; its environment the daemon's (the unit's own is clean)."""
-        return [self.binary, f"--unit={unit_name(spec.resource)}", "--quiet", "--collect", "--service-type=forking",
-                f"--description=MPS control daemon for {spec.resource} (started by gpu-agent)",
-                f"--property=PIDFile={root(pipe_dir(spec.resource))}/{PID_FILE}",
-                f"--property=TimeoutStartSec={max(1, int(self.timeout))}s",
-                *(f"--setenv={key}={value}" for key, value in spec.env(root).items()), "--", *command]
+    def argv(self, verb: str, unit: str) -> list[str]:
+        return [self.binary, verb, "--no-ask-password", "--quiet", unit]
 
-    def helper(self, command: list[str]) -> list[str]:
-        """`command` in a transient unit of systemd's naming, waited for, with its output and exit status."""
-        return [self.binary, "--wait", "--pipe", "--quiet", "--collect", "--service-type=exec",
-                "--description=gpu-agent: the MPS daemons' shared memory", "--", *command]
-
-
-def unit_name(resource: str) -> str:
-    """gpu-agent-mps-nvidia.com-gpu.service: the resource escaped as systemd-escape(1) does (`/` as `-`,
-    what a unit name cannot hold as \\xNN)."""
-    escaped = []
-    for n, char in enumerate(resource):
-        if char == "/":
-            escaped.append("-")
-        elif char.isascii() and (char.isalnum() or char in ":_" or (char == "." and n > 0)):
-            escaped.append(char)
-        else:
-            escaped.append("".join(f"\\x{byte:02x}" for byte in char.encode()))
-    return f"{UNIT_PREFIX}{''.join(escaped)}.service"
+    def call(self, verb: str, unit: str, what: str) -> None:
+        """`systemctl VERB UNIT`, waited for; an AgentError names `what` failed and systemctl's words."""
+        argv = self.argv(verb, unit)
+        try:
+            returncode, out, err = proc.run_bytes(argv, self.timeout)
+        except AgentError as exc:
+            raise AgentError(f"{what}: {exc}") from None
+        if returncode != 0:
+            said = (err[-500:] or out[-500:]).decode(errors="replace").strip()
+            raise AgentError(f"{what}: systemctl {verb} {unit} failed (exit {returncode})"
+                             f"{': ' + said if said else ''}; see journalctl -u {unit}")
 
 
-def under_systemd(root: Root, environ: Mapping[str, str]) -> Optional[SystemdRun]:
-    """systemd-run, when the agent runs as a systemd service (INVOCATION_ID, which systemd sets for each
+def under_systemd(root: Root, environ: Mapping[str, str]) -> Optional[SystemdUnits]:
+    """systemctl, when the agent runs as a systemd service (INVOCATION_ID, which systemd sets for each
     unit's processes, systemd.exec(5)) on a node booted with systemd (/run/systemd/system, sd_booted(3))
     and manages the running system; else None: the daemons are its children, as without systemd."""
     if not root.is_running_system or not in_systemd_unit(root, environ):
         return None
-    found = first_executable(root, SYSTEMD_RUN_DIRS, "systemd-run")
-    return SystemdRun(str(root(found)), CONTROL_TIMEOUT_S) if found else None
+    found = first_executable(root, SYSTEMCTL_DIRS, "systemctl")
+    return SystemdUnits(str(root(found))) if found else None

@@ -1,15 +1,21 @@
 """The MPS control daemons, one per resource shared by `plugin.sharing.mps`, run and watched by the agent.
 
-For each such resource it makes /run/nvidia/mps/<resource>/{pipe,log} (recorded in the ledger first),
-mounts the daemons' shared tmpfs at /run/nvidia/mps/shm before the first one starts (mps.shm), starts
-`nvidia-cuda-mps-control -d` for exactly that resource's GPUs, sets the default active thread
-percentage (100 / replicas) and each GPU's pinned memory limit (its memory / replicas) as NVIDIA's
-mps-control-daemon does, and checks that it answers (get_server_list). It looks at each daemon every
-half second (Timing): one that died (or stops answering) is down, its devices Unhealthy in the plugin,
-and it is started again after a backoff (1 s, doubling to 30 s), the restarts counted. A resource the
-config no longer shares gets `quit` and its directories removed; the tmpfs is unmounted once no daemon
-runs. A daemon left running by a previous agent process is adopted (its pid file in the pipe
-directory), so an agent restart does not cut off the clients.
+Each daemon has a record whose phase (mps.lifecycle: unknown, adopted, starting, running, down,
+stopping) moves only by `decide`, from what the node shows now: whether the config asks for the resource
+and the inventory says its GPUs (Want), whether the daemon runs and answers, whether what runs is what
+is asked (read back from the daemon and from the record of what it was started with, mps.instance), and
+whether its backoff (1 s, doubling to 30 s) has passed. The manager gathers those facts every half
+second (Timing), takes the step decide names, and publishes each daemon as it is: /status shows what
+runs, and a resource's replicas are healthy only while its daemon is running.
+
+A start makes /run/nvidia/mps/<resource>/{pipe,log} (recorded in the ledger first), writes the record,
+mounts the daemons' shared tmpfs at /run/nvidia/mps/shm (mps.shm), sets the GPUs to EXCLUSIVE_PROCESS,
+starts `nvidia-cuda-mps-control -d` for exactly the resource's GPUs and sets the default active thread
+percentage (100 / replicas) and each GPU's pinned memory limit (its memory / replicas), as NVIDIA's
+mps-control-daemon does. A daemon whose settings must change is sent `quit` and started again in place:
+its directories stay, so the pods that mounted its pipe directory keep the mount. Only a resource the
+config no longer asks for loses its daemon for good, its GPUs' compute modes and its directories; the
+tmpfs is unmounted once no daemon is left. Without an inventory nothing is started, stopped or removed.
 """
 from __future__ import annotations
 
@@ -25,69 +31,103 @@ from gpu_agent.config.plugin import mig_strategy, plugin_wanted
 from gpu_agent.errors import AgentError
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.mps import shm
+from gpu_agent.mps import instance, shm
 from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl, shown_limit
-from gpu_agent.mps.layout import MPS_ROOT, SHM_DIR, log_dir, pipe_dir, resource_dir
-from gpu_agent.plugin.devices import advertised
+from gpu_agent.mps.layout import MPS_ROOT, SHM_DIR, log_dir, pipe_dir, record_path, resource_dir
+from gpu_agent.mps.lifecycle import Action, Facts, Phase, Seen, Settings, Step, Want, decide
+from gpu_agent.plugin.devices import advertised, shared_name
 from gpu_agent.state import AgentState
 
 log = logging.getLogger(__name__)
 
-
-
 EXCLUSIVE = "EXCLUSIVE_PROCESS"
 QUIT_WAIT_S = 5.0  # how long a daemon may take to exit after quit, and again after SIGTERM
+MAX_STEPS = 6  # steps one pass may take for one daemon: a restart in place is quit, start, read back
 
 
 @dataclass(frozen=True)
 class Timing:
     poll_s: float = 0.5  # how often a daemon's pid is looked at: a dead one is seen within a second
-    probe_s: float = 10.0  # how often a running daemon must answer get_server_list
+    probe_s: float = 10.0  # how often a running daemon's settings are read back (it must answer)
     backoff_s: tuple[float, float] = (1.0, 30.0)  # the first wait before a restart, and the longest
 
 
 @dataclass
-class Running:
-    spec: DaemonSpec
+class Daemon:
+    """The record of one resource's control daemon."""
+
+    resource: str
+    phase: Phase = Phase.UNKNOWN
+    spec: Optional[DaemonSpec] = None  # what runs: as this process started it, or as its record says
     pid: Optional[int] = None
     started_at: Optional[float] = None
     restarts: int = 0
     failures: int = 0  # in a row: the backoff's exponent
-    error: Optional[str] = None  # why it is down
+    error: Optional[str] = None  # why it does not run as asked
     next_try: float = 0.0
     probed_at: float = 0.0
     modes_before: dict[str, str] = field(default_factory=dict)  # by GPU UUID: the compute mode put back at its stop
+    logged: Optional[str] = None  # the last problem logged: the same one is not logged again
 
     def to_json(self) -> dict[str, Any]:
         spec = self.spec
-        return {"resource": spec.resource, "gpus": list(spec.indices), "uuids": list(spec.gpus),
-                "replicas": spec.replicas, "pid": self.pid, "up": self.error is None and self.pid is not None,
-                "started_at": self.started_at, "active_thread_percentage": spec.thread_percentage,
-                "pinned_memory_limits": {str(spec.indices[n]): limit for n, limit in spec.pinned_limits()},
-                "pipe_directory": pipe_dir(spec.resource), "restarts": self.restarts, "error": self.error,
-                "compute_mode": EXCLUSIVE if self.modes_before else None,
-                "compute_modes_before": {str(index): self.modes_before[uuid]
-                                         for uuid, index in zip(spec.gpus, spec.indices) if uuid in self.modes_before}}
+        indices = dict(zip(spec.gpus, spec.indices)) if spec else {}
+        limits = {str(spec.indices[n]): limit for n, limit in spec.pinned_limits()} if spec else {}
+        return {"resource": self.resource, "state": self.phase.value, "pid": self.pid,
+                "up": self.phase is Phase.RUNNING, "gpus": list(spec.indices) if spec else None,
+                "uuids": list(spec.gpus) if spec else None, "replicas": spec.replicas if spec else None,
+                "started_at": self.started_at, "active_thread_percentage": spec.thread_percentage if spec else None,
+                "pinned_memory_limits": limits, "pipe_directory": pipe_dir(self.resource), "restarts": self.restarts,
+                "error": self.error, "compute_mode": EXCLUSIVE if self.modes_before else None,
+                "compute_modes_before": {str(indices.get(uuid, uuid)): mode
+                                         for uuid, mode in sorted(self.modes_before.items())}}
+
+    def why_not_running(self) -> str:
+        if self.phase is Phase.UNKNOWN:
+            return f"its MPS control daemon is unknown: {self.error or 'not looked at yet'}"
+        return f"its MPS control daemon is {self.phase.value}{': ' + self.error if self.error else ''}"
 
 
-def wanted_daemons(root: Root, state: AgentState) -> tuple[dict[str, DaemonSpec], dict[str, str]]:
-    """By resource, the daemons the config and the GPUs ask for; and the MPS resources withheld, with why."""
+@dataclass(frozen=True)
+class Wanted:
+    """What the config and the inventory ask for: by resource, a daemon's spec; the resources the config
+    names, decided or not; whether there is an inventory to decide with; the MPS resources withheld; and
+    the GPUs NVML cannot read now."""
+
+    specs: dict[str, DaemonSpec]
+    named: frozenset[str]
+    decidable: bool
+    withheld: dict[str, str]
+    unreadable: frozenset[str] = frozenset()  # the UUIDs of the GPUs NVML cannot read now
+
+    def want(self, resource: str) -> Want:
+        if resource in self.specs:
+            return Want.YES
+        return Want.UNDECIDED if resource in self.named and not self.decidable else Want.NO
+
+
+def wanted_daemons(root: Root, state: AgentState) -> Wanted:
+    """The daemons the config and the GPUs ask for (the inventory, or the last one while discovery fails, as
+    the device plugin serves them)."""
     settings = state.config.config.plugin
-    if settings.sharing.strategy != "mps" or not plugin_wanted(root, settings):
-        return {}, {}
+    if settings.sharing.strategy != "mps" or not plugin_wanted(root, settings) or settings.sharing.mps is None:
+        return Wanted({}, frozenset(), True, {})
+    named = frozenset(shared_name(entry, settings) for entry in settings.sharing.mps.resources)
     inventory = state.inventory or state.last_inventory
-    if inventory is not None:  # a daemon starts on the GPUs NVML reads: it could not set a lost one's compute mode
-        inventory = replace(inventory, gpus=inventory.readable)
+    if inventory is None:
+        return Wanted({}, named, False, {})
+    unreadable = frozenset(gpu.uuid for gpu in inventory.gpus if gpu.unreadable)
+    inventory = replace(inventory, gpus=inventory.readable)  # a daemon starts on the GPUs NVML reads
     found = advertised(inventory, {}, mig_strategy(state.config.config), settings)
     specs: dict[str, DaemonSpec] = {}
-    gpus = {gpu.uuid: gpu for gpu in inventory.gpus} if inventory else {}
+    gpus = {gpu.uuid: gpu for gpu in inventory.gpus}
     for name, resource in found.resources.items():
         if resource.strategy != "mps":
             continue
         order = sorted({device.gpu_uuid: device.gpu_index for device in resource.devices}.items(), key=lambda i: i[1])
         specs[name] = DaemonSpec(name, tuple(uuid for uuid, _ in order), tuple(index for _, index in order),
                                  tuple(gpus[uuid].memory_mib for uuid, _ in order), resource.replicas)
-    return specs, dict(found.withheld)
+    return Wanted(specs, named, True, dict(found.withheld), unreadable)
 
 
 class MpsManager:
@@ -100,8 +140,10 @@ class MpsManager:
         self.modes = modes
         self.changed = changed  # the daemon publishes: the plugin sees a daemon go down or come back
         self.ledger = Ledger(root)
-        self.daemons: dict[str, Running] = {}
+        self.daemons: dict[str, Daemon] = {}
         self._wake: Optional[asyncio.Event] = None
+        self._bug: Optional[str] = None  # the last unexpected failure logged
+        self._shm_problem: Optional[str] = None
 
     def wake(self) -> None:
         if self._wake is not None:
@@ -113,8 +155,10 @@ class MpsManager:
             wake.clear()
             try:
                 await self.sync()
-            except Exception:  # a bug: log it, keep watching
-                log.exception("MPS control daemon watch failed; this is a gpu-agent bug")
+            except Exception as exc:  # a bug: logged (once while it repeats), the watch goes on
+                if repr(exc) != self._bug:
+                    log.exception("MPS control daemon watch failed; this is a gpu-agent bug")
+                self._bug = repr(exc)
             if self.daemons:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wake.wait(), self.timing.poll_s)
@@ -122,166 +166,263 @@ class MpsManager:
                 await wake.wait()
 
     async def sync(self) -> None:
-        wanted, withheld = await asyncio.to_thread(wanted_daemons, self.root, self.state)
-        unreadable = self._unreadable()
-        for name in [name for name, running in self.daemons.items()
-                     if not _serves(running, wanted.get(name), unreadable)]:
-            await asyncio.to_thread(self._stop, self.daemons.pop(name))
-        for name, spec in wanted.items():
-            running = self.daemons.setdefault(name, Running(spec))
-            if running.pid is None and running.spec != spec:  # down: it starts again on the GPUs NVML reads
-                running.spec = spec
-            await asyncio.to_thread(self._keep, running)
-        if not wanted:
-            await asyncio.to_thread(self._remove_left_over)
-        self._publish(withheld)
+        await asyncio.to_thread(self._sync)
 
-    def _unreadable(self) -> frozenset[str]:
-        """The UUIDs of the GPUs discovery found but NVML cannot read now."""
-        inventory = self.state.inventory or self.state.last_inventory
-        return frozenset(gpu.uuid for gpu in inventory.gpus if gpu.unreadable) if inventory else frozenset()
+    def _sync(self) -> None:
+        wanted = wanted_daemons(self.root, self.state)
+        for resource in sorted(set(wanted.specs) | wanted.named | set(left_over(self.ledger))):
+            self.daemons.setdefault(resource, Daemon(resource))
+        for resource, daemon in sorted(self.daemons.items()):
+            if not self._advance(daemon, wanted):
+                del self.daemons[resource]
+        if not self.daemons:
+            self._release_shm()
+        self._publish(wanted.withheld)
 
-    def _keep(self, running: Running) -> None:
-        """Start it if it is not running and its backoff has passed; see whether a running one still runs."""
+    def _advance(self, daemon: Daemon, wanted: Wanted) -> bool:
+        """Steps until the daemon's phase holds (a few at most): look, decide, act. False once its record is
+        dropped (removed for good)."""
+        for _ in range(MAX_STEPS):
+            facts, seen = self._observe(daemon, wanted)
+            step = decide(daemon.phase, facts)
+            failed = self._act(daemon, step, wanted.specs.get(daemon.resource))
+            if step.phase is None:
+                if failed is None:
+                    return False
+                daemon.error = failed  # kept, and removed again on the next pass
+                self._log_once(daemon, f"MPS control daemon for {daemon.resource}: cannot remove what is left of it")
+                return True
+            before = daemon.phase
+            self._enter(daemon, step, failed, seen)
+            if step.action is Action.NONE and step.phase is before:
+                return True
+        return True
+
+    # --- what the node shows ------------------------------------------------------------------------------
+
+    def _observe(self, daemon: Daemon, wanted: Wanted) -> tuple[Facts, Optional[str]]:
+        """The facts `decide` takes, and what is wrong with the daemon if anything is."""
+        want = wanted.want(daemon.resource)
         now = time.monotonic()
-        spec = running.spec
-        first, longest = self.timing.backoff_s
-        if running.pid is None and running.error is None:  # first look: a daemon from before may run
-            running.pid = self.control.pid(spec)
-            if running.pid is not None:
-                log.info("MPS control daemon for %s (pid %d) already runs; adopted", spec.resource, running.pid)
-                try:  # the tmpfs its clients are given
-                    shm.ensure(self.root, self.ledger, self.control)
-                except AgentError as exc:
-                    log.warning("MPS control daemon for %s: %s", spec.resource, exc)
-                    running.error, running.pid, running.next_try, running.failures = str(exc), None, now + first, 1
-                    return
-                if not self.control.uses_shm(spec):  # started by a gpu-agent before the tmpfs: not its clients'
-                    log.warning("MPS control daemon for %s does not have %s as its /dev/shm, as its clients do; "
-                                "starting it again", spec.resource, SHM_DIR)
-                    problem = stop_daemon(self.control, spec)
-                    running.pid = None
-                    if problem is not None:
-                        running.error, running.next_try, running.failures = problem, now + first, 1
-                    return
-                running.started_at = time.time()
-                recorded = self.ledger.compute_modes()
-                running.modes_before = {uuid: recorded[uuid][0] for uuid in spec.gpus if uuid in recorded}
-                return
-        if running.error is None and running.pid is not None:
-            pid = self.control.pid(spec)
-            problem = None if pid is not None else "its control daemon exited"
-            if problem is None and now - running.probed_at >= self.timing.probe_s:
-                problem = self._probe(spec)
-                running.probed_at = now
-            if problem is None:
-                running.pid = pid
-                return
-            log.warning("MPS control daemon for %s is down: %s; starting it again", spec.resource, problem)
-            running.error, running.pid, running.next_try = problem, None, now + first
-            running.failures = 1
-            return
-        if now < running.next_try:
-            return
-        restarting = running.error is not None
-        try:
-            running.pid = self._start(running)
-        except AgentError as exc:
-            running.error = str(exc)
-            running.failures += 1
-            running.next_try = now + min(longest, first * 2 ** (running.failures - 1))
-            log.warning("MPS control daemon for %s: %s; trying again in %.0f s", spec.resource, exc,
-                        running.next_try - now)
-            return
-        if restarting:
-            running.restarts += 1
-        running.error, running.failures, running.started_at, running.probed_at = None, 0, time.time(), now
-        log.info("MPS control daemon for %s started (pid %s): GPUs %s, %d%% of threads and %s per client",
-                 spec.resource, running.pid, ",".join(map(str, spec.indices)), spec.thread_percentage,
-                 "/".join(limit for _, limit in spec.pinned_limits()) or "no memory limit")
+        due = now >= daemon.next_try
+        daemon.pid = self.control.pid(DaemonSpec.left(daemon.resource))
+        seen = Seen.ABSENT if daemon.pid is None else Seen.ANSWERS
+        if daemon.pid is not None and daemon.spec is None:  # /status shows what runs, as far as its record tells
+            daemon.spec = instance.read(self.root, daemon.resource)
+        if want is Want.UNDECIDED:
+            return Facts(want, seen, Settings.UNREAD, due), ("no GPU inventory (NVML does not answer): nothing is "
+                                                             "started, stopped or checked until there is one")
+        spec = wanted.specs.get(daemon.resource)
+        if seen is Seen.ABSENT or spec is None:
+            return Facts(want, seen, Settings.UNREAD, due), "its control daemon exited" if spec else None
+        if daemon.spec is not None and serves_but_for_unreadable(daemon.spec, spec, wanted.unreadable):
+            spec = daemon.spec  # its clients on the GPUs NVML reads keep their server
+        if daemon.phase is Phase.RUNNING:
+            if not spec.runs_as(daemon.spec):
+                return Facts(want, seen, Settings.DIFFERENT, due), f"the config asks for {describe(spec)}"
+            daemon.spec = spec  # the GPUs' indices as NVML has them now
+            if now - daemon.probed_at < self.timing.probe_s:
+                return Facts(want, seen, Settings.SAME, due), None
+            daemon.probed_at = now  # every probe_s: it answers, and still with the settings it was given
+        if daemon.phase is Phase.DOWN and not due:  # nothing is done before the backoff has passed: not read
+            return Facts(want, seen, Settings.UNREAD, due), None
+        if daemon.phase in (Phase.RUNNING, Phase.ADOPTED, Phase.STARTING, Phase.DOWN):
+            seen, settings, problem = read_back(self.root, self.control, spec)
+            return Facts(want, seen, settings, due), problem
+        return Facts(want, Seen.ANSWERS, Settings.UNREAD, due), None
 
-    def _start(self, running: Running) -> Optional[int]:
-        spec = running.spec
-        self.root(MPS_ROOT).parent.mkdir(parents=True, exist_ok=True)
-        for directory in (*_ancestors(resource_dir(spec.resource)), pipe_dir(spec.resource), log_dir(spec.resource)):
-            path = self.root(directory)
-            if path.is_symlink() or (path.exists() and not path.is_dir()):
-                raise AgentError(f"{directory}: not a directory (the MPS pipe and log directories go there); "
-                                 "remove it")
-            if not path.exists():
-                self.ledger.own_mps_directory(directory, spec.resource)
-                path.mkdir(mode=0o755)
-        shm.ensure(self.root, self.ledger, self.control)
-        running.modes_before = exclusive(self.ledger, self.modes, spec)
-        if self.control.pid(spec) is None:
-            self.control.start(spec)
-        for ordinal, limit in spec.pinned_limits():
-            self.control.send(spec, f"set_default_device_pinned_mem_limit {ordinal} {limit}")
-            shown = self.control.send(spec, f"get_default_device_pinned_mem_limit {ordinal}").strip()
-            if shown != shown_limit(limit):
-                raise AgentError(f"the MPS control daemon for {spec.resource} shows the pinned memory limit of its "
-                                 f"device {ordinal} as {shown or 'none'} after it was set to {limit} (expected "
-                                 f"{shown_limit(limit)}): its clients would not be limited")
-        expected = f"{spec.thread_percentage:.1f}"
-        answer = self.control.send(spec, f"set_default_active_thread_percentage {spec.thread_percentage}").strip()
-        if answer != expected:
-            raise AgentError(f"the MPS control daemon for {spec.resource} answered {answer or 'nothing'} to "
-                             f"set_default_active_thread_percentage {spec.thread_percentage} (expected {expected}): "
-                             "its clients would not be limited")
-        problem = self._probe(spec)
-        if problem is not None:
-            raise AgentError(problem)
-        return self.control.pid(spec)
+    # --- the steps ----------------------------------------------------------------------------------------
 
-    def _probe(self, spec: DaemonSpec) -> Optional[str]:
+    def _act(self, daemon: Daemon, step: Step, spec: Optional[DaemonSpec]) -> Optional[str]:
+        """Take the step's action; why it failed, else None."""
         try:
-            self.control.send(spec, "get_server_list")
+            if step.action is Action.ADOPT:
+                self._adopt(daemon)
+            elif step.action is Action.START and spec is not None:
+                self._start(daemon, spec)
+            elif step.action is Action.QUIT:
+                return stop_daemon(self.control, DaemonSpec.left(daemon.resource))
+            elif step.action is Action.REMOVE:
+                self._remove(daemon)
         except AgentError as exc:
             return str(exc)
+        except OSError as exc:  # what the agent itself could not do on the host: named, never a traceback
+            return f"{exc.filename or daemon.resource}: {exc.strerror or exc}"
         return None
 
-    def _stop(self, running: Running) -> None:
-        spec = running.spec
-        problem = stop_daemon(self.control, spec)
-        if problem is not None:
-            log.warning("%s; its directories and its GPUs' compute mode are left", problem)
+    def _adopt(self, daemon: Daemon) -> None:
+        """A daemon from before this process: what it was started with, the compute modes recorded for its
+        GPUs, and the tmpfs its clients are given (mounted again if it went)."""
+        daemon.spec = instance.read(self.root, daemon.resource)
+        daemon.started_at = time.time()
+        recorded = self.ledger.compute_modes()
+        daemon.modes_before = {uuid: mode for uuid, (mode, owner) in recorded.items() if owner == daemon.resource}
+        log.info("MPS control daemon for %s (pid %s) already runs; adopted, its settings read back", daemon.resource,
+                 daemon.pid)
+        shm.ensure(self.root, self.ledger, self.control)
+
+    def _start(self, daemon: Daemon, spec: DaemonSpec) -> None:
+        """The daemon started (none runs now) in its directories, kept if they are there, and its limits set."""
+        for problem in restore_compute_modes(self.ledger, self.modes, spec.resource, keep=spec.gpus):
+            log.warning("%s", problem)  # GPUs the daemon had before and no longer has
+        self._make_directories(spec.resource)
+        try:
+            instance.write(self.root, spec)
+        except OSError as exc:
+            raise AgentError(f"cannot write {record_path(spec.resource)} (what its MPS control daemon is started "
+                             f"with): {exc.strerror or exc}") from None
+        shm.ensure(self.root, self.ledger, self.control)
+        daemon.modes_before = exclusive(self.ledger, self.modes, spec)
+        self.control.start(spec)
+        daemon.spec, daemon.started_at, daemon.probed_at = spec, time.time(), time.monotonic()
+        for ordinal, limit in spec.pinned_limits():
+            self.control.send(spec, f"set_default_device_pinned_mem_limit {ordinal} {limit}")
+        self.control.send(spec, f"set_default_active_thread_percentage {spec.thread_percentage}")
+
+    def _make_directories(self, resource: str) -> None:
+        """/run/nvidia, then MPS_ROOT down to the resource's pipe and log directories: each one made recorded in
+        the ledger first (but /run/nvidia, which is not under MPS_ROOT), what is there kept."""
+        pipe, logs = pipe_dir(resource), log_dir(resource)
+        purposes = {pipe: "the MPS control daemon's pipes, which its clients mount",
+                    logs: "the MPS control daemon's logs"}
+        for directory in (MPS_ROOT.rsplit("/", 1)[0], *_ancestors(resource_dir(resource)), pipe, logs):
+            purpose = purposes.get(directory, "the MPS pipe and log directories go there")
+            path = self.root(directory)
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                raise AgentError(f"{directory}: not a directory ({purpose}); remove it")
+            if path.exists():
+                continue
+            outside = not directory.startswith(MPS_ROOT)  # /run/nvidia, and what it is in, are the node's
+            if not outside:
+                self.ledger.own_mps_directory(directory, resource)
+            try:
+                path.mkdir(mode=0o755, parents=outside)
+            except OSError as exc:
+                raise AgentError(f"cannot make {directory} ({purpose}): {exc.strerror or exc}") from None
+
+    def _remove(self, daemon: Daemon) -> None:
+        """Gone, and the config no longer asks for it: its GPUs' compute modes back, its directories removed."""
+        if daemon.phase is not Phase.UNKNOWN or daemon.spec is not None:
+            log.info("MPS control daemon for %s stopped: the config no longer shares it by MPS", daemon.resource)
+        for problem in restore_compute_modes(self.ledger, self.modes, daemon.resource):
+            log.warning("%s", problem)
+        for directory in remove_mps_directories(self.root, self.ledger, daemon.resource):
+            log.info("%s: removed (gpu-agent no longer manages it)", directory)
+
+    def _release_shm(self) -> None:
+        """No daemon is left: the tmpfs unmounted, then the directories it was in (/run/nvidia/mps)."""
+        problem = shm.release(self.root, self.ledger, self.control)
+        if problem is not None and problem != self._shm_problem:
+            log.warning("%s", problem)
+        self._shm_problem = problem
+        if problem is None:
+            for directory in remove_mps_directories(self.root, self.ledger):
+                log.info("%s: removed (gpu-agent no longer manages it)", directory)
+
+    def _enter(self, daemon: Daemon, step: Step, failed: Optional[str], seen: Optional[str]) -> None:
+        """The record after the step: its phase, its problem, the backoff and the restarts counted. `failed`:
+        why the step's action failed; `seen`: what the look before it found wrong."""
+        before, daemon.phase = daemon.phase, step.phase or daemon.phase
+        if step.action is Action.START and before in (Phase.DOWN, Phase.STOPPING):
+            daemon.restarts += 1
+        if step.phase is Phase.RUNNING:
+            if before is not Phase.RUNNING:
+                self._log_running(daemon)
+            daemon.error, daemon.failures, daemon.logged = None, 0, None
+        elif step.phase in (Phase.UNKNOWN, Phase.ADOPTED):
+            daemon.error = failed or seen
+        elif step.phase is Phase.STARTING:
+            daemon.error = failed  # kept for the look that follows: the start's failure is why it is down
+        elif step.action is Action.QUIT:
+            if failed is not None:
+                self._failed(daemon, failed)
+            else:
+                log.info("MPS control daemon for %s: %s; sent quit", daemon.resource,
+                         seen or "the config no longer shares it by MPS")
+                daemon.error = seen
+        elif step.phase is Phase.DOWN and before is not Phase.DOWN:
+            started = daemon.error if before is Phase.STARTING else None
+            self._failed(daemon, failed or started or seen or "it does not run as asked")
+
+    def _failed(self, daemon: Daemon, problem: str) -> None:
+        """Down, or not stopped: tried again after the backoff; the same problem is logged once."""
+        first, longest = self.timing.backoff_s
+        daemon.error = problem
+        daemon.failures += 1
+        daemon.next_try = time.monotonic() + min(longest, first * 2 ** (daemon.failures - 1))
+        self._log_once(daemon, f"MPS control daemon for {daemon.resource} is {daemon.phase.value}")
+
+    def _log_once(self, daemon: Daemon, what: str) -> None:
+        """`what` and the daemon's problem, unless that problem was the last one logged for it."""
+        if daemon.error != daemon.logged:
+            log.warning("%s: %s; trying again with a backoff of up to %g s", what, daemon.error,
+                        self.timing.backoff_s[1])
+            daemon.logged = daemon.error
+
+    def _log_running(self, daemon: Daemon) -> None:
+        spec = daemon.spec
+        if spec is None:
             return
-        log.info("MPS control daemon for %s stopped: the config no longer shares it by MPS", spec.resource)
-        for problem in restore_compute_modes(self.ledger, self.modes, spec.resource):
-            log.warning("%s", problem)
-        self._remove_directories(spec.resource)
-
-    def _remove_left_over(self) -> None:
-        """The daemons and directories of resources no longer shared (by a previous agent process, too)."""
-        for problem in stop_left_over(self.root, self.ledger, self.control, self.modes):
-            log.warning("%s", problem)
-
-    def _remove_directories(self, resource: str) -> None:
-        remove_mps_directories(self.root, self.ledger, resource)
-
-    def stop_all(self) -> None:
-        for name in list(self.daemons):
-            self._stop(self.daemons.pop(name))
+        log.info("MPS control daemon for %s runs (pid %s): GPUs %s, %d%% of threads and %s per client",
+                 daemon.resource, daemon.pid, ",".join(map(str, spec.indices)), spec.thread_percentage,
+                 "/".join(limit for _, limit in spec.pinned_limits()) or "no memory limit")
 
     def _publish(self, withheld: dict[str, str]) -> None:
-        daemons = [running.to_json() for _, running in sorted(self.daemons.items())]
-        down = {name: f"its MPS control daemon is down: {running.error}" for name, running in self.daemons.items()
-                if running.error is not None or running.pid is None}
+        daemons = [daemon.to_json() for _, daemon in sorted(self.daemons.items())]
+        down = {name: daemon.why_not_running() for name, daemon in self.daemons.items()
+                if daemon.phase is not Phase.RUNNING}
+        running = [name for name, daemon in self.daemons.items() if daemon.phase is Phase.RUNNING]
         section = {"daemons": daemons, "withheld": withheld} if daemons or withheld else None
-        if self.state.publish_mps(section, down):
+        if self.state.publish_mps(section, down, running):
             self.changed()
 
 
-def _serves(running: Running, wanted: Optional[DaemonSpec], unreadable: frozenset[str]) -> bool:
-    """Whether a daemon may go on: as wanted, or wanted but for GPUs NVML cannot read now (one off the bus is
-    that GPU's fact: the daemon's clients on the others keep their server; one down starts without it)."""
-    spec = running.spec
-    if wanted is None or spec == wanted:
-        return wanted is not None
-    keep = [n for n, uuid in enumerate(spec.gpus) if uuid not in unreadable]
-    return len(keep) < len(spec.gpus) and wanted == replace(
-        spec, gpus=tuple(spec.gpus[n] for n in keep), indices=tuple(spec.indices[n] for n in keep),
-        memory_mib=tuple(spec.memory_mib[n] for n in keep))
+def serves_but_for_unreadable(started: DaemonSpec, spec: DaemonSpec, unreadable: frozenset[str]) -> bool:
+    """Whether a daemon started as `started` is the one `spec` asks for but for GPUs NVML cannot read now: a
+    GPU off the bus is that GPU's fact, so the daemon goes on; one that stops starts again without it."""
+    keep = [n for n, uuid in enumerate(started.gpus) if uuid not in unreadable]
+    return len(keep) < len(started.gpus) and spec.runs_as(replace(
+        started, gpus=tuple(started.gpus[n] for n in keep), indices=tuple(started.indices[n] for n in keep),
+        memory_mib=tuple(started.memory_mib[n] for n in keep)))
+
+
+def describe(spec: DaemonSpec) -> str:
+    return f"GPUs {','.join(map(str, spec.indices))} with {spec.replicas} replicas"
+
+
+def read_back(root: Root, control: MpsControl, spec: DaemonSpec) -> tuple[Seen, Settings, Optional[str]]:
+    """Whether the running daemon is what `spec` asks for: its /dev/shm the tmpfs, its record (what it was
+    started with: its GPUs, which the control pipe does not show) `spec`'s, and the thread percentage and
+    each GPU's pinned memory limit it shows those `spec` sets (shown in whole GiB: the record tells the
+    rest). Seen.SILENT when it does not answer."""
+    resource = spec.resource
+    if not control.uses_shm(spec):
+        return Seen.ANSWERS, Settings.DIFFERENT, (f"the MPS control daemon for {resource} does not have {SHM_DIR} as "
+                                                  "its /dev/shm, as its clients do")
+    started = instance.read(root, resource)
+    if started is None:  # started by a gpu-agent from before the record: its GPUs cannot be told
+        return Seen.ANSWERS, Settings.DIFFERENT, (f"no record of what the MPS control daemon for {resource} was "
+                                                  f"started with ({record_path(resource)})")
+    if not spec.runs_as(started):
+        return Seen.ANSWERS, Settings.DIFFERENT, (f"the MPS control daemon for {resource} runs {describe(started)}; "
+                                                  f"the config asks for {describe(spec)}")
+    try:
+        threads = control.send(spec, "get_default_active_thread_percentage").strip()
+        shown = {ordinal: control.send(spec, f"get_default_device_pinned_mem_limit {ordinal}").strip()
+                 for ordinal, _ in spec.pinned_limits()}
+    except AgentError as exc:
+        return Seen.SILENT, Settings.UNREAD, str(exc)
+    if threads != f"{spec.thread_percentage:.1f}":
+        return Seen.ANSWERS, Settings.DIFFERENT, (
+            f"the MPS control daemon for {resource} shows a default active thread percentage of {threads or 'none'}, "
+            f"not {spec.thread_percentage:.1f}: its clients would not be limited as asked")
+    for ordinal, limit in spec.pinned_limits():
+        if shown[ordinal] != shown_limit(limit):
+            return Seen.ANSWERS, Settings.DIFFERENT, (
+                f"the MPS control daemon for {resource} shows the pinned memory limit of its device {ordinal} as "
+                f"{shown[ordinal] or 'none'}, not {shown_limit(limit)} ({limit}): its clients would not be limited "
+                "as asked")
+    return Seen.ANSWERS, Settings.SAME, None
 
 
 def stop_daemon(control: MpsControl, spec: DaemonSpec, wait_s: float = QUIT_WAIT_S) -> Optional[str]:
@@ -341,12 +482,12 @@ def exclusive(ledger: Ledger, modes: ComputeModes, spec: DaemonSpec) -> dict[str
     return before
 
 
-def restore_compute_modes(ledger: Ledger, modes: ComputeModes, resource: str) -> list[str]:
-    """The compute mode each GPU had before `resource`'s daemon, put back and forgotten; what failed stays
-    recorded and is returned."""
+def restore_compute_modes(ledger: Ledger, modes: ComputeModes, resource: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """The compute mode each GPU had before `resource`'s daemon, put back and forgotten (but those of the GPUs
+    in `keep`, which its next start keeps); what failed stays recorded and is returned."""
     problems = []
     for uuid, (mode, owner) in sorted(ledger.compute_modes().items()):
-        if owner != resource:
+        if owner != resource or uuid in keep:
             continue
         try:
             modes.set_compute_mode(uuid, mode)

@@ -9,9 +9,8 @@ device plugin mounts into each client as /dev/shm. Everything else (the pipe and
 /dev/nvidia*) is the host's. Needs CAP_SYS_ADMIN. Exit 1 with the reason on stderr when SHM is not a
 mounted tmpfs or a mount is refused, 127 when BINARY cannot be run.
 
-`--mount SHM OPTIONS` and `--unmount SHM` mount the tmpfs at SHM (an existing directory; nothing done
-when a tmpfs is there) and detach it, in the mount namespace this runs in: under systemd the agent
-runs them, like the daemons, in transient units (mps.control.SystemdRun), which are in the host's.
+Only without systemd: under it the packaged template unit gives each daemon the tmpfs as its /dev/shm
+(BindPaths=, systemd/gpu-agent-mps@.service).
 """
 from __future__ import annotations
 
@@ -24,14 +23,11 @@ from gpu_agent.host import mounts
 from gpu_agent.host.paths import Root
 from gpu_agent.mps.layout import CLIENT_SHM
 
-USAGE = ("usage: python3 -m gpu_agent.mps.launch SHM BINARY [ARG...] | --mount SHM OPTIONS | --unmount SHM "
-         "(absolute paths)")
+USAGE = "usage: python3 -m gpu_agent.mps.launch SHM BINARY [ARG...] (absolute paths)"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] in (["--mount"], ["--unmount"]):
-        return _mount(args)
     if len(args) < 2 or not all(arg.startswith("/") for arg in args[:2]):
         print(USAGE, file=sys.stderr)
         return 2
@@ -52,27 +48,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except OSError as exc:
         print(f"cannot run {binary}: {exc.strerror or exc}", file=sys.stderr)
     return 127
-
-
-def _mount(args: list[str]) -> int:
-    verb, *rest = args
-    if len(rest) != (2 if verb == "--mount" else 1) or not rest[0].startswith("/"):
-        print(USAGE, file=sys.stderr)
-        return 2
-    shm = rest[0]
-    try:
-        found = mounts.mount_at(Root("/"), shm)
-        if verb == "--unmount":
-            if found is not None:
-                mounts.unmount(shm)
-        elif found is None:
-            mounts.mount_tmpfs(shm, rest[1])
-        elif found.fstype != "tmpfs":
-            raise AgentError(f"a {found.fstype} file system is mounted there")
-    except (OSError, AgentError) as exc:
-        print(f"cannot {verb[2:]} {shm}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

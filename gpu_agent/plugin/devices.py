@@ -6,7 +6,7 @@ A pure function of its inputs, so that every strategy and sharing rule is tested
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Union
+from typing import Collection, Mapping, Optional, Union
 
 from gpu_agent.config.plugin import RESOURCE_PREFIX, PluginConfig, ReplicatedResource, default_rename
 from gpu_agent.nvml.model import Gpu, GpuHealth, Inventory
@@ -70,11 +70,14 @@ class _Base:
 
 
 def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], strategy: str,
-               settings: PluginConfig, unavailable: str = "", mps_down: Mapping[str, str] = {}) -> Advertised:
+               settings: PluginConfig, unavailable: str = "", mps_down: Mapping[str, str] = {},
+               mps_running: Optional[Collection[str]] = None) -> Advertised:
     """The resources to serve. `health`: by GPU UUID, and by MIG device UUID where the health model
     tracks a MIG device on its own; a MIG device is unhealthy when it or its GPU is.
     `unavailable`: why there is no inventory (NVML failing), for /status. `mps_down`: by resource name,
-    why its MPS control daemon does not answer: its devices are unhealthy meanwhile."""
+    why its MPS control daemon does not run as asked. `mps_running`: the resources whose daemon runs as
+    asked: an MPS resource's devices are healthy only then (None: the devices alone, for a caller that
+    wants what is advertised, not whether it is healthy)."""
     if inventory is None:
         return Advertised(reason=unavailable or "no GPU inventory yet (discovery has not succeeded)")
     if not inventory.gpus:
@@ -93,8 +96,9 @@ def advertised(inventory: Optional[Inventory], health: Mapping[str, GpuHealth], 
         replicas, name = plan.get(base.uuid, (1, base.resource))
         healthy, reason = state.healthy, state.reason
         shared_by = "none" if replicas == 1 else "mps" if settings.sharing.strategy == "mps" else "time-slicing"
-        if shared_by == "mps" and healthy and name in mps_down:
-            healthy, reason = False, mps_down[name]
+        if shared_by == "mps" and healthy and (name in mps_down or (mps_running is not None
+                                                                     and name not in mps_running)):
+            healthy, reason = False, mps_down.get(name, "its MPS control daemon is not running yet")
         ids = [base.uuid] if replicas == 1 else [f"{base.uuid}{REPLICA_SEPARATOR}{n}" for n in range(replicas)]
         grouped.setdefault(name, []).extend(
             PluginDevice(device_id, base.uuid, base.gpu.uuid, base.gpu.index, base.gpu.numa_node, healthy, reason)
@@ -165,10 +169,8 @@ def _sharing_plan(bases: list[_Base], settings: PluginConfig) -> tuple[dict[str,
         if problem:
             refused[entry.name] = f"plugin.sharing.{_key(sharing.strategy)}.resources.{n}.devices: {problem}"
             continue
-        rename = (entry.rename if extended else None) or default_rename(entry.name, chosen.rename_by_default if chosen
-                                                                         else False)
         for base in selected:
-            plan[base.uuid] = (entry.replicas, rename or entry.name)
+            plan[base.uuid] = (entry.replicas, shared_name(entry, settings))
     for base in bases:
         for key in (str(base.gpu.index), base.gpu.uuid):
             if key in settings.gpu_replicas:
@@ -178,6 +180,14 @@ def _sharing_plan(bases: list[_Base], settings: PluginConfig) -> tuple[dict[str,
                 plan[base.uuid] = (count, rename if count > 1 else base.resource)
                 break
     return plan, refused
+
+
+def shared_name(entry: ReplicatedResource, settings: PluginConfig) -> str:
+    """The name `entry`'s shared devices are advertised under: its rename (plugin.per_resource_sharing
+    only), <name>.shared under renameByDefault, else its name."""
+    chosen = settings.sharing.replicated
+    rename = entry.rename if settings.per_resource_sharing else None
+    return rename or default_rename(entry.name, chosen.rename_by_default if chosen else False) or entry.name
 
 
 def _key(strategy: str) -> str:

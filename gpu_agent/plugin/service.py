@@ -162,13 +162,13 @@ class DevicePluginManager:
         state = self.state
         if state.nvml_error:
             return advertised(None, state.health, mig_strategy(state.config.config), self.settings, state.nvml_error,
-                              state.mps_down)
+                              state.mps_down, state.mps_running)
         inventory, unavailable = self._inventory(), ""
         discovery = state.stages.get("discovery")
         if inventory is None and discovery is not None and discovery.state == "failed":
             unavailable = f"discovery failed: {discovery.message}"
         return advertised(inventory, state.health_of(inventory), mig_strategy(state.config.config), self.settings,
-                          unavailable, state.mps_down)
+                          unavailable, state.mps_down, state.mps_running)
 
     def _inventory(self) -> Optional[Inventory]:
         """The GPUs to serve: discovery's (a GPU NVML cannot read among them, Unhealthy by its health, the

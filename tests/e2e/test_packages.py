@@ -114,34 +114,60 @@ def test_stop_is_clean_and_the_journal_has_the_start_line(container: Container) 
 
 
 # nvidia-cuda-mps-control stood in for (no GPU here): `-d` leaves a daemon that writes its pid file and a
-# mark in its /dev/shm and runs until its `quit`; a command without a daemon fails as the real one does.
+# mark in its /dev/shm and runs until its `quit`; it keeps and shows the settings it is given as the real one
+# does (tests/data/mps/h200-580-vm: the thread percentage with one decimal, a limit from 1024M on in whole
+# GiB), in files in its pipe directory; a command without a daemon fails as the real one does.
 STAND_IN = """\
 #!/bin/sh
-pidfile="$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+pipe="$CUDA_MPS_PIPE_DIRECTORY"
+pidfile="$pipe/nvidia-cuda-mps-control.pid"
 case "$1" in
--d) "$0" --serve </dev/null >/dev/null 2>&1 &
+-d) echo 100.0 > "$pipe/stand-in-threads"; rm -f "$pipe"/stand-in-limit-*
+    "$0" --serve </dev/null >/dev/null 2>&1 &
     echo $! > "$pidfile"; exit 0 ;;
 --serve) echo shared > /dev/shm/stand-in-mark
     trap 'exit 0' TERM; while :; do sleep 0.2; done ;;
 esac
 pid=$(cat "$pidfile" 2>/dev/null) && kill -0 "$pid" 2>/dev/null ||
     { echo "Cannot find MPS control daemon process"; exit 1; }
-read -r command
-case "$command" in quit) kill "$pid" ;; set_default_active_thread_percentage*) echo "${command##* }" ;; esac
+read -r command first second
+case "$command" in
+quit) kill "$pid" ;;
+set_default_active_thread_percentage) echo "$first.0" > "$pipe/stand-in-threads"; cat "$pipe/stand-in-threads" ;;
+get_default_active_thread_percentage) cat "$pipe/stand-in-threads" ;;
+set_default_device_pinned_mem_limit) echo "${second%M}" > "$pipe/stand-in-limit-$first" ;;
+get_default_device_pinned_mem_limit)
+    if m=$(cat "$pipe/stand-in-limit-$first" 2>/dev/null); then
+        if [ "$m" -ge 1024 ]; then echo "$((m / 1024))G"; else echo "${m}M"; fi
+    fi ;;
+esac
 """
 MPS_CONFIG = ("version: v1\nplugin:\n  sharing:\n    mps:\n      resources:\n      - name: nvidia.com/gpu\n"
               "        replicas: 4\n")
 SIMULATED = ("env", "GPU_AGENT_SIMULATE=dgx-h100", "GPU_AGENT_MPS_CONTROL=host")
 SHM = "/run/nvidia/mps/shm"
-UNIT = "gpu-agent-mps-nvidia.com-gpu.service"
+PIPE = "/run/nvidia/mps/nvidia.com/gpu/pipe"
+UNIT = "gpu-agent-mps@nvidia.com-gpu.service"  # the packaged template's instance for nvidia.com/gpu
+SHM_UNIT = "run-nvidia-mps-shm.mount"
 
 
-def _daemon_pid(container: Container) -> str:
-    """The stand-in daemon's pid once it runs in its unit (waited for, up to a deadline)."""
+def _daemon_pid(container: Container, other_than: str = "0") -> str:
+    """The stand-in daemon's pid once it runs in its unit, and is not `other_than` (waited for, up to a deadline)."""
     return container.sh(f"for i in $(seq 150); do p=$(systemctl show -p MainPID --value {UNIT} 2>/dev/null); "
-                        "[ \"${p:-0}\" != 0 ] && echo $p && exit 0; sleep 0.2; done; "
+                        f"[ \"${{p:-0}}\" != 0 ] && [ \"$p\" != {other_than} ] && echo $p && exit 0; sleep 0.2; done; "
                         f"systemctl status {UNIT} --no-pager; journalctl -u gpu-agent --no-pager | tail -30; exit 1"
                         ).stdout.strip()
+
+
+def _mps_state(container: Container, expected: str) -> dict:
+    """The daemon as /status shows it, once its state is `expected` (waited for, up to a deadline)."""
+    import json
+
+    check = f"import json, sys; sys.exit(json.load(sys.stdin)['mps']['daemons'][0]['state'] != '{expected}')"
+    script = ("for i in $(seq 150); do s=$(curl -fsS 127.0.0.1:9445/status 2>/dev/null) && echo \"$s\" | "
+              f"python3 -c \"{check}\" 2>/dev/null && echo \"$s\" && exit 0; sleep 0.2; done; "
+              "curl -sS 127.0.0.1:9445/status; journalctl -u gpu-agent --no-pager | tail -30; exit 1")
+    return json.loads(container.sh(script).stdout)["mps"]["daemons"][0]
 
 
 def _mount_device(container: Container, pid: str, point: str) -> list[str]:
@@ -150,9 +176,11 @@ def _mount_device(container: Container, pid: str, point: str) -> list[str]:
 
 
 def test_mps_under_the_packaged_unit(container: Container) -> None:
-    """The packaged unit with sharing.mps (simulated GPUs, this node's MPS control, a stand-in binary): the
-    tmpfs is in the host's mount namespace (PID 1's) and is the daemon's /dev/shm, the daemon runs in a
-    unit of its own and outlives `systemctl restart gpu-agent`, and uninstall leaves nothing."""
+    """The packaged units with sharing.mps (simulated GPUs, this node's MPS control, a stand-in binary): the
+    daemon is an instance of gpu-agent-mps@.service, given its GPUs by the record the agent wrote, the tmpfs
+    (run-nvidia-mps-shm.mount) is in the host's mount namespace (PID 1's) and is the daemon's /dev/shm; the
+    daemon outlives `systemctl restart gpu-agent` and is adopted with the settings it shows; a replicas change
+    restarts it in place, its pipe directory kept; uninstall leaves nothing."""
     container.sh(f"cat > /usr/bin/nvidia-cuda-mps-control <<'EOF'\n{STAND_IN}EOF\n"
                  "chmod 755 /usr/bin/nvidia-cuda-mps-control && mkdir -p /var/lib/kubelet/device-plugins && "
                  f"mkdir -p {Path(DROP_IN).parent} && "
@@ -162,6 +190,15 @@ def test_mps_under_the_packaged_unit(container: Container) -> None:
     container.exec("systemctl", "daemon-reload")
     container.exec("systemctl", "restart", "gpu-agent")
     pid = _daemon_pid(container)
+    fragment = container.exec("systemctl", "show", "-p", "FragmentPath", "--value", UNIT).stdout.strip()
+    assert fragment.endswith("/lib/systemd/system/gpu-agent-mps@.service"), fragment  # /lib is /usr/lib's link
+    shown = _mps_state(container, "running")
+    assert shown["pid"] == int(pid) and shown["replicas"] == 4 and shown["active_thread_percentage"] == 25
+    environ = container.exec("cat", f"/proc/{pid}/environ").stdout.split("\0")
+    visible = [entry for entry in environ if entry.startswith("CUDA_VISIBLE_DEVICES=")]
+    assert visible == [f"CUDA_VISIBLE_DEVICES={','.join(shown['uuids'])}"] and len(shown["uuids"]) == 8
+    assert f"CUDA_MPS_PIPE_DIRECTORY={PIPE}" in environ  # the unit's, from its instance name
+    assert container.exec("systemctl", "is-active", SHM_UNIT).stdout.strip() == "active"
     host = _mount_device(container, "1", SHM)  # PID 1's mount namespace: the host's, the runtimes'
     assert host and f" {SHM} " in container.sh("grep ' - tmpfs ' /proc/1/mountinfo").stdout
     assert _mount_device(container, pid, "/dev/shm")[-1:] == host[-1:], "the daemon's /dev/shm is not the tmpfs"
@@ -171,15 +208,25 @@ def test_mps_under_the_packaged_unit(container: Container) -> None:
 
     container.exec("systemctl", "restart", "gpu-agent")
     assert container.exec("systemctl", "is-active", "gpu-agent").stdout.strip() == "active"
-    assert _daemon_pid(container) == pid
+    assert _daemon_pid(container) == pid and _mps_state(container, "running")["pid"] == int(pid)  # adopted as it is
+
+    inode = container.exec("stat", "-c", "%i", PIPE).stdout
+    container.exec("sed", "-i", "s/replicas: 4/replicas: 2/", "/etc/gpu-agent/config.yaml")
+    container.exec("systemctl", "reload", "gpu-agent")
+    restarted = _daemon_pid(container, other_than=pid)
+    assert container.exec("cat", f"{PIPE}/stand-in-threads").stdout == "50.0\n"
+    assert container.exec("stat", "-c", "%i", PIPE).stdout == inode, "the pods' pipe directory was replaced"
+    assert _mps_state(container, "running")["replicas"] == 2
+
     container.exec("systemctl", "stop", "gpu-agent")
-    assert container.exec("test", "-d", f"/proc/{pid}", check=False).returncode == 0, "the agent's stop killed it"
+    assert container.exec("test", "-d", f"/proc/{restarted}", check=False).returncode == 0, "the agent's stop killed it"
 
     undone = container.exec(*SIMULATED, "gpu-agent", "uninstall")
-    assert container.exec("test", "-d", f"/proc/{pid}", check=False).returncode != 0, undone.stdout
+    assert container.exec("test", "-d", f"/proc/{restarted}", check=False).returncode != 0, undone.stdout
     assert not _mount_device(container, "1", SHM), undone.stdout
     assert container.exec("ls", "-A", "/run/nvidia/mps").stdout == "", undone.stdout  # the package's, empty
     assert container.exec("systemctl", "is-active", UNIT, check=False).stdout.strip() == "inactive"
+    assert container.exec("systemctl", "is-active", SHM_UNIT, check=False).stdout.strip() == "inactive"
     container.exec("rm", "/usr/bin/nvidia-cuda-mps-control", DROP_IN)
     container.exec("systemctl", "daemon-reload")
 
@@ -187,7 +234,8 @@ def test_mps_under_the_packaged_unit(container: Container) -> None:
 def test_purge_removes_the_unit_and_the_files(container: Container) -> None:
     purged = container.exec("dpkg", "--purge", "gpu-agent")
     assert "nothing of gpu-agent's is left to undo" in purged.stdout + purged.stderr  # prerm ran `uninstall`
-    for path in ("/usr/lib/systemd/system/gpu-agent.service", "/usr/bin/gpu-agent", "/usr/lib/gpu-agent",
+    for path in ("/usr/lib/systemd/system/gpu-agent.service", "/usr/lib/systemd/system/gpu-agent-mps@.service",
+                 "/usr/lib/systemd/system/run-nvidia-mps-shm.mount", "/usr/bin/gpu-agent", "/usr/lib/gpu-agent",
                  "/etc/gpu-agent", "/var/lib/gpu-agent", "/run/gpu-agent", "/run/nvidia/mps"):
         assert container.exec("test", "-e", path, check=False).returncode == 1, path
     assert "gpu-agent.service" not in container.exec("systemctl", "list-unit-files", "--no-pager").stdout
@@ -197,6 +245,7 @@ def test_rpm_lists_the_files_and_scriptlets(packages: dict[str, Path], tmp_path:
     rpm = str(packages["rpm"])
     files = run(["rpm", "-qlp", rpm]).stdout.split()
     for path in ("/usr/bin/gpu-agent", "/usr/lib/systemd/system/gpu-agent.service",
+                 "/usr/lib/systemd/system/gpu-agent-mps@.service", "/usr/lib/systemd/system/run-nvidia-mps-shm.mount",
                  "/usr/lib/systemd/system-preset/90-gpu-agent.preset", "/usr/lib/tmpfiles.d/gpu-agent.conf",
                  "/etc/gpu-agent/config.yaml", "/etc/gpu-agent/mig.yaml"):
         assert path in files
