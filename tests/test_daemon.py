@@ -13,6 +13,8 @@ from pathlib import Path
 from conftest import cli
 from harness import run_cli
 
+from gpu_agent.daemon import app
+
 # The process contract: the daemon as systemd runs it (signals, notify, endpoints, exit codes).
 pytestmark = pytest.mark.subprocess
 
@@ -322,3 +324,25 @@ def test_sigterm_stops_while_an_api_request_hangs(agent, root: Path, tmp_path: P
         assert daemon.stop(timeout=10) == 0
     finally:
         api.close()
+
+
+def test_a_storm_of_sighups_is_coalesced_into_a_pass_a_second(agent) -> None:
+    """SIGHUPs as fast as a script sends them (the issue's 1,800 in 10 s cost 1,700 passes): those within
+    a second of the last reload are one reload and one pass; the last one is never lost."""
+    daemon = agent("t4")
+    daemon.wait_ready()
+    before = json.loads(daemon.get("/status")[1])["reconciles"]
+    started = time.monotonic()
+    for _ in range(300):
+        daemon.signal(signal.SIGHUP)
+        time.sleep(0.005)
+    daemon.config.write_text(daemon.config.read_text() + "discovery:\n  expected_gpus: 7\n")
+    daemon.signal(signal.SIGHUP)  # the last one: its config applies
+    sent = time.monotonic() - started
+    _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503)
+    assert "expected 7 GPUs" in body
+    passes = json.loads(daemon.get("/status")[1])["reconciles"] - before
+    assert 1 <= passes <= sent / app.RELOAD_GAP_S + 3, (passes, sent)
+    assert daemon.stop() == 0
+    log = daemon.output()
+    assert log.count("reloading configuration") <= sent / app.RELOAD_GAP_S + 3, log[-2000:]

@@ -63,6 +63,7 @@ _SIM_POLL_S = 0.25
 _DRIFT_POLL_S = 1.0
 _LATE_POLL_S = 5.0  # where inotify cannot be had
 _STOP_BUDGET_S = 2.0  # SIGTERM to exit, whatever is blocked
+RELOAD_GAP_S = 1.0  # SIGHUPs within this of the last reload are one reload, and one pass, after it
 _WORKERS = 8
 
 
@@ -305,6 +306,8 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._exit_status = 0
         self._reload_requested = False
+        self._last_reload = -RELOAD_GAP_S  # when the last reload began (the loop's clock)
+        self._reload_due: Optional[asyncio.TimerHandle] = None  # the reload SIGHUPs within the gap wait for
         self._last_ready: Optional[bool] = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -356,6 +359,8 @@ class Daemon:
         stuck in a hung call is abandoned (workers.py), not waited for."""
         log.info("stopping")
         self.notifier.stopping()
+        if self._reload_due is not None:
+            self._reload_due.cancel()
         self.xids.stop()
         for task in self._tasks:
             task.cancel()
@@ -388,9 +393,22 @@ class Daemon:
 
     def _request_reload(self) -> None:
         """SIGHUP: a pass, forced only when the file holds a new config (see _reconcile_once). An unchanged
-        file never bypasses a stage's backoff: a storm of SIGHUPs restarts no failing runtime."""
+        file never bypasses a stage's backoff: a storm of SIGHUPs restarts no failing runtime. SIGHUPs are
+        coalesced: one within RELOAD_GAP_S of the last reload waits for the gap's end, with any others."""
         self._reload_requested = True
-        self.trigger()
+        if self._reload_due is not None:
+            return  # one reload waits already: it reads the file as it is then
+        loop = asyncio.get_running_loop()
+        wait = self._last_reload + RELOAD_GAP_S - loop.time()
+        if wait <= 0:
+            self.trigger()
+        else:
+            self._reload_due = loop.call_later(wait, self._reload_gap_over)
+
+    def _reload_gap_over(self) -> None:
+        self._reload_due = None
+        if self._reload_requested:  # not taken by a pass that something else started meanwhile
+            self.trigger()
 
     async def _reconcile_loop(self) -> None:
         first = True
@@ -408,6 +426,7 @@ class Daemon:
         reloading = self._reload_requested
         if reloading:
             self._reload_requested = False
+            self._last_reload = asyncio.get_running_loop().time()
             if await self._reload():
                 self._force = True  # a new config applies now; the engine still holds a failed restart's change
         self._take_driver_reload()
