@@ -18,6 +18,7 @@ from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig
 from gpu_agent.config.loader import reload_config
 from gpu_agent.config.plugin import plugin_wanted
+from gpu_agent.daemon import liveness
 from gpu_agent.daemon.engine import Engine, StageRun
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
@@ -62,6 +63,7 @@ MPS_CONTROL_ENV = "GPU_AGENT_MPS_CONTROL"
 _SIM_POLL_S = 0.25
 _DRIFT_POLL_S = 1.0
 _LATE_POLL_S = 5.0  # where inotify cannot be had
+_LIVENESS_POLL_S = 5.0  # how often liveness is looked at without systemd's watchdog
 _STOP_BUDGET_S = 2.0  # SIGTERM to exit, whatever is blocked
 RELOAD_GAP_S = 1.0  # SIGHUPs within this of the last reload are one reload, and one pass, after it
 _WORKERS = 8
@@ -296,7 +298,7 @@ class Daemon:
                                     lambda: self.config.metrics.pod_labels,
                                     lambda: self.config.metrics.sample_interval_seconds)
         self.registry = make_registry(self.collector)
-        self.http = HttpServer(build_app(self.state, self.registry, self._loop_alive), runtime.root)
+        self.http = HttpServer(build_app(self.state, self.registry, self.stalled), runtime.root)
         self.xids = XidWatcher(runtime.nvml, self.state, self._after_xid)
         self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
@@ -311,6 +313,7 @@ class Daemon:
         self._last_ready: Optional[bool] = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._passed_at = time.monotonic()  # when the last pass completed (the start, before the first)
         self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
         self._plugin_task: Optional[asyncio.Task[Any]] = None
         self.mps: Optional[Any] = None  # the MPS control daemons' watch, started once sharing.mps asks (mps/)
@@ -340,9 +343,8 @@ class Daemon:
         await self.http.start(self.config.http)
         self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler"),
                        asyncio.create_task(self.pod_labels.run(), name="pod-labels")]
-        interval = self.notifier.watchdog_interval()
-        if interval:
-            self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
+        self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_interval()),
+                                               name="watchdog"))
         if self.runtime.machine is not None:
             self._tasks.append(asyncio.create_task(self._watch_simulator(self.runtime.machine), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
@@ -384,6 +386,16 @@ class Daemon:
 
     def _loop_alive(self) -> bool:
         return any(t.get_name() == "reconcile" and not t.done() for t in self._tasks)
+
+    def stalled(self) -> Optional[str]:
+        """Why the daemon is not live (liveness.py): its reconcile loop ended, or no pass completed within
+        the bound; None while passes complete."""
+        if not self._loop_alive():
+            return "reconcile loop stopped"
+        inventory = self.state.inventory
+        return liveness.stalled(self.config, self._passed_at, self.runtime.engine.running,
+                                len(inventory.gpus) if inventory else liveness.DEFAULT_GPUS,
+                                reloading=self._driver_reload is not None)
 
     # --- reconcile -------------------------------------------------------------------------------
 
@@ -434,6 +446,7 @@ class Daemon:
         self._wake.clear()
         started = time.monotonic()
         runs = await self.runtime.engine.reconcile(force=force or first)
+        self._passed_at = time.monotonic()
         if self._driver_reload is not None:
             self._conclude_driver_reload(runs)
         if first:
@@ -625,12 +638,23 @@ class Daemon:
             self.publish()
             await asyncio.sleep(self.config.health.check_interval_seconds)
 
-    async def _watchdog_loop(self, interval: float) -> None:
-        """Pings only while the reconcile loop lives, so systemd restarts an agent whose loop died."""
-        while self._loop_alive():
-            self.notifier.watchdog()
-            await asyncio.sleep(interval)
-        log.error("reconcile loop stopped; no more watchdog pings, systemd will restart the agent")
+    async def _watchdog_loop(self, interval: Optional[float]) -> None:
+        """Pings systemd's watchdog (every `interval` s, when it watches) only while the daemon is live:
+        passes complete (liveness.py). Says once when they stop, and when they resume."""
+        said: Optional[str] = None
+        while True:
+            problem = self.stalled()
+            if problem is None:
+                if said is not None:
+                    log.warning("reconcile passes complete again%s", "; watchdog pings resume" if interval else "")
+                said = None
+                if interval:
+                    self.notifier.watchdog()
+            elif said is None:
+                said = problem
+                log.error("%s%s", problem, "; no more watchdog pings, systemd will restart the agent" if interval
+                          else "; /healthz fails")
+            await asyncio.sleep(interval or _LIVENESS_POLL_S)
 
     async def _watch_files(self) -> None:
         """Files the stages manage, rewritten by someone else: reconcile within seconds, not minutes.

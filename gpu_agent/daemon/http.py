@@ -52,7 +52,8 @@ def this_second() -> int:
     return int(time.monotonic())
 
 
-def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[], bool]) -> Endpoints:
+def build_app(state: AgentState, registry: AgentRegistry, stalled: Callable[[], Optional[str]]) -> Endpoints:
+    """The routes; `stalled()` says why the daemon is not live (its passes stopped), or None."""
     status_cache = RenderCache(lambda: (json.dumps(_status(state), indent=2) + "\n").encode(), lambda: state.version)
     # A second at most: the body carries gpu_agent_sample_age_seconds.
     metrics_cache = RenderCache(lambda: render(registry),
@@ -62,8 +63,9 @@ def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[
         return Response.text("gpu-agent: /healthz /livez /readyz /readyz?verbose /status /metrics\n")
 
     def healthz(request: Request) -> Response:
-        if not loop_alive():
-            return Response.text("reconcile loop stopped\n", 500, _NO_STORE)
+        problem = stalled()
+        if problem is not None:
+            return Response.text(f"{printable(problem)}\n", 500, _NO_STORE)
         return Response.text("ok\n", headers=_NO_STORE)
 
     def readyz(request: Request) -> Response:
