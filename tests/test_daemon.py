@@ -224,14 +224,32 @@ def test_environment_variables_stand_in_for_flags(root: Path, write_config) -> N
     assert result.returncode == 0 and str(config) in result.stdout and "1x A30" in result.stdout
 
 
-def test_a_port_in_use_is_a_clear_start_up_error(agent, root: Path, tmp_path: Path) -> None:
-    first = agent("t4")
-    first.wait_ready()
-    other_root = tmp_path / "other"
-    other_root.mkdir()
-    second = cli("--simulate", "t4", "run", root=other_root, config=first.config)
-    assert second.returncode == 1
-    assert f"cannot serve HTTP on 127.0.0.1:{first.port} (http.listen)" in second.stderr
+def test_a_squatter_on_the_tcp_port_never_stops_the_agent_from_starting_serving_or_becoming_ready(
+        agent, root: Path, write_config) -> None:
+    """The issue's reproduction: a local user binds 127.0.0.1:9445 in the second between a stop and a start.
+    Before, every start exited 1 with "Address already in use" and the unit restarted it forever; now the
+    agent starts, is ready, serves on its unix socket, and says in /status and its log that TCP is not
+    served. The squatter answers as a ready agent would: `status --wait` asks the unix socket only."""
+    import socket as socketlib
+
+    squatter = socketlib.socket()
+    squatter.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", write_config.port))
+    squatter.listen(8)
+    try:
+        daemon = agent("t4")
+        assert "STATUS=ready: 1x Tesla T4" in daemon.wait_ready()
+        waited = cli("status", "--wait", "--timeout", "30", root=root, config=daemon.config)
+        assert waited.returncode == 0 and "ready: 1x Tesla T4" in waited.stdout, waited.stderr
+        error = f"cannot serve HTTP on 127.0.0.1:{write_config.port} (http.listen): Address already in use"
+        assert f"http: {error}" in waited.stdout
+        document = json.loads(cli("status", "--json", root=root, config=daemon.config).stdout)
+        assert document["ready"] is True and document["http"]["error"].startswith(error)
+        assert daemon.stop() == 0
+    finally:
+        squatter.close()
+    log = daemon.output()
+    assert log.count(error) == 1 and "Traceback" not in log, log[-3000:]
 
 
 def test_sigterm_exits_cleanly_with_an_nvml_call_still_hung(agent, root: Path) -> None:

@@ -298,7 +298,7 @@ class Daemon:
                                     lambda: self.config.metrics.pod_labels,
                                     lambda: self.config.metrics.sample_interval_seconds)
         self.registry = make_registry(self.collector)
-        self.http = HttpServer(build_app(self.state, self.registry, self.stalled), runtime.root)
+        self.http = HttpServer(build_app(self.state, self.registry, self.stalled), runtime.root, self._http_error)
         self.xids = XidWatcher(runtime.nvml, self.state, self._after_xid)
         self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
@@ -386,6 +386,11 @@ class Daemon:
 
     def _loop_alive(self) -> bool:
         return any(t.get_name() == "reconcile" and not t.done() for t in self._tasks)
+
+    def _http_error(self, error: Optional[str]) -> None:
+        """http.listen cannot be bound (or can again): shown in /status."""
+        self.state.http_error = error
+        self.state.published += 1  # /status renders again
 
     def stalled(self) -> Optional[str]:
         """Why the daemon is not live (liveness.py): its reconcile loop ended, or no pass completed within
