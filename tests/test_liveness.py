@@ -3,6 +3,7 @@ has completed within the bound the interval and the stages' timeouts give; both 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import urllib.error
@@ -68,19 +69,25 @@ def _get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+@pytest.mark.parametrize("watchdog", [True, False], ids=["under systemd's watchdog", "without it"])
 def test_a_pass_blocked_for_good_fails_healthz_and_stops_the_watchdog_until_it_completes(
-        root: Path, write_config: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        watchdog: bool, root: Path, write_config: Callable[..., Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A stage blocked in a call without a timeout (the issue's FIFO at /var/lib/dpkg/status): before, the loop
-    task lived on, so /healthz stayed 200 and systemd's watchdog kept being pinged."""
+    task lived on, so /healthz stayed 200, systemd's watchdog kept being pinged, and nothing was logged."""
     monkeypatch.setattr(liveness, "GRACE_S", 0.0)
     monkeypatch.setattr(versions, "TIMEOUT_S", 0.1)
     monkeypatch.setattr(app, "_LIVENESS_POLL_S", 0.1)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify.sock"))
     notify.setblocking(False)
-    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
-    monkeypatch.setenv("WATCHDOG_USEC", "200000")
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    if watchdog:
+        monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+        monkeypatch.setenv("WATCHDOG_USEC", "200000")
+    else:
+        monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+        monkeypatch.delenv("WATCHDOG_USEC", raising=False)
     config = write_config({"reconcile": {"interval_seconds": 0.5}, "nvml": {"call_timeout_seconds": 0.5},
                            "driver": {"modprobe_timeout_seconds": 0.1},
                            "toolkit": {"enabled": False, "restart_timeout_seconds": 0.1},
@@ -104,13 +111,17 @@ def test_a_pass_blocked_for_good_fails_healthz_and_stops_the_watchdog_until_it_c
             await asyncio.sleep(0.05)
         return found
 
+    def said(level: int, start: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == level and r.getMessage().startswith(start)]
+
     async def scenario() -> tuple[int, str]:
         daemon = app.Daemon(runtime, config, config_required=True)
         running = asyncio.create_task(daemon.run())
         try:
             await until(lambda: runtime.state.first_reconcile_done, "the first pass")
             assert await asyncio.to_thread(_get, url) == (200, "ok\n")
-            await until(pings, "a watchdog ping")
+            if watchdog:
+                await until(pings, "a watchdog ping")
             discovery = next(stage for stage in runtime.engine.stages if stage.name == "discovery")
             observe = discovery.observe
 
@@ -121,6 +132,7 @@ def test_a_pass_blocked_for_good_fails_healthz_and_stops_the_watchdog_until_it_c
             monkeypatch.setattr(discovery, "observe", blocked)
             daemon.trigger()
             failing = await until(lambda: (answer := _get(url))[0] == 500 and answer, "/healthz failing")
+            await until(lambda: said(logging.ERROR, "no reconcile pass completed in "), "the error logged")
             pings()
             await asyncio.sleep(0.5)  # a ping sent as the pass stalled has arrived
             pings()
@@ -128,7 +140,9 @@ def test_a_pass_blocked_for_good_fails_healthz_and_stops_the_watchdog_until_it_c
             silent = pings()
             release.set()
             await until(lambda: _get(url) == (200, "ok\n"), "/healthz passing again")
-            await until(pings, "the watchdog pinging again")
+            await until(lambda: said(logging.WARNING, "reconcile passes complete again"), "the recovery logged")
+            if watchdog:
+                await until(pings, "the watchdog pinging again")
             assert silent == 0
             return failing
         finally:
@@ -137,10 +151,15 @@ def test_a_pass_blocked_for_good_fails_healthz_and_stops_the_watchdog_until_it_c
             await running
 
     try:
-        status, body = asyncio.run(scenario())
+        with caplog.at_level(logging.INFO, "gpu_agent.daemon.app"):
+            status, body = asyncio.run(scenario())
     finally:
         notify.close()
         runtime.nvml.close()
     assert status == 500
     assert body.startswith("no reconcile pass completed in ") and "(reconcile.interval_seconds and the stages' " \
         "timeouts); the pass in progress has been in stage discovery for " in body
+    (error,) = said(logging.ERROR, "no reconcile pass completed in ")
+    ending = "; no more watchdog pings, systemd will restart the agent" if watchdog else "; /healthz fails"
+    assert error.endswith(ending)
+    assert len(said(logging.WARNING, "reconcile passes complete again")) == 1

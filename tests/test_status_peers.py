@@ -24,8 +24,8 @@ from gpu_agent import endpoint_proof
 from gpu_agent.cli.status import printable_document
 from gpu_agent.config.schema import HttpConfig
 
-HOSTILE = "\x1b]0;owned\x07\x1b[2J\u202eevil\r\nforged line"
-SHOWN = "\\x1b]0;owned\\x07\\x1b[2J\\u202eevil\\r\\nforged line"
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\u202eevil\r\nforged line\x9b1m\ud800"
+SHOWN = "\\x1b]0;owned\\x07\\x1b[2J\\u202eevil\\r\\nforged line\\x9b1m\\ud800"
 
 
 def ready_document(text: str = "ready: 8x H100") -> dict[str, Any]:
@@ -135,7 +135,8 @@ def test_status_over_tcp_believes_the_agent_that_proves_its_token(agent_state: A
 
 
 def test_every_string_of_a_status_document_is_printed_escaped(root: Path, write_config: Callable[..., Path]) -> None:
-    """The issue's reproduction: `status` printed a peer's strings raw, so escapes reached root's terminal."""
+    """The issue's reproduction: `status` printed a peer's strings raw, so escapes reached root's terminal
+    (written as JSON escapes: JSON refuses raw control characters in a string, see the next test)."""
     peer = unix_peer(root / "run/gpu-agent/agent.sock", json.dumps(ready_document(HOSTILE)).encode())
     try:
         table = run_cli("status", root=root, config=write_config())
@@ -150,6 +151,22 @@ def test_every_string_of_a_status_document_is_printed_escaped(root: Path, write_
     assert f"http: {SHOWN}" in table.stdout
     assert labels.stdout == f"{SHOWN}={SHOWN}\n"
     assert json.loads(as_json.stdout)["summary"] == HOSTILE  # --json: escaped by JSON itself, read back whole
+
+
+@pytest.mark.parametrize("text", ["\u202eevil\u2066", "caf\u00e9 \u0085 \u009b2J", "\x1b[2J"])
+def test_strings_sent_as_raw_utf8_reach_the_terminal_escaped_too(
+        text: str, root: Path, write_config: Callable[..., Path]) -> None:
+    """The document's bytes as UTF-8, not JSON escapes: bidirectional overrides and C1 controls are printed
+    escaped; raw C0 controls make the document invalid JSON, an error that repeats none of it."""
+    body = json.dumps(ready_document(text), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    peer = unix_peer(root / "run/gpu-agent/agent.sock", body)
+    try:
+        result = run_cli("status", root=root, config=write_config())
+    finally:
+        peer.sock.close()
+    out = result.stdout + result.stderr
+    assert not any(c in out for c in "\x1b\x85\x9b\u202e\u2066"), out
+    assert "Traceback" not in out and result.returncode in (0, 1), result
 
 
 def test_printable_document_escapes_keys_and_values_at_any_depth() -> None:

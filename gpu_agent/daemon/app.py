@@ -397,10 +397,12 @@ class Daemon:
         the bound; None while passes complete."""
         if not self._loop_alive():
             return "reconcile loop stopped"
+        return liveness.stalled(self.config, self._passed_at, self.runtime.engine.running, *self._bound_by())
+
+    def _bound_by(self) -> tuple[int, bool]:
+        """What the liveness bound depends on beside the config: the GPUs, and whether a driver reload runs."""
         inventory = self.state.inventory
-        return liveness.stalled(self.config, self._passed_at, self.runtime.engine.running,
-                                len(inventory.gpus) if inventory else liveness.DEFAULT_GPUS,
-                                reloading=self._driver_reload is not None)
+        return len(inventory.gpus) if inventory else liveness.DEFAULT_GPUS, self._driver_reload is not None
 
     # --- reconcile -------------------------------------------------------------------------------
 
@@ -645,7 +647,8 @@ class Daemon:
 
     async def _watchdog_loop(self, interval: Optional[float]) -> None:
         """Pings systemd's watchdog (every `interval` s, when it watches) only while the daemon is live:
-        passes complete (liveness.py). Says once when they stop, and when they resume."""
+        passes complete (liveness.py). Says once when they stop, and when they resume. Without the watchdog
+        it wakes when the bound would pass, not periodically (then every _LIVENESS_POLL_S until it is live)."""
         said: Optional[str] = None
         while True:
             problem = self.stalled()
@@ -659,7 +662,11 @@ class Daemon:
                 said = problem
                 log.error("%s%s", problem, "; no more watchdog pings, systemd will restart the agent" if interval
                           else "; /healthz fails")
-            await asyncio.sleep(interval or _LIVENESS_POLL_S)
+            if interval:
+                await asyncio.sleep(interval)
+            else:
+                due = self._passed_at + liveness.bound(self.config, *self._bound_by()) - time.monotonic()
+                await asyncio.sleep(_LIVENESS_POLL_S if said is not None else max(_LIVENESS_POLL_S, due))
 
     async def _watch_files(self) -> None:
         """Files the stages manage, rewritten by someone else: reconcile within seconds, not minutes.
