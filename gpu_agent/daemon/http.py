@@ -149,14 +149,14 @@ class HttpServer:
         old = self.settings
         if settings == old:
             return
-        if old is None:
-            self._write_token()
         if old is None or settings.socket != old.socket:
             unix = self._bind_unix(settings.socket)  # raises: nothing changed yet
             self._close(self._unix)
             if old is not None and old.socket:
                 _remove_stale_socket(self.root(old.socket))
             self._unix = self._listen(unix)
+        if old is None:
+            self._write_token()
         self.settings = settings
         if old is None or settings.listen != old.listen:
             self._stop_tcp()
@@ -187,11 +187,19 @@ class HttpServer:
         if not socket_path:
             return []
         path = self.root(socket_path)
-        _remove_stale_socket(path)
-        path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        bound = [(sock, str(path)) for sock in _bind(f"{path} (http.socket)", lambda: [_unix_socket(path)])]
-        os.chmod(path, 0o660)
-        return bound
+
+        def make() -> list[socket.socket]:
+            _remove_stale_socket(path)
+            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            sock = _unix_socket(path)
+            try:
+                os.chmod(path, 0o660)
+            except OSError:
+                sock.close()
+                raise
+            return [sock]
+
+        return [(sock, str(path)) for sock in _bind(f"{path} (http.socket)", make)]
 
     def _bind_tcp(self, settings: HttpConfig) -> None:
         """Listen on http.listen now, or report why not and retry with backoff until it can."""
