@@ -85,6 +85,7 @@ class AgentState:
     started_at: float = field(default_factory=time.time)
     config_loaded_at: float = field(default_factory=time.time)
     config_error: Optional[str] = None  # the last rejected reload
+    http_error: Optional[str] = None  # why http.listen is not served now (it is bound again with backoff)
     stages: dict[str, StageStatus] = field(default_factory=dict)
     inventory: Optional[Inventory] = None
     last_inventory: Optional[Inventory] = None  # the last good one: labels outlive a failing discovery
@@ -350,6 +351,8 @@ class AgentState:
                 "loaded_at": self.config_loaded_at,
                 "reload_error": self.config_error,
             },
+            "http": {"listen": self.config.config.http.listen, "socket": self.config.config.http.socket,
+                     "error": self.http_error},
             "driver": self._driver_json(),
             "pod_labels": self.pods.to_json() if self.pods is not None else None,
             "stages": [to_json(stage) for stage in self.stages.values()],

@@ -18,14 +18,17 @@ T = TypeVar("T")
 
 
 class Served:
-    def __init__(self, endpoints: Endpoints, root: Path) -> None:
+    def __init__(self, endpoints: Endpoints, root: Path, settings: Optional[HttpConfig] = None,
+                 on_tcp_error: Callable[[Optional[str]], None] = lambda error: None) -> None:
+        """Served on 127.0.0.1 at a free port, unless `settings` say where."""
         self.endpoints = endpoints
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="served", daemon=True)
         self._thread.start()
-        self.server = HttpServer(endpoints, Root(root))
-        self.run(self.server.start(HttpConfig(listen="127.0.0.1:0", socket="")))
-        self.port = int(self.server.listeners[0].sock.getsockname()[1])
+        self.server = HttpServer(endpoints, Root(root), on_tcp_error)
+        self.run(self.server.start(settings or HttpConfig(listen="127.0.0.1:0", socket="")))
+        tcp = [listener for listener in self.server.listeners if listener.sock.family != socket.AF_UNIX]
+        self.port = int(tcp[0].sock.getsockname()[1]) if tcp else 0
 
     def small_send_buffers(self) -> None:
         """Connections accepted from now on have a send buffer of a few KiB (Linux: no autotuning), so

@@ -35,6 +35,7 @@ from gpu_agent.daemon.listener import (
     Listener,
     OncePer,
     connection_limit,
+    request_parsed,
     request_started,
 )
 
@@ -91,7 +92,8 @@ def test_once_per_minute_logs_once_and_counts_the_rest(caplog: pytest.LogCapture
 
 class _Echo(asyncio.Protocol):
     """A stand-in for the HTTP protocol: answers each line at once; "busy" is answered when the
-    test says so; a request ending in a blank line is answered 0.3 s later, as by a backed-up loop."""
+    test says so; a request ending in a blank line is parsed at once (it tells the listener so) and
+    answered 0.3 s later, as by a backed-up loop; blank lines alone are skipped."""
 
     def __init__(self, busy: asyncio.Event) -> None:
         self.busy = busy
@@ -105,7 +107,9 @@ class _Echo(asyncio.Protocol):
         if data.startswith(b"busy"):
             asyncio.get_running_loop().create_task(self._serve_slowly(self.transport))
         elif data.endswith(b"\r\n\r\n"):
-            asyncio.get_running_loop().create_task(self._serve_late(self.transport))
+            if data.strip(b"\r\n"):
+                request_parsed(self.transport)
+                asyncio.get_running_loop().create_task(self._serve_late(self.transport))
         elif data.endswith(b"\n"):
             with handling_request(self.transport):
                 self.transport.write(b"ok\n")
@@ -652,3 +656,91 @@ def test_the_daemon_under_a_half_closed_flood_answers_and_its_log_stays_small(ag
     log = daemon.output()
     assert "Traceback" not in log and "bug" not in log, log[-3000:]
     assert len(log) < 20_000, log[-3000:]
+
+
+# --- floods of requests the protocol refused: such connections never hold the listener's places ------
+
+_REFUSED_SHAPES = {
+    "not a request line": b"X\r\n\r\n",
+    "a header without a colon": b"GET /readyz HTTP/1.1\r\nno colon here\r\n\r\n",
+    "a body": b"GET /readyz HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello",
+    "another HTTP version": b"GET /readyz HTTP/2.0\r\nHost: x\r\n\r\n",
+    "an oversize head": b"GET /readyz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * (20 << 10) + b"\r\n\r\n",
+    "a TLS hello": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(256)) + b"\r\n\r\n",
+    "an answered request, then not one": b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\nX\r\n\r\n",
+    "blank lines (skipped: never a request)": b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_REFUSED_SHAPES))
+def test_connections_repeating_a_refused_request_never_keep_probes_waiting(
+        shape: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """More clients than the listener holds, each sending a request the protocol refuses and then the same
+    bytes again and again (the issue's 100 connections repeating `X\\r\\n\\r\\n`): the header ends in input
+    the protocol drops are no requests, so a refused connection is the first to make room, and the probes
+    are answered. Before, each such connection held its place until the idle timeout (here a minute);
+    blank lines, which the protocol skips, were already no request."""
+    data = _REFUSED_SHAPES[shape]
+    with _flood_target(tmp_path, caplog) as server:
+        def pinned(listener: Listener) -> None:
+            listener.limit, listener.idle_timeout = 4, 60.0
+        server.on_loop(lambda: pinned(server.server.listeners[0]))
+
+        stop = threading.Event()
+
+        def repeating() -> None:
+            while not stop.is_set():
+                try:
+                    with socket.create_connection(("127.0.0.1", server.port), timeout=2) as sock:
+                        while not stop.is_set():
+                            sock.sendall(data)
+                            time.sleep(0.01)
+                except OSError:  # closed by the server: again
+                    pass
+
+        flooding = [threading.Thread(target=repeating, daemon=True) for _ in range(10)]
+        for thread in flooding:
+            thread.start()
+        try:
+            time.sleep(0.2)  # every place taken
+            statuses = [_probe(server, path) for path in ("/healthz", "/readyz") * 5]
+        finally:
+            stop.set()
+            for thread in flooding:
+                thread.join(10)
+        assert statuses == [200] * 10
+        assert server.on_loop(lambda: server.server.listeners[0].evicted) > 0
+    _assert_quiet(caplog)
+
+
+def test_a_connection_whose_pipelined_requests_wait_their_turn_is_never_evicted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests the protocol parsed but answers at a later turn of the loop (ANSWERS_PER_TURN) keep their
+    connection: newcomers wait for a place instead of closing it mid-stream. (No grace after a request:
+    what protects the connection between two turns is the request parsed. As many requests as the
+    buffers hold the answers of: a client that does not keep up with its answers is evictable.)"""
+    monkeypatch.setattr(listener_module, "_EVICT_AFTER_S", 0.0)
+    server = Served(_probe_endpoints(), tmp_path)
+    try:
+        server.on_loop(lambda: setattr(server.server.listeners[0], "limit", 2))
+        stop = threading.Event()
+
+        def probing() -> None:
+            while not stop.is_set():
+                _probe(server, "/healthz")
+
+        probes = [threading.Thread(target=probing, daemon=True) for _ in range(3)]
+        for thread in probes:
+            thread.start()
+        try:
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                    sock.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n" * 400)
+                    answers = read_responses(sock, 400)
+                assert [status for status, _, _ in answers] == [200] * 400
+        finally:
+            stop.set()
+            for thread in probes:
+                thread.join(10)
+    finally:
+        server.close()

@@ -163,7 +163,7 @@ def test_no_restart_storm_with_a_drift_trigger_every_second(root: Path, tmp_path
     node = Node(root, tmp_path, {})
     node.fail(unit, error)
     clock = types.SimpleNamespace(now=1_000_000.0)
-    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(time=lambda: clock.now))
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(time=lambda: clock.now, monotonic=time.monotonic))
     for second in range(61):
         clock.now = 1_000_000.0 + second
         node.reconcile(force=second == 0)

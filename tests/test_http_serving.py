@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from served import Served, read_responses
@@ -45,7 +45,7 @@ def agent_state(tmp_path: Path) -> Any:
 
 
 def app_of(state: AgentState) -> Endpoints:
-    return build_app(state, make_registry(AgentCollector(state, lambda: 0, "node-1")), lambda: True)
+    return build_app(state, make_registry(AgentCollector(state, lambda: 0, "node-1")), lambda: None)
 
 
 @pytest.fixture
@@ -106,14 +106,16 @@ def test_probes_are_never_cached(agent_state: AgentState, served: Served) -> Non
     assert response.status == 503 and b"[-]driver failed: no module" in text
 
 
-def test_healthz_and_livez_say_when_the_reconcile_loop_stopped(agent_state: AgentState, tmp_path: Path) -> None:
-    alive = [True]
+def test_healthz_and_livez_say_why_the_daemon_is_not_live(agent_state: AgentState, tmp_path: Path) -> None:
+    problem: list[Optional[str]] = [None]
     server = Served(build_app(agent_state, make_registry(AgentCollector(agent_state, lambda: 0, "node-1")),
-                              lambda: alive[0]), tmp_path)
+                              lambda: problem[0]), tmp_path)
     try:
         assert served_text(server, "/healthz") == served_text(server, "/livez") == (200, b"ok\n")
-        alive[0] = False
+        problem[0] = "reconcile loop stopped"
         assert served_text(server, "/healthz") == served_text(server, "/livez") == (500, b"reconcile loop stopped\n")
+        problem[0] = "no pass completed\x1b[2J in stage evil\nok"  # printable: one line, no escape
+        assert served_text(server, "/healthz") == (500, b"no pass completed\\x1b[2J in stage evil\\nok\n")
         assert served_text(server, "/") == (200, b"gpu-agent: /healthz /livez /readyz /readyz?verbose /status "
                                                  b"/metrics\n")
     finally:

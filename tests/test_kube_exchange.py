@@ -18,13 +18,16 @@ Script = Callable[[socket.socket, bytes], None]  # the accepted connection and t
 
 
 class RawServer:
-    """Accepts connections on 127.0.0.1 and runs `script` on each, after reading the request's head."""
+    """Accepts connections on 127.0.0.1 (or on `sock`, bound: a unix socket, a given port) and runs `script`
+    on each, after reading the request's head."""
 
-    def __init__(self, script: Script) -> None:
+    def __init__(self, script: Script, sock: socket.socket | None = None) -> None:
         self.script = script
         self.requests: list[bytes] = []
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
+        if sock is not None:
+            sock.listen(16)
+        self.sock = sock or socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1] if self.sock.family != socket.AF_UNIX else 0
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:

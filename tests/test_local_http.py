@@ -113,3 +113,13 @@ def test_an_endless_answer_stops_at_the_size_bound(peer: tuple[socket.socket, so
     answer_with(server, [b"HTTP/1.1 200 OK\r\n\r\n"] + [b"x" * 10_000] * 20, close=False)
     with pytest.raises(BadResponse, match="larger than 100000 bytes"):
         get(client, "/status", "localhost", 5.0)
+
+
+def test_a_request_sends_its_headers_and_returns_the_answers(peer: tuple[socket.socket, socket.socket]) -> None:
+    client, server = peer
+    answering = answer_with(server, [b"HTTP/1.1 200 OK\r\nX-Gpu-Agent-Proof: ab12\r\nContent-Length: 2\r\n\r\nok"])
+    answer = local_http.request(client, "/status", "localhost", 5.0, {"x-gpu-agent-challenge": "00ff"})
+    answering.join(5)
+    assert answer == (200, {"x-gpu-agent-proof": "ab12", "content-length": "2"}, b"ok")
+    assert requests[-1] == (b"GET /status HTTP/1.1\r\nHost: localhost\r\nx-gpu-agent-challenge: 00ff\r\n"
+                            b"Connection: close\r\n\r\n")

@@ -134,7 +134,6 @@ def test_a_kubelet_directory_made_after_start_restarts_the_agent_under_systemd(
     from gpu_agent.plugin import server
 
     root, state = sim_state(tmp_path)
-    (root / PLUGIN_DIR).mkdir(parents=True)
 
     async def refused(self: server.PluginEndpoint) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
@@ -142,6 +141,7 @@ def test_a_kubelet_directory_made_after_start_restarts_the_agent_under_systemd(
     monkeypatch.setattr(server.PluginEndpoint, "start", refused)
     restarts: list[str] = []
     sandbox.install(sandbox.Sandbox(Root(root), systemd=True, restart=lambda: restarts.append("restart")))
+    (root / PLUGIN_DIR).mkdir(parents=True)  # after the agent started
     try:
         manager = DevicePluginManager(Root(root), state)
         asyncio.run(manager.sync())

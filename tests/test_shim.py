@@ -52,7 +52,7 @@ def agent_state(tmp_path: Path) -> Any:
 
 
 def routes(state: AgentState) -> set[str]:
-    return set(build_app(state, make_registry(AgentCollector(state, lambda: 0, "node-1")), lambda: True).routes)
+    return set(build_app(state, make_registry(AgentCollector(state, lambda: 0, "node-1")), lambda: None).routes)
 
 
 def test_the_shim_probes_the_agents_default_listener(agent_state: AgentState) -> None:

@@ -8,6 +8,7 @@ import json
 
 from gpu_agent.cli.status import fetch_status
 from gpu_agent.errors import EXIT_OK
+from gpu_agent.printable import printable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,14 +16,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    status, _ = fetch_status(args, unix_only=True)
+    status, _ = fetch_status(args)  # the unix socket
     labels = status.get("labels") if isinstance(status, dict) else None
     if not isinstance(labels, dict):
         labels = _computed_here(args)
     if args.json:
         print(json.dumps(labels, indent=2, sort_keys=True))
     else:
-        print("".join(f"{key}={value}\n" for key, value in sorted(labels.items())), end="")
+        print("".join(f"{printable(str(key))}={printable(str(value))}\n" for key, value in sorted(labels.items())),
+              end="")
     return EXIT_OK
 
 

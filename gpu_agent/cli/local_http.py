@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import NamedTuple, Optional
 
 from gpu_agent.numbers import decimal
 
@@ -16,22 +17,37 @@ class BadResponse(ValueError):
     """The answer is not an HTTP/1.x response this client can read."""
 
 
+class Answer(NamedTuple):
+    code: int
+    headers: dict[str, str]  # names in lower case; a repeated one's last value
+    body: bytes
+
+
 def get(sock: socket.socket, path: str, host: str, timeout: float) -> tuple[int, bytes]:
     """(status code, body) of `GET path` on the connected `sock`, within `timeout` seconds in all.
     Raises OSError (socket.timeout included) or BadResponse."""
+    answer = request(sock, path, host, timeout)
+    return answer.code, answer.body
+
+
+def request(sock: socket.socket, path: str, host: str, timeout: float,
+            headers: Optional[dict[str, str]] = None) -> Answer:
+    """`GET path` with `headers` (ASCII) on the connected `sock`: the whole answer within `timeout` seconds
+    in all. Raises OSError (socket.timeout included) or BadResponse."""
     deadline = time.monotonic() + timeout
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode("ascii"))
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{extra}Connection: close\r\n\r\n".encode("ascii"))
     data = b""
     while True:
         head, separator, body = data.partition(b"\r\n\r\n")
         if separator:
-            code, length, chunked = _head(head)
+            code, fields, length, chunked = _head(head)
             if length is not None and len(body) >= length:
-                return code, body[:length]
+                return Answer(code, fields, body[:length])
             if chunked:
                 decoded = _dechunked(body)
                 if decoded is not None:
-                    return code, decoded
+                    return Answer(code, fields, decoded)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise socket.timeout(f"no whole answer within {timeout:g} s")
@@ -45,34 +61,36 @@ def get(sock: socket.socket, path: str, host: str, timeout: float) -> tuple[int,
     head, separator, body = data.partition(b"\r\n\r\n")
     if not separator:
         raise BadResponse("the connection closed before the answer's headers ended")
-    code, length, chunked = _head(head)
+    code, fields, length, chunked = _head(head)
     if length is not None:
         raise BadResponse(f"the connection closed after {len(body)} of {length} bytes")
     if chunked:
         raise BadResponse("the connection closed inside a chunked answer")  # a whole one returned above
-    return code, body
+    return Answer(code, fields, body)
 
 
-def _head(head: bytes) -> tuple[int, int | None, bool]:
-    """Status code, Content-Length (None when absent) and whether the body is chunked."""
+def _head(head: bytes) -> tuple[int, dict[str, str], int | None, bool]:
+    """Status code, the headers, Content-Length (None when absent) and whether the body is chunked."""
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
         raise BadResponse(f"not an HTTP/1.x status line: {lines[0][:60]!r}")
     length: int | None = None
     chunked = False
+    fields: dict[str, str] = {}
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
         if not colon:
             raise BadResponse(f"not a header line: {line[:60]!r}")
         name, value = name.strip().lower(), value.strip()
+        fields[name.decode("latin-1")] = value.decode("latin-1")
         if name == b"content-length":
             length = decimal(value.decode("ascii", errors="replace"))
             if length is None:
                 raise BadResponse(f"Content-Length is not a number: {value[:20]!r}")
         elif name == b"transfer-encoding":
             chunked = value.lower().endswith(b"chunked")
-    return int(parts[1]), (None if chunked else length), chunked
+    return int(parts[1]), fields, (None if chunked else length), chunked
 
 
 def _dechunked(body: bytes) -> bytes | None:

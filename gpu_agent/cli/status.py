@@ -1,4 +1,5 @@
-"""gpu-agent status: ask the running daemon (unix socket, then TCP) and print a compact table."""
+"""gpu-agent status: ask the running daemon on its unix socket (or, with --tcp, on its TCP address,
+proving it is the agent) and print a compact table."""
 from __future__ import annotations
 
 import argparse
@@ -7,14 +8,16 @@ import math
 import os
 import socket
 import stat
+import struct
 import sys
 import time
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from gpu_agent.cli import local_http
 from gpu_agent.cli.common import endpoint_of, root_of
 from gpu_agent.config.endpoint import DEFAULT_SOCKET
 from gpu_agent.errors import EXIT_ERROR, EXIT_NOT_READY, EXIT_OK
+from gpu_agent.printable import printable
 
 _POLL_S = 0.5
 _REQUEST_TIMEOUT_S = 5.0
@@ -25,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", action="store_true", help="wait until the agent is ready")
     parser.add_argument("--timeout", type=seconds, default=None, metavar="S",
                         help="with --wait: give up after S seconds (exit 2, or 1 if the daemon never answered)")
+    parser.add_argument("--tcp", action="store_true",
+                        help="ask on http.listen instead of the unix socket, and accept only an answer that "
+                             "proves it comes from the agent (its token in /run/gpu-agent: root only)")
 
 
 def seconds(value: str) -> float:
@@ -39,57 +45,95 @@ def seconds(value: str) -> float:
     return number
 
 
-def fetch_status(args: argparse.Namespace, unix_only: bool = False) -> tuple[Optional[dict[str, Any]], str]:
-    """The daemon's /status, or None and why it could not be read. `unix_only`: ask only the unix
-    socket under --root, which belongs to the daemon of that root (a TCP port may be anyone's)."""
-    def ask(address: Union[str, tuple[str, int]]) -> Optional[dict[str, Any]]:
-        with _connect(address) as sock:
-            _, body = local_http.get(sock, "/status", "localhost", _REQUEST_TIMEOUT_S)
-        document = json.loads(body)
-        return document if isinstance(document, dict) else None
+class NotTheAgent(ValueError):
+    """What answered is not this root's gpu-agent."""
 
+
+def fetch_status(args: argparse.Namespace) -> tuple[Optional[dict[str, Any]], str]:
+    """The daemon's /status, or None and why it could not be read. The unix socket under --root, whose
+    directory is root's and whose server must run as root (or as this user); with --tcp, http.listen,
+    whose answer must carry the agent's proof (endpoint_proof.py): any local user may listen on a TCP port
+    while the agent is down, and answer as it would."""
+    if getattr(args, "tcp", False):
+        return _over_tcp(args)
     # The socket at its default path answers for the daemon of this root (one per root: its lock):
     # asked first, it spares reading the config (YAML) in the common case.
     default = str(root_of(args)(DEFAULT_SOCKET))
     if stat.S_ISSOCK(_mode(default)):
         try:
-            answer = ask(default)
-        except (OSError, ValueError):  # local_http.BadResponse and JSON errors are ValueErrors
-            answer = None
-        if answer is not None:
-            return answer, default
+            return _ask_unix(default), default
+        except (OSError, ValueError, RecursionError):  # BadResponse, NotTheAgent and JSON errors are ValueErrors
+            pass
     endpoint = endpoint_of(args)
-    endpoints: list[tuple[str, Union[str, tuple[str, int]]]] = []
-    if endpoint.socket:
-        path = str(root_of(args)(endpoint.socket))
-        endpoints.append((path, path))
-    if endpoint.listen and not unix_only:
-        endpoints.append((endpoint.listen, (endpoint.host, endpoint.port)))
-    errors = []
-    for where, address in endpoints:
-        try:
-            answer = ask(address)
-        except (OSError, ValueError) as exc:
-            errors.append(f"{where}: {exc}")
-            continue
-        if answer is not None:
-            return answer, where
-        errors.append(f"{where}: the answer is not a status document")
-    return None, "; ".join(errors) or "http.listen and http.socket are both off"
+    if not endpoint.socket:
+        return None, "http.socket is off in the config; ask on http.listen with --tcp"
+    path = str(root_of(args)(endpoint.socket))
+    try:
+        return _ask_unix(path), path
+    except PermissionError as exc:
+        return None, f"{path}: {exc.strerror or exc}: the socket is root's; run as root (sudo)"
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{path}: {exc}"
 
 
-def _connect(address: Union[str, tuple[str, int]]) -> socket.socket:
-    """A connection to a unix socket's path, or to a (host, port)."""
-    if not isinstance(address, str):
-        return socket.create_connection(address, _REQUEST_TIMEOUT_S)
+def _over_tcp(args: argparse.Namespace) -> tuple[Optional[dict[str, Any]], str]:
+    from gpu_agent import endpoint_proof  # hashlib and hmac: only for --tcp
+
+    endpoint = endpoint_of(args)
+    if not endpoint.listen:
+        return None, "http.listen is off in the config"
+    where = endpoint.listen
+    token_path = root_of(args)(endpoint_proof.TOKEN_PATH)
+    try:
+        token = endpoint_proof.read_token(token_path)
+    except OSError as exc:
+        return None, (f"{where}: cannot read the agent's token {token_path} ({exc.strerror or exc}), so no answer "
+                      "there could be told from another process's; run as root, or ask the unix socket "
+                      "(without --tcp)")
+    challenge = os.urandom(16).hex()
+    try:
+        with socket.create_connection((endpoint.host, endpoint.port), _REQUEST_TIMEOUT_S) as sock:
+            answer = local_http.request(sock, "/status", "localhost", _REQUEST_TIMEOUT_S,
+                                        {endpoint_proof.CHALLENGE_HEADER: challenge})
+        if not endpoint_proof.proven(token, challenge, answer.body, answer.headers.get(endpoint_proof.PROOF_HEADER)):
+            raise NotTheAgent("what answers there is not the gpu-agent of this root: its answer does not carry "
+                              f"the proof of the token in {token_path}")
+        return _document(answer.body), where
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{where}: {exc}"
+
+
+def _ask_unix(path: str) -> dict[str, Any]:
+    with _unix_connection(path) as sock:
+        uid = _peer_uid(sock)
+        if uid not in (0, os.geteuid()):
+            raise NotTheAgent(f"the process serving {path} runs as uid {uid}, neither root nor you: not gpu-agent")
+        _, body = local_http.get(sock, "/status", "localhost", _REQUEST_TIMEOUT_S)
+    return _document(body)
+
+
+def _document(body: bytes) -> dict[str, Any]:
+    document = json.loads(body)
+    if not isinstance(document, dict):
+        raise ValueError("the answer is not a status document")
+    return document
+
+
+def _unix_connection(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(_REQUEST_TIMEOUT_S)
-        sock.connect(address)
+        sock.connect(path)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    """The user the process at the other end of a unix socket runs as (SO_PEERCRED: pid, uid, gid)."""
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", credentials)[1])
 
 
 def _mode(path: str) -> int:
@@ -103,19 +147,42 @@ def main(args: argparse.Namespace) -> int:
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     while True:
         status, where = fetch_status(args)
-        done = status is not None and (status["ready"] or not args.wait)
+        done = status is not None and (status.get("ready") is True or not args.wait)
         if done or not args.wait or (deadline is not None and time.monotonic() >= deadline):
             break
         time.sleep(_POLL_S)
     if status is None:
-        print(f"gpu-agent is not running or not answering ({where}); see `systemctl status gpu-agent`",
+        print(f"gpu-agent is not running or not answering ({printable(where)}); see `systemctl status gpu-agent`",
               file=sys.stderr)
         return EXIT_ERROR
     if args.json:
-        print(json.dumps(status, indent=2))
-    else:
-        print_table(status)
-    return EXIT_OK if status["ready"] and not status["degraded"] else EXIT_NOT_READY
+        print(json.dumps(status, indent=2))  # every character outside ASCII, controls too, escaped
+        return _exit_status(status)
+    shown = printable_document(status)
+    try:
+        print_table(shown)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        print(f"the status document from {printable(where)} lacks what this gpu-agent reads "
+              f"({type(exc).__name__}: {printable(str(exc))}); `gpu-agent status --json` shows it whole",
+              file=sys.stderr)
+        return EXIT_ERROR
+    return _exit_status(status)
+
+
+def _exit_status(status: dict[str, Any]) -> int:
+    return EXIT_OK if status.get("ready") is True and status.get("degraded") is False else EXIT_NOT_READY
+
+
+def printable_document(value: Any) -> Any:
+    """A JSON document with each string in it (keys too) through printable(): nothing a peer sends reaches
+    the terminal as an escape sequence or a line of its own."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(str(key)): printable_document(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [printable_document(item) for item in value]
+    return value
 
 
 def print_table(status: dict[str, Any]) -> None:
@@ -124,6 +191,9 @@ def print_table(status: dict[str, Any]) -> None:
     print(f"config: {config['source']} ({config['digest'][:19]})")
     if config["reload_error"]:
         print(f"config reload rejected: {config['reload_error']}")
+    http = status.get("http") or {}
+    if http.get("error"):
+        print(f"http: {http['error']}")
     rows: list[tuple[str, ...]] = [("STAGE", "STATE", "MESSAGE")]
     rows += [(s["name"], s["state"], s["message"]) for s in status["stages"]]
     _table(rows)

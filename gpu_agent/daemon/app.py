@@ -18,6 +18,7 @@ from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig
 from gpu_agent.config.loader import reload_config
 from gpu_agent.config.plugin import plugin_wanted
+from gpu_agent.daemon import liveness
 from gpu_agent.daemon.engine import Engine, StageRun
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
@@ -62,7 +63,9 @@ MPS_CONTROL_ENV = "GPU_AGENT_MPS_CONTROL"
 _SIM_POLL_S = 0.25
 _DRIFT_POLL_S = 1.0
 _LATE_POLL_S = 5.0  # where inotify cannot be had
+_LIVENESS_POLL_S = 5.0  # how often liveness is looked at without systemd's watchdog
 _STOP_BUDGET_S = 2.0  # SIGTERM to exit, whatever is blocked
+RELOAD_GAP_S = 1.0  # SIGHUPs within this of the last reload are one reload, and one pass, after it
 _WORKERS = 8
 
 
@@ -296,7 +299,7 @@ class Daemon:
                                     lambda: self.config.metrics.pod_labels,
                                     lambda: self.config.metrics.sample_interval_seconds)
         self.registry = make_registry(self.collector)
-        self.http = HttpServer(build_app(self.state, self.registry, self._loop_alive), runtime.root)
+        self.http = HttpServer(build_app(self.state, self.registry, self.stalled), runtime.root, self._http_error)
         self.xids = XidWatcher(runtime.nvml, self.state, self._after_xid)
         self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
@@ -306,9 +309,12 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._exit_status = 0
         self._reload_requested = False
+        self._last_reload = -RELOAD_GAP_S  # when the last reload began (the loop's clock)
+        self._reload_due: Optional[asyncio.TimerHandle] = None  # the reload SIGHUPs within the gap wait for
         self._last_ready: Optional[bool] = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._passed_at = time.monotonic()  # when the last pass completed (the start, before the first)
         self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
         self._plugin_task: Optional[asyncio.Task[Any]] = None
         self.mps: Optional[Any] = None  # the MPS control daemons' watch, started once sharing.mps asks (mps/)
@@ -339,9 +345,8 @@ class Daemon:
         await self.http.start(self.config.http)
         self._tasks = [asyncio.create_task(self._sample_loop(), name="sampler"),
                        asyncio.create_task(self.pod_labels.run(), name="pod-labels")]
-        interval = self.notifier.watchdog_interval()
-        if interval:
-            self._tasks.append(asyncio.create_task(self._watchdog_loop(interval), name="watchdog"))
+        self._tasks.append(asyncio.create_task(self._watchdog_loop(self.notifier.watchdog_interval()),
+                                               name="watchdog"))
         if self.runtime.machine is not None:
             self._tasks.append(asyncio.create_task(self._watch_simulator(self.runtime.machine), name="simulator"))
         self._tasks.append(asyncio.create_task(self._watch_files(), name="drift"))
@@ -358,6 +363,8 @@ class Daemon:
         stuck in a hung call is abandoned (workers.py), not waited for."""
         log.info("stopping")
         self.notifier.stopping()
+        if self._reload_due is not None:
+            self._reload_due.cancel()
         self.xids.stop()
         for task in self._tasks:
             task.cancel()
@@ -382,6 +389,23 @@ class Daemon:
     def _loop_alive(self) -> bool:
         return any(t.get_name() == "reconcile" and not t.done() for t in self._tasks)
 
+    def _http_error(self, error: Optional[str]) -> None:
+        """http.listen cannot be bound (or can again): shown in /status."""
+        self.state.http_error = error
+        self.state.published += 1  # /status renders again
+
+    def stalled(self) -> Optional[str]:
+        """Why the daemon is not live (liveness.py): its reconcile loop ended, or no pass completed within
+        the bound; None while passes complete."""
+        if not self._loop_alive():
+            return "reconcile loop stopped"
+        return liveness.stalled(self.config, self._passed_at, self.runtime.engine.running, *self._bound_by())
+
+    def _bound_by(self) -> tuple[int, bool]:
+        """What the liveness bound depends on beside the config: the GPUs, and whether a driver reload runs."""
+        inventory = self.state.inventory
+        return len(inventory.gpus) if inventory else liveness.DEFAULT_GPUS, self._driver_reload is not None
+
     # --- reconcile -------------------------------------------------------------------------------
 
     def trigger(self, force: bool = False) -> None:
@@ -390,9 +414,22 @@ class Daemon:
 
     def _request_reload(self) -> None:
         """SIGHUP: a pass, forced only when the file holds a new config (see _reconcile_once). An unchanged
-        file never bypasses a stage's backoff: a storm of SIGHUPs restarts no failing runtime."""
+        file never bypasses a stage's backoff: a storm of SIGHUPs restarts no failing runtime. SIGHUPs are
+        coalesced: one within RELOAD_GAP_S of the last reload waits for the gap's end, with any others."""
         self._reload_requested = True
-        self.trigger()
+        if self._reload_due is not None:
+            return  # one reload waits already: it reads the file as it is then
+        loop = asyncio.get_running_loop()
+        wait = self._last_reload + RELOAD_GAP_S - loop.time()
+        if wait <= 0:
+            self.trigger()
+        else:
+            self._reload_due = loop.call_later(wait, self._reload_gap_over)
+
+    def _reload_gap_over(self) -> None:
+        self._reload_due = None
+        if self._reload_requested:  # not taken by a pass that something else started meanwhile
+            self.trigger()
 
     async def _reconcile_loop(self) -> None:
         first = True
@@ -410,6 +447,7 @@ class Daemon:
         reloading = self._reload_requested
         if reloading:
             self._reload_requested = False
+            self._last_reload = asyncio.get_running_loop().time()
             if await self._reload():
                 self._force = True  # a new config applies now; the engine still holds a failed restart's change
         self._take_driver_reload()
@@ -417,6 +455,7 @@ class Daemon:
         self._wake.clear()
         started = time.monotonic()
         runs = await self.runtime.engine.reconcile(force=force or first)
+        self._passed_at = time.monotonic()
         if self._driver_reload is not None:
             self._conclude_driver_reload(runs)
         if first:
@@ -625,12 +664,28 @@ class Daemon:
             self.publish()
             await asyncio.sleep(self.config.health.check_interval_seconds)
 
-    async def _watchdog_loop(self, interval: float) -> None:
-        """Pings only while the reconcile loop lives, so systemd restarts an agent whose loop died."""
-        while self._loop_alive():
-            self.notifier.watchdog()
-            await asyncio.sleep(interval)
-        log.error("reconcile loop stopped; no more watchdog pings, systemd will restart the agent")
+    async def _watchdog_loop(self, interval: Optional[float]) -> None:
+        """Pings systemd's watchdog (every `interval` s, when it watches) only while the daemon is live:
+        passes complete (liveness.py). Says once when they stop, and when they resume. Without the watchdog
+        it wakes when the bound would pass, not periodically (then every _LIVENESS_POLL_S until it is live)."""
+        said: Optional[str] = None
+        while True:
+            problem = self.stalled()
+            if problem is None:
+                if said is not None:
+                    log.warning("reconcile passes complete again%s", "; watchdog pings resume" if interval else "")
+                said = None
+                if interval:
+                    self.notifier.watchdog()
+            elif said is None:
+                said = problem
+                log.error("%s%s", problem, "; no more watchdog pings, systemd will restart the agent" if interval
+                          else "; /healthz fails")
+            if interval:
+                await asyncio.sleep(interval)
+            else:
+                due = self._passed_at + liveness.bound(self.config, *self._bound_by()) - time.monotonic()
+                await asyncio.sleep(_LIVENESS_POLL_S if said is not None else max(_LIVENESS_POLL_S, due))
 
     async def _watch_files(self) -> None:
         """Files the stages manage, rewritten by someone else: reconcile within seconds, not minutes.

@@ -51,6 +51,7 @@ class Engine:
         self.settings = settings
         self.begin_pass = begin_pass
         self.stages: list[Stage] = []
+        self.running: Optional[tuple[str, float]] = None  # the stage a pass is in, since when (monotonic)
         # By stage: the changes of its last run, when it failed after restarting a runtime. A forced pass
         # (a changed config) retries such a stage in its backoff only for a different change.
         self._failed_restarts: dict[str, frozenset[Change]] = {}
@@ -126,10 +127,12 @@ class Engine:
                 continue
             stage.progress = functools.partial(on_loop, self._progress, status)
             previous = status.state
+            self.running = (stage.name, time.monotonic())
             try:
                 run = self._run_stage(stage, dry_run)
             finally:
                 stage.progress = None
+                self.running = None
             if not dry_run:
                 self._remember_restarts(stage.name, run)
             results.update(run.outputs)

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from gpu_agent.config.schema import HttpConfig
-from gpu_agent.daemon.listener import Listener, connection_limit
+from gpu_agent.daemon.listener import MAX_CONNECTIONS, Listener, connection_limit
 from gpu_agent.daemon.protocol import HttpProtocol
-from gpu_agent.daemon.responses import Capped, RenderCache, Request, Response, cached_response
+from gpu_agent import endpoint_proof
+from gpu_agent.daemon.responses import Capped, Handler, RenderCache, Request, Response, cached_response
 from gpu_agent.errors import AgentError
+from gpu_agent.host.files import atomic_write, remove
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.labels import node_labels
 from gpu_agent.metrics.exporter import AgentRegistry, content_type, render
@@ -34,6 +36,8 @@ _NO_STORE = [("Cache-Control", "no-store")]  # a probe's answer is true now, nev
 _LIGHT_LIMIT = 32
 _HEAVY_LIMIT = 16
 _SHUTDOWN_TIMEOUT_S = 0.5  # for the answers being written at SIGTERM
+TCP_RETRY_INITIAL_S = 1.0  # binding http.listen again after a failure: 1 s, then twice as long each time,
+TCP_RETRY_MAX_S = 30.0  # up to this
 
 
 class Endpoints:
@@ -43,6 +47,7 @@ class Endpoints:
                  connection_errors: Optional[Counter[str]] = None) -> None:
         self.routes = routes
         self.caches = caches
+        self.token: Optional[str] = None  # the agent's proof token (endpoint_proof.py), once written
         # What clients' sockets reported (resets, broken pipes) and the clients closed for not reading, by reason
         self.connection_errors: Counter[str] = Counter() if connection_errors is None else connection_errors
 
@@ -52,7 +57,8 @@ def this_second() -> int:
     return int(time.monotonic())
 
 
-def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[], bool]) -> Endpoints:
+def build_app(state: AgentState, registry: AgentRegistry, stalled: Callable[[], Optional[str]]) -> Endpoints:
+    """The routes; `stalled()` says why the daemon is not live (its passes stopped), or None."""
     status_cache = RenderCache(lambda: (json.dumps(_status(state), indent=2) + "\n").encode(), lambda: state.version)
     # A second at most: the body carries gpu_agent_sample_age_seconds.
     metrics_cache = RenderCache(lambda: render(registry),
@@ -62,8 +68,9 @@ def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[
         return Response.text("gpu-agent: /healthz /livez /readyz /readyz?verbose /status /metrics\n")
 
     def healthz(request: Request) -> Response:
-        if not loop_alive():
-            return Response.text("reconcile loop stopped\n", 500, _NO_STORE)
+        problem = stalled()
+        if problem is not None:
+            return Response.text(f"{printable(problem)}\n", 500, _NO_STORE)
         return Response.text("ok\n", headers=_NO_STORE)
 
     def readyz(request: Request) -> Response:
@@ -83,10 +90,22 @@ def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[
     def metrics(request: Request) -> Response:
         return cached_response(request, metrics_cache.get(), content_type())
 
+    def proven(handler: Handler) -> Handler:
+        """The answer, with the agent's proof when the request carries a challenge (endpoint_proof.py)."""
+        def answer(request: Request) -> Response:
+            response = handler(request)
+            challenge = request.headers.get(endpoint_proof.CHALLENGE_HEADER, "")
+            if challenge and endpoints.token is not None and endpoint_proof.valid_challenge(challenge):
+                response.headers = [*response.headers, (endpoint_proof.PROOF_HEADER,
+                                                        endpoint_proof.proof(endpoints.token, challenge,
+                                                                             response.body))]
+            return response
+        return answer
+
     # /livez: Kubernetes' name for liveness, the same answer as /healthz.
-    routes = {"/": Capped(index, _LIGHT_LIMIT), "/healthz": Capped(healthz, _LIGHT_LIMIT),
-              "/livez": Capped(healthz, _LIGHT_LIMIT),
-              "/readyz": Capped(readyz, _LIGHT_LIMIT), "/status": Capped(status, _HEAVY_LIMIT),
+    routes = {"/": Capped(index, _LIGHT_LIMIT), "/healthz": Capped(proven(healthz), _LIGHT_LIMIT),
+              "/livez": Capped(proven(healthz), _LIGHT_LIMIT),
+              "/readyz": Capped(proven(readyz), _LIGHT_LIMIT), "/status": Capped(proven(status), _HEAVY_LIMIT),
               "/metrics": Capped(metrics, _HEAVY_LIMIT)}
     endpoints = Endpoints(routes, {"/status": status_cache, "/metrics": metrics_cache})
     registry.collector.connection_errors = endpoints.connection_errors
@@ -94,74 +113,186 @@ def build_app(state: AgentState, registry: AgentRegistry, loop_alive: Callable[[
 
 
 class HttpServer:
-    """The endpoint on its listeners; each caps its connections and times out idle ones (listener.py)."""
+    """The endpoint on its listeners; each caps its connections and times out idle ones (listener.py).
 
-    def __init__(self, endpoints: Endpoints, root: Root) -> None:
+    The unix socket is the contract: one that cannot be bound is an error that stops the start (or
+    rejects the reload). TCP is a convenience: any local user may bind its port first (in the second
+    between a stop and a start), so an address that cannot be bound is reported (`tcp_error`, the log)
+    and bound again with backoff while the agent runs and serves on the unix socket."""
+
+    def __init__(self, endpoints: Endpoints, root: Root,
+                 on_tcp_error: Callable[[Optional[str]], None] = lambda error: None) -> None:
         self.root = root
         self.endpoints = endpoints
-        self._listeners: list[Listener] = []
+        self._unix: list[Listener] = []
+        self._tcp: list[Listener] = []
+        self._tcp_binding: Optional[asyncio.Task[None]] = None  # retrying the TCP bind
+        self._on_tcp_error = on_tcp_error
+        self.tcp_error: Optional[str] = None
         self.settings: Optional[HttpConfig] = None
 
     @property
     def listeners(self) -> list[Listener]:
-        return list(self._listeners)
+        return self._tcp + self._unix
 
     def _protocol(self) -> HttpProtocol:
         return HttpProtocol(self.endpoints.routes, self.endpoints.connection_errors)
 
     async def start(self, settings: HttpConfig) -> None:
-        """Serve on the configured TCP address and unix socket; a bind failure raises AgentError."""
-        bound: list[tuple[socket.socket, str]] = []  # and the name each is known by
-        try:
+        """Serve on the configured unix socket (a bind failure raises AgentError) and TCP address (a bind
+        failure is reported and retried)."""
+        await self.restart(settings)
+
+    async def restart(self, settings: HttpConfig) -> None:
+        """Move to new addresses. The unix socket first: on failure it keeps serving on the old one and
+        raises, nothing changed. Then TCP, which is left as it is when its address did not change."""
+        old = self.settings
+        if settings == old:
+            return
+        if old is None or settings.socket != old.socket:
+            unix = self._bind_unix(settings.socket)  # raises: nothing changed yet
+            self._close(self._unix)
+            if old is not None and old.socket:
+                _remove_stale_socket(self.root(old.socket))
+            self._unix = self._listen(unix)
+        if old is None:
+            self._write_token()
+        self.settings = settings
+        if old is None or settings.listen != old.listen:
+            self._stop_tcp()
             if settings.listen:
-                tcp = _bind(f"{settings.listen} (http.listen)", lambda: _tcp_sockets(settings.host, settings.port))
-                bound += [(sock, settings.listen) for sock in tcp]
-            if settings.socket:
-                path = self.root(settings.socket)
-                _remove_stale_socket(path)
-                path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-                bound += [(sock, str(path)) for sock in _bind(f"{path} (http.socket)", lambda: [_unix_socket(path)])]
+                self._bind_tcp(settings)
+        self._set_limits()
+        log.info("serving /healthz /livez /readyz /status /metrics on %s (at most %d connections each)",
+                 ", ".join(listener.name for listener in self.listeners)
+                 or "nothing (http.listen and http.socket are off)",
+                 self.listeners[0].limit if self.listeners else 0)
+
+    def _write_token(self) -> None:
+        """A fresh token for this run, readable by root only (endpoint_proof.py); without it the endpoint
+        serves all the same, with no proof for `gpu-agent status --tcp`."""
+        path = self.root(endpoint_proof.TOKEN_PATH)
+        token = endpoint_proof.new_token()
+        try:
+            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            remove(path)  # a new file, so 0600 whatever the one before was made
+            atomic_write(path, token + "\n", 0o600)
+        except OSError as exc:
+            log.warning("cannot write %s: %s; `gpu-agent status --tcp` cannot tell this agent from another "
+                        "process", path, exc.strerror or exc)
+            return
+        self.endpoints.token = token
+
+    def _bind_unix(self, socket_path: str) -> list[tuple[socket.socket, str]]:
+        if not socket_path:
+            return []
+        path = self.root(socket_path)
+
+        def make() -> list[socket.socket]:
+            _remove_stale_socket(path)
+            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            sock = _unix_socket(path)
+            try:
                 os.chmod(path, 0o660)
-        except AgentError:
-            for sock, _ in bound:
+            except OSError:
                 sock.close()
-            raise
-        limit = connection_limit(len(bound))
-        listeners = [Listener(sock, self._protocol, name, limit, errors=self.endpoints.connection_errors)
+                raise
+            return [sock]
+
+        return [(sock, str(path)) for sock in _bind(f"{path} (http.socket)", make)]
+
+    def _bind_tcp(self, settings: HttpConfig) -> None:
+        """Listen on http.listen now, or report why not and retry with backoff until it can."""
+        try:
+            tcp = _bind(f"{settings.listen} (http.listen)", lambda: _tcp_sockets(settings.host, settings.port))
+        except AgentError as exc:
+            self._tcp_failed(str(exc))
+            self._tcp_binding = asyncio.get_running_loop().create_task(self._retry_tcp(settings),
+                                                                        name="http.listen")
+            return
+        self._tcp = self._listen([(sock, settings.listen) for sock in tcp])
+        self._tcp_bound(settings)
+
+    async def _retry_tcp(self, settings: HttpConfig) -> None:
+        delay = TCP_RETRY_INITIAL_S
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, TCP_RETRY_MAX_S)
+            try:
+                tcp = _bind(f"{settings.listen} (http.listen)", lambda: _tcp_sockets(settings.host, settings.port))
+            except AgentError as exc:
+                self._tcp_failed(str(exc))
+                continue
+            self._tcp = self._listen([(sock, settings.listen) for sock in tcp])
+            self._tcp_binding = None
+            self._set_limits()
+            self._tcp_bound(settings)
+            return
+
+    def _tcp_failed(self, error: str) -> None:
+        error = (f"{error}; serving on the unix socket only, and binding again every {TCP_RETRY_MAX_S:g} s at "
+                 "most (who listens there: ss -ltnp)")
+        if error != self.tcp_error:  # a retry failing the same way says nothing new
+            log.error("%s", error)
+            self.tcp_error = error
+            self._on_tcp_error(error)
+
+    def _tcp_bound(self, settings: HttpConfig) -> None:
+        if self.tcp_error is not None:
+            log.warning("serving HTTP on %s (http.listen) again", settings.listen)
+            self.tcp_error = None
+            self._on_tcp_error(None)
+
+    def _stop_tcp(self) -> None:
+        if self._tcp_binding is not None:
+            self._tcp_binding.cancel()
+            self._tcp_binding = None
+        self._close(self._tcp)
+        self._tcp = []
+        if self.tcp_error is not None:
+            self.tcp_error = None
+            self._on_tcp_error(None)
+
+    def _listen(self, bound: list[tuple[socket.socket, str]]) -> list[Listener]:
+        listeners = [Listener(sock, self._protocol, name, MAX_CONNECTIONS, errors=self.endpoints.connection_errors)
                      for sock, name in bound]
         for listener in listeners:
             listener.start()
-        self._listeners, self.settings = listeners, settings
-        log.info("serving /healthz /livez /readyz /status /metrics on %s (at most %d connections each)",
-                 ", ".join(listener.name for listener in listeners)
-                 or "nothing (http.listen and http.socket are off)", limit)
+        return listeners
 
-    async def restart(self, settings: HttpConfig) -> None:
-        """Move to new addresses; on failure keep serving on the old ones and raise."""
-        if settings == self.settings:
-            return
-        old_settings = self.settings
-        for listener in self._listeners:
+    def _set_limits(self) -> None:
+        """Each listener's share of the descriptors: a TCP address still being bound counts as one."""
+        count = len(self.listeners) + (1 if self._tcp_binding is not None else 0)
+        limit = connection_limit(count)
+        for listener in self.listeners:
+            listener.limit = limit
+
+    @staticmethod
+    def _close(listeners: list[Listener]) -> None:
+        for listener in listeners:
             listener.close()
-        try:
-            await self.start(settings)
-        except AgentError:
-            if old_settings is not None:
-                await self.start(old_settings)
-            raise
 
     async def stop(self) -> None:
         """Stop accepting, give the answers being written _SHUTDOWN_TIMEOUT_S, then close everything."""
-        for listener in self._listeners:
+        if self._tcp_binding is not None:
+            self._tcp_binding.cancel()
+            self._tcp_binding = None
+        for listener in self.listeners:
             listener.stop_accepting()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _SHUTDOWN_TIMEOUT_S
-        while any(listener.answering for listener in self._listeners) and loop.time() < deadline:
+        while any(listener.answering for listener in self.listeners) and loop.time() < deadline:
             await asyncio.sleep(0.01)
-        for listener in self._listeners:
+        for listener in self.listeners:
             listener.close()
         if self.settings and self.settings.socket:
             _remove_stale_socket(self.root(self.settings.socket))
+        if self.endpoints.token is not None:
+            self.endpoints.token = None
+            try:
+                remove(self.root(endpoint_proof.TOKEN_PATH))
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", endpoint_proof.TOKEN_PATH, exc.strerror or exc)
 
 
 def _status(state: AgentState) -> dict[str, Any]:

@@ -4,9 +4,11 @@ asyncio's own accept loop caps nothing, never times out a client that does not f
 and on running out of descriptors logs a traceback for every failed accept (CPython 3.11 also
 schedules a retry for each). A `Listener` owns one listening socket instead:
 
-- it holds at most `limit` connections; a new one closes the longest-idle connection (one that has
-  not sent a whole request) to make room, or waits in the kernel's backlog while every connection
-  has a request being answered or waiting to be;
+- it holds at most `limit` connections; a new one closes a connection whose request the protocol
+  refused (it only drops what that client still sends), else the longest-idle connection (one without
+  a request the protocol parsed) to make room, or waits in the kernel's backlog while every connection
+  has a request being answered or parsed and waiting to be. Only the protocol says what a request is:
+  header ends in bytes it drops or skips are none;
 - a connection that has not sent a whole request within `idle_timeout` of connecting or of its
   previous answer is closed (slowloris, forgotten keep-alives); on TCP the kernel keeps connections
   that send nothing out of the accept queue for that long (TCP_DEFER_ACCEPT), so a flood of idle
@@ -104,8 +106,9 @@ class Listener:
         self._exhausted_log = OncePer()
         self._loop = asyncio.get_running_loop()
         self._open: set[_Connection] = set()
-        # Connections without a whole request, longest idle first, and when they became idle; those
-        # accepted without a byte after TCP_DEFER_ACCEPT's wait are kept apart: they go first.
+        # Connections without a request, longest idle first, and when they became idle; those whose
+        # request the protocol refused, and those accepted without a byte after TCP_DEFER_ACCEPT's wait,
+        # are kept apart: they go first.
         self._idle: dict[_Connection, float] = {}
         self._stale: dict[_Connection, None] = {}
         # Connections whose answer waits for its client to read, and since when, longest first.
@@ -211,9 +214,10 @@ class Listener:
         self._room_freed()
 
     def _evictable(self) -> Optional[_Connection]:
-        """The longest idle connection, except one that has sent nothing for less than _EVICT_AFTER_S
-        (a client sends its request right after connecting) and one whose bytes the loop has not
-        read yet (likely a request: a burst of connections can arrive faster than the loop reads)."""
+        """A refused or stale connection; else the longest idle one, except one that has sent nothing for
+        less than _EVICT_AFTER_S (a client sends its request right after connecting) and one whose bytes
+        the loop has not read yet (likely a request: a burst of connections can arrive faster than the
+        loop reads)."""
         stale = next(iter(self._stale), None)
         if stale is not None:
             return stale
@@ -274,7 +278,10 @@ class Listener:
 
     def _set_idle(self, connection: _Connection) -> None:
         connection.partial = False
-        self._idle[connection] = self._loop.time()
+        if connection.refused:  # answered and dropping the rest: the first to make room
+            self._stale[connection] = None
+        else:
+            self._idle[connection] = self._loop.time()
         self._room_freed()
 
     def _not_idle(self, connection: _Connection) -> None:
@@ -298,7 +305,7 @@ class Listener:
     def _answer_read(self, connection: _Connection) -> None:
         self._unread.pop(connection, None)
 
-    def _request_arrived(self, connection: _Connection) -> None:
+    def _request_parsed(self, connection: _Connection) -> None:
         self._not_idle(connection)
 
     def _request_started(self, connection: _Connection) -> None:
@@ -381,22 +388,23 @@ class _GarbageAfterChurn:
 class _Connection(asyncio.BufferedProtocol):
     """The HTTP protocol of one connection, seen by the listener: when it opens, works, idles, ends.
 
-    A connection is idle, and evictable, until a whole request has arrived (the end of its headers):
-    one whose request waits for a busy event loop is kept, so a burst of real requests is served
-    in turn instead of evicting itself. The idle timer stops only while a request is handled.
+    A connection is idle, and evictable, until the protocol has parsed a whole request from it (what
+    the protocol refuses or skips is none): one whose parsed request waits for its turn is kept, so a
+    burst of real requests is served in turn instead of evicting itself. A connection whose request
+    was refused is evictable first. The idle timer stops only while a request is handled.
     """
 
     def __init__(self, listener: Listener, inner: asyncio.Protocol, stale: bool = False) -> None:
         self.listener = listener
         self.inner = inner
-        self.stale = stale  # accepted without a byte after TCP_DEFER_ACCEPT's wait, none since
+        self.stale = stale  # accepted without a byte after TCP_DEFER_ACCEPT's wait, no request since
         self.transport: Optional[asyncio.Transport] = None
         self.timer: Optional[asyncio.TimerHandle] = None
-        self.partial = False  # part of a request has arrived, not the end of its headers
-        self.arrived = 0  # requests whose headers have arrived, not yet handled
+        self.partial = False  # bytes have arrived since the last request, not a whole request
+        self.arrived = 0  # requests parsed, waiting for their turn (request_parsed)
         self.handling = 0  # requests being handled
-        self._tail = b""  # the last bytes received: a header end may straddle two reads
-        self._started = False  # a request line has begun since the last header end
+        self.requests = 0  # requests the protocol has parsed in all
+        self.refused = False  # the protocol refused a request: what the client still sends is dropped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -412,31 +420,11 @@ class _Connection(asyncio.BufferedProtocol):
         self.data_received(bytes(_READ_BUFFER[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
-        arrived = self._requests_ended_by(data)
-        if arrived:
-            self.arrived += arrived
-            self.stale = self.partial = False
-            self.listener._request_arrived(self)
-        else:
+        requests = self.requests
+        self.inner.data_received(data)
+        if self.requests == requests and not self.handling and not self.arrived:
             self.partial = True  # a real client sends its request at once: no grace for a trickle
             self.listener._room_freed()  # read, and still idle: evictable again
-        self.inner.data_received(data)
-
-    def _requests_ended_by(self, data: bytes) -> int:
-        """Header ends in `data` that close a request; blank lines alone (which h11 skips) do not."""
-        seen, ended, start = self._tail + data, 0, 0
-        while True:
-            end = seen.find(_HEADERS_END, start)
-            if end < 0:
-                break
-            if self._started or seen[start:end].strip(b"\r\n"):
-                ended += 1
-            self._started = False
-            start = end + len(_HEADERS_END)
-        rest = seen[start:]
-        self._started = self._started or bool(rest.strip(b"\r\n"))
-        self._tail = rest[-(len(_HEADERS_END) - 1):]
-        return ended
 
     def eof_received(self) -> Optional[bool]:
         return self.inner.eof_received()
@@ -455,7 +443,6 @@ class _Connection(asyncio.BufferedProtocol):
         self.inner.connection_lost(exc)
 
 
-_HEADERS_END = b"\r\n\r\n"
 _READ_BUFFER = memoryview(bytearray(64 * 1024))
 
 
@@ -467,15 +454,33 @@ def _unread_bytes(sock: Any) -> int:
         return 0
 
 
-def request_started(transport: Optional[asyncio.BaseTransport]) -> Callable[[], None]:
-    """Marks the connection busy with one request (never evicted, no idle timer) until the function
-    returned is called, once its answer is written."""
+def _connection_of(transport: Optional[asyncio.BaseTransport]) -> Optional[_Connection]:
     connection = transport.get_protocol() if transport is not None else None
-    if not isinstance(connection, _Connection):
+    return connection if isinstance(connection, _Connection) else None
+
+
+def request_parsed(transport: Optional[asyncio.BaseTransport]) -> None:
+    """The protocol has parsed a whole request that waits for its turn (request_started): the connection
+    is not idle, and not evicted, meanwhile."""
+    connection = _connection_of(transport)
+    if connection is not None:
+        connection.arrived += 1
+        connection.listener._request_parsed(connection)
+
+
+def request_started(transport: Optional[asyncio.BaseTransport], refused: bool = False) -> Callable[[], None]:
+    """Marks the connection busy with one request the protocol parsed (never evicted, no idle timer) until
+    the function returned is called, once its answer is written. `refused`: the request is refused and
+    the connection only drops what its client still sends: once answered, it is the first to make room."""
+    connection = _connection_of(transport)
+    if connection is None:
         return _nothing
     listener = connection.listener
     connection.arrived = max(0, connection.arrived - 1)
     connection.handling += 1
+    connection.requests += 1
+    connection.stale = connection.partial = False
+    connection.refused = connection.refused or refused
     listener._request_started(connection)
 
     def finished() -> None:

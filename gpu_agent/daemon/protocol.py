@@ -11,7 +11,9 @@ HEAD 405. A request the connection cannot go on after (malformed 400, or 501/505
 or an HTTP version not served, a request line and headers over MAX_HEAD_BYTES 431, a body 413: none
 is read) is answered and the connection closed; it reads
 and drops what the client still sends until the client closes too, so the answer is not lost to a
-reset (the listener's idle timeout bounds that wait).
+reset (the listener's idle timeout bounds that wait, and such a connection is the first it closes for a
+newcomer). The listener learns of each request from this parser (request_started, request_parsed), never
+from the bytes.
 
 No client can take the event loop or the log: a connection answers at most ANSWERS_PER_TURN requests
 per turn of the loop and is not read while requests it sent wait (so what it has queued is one read at
@@ -32,7 +34,7 @@ from urllib.parse import unquote
 
 import h11
 
-from gpu_agent.daemon.listener import OncePer, request_started
+from gpu_agent.daemon.listener import OncePer, request_parsed, request_started
 from gpu_agent.daemon.responses import Capped, Request, Response
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class HttpProtocol(asyncio.Protocol):
         self._closing = False  # no more requests: the last answer is on its way, then the connection closes
         self._dropping = False  # refused: what the client sends is dropped until it closes
         self._next_turn: Optional[asyncio.Handle] = None  # more requests to answer at the loop's next turn
+        self._held: Optional[h11.Request] = None  # parsed, to be answered at the next turn
 
     # --- asyncio's callbacks ---------------------------------------------------------------------
 
@@ -124,17 +127,15 @@ class HttpProtocol(asyncio.Protocol):
     def _answer_some(self) -> None:
         answered = 0
         while self._answering is None and not self._closing and self._open:
-            if answered >= ANSWERS_PER_TURN:
-                self._next_turn = asyncio.get_running_loop().call_soon(self._turn)
-                return
-            try:
-                event = self._h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                self._refuse(exc.error_status_hint, f"bad request: {exc}\n")
-                return
-            if event is h11.NEED_DATA:
+            event, self._held = self._held or self._next_event(), None
+            if event is None or event is h11.NEED_DATA:
                 return
             if type(event) is h11.Request:
+                if answered >= ANSWERS_PER_TURN:  # parsed: the listener keeps the connection for its turn
+                    self._held = event
+                    request_parsed(self._transport)
+                    self._next_turn = asyncio.get_running_loop().call_soon(self._turn)
+                    return
                 self._answer(event)
                 answered += 1
             elif type(event) is h11.EndOfMessage or event is h11.PAUSED:
@@ -142,6 +143,14 @@ class HttpProtocol(asyncio.Protocol):
                     self._h11.start_next_cycle()
             elif type(event) is h11.ConnectionClosed:
                 self._close()
+
+    def _next_event(self) -> Optional[object]:
+        """h11's next event; None when the input is not HTTP/1.x h11 accepts (refused here)."""
+        try:
+            return self._h11.next_event()
+        except h11.RemoteProtocolError as exc:
+            self._refuse(exc.error_status_hint, f"bad request: {exc}\n")
+            return None
 
     def _turn(self) -> None:
         self._next_turn = None
@@ -175,7 +184,8 @@ class HttpProtocol(asyncio.Protocol):
         if event.http_version not in (b"1.0", b"1.1"):
             self._refuse(505, f"bad request: HTTP/{event.http_version.decode()} is not served; use HTTP/1.1\n")
             return
-        finished = request_started(self._transport)
+        has_body = _has_body(event.headers)
+        finished = request_started(self._transport, refused=has_body)
         target = event.target.decode("ascii")  # h11 admits only visible ASCII in a target
         if "://" in target.partition("?")[0]:  # the absolute form, as to a proxy
             target = "/" + target.split("://", 1)[1].partition("/")[2]
@@ -184,7 +194,6 @@ class HttpProtocol(asyncio.Protocol):
             path = unquote(path)
         method = event.method.decode("ascii")
         route = self._routes.get(path)
-        has_body = _has_body(event.headers)
         held: Optional[Capped] = None
         if route is None:
             response = Response.text(f"not found: {path}; this endpoint serves {', '.join(self._routes)}\n", 404)
@@ -214,7 +223,7 @@ class HttpProtocol(asyncio.Protocol):
     def _refuse(self, status: int, text: str) -> None:
         """Answer a request the connection cannot go on after, then close."""
         if self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            finished = request_started(self._transport)
+            finished = request_started(self._transport, refused=True)
             self._write(Response.text(text, status), head_only=False, close=True)
             self._written_when_drained(_Answering(finished, None))
             self._drop_the_rest()

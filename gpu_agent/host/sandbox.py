@@ -4,9 +4,13 @@ systemd/gpu-agent.service runs the agent under ProtectSystem=strict: all of / is
 ReadWritePaths=, and one prefixed "-" is skipped when it does not exist as the unit starts (systemd.exec(5):
 the mount namespace is set up once, at start). A node provisioned GPU-first (gpu-agent, then containerd or
 the kubelet) gets those directories after the agent started: every write there fails with EROFS until the
-agent is started again. A write that fails so says why (read_only()), and under systemd the agent asks to
-be restarted, once per directory: a restart that left the directory read-only (a read-only mount) is
-remembered in /run/gpu-agent (RESTARTED) and never repeated; the stage then fails, saying so.
+agent is started again. A write that fails so says why (read_only()), naming the directory where it failed,
+and under systemd the agent asks to be restarted, once per such directory, only for one of those
+directories that was not there when it started: one that was is writable under the unit, and a write
+refused there or below (a read-only mount) would be refused after a restart too. The directory where the
+write failed is remembered in /run/gpu-agent (RESTARTED) before the exit; one still read-only after the
+restart (access(2) tested there, not at the top directory) is never restarted for again, and the stage
+fails, saying so.
 
 The directories are listed here, not read from the unit at run time: the agent runs also without it, and
 tests/test_systemd.py holds this list equal to the unit's ReadWritePaths=-... entries.
@@ -35,7 +39,7 @@ LATE_WRITABLE = (
     "/var/lib/kubelet/device-plugins", "/var/snap/microk8s/common/var/lib/kubelet/device-plugins",
     "/run/nvidia/mps",
 )
-RESTARTED = "/run/gpu-agent/restarted-for"  # the directories a restart was asked for, one a line
+RESTARTED = "/run/gpu-agent/restarted-for"  # where the writes failed that a restart was asked for, one a line
 MAX_RESTARTED_BYTES = 64 << 10  # a few directory names
 RESTARTING = "read-only in gpu-agent's sandbox (EROFS) until it restarts, as it does now"  # the error's reason
 EXIT_RESTART = 75  # EX_TEMPFAIL (sysexits.h): the unit's Restart=on-failure and RestartForceExitStatus=75
@@ -70,18 +74,21 @@ class Sandbox:
         self._restart = restart
         self._lock = threading.RLock()  # the marker's own write may fail and ask why
         self._asked: Optional[str] = None  # the directory this process asked to be restarted for
+        # The directories of LATE_WRITABLE there as the agent started: the unit made them writable.
+        self._present = {d for d in LATE_WRITABLE if root(d).is_dir()} if systemd else set()
         self._tried = self._still_read_only() if systemd else set()
 
     def _still_read_only(self) -> set[str]:
-        """The directories an earlier run restarted for that are read-only still: that restart did not help.
-        The others (writable now, or gone) are forgotten, so that their next appearance restarts again."""
+        """Where the writes failed that an earlier run restarted for, read-only still: that restart did not
+        help. The others (writable now, or gone) are forgotten, so that their next failure restarts again."""
         try:
             text = read_text(self.root(RESTARTED), RESTARTED, MAX_RESTARTED_BYTES, errors="replace")
             listed = set((text or "").split())
         except Unreadable as exc:  # forgotten: the next start may restart again
             log.warning("%s", exc)
             return set()
-        kept = {d for d in listed if d in LATE_WRITABLE and self.root(d).is_dir() and not _writable(self.root(d))}
+        kept = {d for d in listed if late_writable(d) is not None and self.root(d).is_dir()
+                and not _writable(self.root(d))}
         if kept != listed:
             try:
                 self._record(kept)
@@ -99,31 +106,38 @@ class Sandbox:
             remove(path)
 
     def read_only(self, path: Path) -> str:
-        """Why a write at `path` (under the root) failed with EROFS, as the error's reason; under systemd, for a
-        directory that appeared after the agent started, the restart that makes it writable is asked for."""
+        """Why a write at `path` (under the root) failed with EROFS, as the error's reason, naming the directory
+        where it failed; under systemd, for a directory that appeared after the agent started, the restart
+        that makes it writable is asked for."""
         host = self._host(path)
+        failed = self._host(_nearest_existing(Path(path).parent))
         directory = late_writable(host)
         if directory is None or not self.systemd:
-            return f"{directory or os.path.dirname(host)} is on a read-only file system (EROFS)"
+            return f"{failed} is on a read-only file system (EROFS)"
         if not self.root(directory).is_dir():
             return (f"read-only in gpu-agent's sandbox (EROFS): {directory} did not exist when gpu-agent started, "
                     f"and its unit makes only existing directories writable; create it (mkdir -p {directory}) "
                     "and gpu-agent restarts to write there")
         appeared = (f"{directory} appeared after gpu-agent started and is read-only in its sandbox "
-                    "(ProtectSystem=strict)")
+                    "(ProtectSystem=strict)" + (f" (the write failed in {failed})" if failed != directory else ""))
         with self._lock:
-            if directory in self._tried:
-                return (f"{directory} is read-only to gpu-agent (EROFS) although gpu-agent restarted to make it "
+            if failed in self._tried:
+                return (f"{failed} is read-only to gpu-agent (EROFS) although gpu-agent restarted to make it "
                         "writable: a read-only mount, or a gpu-agent.service without "
                         f"ReadWritePaths=-{directory}; not restarting again")
+            if directory in self._present:
+                return (f"{failed} is read-only to gpu-agent (EROFS) although {directory} was there when gpu-agent "
+                        "started, so its unit made it writable: a read-only mount, or a gpu-agent.service without "
+                        f"ReadWritePaths=-{directory}; a restart would not change that (if {directory} was made "
+                        "as gpu-agent started, `systemctl restart gpu-agent`)")
             if self._asked is not None:
                 return RESTARTING
             try:
-                self._record(self._tried | {directory})
+                self._record(self._tried | {failed})
             except OSError as exc:
                 return (f"{appeared}: restart gpu-agent to make it writable (it cannot record a restart of its own "
                         f"in {RESTARTED}: {exc.strerror or exc}, and so does not restart itself)")
-            self._asked = directory
+            self._asked = failed
         log.warning("%s: restarting so that systemd makes it writable", appeared)  # the one line that says why
         self._restart()
         return RESTARTING
@@ -134,6 +148,14 @@ class Sandbox:
         except ValueError:
             return str(path)
         return "/" if relative == "." else f"/{relative}"
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or the closest folder above it that exists: where a write (or the making of the folders
+    it needed) failed."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 _current = Sandbox(Root("/"))  # outside the daemon: the reason only
