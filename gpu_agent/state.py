@@ -37,6 +37,7 @@ class StageStatus:
     last_run: Optional[float] = None
     duration_seconds: float = 0.0
     failures: int = 0  # consecutive
+    backoff_failures: int = 0  # consecutive, on the stage's own backoff (a TransientError has its schedule)
     next_retry: Optional[float] = None
     changes_applied: int = 0
     gates_readiness: bool = True
