@@ -141,10 +141,11 @@ def test_clients_built_again_share_the_nodes_request_budget(api: KubeEmulator, k
     assert "not sent: 12 requests" in runtime.state.stages["labels"].message
 
 
-def test_a_conflict_is_followed_by_a_fresh_read(api: KubeEmulator, kube_root: Path) -> None:
-    api.fail_next("/api/v1/nodes/gpu-node-1", 409, method="PATCH")
-    assert "409" in labels_failed(apply(kube_root))
+def test_another_writer_between_the_read_and_the_write(api: KubeEmulator, kube_root: Path) -> None:
+    """The patches carry no resourceVersion: the server applies them to the Node as the other writer left it."""
+    api.write_next("/api/v1/nodes/gpu-node-1", method="PATCH")
     assert apply(kube_root).ok and api.labels()["nvidia.com/gpu.count"] == "8"
+    assert api.annotations()["emulator.example.com/concurrent-writer"] == "1"
 
 
 @pytest.mark.subprocess  # the daemon
