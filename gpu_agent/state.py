@@ -111,6 +111,7 @@ class AgentState:
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
     plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
     mps: Optional[dict[str, Any]] = None  # the MPS control daemons' /status section (mps/daemons.py)
+    kube_api: Optional[dict[str, Any]] = None  # the Kubernetes API's /status section (kube/api_state.py)
     mps_down: dict[str, str] = field(default_factory=dict)  # by shared resource: why its MPS daemon does not answer
     reconciles: int = 0
     first_reconcile_done: bool = False
@@ -177,6 +178,13 @@ class AgentState:
             self.mps, self.mps_down = section, dict(down)
             self.published += 1
             return True
+
+    def publish_kube_api(self, section: Optional[dict[str, Any]]) -> None:
+        """How the node's Kubernetes API requests go (kube/api_state.py), replaced whole at each change."""
+        with _PUBLISH:
+            if section != self.kube_api:
+                self.kube_api = section
+                self.published += 1
 
     def publish_pods(self, pods: Optional[Any]) -> None:
         """Who holds each GPU (metrics.pods.PodAttribution), or None while pod labels are off."""
@@ -343,6 +351,7 @@ class AgentState:
             "labels": dict(labels) if labels is not None else None,
             "plugin": self.plugin,
             "mps": self.mps,
+            "kubernetes_api": self.kube_api,
             "device_path": self.device_path.to_json() if self.device_path is not None else None,
         }
 
