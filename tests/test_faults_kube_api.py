@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 from harness import FakeClock, daemon_passes
-from kube_emulator import KubeEmulator
+from kube_emulator import KubeEmulator, KubePKI
 
 from gpu_agent.config import load_config
 from gpu_agent.daemon.app import Runtime
@@ -25,6 +25,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.kube import retry
 from gpu_agent.kube.api_state import OK, RECOVERING, ApiState
 from gpu_agent.kube.budget import RequestBudget
+from gpu_agent.kube.client import ApiError, KubeClient
 from gpu_agent.kube.retry import Failure, Step, next_step, retry_after_seconds
 
 NODE = "gpu-node-1"
@@ -195,6 +196,33 @@ def api(tmp_path: Path) -> Iterator[KubeEmulator]:
     emulator = KubeEmulator(tmp_path / "pki", nodes=(NODE,), hang_seconds=30.0).start()
     yield emulator
     emulator.close()
+
+
+KUBECONFIG = "/etc/kubernetes/kubelet.conf"
+
+
+def failed_request(client: KubeClient) -> ApiError:
+    with pytest.raises(ApiError) as raised:
+        client.get_node(NODE)
+    return raised.value
+
+
+def test_a_transport_error_is_retried_when_it_passes_and_not_when_a_person_must_fix_it(api: KubeEmulator,
+                                                                                       root: Path) -> None:
+    other = KubePKI()
+    try:
+        api.write_kubeconfig(root / KUBECONFIG.lstrip("/"), mode="cert-data", ca_pem=other.ca_pem)
+        wrong_ca = failed_request(KubeClient(Root(root), KUBECONFIG, 5, RequestBudget()))
+    finally:
+        other.cleanup()
+    assert "certificate verify failed" in str(wrong_ca) and wrong_ca.next.action == retry.GIVE_UP
+    api.write_kubeconfig(root / KUBECONFIG.lstrip("/"), mode="cert-data")
+    cases = [(lambda: api.reset_next("*"), retry.CONNECTION), (lambda: api.hang_next("*"), retry.TIMEOUT),
+             (lambda: api.fail_next("*", 502), ""), (api.close, retry.CONNECTION)]  # closed: refused
+    for fault, cause in cases:
+        fault()
+        error = failed_request(KubeClient(Root(root), KUBECONFIG, 0.5, RequestBudget()))
+        assert (error.cause, error.next.action) == (cause, retry.WAIT), (str(error), cause)
 
 
 @dataclass
