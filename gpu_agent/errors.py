@@ -18,6 +18,16 @@ class StageError(AgentError):
     """A stage could not converge; the message is shown in /status and /readyz?verbose."""
 
 
+class TransientError(StageError):
+    """A stage's failure that passes by itself (the Kubernetes API server restarting or shedding load): its
+    next run is due at `retry_at` (unix time), on the schedule of what failed rather than the stage's own
+    backoff, which is for faults on the host. Logged where it happened, not again by the engine."""
+
+    def __init__(self, message: str, retry_at: float) -> None:
+        super().__init__(message)
+        self.retry_at = retry_at
+
+
 class HostFormatError(StageError):
     """A kernel or driver file says something the agent cannot read: names the file, the line, what was expected."""
 

@@ -37,6 +37,7 @@ class StageStatus:
     last_run: Optional[float] = None
     duration_seconds: float = 0.0
     failures: int = 0  # consecutive
+    backoff_failures: int = 0  # consecutive, on the stage's own backoff (a TransientError has its schedule)
     next_retry: Optional[float] = None
     changes_applied: int = 0
     gates_readiness: bool = True
@@ -113,6 +114,7 @@ class AgentState:
     mps: Optional[dict[str, Any]] = None  # the MPS control daemons' /status section (mps/daemons.py)
     mps_down: dict[str, str] = field(default_factory=dict)  # by MPS resource: why its daemon does not run as asked
     mps_running: frozenset[str] = frozenset()  # the MPS resources whose daemon runs as asked: healthy only then
+    kube_api: Optional[dict[str, Any]] = None  # the Kubernetes API's /status section (kube/api_state.py)
     reconciles: int = 0
     first_reconcile_done: bool = False
     published: int = 0  # bumped each time the daemon publishes the model: the endpoints render again
@@ -180,6 +182,13 @@ class AgentState:
             self.mps, self.mps_down, self.mps_running = section, dict(down), frozenset(running)
             self.published += 1
             return True
+
+    def publish_kube_api(self, section: Optional[dict[str, Any]]) -> None:
+        """How the node's Kubernetes API requests go (kube/api_state.py), replaced whole at each change."""
+        with _PUBLISH:
+            if section != self.kube_api:
+                self.kube_api = section
+                self.published += 1
 
     def publish_pods(self, pods: Optional[Any]) -> None:
         """Who holds each GPU (metrics.pods.PodAttribution), or None while pod labels are off."""
@@ -362,6 +371,7 @@ class AgentState:
             "labels": dict(labels) if labels is not None else None,
             "plugin": self.plugin,
             "mps": self.mps,
+            "kubernetes_api": self.kube_api,
             "device_path": self.device_path.to_json() if self.device_path is not None else None,
         }
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -136,3 +138,43 @@ class SimNode:
 
     def check(self, settings: Optional[dict[str, Any]] = None) -> Pass:
         return self.apply(settings, dry_run=True)
+
+
+class FakeClock:
+    """The agent's unix time in a test: it stands still while the agent works and moves on only when the
+    test skips a wait (wait_until), so what a test measures on it is the agent's schedule, whatever the
+    machine's load. Requests take their real time (a timeout is real), and none on this clock."""
+
+    def __init__(self) -> None:
+        self.now = self._start = time.time()
+        self._skips: list[tuple[float, float]] = []  # (real unix time of a skip, this clock's time after it)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wait_until(self, when: float) -> None:
+        if when > self.now:
+            self.now = when
+            self._skips.append((time.time(), when))
+
+    def at(self, real: float) -> float:
+        """This clock's time at the real unix time `real` (when the API emulator logged a request)."""
+        return max((now for moment, now in self._skips if moment <= real), default=self._start)
+
+
+def daemon_passes(runtime: Runtime, clock: FakeClock, until: Callable[[], bool], seconds: float) -> float:
+    """Reconcile passes as the daemon's loop runs them (the first forced, each next one at the reconcile
+    interval or the earliest retry a stage is due), the waits between them skipped on `clock`. Stops after
+    the pass that makes `until()` hold, and returns the clock's time then; fails after `seconds` of it."""
+    deadline = clock() + seconds
+    first = True
+    while True:
+        asyncio.run(runtime.engine.reconcile(force=first))
+        first = False
+        if until():
+            return clock()
+        retry = runtime.engine.next_retry()
+        due = min(clock() + runtime.state.config.config.reconcile.interval_seconds,
+                  retry if retry is not None else math.inf)
+        assert due <= deadline, f"not done within {seconds} s of the agent's clock"
+        clock.wait_until(due)

@@ -21,12 +21,16 @@ kube-apiserver with --authorization-mode=Node,RBAC and the NodeRestriction admis
   "uid"; other lists replace; the $patch directive), what the agent sends for labels, annotations
   and conditions.
 * optimistic concurrency: a body whose metadata.resourceVersion differs from the stored one gets
-  409 Conflict; a change that leaves the object as it was does not bump resourceVersion.
+  409 Conflict; a change that leaves the object as it was does not bump resourceVersion. A patch
+  without a resourceVersion never conflicts: the server applies it to the Node as stored
+  (kube-apiserver's registry Store.Update checks only a version the object carries).
 * validation: label keys and values, annotation keys and size (422 Invalid); unknown fields are
   dropped with a Warning header (or refused with ?fieldValidation=Strict).
 
 Everything a test needs to drive and observe it is on `KubeEmulator`: the PKI and kubeconfigs,
-tokens and grants, fault injection (`fail_next`, `hang_next`, `delay_next`, `reset_next`), the
+tokens and grants, fault injection (`fail_next`, `write_next`, `hang_next`, `delay_next`, `reset_next`;
+each as a real server would show it: a 409 only where a resourceVersion no longer matches, a 429 with
+Retry-After), the
 request log (`requests`, `wait_for_requests`, `max_requests_in_window`) and direct access to the
 stored nodes (`get_node`, `modify_node`, `set_labels`, `set_condition`, `kubelet_heartbeat`).
 """
@@ -78,6 +82,7 @@ MASTERS_GROUP = "system:masters"
 AUTHENTICATED_GROUP = "system:authenticated"
 
 OPTIMISTIC_LOCK_MSG = "the object has been modified; please apply your changes to the latest version and try again"
+CONCURRENT_WRITER = "emulator.example.com/concurrent-writer"  # the annotation write_next's other writer sets
 
 # k8s.io/kubelet/pkg/apis: the labels a kubelet may set on its own Node, and the namespaces
 # ([*.]kubelet.kubernetes.io, [*.]node.kubernetes.io) it may set labels under.
@@ -127,13 +132,13 @@ def status_body(code: int, message: str, reason: Optional[str] = None,
 
 
 class ApiError(Exception):
-    """An error the emulator answers with a Status body."""
+    """An error the emulator answers with a Status body (or, as a filter before the handlers does, text)."""
 
     def __init__(self, code: int, message: str, reason: Optional[str] = None,
                  details: Optional[dict[str, Any]] = None, headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
         self.code = code
-        self.body = status_body(code, message, reason, details)
+        self.body: Union[dict[str, Any], bytes] = status_body(code, message, reason, details)
         self.headers = headers or {}
 
 
@@ -411,7 +416,7 @@ class Fault:
     searched in it) and whose method matches `method` (None: any) get it instead of a normal answer."""
 
     pattern: PathPattern
-    kind: str  # "status", "hang", "delay", "reset"
+    kind: str  # "status", "write", "hang", "delay", "reset"
     count: Optional[int] = 1
     method: Optional[str] = None
     status: int = 500
@@ -1227,10 +1232,26 @@ class KubeEmulator:
     def fail_next(self, pattern: PathPattern = "*", status: int = 500, *, count: Optional[int] = 1,
                   method: Optional[str] = None, message: Optional[str] = None,
                   retry_after: Optional[int] = None) -> Fault:
-        """Answer the next `count` matching requests with `status` and a Status body (409 gets
-        kube's optimistic-lock Conflict; 429 and 503 may carry Retry-After)."""
+        """Answer the next `count` matching requests with `status` and a Status body; 503 may carry
+        Retry-After. A 429 comes as kube-apiserver's max-in-flight and priority-and-fairness filters send
+        it: a plain-text body and `Retry-After: 1` (`retry_after=5` and a message: its shutdown filter,
+        with_retry_after.go). 409 is refused: a real server answers it only to a write whose
+        resourceVersion is no longer the Node's; `write_next` makes one."""
+        if status == 409:
+            raise ValueError("kube-apiserver answers 409 only to a write whose resourceVersion no longer matches: "
+                             "use write_next(), another writer changing the Node first")
+        if status == 429 and retry_after is None:
+            retry_after = 1
         return self._add_fault(Fault(pattern, "status", count, method, status=status, message=message,
                                      retry_after=retry_after))
+
+    def write_next(self, pattern: PathPattern = "*", *, count: Optional[int] = 1,
+                   method: Optional[str] = "PATCH") -> Fault:
+        """Before each of the next `count` matching requests, another writer changes the Node (an
+        annotation of its own, resourceVersion bumped), as a controller or kubectl would between a
+        client's read and its write. The request is then handled as usual: a write carrying the
+        resourceVersion it read is answered 409 Conflict, one without applies to the changed Node."""
+        return self._add_fault(Fault(pattern, "write", count, method))
 
     def hang_next(self, pattern: PathPattern = "*", *, count: Optional[int] = 1, method: Optional[str] = None,
                   seconds: Optional[float] = None, apply: bool = False) -> Fault:
@@ -1503,6 +1524,9 @@ class KubeEmulator:
         self._record(record)
         fault = self._take_fault(method, path)
         try:
+            if fault is not None and fault.kind == "write":
+                self._write_concurrently(path, fault)
+                fault = None
             if fault is not None:
                 record.fault = fault.kind
                 if fault.kind == "reset":
@@ -1518,7 +1542,7 @@ class KubeEmulator:
                     self._stopping.wait(fault.seconds)
                     raise _Hangup()
                 elif fault.kind == "status":
-                    injected = self._injected(fault, path)
+                    injected = self._injected(fault)
                     self._send(handler, injected.code, injected.body, injected.headers, record)
                     return
             code, payload, headers = self._process(method, path, query, body, handler, user, auth_error)
@@ -1544,14 +1568,20 @@ class KubeEmulator:
             self._finish_record(record, error=tb)
             self._send(handler, failure.code, failure.body, {}, record)
 
-    def _injected(self, fault: Fault, path: str) -> ApiError:
-        name = _node_name_from_path(path) or ""
+    def _write_concurrently(self, path: str, fault: Fault) -> None:
+        name = _node_name_from_path(path)
+        if name is None or name not in self.node_names():
+            return
+        writes = fault.hits
+
+        def change(node: dict[str, Any]) -> None:
+            node["metadata"].setdefault("annotations", {})[CONCURRENT_WRITER] = str(writes)
+
+        self.modify_node(name, change)
+
+    def _injected(self, fault: Fault) -> ApiError:
         headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
         code = fault.status
-        if code == 409:
-            err = _conflict(name) if fault.message is None else _conflict(name, fault.message)
-            err.headers = headers
-            return err
         if code == 500:
             message = fault.message or "injected fault"
             return ApiError(500, f"Internal error occurred: {message}", "InternalError",
@@ -1559,10 +1589,11 @@ class KubeEmulator:
         if code == 503:
             return ApiError(503, fault.message or "the server is currently unable to handle the request",
                             "ServiceUnavailable", None, headers)
-        if code == 429:
-            details = {"retryAfterSeconds": fault.retry_after} if fault.retry_after is not None else None
-            return ApiError(429, fault.message or "Too many requests, please try again later.", "TooManyRequests",
-                            details, headers)
+        if code == 429:  # Go's http.Error: text, its line ended, and nosniff
+            err = ApiError(429, fault.message or "Too many requests, please try again later.", "TooManyRequests",
+                           None, {**headers, "X-Content-Type-Options": "nosniff"})
+            err.body = f"{err}\n".encode()
+            return err
         if code == 504:
             return ApiError(504, fault.message or "Timeout: request did not complete within requested timeout - "
                             "context deadline exceeded", "Timeout", None, headers)
@@ -1572,14 +1603,19 @@ class KubeEmulator:
 
     def _send(self, handler: _Handler, code: int, payload: Any, headers: Mapping[str, str],
               record: Optional[RequestRecord]) -> None:
-        data = b"" if payload is None else (json.dumps(payload, separators=(",", ":")) + "\n").encode()
+        if isinstance(payload, bytes):  # a filter's plain text, before any handler writes a Status
+            data = payload
+        else:
+            data = b"" if payload is None else (json.dumps(payload, separators=(",", ":")) + "\n").encode()
         if record is not None:
             self._finish_record(record, status=code, response=payload)
         try:
             handler.send_response(code)
             handler.send_header("Audit-Id", str(uuid.uuid4()))
             handler.send_header("Cache-Control", "no-cache, private")
-            if payload is not None:
+            if isinstance(payload, bytes):
+                handler.send_header("Content-Type", "text/plain; charset=utf-8")
+            elif payload is not None:
                 handler.send_header("Content-Type", JSON)
             for key, value in headers.items():
                 handler.send_header(key, value)

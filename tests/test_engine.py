@@ -13,7 +13,7 @@ import pytest
 from gpu_agent.config import load_config
 from gpu_agent.config.schema import ReconcileConfig
 from gpu_agent.daemon.engine import Engine, StageRun
-from gpu_agent.errors import StageError
+from gpu_agent.errors import StageError, TransientError
 from gpu_agent.plan import Change
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.state import FAILED, OK, PENDING, WAITING, AgentState
@@ -122,6 +122,35 @@ def test_recorded_retry_delay_grows_with_consecutive_failures(state: AgentState)
     assert state.stages["bad"].failures == 4
     assert 4.5 <= delays[0] <= 5 and 9 <= delays[1] <= 10 and 18 <= delays[2] <= 20 and 27 <= delays[3] <= 30
     assert engine.next_retry() == state.stages["bad"].next_retry
+
+
+def test_a_transient_failure_runs_again_on_its_own_schedule_and_leaves_the_backoff_alone(
+        state: AgentState, caplog: pytest.LogCaptureFixture) -> None:
+    """The Kubernetes API's faults (kube/retry.py) are retried when their schedule says: they neither wait
+    for the stage's backoff nor grow it, and the engine does not log them again."""
+    now = [1_700_000_000.0]
+    stage = FakeStage("labels", [])
+    engine = Engine([stage], state, SETTINGS, clock=lambda: now[0])
+    status = state.stages["labels"]
+    caplog.set_level("DEBUG")
+    for attempt in range(1, 6):
+        stage.fail = TransientError("GET /api/v1/nodes/n: 500 InternalError: boom", retry_at=now[0] + 2)
+        (run,) = reconcile(engine)
+        assert (run.state, run.retry_at) == (FAILED, now[0] + 2)
+        assert (status.failures, status.backoff_failures, status.next_retry) == (attempt, 0, now[0] + 2)
+        assert status.last_run == now[0] and engine.next_retry() == now[0] + 2
+        assert reconcile(engine)[0].skipped  # not due yet
+        now[0] += 2
+    assert [record for record in caplog.records if "boom" in record.getMessage()] == []
+    stage.fail = StageError("cannot write the NFD features file")  # a fault on the host: the first backoff
+    reconcile(engine)
+    assert (status.failures, status.backoff_failures) == (6, 1)
+    assert 4.5 <= status.next_retry - now[0] <= 5
+    assert "labels failed: cannot write the NFD features file (retry 1 in" in caplog.text
+    now[0] = status.next_retry
+    stage.fail = None
+    reconcile(engine)
+    assert (status.state, status.failures, status.backoff_failures, status.next_retry) == (OK, 0, 0, None)
 
 
 def test_stage_in_backoff_is_skipped_unless_forced(state: AgentState) -> None:

@@ -104,3 +104,23 @@ def test_an_unwritable_state_directory_keeps_the_budget_in_the_process(
         clock.now += 30
         assert spend(budget) == 0
     assert caplog.text.count("cannot keep the API request budget") == 1
+
+
+def test_wait_says_when_a_request_may_go_with_some_to_spare(tmp_path: Path) -> None:
+    now = [1_700_000_000.0]
+    budget = RequestBudget(per_minute=4, path=tmp_path / "kube-requests.json", clock=lambda: now[0])
+    assert budget.wait() == 0 and budget.wait(spare=3) == 0  # nothing spent
+    for offset in (0, 10, 20):
+        now[0] = 1_700_000_000.0 + offset
+        assert budget.take()
+    # Spent at 0, 10 and 20 s; now is 20 s. One more fits; with one to spare, the first must leave the window.
+    assert budget.wait() == 0
+    assert budget.wait(spare=1) == 40  # at 60 s, the request of 0 s is out of the minute
+    assert budget.wait(spare=2) == 50  # two to spare: the one of 10 s too
+    assert budget.wait(spare=9) == 60  # more to spare than the budget holds: the whole minute
+    assert budget.take() and not budget.take()
+    assert budget.wait() == 40
+    now[0] += 40
+    assert budget.wait() == 0 and budget.take()
+    assert RequestBudget(per_minute=4, path=tmp_path / "kube-requests.json",
+                         clock=lambda: now[0]).wait() == 10  # the file's times: another process's view

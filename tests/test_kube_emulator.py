@@ -426,10 +426,45 @@ def test_injected_errors_then_recovery(emu: KubeEmulator, kubelet: Client) -> No
     resp = kubelet.patch({"metadata": {"labels": {"a.example.com/b": "c"}}})
     assert resp.status == 503 and resp.headers["Retry-After"] == "7"
     assert "a.example.com/b" not in emu.labels()
-    emu.fail_next("*/status", 409)
-    resp = kubelet.patch({"status": {}}, sub="status")
-    assert resp.status == 409 and resp.json["reason"] == "Conflict"
-    assert [r.fault for r in emu.requests] == ["status", "status", None, None, "status", "status"]
+    assert [r.fault for r in emu.requests] == ["status", "status", None, None, "status"]
+
+
+def test_a_conflict_comes_only_from_a_resource_version_another_writer_made_stale(emu: KubeEmulator,
+                                                                                 kubelet: Client) -> None:
+    """kube-apiserver's registry Store.Update (staging/src/k8s.io/apiserver/pkg/registry/generic/registry/
+    store.go, commit 0021a864) answers 409 only where the object the patch makes carries a resourceVersion
+    other than the stored one: a patch without one is applied to the Node as stored, never a conflict."""
+    with pytest.raises(ValueError, match="write_next"):
+        emu.fail_next("*", 409)
+    fault = emu.write_next(f"/api/v1/nodes/{NODE}*", count=2)
+    read = emu.resource_version()
+    resp = kubelet.patch({"metadata": {"resourceVersion": read, "labels": {"nvidia.com/x": "1"}}})
+    assert resp.status == 409 and resp.json["reason"] == "Conflict" and "nvidia.com/x" not in emu.labels()
+    assert emu.annotations()["emulator.example.com/concurrent-writer"] == "1"
+    resp = kubelet.patch({"metadata": {"labels": {"nvidia.com/x": "1"}}})  # no precondition: no conflict
+    assert resp.status == 200 and emu.labels()["nvidia.com/x"] == "1"
+    assert emu.annotations()["emulator.example.com/concurrent-writer"] == "2"  # written on top of the other
+    assert fault.remaining == 0 and kubelet.get().status == 200  # reads never meet the other writer
+    current = emu.resource_version()
+    assert kubelet.patch({"metadata": {"resourceVersion": current, "labels": {"nvidia.com/x": "2"}}},
+                         sub="status").status == 200
+    assert [r.fault for r in emu.requests] == [None] * 4
+
+
+def test_a_429_is_sent_as_the_apiservers_filters_send_it(emu: KubeEmulator, kubelet: Client) -> None:
+    """max-in-flight and priority-and-fairness: `Retry-After: 1` and a plain-text line (maxinflight.go,
+    tooManyRequests); the shutdown filter: `Retry-After: 5` (with_retry_after.go); both in
+    staging/src/k8s.io/apiserver/pkg/server/filters/ of kubernetes/kubernetes, commit 04791b49."""
+    emu.fail_next(f"/api/v1/nodes/{NODE}", 429)
+    resp = kubelet.get()
+    assert (resp.status, resp.headers["Retry-After"], resp.raw) == (429, "1",
+                                                                   b"Too many requests, please try again later.\n")
+    assert resp.headers["Content-Type"] == "text/plain; charset=utf-8"
+    emu.fail_next(f"/api/v1/nodes/{NODE}", 429, retry_after=5,
+                  message="The apiserver is shutting down, please try again later.")
+    resp = kubelet.get()
+    assert (resp.status, resp.headers["Retry-After"]) == (429, "5") and b"shutting down" in resp.raw
+    assert kubelet.get().status == 200
 
 
 def test_hang_times_the_client_out_then_the_server_recovers(emu: KubeEmulator, pki: KubePKI) -> None:

@@ -69,8 +69,9 @@ def answering(raw: bytes) -> Script:
 
 def get(server: RawServer, timeout: float = 5, limit: int = 1 << 20, body: bytes | None = None,
         headers: list[tuple[str, str]] | None = None) -> tuple[int, bytes]:
-    return exchange(urlsplit(f"http://127.0.0.1:{server.port}"), None, "PATCH" if body else "GET", "/api/v1/nodes/n",
-                    headers or [], body, timeout, limit)
+    answer = exchange(urlsplit(f"http://127.0.0.1:{server.port}"), None, "PATCH" if body else "GET",
+                      "/api/v1/nodes/n", headers or [], body, timeout, limit)
+    return answer.status, answer.body
 
 
 def test_a_content_length_answer(serve: Callable[[Script], RawServer]) -> None:
@@ -79,6 +80,18 @@ def test_a_content_length_answer(serve: Callable[[Script], RawServer]) -> None:
     head = server.requests[0]
     assert head.startswith(b"GET /api/v1/nodes/n HTTP/1.1\r\n")
     assert b"\r\nhost: 127.0.0.1:%d\r\n" % server.port in head.lower() and b"connection: close" in head.lower()
+
+
+def test_retry_after_is_reported_as_sent(serve: Callable[[Script], RawServer]) -> None:
+    """kube-apiserver's max-in-flight and priority-and-fairness filters answer 429 with `Retry-After: 1`
+    and a plain-text body (staging/src/k8s.io/apiserver/pkg/server/filters/maxinflight.go, tooManyRequests)."""
+    raw = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: text/plain; charset=utf-8\r\nRetry-After: 1\r\n"
+           b"Content-Length: 43\r\n\r\nToo many requests, please try again later.\n")
+    answer = exchange(urlsplit(f"http://127.0.0.1:{serve(answering(raw)).port}"), None, "GET", "/x", [], None, 5, 100)
+    assert (answer.status, answer.retry_after) == (429, "1")
+    long = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: " + b"9" * 500 + b"\r\nContent-Length: 0\r\n\r\n"
+    answer = exchange(urlsplit(f"http://127.0.0.1:{serve(answering(long)).port}"), None, "GET", "/x", [], None, 5, 100)
+    assert answer.retry_after == "9" * 64  # cut: no Retry-After is that long
 
 
 def test_a_chunked_answer_in_pieces(serve: Callable[[Script], RawServer]) -> None:
@@ -170,7 +183,8 @@ def test_an_ipv6_server_keeps_its_brackets_in_host() -> None:
 
     threading.Thread(target=serve_one, daemon=True).start()
     try:
-        assert exchange(urlsplit(f"http://[::1]:{port}"), None, "GET", "/x", [], None, 5, 100) == (200, b"{}")
+        answer = exchange(urlsplit(f"http://[::1]:{port}"), None, "GET", "/x", [], None, 5, 100)
+        assert (answer.status, answer.body, answer.retry_after) == (200, b"{}", None)
     finally:
         listener.close()
     assert b"\r\nhost: [::1]:%d\r\n" % port in heads[0].lower()

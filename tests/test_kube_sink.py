@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from conftest import cli
-from harness import Pass, SimNode, run_cli
+from harness import FakeClock, Pass, SimNode, run_cli
 from kube_emulator import KubeEmulator
 from test_labels import DGX_A100
 
@@ -104,47 +104,70 @@ def test_a_fault_storm_is_survived_at_a_bounded_rate(agent, api: KubeEmulator, k
     assert daemon.get("/readyz")[0] == 200  # the GPUs are fine: the sink only degrades the agent
     status = cli("status", root=root, config=daemon.config)  # the command's exit code, against the daemon
     assert status.returncode == 2 and "degraded: labels" in status.stdout
-    api.clear_faults()
+    assert json.loads(daemon.get("/status")[1])["kubernetes_api"]["state"] == "recovering"
+    api.clear_faults()  # the API's schedule tries again within seconds (the forced pass may be held)
     daemon.signal(signal.SIGHUP)
-    daemon.wait_http("/readyz?verbose", lambda _, b: "[+]labels ok" in b, timeout=15)
+    daemon.wait_http("/readyz?verbose", lambda _, b: "[+]labels ok" in b, timeout=30)
     assert api.labels()["nvidia.com/gpu.count"] == "8"
-    # The storm again, and reloads that each build a new client (a new request timeout) and force a
-    # pass that skips the backoff: only the node's request budget holds the rate now. Reloads go on until
-    # the budget refuses a request (each reload of a changed file is validated first, and a loaded
-    # machine coalesces signals into fewer passes), at most two budget windows.
+    assert json.loads(daemon.get("/status")[1])["kubernetes_api"]["state"] == "ok"
+    # The storm again, and reloads that each build a new client (a new request timeout) and force a pass
+    # that skips the stage's backoff: the API's schedule holds each forced request back until its retry
+    # is due, and the node's budget would hold the rest. Reloads go on until a forced pass is seen held
+    # (each reload of a changed file is validated first, and a loaded machine coalesces signals).
     api.fail_next("*", 500, count=None)
-    deadline, reloads, capped = time.monotonic() + 120, 0, False
-    while not capped and time.monotonic() < deadline:
+    deadline, reloads, held = time.monotonic() + 120, 0, False
+    while not (held and reloads >= 10) and time.monotonic() < deadline:
         write_config(settings(request_timeout_seconds=5 + reloads % 40))
         daemon.signal(signal.SIGHUP)
         daemon._drain()  # read its notify messages, as systemd would: a full socket would block it
         reloads += 1
         time.sleep(0.1)
-        capped = "not sent: 12 requests" in daemon.get("/readyz?verbose")[1]
-    assert capped, f"the request budget never refused a request in {reloads} reloads"
+        held = held or "not sent: the next attempt is due in" in daemon.get("/readyz?verbose")[1]
+    assert held, f"no forced pass was held back in {reloads} reloads"
     assert api.max_requests_in_window(60) <= 12
 
 
-def test_clients_built_again_share_the_nodes_request_budget(api: KubeEmulator, kube_root: Path,
-                                                            write_config) -> None:
+def test_clients_built_again_share_the_nodes_api_schedule_and_request_budget(api: KubeEmulator, kube_root: Path,
+                                                                             write_config) -> None:
+    """Each reload builds a new client; forced passes skip the stages' backoff. A failed request's retry
+    is still held until due, and the budget still counts what every earlier client spent."""
     api.fail_next("*", 500, count=None)
-    runtime = Runtime.build(Root(kube_root), load_config(write_config(settings()), True), "t4")
+    clock = FakeClock()
+    runtime = Runtime.build(Root(kube_root), load_config(write_config(settings()), True), "t4", clock=clock)
     try:
         for timeout in range(1, 6):
             config = load_config(write_config(settings(request_timeout_seconds=timeout)), True).config
             runtime.engine.set_stages(runtime.stages(config))
             for _ in range(4):
                 asyncio.run(runtime.engine.reconcile(force=True))
+            assert "not sent: the next attempt is due in" in runtime.state.stages["labels"].message
+            clock.wait_until(runtime.state.stages["labels"].next_retry or 0)
+        assert len(api.requests) == 5  # one at each due retry; the forced passes between them sent nothing
+        while runtime.kube_budget.take():  # another client of the node (`gpu-agent labels`) spends the rest
+            pass
+        runtime.engine.set_stages(runtime.stages(config))
+        asyncio.run(runtime.engine.reconcile(force=True))
     finally:
         runtime.nvml.close()
-    assert len(api.requests) == 12
-    assert "not sent: 12 requests" in runtime.state.stages["labels"].message
+    assert len(api.requests) == 5
+    assert "not sent: 12 requests to the API server in the last minute" in runtime.state.stages["labels"].message
 
 
-def test_a_conflict_is_followed_by_a_fresh_read(api: KubeEmulator, kube_root: Path) -> None:
-    api.fail_next("/api/v1/nodes/gpu-node-1", 409, method="PATCH")
-    assert "409" in labels_failed(apply(kube_root))
-    assert apply(kube_root).ok and api.labels()["nvidia.com/gpu.count"] == "8"
+def test_a_conflict_is_followed_by_a_fresh_read_and_the_write_at_once(api: KubeEmulator, kube_root: Path) -> None:
+    """Each patch carries the resourceVersion of the read it was made from; another writer changed the
+    Node in between, so the server answers 409, and the same pass reads again and writes."""
+    api.write_next("/api/v1/nodes/gpu-node-1", method="PATCH")
+    done = apply(kube_root)
+    assert done.ok, done.stage("labels").message
+    assert api.labels()["nvidia.com/gpu.count"] == "8"
+    assert [(r.method, r.path.rpartition("/")[2], r.status) for r in api.requests] == [
+        ("GET", NODE, 200), ("PATCH", NODE, 409), ("GET", NODE, 200), ("PATCH", NODE, 200),
+        ("PATCH", "status", 200)]
+    patches = [r.json for r in api.requests if r.method == "PATCH"]
+    assert patches[0]["metadata"]["resourceVersion"] != patches[1]["metadata"]["resourceVersion"]
+    assert patches[2]["metadata"]["resourceVersion"] == api.requests[3].response["metadata"]["resourceVersion"]
+    assert done.state.kube_api is not None
+    assert (done.state.kube_api["state"], done.state.kube_api["conflicts"]) == ("ok", 1)
 
 
 @pytest.mark.subprocess  # the daemon

@@ -219,6 +219,21 @@ def print_table(status: dict[str, Any]) -> None:
                           f"{device['health_reason']}; recovers {_recovery(device)}")
     if status.get("mps"):
         print_mps(status["mps"])
+    api = status.get("kubernetes_api")
+    if api and api["state"] != "ok":
+        print_kube_api(api)
+
+
+def print_kube_api(api: dict[str, Any]) -> None:
+    """The Kubernetes API while it is not ok: since when, how many requests failed, when the next goes."""
+    def at(when: float) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(when))
+
+    since = f" since {at(api['since'])}" if api.get("since") else ""
+    attempt = f", next attempt at {at(api['next_attempt'])}" if api.get("next_attempt") else ""
+    print()
+    print(f"Kubernetes API {api['state']}{since}: {api['failed_requests']} failed request(s) in a row{attempt}; "
+          f"last: {api['last_error']}")
 
 
 def print_mps(mps: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Optional
+from typing import IO, TYPE_CHECKING, Any, Callable, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig
@@ -30,6 +30,7 @@ from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader, ModuleUnloader
 from gpu_agent.host.paths import Root, resolve
 from gpu_agent.kube import budget
+from gpu_agent.kube.api_state import ApiState
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.mig.hooks import Systemctl, UnitControl
 from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
@@ -83,14 +84,17 @@ class Runtime:
     machine: Optional[Any] = None  # the simulated machine, when there is one
     real_root_simulated: bool = False  # simulated GPUs over the real / : its runtimes and CUDA are real
     kube_budget: RequestBudget = field(default_factory=RequestBudget)  # the node's, whichever client spends it
+    kube_api: Optional[ApiState] = None  # how the node's API requests go, whichever client sends them
     gpu_reset: Optional[GpuReset] = None  # resets one GPU for a pending MIG mode
     units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
     plugin_gate: PluginGate = field(default_factory=PluginGate)  # holds the device plugin off (driver reload)
     versions: Optional[Versions] = None  # the runtimes' and the kubelet's versions, their --version runs cached
 
     @classmethod
-    def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str]) -> Runtime:
-        """The real host (pynvml, modprobe), or a simulated machine kept under `root`."""
+    def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str],
+              clock: Callable[[], float] = time.time) -> Runtime:
+        """The real host (pynvml, modprobe), or a simulated machine kept under `root`. `clock`: the unix
+        time of the engine's retries and the API's schedule (a test's own, to skip the waits)."""
         config = loaded.config
         loader: ModuleLoader
         services: ServiceControl
@@ -128,10 +132,12 @@ class Runtime:
 
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
         gpu_reset = ResetHealsGpu(gpu_reset, state)
-        engine = Engine([], state, config.reconcile, begin_pass=nvml.inventory.begin_pass)
+        engine = Engine([], state, config.reconcile, begin_pass=nvml.inventory.begin_pass, clock=clock)
+        requests = RequestBudget(path=root(budget.PATH), clock=clock)
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units,
-                      kube_budget=RequestBudget(path=root(budget.PATH)), versions=Versions(root))
+                      kube_budget=requests, kube_api=ApiState(requests, state.publish_kube_api, clock),
+                      versions=Versions(root))
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
@@ -198,7 +204,8 @@ class Runtime:
             from gpu_agent.stages.labels import KubeSink
 
             state = self.state
-            sink = KubeSink(self.root, state.readiness_of, lambda: state.config.config, kube, self.kube_budget, api=api)
+            sink = KubeSink(self.root, state.readiness_of, lambda: state.config.config, kube, self.kube_budget, api=api,
+                            api_state=self.kube_api)
         upgrade = None
         if config.driver.enabled:
             driver = config.driver

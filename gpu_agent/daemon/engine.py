@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gpu_agent.config.schema import ReconcileConfig
-from gpu_agent.errors import AgentError
+from gpu_agent.errors import AgentError, TransientError
 from gpu_agent.plan import Change
 from gpu_agent.printable import printable
 from gpu_agent.stages.base import OUTCOMES, Action, Stage
@@ -38,6 +38,7 @@ class StageRun:
     claims: Optional[set[str]] = None  # the files the stage wants; None: it could not tell
     restarts: dict[str, int] = field(default_factory=dict)  # the container runtimes it restarted, how often
     attempted: list[Action] = field(default_factory=list)  # a failed run's changes, made or undone
+    retry_at: Optional[float] = None  # a TransientError's: when to run again, instead of the stage's backoff
 
     def __post_init__(self) -> None:
         self.message = printable(self.message)  # it quotes what the driver and files say; shown everywhere
@@ -45,11 +46,13 @@ class StageRun:
 
 class Engine:
     def __init__(self, stages: Sequence[Stage], state: AgentState, settings: ReconcileConfig,
-                 begin_pass: Callable[[], None] = lambda: None) -> None:
-        """`begin_pass`: called as each pass starts (what a pass may reuse from earlier in it is forgotten)."""
+                 begin_pass: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.time) -> None:
+        """`begin_pass`: called as each pass starts (what a pass may reuse from earlier in it is forgotten);
+        `clock`: the unix time the outcomes and retries are recorded in (a test's own, to skip the waits)."""
         self.state = state
         self.settings = settings
         self.begin_pass = begin_pass
+        self.clock = clock
         self.stages: list[Stage] = []
         self.running: Optional[tuple[str, float]] = None  # the stage a pass is in, since when (monotonic)
         # By stage: the changes of its last run, when it failed after restarting a runtime. A forced pass
@@ -113,7 +116,7 @@ class Engine:
                 break
             stage.inputs = {name: self._input(name, results, claims, recorded, runs) for name in stage.consumes}
             status = self.state.stages[stage.name]
-            now = time.time()
+            now = self.clock()
             backing_off = not dry_run and status.next_retry is not None and now < status.next_retry
             if backing_off and (not force or self._same_failed_restart(stage)):
                 runs.append(StageRun(stage.name, status.state, status.message, skipped=True))
@@ -146,7 +149,7 @@ class Engine:
 
     def _progress(self, status: StageStatus, doing: str) -> None:
         """A stage's step in progress (a runtime restart it waits for): not ready until its outcome."""
-        status.record(PENDING, printable(doing), None, time.time())
+        status.record(PENDING, printable(doing), None, self.clock())
         self.state.published += 1  # /status renders again
 
     def _remember_restarts(self, name: str, run: StageRun) -> None:
@@ -184,7 +187,7 @@ class Engine:
     def record_dry_run(self, runs: Sequence[StageRun]) -> None:
         """Take a dry run's findings into the state model, as a one-shot command's view of the node
         (`gpu-agent labels`): outcomes and results, no backoff, nothing applied."""
-        now = time.time()
+        now = self.clock()
         for run in runs:
             self.state.stages[run.stage].record(run.state, run.message, None, now)
             for name, value in run.outputs.items():
@@ -230,7 +233,8 @@ class Engine:
                             outputs=outputs, claims=claims)
         except AgentError as exc:
             return StageRun(stage.name, FAILED, str(exc), attempted=applied, facts=_facts(stage, observed),
-                            outputs=_outputs(stage, observed), claims=_claims(stage, observed))
+                            outputs=_outputs(stage, observed), claims=_claims(stage, observed),
+                            retry_at=exc.retry_at if isinstance(exc, TransientError) else None)
         except Exception as exc:  # a bug: keep the daemon alive, say where it is
             log.exception("stage %s crashed; this is a gpu-agent bug", stage.name)
             return StageRun(stage.name, FAILED, f"internal error: {type(exc).__name__}: {exc}",
@@ -249,7 +253,7 @@ class Engine:
 
     def _record(self, stage: Stage, status: StageStatus, run: StageRun, started: float, previous: str) -> None:
         """`previous`: the outcome before the run (not the progress it reported during it)."""
-        now = time.time()
+        now = self.clock()
         status.duration_seconds = now - started
         status.facts = run.facts
         if run.claims is not None:
@@ -259,7 +263,7 @@ class Engine:
             self.state.record_output(name, value)
         if run.state == OK:
             status.record(OK, run.message, None, now)
-            status.failures, status.next_retry = 0, None
+            status.failures, status.backoff_failures, status.next_retry = 0, 0, None
             if run.applied:
                 status.changes_applied += len(run.planned)
                 status.last_change = now
@@ -269,11 +273,15 @@ class Engine:
                 log.info("%s: ok: %s", stage.name, run.message)
             return
         status.failures += 1
-        delay = self.backoff(status.failures)
         status.record(FAILED, run.message, run.message, now)
+        if run.retry_at is not None:  # what failed has its own schedule, and logged the failure
+            status.next_retry = run.retry_at
+            return
+        status.backoff_failures += 1
+        delay = self.backoff(status.backoff_failures)
         status.next_retry = now + delay
-        if previous != FAILED or status.failures in (1, 2) or status.failures % 10 == 0:
-            log.error("%s failed: %s (retry %d in %.0f s)", stage.name, run.message, status.failures, delay)
+        if previous != FAILED or status.backoff_failures in (1, 2) or status.backoff_failures % 10 == 0:
+            log.error("%s failed: %s (retry %d in %.0f s)", stage.name, run.message, status.backoff_failures, delay)
 
     def backoff(self, failures: int) -> float:
         base = self.settings.backoff_initial_seconds * 2 ** min(failures - 1, 30)

@@ -1,16 +1,20 @@
 """A small Kubernetes API client for one Node: GET and PATCH, with the node's own credentials.
 
 Synchronous (stages run on worker threads), every request with a timeout, TLS verification on,
-the client certificate re-read when the kubelet rotates it, and requests counted against the
-node's RequestBudget. Nothing the server answers reaches a message with the token in it.
+the client certificate re-read when the kubelet rotates it, requests counted against the node's
+RequestBudget, and each outcome told to the node's ApiState, which says what follows a failure
+(kube/retry.py) and holds requests back until a retry is due. Nothing the server answers reaches a
+message with the token in it.
 """
 from __future__ import annotations
 
 import base64
+import errno
 import functools
 import json
 import os
 import re
+import socket
 import ssl
 import stat
 import tempfile
@@ -23,8 +27,10 @@ from gpu_agent.config.text import shown
 from gpu_agent.errors import AgentError
 from gpu_agent.host import jsontext
 from gpu_agent.host.paths import Root, followed
+from gpu_agent.kube import retry
+from gpu_agent.kube.api_state import ApiState, Next
 from gpu_agent.kube.budget import RequestBudget
-from gpu_agent.kube.exchange import Redirected, exchange
+from gpu_agent.kube.exchange import Answer, Redirected, exchange
 from gpu_agent.kube.kubeconfig import Credentials, load, read_token, shown_path
 from gpu_agent.kube.names import node_name_problem
 
@@ -35,18 +41,31 @@ MAX_MESSAGE_CHARS = 300  # of the server's own message, in ours
 
 
 class ApiError(AgentError):
-    def __init__(self, message: str, status: int = 0, reason: str = "") -> None:
+    def __init__(self, message: str, status: int = 0, reason: str = "", cause: str = "",
+                 retry_after: Optional[float] = None) -> None:
+        """`cause`: why there was no answer (retry.TIMEOUT, retry.CONNECTION, retry.BUDGET), "" otherwise;
+        `retry_after`: the seconds the server's Retry-After asked for."""
         super().__init__(message)
         self.status = status
         self.reason = reason
+        self.cause = cause
+        self.retry_after = retry_after
+        self.next = Next(retry.GIVE_UP)  # what follows, as the node's ApiState decided
+
+    @property
+    def failure(self) -> retry.Failure:
+        return retry.Failure(self.status, self.cause, self.retry_after)
 
 
 class KubeClient:
-    def __init__(self, root: Root, kubeconfig: str, timeout: float, budget: RequestBudget) -> None:
+    def __init__(self, root: Root, kubeconfig: str, timeout: float, budget: RequestBudget,
+                 api: Optional[ApiState] = None) -> None:
+        """`api`: the node's ApiState, shared like the budget (None: one of this client's own)."""
         self.root = root
         self.kubeconfig = kubeconfig
         self.timeout = timeout
         self.budget = budget  # the node's, shared with every client the agent builds
+        self.api = api or ApiState(budget)
         self._credentials: Optional[Credentials] = None
         self._kubeconfig_stamp: Optional[tuple[int, int]] = None
         self._context: Optional[ssl.SSLContext] = None
@@ -68,40 +87,60 @@ class KubeClient:
         return _checked_node(self._request("GET", path), f"GET {path}")
 
     def patch_node(self, name: str, patch: dict[str, Any], status: bool = False,
-                   content_type: str = MERGE_PATCH) -> dict[str, Any]:
+                   content_type: str = MERGE_PATCH, conflicts: int = 0) -> dict[str, Any]:
+        """`conflicts`: the 409s this write met before (the ApiState re-reads after at most a few)."""
         path = _node_path(name) + ("/status" if status else "")
-        return _checked_node(self._request("PATCH", path, json.dumps(patch).encode(), content_type), f"PATCH {path}")
+        return _checked_node(self._request("PATCH", path, json.dumps(patch).encode(), content_type, conflicts),
+                             f"PATCH {path}")
 
     # --- transport -------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, body: Optional[bytes] = None,
-                 content_type: Optional[str] = None) -> dict[str, Any]:
+                 content_type: Optional[str] = None, conflicts: int = 0) -> dict[str, Any]:
         credentials = self.credentials  # everything a request needs is read before the budget is spent
         token = read_token(self.root, credentials)
         context = self._ssl(credentials) if credentials.server.startswith("https:") else None
+        held = self.api.held()
+        if held is not None:  # a failed request's retry is not due: nothing is sent, nothing spent
+            at, error = held
+            exc = ApiError(f"{method} {path} not sent: the next attempt is due in {at - self.api.now():.1f} s, "
+                           f"after {error}")
+            exc.next = Next(retry.WAIT, at)
+            raise exc
         if not self.budget.take():
-            raise ApiError(f"{method} {path} not sent: {self.budget.per_minute} requests to the API server "
-                           "in the last minute already (the agent's limit)")
+            raise self._failed(ApiError(f"{method} {path} not sent: {self.budget.per_minute} requests to the API "
+                                        "server in the last minute already (the agent's limit)", cause=retry.BUDGET),
+                               method, conflicts)
         try:
-            status, payload = self._send(credentials, token, context, method, path, body, content_type)
+            answer = self._send(credentials, token, context, method, path, body, content_type)
         except ApiError as exc:  # whatever the server sent back, the token it was sent never shows
-            raise ApiError(_without(str(exc), token), exc.status, _without(exc.reason, token)) from None
+            raise self._failed(ApiError(_without(str(exc), token), exc.status, _without(exc.reason, token),
+                                        exc.cause), method, conflicts) from None
+        status, payload = answer.status, answer.body
         try:
             document = jsontext.loads(payload) if payload else {}
         except jsontext.NumberTooLong as exc:
-            raise ApiError(f"{method} {credentials.server}{path}: HTTP {status} with an integer of {exc.digits} digits "
-                           f"at {exc.where} of its body; no Kubernetes object holds one", status) from None
+            raise self._failed(ApiError(
+                f"{method} {credentials.server}{path}: HTTP {status} with an integer of {exc.digits} digits at "
+                f"{exc.where} of its body; no Kubernetes object holds one", status), method, conflicts) from None
         except (ValueError, RecursionError):
             document = None
         if status >= 400:
-            raise self._error(method, path, status, document, payload, credentials, token)
+            raise self._failed(self._error(method, path, answer, document, credentials, token), method, conflicts)
         if not isinstance(document, dict):
-            raise ApiError(f"{method} {credentials.server}{path}: HTTP {status} with a body that is not a JSON "
-                           "object; is the kubeconfig's server a Kubernetes API server?", status)
+            raise self._failed(ApiError(f"{method} {credentials.server}{path}: HTTP {status} with a body that is "
+                                        "not a JSON object; is the kubeconfig's server a Kubernetes API server?",
+                                        status), method, conflicts)
+        self.api.answered(f"{method} {path}", write=method != "GET")
         return document
 
+    def _failed(self, exc: ApiError, method: str, conflicts: int) -> ApiError:
+        """`exc`, with what follows it as the node's ApiState decides (which logs it once)."""
+        exc.next = self.api.failed(exc.failure, str(exc), write=method != "GET", conflicts=conflicts)
+        return exc
+
     def _send(self, credentials: Credentials, token: Optional[str], context: Optional[ssl.SSLContext], method: str,
-              path: str, body: Optional[bytes], content_type: Optional[str]) -> tuple[int, bytes]:
+              path: str, body: Optional[bytes], content_type: Optional[str]) -> Answer:
         headers = [("Accept", "application/json"), ("User-Agent", "gpu-agent")]
         if content_type:
             headers.append(("Content-Type", content_type))
@@ -110,34 +149,41 @@ class KubeClient:
         where = f"{method} {credentials.server}{path}"
         url = urlsplit(credentials.server)
         try:
-            status, payload = exchange(url, context, method, url.path.rstrip("/") + path, headers, body, self.timeout,
-                                       MAX_RESPONSE_BYTES)
+            answer = exchange(url, context, method, url.path.rstrip("/") + path, headers, body, self.timeout,
+                              MAX_RESPONSE_BYTES)
         except (OSError, h11.RemoteProtocolError) as exc:  # TLS verification failures included
-            raise ApiError(f"{where}: {exc}") from None
+            raise ApiError(f"{where}: {exc}", cause=_cause(exc)) from None
         except Redirected as exc:  # following would send the credentials on: never
             to = f" to {_excerpt(exc.location, token)}" if exc.location else " without a Location"
             raise ApiError(f"{where}: HTTP {exc.status}, a redirect{to}, which the agent does not follow; set the "
                            "kubeconfig's server to the API server's own address", exc.status) from None
         except ValueError:  # CannotForm, a host name IDNA cannot encode: the values stay unsaid
             raise ApiError(f"{where}: the request cannot be formed from the kubeconfig's values") from None
-        if len(payload) > MAX_RESPONSE_BYTES:
-            raise ApiError(f"{where}: the answer is larger than {MAX_RESPONSE_BYTES >> 20} MiB", status)
-        return status, payload
+        if len(answer.body) > MAX_RESPONSE_BYTES:
+            raise ApiError(f"{where}: the answer is larger than {MAX_RESPONSE_BYTES >> 20} MiB", answer.status)
+        return answer
 
     @staticmethod
-    def _error(method: str, path: str, status: int, document: Any, payload: bytes, credentials: Credentials,
+    def _error(method: str, path: str, answer: Answer, document: Any, credentials: Credentials,
                token: Optional[str]) -> ApiError:
+        status = answer.status
+        retry_after = retry.retry_after_seconds(answer.retry_after)
         if isinstance(document, dict):
             message = str(document.get("message") or f"HTTP {status}")
             reason = str(document.get("reason") or "")
-        else:
-            message, reason = payload[:_EXCERPT_BYTES].decode(errors="replace"), ""
+            seconds = (document.get("details") or {}).get("retryAfterSeconds") \
+                if isinstance(document.get("details"), dict) else None
+            if retry_after is None and isinstance(seconds, int) and not isinstance(seconds, bool):
+                retry_after = retry.retry_after_seconds(str(seconds))
+        else:  # a filter's plain text (429 from max-in-flight), or a proxy's page
+            message, reason = answer.body[:_EXCERPT_BYTES].decode(errors="replace"), ""
         message = _excerpt(message, token)
         reason = _excerpt(reason, token)
         if status in (401, 403):
             return ApiError(f"{method} {path}: {status} {reason or 'Forbidden'}: {message} (as "
                             f"{credentials.identity()} from the kubeconfig)", status, reason)
-        return ApiError(f"{method} {path}: {status} {reason}: {message}".replace("  ", " "), status, reason)
+        return ApiError(f"{method} {path}: {status} {reason}: {message}".replace("  ", " "), status, reason,
+                        retry_after=retry_after)
 
     def _ssl(self, credentials: Credentials) -> ssl.SSLContext:
         """The TLS context, rebuilt when a certificate file changes (the kubelet rotates its own)."""
@@ -187,6 +233,25 @@ class KubeClient:
             finally:
                 os.unlink(chain.name)
         return context
+
+
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
+
+
+def _cause(exc: BaseException) -> str:
+    """Why a request got no answer, as the retry policy tells faults apart: retry.TIMEOUT, retry.CONNECTION
+    (refused, reset, closed mid-answer, unreachable: the API server restarting, or the way to it), or ""
+    for what is no passing fault (a certificate that does not verify, a name that does not resolve)."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return ""
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return retry.TIMEOUT
+    if isinstance(exc, ssl.SSLError):  # the peer closed during the handshake: as a reset; else TLS itself
+        return retry.CONNECTION if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError,
+                                                    ssl.SSLSyscallError)) else ""
+    if isinstance(exc, (ConnectionError, h11.RemoteProtocolError)) or getattr(exc, "errno", None) in _UNREACHABLE:
+        return retry.CONNECTION
+    return ""
 
 
 def _cluster_ca_only() -> ssl.SSLContext:

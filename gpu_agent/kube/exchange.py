@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import ssl
 import time
+from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import SplitResult
 
@@ -17,6 +18,17 @@ import h11
 _READ_BYTES = 64 * 1024
 _MAX_HEAD_BYTES = 64 * 1024
 _MAX_LOCATION_BYTES = 1024
+_MAX_RETRY_AFTER_BYTES = 64  # delta-seconds or an HTTP date; anything longer is not one
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the server answered: the status, at most `limit` + 1 bytes of body, and its Retry-After
+    header as sent (untrusted text, None without one)."""
+
+    status: int
+    body: bytes
+    retry_after: Optional[str] = None
 
 
 class CannotForm(ValueError):
@@ -34,8 +46,8 @@ class Redirected(Exception):
 
 
 def exchange(server: SplitResult, context: Optional[ssl.SSLContext], method: str, target: str,
-             headers: list[tuple[str, str]], body: Optional[bytes], timeout: float, limit: int) -> tuple[int, bytes]:
-    """(status, body) of `method target` sent to `server`, over TLS when `context` is given. Reads at most
+             headers: list[tuple[str, str]], body: Optional[bytes], timeout: float, limit: int) -> Answer:
+    """The answer to `method target` sent to `server`, over TLS when `context` is given. Reads at most
     `limit` + 1 bytes of body (so a caller sees that an answer went over `limit`).
 
     Raises CannotForm before connecting, OSError (TLS and timeouts included), h11.RemoteProtocolError,
@@ -72,8 +84,9 @@ def _request(client: h11.Connection, server: SplitResult, method: str, target: s
     return b"".join(part for part in parts if part)
 
 
-def _answer(client: h11.Connection, sock: socket.socket, deadline: float, limit: int) -> tuple[int, bytes]:
+def _answer(client: h11.Connection, sock: socket.socket, deadline: float, limit: int) -> Answer:
     status = 0
+    retry_after: Optional[str] = None
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -86,6 +99,9 @@ def _answer(client: h11.Connection, sock: socket.socket, deadline: float, limit:
             if 300 <= status < 400:
                 location = next((value for name, value in event.headers if name == b"location"), b"")
                 raise Redirected(status, location[:_MAX_LOCATION_BYTES].decode("latin-1"))
+            value = next((value for name, value in event.headers if name == b"retry-after"), None)
+            if value is not None:
+                retry_after = value[:_MAX_RETRY_AFTER_BYTES].decode("latin-1")
         elif type(event) is h11.Data:
             chunks.append(bytes(event.data))
             size += len(event.data)
@@ -93,7 +109,7 @@ def _answer(client: h11.Connection, sock: socket.socket, deadline: float, limit:
                 break
         elif type(event) is h11.EndOfMessage:
             break
-    return status, b"".join(chunks)
+    return Answer(status, b"".join(chunks), retry_after)
 
 
 def _until(sock: socket.socket, deadline: float) -> None:

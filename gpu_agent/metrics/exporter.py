@@ -73,12 +73,24 @@ class AgentCollector:
                 up.add([daemon["resource"]], int(daemon["up"]))
             yield mps
             yield up
+        yield from self._kube_api()
         errors = text.counter("gpu_agent_http_connection_errors",
                               "HTTP connections ended by their socket's error (ECONNRESET, EPIPE, ENOTCONN...) "
                               "or closed for not reading their answers, by reason.", labels=["reason"])
         for reason, count in sorted(self.connection_errors.items()):
             errors.add([reason], count)
         yield errors
+
+    def _kube_api(self) -> Iterator[Family]:
+        section = self.state.kube_api or {}
+        yield text.counter("gpu_agent_kube_api_conflicts", "409 Conflict answers to the agent's writes to its Node, "
+                           "each followed by a fresh read and the write made again.",
+                           value=section.get("conflicts", 0))
+        retries = text.counter("gpu_agent_kube_api_retries", "Kubernetes API requests that failed and were retried "
+                               "on the API's own schedule, by reason.", labels=["reason"])
+        for reason, count in (section.get("retries") or {}).items():
+            retries.add([reason], count)
+        yield retries
 
     def _stages(self) -> Iterator[Family]:
         up = text.gauge("gpu_agent_stage_ok", "1 when the stage converged on its last run.", labels=["stage"])

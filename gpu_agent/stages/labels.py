@@ -1,10 +1,15 @@
 """The labels stage: node labels, the GPUAgentReady condition and the NFD feature file.
 
 Labels go as a JSON merge patch of metadata: it sets our keys, deletes stale ones with null and
-cannot touch anyone else's, without a resourceVersion precondition (there is no read-modify-write
-to protect: the set of keys we own travels in our own annotation). The condition goes as a
-strategic merge patch of status, which merges conditions by type, as node-problem-detector does,
-so the kubelet's own conditions stay.
+cannot touch anyone else's. The condition goes as a strategic merge patch of status, which merges
+conditions by type, as node-problem-detector does, so the kubelet's own conditions stay.
+
+Each patch is made from the Node as last read (which of our labels differ, the keys our annotation
+lists, the condition's transition time) and carries that read's resourceVersion: the API server
+answers 409 Conflict when the Node changed since, and the patch is made anew from a fresh read and
+sent at once, a few times at most (kube/retry.py). A conflict is no failure: it costs one read and
+one write. The API's faults are retried on the API's own schedule (kube/api_state.py), not on the
+stage's backoff.
 
 The NFD feature file is a local output: it is written from the computed labels whether or not the
 API server answers, and with the API off (kubernetes.enabled false, or auto without a kubeconfig) it
@@ -12,6 +17,7 @@ is all the stage does, for clusters where Node Feature Discovery publishes the l
 """
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from dataclasses import dataclass
@@ -19,14 +25,16 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.text import shown
-from gpu_agent.errors import StageError
+from gpu_agent.errors import StageError, TransientError
 from gpu_agent.host import owned
 from gpu_agent.host.bounded import read_text
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.kube import labels as gfd
+from gpu_agent.kube import retry
+from gpu_agent.kube.api_state import ApiState
 from gpu_agent.kube.budget import RequestBudget
-from gpu_agent.kube.client import STRATEGIC_MERGE_PATCH, ApiError, KubeClient
+from gpu_agent.kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH, ApiError, KubeClient
 from gpu_agent.kube.labels import machine_name, node_labels
 from gpu_agent.kube.names import node_name_problem
 from gpu_agent.nvml.model import Inventory
@@ -53,7 +61,7 @@ class SinkState:
     labels: dict[str, str]
     condition: dict[str, str]  # status, reason, message
     node: Optional[dict[str, Any]]  # None: the API is off, or failed (api_error)
-    api_error: Optional[str] = None
+    api_error: Optional[StageError] = None  # a TransientError where the API's schedule retries it
 
 
 class KubeSink(Stage):
@@ -62,19 +70,21 @@ class KubeSink(Stage):
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
     def __init__(self, root: Root, readiness: Readiness, config: Callable[[], AgentConfig],
-                 settings: KubernetesConfig, budget: RequestBudget, api: bool = True) -> None:
+                 settings: KubernetesConfig, budget: RequestBudget, api: bool = True,
+                 api_state: Optional[ApiState] = None) -> None:
         """`readiness`: the state model's verdict on this pass's outcomes (AgentState.readiness_of);
-        `config`: the agent's config now (mig.strategy, the plugin's sharing)."""
+        `config`: the agent's config now (mig.strategy, the plugin's sharing); `budget` and `api_state`:
+        the node's, shared with every client the agent builds (None: one of this stage's own)."""
         self.root = root
         self.readiness = readiness
         self.config = config
         self.settings = settings
         self.api = api  # False: the NFD feature file alone
-        self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds, budget)
+        self.client = KubeClient(root, settings.kubeconfig, settings.request_timeout_seconds, budget, api_state)
         self.node_name = settings.node_name or _hostname()
         self._node: Optional[dict[str, Any]] = None
         self._node_read = 0.0
-        self._pass_failure: Optional[str] = None  # why the node could not be read in this pass
+        self._pass_failure: Optional[StageError] = None  # why the node could not be read in this pass
 
     def start_pass(self) -> None:
         self._pass_failure = None
@@ -93,7 +103,7 @@ class KubeSink(Stage):
             try:
                 node = self._current_node()
             except StageError as exc:  # the labels are still computed: the NFD file needs no API server
-                self._pass_failure = str(exc)
+                self._pass_failure = exc
         wanted = node_labels(self.config(), inventory, ready, machine_name(self.root))
         if inventory is None and self.inputs.get("pci_gpus") != 0:
             # GPUs on the bus, not seen yet: keep what the node has (or, without it, the NFD file)
@@ -119,7 +129,7 @@ class KubeSink(Stage):
             try:
                 self._node = self.client.get_node(self._checked_node_name())
             except ApiError as exc:
-                raise StageError(f"node {self.node_name}: {exc}") from None
+                raise self._failure(exc) from None
             self._node_read = time.monotonic()
         return self._node
 
@@ -157,12 +167,14 @@ class KubeSink(Stage):
     def publish_label(self, key: str, value: str) -> None:
         """Set one of our labels now, between passes' full patches (the mig stage's state label going
         pending before a change starts); the next pass owns it like every other label."""
-        metadata = (self._current_node().get("metadata") or {})
-        owned = {k for k in (metadata.get("annotations") or {}).get(MANAGED, "").split(",") if k}
-        if (metadata.get("labels") or {}).get(key) == value and key in owned:
-            return
-        self._patch({"metadata": {"labels": {key: value}, "annotations": {MANAGED: ",".join(sorted(owned | {key}))}}},
-                    status=False)
+        def change(node: dict[str, Any]) -> Optional[dict[str, Any]]:
+            metadata = node.get("metadata") or {}
+            owned = _owned_keys(metadata)
+            if (metadata.get("labels") or {}).get(key) == value and key in owned:
+                return None
+            return {"metadata": {"labels": {key: value}, "annotations": {MANAGED: ",".join(sorted(owned | {key}))}}}
+
+        self._write(change, status=False)
 
     def node_metadata(self, fresh: bool = True) -> tuple[dict[str, str], dict[str, str], bool]:
         """(labels, annotations, spec.unschedulable) of this node, read now (`fresh`) or as last read."""
@@ -174,13 +186,15 @@ class KubeSink(Stage):
     def patch_node(self, unschedulable: Optional[bool], labels: dict[str, str]) -> None:
         """Cordon or uncordon (spec.unschedulable, which NodeRestriction lets a node change on its own Node,
         unlike its taints) and set some of our labels, in one merge patch."""
-        metadata = (self._current_node().get("metadata") or {})
-        owned = {k for k in (metadata.get("annotations") or {}).get(MANAGED, "").split(",") if k}
-        patch: dict[str, Any] = {"metadata": {"labels": labels,
-                                              "annotations": {MANAGED: ",".join(sorted(owned | set(labels)))}}}
-        if unschedulable is not None:
-            patch["spec"] = {"unschedulable": True if unschedulable else None}
-        self._patch(patch, status=False)
+        def change(node: dict[str, Any]) -> dict[str, Any]:
+            owned = _owned_keys(node.get("metadata") or {})
+            patch: dict[str, Any] = {"metadata": {"labels": labels,
+                                                  "annotations": {MANAGED: ",".join(sorted(owned | set(labels)))}}}
+            if unschedulable is not None:
+                patch["spec"] = {"unschedulable": True if unschedulable else None}
+            return patch
+
+        self._write(change, status=False)
 
     # --- plan and apply --------------------------------------------------------------------------
 
@@ -199,63 +213,73 @@ class KubeSink(Stage):
                 actions.append(Action.of(WriteFile.of(NFD_FILE, text, current), lambda: self._write_nfd(text)))
         if state.node is None:
             return actions
-        patch = self._labels_patch(state)
+        # Each patch is made again when it is sent, from the Node as then last read (the labels' answer,
+        # or a fresh read after a conflict): what this plan shows is what the observed Node needed.
+        patch = _labels_patch(state.labels, state.node)
         if patch:
             changed = sorted(patch["metadata"]["labels"])
             actions.append(Action.of(PatchNode(self.node_name, "labels", ", ".join(changed)),
-                                     lambda: self._patch(patch, status=False)))
-        condition = self._condition_patch(state)
+                                     lambda: self._write(functools.partial(_labels_patch, state.labels), status=False)))
+        condition = _condition_patch(state.condition, state.node)
         if condition:
             new = condition["status"]["conditions"][0]
             change = PatchNode(self.node_name, "condition", f"{CONDITION}={new['status']} ({new['reason']})")
-            actions.append(Action.of(change, lambda: self._patch(condition, status=True)))
+            actions.append(Action.of(change, lambda: self._write(functools.partial(_condition_patch, state.condition),
+                                                                 status=True)))
         return actions
 
     def claims(self, state: SinkState) -> set[str]:
         return {NFD_FILE} if self.settings.nfd_feature_file else set()
 
-    def _labels_patch(self, state: SinkState) -> Optional[dict[str, Any]]:
-        metadata = (state.node or {}).get("metadata", {})
-        current = metadata.get("labels") or {}
-        owned = {key for key in (metadata.get("annotations") or {}).get(MANAGED, "").split(",") if key}
-        changes: dict[str, Optional[str]] = {k: v for k, v in state.labels.items() if current.get(k) != v}
-        changes.update({key: None for key in owned - set(state.labels) if key in current})
-        managed = ",".join(sorted(state.labels))
-        if not changes and (metadata.get("annotations") or {}).get(MANAGED) == managed:
-            return None
-        return {"metadata": {"labels": changes, "annotations": {MANAGED: managed}}}
-
-    def _condition_patch(self, state: SinkState) -> Optional[dict[str, Any]]:
-        conditions = ((state.node or {}).get("status") or {}).get("conditions") or []
-        current = next((c for c in conditions if c.get("type") == CONDITION), None)
-        wanted = state.condition
-        if current and all(current.get(key) == value for key, value in wanted.items()):
-            return None
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        previous = (current or {}).get("lastTransitionTime")
-        transition = previous if current and current.get("status") == wanted["status"] and previous else now
-        entry = {"type": CONDITION, **wanted, "lastHeartbeatTime": now, "lastTransitionTime": transition}
-        return {"status": {"conditions": [entry]}}
-
-    def _patch(self, patch: dict[str, Any], status: bool) -> None:
-        try:
-            content_type = STRATEGIC_MERGE_PATCH if status else "application/merge-patch+json"
-            self._node = self.client.patch_node(self.node_name, patch, status=status, content_type=content_type)
+    def _write(self, change: Callable[[dict[str, Any]], Optional[dict[str, Any]]], status: bool) -> None:
+        """Send what `change` makes of the Node as last read (None: nothing, the Node shows it already),
+        with that read's resourceVersion as the precondition. A 409 Conflict says the Node changed since:
+        it is read again and the patch made anew, at once, retry.CONFLICT_RETRIES times at most."""
+        conflicts = 0
+        while True:
+            node = self._current_node(force=conflicts > 0)
+            patch = change(node)
+            if patch is None:
+                return
+            version = (node.get("metadata") or {}).get("resourceVersion")
+            if isinstance(version, str) and version:
+                patch = {**patch, "metadata": {**patch.get("metadata", {}), "resourceVersion": version}}
+            try:
+                self._node = self.client.patch_node(self.node_name, patch, status=status, conflicts=conflicts,
+                                                    content_type=STRATEGIC_MERGE_PATCH if status else MERGE_PATCH)
+            except ApiError as exc:
+                # After a 409 the read is stale. After another failure it stays: were it stale (a timed-out
+                # write that took), the next write's precondition says so with a 409.
+                if exc.status == 409:
+                    self._node = None
+                if exc.next.action != retry.REREAD:
+                    raise self._failure(exc) from None
+                conflicts += 1
+                continue
             self._node_read = time.monotonic()
-        except ApiError as exc:
-            self._node = None  # after any failure (a 409 above all) the node is read again
-            raise StageError(f"node {self.node_name}: {exc}") from None
+            return
+
+    def _failure(self, exc: ApiError) -> StageError:
+        """The stage's error for a failed request: a TransientError, due when the API's schedule says,
+        for a fault that passes; else a StageError, on the stage's backoff."""
+        message = f"node {self.node_name}: {exc}"
+        if exc.next.action == retry.WAIT and exc.next.at is not None:
+            return TransientError(message, exc.next.at)
+        return StageError(message)
 
     # --- verify ----------------------------------------------------------------------------------
 
     def verify(self, state: SinkState) -> str:
         nfd = f"; the NFD feature file {NFD_FILE} has the labels" if self.settings.nfd_feature_file else ""
-        if state.api_error is not None:
-            raise StageError(state.api_error + nfd)
+        error = state.api_error
+        if error is not None:
+            if isinstance(error, TransientError):
+                raise TransientError(str(error) + nfd, error.retry_at)
+            raise StageError(str(error) + nfd)
         if state.node is None:
             return (f"NFD feature file {NFD_FILE}: {len(state.labels)} labels (the Kubernetes API is off: "
                     "kubernetes.enabled, or no kubeconfig)")
-        if self._labels_patch(state) or self._condition_patch(state):
+        if _labels_patch(state.labels, state.node) or _condition_patch(state.condition, state.node):
             raise StageError(f"node {self.node_name} does not show the labels and condition just written")
         return f"node {self.node_name}: {len(state.labels)} labels, {CONDITION}={state.condition['status']}{nfd}"
 
@@ -265,10 +289,39 @@ def _hostname() -> str:
     return socket.gethostname().strip().lower()
 
 
+def _owned_keys(metadata: dict[str, Any]) -> set[str]:
+    """The label keys our annotation says are ours."""
+    return {key for key in (metadata.get("annotations") or {}).get(MANAGED, "").split(",") if key}
+
+
 def _owned_labels(node: dict[str, Any]) -> dict[str, str]:
-    metadata = node.get("metadata", {})
-    owned = set((metadata.get("annotations") or {}).get(MANAGED, "").split(","))
-    return {key: value for key, value in (metadata.get("labels") or {}).items() if key in owned}
+    owned = _owned_keys(node.get("metadata") or {})
+    return {key: value for key, value in (node.get("metadata", {}).get("labels") or {}).items() if key in owned}
+
+
+def _labels_patch(labels: dict[str, str], node: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The merge patch that gives `node` our `labels` (and removes our stale ones); None: it has them."""
+    metadata = node.get("metadata") or {}
+    current = metadata.get("labels") or {}
+    changes: dict[str, Optional[str]] = {k: v for k, v in labels.items() if current.get(k) != v}
+    changes.update({key: None for key in _owned_keys(metadata) - set(labels) if key in current})
+    managed = ",".join(sorted(labels))
+    if not changes and (metadata.get("annotations") or {}).get(MANAGED) == managed:
+        return None
+    return {"metadata": {"labels": changes, "annotations": {MANAGED: managed}}}
+
+
+def _condition_patch(wanted: dict[str, str], node: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The strategic merge patch that gives `node` our condition as `wanted`; None: it has it."""
+    conditions = (node.get("status") or {}).get("conditions") or []
+    current = next((c for c in conditions if c.get("type") == CONDITION), None)
+    if current and all(current.get(key) == value for key, value in wanted.items()):
+        return None
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    previous = (current or {}).get("lastTransitionTime")
+    transition = previous if current and current.get("status") == wanted["status"] and previous else now
+    entry = {"type": CONDITION, **wanted, "lastHeartbeatTime": now, "lastTransitionTime": transition}
+    return {"status": {"conditions": [entry]}}
 
 
 def _reason(check: str) -> str:
