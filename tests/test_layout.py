@@ -30,7 +30,7 @@ WIRING = {"daemon/app.py"}  # the composition root
 LAYERS = (
     ("gpu_agent", "errors", "printable", "numbers", "plan", "proto3", "grpcsize", "kube.names"),
     ("host",),
-    ("config", "nvml"),
+    ("config", "nvml", "endpoint_proof"),
     ("health.policy",),
     ("state",),
     ("kube", "mig", "toolkit", "metrics", "health", "plugin", "mps", "capture"),

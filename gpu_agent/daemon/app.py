@@ -92,9 +92,10 @@ class Runtime:
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str],
-              clock: Callable[[], float] = time.time) -> Runtime:
+              clock: Optional[Callable[[], float]] = None) -> Runtime:
         """The real host (pynvml, modprobe), or a simulated machine kept under `root`. `clock`: the unix
-        time of the engine's retries and the API's schedule (a test's own, to skip the waits)."""
+        time of the engine's retries and the API's schedule (a test's own, to skip the waits); by default
+        each one's time.time."""
         config = loaded.config
         loader: ModuleLoader
         services: ServiceControl
@@ -133,10 +134,10 @@ class Runtime:
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
         gpu_reset = ResetHealsGpu(gpu_reset, state)
         engine = Engine([], state, config.reconcile, begin_pass=nvml.inventory.begin_pass, clock=clock)
-        requests = RequestBudget(path=root(budget.PATH), clock=clock)
+        requests = RequestBudget(path=root(budget.PATH), clock=clock or time.time)
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units,
-                      kube_budget=requests, kube_api=ApiState(requests, state.publish_kube_api, clock),
+                      kube_budget=requests, kube_api=ApiState(requests, state.publish_kube_api, clock or time.time),
                       versions=Versions(root))
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "

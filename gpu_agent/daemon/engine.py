@@ -46,13 +46,13 @@ class StageRun:
 
 class Engine:
     def __init__(self, stages: Sequence[Stage], state: AgentState, settings: ReconcileConfig,
-                 begin_pass: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.time) -> None:
+                 begin_pass: Callable[[], None] = lambda: None, clock: Optional[Callable[[], float]] = None) -> None:
         """`begin_pass`: called as each pass starts (what a pass may reuse from earlier in it is forgotten);
         `clock`: the unix time the outcomes and retries are recorded in (a test's own, to skip the waits)."""
         self.state = state
         self.settings = settings
         self.begin_pass = begin_pass
-        self.clock = clock
+        self.clock = clock or (lambda: time.time())  # looked up at each call: a test may replace the module's time
         self.stages: list[Stage] = []
         self.running: Optional[tuple[str, float]] = None  # the stage a pass is in, since when (monotonic)
         # By stage: the changes of its last run, when it failed after restarting a runtime. A forced pass
