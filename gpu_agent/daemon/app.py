@@ -98,9 +98,9 @@ class Runtime:
             from gpu_agent.sim.crash import arm_from_environment
             from gpu_agent.sim.kernel import SimModprobe
             from gpu_agent.sim.machine import MachineState
-            from gpu_agent.sim.mig import SimGpuReset, SimUnits
+            from gpu_agent.sim.mig import SimGpuReset
             from gpu_agent.sim.packages import SimPackages
-            from gpu_agent.sim.services import SimServices
+            from gpu_agent.sim.services import SimServices, SimUnits
 
             arm_from_environment()  # kill -9 trials
             machine = MachineState(root)
