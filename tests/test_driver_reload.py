@@ -213,6 +213,7 @@ def assert_reloaded(run: Any, node: SimNode, api: KubeEmulator) -> None:
     assert loaded_version(node.machine.read(), "nvidia") == NEW
     stored = api.get_node(NODE)
     assert not stored["spec"].get("unschedulable") and stored["metadata"]["labels"][STATE] == "upgrade-done"
+    assert unit_state(node, PERSISTENCED) == "active"  # stopped for the unload, started again
 
 
 PERSISTENCED = "nvidia-persistenced.service"  # the simulated driver packages' unit

@@ -224,8 +224,15 @@ def test_abort_puts_back_what_can_be_uncordons_and_records_who_and_when(
         f"{NEW}'s and the loaded nvidia is {OLD}" in message, message
     assert unit_state(node, PERSISTENCED) == "active" and "nvidia_uvm" not in node.loaded_modules()
     assert record(node)["plugin_stopped"]  # a module missing: the plugin stays off
-    written = tmp_path / "config.yaml"
+    written = tmp_path / "command.yaml"
     written.write_text(json.dumps({"version": "v1", **config}))
+    plan = run_cli("--simulate", "t4", "driver", "reload", "--abort", "--dry-run", root=node.root, config=written)
+    assert plan.stdout.startswith(f"would abort the driver reload of {OLD} to {NEW} at pod-restart-required\n"
+                                  "    would: driver reload [pod-restart-required]: end the reload: load back"), \
+        plan.stdout
+    assert record(node)["step"] == "upgrade-failed"  # the dry run changed nothing
+    both = run_cli("--simulate", "t4", "driver", "reload", "--abort", "--force", root=node.root, config=written)
+    assert both.returncode != 0 and "not allowed with argument" in both.stderr
     a_minute_later(node)
     aborted = abort(node, written)
     outcome = json.loads(aborted.stdout)
@@ -252,7 +259,7 @@ def test_a_failed_forced_reload_loads_back_what_it_unloaded_while_it_retries(tmp
     """`--force` on a driver that needs nothing (the same version on disk): nvidia_uvm unloaded, then nvidia
     refuses. The failure loads nvidia_uvm back, starts the unit, lets the plugin serve."""
     node = SimNode(tmp_path / "root", "t4")
-    config = tmp_path / "config.yaml"
+    config = tmp_path / "command.yaml"
     config.write_text("version: v1\ntoolkit: {enabled: false}\n")
     assert node.apply({"toolkit": {"enabled": False}}).stage("driver").state == "ok"
     node.sim("fail", "rmmod", "--module", "nvidia")
@@ -279,7 +286,7 @@ def test_a_changed_module_option_the_stage_and_the_command_agree_and_the_command
     wanted = "nvidia NVreg_EnableGpuFirmware is 0, configured 1"
     assert f"reload required to apply the configured options: {wanted}" in stage.message
     assert node.apply(settings_).changes("driver") == []  # when-idle: reported, not applied
-    config = tmp_path / "config.yaml"
+    config = tmp_path / "command.yaml"
     config.write_text(json.dumps({"version": "v1", **settings_}))
     plan = run_cli("--simulate", "t4", "driver", "reload", "--dry-run", root=node.root, config=config)
     assert plan.returncode == 0 and plan.stdout.startswith(f"reload required to apply the configured options: {wanted}")
@@ -300,8 +307,8 @@ def test_the_command_in_process_forces_one_pass_then_follows_the_backoff(
     from gpu_agent.daemon.engine import Engine
 
     node = SimNode(tmp_path / "root", "t4")
-    config = tmp_path / "config.yaml"
-    config.write_text("version: v1\ntoolkit: {enabled: false}\nreconcile: {backoff_initial_seconds: 0.5}\n")
+    config = tmp_path / "command.yaml"
+    config.write_text("version: v1\ntoolkit: {enabled: false}\nreconcile: {backoff_initial_seconds: 0.2}\n")
     assert node.apply({"toolkit": {"enabled": False}}).stage("driver").state == "ok"
     node.sim("install-driver", NEW)
     node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
@@ -313,8 +320,8 @@ def test_the_command_in_process_forces_one_pass_then_follows_the_backoff(
         return await reconcile(self, force=force, dry_run=dry_run)
 
     monkeypatch.setattr(Engine, "reconcile", counted)
-    busy = run_cli("--simulate", "t4", "driver", "reload", "--timeout", "1", root=node.root, config=config)
-    assert busy.returncode == 1 and "still in use after 1 s: process 4242 (train.py)" in busy.stderr, busy.stderr
+    busy = run_cli("--simulate", "t4", "driver", "reload", "--timeout", "0.3", root=node.root, config=config)
+    assert busy.returncode == 1 and "still in use after 0.3 s: process 4242 (train.py)" in busy.stderr, busy.stderr
     assert forced[0] and not any(forced[1:]) and len(forced) >= 2, forced
 
 
@@ -412,22 +419,35 @@ def each_step(fast: str) -> list[Any]:
     return [step if step == fast else pytest.param(step, marks=pytest.mark.slow) for step in STEPS]
 
 
-@pytest.mark.parametrize("change", ["reboot", "new target"])
-@pytest.mark.parametrize("point", each_step("pod-restart-required"))
-def test_a_reboot_or_a_new_target_at_any_step_ends_the_reload_as_the_node_now_needs(
-        tmp_path: Path, api: KubeEmulator, monkeypatch: pytest.MonkeyPatch, unloads: list[str], point: str,
-        change: str) -> None:
-    """Killed right after recording `point` (or with every module unloaded), then a reboot: the installed driver
-    loaded at boot is never unloaded. Or then another driver installed: the same reload goes on to it, its cordon
-    kept and lifted at the end."""
+def interrupted(tmp_path: Path, api: KubeEmulator, monkeypatch: pytest.MonkeyPatch, point: str,
+                *change: str) -> tuple[SimNode, dict[str, Any]]:
+    """A reload killed right after recording `point` (or with every module unloaded), then `sim CHANGE`."""
     node, config = upgraded(tmp_path, api)
     killed_at(point, node, config, monkeypatch)
-    node.sim(*(("reboot",) if change == "reboot" else ("install-driver", NEWER)))
-    unloads.clear()
+    node.sim(*change)
     a_minute_later(node)
-    assert_done(node.apply(config), node, api, NEW if change == "reboot" else NEWER)
-    if change == "reboot":
-        assert unloads == []
+    return node, config
+
+
+@pytest.mark.parametrize("point", each_step("unloaded"))
+def test_a_reboot_at_any_step_ends_the_reload_without_unloading_the_installed_driver(
+        tmp_path: Path, api: KubeEmulator, monkeypatch: pytest.MonkeyPatch, unloads: list[str], point: str) -> None:
+    """The installed driver loaded at boot is never unloaded; a unit the agent stopped that the boot did not
+    start is started."""
+    node, config = interrupted(tmp_path, api, monkeypatch, point, "reboot")
+    stopped = record(node)["stopped_units"]
+    for unit in stopped:
+        SimUnits(node.machine)("stop", unit)  # not started at boot (a unit not enabled)
+    unloads.clear()
+    assert_done(node.apply(config), node, api)
+    assert unloads == [] and (point != "unloaded" or stopped == [PERSISTENCED])
+
+
+@pytest.mark.parametrize("point", each_step("wait-for-jobs-required"))
+def test_a_new_target_at_any_step_is_reloaded_to_with_the_cordon_kept_and_lifted(
+        tmp_path: Path, api: KubeEmulator, monkeypatch: pytest.MonkeyPatch, point: str) -> None:
+    node, config = interrupted(tmp_path, api, monkeypatch, point, "install-driver", NEWER)
+    assert_done(node.apply(config), node, api, NEWER)
 
 
 # --- the cordon's promises, and the Node's say ---------------------------------------------------------------------
@@ -437,7 +457,7 @@ def test_a_node_someone_else_cordoned_stays_cordoned_through_a_new_target_an_abo
         tmp_path: Path, api: KubeEmulator) -> None:
     node = SimNode(tmp_path / "root", "t4")
     config = {**settings(api, node), "mig": {}}
-    written = tmp_path / "config.yaml"
+    written = tmp_path / "command.yaml"
     written.write_text(json.dumps({"version": "v1", **config}))
     assert node.apply(config).stage("driver").state == "ok"
     api.modify_node(NODE, lambda n: n["spec"].update(unschedulable=True))  # an administrator's cordon
@@ -501,3 +521,31 @@ def test_the_nodes_say_keeps_a_reload_from_starting_not_from_finishing(tmp_path:
     forbid()  # said once the reload began: it is finished all the same
     a_minute_later(node)
     assert_done(node.apply(config), node, api)
+
+
+def test_abort_leaves_a_half_loaded_module_as_it_is_and_names_it(tmp_path: Path, api: KubeEmulator) -> None:
+    """The new nvidia's init never returns (its modprobe killed at driver.modprobe_timeout_seconds): the module
+    is listed Loading. `--abort` loads nothing beside it, names it and says a reboot clears it; the reboot does."""
+    node = SimNode(tmp_path / "root", "t4")
+    config = {**settings(api, node), "mig": {}}
+    config["driver"]["modprobe_timeout_seconds"] = 0.05
+    assert node.apply(config).stage("driver").state == "ok"
+    node.sim("install-driver", NEW)
+    node.sim("fail", "modprobe", "--module", "nvidia", "--error", "stuck")
+    a_minute_later(node)
+    failed = node.apply(config)
+    assert "could not load nvidia: modprobe nvidia did not finish within 0.05 s and was killed" in \
+        failed.stage("driver").message, failed.stage("driver").message
+    written = tmp_path / "command.yaml"
+    written.write_text(json.dumps({"version": "v1", **config}))
+    a_minute_later(node)
+    outcome = json.loads(abort(node, written).stdout)
+    assert outcome["ok"] and "nvidia never finished loading or unloading (left as it is: a reboot clears it)" in \
+        outcome["reload"]["notes"], outcome
+    assert not cordoned(api) and " Loading " in node.kernel("/proc/modules").read_text()
+    assert unit_state(node, PERSISTENCED) == "active"  # the units come back, the driver with the reboot
+    node.sim("reboot")
+    a_minute_later(node)
+    after = node.apply(config)
+    assert after.stage("driver").state == "ok" and loaded_version(node.machine.read(), "nvidia") == NEW
+    assert api.labels()[STATE] == "upgrade-done"

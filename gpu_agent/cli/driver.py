@@ -90,6 +90,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from gpu_agent.daemon.app import Runtime
     from gpu_agent.plan import DriverReloadStep
+    from gpu_agent.stages import reload_transitions as rt
 
     runtime = Runtime.build(root_of(args), config_of(args), args.simulate)
     try:
@@ -103,8 +104,9 @@ def _plan(args: argparse.Namespace) -> int:
              if isinstance(change, DriverReloadStep)]
     heading = _heading(record, facts, move) if steps else _nothing(move, driver.message if driver else None)
     if args.json:
-        print(json.dumps({"reload_required": facts.mismatch and f"loaded {facts.loaded}, installed {facts.installed}"
-                          or None, "would": heading, "message": driver.message if driver else None,
+        required = (f"loaded {facts.loaded}, installed {facts.installed}" if facts.mismatch else
+                    "; ".join(facts.drift) if steps and move.arg == rt.OPTIONS else None)
+        print(json.dumps({"reload_required": required, "message": driver.message if driver else None,
                           "plan": [{"step": s.step, "action": s.action} for s in steps]}, indent=2))
         return EXIT_OK
     print(heading)

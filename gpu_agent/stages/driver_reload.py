@@ -307,8 +307,8 @@ class Reload:
         progress.forced = self.force  # each attempt is forced or not by its own request
         if step == WAIT_FOR_JOBS:
             progress.waiting_since = None
-        if progress.reason == VERSION:
-            progress.reloaded = False  # the version loaded says whether the load is still to do
+        if progress.reason == VERSION and facts.loaded != (facts.installed or progress.target):
+            progress.reloaded = False  # a module it loaded that is not the target: unloaded and loaded again
         self._enter(progress, step)  # VALIDATION, UNCORDON: the driver-upgrade stage's to retry
 
     def _new_boot(self, progress: Progress, facts: Facts, boot_id: str) -> None:
@@ -548,8 +548,11 @@ class Reload:
         modules = self.kernel.loaded()
         loaded = self.kernel.version("nvidia") if "nvidia" in modules else None
         installed = self.installed()
-        missing = [m for m in progress.load_order() if m not in modules and m not in self.kernel.stuck()]
-        if loaded is None and not whole:
+        stuck = self.kernel.stuck()
+        missing = [m for m in progress.load_order() if m not in modules and m not in stuck]
+        if "nvidia" in stuck:
+            missing = []  # what depends on it waits for its init as well (the abort names it)
+        elif loaded is None and not whole:
             missing = []  # the retry loads the new driver
         elif loaded is not None and installed is not None and loaded != installed:
             if any(m != "nvidia" for m in missing):
