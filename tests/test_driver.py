@@ -165,8 +165,10 @@ def test_module_options_are_written_and_a_change_on_a_loaded_module_asks_for_a_r
     second = sim.apply({"driver": {"parameters": {"nvidia": {"NVreg_EnableGpuFirmware": 1}}}})
     written = second.changes("driver")
     assert [c.path for c in written if isinstance(c, WriteFile)] == ["/etc/modprobe.d/gpu-agent-nvidia.conf"]
-    assert "reload required: nvidia NVreg_EnableGpuFirmware is 0, configured 1" in second.stage("driver").message
-    assert "the agent never unloads a module" in second.stage("driver").message
+    message = second.stage("driver").message
+    assert "reload required to apply the configured options: nvidia NVreg_EnableGpuFirmware is 0, configured 1" \
+        in message, message
+    assert "`gpu-agent driver reload` applies them" in message and "never reloads a driver for its options" in message
 
 
 def test_persistence_mode_is_turned_on_when_required(node: Callable[[str], SimNode]) -> None:

@@ -215,6 +215,19 @@ def assert_reloaded(run: Any, node: SimNode, api: KubeEmulator) -> None:
     assert loaded_version(node.machine.read(), "nvidia") == NEW
     stored = api.get_node(NODE)
     assert not stored["spec"].get("unschedulable") and stored["metadata"]["labels"][STATE] == "upgrade-done"
+    assert unit_state(node, PERSISTENCED) == "active"  # stopped for the unload, started again
+
+
+PERSISTENCED = "nvidia-persistenced.service"  # the simulated driver packages' unit
+
+
+def unit_state(node: SimNode, unit: str) -> str:
+    """The unit's ActiveState, as `systemctl show` says it."""
+    from gpu_agent.sim.services import SimServices
+
+    found = SimServices(node.machine, 5).state(unit)
+    assert found is not None
+    return found.active
 
 
 def downgrade_what_modprobe_loads(node: SimNode) -> None:
@@ -256,10 +269,13 @@ def test_a_failing_load_or_verify_stays_cordoned_named_and_the_next_attempt_fini
     reload = failed.state.stages["driver-upgrade"].facts["reload"]
     assert (reload["step"], reload["failed_step"], reload["cordoned"]) == ("upgrade-failed", "pod-restart-required",
                                                                           True)
-    assert cause in reload["failure"] and reload["stopped_units"] == []
+    # The units are started again while the retries go on, except with no nvidia module loaded (they hold it).
+    assert cause in reload["failure"] and reload["stopped_units"] == ([] if step != "load" else [PERSISTENCED])
+    assert unit_state(node, PERSISTENCED) == ("inactive" if step == "load" else "active")
     cure(node)
     a_minute_later(node)
     assert_reloaded(node.apply(config), node, api)
+    assert unit_state(node, PERSISTENCED) == "active"
 
 
 class Killed(BaseException):
@@ -269,16 +285,8 @@ class Killed(BaseException):
 CRASH_POINTS = (*ORDER[1:], "unloaded")
 
 
-@pytest.mark.parametrize("point", CRASH_POINTS)
-def test_killed_at_any_step_the_restarted_agent_finishes_or_says_why(
-        tmp_path: Path, api: KubeEmulator, monkeypatch: pytest.MonkeyPatch, point: str) -> None:
-    """The agent dies right after recording `point` (or with every module unloaded); a fresh runtime on the
-    same root (a restart) goes on from the ledger and finishes."""
-    node = SimNode(tmp_path / "root", "t4")
-    config = {**settings(api, node), "mig": {}}
-    assert node.apply(config).stage("driver").state == "ok"
-    node.sim("install-driver", NEW)
-    a_minute_later(node)
+def killed_at(point: str, node: SimNode, config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass on `node` dies (kill -9) right after recording `point` (or with every module unloaded)."""
     with monkeypatch.context() as patch:
         if point == "unloaded":
             def crash_at_load(*_: Any) -> None:
@@ -289,14 +297,23 @@ def test_killed_at_any_step_the_restarted_agent_finishes_or_says_why(
         else:
             save = Ledger.save_driver_reload
 
-            def crash_after(ledger: Ledger, entry: dict[str, Any]) -> None:
+            def crash_after(ledger: Ledger, entry: Any) -> None:
                 save(ledger, entry)
-                if entry["step"] == point:
+                if entry is not None and entry["step"] == point:
                     raise Killed
 
             patch.setattr(Ledger, "save_driver_reload", crash_after)
         with pytest.raises(Killed):
             node.apply(config)
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_killed_at_any_step_the_restarted_agent_finishes_or_says_why(
+        tmp_path: Path, api: KubeEmulator, monkeypatch: pytest.MonkeyPatch, point: str) -> None:
+    """The agent dies right after recording `point` (or with every module unloaded); a fresh runtime on the
+    same root (a restart) goes on from the ledger and finishes."""
+    node, config = upgraded(tmp_path, api)
+    killed_at(point, node, config, monkeypatch)
     a_minute_later(node)
     assert_reloaded(node.apply(config), node, api)
 
@@ -332,6 +349,16 @@ def test_the_ledger_is_not_locked_across_the_reload(tmp_path: Path, api: KubeEmu
     assert_reloaded(node.apply(config), node, api)
     assert other_writer and set(other_writer) == {"written"}
     assert len(Ledger(Root(node.root)).compute_modes()) == len(other_writer)
+
+
+def upgraded(tmp_path: Path, api: KubeEmulator, profile: str = "t4") -> tuple[SimNode, dict[str, Any]]:
+    """A node whose driver the agent adopted, then NEW installed; driver.reload: when-idle, the API on."""
+    node = SimNode(tmp_path / "root", profile)
+    config = {**settings(api, node), "mig": {}}
+    assert node.apply(config).stage("driver").state == "ok"
+    node.sim("install-driver", NEW)
+    a_minute_later(node)
+    return node, config
 
 
 A30_MIG = """version: v1
@@ -451,8 +478,9 @@ def test_the_plugin_is_held_off_across_a_restart_and_registers_again_with_the_ne
 
     result = asyncio.run(scenario())
     assert len(result["before"]) == 2 and "could not unload nvidia" in result["failed"]
-    assert result["held"]["resources"] == [] and result["held"]["reason"] == f"off: driver reload to {NEW} in progress"
-    assert result["restarted"] == f"driver reload to {NEW} in progress"
+    reason = f"driver reload of 550.90.07 to {NEW} in progress"
+    assert result["held"]["resources"] == [] and result["held"]["reason"] == f"off: {reason}"
+    assert result["restarted"] == reason
     assert result["off"]["resources"] == [] and result["off"]["reason"] == result["held"]["reason"]
     assert result["while_off"].count(resource) == 1  # the first registration only
     assert result["done"]["driver-upgrade"] == "ok" and result["done"]["mig"] == "ok"
@@ -517,6 +545,8 @@ def test_driver_reload_is_handed_to_the_running_daemon(agent: Any, root: Path, t
     assert done.returncode == 0 and outcome["via"] == f"daemon (pid {daemon.proc.pid})", done.stdout + done.stderr
     assert outcome["message"].startswith(f"driver reloaded 550.90.07 -> {NEW}")
     assert loaded_version(node.machine.read(), "nvidia") == NEW
+    nothing = driver_reload("--abort")  # handed over as well: nothing under way
+    assert nothing.returncode == 0 and nothing.stdout.startswith("no driver reload is under way: nothing to abort")
 
 
 @pytest.mark.parametrize("number", ["1" + "0" * 400, "1e400", "NaN", "Infinity"])
@@ -533,6 +563,18 @@ def test_a_request_whose_time_is_no_finite_number_is_no_request(tmp_path: Path, 
     request.write_text("{" + ", ".join(f'"{key}": {value}' for key, value in fields.items()) + "}")
     assert pending_request(root) is None
     assert take_request(root) is None and not request.exists()
+
+
+def test_an_abort_request_names_who_asked(tmp_path: Path) -> None:
+    from gpu_agent.daemon.reload_request import REQUEST, ReloadRequest, take_request, write_request
+
+    root = Root(tmp_path)
+    root(REQUEST).parent.mkdir(parents=True)
+    write_request(root, ReloadRequest(abort="alice, with `gpu-agent driver reload --abort` (pid 1)"))
+    taken = take_request(root)
+    assert taken is not None and taken.abort == "alice, with `gpu-agent driver reload --abort` (pid 1)"
+    root(REQUEST).write_text(json.dumps({"force": False, "timeout": None, "id": "0", "at": time.time(), "abort": 1}))
+    assert take_request(root) is None  # not a request
 
 
 def test_a_hung_modprobe_is_killed_after_its_timeout_and_loads_once_cleared(tmp_path: Path) -> None:

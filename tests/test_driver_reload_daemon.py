@@ -172,7 +172,7 @@ def test_kill_9_with_every_module_unloaded_then_a_fresh_daemon_reports_and_finis
     node.sim("fail", "modprobe", "--module", "nvidia", "--error", "key-rejected")  # the next agent's load fails too
     second = agent(simulate="t4", settings=config)
     second.wait_ready()
-    failing = f"driver reload to {NEW} failed at pod-restart-required: could not load nvidia"
+    failing = f"driver reload of 550.90.07 to {NEW} failed at pod-restart-required: could not load nvidia"
     status = wait_for(root, lambda: (document := json.loads(second.get("/status")[1])).get("plugin") and document,
                       "/status with the plugin's section")
     upgrade = next(stage for stage in status["stages"] if stage["name"] == "driver-upgrade")

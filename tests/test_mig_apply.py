@@ -28,7 +28,8 @@ from gpu_agent.plan import CreateComputeInstance, CreateGpuInstance, DestroyComp
 from gpu_agent.sim.fake import FakeNvml
 from gpu_agent.sim.kernel import SimModprobe
 from gpu_agent.sim.machine import MachineState
-from gpu_agent.sim.mig import SimGpuReset, SimUnits, reboot, reload_driver
+from gpu_agent.sim.mig import SimGpuReset, reboot, reload_driver
+from gpu_agent.sim.services import SimUnits, install_unit
 from gpu_agent.sim.profiles import MODELS
 
 SHIPPED = Path(__file__).resolve().parent.parent / "packaging" / "mig.yaml"
@@ -250,6 +251,7 @@ def test_export_applies_back_without_a_change(node: Any) -> None:
 def test_a_reset_blocked_by_nvidia_drm_is_rebooting_until_the_reboot_applies_it(node: Any) -> None:
     n = node("dgx-a100")
     SimModprobe(n.machine, n.root).load("nvidia_drm")
+    install_unit(n.machine.root, "nvidia-dcgm.service", "/usr/bin/nv-hostengine")
     hooks = Hooks(["nvidia-dcgm.service"], SimUnits(n.machine))
     results = n.apply(config({"7g.40gb": 1}, gpus=[0]), "test", hooks=hooks)
     assert results[0].state == REBOOTING and results[0].action == "mode-changed" and results[0].mutations == 1
@@ -361,6 +363,7 @@ def test_the_checkpoint_is_in_the_ledger_and_one_an_interrupted_change_left_is_r
 
 def test_hooks_stop_units_before_and_always_start_them_after(node: Any) -> None:
     n = node(H100_X4)
+    install_unit(n.machine.root, "nvidia-dcgm.service", "/usr/bin/nv-hostengine")
     units = SimUnits(n.machine)
     with n.machine.edit() as state:
         state["faults"].append({"id": 1, "call": "nvmlDeviceSetMigMode", "gpu": 0, "error": "Unknown", "times": 1})
@@ -370,10 +373,14 @@ def test_hooks_stop_units_before_and_always_start_them_after(node: Any) -> None:
     services = n.machine.read()["services"]
     assert services["nvidia-dcgm.service"]["calls"] == ["stop", "start"]
     assert services["nvidia-persistenced.service"]["calls"] == ["stop", "start"]
-    assert all(service["active"] for service in services.values())
+    assert all(service["active_state"] == "active" for service in services.values())
     quiet = node(H100_X4)
     quiet.apply(config({}, enabled=False), "test", hooks=Hooks(["nvidia-dcgm.service"], SimUnits(quiet.machine)))
     assert "services" not in quiet.machine.read()  # nothing to change: nothing stopped
+    missing = node(H100_X4)  # a unit without its unit file: systemctl's words, the start still tried
+    results = missing.apply(config({"7g.80gb": 1}, gpus=[0]), "test",
+                            hooks=Hooks(["nvidia-dcgm.service"], SimUnits(missing.machine)))
+    assert results[0].state == FAILED and "Unit nvidia-dcgm.service not loaded" in results[0].reason, results[0].reason
 
 
 def test_a_geometry_that_fits_by_count_but_not_by_placement_is_refused() -> None:

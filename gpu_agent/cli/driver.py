@@ -1,6 +1,7 @@
-"""gpu-agent driver reload [--dry-run] [--json] [--timeout S] [--force]: reload the NVIDIA driver now (the
-sequence of stages/driver_reload.py), whatever driver.reload says. With a daemon running on the root it is
-the daemon's to do (daemon/reload_request.py); otherwise this process does it, under the agent's lock."""
+"""gpu-agent driver reload [--dry-run] [--json] [--timeout S] [--force | --abort]: reload the NVIDIA driver now
+(the sequence of stages/driver_reload.py), whatever driver.reload says, or end the reload under way. With a daemon
+running on the root it is the daemon's to do (daemon/reload_request.py); otherwise this process does it, under
+the agent's lock."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ from gpu_agent.numbers import decimal
 
 CMDLINE_HEAD = 4096  # of /proc/PID/cmdline: enough for `python -m gpu_agent run`
 _POLL_S = 0.2  # how often the daemon's answer is looked for
-_PASS_EVERY_S = 1.0  # in this process: a pass a second while the GPUs are waited for
+_LOOK_EVERY_S = 1.0  # in this process, while the GPUs are waited for: how often their users are looked at
 _MARGIN_S = 600.0  # past the wait for idle GPUs: the unload, load, verification and the passes after
 
 
@@ -35,8 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     reload.add_argument("--json", action="store_true", help="print the outcome (or the plan) as JSON")
     reload.add_argument("--timeout", type=_seconds, metavar="S",
                         help="wait at most S seconds for the GPUs to be idle (default: driver.reload_wait_seconds)")
-    reload.add_argument("--force", action="store_true",
-                        help="unload even while a process uses a GPU (never while a display holds nvidia_drm)")
+    either = reload.add_mutually_exclusive_group()
+    either.add_argument("--force", action="store_true",
+                        help="unload even while a process uses a GPU (never while a display holds nvidia_drm), and "
+                             "reload a driver that needs nothing")
+    either.add_argument("--abort", action="store_true",
+                        help="end the reload under way: put back what it took away (units, modules, the console, "
+                             "the device plugin), uncordon the node if the agent cordoned it, record "
+                             "upgrade-abandoned with who and when")
 
 
 def _seconds(text: str) -> float:
@@ -49,7 +56,22 @@ def _seconds(text: str) -> float:
     return value
 
 
+def requester() -> str:
+    """Who runs this command, for the record of an abort: the user (and who became them with sudo)."""
+    import pwd
+
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = f"uid {uid}"
+    sudo = os.environ.get("SUDO_USER")
+    via = f" (sudo from {sudo})" if sudo and sudo != name else ""
+    return f"{name}{via}, with `gpu-agent driver reload --abort` (pid {os.getpid()})"
+
+
 def main(args: argparse.Namespace) -> int:
+    args.abort_by = requester() if args.abort else None
     if args.dry_run:
         return _plan(args)
     from gpu_agent.daemon.app import take_lock
@@ -71,37 +93,52 @@ def _plan(args: argparse.Namespace) -> int:
 
     from gpu_agent.daemon.app import Runtime
     from gpu_agent.plan import DriverReloadStep
+    from gpu_agent.stages import reload_transitions as rt
 
     runtime = Runtime.build(root_of(args), config_of(args), args.simulate)
     try:
-        runtime.request_reload(args.force, args.timeout)
+        reload = runtime.request_reload(args.force, args.timeout, args.abort_by)
         runs = asyncio.run(runtime.engine.reconcile(force=True, dry_run=True))
+        record, facts, move = reload.next_move()
     finally:
         runtime.nvml.close()
     driver = next((run for run in runs if run.stage == "driver"), None)
     steps = [change for run in runs for action in run.planned for change in action.changes
              if isinstance(change, DriverReloadStep)]
-    required = _versions(runtime.root)
+    heading = _heading(record, facts, move) if steps else _nothing(move, driver.message if driver else None)
     if args.json:
+        required = (f"loaded {facts.loaded}, installed {facts.installed}" if facts.mismatch else
+                    "; ".join(facts.drift) if steps and move.arg == rt.OPTIONS else None)
         print(json.dumps({"reload_required": required, "message": driver.message if driver else None,
                           "plan": [{"step": s.step, "action": s.action} for s in steps]}, indent=2))
         return EXIT_OK
-    if not steps:
-        print(f"nothing to reload: {driver.message if driver else 'the driver stage is off'}")
-        return EXIT_OK
-    print(f"reload required: {required}" if required else "a reload is under way: it would go on")
+    print(heading)
     for change in steps:
         print(f"    would: {change.describe()}")
     return EXIT_OK
 
 
-def _versions(root: Any) -> Optional[str]:
-    """`loaded X, installed Y` when they differ, as the driver stage says it."""
-    from gpu_agent.host import driver_version
-    from gpu_agent.host.modules import KernelModules
+def _heading(record: Any, facts: Any, move: Any) -> str:
+    """What the plan is for, as the driver stage would say it."""
+    from gpu_agent.stages import reload_transitions as rt
 
-    loaded, installed = KernelModules(root).version("nvidia"), driver_version.installed(root).version
-    return f"loaded {loaded}, installed {installed}" if loaded and installed and loaded != installed else None
+    if move.kind == rt.START:
+        if move.arg == rt.OPTIONS:
+            return f"reload required to apply the configured options: {'; '.join(facts.drift)}"
+        if move.arg == rt.FORCED:
+            return f"forced reload of {facts.loaded}, which needs none (--force)"
+        return f"reload required: loaded {facts.loaded}, installed {facts.installed}"
+    if move.kind == rt.ABORT:
+        return f"would abort the driver {record.what()} at {record.failed_step or record.step}"
+    return f"a driver {record.what()} is under way at {record.step}: it would go on"
+
+
+def _nothing(move: Any, message: Optional[str]) -> str:
+    from gpu_agent.stages import reload_transitions as rt
+
+    if move.kind == rt.IDLE and move.arg == rt.IDLE_NO_ABORT:
+        return "no driver reload is under way: nothing to abort"
+    return f"nothing to reload: {message or 'the driver stage is off'}"
 
 
 def _reload_here(args: argparse.Namespace) -> tuple[bool, str, Optional[dict[str, Any]]]:
@@ -112,20 +149,46 @@ def _reload_here(args: argparse.Namespace) -> tuple[bool, str, Optional[dict[str
 
     runtime = Runtime.build(root_of(args), config_of(args), args.simulate)
     try:
-        reload = runtime.request_reload(args.force, args.timeout)
+        reload = runtime.request_reload(args.force, args.timeout, args.abort_by)
         before = progress_of(reload)
         deadline = time.monotonic() + reload.wait_seconds + _MARGIN_S
+        force = True
         while True:
-            runs = asyncio.run(runtime.engine.reconcile(force=True))
-            over = outcome(reload, runs, before)
+            runs = asyncio.run(runtime.engine.reconcile(force=force))
+            over = outcome(reload, runs, before, abort=args.abort)
             if over is not None:
                 return over.ok, over.message, progress_of(reload)
             if time.monotonic() > deadline:
                 limit = reload.wait_seconds + _MARGIN_S
                 return False, f"the reload did not end within {limit:g} s", progress_of(reload)
-            time.sleep(_PASS_EVERY_S)
+            force = _until_next_pass(runtime, reload, deadline)
     finally:
         runtime.nvml.close()
+
+
+def _until_next_pass(runtime: Any, reload: Any, deadline: float) -> bool:
+    """Wait for the next pass: the engine's next retry (a pass of the stages due, not forced), or, while the
+    reload waits for idle GPUs, the moment they are idle (forced: the driver stage's backoff would hold the
+    news back). True for a forced pass."""
+    from gpu_agent.stages.reload_transitions import WAIT_FOR_JOBS
+
+    while time.monotonic() < deadline:
+        retry = runtime.engine.next_retry()
+        if retry is not None and time.time() >= retry:
+            return False
+        if _idle_now(reload, WAIT_FOR_JOBS):
+            return True
+        time.sleep(_LOOK_EVERY_S if retry is None else max(0.0, min(_LOOK_EVERY_S, retry - time.time())))
+    return True
+
+
+def _idle_now(reload: Any, waiting: str) -> bool:
+    """The reload waits for the GPUs and nothing uses them now (a kubelet that does not answer: not known)."""
+    try:
+        record = reload.progress()
+        return record is not None and record.step == waiting and not reload.consumers()
+    except AgentError:
+        return False
 
 
 def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
@@ -152,7 +215,7 @@ def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
                                     f"{REQUEST} is {other.age():.0f} s old): try again once it has finished",
                        "daemon", None)
     wait = args.timeout if args.timeout is not None else config_of(args).config.driver.reload_wait_seconds
-    request = ReloadRequest(args.force, args.timeout)
+    request = ReloadRequest(args.force, args.timeout, abort=args.abort_by)
     write_request(root, request)
     os.kill(pid, signal.SIGHUP)
     taken = False

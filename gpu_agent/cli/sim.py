@@ -43,16 +43,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "library (a half-finished upgrade whose new module was never built for this kernel: the one on "
                     "disk is old too; `sim install-driver` is the upgrade a reload fixes), --error display has a "
                     "display hold nvidia_drm. "
+                    "--error stuck leaves the module Loading (its init never returns) and its modprobe killed after "
+                    "the timeout, until a reboot. "
                     "rmmod fails with in-use (--module M: only that module). restart makes a container runtime's "
                     "restart fail "
                     "(--error failed), its socket never answer (--error not-ready), or systemctl hang until its "
-                    "timeout (--error hangs). install makes installing "
+                    "timeout (--error hangs); stop and start make `systemctl stop|start` of a unit fail (--error "
+                    "failed; a start leaves it failed). install makes installing "
                     "the container toolkit fail as apt-get does without NVIDIA's repository.")
-    fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, restart (a runtime's unit), or "
-                                                   "mps (the MPS control daemons: --error die or hang)")
+    fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, rmmod, restart (a runtime's unit), "
+                                                   "stop or start (a unit), install, or mps (the MPS control "
+                                                   "daemons: --error die or hang)")
     fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
     fail.add_argument("--module", metavar="M", help="modprobe, rmmod: only for this module (default: any)")
-    fail.add_argument("--unit", metavar="U", help="restart: only for this systemd unit (default: any)")
+    fail.add_argument("--unit", metavar="U", help="restart, stop, start: only for this systemd unit (default: any)")
     fail.add_argument("--resource", metavar="R", help="mps: only this resource's daemon, e.g. nvidia.com/gpu "
                                                       "(default: every one)")
     fail.add_argument("--times", type=int, metavar="K", help="fail K times, then work again (default: until clear)")
@@ -71,15 +75,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     runtime.add_argument("version", metavar="VERSION", help="e.g. 1.6.20 (Debian 12's containerd) or 1.7.24")
     actions.add_parser("clear", help="remove injected faults, XID events, processes and `sim set` conditions; "
                                      "put GPUs that fell off the bus (XID 79) back")
-    actions.add_parser("reload-driver", help="unload and load the nvidia module: MIG instances are gone, "
-                                             "Hopper and later lose MIG mode (Ampere keeps it)")
+    actions.add_parser("reload-driver", help="unload the NVIDIA modules and load them again, the installed version: "
+                                             "MIG instances are gone, Hopper and later lose MIG mode (Ampere keeps "
+                                             "it)")
     install = actions.add_parser(
         "install-driver", help="install another driver version as a package upgrade does: the libraries and the "
                                "modules on disk change, the loaded module stays (NVML then answers "
                                "Driver/library version mismatch)")
     install.add_argument("version", metavar="VERSION", help="e.g. 570.124.06")
-    actions.add_parser("reboot", help="reboot the node: processes end, pending MIG modes take effect, "
-                                      "then the driver loads as after reload-driver")
+    actions.add_parser("reboot", help="reboot the node: a new boot id, processes end, pending MIG modes take effect, "
+                                      "the NVIDIA modules that were loaded load at their installed version, every "
+                                      "unit runs again")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -199,6 +205,13 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
     if args.call == "mps":
         _fail_mps(machine, args)
         return
+    if args.call in ("stop", "start"):
+        from gpu_agent.sim.services import UNIT_ERRORS
+
+        error = _error(args, args.call, UNIT_ERRORS)
+        _add_fault(machine, args, {"call": args.call, "unit": args.unit, "error": error})
+        print(f"systemctl {args.call} {args.unit or '(any unit)'} will fail")
+        return
     if args.call == "restart":
         from gpu_agent.sim.services import RESTART_ERRORS
 
@@ -301,6 +314,7 @@ def _clear(machine: Any, args: argparse.Namespace) -> None:
 
 
 def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.kernel import loaded_version, reload_modules
     from gpu_agent.sim.mig import reload_driver
 
     with machine.edit() as state:
@@ -309,10 +323,17 @@ def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
         if busy:
             raise AgentError(f"rmmod: ERROR: Module nvidia is in use by {', '.join(busy)}; end them first "
                              "(sim clear) or use sim reboot")
+        before = loaded_version(state, "nvidia")
+        if before is None:
+            raise AgentError("no nvidia module is loaded: nothing to reload (the agent's driver stage loads it)")
+        error = reload_modules(state, _modprobe(machine))
+        if error:
+            raise AgentError(error)
         for gpu in state["gpus"]:
             reload_driver(gpu, _model_of(state, gpu))
         lost = state.get("lost_gpus", [])
-    print("nvidia driver reloaded: MIG instances gone; Hopper and later GPUs lost MIG mode")
+        after = loaded_version(state, "nvidia")
+    print(f"nvidia driver reloaded: {before} -> {after}; MIG instances gone; Hopper and later GPUs lost MIG mode")
     if lost:
         print(f"GPU {', '.join(map(str, lost))} still off the bus: a driver reload does not bring a GPU back; "
               "`sim clear` (a reset) or `sim reboot` does")
@@ -333,13 +354,30 @@ def _install_driver(machine: Any, args: argparse.Namespace) -> None:
 
 
 def _reboot(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.kernel import boot, loaded_version
     from gpu_agent.sim.mig import reboot
+    from gpu_agent.sim.services import boot_services
 
     with machine.edit() as state:
         for gpu in state["gpus"]:
             reboot(gpu, _model_of(state, gpu))
         state.pop("lost_gpus", None)
-    print("rebooted: processes ended, GPUs back on the bus, pending MIG modes applied, driver loaded afresh")
+        failed = [] if state.get("capture") else boot(state, _modprobe(machine))
+        boot_services(machine.root, state)
+        version = loaded_version(state, "nvidia") if not state.get("capture") else None
+        boot_id = state.get("kernel", {}).get("boot_id")
+    driver = f"driver {version} loaded" if version else "no nvidia module loaded"
+    print(f"rebooted (boot id {boot_id}): processes ended, GPUs back on the bus, pending MIG modes applied, "
+          f"units running, {driver}")
+    for error in failed:
+        print(f"at boot: {error}")
+
+
+def _modprobe(machine: Any) -> Any:
+    """modprobe as the agent runs it on this machine: /etc/modprobe.d is the simulated kernel's."""
+    from gpu_agent.sim.kernel import SimModprobe
+
+    return SimModprobe(machine, machine.root.with_kernel(machine.kernel_dir))
 
 
 def _model_of(state: dict[str, Any], gpu: dict[str, Any]) -> Any:

@@ -25,6 +25,7 @@ from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
 from gpu_agent.health.reset import ResetHealsGpu
 from gpu_agent.host import sandbox
+from gpu_agent.host.display import ConsoleControl, SysfsConsole
 from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader, ModuleUnloader
@@ -89,6 +90,7 @@ class Runtime:
     units: Optional[UnitControl] = None  # stops and starts the units MIG changes wait for
     plugin_gate: PluginGate = field(default_factory=PluginGate)  # holds the device plugin off (driver reload)
     versions: Optional[Versions] = None  # the runtimes' and the kubelet's versions, their --version runs cached
+    console: Optional[ConsoleControl] = None  # binds the framebuffer console (a driver reload unbinds it)
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str],
@@ -104,11 +106,11 @@ class Runtime:
         real_root = root.is_running_system
         if simulate:
             from gpu_agent.sim.crash import arm_from_environment
-            from gpu_agent.sim.kernel import SimModprobe
+            from gpu_agent.sim.kernel import SimConsole, SimModprobe
             from gpu_agent.sim.machine import MachineState
-            from gpu_agent.sim.mig import SimGpuReset, SimUnits
+            from gpu_agent.sim.mig import SimGpuReset
             from gpu_agent.sim.packages import SimPackages
-            from gpu_agent.sim.services import SimServices
+            from gpu_agent.sim.services import SimServices, SimUnits
 
             arm_from_environment()  # kill -9 trials
             machine = MachineState(root)
@@ -120,6 +122,7 @@ class Runtime:
             packages = SimPackages(machine, root)
             gpu_reset: GpuReset = SimGpuReset(machine)
             units: UnitControl = SimUnits(machine)
+            console: ConsoleControl = SimConsole(machine)
         else:
             import pynvml
 
@@ -129,6 +132,7 @@ class Runtime:
             packages = SystemPackages(root)
             gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
             units = Systemctl(root, config.toolkit.restart_timeout_seconds)
+            console = SysfsConsole(root)
         from gpu_agent.kube.labels import machine_name
 
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
@@ -138,7 +142,7 @@ class Runtime:
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units,
                       kube_budget=requests, kube_api=ApiState(requests, state.publish_kube_api, clock or time.time),
-                      versions=Versions(root))
+                      versions=Versions(root), console=console)
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
@@ -147,15 +151,16 @@ class Runtime:
 
     reload: Optional[Reload] = None  # the driver reload of the stages last built (`gpu-agent driver reload`)
 
-    def request_reload(self, force: bool, timeout: Optional[float]) -> Reload:
-        """`gpu-agent driver reload`: the running stages' reload goes ahead whatever driver.reload says, with
-        the driver-upgrade stage that finishes it. undo_request() when it is over."""
+    def request_reload(self, force: bool, timeout: Optional[float], abort_by: Optional[str] = None) -> Reload:
+        """`gpu-agent driver reload`: the running stages' reload goes ahead whatever driver.reload says (or, with
+        `abort_by`, the reload under way ends), with the driver-upgrade stage that finishes it. undo_request()
+        when it is over."""
         stages = list(self.engine.stages)
         driver = next((stage for stage in stages if isinstance(stage, Driver)), None)
         if driver is None or driver.reload is None:
             raise AgentError("the driver stage is off (driver.enabled: false): the agent reloads no driver")
         reload = driver.reload
-        reload.requested, reload.force = True, force
+        reload.requested, reload.force, reload.abort_by = abort_by is None, force, abort_by
         if timeout is not None:
             reload.wait_seconds = timeout
         if not any(isinstance(stage, DriverUpgrade) for stage in stages):
@@ -167,6 +172,7 @@ class Runtime:
     @staticmethod
     def undo_request(reload: Reload) -> None:
         reload.requested = reload.force = False
+        reload.abort_by = None
         reload.wait_seconds = reload.settings.reload_wait_seconds
 
     def _unit_active(self, unit: str) -> bool:
@@ -214,7 +220,8 @@ class Runtime:
                 driver = dataclasses.replace(driver, validate_cuda=False)
             reload = self.reload = Reload(
                 self.root, self.nvml, self.loader, self.loader if isinstance(self.loader, ModuleUnloader) else None,
-                self.units, self._unit_active, driver, node=sink if sink and sink.api else None, gate=self.plugin_gate)
+                self.units, self._unit_active, driver, node=sink if sink and sink.api else None, gate=self.plugin_gate,
+                console=self.console)
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus, reload=reload))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
             if driver.reload != "never" or (sink is not None and sink.api) or _recorded(reload):
@@ -487,9 +494,10 @@ class Daemon:
         request = take_request(self.runtime.root)
         if request is None:
             return
-        log.info("driver reload requested (force: %s)", request.force)
+        log.info("driver reload %s (force: %s)",
+                 f"abort requested by {request.abort}" if request.abort else "requested", request.force)
         try:
-            reload = self.runtime.request_reload(request.force, request.timeout)
+            reload = self.runtime.request_reload(request.force, request.timeout, request.abort)
         except AgentError as exc:
             write_result(self.runtime.root, ReloadOutcome(False, str(exc), request.id))
             return
@@ -502,7 +510,7 @@ class Daemon:
     def _conclude_driver_reload(self, runs: list[StageRun]) -> None:
         assert self._driver_reload is not None
         request, reload, before = self._driver_reload
-        over = reload_outcome(reload, runs, before)
+        over = reload_outcome(reload, runs, before, abort=request.abort is not None)
         if over is None:
             return
         self.runtime.undo_request(reload)

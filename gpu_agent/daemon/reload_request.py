@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 from gpu_agent.daemon.engine import StageRun
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.paths import Root
-from gpu_agent.stages.driver_reload import DONE, FAILED, Reload
+from gpu_agent.stages.driver_reload import ABANDONED, DONE, FAILED, Reload, abandoned
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class ReloadRequest:
     timeout: Optional[float] = None  # how long to wait for the GPUs to be idle; None: driver.reload_wait_seconds
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     at: float = field(default_factory=time.time)  # when it was written
+    abort: Optional[str] = None  # `--abort`: who asked; the reload under way ends
 
     def age(self) -> float:
         return time.time() - self.at
@@ -99,11 +100,13 @@ def withdraw_request(root: Root, request_id: str) -> bool:
 def _parse(text: str) -> ReloadRequest:
     try:
         data = json.loads(text)
-        request = ReloadRequest(force=data["force"], timeout=data["timeout"], id=data["id"], at=data["at"])
-    except (ValueError, KeyError, TypeError) as exc:
+        request = ReloadRequest(force=data["force"], timeout=data["timeout"], id=data["id"], at=data["at"],
+                                abort=data.get("abort"))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{type(exc).__name__}: {exc}") from None
     if not (isinstance(request.force, bool) and isinstance(request.id, str) and _seconds(request.at)
-            and (request.timeout is None or (_seconds(request.timeout) and request.timeout >= 0))):
+            and (request.timeout is None or (_seconds(request.timeout) and request.timeout >= 0))
+            and (request.abort is None or isinstance(request.abort, str))):
         raise ValueError("a field of the wrong type")
     return request
 
@@ -141,23 +144,29 @@ def progress_of(reload: Reload) -> Optional[dict[str, Any]]:
     return asdict(progress) if progress is not None else None
 
 
-def outcome(reload: Reload, runs: Sequence[StageRun], before: Optional[dict[str, Any]]) -> Optional[Outcome]:
-    """Whether the requested reload is over after this pass, and how; None while it goes on. `before`: the
-    ledger's record when the request came (a reload that ended earlier is not this one's)."""
+def outcome(reload: Reload, runs: Sequence[StageRun], before: Optional[dict[str, Any]],
+            abort: bool = False) -> Optional[Outcome]:
+    """Whether the requested reload (or abort) is over after this pass, and how; None while it goes on.
+    `before`: the ledger's record when the request came (a reload that ended earlier is not this one's)."""
     progress = reload.progress()
     record = asdict(progress) if progress is not None else None
-    if progress is not None and record != before or progress is not None and progress.step == FAILED:
+    if progress is not None and record != before or progress is not None and progress.step == FAILED and not abort:
         if progress.step == DONE:
             notes = f" ({'; '.join(progress.notes)})" if progress.notes else ""
             return Outcome(True, f"driver reloaded {progress.loaded} -> {progress.target}{notes}")
+        if progress.step == ABANDONED:
+            return Outcome(not progress.cordoned, abandoned(progress) + ("; the node stays cordoned: its uncordon "
+                                                                       "failed" if progress.cordoned else ""))
         if progress.step == FAILED:
             cordoned = "; the node stays cordoned" if progress.cordoned else ""
-            return Outcome(False, f"driver reload to {progress.target} failed at {progress.failed_step}: "
+            return Outcome(False, f"driver {progress.what()} failed at {progress.failed_step}: "
                                   f"{progress.failure}{cordoned}")
         return None
     driver = next((run for run in runs if run.stage == "driver"), None)
     if driver is None:
         return Outcome(False, "the driver stage did not run")
+    if abort:
+        return Outcome(True, "no driver reload is under way: nothing to abort")
     if driver.state == "ok":
         return Outcome(True, f"nothing to reload: {driver.message}")
     return Outcome(False, f"no reload: {driver.message}")

@@ -44,7 +44,13 @@ class KernelModules:
         initialising or half-removed: it is left out, so it is probed again."""
         text = read(self.root, "/proc/modules")
         modules = parse_modules("/proc/modules", text) if text is not None else {}
-        return {name: module for name, module in modules.items() if self.present(name)}
+        stuck = set(_not_live(text or ""))
+        return {name: module for name, module in modules.items() if self.present(name) and name not in stuck}
+
+    def stuck(self) -> list[str]:
+        """Modules /proc/modules lists as Loading or Unloading: one whose init hangs (its modprobe killed or
+        not) stays so until its init returns, and neither loads nor unloads again till then."""
+        return _not_live(read(self.root, "/proc/modules") or "")
 
     def present(self, module: str) -> bool:
         return self.root(f"/sys/module/{module}").is_dir()
@@ -67,6 +73,12 @@ class KernelModules:
     def char_majors(self) -> dict[str, int]:
         """Character device majors by driver name, from /proc/devices."""
         return parse_char_majors("/proc/devices", read(self.root, "/proc/devices") or "")
+
+
+def _not_live(text: str) -> list[str]:
+    """The names in /proc/modules whose state (the fifth field) is not Live."""
+    return [fields[0] for fields in (line.split() for line in text.splitlines())
+            if len(fields) >= 5 and fields[4] in ("Loading", "Unloading")]
 
 
 class ModuleLoader(Protocol):

@@ -70,6 +70,12 @@ _NVIDIA_DEVICE = re.compile(r"(^|/)dev/nvidia")
 def device_users(root: Root) -> list[NamedProcess]:
     """The processes that hold an NVIDIA device file (/dev/nvidia*) open, from /proc/PID/fd under the
     root; this process excluded. What holds the nvidia module when NVML cannot say (a version mismatch)."""
+    return holding(root, _NVIDIA_DEVICE)
+
+
+def holding(root: Root, device: re.Pattern[str]) -> list[NamedProcess]:
+    """The processes with a file open whose path `device` matches (searched in the link's text, which under
+    a sandbox root may be relative), from /proc/PID/fd under the root; this process excluded."""
     found = []
     proc = root("/proc")
     for entry in proc.iterdir() if proc.is_dir() else ():
@@ -78,7 +84,7 @@ def device_users(root: Root) -> list[NamedProcess]:
             continue
         try:
             with os.scandir(entry / "fd") as fds:
-                held = any(_NVIDIA_DEVICE.search(os.readlink(fd.path)) for fd in fds if fd.is_symlink())
+                held = any(device.search(os.readlink(fd.path)) for fd in fds if fd.is_symlink())
         except OSError:  # gone, or not ours to read
             continue
         if held:

@@ -10,6 +10,7 @@ import collections
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,10 +39,19 @@ CHAR_MAJORS = {"nvidia": (195, "nvidia"), "nvidia_uvm": (510, "nvidia-uvm"),
 BASE_CHAR_DEVICES = ((1, "mem"), (4, "/dev/vc/0"), (4, "tty"), (5, "/dev/tty"), (5, "/dev/console"),
                      (10, "misc"), (13, "input"), (136, "pts"), (226, "drm"))
 OLD_VERSION = "550.54.15"  # what a half-finished upgrade leaves loaded
-MODPROBE_ERRORS = ("not-found", "key-rejected", "hang")  # hang: until `sim clear` or modprobe's timeout
+# hang: until `sim clear` or modprobe's timeout; stuck: the module's init never returns (listed as Loading until a
+# reboot), its modprobe killed after the timeout
+MODPROBE_ERRORS = ("not-found", "key-rejected", "hang", "stuck")
 KERNEL_STATE_ERRORS = ("nouveau", "version-mismatch", "display")  # change the kernel's state at once
 RMMOD_ERRORS = ("in-use",)
 GPU_FILE_MODULES = ("nvidia", "nvidia_uvm")  # a process using a GPU holds /dev/nvidia* (and nvidia-uvm) open
+LOAD_ORDER = ("nvidia", "nvidia_uvm", "nvidia_modeset", "nvidia_peermem", "nvidia_drm")
+DISPLAY_SERVER = {"pid": 1400, "name": "Xorg"}  # `sim fail modprobe --error display`: what holds nvidia_drm
+FRAMEBUFFER_CONSOLE = "vtcon1"
+
+
+def new_boot_id() -> str:
+    return str(uuid.uuid4())
 
 
 def initial_kernel(driver_version: Optional[str], nics: bool, nouveau: bool) -> dict[str, Any]:
@@ -55,7 +65,7 @@ def initial_kernel(driver_version: Optional[str], nics: bool, nouveau: bool) -> 
                    {"name": "mlx5_ib", "version": None, "params": {}}]
     if nouveau:
         loaded += [{"name": n, "version": None, "params": {}} for n in ("drm", "drm_kms_helper", "nouveau")]
-    return {"release": RELEASE, "installed": installed, "loaded": loaded}
+    return {"release": RELEASE, "installed": installed, "loaded": loaded, "boot_id": new_boot_id()}
 
 
 def loaded_names(state: dict[str, Any]) -> list[str]:
@@ -74,8 +84,8 @@ def break_kernel(state: dict[str, Any], how: str) -> None:
             if name not in loaded_names(state):
                 kernel["loaded"].append({"name": name, "version": None, "params": {}})
     elif how == "display":
-        # A display server (Xorg, a console on nvidia-drm.fbdev) holds nvidia_drm open.
-        kernel["display"] = True
+        # A display server (Xorg) holds nvidia_drm: it has an NVIDIA DRM device (/dev/dri/card*) open.
+        kernel["display"] = dict(DISPLAY_SERVER)
         for name in ("drm", "drm_kms_helper", "nvidia_modeset", "nvidia_drm"):
             if name not in loaded_names(state):
                 kernel["loaded"].append({"name": name, "version": kernel["installed"].get(name), "params": {}})
@@ -91,10 +101,73 @@ def break_kernel(state: dict[str, Any], how: str) -> None:
 
 def users(state: dict[str, Any], module: str) -> int:
     """Open files that hold `module` (its refcount beyond the modules that depend on it): each GPU
-    process holds nvidia and nvidia_uvm, a display holds nvidia_drm."""
+    process holds nvidia and nvidia_uvm; a display server, and the framebuffer console bound to nvidia-drm's
+    framebuffer, hold nvidia_drm."""
     if module in GPU_FILE_MODULES:
         return sum(len(gpu["processes"]) for gpu in state["gpus"])
-    return int(module == "nvidia_drm" and bool(state["kernel"].get("display")))
+    if module == "nvidia_drm":
+        return int(display_server(state) is not None) + int(console_bound(state))
+    return 0
+
+
+def display_server(state: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The display server holding an NVIDIA DRM device, while nvidia_drm is loaded."""
+    display = state["kernel"].get("display")
+    if not display or "nvidia_drm" not in loaded_names(state):
+        return None
+    return display if isinstance(display, dict) else dict(DISPLAY_SERVER)
+
+
+def fbdev(state: dict[str, Any]) -> bool:
+    """nvidia_drm is loaded with fbdev=1 (an `options nvidia-drm fbdev=1` line in modprobe.d): its framebuffer
+    exists, and the framebuffer console takes it over."""
+    drm = next((m for m in state["kernel"]["loaded"] if m["name"] == "nvidia_drm" and _live(m)), None)
+    return drm is not None and str(drm["params"].get("fbdev", "0")).lower() in ("1", "y")
+
+
+def console_bound(state: dict[str, Any]) -> bool:
+    return fbdev(state) and not state["kernel"].get("console_unbound")
+
+
+def _live(module: dict[str, Any]) -> bool:
+    return module.get("state", "live") == "live"
+
+
+def reload_modules(state: dict[str, Any], modprobe: SimModprobe) -> Optional[str]:
+    """What `sim reload-driver` does (rmmod every loaded NVIDIA module, modprobe them again): the installed
+    version is what loads. rmmod's or modprobe's words when one refuses."""
+    names = [name for name in LOAD_ORDER if name in loaded_names(state)]
+    for name in names[::-1]:
+        error = SimModprobe.remove(state, name, False)
+        if error:
+            return error
+    for name in names:
+        error = modprobe.insert(state, name, None)
+        if error:
+            return error
+    return None
+
+
+def boot(state: dict[str, Any], modprobe: SimModprobe) -> list[str]:
+    """A new boot's kernel: a new boot id, the framebuffer console bound, nvidia (udev loads the GPUs' driver)
+    and the NVIDIA modules that were loaded (modules-load.d, the units that load them) loaded at their installed
+    version, each that modprobe's faults let load. modprobe's words for each that did not."""
+    kernel = state["kernel"]
+    before = set(loaded_names(state))
+    if state["gpus"] and kernel["installed"].get("nvidia"):
+        before.add("nvidia")  # udev loads the driver of the GPUs it finds (their modalias)
+    names = [name for name in LOAD_ORDER if name in before]
+    kernel["loaded"] = [dict(m, state="live") for m in kernel["loaded"] if m["name"] not in NVIDIA_MODULES]
+    kernel["boot_id"] = new_boot_id()
+    kernel.pop("console_unbound", None)
+    failed = []
+    for name in names:
+        fault = next((f for f in state["faults"] if f["call"] == "modprobe" and f.get("module") in (None, name)
+                      and f["error"] in ("not-found", "key-rejected")), None)
+        error = modprobe.insert(state, name, fault["error"] if fault else None)
+        if error:
+            failed.append(error)
+    return failed
 
 
 def _modprobe_missing(state: dict[str, Any]) -> bool:
@@ -125,11 +198,14 @@ class SimModprobe:
                 if fault["times"] <= 0 and fault["error"] != "hang":
                     state["faults"].remove(fault)
             if fault is None or fault["error"] != "hang":
-                error = self._insert(state, module, fault["error"] if fault else None)
+                error = self.insert(state, module, fault["error"] if fault else None)
         if fault is not None and fault["error"] == "hang":
             self._hang(fault["id"], module)
             self.load(module)
             return
+        if fault is not None and fault["error"] == "stuck" and not error:
+            time.sleep(self.timeout)  # the module's init never returns: modprobe is killed
+            raise AgentError(f"modprobe {module} did not finish within {self.timeout:g} s and was killed")
         if error:
             raise ModuleLoadError(module, error)
 
@@ -152,15 +228,17 @@ class SimModprobe:
                 fault["times"] -= 1
                 if fault["times"] <= 0:
                     state["faults"].remove(fault)
-            error = self._remove(state, module, fault is not None)
+            error = self.remove(state, module, fault is not None)
         if error:
             raise ModuleUnloadError(module, error)
 
     @staticmethod
-    def _remove(state: dict[str, Any], module: str, faulted: bool) -> Optional[str]:
+    def remove(state: dict[str, Any], module: str, faulted: bool) -> Optional[str]:
         names = loaded_names(state)
         if module not in names:
             return f"rmmod: ERROR: Module {module} is not currently loaded"
+        if not _live(next(m for m in state["kernel"]["loaded"] if m["name"] == module)):
+            return f"rmmod: ERROR: could not remove module {module}: Device or resource busy"
         holders = [m for m in names if module in DEPENDS.get(m, ())]
         if holders:
             return f"rmmod: ERROR: Module {module} is in use by: {' '.join(holders)}"
@@ -176,28 +254,43 @@ class SimModprobe:
                     reload_driver(gpu, MODELS[gpu["model"]])
         return None
 
-    def _insert(self, state: dict[str, Any], module: str, fault: Optional[str]) -> Optional[str]:
+    def insert(self, state: dict[str, Any], module: str, fault: Optional[str]) -> Optional[str]:
+        """Insert `module` and what it depends on into the kernel `state`; modprobe's words when it fails."""
         kernel = state["kernel"]
-        if module in loaded_names(state):
-            return None
+        present = next((m for m in kernel["loaded"] if m["name"] == module), None)
+        if present is not None:
+            return None if _live(present) else f"modprobe: ERROR: could not insert '{module}': Device or resource busy"
         if fault == "not-found" or module not in kernel["installed"]:
             return f"modprobe: FATAL: Module {module} not found in directory /lib/modules/{kernel['release']}"
         if fault == "key-rejected":
             return f"modprobe: ERROR: could not insert '{module}': Key was rejected by service"
         for dependency in DEPENDS.get(module, ()):
-            error = self._insert(state, dependency, None)
+            error = self.insert(state, dependency, None)
             if error:
                 return f"modprobe: ERROR: could not insert '{module}': Unknown symbol in module, or unknown parameter"
         if module == "nvidia" and "nouveau" in loaded_names(state):
             return "modprobe: ERROR: could not insert 'nvidia': No such device"
-        kernel["loaded"].append({"name": module, "version": kernel["installed"][module],
-                                 "params": self._options(module)})
+        if module in NVIDIA_MODULES and module != "nvidia" and kernel["installed"][module] != loaded_version(state,
+                                                                                                             "nvidia"):
+            # NVIDIA's modules refuse an nvidia module of another version (dmesg: "NVRM: API mismatch").
+            return f"modprobe: ERROR: could not insert '{module}': Invalid argument"
+        entry = {"name": module, "version": kernel["installed"][module], "params": self._options(module)}
+        if fault == "stuck":
+            entry["state"] = "coming"
+        kernel["loaded"].append(entry)
         return None
 
     def _options(self, module: str) -> dict[str, str]:
-        """`options MODULE key=value ...` lines of /etc/modprobe.d/*.conf, as modprobe reads them."""
+        """`options MODULE key=value ...` lines of modprobe.d (/etc's, then /usr/lib's and /lib's, as modprobe
+        reads them: a later line's value wins)."""
         options: dict[str, str] = {}
-        directory = self.root("/etc/modprobe.d")
+        for base in ("/lib/modprobe.d", "/usr/lib/modprobe.d", "/etc/modprobe.d"):
+            options.update(self._options_in(base, module))
+        return options
+
+    def _options_in(self, base: str, module: str) -> dict[str, str]:
+        options: dict[str, str] = {}
+        directory = self.root(base)
         for conf in sorted(directory.glob("*.conf")) if directory.is_dir() else ():
             try:
                 text = read_text(conf, f"/etc/modprobe.d/{conf.name}", MAX_CONF_BYTES, errors="replace") or ""
@@ -208,6 +301,22 @@ class SimModprobe:
                 if len(words) >= 3 and words[0] == "options" and words[1].replace("-", "_") == module:
                     options.update(word.partition("=")[::2] for word in words[2:] if "=" in word)
         return options
+
+
+class SimConsole:
+    """/sys/class/vtconsole/<vtcon>/bind on the simulated kernel: the framebuffer console unbound from (or
+    bound again to) nvidia-drm's framebuffer."""
+
+    def __init__(self, machine: Any) -> None:
+        self.machine = machine
+
+    def bind(self, vtcon: str, bound: bool) -> None:
+        with self.machine.edit() as state:
+            known = fbdev(state) and vtcon == FRAMEBUFFER_CONSOLE
+            if known:
+                state["kernel"]["console_unbound"] = not bound
+        if not known:
+            raise AgentError(f"cannot write /sys/class/vtconsole/{vtcon}/bind: No such file or directory")
 
 
 # --- rendering -----------------------------------------------------------------------------------
@@ -225,6 +334,7 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
         for gpu in state["gpus"]:  # a process using a GPU holds its device file open
             for process in gpu["processes"]:
                 links[f"proc/{process['pid']}/fd/3"] = f"/dev/nvidia{gpu['minor']}"
+        _display(files, links, state)
     for tree in ("proc", "sys"):
         _replace_tree(kernel_dir / tree, {k[len(tree) + 1:]: v for k, v in files.items() if k.startswith(tree + "/")},
                       {k[len(tree) + 1:]: v for k, v in links.items() if k.startswith(tree + "/")},
@@ -251,6 +361,8 @@ def _built_in(state: dict[str, Any]) -> dict[str, str]:
             files[f"proc/{process['pid']}/comm"] = process["name"][:15] + "\n"  # the kernel keeps 15 characters
             files[f"proc/{process['pid']}/cmdline"] = f"/usr/bin/{process['name']}\0"
             files[f"proc/{process['pid']}/stat"] = _process_stat(process["pid"], process["name"])
+    if state["kernel"].get("boot_id"):
+        files["proc/sys/kernel/random/boot_id"] = f"{state['kernel']['boot_id']}\n"
     loaded = state["kernel"]["loaded"]
     names = [m["name"] for m in loaded]
     holders = {name: [m["name"] for m in loaded if name in DEPENDS.get(m["name"], ())] for name in names}
@@ -260,10 +372,12 @@ def _built_in(state: dict[str, Any]) -> dict[str, str]:
         by = ",".join(holders[name]) + "," if holders[name] else "-"
         taint = " (POE)" if name in NVIDIA_MODULES else ""
         refcnt = len(holders[name]) + users(state, name)
-        lines.append(f"{name} {SIZES.get(name, 65536)} {refcnt} {by} Live 0x0000000000000000{taint}")
+        live = _live(module)
+        lines.append(f"{name} {SIZES.get(name, 65536)} {refcnt} {by} {'Live' if live else 'Loading'} "
+                     f"0x0000000000000000{taint}")
         base = f"sys/module/{name}"
         files[f"{base}/refcnt"] = f"{refcnt}\n"
-        files[f"{base}/initstate"] = "live\n"
+        files[f"{base}/initstate"] = "live\n" if live else "coming\n"
         for holder in holders[name]:
             files[f"{base}/holders/{holder}"] = ""
         if module["version"]:
@@ -281,6 +395,31 @@ def _built_in(state: dict[str, Any]) -> dict[str, str]:
     files["proc/devices"] = "Character devices:\n" + "".join(
         f"{major:3d} {name}\n" for major, name in sorted(char)) + "\nBlock devices:\n  8 sd\n259 blkext\n"
     return files
+
+
+def _display(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) -> None:
+    """nvidia-drm's DRM devices (a card and a render node per GPU), the display server that holds one open,
+    and with fbdev its framebuffer and the framebuffer console on it."""
+    if "nvidia_drm" not in loaded_names(state):
+        return
+    for gpu in state["gpus"]:
+        device = f"../../../bus/pci/devices/{_sysfs_address(gpu['pci_bus_id'])}"
+        links[f"sys/class/drm/card{gpu['minor']}/device"] = device
+        links[f"sys/class/drm/renderD{128 + gpu['minor']}/device"] = device
+    server = display_server(state)
+    if server is not None and state["gpus"]:
+        pid = server["pid"]
+        files[f"proc/{pid}/comm"] = f"{server['name'][:15]}\n"
+        files[f"proc/{pid}/cmdline"] = f"/usr/lib/xorg/{server['name']}\0"
+        files[f"proc/{pid}/stat"] = _process_stat(pid, server["name"])
+        links[f"proc/{pid}/fd/12"] = f"/dev/dri/card{state['gpus'][0]['minor']}"
+    if fbdev(state):
+        files["sys/class/graphics/fb0/name"] = "nvidia-drmdrmfb\n"
+        bound = console_bound(state)
+        files["sys/class/vtconsole/vtcon0/name"] = "(S) dummy device\n"
+        files["sys/class/vtconsole/vtcon0/bind"] = "0\n" if bound else "1\n"
+        files[f"sys/class/vtconsole/{FRAMEBUFFER_CONSOLE}/name"] = "(M) frame buffer device\n"
+        files[f"sys/class/vtconsole/{FRAMEBUFFER_CONSOLE}/bind"] = "1\n" if bound else "0\n"
 
 
 def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ from gpu_agent.host.paths import Root
 from gpu_agent.sim.kernel import NVIDIA_MODULES, OLD_VERSION, RELEASE, break_kernel, initial_kernel, render
 from gpu_agent.sim.mig import add_device
 from gpu_agent.sim.profiles import BUILT_IN, MODELS, GpuModel, Machine
+from gpu_agent.sim.services import install_unit
 from gpu_agent.sim.topology import UNKNOWN_NUMA, gpu_topology
 from gpu_agent.sim.userspace import install_driver_modules, install_driver_userspace
 
@@ -209,6 +210,9 @@ class MachineState:
                 # root; on / the OS's files are real and stay as they are.
                 install_driver_userspace(self.root.path, machine.driver_version)
                 install_driver_modules(self.root.path, RELEASE, machine.driver_version)
+                install_unit(self.root, "nvidia-persistenced.service", "/usr/bin/nvidia-persistenced")
+                if machine.nvswitches:
+                    install_unit(self.root, "nvidia-fabricmanager.service", "/usr/bin/nv-fabricmanager")
 
     def install_driver(self, version: str) -> None:
         """Another driver version installed as a package upgrade does it: the userspace (NVML) and the

@@ -291,16 +291,3 @@ class SimGpuReset:
             gpu = state["gpus"][index]
             reset(gpu)
             state.setdefault("resets", []).append(index)
-
-
-class SimUnits:
-    """`systemctl stop|start UNIT` on the simulated machine: the unit's state and each call are recorded."""
-
-    def __init__(self, machine: Any) -> None:
-        self.machine = machine
-
-    def __call__(self, verb: str, unit: str) -> None:
-        with self.machine.edit() as state:
-            service = state.setdefault("services", {}).setdefault(unit, {"active": True, "restarts": 0})
-            service["active"] = verb == "start"
-            service.setdefault("calls", []).append(verb)

@@ -1,5 +1,7 @@
 """The simulator's service manager: the container runtimes' units, their restarts, and the configs
-they loaded; `gpu-agent sim fail restart` makes restarts fail, or the runtime not come back."""
+they loaded; `gpu-agent sim fail restart` makes restarts fail, or the runtime not come back. And every other
+unit as systemd keeps it: one exists where its unit file is (or, for a runtime, where it is installed), runs
+from boot, and `systemctl stop|start` change its ActiveState (`sim fail stop|start --unit U` make them fail)."""
 from __future__ import annotations
 
 import hashlib
@@ -7,7 +9,7 @@ import time
 from typing import Any, Callable, Optional
 
 from gpu_agent.errors import AgentError
-from gpu_agent.host.files import read_bytes
+from gpu_agent.host.files import atomic_write, read_bytes
 from gpu_agent.host.paths import Root
 from gpu_agent.toolkit.distributions import DISTRIBUTIONS
 from gpu_agent.toolkit.services import UnitState
@@ -22,7 +24,27 @@ CONFIGS = {
 UNIT_FILES = {unit: files for distribution in DISTRIBUTIONS.values() for unit, files in distribution.units}
 CONFIGS.update({unit: distribution.reads for distribution in DISTRIBUTIONS.values() for unit, _ in distribution.units})
 RESTART_ERRORS = ("failed", "not-ready", "hangs")
+UNIT_ERRORS = ("failed",)  # `sim fail stop|start`
+UNIT_DIRS = ("/etc/systemd/system", "/usr/local/lib/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system")
 _HISTORY = 200  # restart times kept per unit
+
+
+def unit_file(root: Root, unit: str) -> bool:
+    """Whether systemd would find `unit`'s unit file under the root."""
+    return "/" not in unit and any(root(f"{directory}/{unit}").is_file() for directory in UNIT_DIRS)
+
+
+def install_unit(root: Root, unit: str, program: str) -> None:
+    """A package's unit file, as its package lays it out (a placeholder that names what it runs)."""
+    atomic_write(root(f"/usr/lib/systemd/system/{unit}"),
+                 f"# placeholder installed by the gpu-agent simulator\n[Service]\nExecStart={program}\n")
+
+
+def boot_services(root: Root, state: dict[str, Any]) -> None:
+    """A reboot: every unit the machine knows runs again, its runtime's config read afresh."""
+    for unit, service in state.get("services", {}).items():
+        service.update(active_state="active", sub_state="running", since=time.time(), ready=True,
+                       loaded=config_digests(root, unit))
 
 
 def config_digests(root: Root, unit: str) -> dict[str, str]:
@@ -61,6 +83,8 @@ class SimServices:
 
     def state(self, unit: str) -> Optional[UnitState]:
         service = self.machine.read().get("services", {}).get(unit)
+        if service is None and unit_file(self.root, unit):
+            return UnitState(unit, "loaded", "active", "running", "")  # started at boot, untouched since
         if service is None:
             return UnitState(unit, "not-found", "inactive", "dead", "")
         since = service.get("since")
@@ -74,7 +98,7 @@ class SimServices:
                 raise AgentError(f"systemctl restart {unit} failed: Unit {unit} not found.")
             service["restarts"] = service.get("restarts", 0) + 1
             service["restart_times"] = (service.get("restart_times", []) + [time.time()])[-_HISTORY:]
-            fault = self._take_fault(state, unit)
+            fault = take_fault(state, "restart", unit)
             if fault is None or fault == "not-ready":
                 self._started(unit, service)
                 service["ready"] = fault is None
@@ -101,13 +125,51 @@ class SimServices:
                        loaded=config_digests(self.root, unit))
         return service
 
-    @staticmethod
-    def _take_fault(state: dict[str, Any], unit: str) -> Optional[str]:
-        for fault in state["faults"]:
-            if fault["call"] == "restart" and fault.get("unit") in (None, unit) and (fault.get("times") or 1) > 0:
-                if fault.get("times") is not None:
-                    fault["times"] -= 1
-                    if fault["times"] <= 0:
-                        state["faults"].remove(fault)
-                return fault["error"]
-        return None
+
+
+def take_fault(state: dict[str, Any], call: str, unit: str) -> Optional[str]:
+    """The error of the first fault set for `call` on `unit`, one of its times used up; None: no fault."""
+    for fault in state["faults"]:
+        if fault["call"] == call and fault.get("unit") in (None, unit) and (fault.get("times") or 1) > 0:
+            if fault.get("times") is not None:
+                fault["times"] -= 1
+                if fault["times"] <= 0:
+                    state["faults"].remove(fault)
+            return str(fault["error"])
+    return None
+
+
+class SimUnits:
+    """`systemctl stop|start UNIT` on the simulated machine, as systemd answers: a unit with no unit file is
+    not found; stop makes it inactive, start active, or failed with `sim fail start`; each call is recorded."""
+
+    def __init__(self, machine: Any) -> None:
+        self.machine = machine
+        self.root: Root = machine.root
+
+    def __call__(self, verb: str, unit: str) -> None:
+        error = None
+        with self.machine.edit() as state:
+            services = state.setdefault("services", {})
+            service = services.get(unit)
+            if service is None and not unit_file(self.root, unit):
+                error = (f"Failed to stop {unit}: Unit {unit} not loaded." if verb == "stop" else
+                         f"Failed to start {unit}: Unit {unit} not found.")
+            else:
+                if service is None:
+                    service = services[unit] = {"active_state": "active", "sub_state": "running", "restarts": 0,
+                                                "restart_times": []}
+                service.setdefault("calls", []).append(verb)
+                fault = take_fault(state, verb, unit)
+                if fault is not None:
+                    error = (f"Job for {unit} failed because the control process exited with error code. "
+                             f"See \"systemctl status {unit}\" and \"journalctl -xeu {unit}\" for details.")
+                    if verb == "start":
+                        service.update(active_state="failed", sub_state="failed", since=time.time(), ready=False)
+                elif verb == "stop":
+                    service.update(active_state="inactive", sub_state="dead", since=time.time(), ready=False)
+                else:
+                    service.update(active_state="active", sub_state="running", since=time.time(), ready=True,
+                                   loaded=config_digests(self.root, unit))
+        if error is not None:
+            raise AgentError(f"systemctl {verb} {unit} failed: {error}; see journalctl -u {unit}")

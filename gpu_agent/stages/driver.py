@@ -23,12 +23,13 @@ from gpu_agent.nvml.session import NvmlUnavailable, describe
 from gpu_agent.plan import CreateDeviceNode, CreateLink, LoadModule, SetPersistenceMode, WriteFile
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages import cuda_check
-from gpu_agent.stages.driver_reload import (CORDON_REQUIRED, DRAIN, FAILED, POD_DELETION, POD_RESTART, WAIT_FOR_JOBS,
-                                           Reload)
+from gpu_agent.stages import module_options
+from gpu_agent.stages.driver_reload import Reload, abandoned
+from gpu_agent.stages.reload_transitions import (FAILED, FINISHING, IDLE, IDLE_ABANDONED, IDLE_NEVER, IDLE_SKIP, LATER,
+                                                 RELOADING, Move, Progress)
 
 _VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){1,3}")
-RELOADING = (CORDON_REQUIRED, WAIT_FOR_JOBS, POD_DELETION, DRAIN, POD_RESTART)
-UNFINISHED = (*RELOADING, FAILED)  # a failed step is tried again, whatever driver.reload says now
+UNFINISHED = (*RELOADING, *FINISHING, FAILED)  # a failed step is tried again, whatever driver.reload says now
 
 BLACKLIST_NOUVEAU = "/etc/modprobe.d/blacklist-nouveau.conf"
 MAX_CONF_BYTES = 1 << 20  # a modprobe.d file the agent writes is one or two lines
@@ -95,7 +96,8 @@ class Driver(Stage):
     def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, settings: DriverConfig,
                  may_change_gpus: bool = True, reload: Optional[Reload] = None) -> None:
         self.reload = reload
-        self._skip: Optional[str] = None
+        self._move: Optional[Move] = None  # the reload's move as this pass planned it
+        self._record: Optional[Progress] = None
         self.root = root
         self.may_change_gpus = may_change_gpus  # False when NVML's GPUs are not the ones behind the root
         self.nvml = nvml
@@ -173,8 +175,10 @@ class Driver(Stage):
         if not state.managed_gpus or state.nouveau:
             return actions  # nothing to load: verify() says why
         actions += self._reload_actions(state)
-        actions += [Action.of(LoadModule(module), functools.partial(self._load, module))
-                    for module in state.wanted if module not in state.loaded]
+        # Beside an nvidia module that is not the installed one, the others on disk do not load (NVRM's API
+        # mismatch): verify() says the reload it takes.
+        loadable = [m for m in state.wanted if m not in state.loaded and not (state.mismatch and m != "nvidia")]
+        actions += [Action.of(LoadModule(module), functools.partial(self._load, module)) for module in loadable]
         nodes = {node.path: node for node in state.nodes}
         actions += [Action.of(CreateDeviceNode(path, nodes[path].major, nodes[path].minor, nodes[path].mode,
                                                nodes[path].uid, nodes[path].gid, problem),
@@ -239,6 +243,7 @@ class Driver(Stage):
                    "set driver.blacklist_nouveau: true (or blacklist nouveau yourself) and reboot")
             raise StageError(f"the nouveau driver is loaded and holds the GPUs, so nvidia cannot load: {fix}")
         missing = [m for m in state.wanted if m not in state.loaded or not self.kernel.present(m)]
+        self._reload_required(state, missing)
         if missing:
             raise StageError(f"modules not loaded: {', '.join(missing)}")
         self._verify_versions(state)
@@ -279,33 +284,35 @@ class Driver(Stage):
 
     def _reload_actions(self, state: DriverState) -> list[Action]:
         reload = self.reload
+        self._move = self._record = None
         if reload is None or not self.may_change_gpus:
             return []
-        midway = state.reload_step in UNFINISHED
-        if not midway and not (state.mismatch and (self.settings.reload == "when-idle" or reload.requested)):
+        record, facts, move = reload.next_move()
+        self._move, self._record = move, record
+        if move.kind in (IDLE, LATER):
             return []
-        self._skip = None if reload.requested or midway else reload.skipped()
-        if self._skip:
-            return []
-        loaded = state.module_version or "none"
-        target = (state.installed.version if state.installed else None) or state.reload_target or loaded
-        modules = list(state.loaded)
-        return [Action(tuple(reload.planned(loaded, target)), lambda: reload.run(loaded, target, modules))]
+        return [Action(tuple(reload.planned(record, facts, move)), reload.run)]
 
-    def _reload_required(self, state: DriverState) -> None:
+    def _reload_required(self, state: DriverState, missing: list[str]) -> None:
         if not state.mismatch:
             return
-        if self._skip:
-            what = f"not reloaded: {self._skip} says not to; drain the node and reload the driver or reboot"
-        elif self.settings.reload == "never":
+        move, record = self._move, self._record
+        why = move.arg if move is not None and move.kind == IDLE else None
+        if why == IDLE_SKIP and self.reload is not None:
+            what = (f"not reloaded: {self.reload.skipped()} says not to; drain the node and reload the driver or "
+                    "reboot")
+        elif why == IDLE_ABANDONED and record is not None:
+            what = f"{abandoned(record)}; `gpu-agent driver reload` starts it again, or reboot"
+        elif why == IDLE_NEVER or self.reload is None:
             what = ("driver.reload is never: drain the node, then `gpu-agent driver reload` (or set driver.reload: "
                     "when-idle), or reboot")
         else:
             what = "the agent reloads it once no pod or process uses a GPU"
-        raise StageError(f"reload required: {state.mismatch} (the GPUs cannot serve new work); {what}")
+        unloaded = (f"; {', '.join(missing)} not loaded (the modules on disk are the installed driver's)"
+                    if missing else "")
+        raise StageError(f"reload required: {state.mismatch} (the GPUs cannot serve new work){unloaded}; {what}")
 
     def _verify_versions(self, state: DriverState) -> None:
-        self._reload_required(state)
         pin = self.settings.version
         if pin and state.module_version != pin:
             raise StageError(f"driver version pin (driver.version) is {pin} but the loaded kernel module "
@@ -350,38 +357,20 @@ class Driver(Stage):
         return notes
 
     def _parameters_drift(self, state: DriverState) -> list[str]:
-        notes = []
-        for module, options in sorted(self.settings.parameters.items()):
-            if module not in state.loaded:
-                continue
-            drift = [f"{key} is {current}, configured {value}" for key, value in sorted(options.items())
-                     if (current := self._parameter(module, key)) is not None and not _same_value(current, value)]
-            if drift:
-                used = state.loaded[module]
-                holders = f", used by {', '.join(used.holders)}" if used.holders else ""
-                refcnt = "unknown" if used.refcnt is None else used.refcnt
-                notes.append(f"reload required: {module} {'; '.join(drift)} (refcnt {refcnt}{holders}; "
-                             "the agent never unloads a module: drain the node and reboot or reload it)")
-        return notes
-
-
-    def _parameter(self, module: str, key: str) -> Optional[str]:
-        """A loaded module's parameter. The nvidia module keeps its NVreg_ ones out of sysfs: their
-        live values are in /proc/driver/nvidia/params, without the prefix."""
-        if module == "nvidia" and key.startswith("NVreg_"):
-            return devnodes.driver_file(self.root, "/proc/driver/nvidia/params").get(key[len("NVreg_"):])
-        return self.kernel.parameter(module, key)
-
-
-def _same_value(current: str, configured: object) -> bool:
-    """1 and Y and 0x1 are the same to the kernel."""
-    def normal(value: str) -> str:
-        value = {"y": "1", "n": "0"}.get(value.lower(), value)
-        try:
-            return str(int(value, 0))
-        except ValueError:
-            return value
-    return normal(current) == normal(str(configured))
+        found = module_options.drift(self.root, self.kernel, self.settings.parameters, state.loaded)
+        if not found:
+            return []
+        applied = ("being applied: the reload under way loads them" if self._move is not None
+                   and self._move.kind not in (IDLE, LATER) else
+                   "`gpu-agent driver reload` applies them (drain the node first, or it waits for idle GPUs); "
+                   "driver.reload never reloads a driver for its options alone")
+        held = []
+        for module in sorted({d.module for d in found}):
+            used = state.loaded[module]
+            holders = f", used by {', '.join(used.holders)}" if used.holders else ""
+            held.append(f"{module} refcnt {'unknown' if used.refcnt is None else used.refcnt}{holders}")
+        return [f"reload required to apply the configured options: {'; '.join(d.text for d in found)} "
+                f"({', '.join(held)}); {applied}"]
 
 
 def load_module(loader: ModuleLoader, module: str) -> None:
