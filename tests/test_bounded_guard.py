@@ -26,14 +26,6 @@ READS_ALLOWED = {
     ("sim/machine.py", 'with open(self.writes_path, "rb") as counter:'): "the simulator's own write counter",
     ("sim/kernel.py", 'with open(name, encoding="utf-8", errors="surrogateescape") as current:'):
         "a file of the simulated kernel's tree, which the simulator renders itself",
-    # Issue 35 gives these files to other helpers (the MPS pid file):
-    ("mps/control.py", 'text = self.root(f"/proc/{pid}/mountinfo").read_text(errors="replace") if pid else ""'):
-        "MPS (issue 35's MPS part)",
-    ("mps/control.py",
-     'text = self.root(f"{pipe_dir(spec.resource)}/{PID_FILE}").read_text(errors="replace")[:32].strip()'):
-        "the MPS pid file (issue 35's MPS part)",
-    ("mps/control.py", 'comm = self.root(f"/proc/{pid}/comm").read_text(errors="replace").strip()'):
-        "MPS (issue 35's MPS part)",
 }
 # Calls named open() that open no file: a gRPC stream, the device plugin's gate.
 NOT_FILES = {"self.gate.open()", "async with list_method(channel).open(timeout=timeout) as stream:",
