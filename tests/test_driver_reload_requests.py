@@ -323,3 +323,15 @@ def test_two_commands_against_the_daemon_each_get_the_reloads_outcome(agent: Any
     assert outcomes[1]["message"] == outcomes[0]["message"] and outcomes[0]["via"] == outcomes[1]["via"]
     assert loaded_version(node.machine.read(), "nvidia") == NEW
     assert not list(run.glob("driver-reload.*"))
+
+
+def test_a_result_that_cannot_be_written_is_said_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The run directory not writable (a file where it should be): the agent's pass goes on, the log says
+    which result and why, never a traceback."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/gpu-agent").write_text("not a directory")
+    request = ReloadRequest()
+    with caplog.at_level(logging.ERROR, logger="gpu_agent.daemon.reload_request"):
+        rr.write_result(Root(tmp_path), Outcome(True, "driver reloaded", request.id))
+    said, = [record.getMessage() for record in caplog.records]
+    assert f"cannot write /run/gpu-agent/driver-reload.result.{request.id} (driver reloaded)" in said

@@ -224,11 +224,16 @@ def _seconds(value: Any) -> bool:
 
 
 def write_result(root: Root, outcome: Outcome) -> None:
-    """The outcome in its request's result file; results older than RESULT_TTL_S (nobody reads them) removed."""
+    """The outcome in its request's result file (one that cannot be written is said in the log: its command
+    then says the agent gave none); results older than RESULT_TTL_S (nobody reads them) removed."""
     if not _ID.fullmatch(outcome.id):
         return
     _remove_unread(root)
-    atomic_write(root(result_path(outcome.id)), json.dumps(asdict(outcome)) + "\n", 0o600)
+    try:
+        atomic_write(root(result_path(outcome.id)), json.dumps(asdict(outcome)) + "\n", 0o600)
+    except OSError as exc:
+        log.error("driver reload: cannot write %s (%s): %s", result_path(outcome.id), printable(outcome.message),
+                  exc.strerror or exc)
 
 
 def _remove_unread(root: Root) -> None:
