@@ -26,17 +26,6 @@ READS_ALLOWED = {
     ("sim/machine.py", 'with open(self.writes_path, "rb") as counter:'): "the simulator's own write counter",
     ("sim/kernel.py", 'with open(name, encoding="utf-8", errors="surrogateescape") as current:'):
         "a file of the simulated kernel's tree, which the simulator renders itself",
-    # Issue 35 gives these files to other helpers (the driver-reload request queue, the MPS pid file):
-    ("daemon/reload_request.py", "text = path.read_text()"): "the driver-reload request queue (issue 35)",
-    ("daemon/reload_request.py", "return _parse(root(REQUEST).read_text())"): "the driver-reload request queue",
-    ("daemon/reload_request.py", "data = json.loads(path.read_text())"): "the driver-reload request queue",
-    ("mps/control.py", 'text = self.root(f"/proc/{pid}/mountinfo").read_text(errors="replace") if pid else ""'):
-        "MPS (issue 35's MPS part)",
-    ("mps/control.py",
-     'text = self.root(f"{pipe_dir(spec.resource)}/{PID_FILE}").read_text(errors="replace")[:32].strip()'):
-        "the MPS pid file (issue 35's MPS part)",
-    ("mps/control.py", 'comm = self.root(f"/proc/{pid}/comm").read_text(errors="replace").strip()'):
-        "MPS (issue 35's MPS part)",
 }
 # Calls named open() that open no file: a gRPC stream, the device plugin's gate.
 NOT_FILES = {"self.gate.open()", "async with list_method(channel).open(timeout=timeout) as stream:",

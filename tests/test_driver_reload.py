@@ -505,38 +505,39 @@ def test_driver_reload_is_handed_to_the_running_daemon(agent: Any, root: Path, t
     """The command, in this process, against a daemon subprocess: a request file, SIGHUP, the result file.
     What is not a request, or is stale, starts no reload; a daemon that does not take the request in time
     gets it withdrawn, with a clear error; --dry-run and the real run."""
+    from gpu_agent.daemon.reload_request import request_path, result_path
+
     daemon = agent(simulate="t4", settings={"toolkit": {"enabled": False}})
     daemon.wait_ready()
     node = SimNode(root, "t4")
     node.sim("install-driver", NEW)  # driver.reload: never; the command reloads all the same
     config = tmp_path / "config.yaml"
-    request, result = root / "run/gpu-agent/driver-reload.request", root / "run/gpu-agent/driver-reload.result"
+    run = root / "run/gpu-agent"
 
     def driver_reload(*argv: str) -> Any:
         return run_cli("--simulate", "t4", "driver", "reload", *argv, root=root, config=config)
 
-    request.write_text("not a request\n")
+    foreign = root / request_path("0" * 32).lstrip("/")
+    foreign.write_text("not a request\n")
     daemon.signal(signal.SIGHUP)
-    wait_until(lambda: not request.exists(), "the foreign request dropped")
-    stale = {"force": False, "timeout": None, "id": "0" * 32, "at": time.time() - 3600}
-    request.write_text(json.dumps(stale))
+    wait_until(lambda: not foreign.exists(), "the foreign request dropped")
+    stale = {"force": False, "timeout": None, "id": "1" * 32, "at": time.time() - 3600}
+    (root / request_path(stale["id"]).lstrip("/")).write_text(json.dumps(stale))
     daemon.signal(signal.SIGHUP)
+    result = root / result_path(stale["id"]).lstrip("/")
     answer = wait_until(lambda: result.exists() and json.loads(result.read_text()), "the stale request answered")
     assert answer["id"] == stale["id"] and not answer["ok"] and "stale" in answer["message"]
+    result.unlink()
     plan = driver_reload("--dry-run")
     assert plan.returncode == 0 and f"reload required: loaded 550.90.07, installed {NEW}" in plan.stdout
     assert loaded_version(node.machine.read(), "nvidia") == "550.90.07" and Ledger(Root(root)).driver_reload() is None
 
     daemon.signal(signal.SIGSTOP)  # a daemon that does not answer
     try:
-        request.write_text(json.dumps({**stale, "id": "1" * 32, "at": time.time()}))
-        busy = driver_reload()
-        assert busy.returncode == 1 and "another `gpu-agent driver reload` is waiting" in busy.stderr, busy.stderr
-        request.unlink()
         monkeypatch.setattr("gpu_agent.daemon.reload_request.REQUEST_TTL_S", 0.5)
         stuck = driver_reload()
         assert stuck.returncode == 1 and "did not take the request within 0.5 s" in stuck.stderr, stuck.stderr
-        assert not request.exists()  # withdrawn: the daemon, going on, starts no reload nobody waits for
+        assert not list(run.glob("driver-reload.*"))  # withdrawn: the daemon, going on, starts no reload
     finally:
         daemon.signal(signal.SIGCONT)
     monkeypatch.undo()
@@ -553,28 +554,27 @@ def test_driver_reload_is_handed_to_the_running_daemon(agent: Any, root: Path, t
 @pytest.mark.parametrize("field", ["at", "timeout"])
 def test_a_request_whose_time_is_no_finite_number_is_no_request(tmp_path: Path, field: str, number: str) -> None:
     """A time JSON can write but a float cannot hold (its age would raise OverflowError in the agent's loop
-    and in the command) is refused as not a request, by the agent and by the command looking for one."""
-    from gpu_agent.daemon.reload_request import REQUEST, pending_request, take_request
+    and in the command) is refused as not a request."""
+    from gpu_agent.daemon.reload_request import request_path, take_requests
 
     root = Root(tmp_path)
-    request = root(REQUEST)
+    request = root(request_path("0" * 32))
     request.parent.mkdir(parents=True)
-    fields = {"force": "false", "timeout": "null", "id": '"0"', "at": repr(time.time()), field: number}
+    fields = {"force": "false", "timeout": "null", "id": f'"{"0" * 32}"', "at": repr(time.time()), field: number}
     request.write_text("{" + ", ".join(f'"{key}": {value}' for key, value in fields.items()) + "}")
-    assert pending_request(root) is None
-    assert take_request(root) is None and not request.exists()
+    assert take_requests(root) == [] and not request.exists()
 
 
 def test_an_abort_request_names_who_asked(tmp_path: Path) -> None:
-    from gpu_agent.daemon.reload_request import REQUEST, ReloadRequest, take_request, write_request
+    from gpu_agent.daemon.reload_request import ReloadRequest, request_path, take_requests, write_request
 
     root = Root(tmp_path)
-    root(REQUEST).parent.mkdir(parents=True)
     write_request(root, ReloadRequest(abort="alice, with `gpu-agent driver reload --abort` (pid 1)"))
-    taken = take_request(root)
-    assert taken is not None and taken.abort == "alice, with `gpu-agent driver reload --abort` (pid 1)"
-    root(REQUEST).write_text(json.dumps({"force": False, "timeout": None, "id": "0", "at": time.time(), "abort": 1}))
-    assert take_request(root) is None  # not a request
+    taken, = take_requests(root)
+    assert taken.abort == "alice, with `gpu-agent driver reload --abort` (pid 1)"
+    root(request_path("0" * 32)).write_text(json.dumps({"force": False, "timeout": None, "id": "0" * 32,
+                                                          "at": time.time(), "abort": 1}))
+    assert take_requests(root) == []  # not a request
 
 
 def test_a_hung_modprobe_is_killed_after_its_timeout_and_loads_once_cleared(tmp_path: Path) -> None:

@@ -56,9 +56,6 @@ BOUNDED = {
     ("sim/replay.py", "int(match.group(4))"): "handle_of: at most 9 digits",
     ("sim/replay.py", "int(self.value('nvmlDeviceGetTemperature', handle, pynvml.NVML_TEMPERATURE_GPU, default=0))"):
         "a capture's JSON number, read through host/jsontext (at most 40 digits)",
-    # Issue 35's MPS part is another helper's:
-    ("mps/control.py", "int(digits)"): "MPS (issue 35's MPS part)",
-    ("mps/control.py", "int(text)"): "the MPS pid file (issue 35's MPS part)",
 }
 
 

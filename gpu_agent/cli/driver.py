@@ -16,6 +16,7 @@ from gpu_agent.cli.common import config_of, root_of
 from gpu_agent.errors import EXIT_ERROR, EXIT_OK, AgentError
 from gpu_agent.host.bounded import NotRegular, read_head
 from gpu_agent.numbers import decimal
+from gpu_agent.printable import printable
 
 CMDLINE_HEAD = 4096  # of /proc/PID/cmdline: enough for `python -m gpu_agent run`
 _POLL_S = 0.2  # how often the daemon's answer is looked for
@@ -194,11 +195,10 @@ def _idle_now(reload: Any, waiting: str) -> bool:
 def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
     from gpu_agent.daemon.app import LOCK_PATH
     from gpu_agent.daemon.reload_request import (
-        REQUEST,
         REQUEST_TTL_S,
         ReloadRequest,
-        pending_request,
         read_result,
+        waiting,
         withdraw_request,
         write_request,
     )
@@ -209,11 +209,6 @@ def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
         print(f"gpu-agent: {locked}; it is no running daemon (`gpu-agent run`) to hand the reload to: try again "
               "once it has finished", file=sys.stderr)
         return EXIT_ERROR
-    other = pending_request(root)
-    if other is not None and 0 <= other.age() <= REQUEST_TTL_S:
-        return _report(args, False, f"another `gpu-agent driver reload` is waiting for the agent (its request "
-                                    f"{REQUEST} is {other.age():.0f} s old): try again once it has finished",
-                       "daemon", None)
     wait = args.timeout if args.timeout is not None else config_of(args).config.driver.reload_wait_seconds
     request = ReloadRequest(args.force, args.timeout, abort=args.abort_by)
     write_request(root, request)
@@ -223,11 +218,8 @@ def _ask_the_daemon(args: argparse.Namespace, locked: str) -> int:
     try:
         while (result := read_result(root, request.id)) is None:
             if not taken:
-                waiting = pending_request(root)
-                if waiting is not None and waiting.id != request.id:
-                    return _report(args, False, "another `gpu-agent driver reload` replaced this request before "
-                                                "the agent took it", "daemon", None)
-                if waiting is None or (time.monotonic() > deadline and not withdraw_request(root, request.id)):
+                if not waiting(root, request.id) or (time.monotonic() > deadline
+                                                     and not withdraw_request(root, request.id)):
                     taken, deadline = True, time.monotonic() + wait + _MARGIN_S
                 elif time.monotonic() > deadline:
                     return _report(args, False, f"the agent (pid {pid}) did not take the request within "
@@ -262,10 +254,11 @@ def _daemon_pid(lock: Any) -> Optional[int]:
 
 
 def _report(args: argparse.Namespace, ok: bool, message: str, via: str, record: Optional[dict[str, Any]]) -> int:
-    if args.json:
+    """The outcome: its message (the agent's words, or a module's name from the node) made printable."""
+    if args.json:  # JSON escapes every control character itself
         print(json.dumps({"ok": ok, "message": message, "via": via, "reload": record}, indent=2))
     elif ok:
-        print(message)
+        print(printable(message))
     else:
-        print(f"gpu-agent driver reload: {message}", file=sys.stderr)
+        print(f"gpu-agent driver reload: {printable(message)}", file=sys.stderr)
     return EXIT_OK if ok else EXIT_ERROR

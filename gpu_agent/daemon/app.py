@@ -19,7 +19,7 @@ from gpu_agent.config import AgentConfig, LoadedConfig
 from gpu_agent.config.loader import reload_config
 from gpu_agent.config.plugin import plugin_wanted
 from gpu_agent.daemon import liveness
-from gpu_agent.daemon.engine import Engine, StageRun
+from gpu_agent.daemon.engine import Engine
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.daemon.workers import DaemonThreadPool
 from gpu_agent.errors import AgentError
@@ -44,9 +44,7 @@ from gpu_agent.stages.discovery import Discovery
 from gpu_agent.stages.driver import Driver
 from gpu_agent.stages.driver_features import DriverFeatures
 from gpu_agent.stages.driver_reload import DriverUpgrade, Reload
-from gpu_agent.daemon.reload_request import Outcome as ReloadOutcome
-from gpu_agent.daemon.reload_request import ReloadRequest, progress_of, take_request, write_result
-from gpu_agent.daemon.reload_request import outcome as reload_outcome
+from gpu_agent.daemon.reload_request import ReloadQueue, ReloadRequest
 from gpu_agent.stages.owned_files import OwnedFiles
 from gpu_agent.stages.toolkit import Toolkit
 from gpu_agent.toolkit import distributions
@@ -318,7 +316,7 @@ class Daemon:
         self.xids = XidWatcher(runtime.nvml, self.state, self._after_xid)
         self.health_checks = HealthChecks(runtime.nvml, self.state)
         self._wake = asyncio.Event()
-        self._driver_reload: Optional[tuple[ReloadRequest, Reload, Optional[dict[str, Any]]]] = None
+        self._driver_reloads = ReloadQueue(runtime.root, self._begin_driver_reload, runtime.undo_request)
         self._sample_now = asyncio.Event()
         self._force = False
         self._stopping = asyncio.Event()
@@ -419,7 +417,7 @@ class Daemon:
     def _bound_by(self) -> tuple[int, bool]:
         """What the liveness bound depends on beside the config: the GPUs, and whether a driver reload runs."""
         inventory = self.state.inventory
-        return len(inventory.gpus) if inventory else liveness.DEFAULT_GPUS, self._driver_reload is not None
+        return len(inventory.gpus) if inventory else liveness.DEFAULT_GPUS, self._driver_reloads.under_way
 
     # --- reconcile -------------------------------------------------------------------------------
 
@@ -465,14 +463,15 @@ class Daemon:
             self._last_reload = asyncio.get_running_loop().time()
             if await self._reload():
                 self._force = True  # a new config applies now; the engine still holds a failed restart's change
-        self._take_driver_reload()
+        if self._driver_reloads.take():  # `gpu-agent driver reload` (reload_request.py): begun in this pass, forced
+            self._force = True
         force, self._force = self._force, False
         self._wake.clear()
         started = time.monotonic()
         runs = await self.runtime.engine.reconcile(force=force or first)
         self._passed_at = time.monotonic()
-        if self._driver_reload is not None:
-            self._conclude_driver_reload(runs)
+        if self._driver_reloads.conclude(runs):  # one that waited for the end of the one under way begins
+            self.trigger(force=True)
         if first:
             await asyncio.to_thread(self.sampler.sample)
             await asyncio.to_thread(self.xids.start)
@@ -489,33 +488,8 @@ class Daemon:
             asyncio.get_running_loop().run_in_executor(None, self.registry.prepare)
         self.publish()
 
-    def _take_driver_reload(self) -> None:
-        """A `gpu-agent driver reload` waiting (reload_request.py): begun in this pass, forced."""
-        request = take_request(self.runtime.root)
-        if request is None:
-            return
-        log.info("driver reload %s (force: %s)",
-                 f"abort requested by {request.abort}" if request.abort else "requested", request.force)
-        try:
-            reload = self.runtime.request_reload(request.force, request.timeout, request.abort)
-        except AgentError as exc:
-            write_result(self.runtime.root, ReloadOutcome(False, str(exc), request.id))
-            return
-        if self._driver_reload is not None:  # a newer request takes over the one in progress
-            write_result(self.runtime.root, ReloadOutcome(False, "superseded by another driver reload request",
-                                                          self._driver_reload[0].id))
-        self._driver_reload = (request, reload, progress_of(reload))
-        self._force = True
-
-    def _conclude_driver_reload(self, runs: list[StageRun]) -> None:
-        assert self._driver_reload is not None
-        request, reload, before = self._driver_reload
-        over = reload_outcome(reload, runs, before, abort=request.abort is not None)
-        if over is None:
-            return
-        self.runtime.undo_request(reload)
-        self._driver_reload = None
-        write_result(self.runtime.root, ReloadOutcome(over.ok, over.message, request.id))
+    def _begin_driver_reload(self, request: ReloadRequest) -> Reload:
+        return self.runtime.request_reload(request.force, request.timeout, request.abort)
 
     async def _sleep_until_next(self) -> None:
         now = time.time()

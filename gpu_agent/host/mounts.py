@@ -60,15 +60,21 @@ def mount_at(root: Root, host_path: str) -> Optional[Mount]:
     """What is mounted at `host_path` (the topmost mount, the one a lookup finds), from the root's
     /proc/self/mountinfo; None when nothing is. An AgentError names the file when it cannot be read."""
     target = str(root(host_path))
-    try:
-        raw = read_bounded(root(MOUNTINFO), _MAX_MOUNTINFO)
-    except (NotRegular, TooLarge, OSError) as exc:
-        raise AgentError(f"{MOUNTINFO}: cannot tell whether {host_path} is mounted: "
-                         f"{getattr(exc, 'strerror', None) or exc}") from None
-    if raw is None:
-        raise AgentError(f"{MOUNTINFO}: cannot tell whether {host_path} is mounted: no such file")
-    on_it = [mount for mount in parse_mountinfo(raw.decode(errors="replace")) if mount.point == target]
+    on_it = [mount for mount in parse_mountinfo(read_mountinfo(root, MOUNTINFO, f"whether {host_path} is mounted"))
+             if mount.point == target]
     return on_it[-1] if on_it else None
+
+
+def read_mountinfo(root: Root, mountinfo: str, what: str) -> str:
+    """The text of a mountinfo file (/proc/self/mountinfo, /proc/PID/mountinfo), read through the bounded
+    reader; an AgentError says it cannot tell `what`, naming the file and why."""
+    try:
+        raw = read_bounded(root(mountinfo), _MAX_MOUNTINFO)
+    except (NotRegular, TooLarge, OSError) as exc:
+        raise AgentError(f"{mountinfo}: cannot tell {what}: {getattr(exc, 'strerror', None) or exc}") from None
+    if raw is None:
+        raise AgentError(f"{mountinfo}: cannot tell {what}: no such file")
+    return raw.decode(errors="replace")
 
 
 _libc: Optional[Any] = None

@@ -31,10 +31,11 @@ from typing import Mapping, Optional, Protocol
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host import mounts, proc
-from gpu_agent.host.paths import Root, first_executable
+from gpu_agent.host.paths import Root, first_executable, resolve
 from gpu_agent.host.sandbox import in_systemd_unit
-from gpu_agent.mps.layout import (CLIENT_SHM, LOG_ENV, PID_FILE, PIPE_ENV, SHM_DIR, SHM_UNIT, log_dir, pipe_dir,
-                                  unit_name)
+from gpu_agent.mps import identity
+from gpu_agent.mps.layout import CLIENT_SHM, LOG_ENV, PIPE_ENV, SHM_DIR, SHM_UNIT, log_dir, pipe_dir, unit_name
+from gpu_agent.numbers import decimal
 
 BINARY = "nvidia-cuda-mps-control"
 # Where drivers install it: distribution packages and NVIDIA's .run installer in /usr/bin, a driver kept under
@@ -132,7 +133,10 @@ class HostMpsControl:
 
     def start(self, spec: DaemonSpec) -> None:
         if self.systemd is None:
+            self._binary(spec, "cannot start the MPS control daemon")
+            self._expect_start(spec)
             self._run(spec, ["-d"], "", launcher(str(self.root(SHM_DIR))))
+            self.pid(spec)  # recorded as the agent's now, if it wrote its pid file already
             return
         what = "cannot start the MPS control daemon"
         self._binary(spec, what)  # the unit's ExecSearchPath= is BINARY_DIRS: one missing is named before systemd
@@ -167,22 +171,29 @@ class HostMpsControl:
 
     def uses_shm(self, spec: DaemonSpec) -> bool:
         pid = self.pid(spec)
+        if pid is None:
+            return True
         try:
             ours = mounts.mount_at(self.root, SHM_DIR)
-            text = self.root(f"/proc/{pid}/mountinfo").read_text(errors="replace") if pid else ""
-        except (OSError, AgentError):
+            text = mounts.read_mountinfo(self.root, f"/proc/{pid}/mountinfo", f"the /dev/shm of pid {pid}")
+        except AgentError:
             return True
         theirs = [mount for mount in mounts.parse_mountinfo(text) if mount.point == CLIENT_SHM]
         return ours is None or not theirs or theirs[-1].device == ours.device
 
     def pid(self, spec: DaemonSpec) -> Optional[int]:
-        try:
-            text = self.root(f"{pipe_dir(spec.resource)}/{PID_FILE}").read_text(errors="replace")[:32].strip()
-        except OSError:
+        """The pid file's process while it is the control daemon the agent started (mps.identity): the binary,
+        run as the agent's user, in the resource's unit under systemd, else the one recorded at its start."""
+        found = identity.pid_file(self.root, spec.resource)
+        binary = self._resolved_binary()
+        if found is None or binary is None:
             return None
-        if not text.isdigit():
+        process = identity.process(self.root, found)
+        if process is None or not identity.runs(process, binary):
             return None
-        return int(text) if self.root(f"/proc/{text}").is_dir() else None
+        if self.systemd is not None:
+            return found if identity.in_unit(self.root, found, unit_name(spec.resource)) else None
+        return found if identity.started_by_agent(self.root, spec.resource, process) else None
 
     def terminate(self, spec: DaemonSpec) -> None:
         if self.systemd is not None:  # its whole control group, the MPS servers too
@@ -191,13 +202,38 @@ class HostMpsControl:
             return
         pid = self.pid(spec)
         if pid is None:
-            return
-        try:  # the pid file's process, if it still is the control daemon (not a pid reused since)
-            comm = self.root(f"/proc/{pid}/comm").read_text(errors="replace").strip()
-            if BINARY.startswith(comm):
+            return  # none runs that the agent started: whatever the pid file names is not signalled
+        try:
+            held = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return  # it exited meanwhile
+        except (AttributeError, OSError):
+            held = None  # no pidfd (Linux before 5.3): the look just made stands
+        try:
+            if held is None:
                 os.kill(pid, signal.SIGTERM)
-        except OSError:
+            elif self.pid(spec) == pid:  # looked at again, the process held: a pid reused meanwhile is not it
+                signal.pidfd_send_signal(held, signal.SIGTERM)
+        except ProcessLookupError:
             pass  # it exited meanwhile
+        finally:
+            if held is not None:
+                os.close(held)
+
+    def _expect_start(self, spec: DaemonSpec) -> None:
+        """The record that a start comes (mps.identity), with the process the pid file names now (not it)."""
+        found = identity.pid_file(self.root, spec.resource)
+        try:
+            identity.expect_start(self.root, spec.resource, identity.process(self.root, found) if found else None)
+        except OSError as exc:
+            raise AgentError(f"cannot start the MPS control daemon for {spec.resource}: cannot write "
+                             f"{identity.started_path(spec.resource)}: {exc.strerror or exc}") from None
+
+    def _resolved_binary(self) -> Optional[str]:
+        """The control binary's path as the kernel names what a process runs (its links followed)."""
+        found = find_binary(self.root)
+        real = resolve(self.root, found) if found else None
+        return str(self.root(real)) if real else None
 
     def _binary(self, spec: DaemonSpec, what: str) -> str:
         binary = find_binary(self.root)
@@ -227,10 +263,10 @@ class HostMpsControl:
 
 def pinned_mib(value: str) -> int:
     """A pinned memory limit as the control daemon takes it (`<n>M` or `<n>G`) in MiB; -1 for another."""
-    unit, digits = value[-1:].upper(), value[:-1]
-    if unit not in ("M", "G") or not digits.isdigit():
+    unit, number = value[-1:].upper(), decimal(value[:-1]) if value[:-1].strip() == value[:-1] else None
+    if unit not in ("M", "G") or number is None:
         return -1
-    return int(digits) * (1024 if unit == "G" else 1)
+    return number * (1024 if unit == "G" else 1)
 
 
 def shown_limit(value: str) -> str:

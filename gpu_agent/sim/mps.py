@@ -13,6 +13,7 @@ from typing import Any, Optional
 from gpu_agent.errors import AgentError
 from gpu_agent.mps.control import DaemonSpec, pinned_mib, shown_limit
 from gpu_agent.mps.layout import CLIENT_SHM, SHM_DIR
+from gpu_agent.numbers import decimal
 
 COMMANDS = ("get_server_list", "get_default_active_thread_percentage", "set_default_active_thread_percentage",
             "get_default_device_pinned_mem_limit", "set_default_device_pinned_mem_limit",
@@ -111,8 +112,7 @@ class SimMpsControl:
             return "" if limit is None else shown_limit(limit) + "\n"
         if name == "set_default_device_pinned_mem_limit":
             return ""
-        if name == "get_active_thread_percentage" and (not args or not args[0].isdigit()
-                                                        or int(args[0]) not in daemon["servers"]):
+        if name == "get_active_thread_percentage" and (not args or decimal(args[0]) not in daemon["servers"]):
             return ""
         return f"{daemon['thread_percentage']:.1f}\n"
 
