@@ -162,6 +162,12 @@ def _load_per_cpu() -> float:
     return os.getloadavg()[0] / len(os.sched_getaffinity(0))
 
 
+def at_this_load(seconds: float) -> float:
+    """A wait that is `seconds` on an idle machine, stretched by the load per CPU as the call limit is: for
+    a test's answer deadlines, which measure the agent's behaviour, not the machine's."""
+    return seconds * max(1.0, _load_per_cpu())
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     if item.get_closest_marker("slow") is not None:

@@ -25,6 +25,7 @@ from typing import Optional
 from pathlib import Path
 
 import pytest
+from conftest import at_this_load
 from served import Served, read_responses
 
 from gpu_agent.daemon import listener as listener_module
@@ -447,7 +448,7 @@ def _flood_target(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Iterator[
 
 
 def _probe(server: Served, path: str, timeout: float = 5.0) -> int:
-    connection = server.client(timeout=timeout)
+    connection = server.client(timeout=at_this_load(timeout))
     try:
         connection.request("GET", path)
         return connection.getresponse().status
