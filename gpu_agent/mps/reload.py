@@ -2,11 +2,12 @@
 
 An MPS server keeps /dev/nvidia* open after its last client has gone, so with MPS on the GPUs never look idle
 and nvidia does not unload. The reload therefore counts neither a daemon of the agent's (a resource the ledger
-holds directories or compute modes of) nor the servers it forked (its children) as a GPU user, quits the
-daemons before the unload, its record naming them first (stopped_mps), and starts them again once the reload
-is validated, or at any end: their GPUs set to EXCLUSIVE_PROCESS again first (a module reload resets the
-compute mode to DEFAULT), in their directories, which pods keep mounted. While the record names a resource, the
-MPS watch (mps.daemons.held_by_reload) starts no daemon for it.
+holds directories or compute modes of) nor the servers it forked (its children: a real daemon logs the fork as
+itself, "Control 710] Starting new server 710 for user 0", tests/data/mps/h200-580-vm/control-pipe.json) as a GPU
+user, quits the daemons before the unload, its record naming them first (stopped_mps), and starts them again
+once the reload is validated, or at any end: their GPUs set to EXCLUSIVE_PROCESS again first (a module reload
+resets the compute mode to DEFAULT), in their directories, which pods keep mounted. While the record names a
+resource, the MPS watch (mps.daemons.held_by_reload) starts no daemon for it.
 """
 from __future__ import annotations
 
