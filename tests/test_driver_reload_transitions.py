@@ -16,6 +16,7 @@ from gpu_agent.stages.reload_transitions import Facts, Move, Progress, Request, 
 OLD, NEW, NEWER = "550.90.07", "570.124.06", "575.51.03"
 BOOT, REBOOTED = "boot-1", "boot-2"
 UNIT = "nvidia-persistenced.service"
+MPS, OTHER_MPS = "nvidia.com/gpu", "nvidia.com/gpu-shared"
 RULES = Rules("when-idle", 3600.0, (UNIT,))
 CORE = frozenset({"nvidia", "nvidia_uvm"})
 
@@ -112,6 +113,19 @@ TABLE: list[tuple[str, Optional[Progress], Facts, Request, Rules, Move]] = [
      NOTHING, RULES, Move(rt.STOP_UNIT, UNIT)),
     ("a GPU in use again", record(rt.POD_RESTART, plugin_stopped=True), facts(busy=("process 1",)), NOTHING, RULES,
      Move(rt.REFUSE, rt.REFUSE_BUSY)),
+    ("a GPU in use again, an MPS daemon too: refused before it is quit", record(rt.POD_RESTART, plugin_stopped=True),
+     facts(busy=("process 1",), mps=(MPS,)), NOTHING, RULES, Move(rt.REFUSE, rt.REFUSE_BUSY)),
+    ("issue 33: the agent's MPS daemons quit (their servers hold the GPUs)",
+     record(rt.POD_RESTART, plugin_stopped=True), facts(mps=(MPS, OTHER_MPS)), NOTHING, RULES,
+     Move(rt.QUIT_MPS, MPS)),
+    ("one quit already, the other next", record(rt.POD_RESTART, plugin_stopped=True, stopped_mps=[MPS]),
+     facts(mps=(OTHER_MPS,)), NOTHING, RULES, Move(rt.QUIT_MPS, OTHER_MPS)),
+    ("one recorded quit still runs: quit again", record(rt.POD_RESTART, plugin_stopped=True, stopped_mps=[MPS]),
+     facts(mps=(MPS,)), NOTHING, RULES, Move(rt.QUIT_MPS, MPS)),
+    ("after the units", record(rt.POD_RESTART, plugin_stopped=True),
+     facts(mps=(MPS,), active_units=frozenset({UNIT})), NOTHING, RULES, Move(rt.STOP_UNIT, UNIT)),
+    ("the daemons quit: unload", record(rt.POD_RESTART, plugin_stopped=True, stopped_mps=[MPS]), facts(), NOTHING,
+     RULES, Move(rt.UNLOAD, "nvidia_uvm")),
     ("the console unbound before nvidia_drm goes",
      record(rt.POD_RESTART, plugin_stopped=True),
      facts(modules=CORE | {"nvidia_drm", "nvidia_modeset"}, consoles=("vtcon1",)), NOTHING, RULES,
@@ -139,6 +153,14 @@ TABLE: list[tuple[str, Optional[Progress], Facts, Request, Rules, Move]] = [
      RULES, Move(rt.INVALID, "mig: x")),
     ("validated", record(rt.VALIDATION, reloaded=True), facts(NEW, NEW, validation=()), NOTHING, RULES,
      Move(rt.UNCORDON_NODE)),
+    ("validated: the MPS daemons it quit started first", record(rt.VALIDATION, reloaded=True,
+                                                               stopped_mps=[MPS, OTHER_MPS]),
+     facts(NEW, NEW, validation=()), NOTHING, RULES, Move(rt.START_MPS, MPS)),
+    ("not before validation", record(rt.VALIDATION, reloaded=True, stopped_mps=[MPS]),
+     facts(NEW, NEW, validation=("mig: x",)), NOTHING, RULES, Move(rt.INVALID, "mig: x")),
+    ("killed after the uncordon's record: started before it is made", record(rt.UNCORDON, reloaded=True,
+                                                                           stopped_mps=[MPS]),
+     facts(NEW, NEW, validation=()), NOTHING, RULES, Move(rt.START_MPS, MPS)),
     ("the uncordon again", record(rt.UNCORDON, reloaded=True), facts(NEW, NEW, validation=()), NOTHING, RULES,
      Move(rt.UNCORDON_NODE)),
 ]
@@ -168,23 +190,27 @@ def records(light: bool) -> Iterator[Optional[Progress]]:
     yield None
     held = [(False, False, False), (False, False, True), (True, True, True)] if light else \
         list(itertools.product((False, True), repeat=3))
-    for step, reason, reloaded, unloaded, (stopped, cordoned, plugin) in itertools.product(
-            rt.STEPS, rt.REASONS, (False, True), ([], ["nvidia_uvm"]), held):
+    for step, reason, reloaded, unloaded, (stopped, cordoned, plugin), quit_mps in itertools.product(
+            rt.STEPS, rt.REASONS, (False, True), ([], ["nvidia_uvm"]), held, ([], [MPS])):
+        if quit_mps and step in rt.FINAL:
+            continue  # every end starts the daemons it quit (or leaves them to the MPS watch): none is held
         for failed in (rt.RELOADING + rt.FINISHING if step == rt.FAILED else (None,)):
             for waiting in ((None, 0.0) if step == rt.WAIT_FOR_JOBS else (None,)):
                 yield record(step, reason, reloaded=reloaded, unloaded=list(unloaded), cordoned=cordoned,
                              stopped_units=[UNIT] if stopped else [], plugin_stopped=plugin, failed_step=failed,
-                             consoles=["vtcon1"] if unloaded else [], waiting_since=waiting)
+                             consoles=["vtcon1"] if unloaded else [], waiting_since=waiting,
+                             stopped_mps=list(quit_mps))
 
 
 OTHERS: dict[str, tuple[object, ...]] = {
     "busy": ((), ("process 1",)), "display": (None, "1400 (Xorg)"),
     "active_units": (frozenset(), frozenset({UNIT})), "drift": ((), ("d",)), "skip": (None, "label"),
     "validation": (None, (), ("mig: x",)), "now": (100.0, 1e9),
-    "modules": ("core", "with nvidia_drm", "with nvidia_drm and its console")}
+    "modules": ("core", "with nvidia_drm", "with nvidia_drm and its console"), "mps": ((), (MPS,))}
 # The facts each state reads beyond the versions and the boot (every state reads the drift: an options reload
 # whose options were reverted is over).
-READ_AT = {rt.WAIT_FOR_JOBS: ("busy", "now"), rt.POD_RESTART: ("busy", "display", "active_units", "modules"),
+READ_AT = {rt.WAIT_FOR_JOBS: ("busy", "now"),
+           rt.POD_RESTART: ("busy", "display", "active_units", "modules", "mps"),
            rt.VALIDATION: ("validation",), rt.UNCORDON: ("validation",), None: ("skip",)}
 
 
@@ -246,6 +272,15 @@ def check(progress: Optional[Progress], seen: Facts, request: Request, rules: Ru
         assert not (seen.busy and not (progress.forced or request.force) and not progress.unloaded)
         assert move.arg == "nvidia" or move.arg in seen.modules
         assert not ("nvidia_drm" in seen.modules and seen.consoles)  # the console is unbound first
+        assert not seen.mps  # issue 33: the agent's MPS daemons (their servers hold the GPUs) are quit first
+    if move.kind == rt.QUIT_MPS:
+        assert move.arg in seen.mps and progress.step == rt.POD_RESTART and not progress.reloaded
+        assert progress.plugin_stopped and seen.display is None
+        assert not (seen.busy and not (progress.forced or request.force) and not progress.unloaded)
+    if move.kind == rt.START_MPS:  # only once validated, each the record holds, before the end
+        assert progress.step in rt.FINISHING and seen.validation == () and move.arg in progress.stopped_mps
+    if move.kind == rt.UNCORDON_NODE:
+        assert not progress.stopped_mps  # the end never leaves a daemon it quit held
     if move.kind in (rt.HOLD_PLUGIN, rt.STOP_UNIT, rt.UNBIND_CONSOLE):
         assert seen.display is None and progress.step == rt.POD_RESTART and not progress.reloaded
     if move.kind == rt.STOP_UNIT:
@@ -305,6 +340,7 @@ def test_the_label_says_the_step_or_the_end() -> None:
     ({"step": "cordon-required", "target": NEW, "loaded": OLD, "cordoned": "yes"}, "cordoned"),
     ({"step": "cordon-required", "target": NEW, "loaded": OLD, "stopped_units": "dcgm.service"}, "stopped_units"),
     ({"step": "cordon-required", "target": NEW, "loaded": OLD, "waiting_since": "now"}, "waiting_since"),
+    ({"step": "pod-restart-required", "target": NEW, "loaded": OLD, "stopped_mps": [1]}, "stopped_mps"),
     ({"step": "cordon-required", "target": None, "loaded": OLD}, "target"),
     ({"step": "cordon-required", "loaded": OLD}, "no target"),
     ({"step": "reboot-required", "target": NEW, "loaded": OLD}, "step"),
@@ -322,5 +358,6 @@ def test_a_record_of_an_older_agent_reads() -> None:
            "failure": None, "forced": False, "plugin_stopped": True}
     progress = Progress.from_json(old)
     assert progress.reason == rt.VERSION and progress.boot_id is None and progress.unloaded == []
+    assert progress.stopped_mps == []  # an agent from before quit no MPS daemon
     # No boot id recorded: no reboot is seen from it, the versions still speak.
     assert decide(progress, facts(NEW, NEW, boot_id=REBOOTED), NOTHING, RULES).kind == rt.FINISH

@@ -1,5 +1,5 @@
 """The MPS control daemon's state machine (gpu_agent.mps.lifecycle, issue 33): `decide` over every one of
-its inputs (6 phases x 3 wants x 3 daemons x 3 settings x 2 backoffs), each named transition as a table,
+its inputs (6 phases x 4 wants x 3 daemons x 4 settings x 2 backoffs), each named transition as a table,
 and runs of it against a small model of the node, which must settle where the invariants say."""
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ TABLE: list[tuple[Phase, Want, Seen, Settings, bool, Action, Optional[Phase]]] =
     (P.RUNNING, Want.UNDECIDED, Seen.ABSENT, Settings.UNREAD, True, A.NONE, P.DOWN),
     (P.DOWN, Want.UNDECIDED, Seen.ABSENT, Settings.UNREAD, True, A.NONE, P.DOWN),
     (P.STOPPING, Want.UNDECIDED, Seen.ANSWERS, Settings.UNREAD, True, A.NONE, P.ADOPTED),
+    # a daemon the driver reload quit (or is about to) is the reload's: left as it is, started by it
+    (P.RUNNING, Want.HELD, Seen.ABSENT, Settings.UNREAD, True, A.NONE, P.DOWN),
+    (P.DOWN, Want.HELD, Seen.ABSENT, Settings.UNREAD, True, A.NONE, P.DOWN),
+    (P.UNKNOWN, Want.HELD, Seen.ABSENT, Settings.UNREAD, True, A.NONE, P.UNKNOWN),
+    (P.RUNNING, Want.HELD, Seen.ANSWERS, Settings.UNREAD, True, A.NONE, P.RUNNING),
+    (P.DOWN, Want.HELD, Seen.ANSWERS, Settings.UNREAD, True, A.NONE, P.ADOPTED),  # the reload started it: read back
     # ... but what the config no longer asks for goes, inventory or not
     (P.UNKNOWN, Want.NO, Seen.ANSWERS, Settings.UNREAD, True, A.QUIT, P.STOPPING),
     (P.RUNNING, Want.NO, Seen.ANSWERS, Settings.SAME, True, A.QUIT, P.STOPPING),
@@ -57,6 +63,12 @@ TABLE: list[tuple[Phase, Want, Seen, Settings, bool, Action, Optional[Phase]]] =
     (P.DOWN, Want.YES, Seen.ANSWERS, Settings.DIFFERENT, True, A.QUIT, P.STOPPING),
     (P.DOWN, Want.YES, Seen.SILENT, Settings.UNREAD, True, A.QUIT, P.STOPPING),
     (P.DOWN, Want.YES, Seen.ANSWERS, Settings.SAME, False, A.NONE, P.RUNNING),  # it answers again, as asked
+    # its GPUs' compute mode reset under it (a module reload, by hand): set again in place, its clients kept
+    (P.RUNNING, Want.YES, Seen.ANSWERS, Settings.MODES, False, A.EXCLUSIVE, P.RUNNING),
+    (P.ADOPTED, Want.YES, Seen.ANSWERS, Settings.MODES, True, A.EXCLUSIVE, P.RUNNING),
+    (P.DOWN, Want.YES, Seen.ANSWERS, Settings.MODES, False, A.NONE, P.DOWN),  # could not set them: the backoff
+    (P.DOWN, Want.YES, Seen.ANSWERS, Settings.MODES, True, A.EXCLUSIVE, P.RUNNING),
+    (P.STOPPING, Want.YES, Seen.ANSWERS, Settings.MODES, True, A.QUIT, P.STOPPING),  # a restart goes on
 ]
 
 
@@ -71,9 +83,9 @@ def test_the_table_covers_every_phase_and_action() -> None:
     assert {row[6] for row in TABLE} == set(Phase) | {None}
 
 
-def test_without_an_inventory_nothing_is_started_stopped_or_removed() -> None:
+def test_without_an_inventory_or_while_the_reload_holds_it_nothing_is_started_stopped_or_removed() -> None:
     for phase, facts in EVERY:
-        if facts.want is Want.UNDECIDED:
+        if facts.want in (Want.UNDECIDED, Want.HELD):
             step = decide(phase, facts)
             assert step.action is Action.NONE and step.phase is not None, (phase, facts)
             assert step.phase is not Phase.RUNNING or phase is Phase.RUNNING, (phase, facts)  # never trusted anew
@@ -93,7 +105,11 @@ def test_only_a_daemon_that_answers_as_asked_runs() -> None:
         step = decide(phase, facts)
         if step.phase is Phase.RUNNING:
             assert facts.daemon is Seen.ANSWERS and facts.settings is not Settings.DIFFERENT, (phase, facts)
-            assert facts.settings is Settings.SAME or phase is Phase.RUNNING, (phase, facts)
+            assert facts.settings is Settings.SAME or phase is Phase.RUNNING or (
+                facts.settings is Settings.MODES and step.action is Action.EXCLUSIVE), (phase, facts)
+            # its GPUs in EXCLUSIVE_PROCESS: as read back, or set again by this step
+            assert facts.settings is not Settings.MODES or step.action is Action.EXCLUSIVE or facts.want is not \
+                Want.YES, (phase, facts)
 
 
 def test_each_action_fits_what_runs() -> None:
@@ -107,6 +123,9 @@ def test_each_action_fits_what_runs() -> None:
             assert runs and step.phase is Phase.STOPPING, (phase, facts)
         if step.action is Action.ADOPT:
             assert phase is Phase.UNKNOWN and runs and facts.want is Want.YES and step.phase is Phase.ADOPTED
+        if step.action is Action.EXCLUSIVE:  # only a daemon that answers as asked but for the compute modes
+            assert facts.daemon is Seen.ANSWERS and facts.settings is Settings.MODES and facts.want is Want.YES
+            assert step.phase is Phase.RUNNING and phase is not Phase.STOPPING
 
 
 def test_a_wanted_daemon_that_shows_other_settings_is_restarted_in_place() -> None:
@@ -131,7 +150,7 @@ def _settle(phase: Optional[Phase], want: Want, seen: Seen, settings: Settings,
             return phase, done
         if step.action is not Action.NONE:
             done.append(step.action)
-        if step.action is Action.START:
+        if step.action in (Action.START, Action.EXCLUSIVE):
             seen, settings = Seen.ANSWERS, Settings.SAME
         elif step.action is Action.QUIT:
             seen, settings = Seen.ABSENT, Settings.UNREAD
@@ -141,7 +160,7 @@ def _settle(phase: Optional[Phase], want: Want, seen: Seen, settings: Settings,
 
 # What a node may show: no daemon, or one that answers with the settings asked for or others, or none at all.
 NODES = [(Seen.ABSENT, Settings.UNREAD), (Seen.ANSWERS, Settings.SAME), (Seen.ANSWERS, Settings.DIFFERENT),
-         (Seen.SILENT, Settings.UNREAD)]
+         (Seen.ANSWERS, Settings.MODES), (Seen.SILENT, Settings.UNREAD)]
 
 
 @pytest.mark.parametrize("phase", list(Phase))
@@ -151,7 +170,10 @@ def test_from_every_phase_it_settles_where_the_invariants_say(phase: Phase, seen
     assert where is Phase.RUNNING and Action.REMOVE not in done, done
     if (seen, settings) == (Seen.ANSWERS, Settings.SAME) and phase is not Phase.STOPPING:  # (a stop goes on)
         assert Action.QUIT not in done and Action.START not in done  # as asked: its clients keep their server
+    if (seen, settings) == (Seen.ANSWERS, Settings.MODES) and phase is not Phase.STOPPING:
+        assert Action.EXCLUSIVE in done and Action.QUIT not in done, done  # set in place, never restarted
     where, done = _settle(phase, Want.NO, seen, settings)
     assert where is None and done[-1] is Action.REMOVE, done
-    where, done = _settle(phase, Want.UNDECIDED, seen, settings)
-    assert done == [] and where is not None, done
+    for held in (Want.UNDECIDED, Want.HELD):
+        where, done = _settle(phase, held, seen, settings)
+        assert done == [] and where is not None, done

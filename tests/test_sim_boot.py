@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpu_agent.errors import AgentError
+from gpu_agent.host import processes
 from gpu_agent.host.display import drm_use, nvidia_consoles
 from gpu_agent.host.modules import KernelModules, ModuleLoadError, ModuleUnloadError
 from gpu_agent.host.paths import Root
@@ -168,3 +170,91 @@ def test_a_display_server_is_told_from_the_console(tmp_path: Path) -> None:
     root = kernel_root(node)
     use = drm_use(root, KernelModules(root).loaded()["nvidia_drm"])
     assert use.display == "1400 (Xorg) has an NVIDIA DRM device open (a display)" and use.consoles == ()
+
+
+# --- MPS: a server that outlives its clients, compute modes a module reload resets -----------------------------
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def mps_daemon(node: SimNode) -> Any:
+    """nvidia.com/gpu's control daemon on every GPU, started as the agent starts it (its tmpfs first)."""
+    from gpu_agent.mps.control import DaemonSpec
+    from gpu_agent.sim.mps import SimMpsControl
+
+    control = SimMpsControl(node.machine, 0.2)
+    node.root.joinpath("run/nvidia/mps/shm").mkdir(parents=True)
+    control.mount_shm("mode=1777")
+    uuids = tuple(gpu["uuid"] for gpu in node.machine.read()["gpus"])
+    spec = DaemonSpec(GPU_RESOURCE, uuids, tuple(range(len(uuids))), (16384,) * len(uuids), 4)
+    control.start(spec)
+    return control, spec
+
+
+def test_an_mps_server_holds_the_gpus_after_its_last_client_until_its_daemon_quits(tmp_path: Path) -> None:
+    node = loaded(SimNode(tmp_path / "root", "a30"))
+    control, spec = mps_daemon(node)
+    daemon = control.pid(spec)
+    assert "MPS server" not in said(node, "add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
+    node.sim("clear")
+    with pytest.raises(AgentError, match="no MPS control daemon for nvidia.com/other takes clients"):
+        node.sim("add-process", "--gpu", "0", "--pid", "4243", "--name", "x", "--mps", "nvidia.com/other")
+    text = said(node, "add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py", "--mps", GPU_RESOURCE)
+    server = node.machine.read()["mps"][GPU_RESOURCE]["servers"][0]
+    assert f"a client of the MPS server {server} of {GPU_RESOURCE}" in text
+    assert control.send(spec, "get_server_list") == f"{server}\n"
+    assert f"MPS server {server} still runs" in said(node, "clear")  # the client ended: the server stays
+    root = kernel_root(node)
+    holders = processes.device_users(root)
+    assert [(p.pid, p.name) for p in holders] == [(server, "nvidia-cuda-mps")]
+    assert processes.parent(root, server) == daemon  # forked by its control daemon
+    assert KernelModules(root).loaded()["nvidia"].refcnt >= 1
+    with pytest.raises(AgentError, match=f"Module nvidia is in use by .*{server} \\(nvidia-cuda-mps-server\\)"):
+        node.sim("reload-driver")
+    with pytest.raises(ModuleUnloadError, match="Module nvidia_uvm is in use"):
+        SimModprobe(node.machine, root).unload("nvidia_uvm")
+
+    node.sim("add-process", "--gpu", "0", "--pid", "4244", "--name", "train.py", "--mps", GPU_RESOURCE)
+    control.send(spec, "quit")  # waits for its client
+    assert control.pid(spec) == daemon and "(quitting): servers" in said(node, "show")
+    with pytest.raises(AgentError, match="takes clients"):
+        node.sim("add-process", "--gpu", "0", "--pid", "4245", "--name", "late.py", "--mps", GPU_RESOURCE)
+    assert "ended with its last client" in said(node, "clear")
+    assert control.pid(spec) is None and processes.device_users(root) == []
+    node.sim("reload-driver")
+
+
+def test_a_module_reload_resets_compute_modes_and_a_reboot_ends_the_mps_daemons(tmp_path: Path) -> None:
+    node = loaded(SimNode(tmp_path / "root", "a30"))
+    control, spec = mps_daemon(node)
+    with node.machine.edit() as state:
+        state["gpus"][0]["compute_mode"] = 3  # EXCLUSIVE_PROCESS, as the agent sets it for MPS
+    assert "compute modes DEFAULT" in said(node, "reload-driver")
+    assert "compute_mode" not in node.machine.read()["gpus"][0] and control.pid(spec) is not None  # it holds none
+    with node.machine.edit() as state:
+        state["gpus"][0]["compute_mode"] = 3
+    SimModprobe(node.machine, kernel_root(node)).unload("nvidia_uvm")
+    assert node.machine.read()["gpus"][0]["compute_mode"] == 3  # only nvidia's unload resets it
+    node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py", "--mps", GPU_RESOURCE)
+    assert "processes and MPS daemons ended, compute modes DEFAULT" in said(node, "reboot")
+    state = node.machine.read()
+    assert control.pid(spec) is None and state["mps"][GPU_RESOURCE]["servers"] == [] and state["mounts"] == {}
+    assert "compute_mode" not in state["gpus"][0] and processes.device_users(kernel_root(node)) == []
+
+
+def test_install_driver_over_the_real_root_changes_only_the_simulated_driver(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulated GPUs over the real / (the packaged unit with GPU_AGENT_SIMULATE): the host's libraries are never
+    written; NVML (simulated) and the simulated kernel's modules on disk become the new version's, so NVML fails
+    with the mismatch a package upgrade leaves and the agent sees the installed driver to reload to."""
+    from gpu_agent.host import driver_version
+
+    node = loaded(SimNode(tmp_path / "root", "t4"))
+    library = next(node.root.glob("usr/lib/*/libnvidia-ml.so.5*"))
+    monkeypatch.setattr(Root, "is_running_system", property(lambda self: True))
+    text = said(node, "install-driver", NEW)
+    assert "the host's libraries stay as they are" in text and library.exists()  # the old version's, as it was
+    assert not list(node.root.glob(f"usr/lib/*/libnvidia-ml.so.{NEW}"))
+    monkeypatch.undo()
+    assert driver_version.installed(kernel_root(node)).module == NEW
+    assert node.machine.read()["driver_version"] == NEW and loaded_version(node.machine.read(), "nvidia") == OLD

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     process.add_argument("--pid", type=int, required=True, metavar="P")
     process.add_argument("--name", required=True)
     process.add_argument("--memory-mib", type=int, default=1024, metavar="MIB")
+    process.add_argument("--mps", metavar="RESOURCE",
+                         help="a client of RESOURCE's MPS control daemon (e.g. nvidia.com/gpu): the daemon starts its "
+                              "MPS server, which holds the GPUs open and stays after its last client ends")
     runtime = actions.add_parser(
         "install-runtime", help="install a container runtime, the kubelet or Podman at a version, as its Debian "
                                 "package would: its binary and its record in the package database")
@@ -77,15 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "put GPUs that fell off the bus (XID 79) back")
     actions.add_parser("reload-driver", help="unload the NVIDIA modules and load them again, the installed version: "
                                              "MIG instances are gone, Hopper and later lose MIG mode (Ampere keeps "
-                                             "it)")
+                                             "it), compute modes are DEFAULT")
     install = actions.add_parser(
         "install-driver", help="install another driver version as a package upgrade does: the libraries and the "
                                "modules on disk change, the loaded module stays (NVML then answers "
                                "Driver/library version mismatch)")
     install.add_argument("version", metavar="VERSION", help="e.g. 570.124.06")
-    actions.add_parser("reboot", help="reboot the node: a new boot id, processes end, pending MIG modes take effect, "
-                                      "the NVIDIA modules that were loaded load at their installed version, every "
-                                      "unit runs again")
+    actions.add_parser("reboot", help="reboot the node: a new boot id, processes and MPS control daemons end, "
+                                      "compute modes are DEFAULT, pending MIG modes take effect, the NVIDIA modules "
+                                      "that were loaded load at their installed version, every unit runs again")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -125,7 +128,13 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
         lost = " OFF THE BUS (GPU_IS_LOST)" if index in state.get("lost_gpus", ()) else ""
         print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} mig={mode} instances={instances}{lost}")
         for p in gpu["processes"]:
-            print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB")
+            client = f" (MPS client of {p['mps']})" if p.get("mps") else ""
+            print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB{client}")
+    for resource, daemon in sorted(state.get("mps", {}).items()):
+        if daemon["alive"]:
+            servers = ", ".join(map(str, daemon["servers"])) or "none"
+            quitting = " (quitting)" if daemon.get("quitting") else ""
+            print(f"  MPS control daemon {daemon['pid']} for {resource}{quitting}: servers {servers}")
     loaded = ", ".join(m["name"] for m in state["kernel"]["loaded"]) or "nothing"
     print(f"  kernel {state['kernel']['release']}: loaded {loaded}")
     for fault in state["faults"]:
@@ -283,10 +292,18 @@ def _add_fault(machine: Any, args: argparse.Namespace, fault: dict[str, Any], gp
 
 
 def _add_process(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.mps import connect
+
+    server = None
     with machine.edit() as state:
         gpu = _gpu_index(state, args.gpu)
-        state["gpus"][gpu]["processes"].append({"pid": args.pid, "name": args.name, "used_mib": args.memory_mib})
-    print(f"process {args.pid} ({args.name}) running on GPU {args.gpu}")
+        process = {"pid": args.pid, "name": args.name, "used_mib": args.memory_mib}
+        if args.mps:
+            server = connect(state, args.mps, gpu)
+            process["mps"] = args.mps
+        state["gpus"][gpu]["processes"].append(process)
+    print(f"process {args.pid} ({args.name}) running on GPU {args.gpu}"
+          + (f", a client of the MPS server {server} of {args.mps}" if server else ""))
 
 
 def _install_runtime(machine: Any, args: argparse.Namespace) -> None:
@@ -298,6 +315,8 @@ def _install_runtime(machine: Any, args: argparse.Namespace) -> None:
 
 
 def _clear(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.mps import clients_ended, servers
+
     with machine.edit() as state:
         for gpu in state["gpus"]:
             gpu["processes"] = []
@@ -305,7 +324,14 @@ def _clear(machine: Any, args: argparse.Namespace) -> None:
             gpu.pop("remapped_rows", None)
         state["faults"], state["xids"] = [], []
         back = state.pop("lost_gpus", [])
+        quit_now = clients_ended(state)
+        left = servers(state)
     print("faults, XID events, processes and `sim set` conditions cleared")
+    if quit_now:
+        print(f"the MPS control daemon of {', '.join(quit_now)}, told to quit, ended with its last client")
+    if left:
+        print(f"MPS server {', '.join(str(pid) for pid, _, _ in left)} still runs (an MPS server stays after its "
+              "last client): its control daemon's quit ends it")
     if back:
         print(f"GPU {', '.join(map(str, back))} back on the bus at the same PCI bus id (as after a reset): the agent "
               "sees it answer again and counts it healthy")
@@ -317,9 +343,12 @@ def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
     from gpu_agent.sim.kernel import loaded_version, reload_modules
     from gpu_agent.sim.mig import reload_driver
 
+    from gpu_agent.sim.mps import SERVER, servers
+
     with machine.edit() as state:
         busy = [f"{p['pid']} ({p['name']}) on GPU {index}" for index, gpu in enumerate(state["gpus"])
                 for p in gpu["processes"]]
+        busy += [f"{pid} ({SERVER})" for pid, _, _ in servers(state)]
         if busy:
             raise AgentError(f"rmmod: ERROR: Module nvidia is in use by {', '.join(busy)}; end them first "
                              "(sim clear) or use sim reboot")
@@ -333,7 +362,8 @@ def _reload_driver(machine: Any, args: argparse.Namespace) -> None:
             reload_driver(gpu, _model_of(state, gpu))
         lost = state.get("lost_gpus", [])
         after = loaded_version(state, "nvidia")
-    print(f"nvidia driver reloaded: {before} -> {after}; MIG instances gone; Hopper and later GPUs lost MIG mode")
+    print(f"nvidia driver reloaded: {before} -> {after}; MIG instances gone; Hopper and later GPUs lost MIG mode; "
+          "compute modes DEFAULT")
     if lost:
         print(f"GPU {', '.join(map(str, lost))} still off the bus: a driver reload does not bring a GPU back; "
               "`sim clear` (a reset) or `sim reboot` does")
@@ -347,13 +377,17 @@ def _install_driver(machine: Any, args: argparse.Namespace) -> None:
 
     if not _DRIVER_VERSION.fullmatch(args.version):
         raise AgentError(f"install-driver {args.version!r}: not a driver version such as 570.124.06")
-    machine.install_driver(args.version)
+    files = machine.install_driver(args.version)
     loaded = loaded_version(machine.read(), "nvidia")
-    print(f"driver {args.version} installed (libraries, modules on disk); loaded nvidia module: "
-          f"{loaded or 'none'}")
+    print(f"driver {args.version} installed ({'libraries, ' if files else 'simulated NVML, '}modules on disk); loaded "
+          f"nvidia module: {loaded or 'none'}")
+    if not files:
+        print("over the real root the host's libraries stay as they are: the simulated NVML answers as "
+              f"{args.version} and the simulated kernel's modules on disk are {args.version}'s")
 
 
 def _reboot(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim import mps
     from gpu_agent.sim.kernel import boot, loaded_version
     from gpu_agent.sim.mig import reboot
     from gpu_agent.sim.services import boot_services
@@ -361,14 +395,15 @@ def _reboot(machine: Any, args: argparse.Namespace) -> None:
     with machine.edit() as state:
         for gpu in state["gpus"]:
             reboot(gpu, _model_of(state, gpu))
+        mps.reboot(state)
         state.pop("lost_gpus", None)
         failed = [] if state.get("capture") else boot(state, _modprobe(machine))
         boot_services(machine.root, state)
         version = loaded_version(state, "nvidia") if not state.get("capture") else None
         boot_id = state.get("kernel", {}).get("boot_id")
     driver = f"driver {version} loaded" if version else "no nvidia module loaded"
-    print(f"rebooted (boot id {boot_id}): processes ended, GPUs back on the bus, pending MIG modes applied, "
-          f"units running, {driver}")
+    print(f"rebooted (boot id {boot_id}): processes and MPS daemons ended, compute modes DEFAULT, GPUs back on the "
+          f"bus, pending MIG modes applied, units running, {driver}")
     for error in failed:
         print(f"at boot: {error}")
 

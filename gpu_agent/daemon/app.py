@@ -216,10 +216,12 @@ class Runtime:
             driver = config.driver
             if self.real_root_simulated:
                 driver = dataclasses.replace(driver, validate_cuda=False)
+            from gpu_agent.mps.reload import ReloadMps
+
             reload = self.reload = Reload(
                 self.root, self.nvml, self.loader, self.loader if isinstance(self.loader, ModuleUnloader) else None,
                 self.units, self._unit_active, driver, node=sink if sink and sink.api else None, gate=self.plugin_gate,
-                console=self.console)
+                console=self.console, mps=ReloadMps(self.root, self.mps_control(), self.nvml.inventory))
             stages.append(Driver(self.root, self.nvml, self.loader, driver, may_change_gpus, reload=reload))
             stages.append(DriverFeatures(self.root, self.loader, config.driver.modules))
             if driver.reload != "never" or (sink is not None and sink.api) or _recorded(reload):

@@ -8,9 +8,9 @@ import stat
 from pathlib import Path
 from typing import Iterable, Optional
 
-# The kernel's own file systems, and the kernel's configuration. With a kernel directory they come from
+# The kernel's own file systems, its modules and their configuration. With a kernel directory they come from
 # there instead (another kernel's trees, given by the composition root), never from the running kernel.
-KERNEL_TREES = ("/proc", "/sys", "/dev", "/etc/modprobe.d", "/run/nvidia-persistenced")
+KERNEL_TREES = ("/proc", "/sys", "/dev", "/lib/modules", "/etc/modprobe.d", "/run/nvidia-persistenced")
 
 
 class Root:

@@ -94,3 +94,17 @@ def holding(root: Root, device: re.Pattern[str]) -> list[NamedProcess]:
                 name = "?"
             found.append(NamedProcess(pid, name))
     return sorted(found, key=lambda p: p.pid)
+
+
+_STAT_HEAD = 512  # /proc/PID/stat up to its parent's pid: the name is at most 64 bytes
+
+
+def parent(root: Root, pid: int) -> Optional[int]:
+    """The pid of `pid`'s parent, from /proc/PID/stat under the root (its fourth field, after the name in
+    parentheses, which may itself hold spaces and parentheses); None when it is gone or cannot be read."""
+    try:
+        head = (read_head(root(f"/proc/{pid}/stat"), _STAT_HEAD) or b"").decode(errors="replace")
+    except (OSError, NotRegular):
+        return None
+    fields = head.rpartition(")")[2].split()
+    return decimal(fields[1]) if len(fields) > 1 else None

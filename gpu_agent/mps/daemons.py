@@ -67,6 +67,7 @@ class Daemon:
     next_try: float = 0.0
     probed_at: float = 0.0
     modes_before: dict[str, str] = field(default_factory=dict)  # by GPU UUID: the compute mode put back at its stop
+    modes: dict[str, str] = field(default_factory=dict)  # by GPU UUID: its compute mode as last set or read back
     logged: Optional[str] = None  # the last problem logged: the same one is not logged again
 
     def to_json(self) -> dict[str, Any]:
@@ -78,7 +79,7 @@ class Daemon:
                 "uuids": list(spec.gpus) if spec else None, "replicas": spec.replicas if spec else None,
                 "started_at": self.started_at, "active_thread_percentage": spec.thread_percentage if spec else None,
                 "pinned_memory_limits": limits, "pipe_directory": pipe_dir(self.resource), "restarts": self.restarts,
-                "error": self.error, "compute_mode": EXCLUSIVE if self.modes_before else None,
+                "error": self.error, "compute_mode": shown_mode(self.modes, indices),
                 "compute_modes_before": {str(indices.get(uuid, uuid)): mode
                                          for uuid, mode in sorted(self.modes_before.items())}}
 
@@ -86,6 +87,17 @@ class Daemon:
         if self.phase is Phase.UNKNOWN:
             return f"its MPS control daemon is unknown: {self.error or 'not looked at yet'}"
         return f"its MPS control daemon is {self.phase.value}{': ' + self.error if self.error else ''}"
+
+
+def shown_mode(modes: dict[str, str], indices: dict[str, int]) -> Optional[str]:
+    """The compute mode /status shows for a daemon: its GPUs' as last set or read back (the one they share, else
+    each GPU's that is not EXCLUSIVE_PROCESS: `GPU 3: DEFAULT`); None before any was."""
+    if not modes:
+        return None
+    if len(set(modes.values())) == 1:
+        return next(iter(modes.values()))
+    return ", ".join(f"GPU {indices.get(uuid, uuid)}: {mode}" for uuid, mode in sorted(modes.items())
+                     if mode != EXCLUSIVE)
 
 
 @dataclass(frozen=True)
@@ -203,12 +215,17 @@ class MpsManager:
     def _observe(self, daemon: Daemon, wanted: Wanted) -> tuple[Facts, Optional[str]]:
         """The facts `decide` takes, and what is wrong with the daemon if anything is."""
         want = wanted.want(daemon.resource)
+        if want is not Want.NO and daemon.resource in held_by_reload(self.ledger):  # read at each step: it is quit
+            want = Want.HELD                                                         # and started by another thread
         now = time.monotonic()
         due = now >= daemon.next_try
         daemon.pid = self.control.pid(DaemonSpec.left(daemon.resource))
         seen = Seen.ABSENT if daemon.pid is None else Seen.ANSWERS
         if daemon.pid is not None and daemon.spec is None:  # /status shows what runs, as far as its record tells
             daemon.spec = instance.read(self.root, daemon.resource)
+        if want is Want.HELD:
+            return Facts(want, seen, Settings.UNREAD, due), ("quit by the driver reload for the unload; started again "
+                                                             "once the reload is validated")
         if want is Want.UNDECIDED:
             return Facts(want, seen, Settings.UNREAD, due), ("no GPU inventory (NVML does not answer): nothing is "
                                                              "started, stopped or checked until there is one")
@@ -228,8 +245,27 @@ class MpsManager:
             return Facts(want, seen, Settings.UNREAD, due), None
         if daemon.phase in (Phase.RUNNING, Phase.ADOPTED, Phase.STARTING, Phase.DOWN):
             seen, settings, problem = read_back(self.root, self.control, spec)
+            if settings is Settings.SAME:  # then its GPUs' compute modes: a driver reload resets them
+                settings, problem = self._read_modes(daemon, spec)
             return Facts(want, seen, settings, due), problem
         return Facts(want, Seen.ANSWERS, Settings.UNREAD, due), None
+
+    def _read_modes(self, daemon: Daemon, spec: DaemonSpec) -> tuple[Settings, Optional[str]]:
+        """Settings.MODES, naming them, when a GPU of the daemon's is not in EXCLUSIVE_PROCESS; a GPU whose mode
+        NVML cannot read is that GPU's fact, and left out."""
+        seen = {}
+        for uuid in spec.gpus:
+            try:
+                seen[uuid] = self.modes.compute_mode(uuid)
+            except AgentError:
+                continue
+        daemon.modes = seen
+        off = [f"GPU {index} is in {seen[uuid]}" for uuid, index in zip(spec.gpus, spec.indices)
+               if seen.get(uuid, EXCLUSIVE) != EXCLUSIVE]
+        if not off:
+            return Settings.SAME, None
+        return Settings.MODES, (f"{', '.join(off)} compute mode, not {EXCLUSIVE} (reset by a driver reload, a reboot "
+                                "or by hand)")
 
     # --- the steps ----------------------------------------------------------------------------------------
 
@@ -242,6 +278,8 @@ class MpsManager:
                 self._start(daemon, spec)
             elif step.action is Action.QUIT:
                 return stop_daemon(self.control, DaemonSpec.left(daemon.resource))
+            elif step.action is Action.EXCLUSIVE:
+                self._exclusive(daemon, daemon.spec or spec)
             elif step.action is Action.REMOVE:
                 self._remove(daemon)
         except AgentError as exc:
@@ -249,6 +287,13 @@ class MpsManager:
         except OSError as exc:  # what the agent itself could not do on the host: named, never a traceback
             return f"{exc.filename or daemon.resource}: {exc.strerror or exc}"
         return None
+
+    def _exclusive(self, daemon: Daemon, spec: Optional[DaemonSpec]) -> None:
+        """Its GPUs in EXCLUSIVE_PROCESS again, the daemon left running: its clients keep their server."""
+        if spec is None:
+            raise AgentError(f"no record of the GPUs of the MPS control daemon for {daemon.resource}")
+        daemon.modes_before = exclusive(self.ledger, self.modes, spec)
+        daemon.modes = {uuid: EXCLUSIVE for uuid in spec.gpus}
 
     def _adopt(self, daemon: Daemon) -> None:
         """A daemon from before this process: what it was started with, the compute modes recorded for its
@@ -265,40 +310,9 @@ class MpsManager:
         """The daemon started (none runs now) in its directories, kept if they are there, and its limits set."""
         for problem in restore_compute_modes(self.ledger, self.modes, spec.resource, keep=spec.gpus):
             log.warning("%s", problem)  # GPUs the daemon had before and no longer has
-        self._make_directories(spec.resource)
-        try:
-            instance.write(self.root, spec)
-        except OSError as exc:
-            raise AgentError(f"cannot write {record_path(spec.resource)} (what its MPS control daemon is started "
-                             f"with): {exc.strerror or exc}") from None
-        shm.ensure(self.root, self.ledger, self.control)
-        daemon.modes_before = exclusive(self.ledger, self.modes, spec)
-        self.control.start(spec)
+        daemon.modes_before = start_daemon(self.root, self.ledger, self.control, self.modes, spec)
         daemon.spec, daemon.started_at, daemon.probed_at = spec, time.time(), time.monotonic()
-        for ordinal, limit in spec.pinned_limits():
-            self.control.send(spec, f"set_default_device_pinned_mem_limit {ordinal} {limit}")
-        self.control.send(spec, f"set_default_active_thread_percentage {spec.thread_percentage}")
-
-    def _make_directories(self, resource: str) -> None:
-        """/run/nvidia, then MPS_ROOT down to the resource's pipe and log directories: each one made recorded in
-        the ledger first (but /run/nvidia, which is not under MPS_ROOT), what is there kept."""
-        pipe, logs = pipe_dir(resource), log_dir(resource)
-        purposes = {pipe: "the MPS control daemon's pipes, which its clients mount",
-                    logs: "the MPS control daemon's logs"}
-        for directory in (MPS_ROOT.rsplit("/", 1)[0], *_ancestors(resource_dir(resource)), pipe, logs):
-            purpose = purposes.get(directory, "the MPS pipe and log directories go there")
-            path = self.root(directory)
-            if path.is_symlink() or (path.exists() and not path.is_dir()):
-                raise AgentError(f"{directory}: not a directory ({purpose}); remove it")
-            if path.exists():
-                continue
-            outside = not directory.startswith(MPS_ROOT)  # /run/nvidia, and what it is in, are the node's
-            if not outside:
-                self.ledger.own_mps_directory(directory, resource)
-            try:
-                path.mkdir(mode=0o755, parents=outside)
-            except OSError as exc:
-                raise AgentError(f"cannot make {directory} ({purpose}): {exc.strerror or exc}") from None
+        daemon.modes = {uuid: EXCLUSIVE for uuid in spec.gpus}
 
     def _remove(self, daemon: Daemon) -> None:
         """Gone, and the config no longer asks for it: its GPUs' compute modes back, its directories removed."""
@@ -322,6 +336,12 @@ class MpsManager:
     def _enter(self, daemon: Daemon, step: Step, failed: Optional[str], seen: Optional[str]) -> None:
         """The record after the step: its phase, its problem, the backoff and the restarts counted. `failed`:
         why the step's action failed; `seen`: what the look before it found wrong."""
+        if step.action is Action.EXCLUSIVE:
+            if failed is not None:  # the compute modes could not be set: down, tried again after the backoff
+                step = Step(Action.NONE, Phase.DOWN)
+            else:
+                log.info("MPS control daemon for %s: %s; set to %s again, the daemon left running", daemon.resource,
+                         seen, EXCLUSIVE)
         before, daemon.phase = daemon.phase, step.phase or daemon.phase
         if step.action is Action.START and before in (Phase.DOWN, Phase.STOPPING):
             daemon.restarts += 1
@@ -375,6 +395,48 @@ class MpsManager:
         section = {"daemons": daemons, "withheld": withheld} if daemons or withheld else None
         if self.state.publish_mps(section, down, running):
             self.changed()
+
+
+def start_daemon(root: Root, ledger: Ledger, control: MpsControl, modes: ComputeModes,
+                 spec: DaemonSpec) -> dict[str, str]:
+    """Start the daemon `spec` asks for (none runs now) in its directories, kept if they are there: its record
+    written, the tmpfs mounted, its GPUs in EXCLUSIVE_PROCESS, its limits set. Returns the compute modes its
+    GPUs had before the agent, by UUID; an AgentError says what failed."""
+    make_directories(root, ledger, spec.resource)
+    try:
+        instance.write(root, spec)
+    except OSError as exc:
+        raise AgentError(f"cannot write {record_path(spec.resource)} (what its MPS control daemon is started "
+                         f"with): {exc.strerror or exc}") from None
+    shm.ensure(root, ledger, control)
+    before = exclusive(ledger, modes, spec)
+    control.start(spec)
+    for ordinal, limit in spec.pinned_limits():
+        control.send(spec, f"set_default_device_pinned_mem_limit {ordinal} {limit}")
+    control.send(spec, f"set_default_active_thread_percentage {spec.thread_percentage}")
+    return before
+
+
+def make_directories(root: Root, ledger: Ledger, resource: str) -> None:
+    """/run/nvidia, then MPS_ROOT down to the resource's pipe and log directories: each one made recorded in
+    the ledger first (but /run/nvidia, which is not under MPS_ROOT), what is there kept."""
+    pipe, logs = pipe_dir(resource), log_dir(resource)
+    purposes = {pipe: "the MPS control daemon's pipes, which its clients mount",
+                logs: "the MPS control daemon's logs"}
+    for directory in (MPS_ROOT.rsplit("/", 1)[0], *_ancestors(resource_dir(resource)), pipe, logs):
+        purpose = purposes.get(directory, "the MPS pipe and log directories go there")
+        path = root(directory)
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise AgentError(f"{directory}: not a directory ({purpose}); remove it")
+        if path.exists():
+            continue
+        outside = not directory.startswith(MPS_ROOT)  # /run/nvidia, and what it is in, are the node's
+        if not outside:
+            ledger.own_mps_directory(directory, resource)
+        try:
+            path.mkdir(mode=0o755, parents=outside)
+        except OSError as exc:
+            raise AgentError(f"cannot make {directory} ({purpose}): {exc.strerror or exc}") from None
 
 
 def serves_but_for_unreadable(started: DaemonSpec, spec: DaemonSpec, unreadable: frozenset[str]) -> bool:
@@ -459,6 +521,14 @@ def _ancestors(directory: str) -> list[str]:
     """MPS_ROOT, then each directory down to `directory`: /run/nvidia/mps, .../nvidia.com, .../nvidia.com/gpu."""
     parts = directory[len(MPS_ROOT):].strip("/").split("/")
     return [MPS_ROOT] + [f"{MPS_ROOT}/{'/'.join(parts[:n])}" for n in range(1, len(parts) + 1)]
+
+
+def held_by_reload(ledger: Ledger) -> frozenset[str]:
+    """The resources whose daemons an unfinished driver reload quit for its unload and starts again itself (its
+    ledger record's stopped_mps, which every end of a reload empties): none of them is started meanwhile."""
+    entry = ledger.driver_reload()
+    names = entry.get("stopped_mps") if entry is not None else None
+    return frozenset(name for name in names if isinstance(name, str)) if isinstance(names, list) else frozenset()
 
 
 def left_over(ledger: Ledger) -> list[str]:

@@ -4,7 +4,7 @@ part (Want). The manager (mps.daemons) gathers the facts, takes the step, and re
 
 The phases:
 - unknown: not looked at yet by this agent process, or nothing can be decided (no inventory says which
-  GPUs the config's resource has): whatever runs is left as it is.
+  GPUs the config's resource has, or a driver reload holds the daemon): whatever runs is left as it is.
 - adopted: a daemon runs that this process did not start and has not checked (from an earlier agent
   process, or one that may have changed): its settings are read back before it is trusted.
 - starting: the start was made; what the daemon shows decides whether it runs as asked.
@@ -14,9 +14,11 @@ The phases:
 - stopping: it was sent `quit` (SIGTERM after): to be started again in place, its directories kept
   (pods have its pipe directory mounted), or removed for good when the config no longer asks for it.
 
-Three invariants the exhaustive test of `decide` holds: without an inventory nothing is started, stopped
-or removed; a daemon is stopped for good only when the config no longer asks for its resource; and only
-a daemon that answers with the settings asked for is running.
+Four invariants the exhaustive test of `decide` holds: without an inventory, and while a driver reload holds
+the daemon (it quit it for the unload, and starts it again itself), nothing is started, stopped or removed; a
+daemon is stopped for good only when the config no longer asks for its resource; only a daemon that answers
+with the settings asked for is running; and one whose GPUs are no longer in EXCLUSIVE_PROCESS (a driver reload,
+a reboot or someone else reset them) has them set again in place, its clients kept.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class Want(enum.Enum):
     YES = "wanted"  # the config asks for the resource and the inventory says which GPUs: a spec
     NO = "not wanted"  # the config does not ask for it (or the inventory has no device it may share)
     UNDECIDED = "undecided"  # the config asks for it, but there is no inventory to say for which GPUs
+    HELD = "held by the driver reload"  # the config asks for it; the reload quit it for the unload, starts it again
 
 
 class Seen(enum.Enum):
@@ -48,6 +51,7 @@ class Seen(enum.Enum):
 
 class Settings(enum.Enum):
     SAME = "same"  # what runs is what is wanted (read back, or as this process started and checked it)
+    MODES = "modes"  # what runs is what is wanted, but a GPU of its is not in EXCLUSIVE_PROCESS compute mode
     DIFFERENT = "different"
     UNREAD = "unread"  # not known: nothing is wanted to compare with, or nothing was read
 
@@ -57,6 +61,7 @@ class Action(enum.Enum):
     ADOPT = "adopt"  # take a running daemon on: its tmpfs, its GPUs' recorded compute modes; read back next
     START = "start"  # directories, record, tmpfs, compute modes, the daemon and its limits; what is there stays
     QUIT = "quit"  # `quit`, then SIGTERM: for a restart in place, or before the removal
+    EXCLUSIVE = "exclusive"  # its GPUs set to EXCLUSIVE_PROCESS again, the daemon and its clients left running
     REMOVE = "remove"  # gone and not wanted: compute modes put back, directories removed, the record dropped
 
 
@@ -83,18 +88,23 @@ def decide(phase: Phase, facts: Facts) -> Step:
         if phase is Phase.STOPPING and not facts.due:
             return Step(Action.NONE, Phase.STOPPING)  # quit and SIGTERM did not end it: tried again later
         return Step(Action.QUIT, Phase.STOPPING)
-    if facts.want is Want.UNDECIDED:  # nothing to compare with, and no GPUs to start it on: left as it is
+    if facts.want in (Want.UNDECIDED, Want.HELD):  # nothing to decide with, or the reload's: left as it is
         if phase is Phase.UNKNOWN:
             return Step(Action.NONE, Phase.UNKNOWN)
         if not runs:
             return Step(Action.NONE, Phase.DOWN)
-        trusted = phase is Phase.RUNNING and facts.daemon is Seen.ANSWERS and facts.settings is not Settings.DIFFERENT
+        trusted = phase is Phase.RUNNING and facts.daemon is Seen.ANSWERS and facts.settings in (Settings.SAME,
+                                                                                             Settings.UNREAD)
         return Step(Action.NONE, Phase.RUNNING if trusted else Phase.ADOPTED)
     return _wanted(phase, facts, runs)
 
 
 def _wanted(phase: Phase, facts: Facts, runs: bool) -> Step:
     as_asked = facts.daemon is Seen.ANSWERS and facts.settings is Settings.SAME
+    if facts.daemon is Seen.ANSWERS and facts.settings is Settings.MODES and phase is not Phase.STOPPING:
+        if phase is Phase.DOWN and not facts.due:
+            return Step(Action.NONE, Phase.DOWN)
+        return Step(Action.EXCLUSIVE, Phase.RUNNING)  # its clients keep their server
     if phase is Phase.UNKNOWN:
         if runs:
             return Step(Action.ADOPT, Phase.ADOPTED)

@@ -19,6 +19,8 @@ from gpu_agent.host.bounded import Unreadable, read_text
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.modules import ModuleLoadError, ModuleUnloadError
 from gpu_agent.host.paths import Root, link_text, place
+from gpu_agent.sim.mps import SERVER as MPS_SERVER
+from gpu_agent.sim.mps import servers as mps_servers
 
 RELEASE = "6.1.0-18-amd64"
 MAX_CONF_BYTES = 1 << 20  # of a modprobe.d file read by the simulated modprobe
@@ -101,10 +103,10 @@ def break_kernel(state: dict[str, Any], how: str) -> None:
 
 def users(state: dict[str, Any], module: str) -> int:
     """Open files that hold `module` (its refcount beyond the modules that depend on it): each GPU
-    process holds nvidia and nvidia_uvm; a display server, and the framebuffer console bound to nvidia-drm's
-    framebuffer, hold nvidia_drm."""
+    process, and each MPS server, holds nvidia and nvidia_uvm; a display server, and the framebuffer console
+    bound to nvidia-drm's framebuffer, hold nvidia_drm."""
     if module in GPU_FILE_MODULES:
-        return sum(len(gpu["processes"]) for gpu in state["gpus"])
+        return sum(len(gpu["processes"]) for gpu in state["gpus"]) + len(mps_servers(state))
     if module == "nvidia_drm":
         return int(display_server(state) is not None) + int(console_bound(state))
     return 0
@@ -250,6 +252,7 @@ class SimModprobe:
             from gpu_agent.sim.profiles import MODELS
 
             for gpu in state["gpus"]:
+                gpu.pop("compute_mode", None)  # the driver's, as a captured node's GPUs show too
                 if gpu.get("model") in MODELS:
                     reload_driver(gpu, MODELS[gpu["model"]])
         return None
@@ -334,6 +337,9 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
         for gpu in state["gpus"]:  # a process using a GPU holds its device file open
             for process in gpu["processes"]:
                 links[f"proc/{process['pid']}/fd/3"] = f"/dev/nvidia{gpu['minor']}"
+        for pid, _, minors in mps_servers(state):  # an MPS server, each of its daemon's GPUs
+            for fd, target in enumerate(["/dev/nvidiactl", "/dev/nvidia-uvm", *(f"/dev/nvidia{m}" for m in minors)], 3):
+                links[f"proc/{pid}/fd/{fd}"] = target
         _display(files, links, state)
     for tree in ("proc", "sys"):
         _replace_tree(kernel_dir / tree, {k[len(tree) + 1:]: v for k, v in files.items() if k.startswith(tree + "/")},
@@ -344,9 +350,9 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
 BOOT_TIME = 1736150000  # 2025-01-06 07:53:20 UTC
 
 
-def _process_stat(pid: int, name: str) -> str:
+def _process_stat(pid: int, name: str, parent: int = 1) -> str:
     """/proc/PID/stat of a sleeping process started 100 s after boot: 52 fields, as Linux writes them."""
-    after = ["S", "1", str(pid), str(pid), "0", "-1", "4194560"] + ["0"] * 8 + ["20", "0", "1", "0", "10000"]
+    after = ["S", str(parent), str(pid), str(pid), "0", "-1", "4194560"] + ["0"] * 8 + ["20", "0", "1", "0", "10000"]
     after += ["0"] * (50 - len(after))
     return f"{pid} ({name[:15]}) {' '.join(after)}\n"
 
@@ -361,6 +367,10 @@ def _built_in(state: dict[str, Any]) -> dict[str, str]:
             files[f"proc/{process['pid']}/comm"] = process["name"][:15] + "\n"  # the kernel keeps 15 characters
             files[f"proc/{process['pid']}/cmdline"] = f"/usr/bin/{process['name']}\0"
             files[f"proc/{process['pid']}/stat"] = _process_stat(process["pid"], process["name"])
+    for pid, parent, _ in mps_servers(state):
+        files[f"proc/{pid}/comm"] = MPS_SERVER[:15] + "\n"
+        files[f"proc/{pid}/cmdline"] = f"/usr/bin/{MPS_SERVER}\0"
+        files[f"proc/{pid}/stat"] = _process_stat(pid, MPS_SERVER, parent)
     if state["kernel"].get("boot_id"):
         files["proc/sys/kernel/random/boot_id"] = f"{state['kernel']['boot_id']}\n"
     loaded = state["kernel"]["loaded"]

@@ -205,28 +205,32 @@ class MachineState:
                     "nor a capture directory"
                 )
             self._write(new_state(source, machine, mig))
+            if machine.driver_version:  # its modules beside the simulated kernel's files (/lib/modules is its)
+                install_driver_modules(self.kernel_dir, RELEASE, machine.driver_version)
             if machine.driver_version and str(self.root.path) != "/":
                 # The driver's userspace (libraries, nvidia-smi, firmware, ld.so cache) on a sandbox
                 # root; on / the OS's files are real and stay as they are.
                 install_driver_userspace(self.root.path, machine.driver_version)
-                install_driver_modules(self.root.path, RELEASE, machine.driver_version)
                 install_unit(self.root, "nvidia-persistenced.service", "/usr/bin/nvidia-persistenced")
                 if machine.nvswitches:
                     install_unit(self.root, "nvidia-fabricmanager.service", "/usr/bin/nv-fabricmanager")
 
-    def install_driver(self, version: str) -> None:
+    def install_driver(self, version: str) -> bool:
         """Another driver version installed as a package upgrade does it: the userspace (NVML) and the
-        modules on disk change, the loaded module stays, so NVML answers LIB_RM_VERSION_MISMATCH."""
-        if self.root.is_running_system or os.path.realpath(self.root.path) == "/":
-            raise AgentError("sim install-driver writes placeholder driver files: only under a sandbox --root")
+        modules on disk change, the loaded module stays, so NVML answers LIB_RM_VERSION_MISMATCH. Over the
+        real root the simulated NVML and the simulated kernel's modules change, never the host's files:
+        returns whether the userspace's placeholder files were written (a sandbox root)."""
         with self.edit() as state:
             if state.get("capture"):
                 raise AgentError("sim install-driver: a captured node's driver is what was captured")
             state["driver_version"] = version
             state["kernel"]["installed"].update({name: version for name in NVIDIA_MODULES})
             release = state["kernel"]["release"]
+        install_driver_modules(self.kernel_dir, release, version)
+        if self.root.is_running_system or os.path.realpath(self.root.path) == "/":
+            return False
         install_driver_userspace(self.root.path, version)
-        install_driver_modules(self.root.path, release, version)
+        return True
 
     def break_kernel(self, how: str) -> None:
         """`sim fail modprobe --error nouveau|version-mismatch|display`, with the files on disk to match: after
@@ -235,9 +239,9 @@ class MachineState:
         with self.edit() as state:
             break_kernel(state, how)
             release = state["kernel"]["release"]
-            files = not state.get("capture") and (self.root(f"/lib/modules/{release}/modules.dep")).exists()
-        if how == "version-mismatch" and files and os.path.realpath(self.root.path) != "/":
-            install_driver_modules(self.root.path, release, OLD_VERSION)
+            files = not state.get("capture") and (self.kernel_dir / f"lib/modules/{release}/modules.dep").exists()
+        if how == "version-mismatch" and files:
+            install_driver_modules(self.kernel_dir, release, OLD_VERSION)
 
     def _replay(self, source: str, directory: Path) -> None:
         """A captured node (`gpu-agent capture DIR`) as this machine."""

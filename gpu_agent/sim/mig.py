@@ -225,7 +225,8 @@ def loses_mode_on_reload(model: GpuModel) -> bool:
 def reload_driver(gpu: dict[str, Any], model: GpuModel) -> None:
     """The nvidia module unloaded and loaded again: MIG instances are the driver's and are gone on every
     GPU; Hopper and later come back with MIG disabled; Ampere keeps its mode, and a pending one stays
-    pending (only a GPU reset or a reboot applies it)."""
+    pending (only a GPU reset or a reboot applies it). The compute mode, the driver's too, is DEFAULT again."""
+    gpu.pop("compute_mode", None)
     mig = gpu["mig"]
     mig["gpu_instances"] = []
     if loses_mode_on_reload(model):
@@ -236,7 +237,6 @@ def reboot(gpu: dict[str, Any], model: GpuModel) -> None:
     """A reboot: the processes are gone, a pending mode takes effect (the GPU is reset), then the driver
     loads afresh: compute mode is DEFAULT again (not persistent across reboots on Linux)."""
     gpu["processes"] = []
-    gpu.pop("compute_mode", None)
     reset(gpu)
     reload_driver(gpu, model)
 

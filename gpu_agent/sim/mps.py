@@ -3,6 +3,11 @@ call (`gpu-agent sim fail mps`) and a running agent see the same ones, and tests
 agent set. It cannot mount: the machine's `mounts` table stands for the host's, and each daemon records
 the /dev/shm that mps.launch would give it. It answers on its control pipe as a real one did on an H200
 with driver 580.159.04 (tests/data/mps/h200-580-vm/control-pipe.json, replayed by tests/test_mps_real.py).
+
+A client (`sim add-process --mps RESOURCE`) makes its daemon start an MPS server (nvidia-cuda-mps-server, a
+child of the daemon), which holds the daemon's GPUs open (/dev/nvidia*, and so the nvidia module) and stays
+after its last client ends, as NVIDIA documents it; the daemon's `quit` ends the server with it once no client
+is left (it waits for them), and so do its death and a reboot. The kernel renders each server in /proc.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ COMMANDS = ("get_server_list", "get_default_active_thread_percentage", "set_defa
             "get_default_device_pinned_mem_limit", "set_default_device_pinned_mem_limit",
             "get_active_thread_percentage", "quit")
 FAULTS = ("die", "hang")
+SERVER = "nvidia-cuda-mps-server"
 _PIDS = itertools.count(40000)
 
 
@@ -53,6 +59,8 @@ class SimMpsControl:
                                  "Cannot find MPS control daemon process")
             if not hung:
                 answer = self._apply(daemon, words)
+                if words[:1] == ["quit"]:
+                    quit_daemon(state, spec.resource)
         if hung:
             time.sleep(self.timeout)
             raise AgentError(f"nvidia-cuda-mps-control <<< {command!r} for {spec.resource}: no answer within "
@@ -102,8 +110,7 @@ class SimMpsControl:
                 daemon["pinned_mem_limits"].pop(args[0], None)
             elif mib > 0:  # one it cannot read is ignored: the transcript cannot tell (no limit was set then)
                 daemon["pinned_mem_limits"][args[0]] = args[1]
-        elif name == "quit":
-            daemon["alive"] = False
+        elif name == "quit":  # quit_daemon: once its clients are gone
             return ""
         if name == "get_server_list":
             return "".join(f"{pid}\n" for pid in daemon["servers"])
@@ -128,11 +135,77 @@ def thread_percentage(value: str, current: float) -> float:
 
 
 def kill(machine: Any, resource: Optional[str] = None) -> list[str]:
-    """The daemons (of `resource`, or all) die as a killed process does: their pid gone, their pipes left."""
+    """The daemons (of `resource`, or all) die as a killed process does: their pid gone, their pipes left, their
+    servers ended with them (the unit's control group, or the clients' connection, is gone)."""
     killed = []
     with machine.edit() as state:
         for name, daemon in state.get("mps", {}).items():
             if daemon["alive"] and resource in (None, name):
-                daemon["alive"] = False
+                _end(daemon)
                 killed.append(name)
     return killed
+
+
+def _end(daemon: dict[str, Any]) -> None:
+    daemon["alive"], daemon["servers"] = False, []
+    daemon.pop("quitting", None)
+
+
+def quit_daemon(state: dict[str, Any], resource: str) -> None:
+    """`quit`: the daemon and its server end once the daemon has no client left; until then it waits for them
+    (and, as NVIDIA's, takes no new one)."""
+    daemon = state["mps"][resource]
+    if clients(state, resource):
+        daemon["quitting"] = True
+    else:
+        _end(daemon)
+
+
+def clients(state: dict[str, Any], resource: str) -> list[int]:
+    """The pids of the processes that are `resource`'s daemon's clients."""
+    return [p["pid"] for gpu in state["gpus"] for p in gpu["processes"] if p.get("mps") == resource]
+
+
+def clients_ended(state: dict[str, Any]) -> list[str]:
+    """After processes ended: the daemons that were waiting for their clients to quit end now. Their resources."""
+    ended = []
+    for name, daemon in state.get("mps", {}).items():
+        if daemon["alive"] and daemon.get("quitting") and not clients(state, name):
+            _end(daemon)
+            ended.append(name)
+    return ended
+
+
+def connect(state: dict[str, Any], resource: str, gpu: int) -> int:
+    """A client on GPU `gpu` connects to `resource`'s control daemon: its server starts if none runs (one: the
+    clients here are one user's). Returns the server's pid; AgentError, as the client's CUDA call fails, when
+    no daemon takes it."""
+    daemon = state.get("mps", {}).get(resource)
+    if daemon is None or not daemon["alive"] or daemon.get("quitting"):
+        raise AgentError(f"no MPS control daemon for {resource} takes clients: the client's first CUDA call fails")
+    if state["gpus"][gpu]["uuid"] not in daemon["visible_devices"].split(","):
+        raise AgentError(f"GPU {gpu} is not one of the MPS control daemon's for {resource}")
+    if not daemon["servers"]:
+        daemon["servers"] = [_new_pid(state)]
+    return int(daemon["servers"][0])
+
+
+def servers(state: dict[str, Any]) -> list[tuple[int, int, list[int]]]:
+    """Each MPS server that runs: its pid, its parent's (the control daemon) and the minors of the GPUs it holds."""
+    minors = {gpu["uuid"]: gpu["minor"] for gpu in state["gpus"]}
+    return [(pid, daemon["pid"], [minors[uuid] for uuid in daemon["visible_devices"].split(",") if uuid in minors])
+            for daemon in state.get("mps", {}).values() if daemon["alive"] for pid in daemon["servers"]]
+
+
+def reboot(state: dict[str, Any]) -> None:
+    """A reboot: no daemon nor server runs, and the tmpfs they shared is no longer mounted."""
+    for daemon in state.get("mps", {}).values():
+        _end(daemon)
+    state.get("mounts", {}).pop(SHM_DIR, None)
+
+
+def _new_pid(state: dict[str, Any]) -> int:
+    taken = [p["pid"] for gpu in state["gpus"] for p in gpu["processes"]]
+    for daemon in state.get("mps", {}).values():
+        taken += [daemon["pid"], *daemon["servers"]]
+    return max([*taken, 40000]) + 1

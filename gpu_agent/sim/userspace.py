@@ -74,7 +74,8 @@ KERNEL_MODULES = ("nvidia", "nvidia-uvm", "nvidia-modeset", "nvidia-drm", "nvidi
 
 def install_driver_modules(root_path: Path, release: str, version: str) -> list[str]:
     """The driver's kernel modules for kernel `release`, as its DKMS build installs them under
-    /lib/modules/RELEASE/updates/dkms, with a modules.dep that lists them (depmod's job)."""
+    /lib/modules/RELEASE/updates/dkms, with a modules.dep that lists them (depmod's job). `root_path`: the
+    simulated kernel's directory, where a simulating Root finds /lib/modules."""
     root_path = Path(root_path).resolve()
     if root_path == Path("/"):
         raise ValueError("install_driver_modules writes placeholder modules: never under /")

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, replace
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.errors import AgentError, StageError
@@ -65,6 +65,7 @@ from gpu_agent.stages.reload_transitions import (  # noqa: F401 (the names other
     ORDER,
     POD_DELETION,
     POD_RESTART,
+    QUIT_MPS,
     REFUSE,
     REFUSE_DISPLAY,
     RELEASE,
@@ -72,6 +73,7 @@ from gpu_agent.stages.reload_transitions import (  # noqa: F401 (the names other
     RETARGET,
     RETRY,
     START,
+    START_MPS,
     STOP_UNIT,
     UNBIND_CONSOLE,
     UNCORDON,
@@ -92,6 +94,9 @@ from gpu_agent.stages.reload_transitions import (  # noqa: F401 (the names other
     decide,
     label,
 )
+
+if TYPE_CHECKING:
+    from gpu_agent.mps.reload import ReloadMps
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +129,7 @@ class Reload:
     def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, unloader: Optional[ModuleUnloader],
                  units: Optional[UnitControl], unit_active: Callable[[str], bool], settings: DriverConfig,
                  node: Optional[NodeAccess] = None, gate: Optional[PluginGate] = None,
-                 console: Optional[ConsoleControl] = None) -> None:
+                 console: Optional[ConsoleControl] = None, mps: Optional[ReloadMps] = None) -> None:
         self.root = root
         self.nvml = nvml
         self.loader = loader
@@ -135,6 +140,7 @@ class Reload:
         self.node = node
         self.gate = gate
         self.console = console
+        self.mps = mps  # the agent's own MPS control daemons: quit for the unload, started again after
         self.ledger = Ledger(root)
         self.kernel = KernelModules(root)
         self.force = False  # `gpu-agent driver reload --force`
@@ -207,6 +213,7 @@ class Reload:
             modules=frozenset(module for module in UNLOAD_ORDER if module in modules),
             busy=tuple(self.consumers()) if looks_at_users else (),
             active_units=self._active_units(progress) if under_way else frozenset(),
+            mps=tuple(self.mps.running()) if under_way and self.mps is not None else (),
             display=use.display, consoles=use.consoles,
             drift=tuple(d.text for d in module_options.drift(self.root, self.kernel, self.settings.parameters,
                                                                     modules)),
@@ -243,8 +250,11 @@ class Reload:
 
     def consumers(self) -> list[str]:
         """What uses a GPU now: pods with NVIDIA devices (the kubelet's pod-resources), processes with an
-        NVIDIA device file open."""
-        users = [f"process {p.describe()}" for p in processes.device_users(self.root)]
+        NVIDIA device file open, but the agent's own MPS control daemons and their servers (quit before the
+        unload)."""
+        found = processes.device_users(self.root)
+        own = self.mps.own(found) if self.mps is not None else set()
+        users = [f"process {p.describe()}" for p in found if p.pid not in own]
         return users + [f"pod {pod}" for pod in self._gpu_pods()]
 
     def _gpu_pods(self) -> list[str]:
@@ -422,6 +432,31 @@ class Reload:
         except AgentError as exc:
             raise self._fail(progress, POD_RESTART, str(exc)) from None
 
+    def _quit_mps(self, progress: Progress, facts: Facts, resource: str) -> None:
+        assert self.mps is not None  # facts.mps names none without it
+        if resource not in progress.stopped_mps:
+            progress.stopped_mps.append(resource)  # recorded first: held off, and started again at every end
+            self._save(progress)
+        log.info("driver reload: quitting the MPS control daemon for %s (its server holds the GPUs)", resource)
+        problem = self.mps.quit(resource)
+        if problem is not None:
+            raise self._fail(progress, POD_RESTART, problem)
+
+    def _start_mps(self, progress: Progress, facts: Facts, resource: str) -> None:
+        """Validated: the daemon started again, its GPUs EXCLUSIVE_PROCESS first. One that does not start is
+        said and left to the MPS watch, which tries again with its backoff; the reload is done all the same."""
+        problem = self._started_again(resource)
+        if problem is not None:
+            progress.notes.append(problem)
+            log.warning("driver reload: %s", problem)
+        progress.stopped_mps.remove(resource)
+        self._save(progress)
+
+    def _started_again(self, resource: str) -> Optional[str]:
+        if self.mps is None:
+            return f"the MPS control daemon for {resource} is not started here: the MPS watch starts it"
+        return self.mps.start(resource)
+
     def _unbind_console(self, progress: Progress, facts: Facts, vtcon: str) -> None:
         if self.console is None:
             raise self._fail(progress, POD_RESTART, f"the framebuffer console ({vtcon}) holds nvidia_drm and there "
@@ -583,11 +618,33 @@ class Reload:
         if "nvidia" in now or whole:
             facts = Facts(loaded=None, installed=None, active_units=self._active_units(progress))
             said += self._start_units(progress, facts)
-        if whole or all(m in now for m in progress.load_order()):
+        complete = all(m in now for m in progress.load_order())
+        if whole or complete:
             progress.plugin_stopped = False
             if self.gate is not None:
                 self.gate.open()
+        said += self._mps_back(progress, whole, complete and self.kernel.version("nvidia") == (installed or loaded))
         self._save(progress)
+        return said
+
+    def _mps_back(self, progress: Progress, whole: bool, serving: bool) -> list[str]:
+        """The MPS control daemons the agent quit, started again where the driver serves (NVML answers: the
+        installed driver's modules all loaded); at an end those that cannot start are left to the MPS watch,
+        which starts them once NVML answers. What could not be, said."""
+        said = []
+        for resource in list(progress.stopped_mps):
+            if not serving:
+                if whole:
+                    said.append(f"the MPS control daemon for {resource} stays stopped until the driver serves (the "
+                                "MPS watch starts it then)")
+                    progress.stopped_mps.remove(resource)
+                continue
+            problem = self._started_again(resource)
+            if problem is not None:
+                said.append(problem)
+                if not whole:
+                    continue
+            progress.stopped_mps.remove(resource)
         return said
 
     def _bind(self, progress: Progress, vtcon: str) -> Optional[str]:
@@ -642,14 +699,16 @@ class Reload:
                                                 "(kubelet pod-resources) and no process has one open (/proc)")]
         unload = [
             DriverReloadStep(POD_RESTART, f"stop the running units of driver.reload_units ({units}) and the device "
-                                          "plugin; let NVML go; unbind the framebuffer console from nvidia-drm's "
+                                          "plugin; quit the agent's MPS control daemons (their servers hold the "
+                                          "GPUs); let NVML go; unbind the framebuffer console from nvidia-drm's "
                                           "framebuffer if it is bound"),
             DriverReloadStep(POD_RESTART, f"unload the {facts.loaded or 'loaded'} modules in dependency order (rmmod)")]
         load = [DriverReloadStep(POD_RESTART, f"load the installed {target or ''} modules (modprobe) and verify the "
                                               "version, NVML and the GPUs".replace("  ", " ")),
                 DriverReloadStep(POD_RESTART, "start the stopped units again")]
         finish = [DriverReloadStep(VALIDATION, "MIG geometry re-applied, GPUs discovered, CDI spec regenerated; "
-                                               "device plugin serving again"),
+                                               "the MPS control daemons it quit started again, their GPUs in "
+                                               "EXCLUSIVE_PROCESS; device plugin serving again"),
                   DriverReloadStep(UNCORDON, "uncordon the node if the agent cordoned it")]
         if at in FINISHING:
             return head + finish
@@ -674,8 +733,9 @@ def _required(progress: Progress, facts: Facts) -> str:
 
 
 _FIRST: dict[str, Callable[[Optional[Progress], Facts, Move], str]] = {
-    ABORT: lambda p, f, m: "end the reload: load back what was unloaded, start the stopped units, bind the console, "
-                           "let the plugin serve, uncordon if the agent cordoned, record upgrade-abandoned",
+    ABORT: lambda p, f, m: "end the reload: load back what was unloaded, start the stopped units and MPS control "
+                           "daemons, bind the console, let the plugin serve, uncordon if the agent cordoned, record "
+                           "upgrade-abandoned",
     MOOT: lambda p, f, m: f"nothing to reload ({m.arg}): put back what was taken, uncordon if the agent cordoned",
     RELEASE: lambda p, f, m: "uncordon the node the agent cordoned (the end could not)",
     NEW_BOOT: lambda p, f, m: f"a reboot happened (boot id {m.arg}): start the stopped units the boot did not, "

@@ -13,7 +13,10 @@ The invariants decide() keeps (docs/driver-upgrades.md):
 - the next step follows what the node shows, not only the record: a reboot (a new boot id), a driver loaded
   by someone else, a target that moved (a second upgrade, a rollback) are each a move of their own;
 - every end (done, abandoned by the agent, aborted) puts back what the agent took away and uncordons a node
-  the agent cordoned; a failure puts back what can be put back while the reload is tried again.
+  the agent cordoned; a failure puts back what can be put back while the reload is tried again;
+- the agent's own MPS control daemons and their servers are never GPU users to wait for: they are quit before
+  the unload (recorded first), and started again, their GPUs in EXCLUSIVE_PROCESS, once the reload is validated
+  (or at any end).
 """
 from __future__ import annotations
 
@@ -73,16 +76,18 @@ REFUSE = "refuse"  # arg: REFUSE_DISPLAY or REFUSE_BUSY
 HOLD_PLUGIN = "hold-plugin"
 STOP_UNIT = "stop-unit"  # arg: the unit
 UNBIND_CONSOLE = "unbind-console"  # arg: the vtconsole
+QUIT_MPS = "quit-mps"  # arg: the resource whose MPS control daemon (the agent's own) is quit for the unload
 UNLOAD = "unload"  # arg: the module
 MISLOADED = "misloaded"  # the agent loaded nvidia and it is not the installed version; arg: the version loaded
 LOAD = "load"  # arg: the module
 BIND_CONSOLE = "bind-console"  # arg: the vtconsole
 VERIFY = "verify"  # NVML's version, the units started, then validation
 INVALID = "invalid"  # a validated stage failed
+START_MPS = "start-mps"  # validated: arg: a resource whose daemon the agent quit, its GPUs EXCLUSIVE_PROCESS again
 UNCORDON_NODE = "uncordon"  # validated: the plugin back, uncordon if the agent cordoned, done
 MOVES = (IDLE, LATER, START, RELEASE, ABORT, NEW_BOOT, RETARGET, MOOT, FINISH, RETRY, CORDON, WAIT, GIVE_UP,
-         ADVANCE, REFUSE, HOLD_PLUGIN, STOP_UNIT, UNBIND_CONSOLE, UNLOAD, MISLOADED, LOAD, BIND_CONSOLE, VERIFY,
-         INVALID, UNCORDON_NODE)
+         ADVANCE, REFUSE, HOLD_PLUGIN, STOP_UNIT, QUIT_MPS, UNBIND_CONSOLE, UNLOAD, MISLOADED, LOAD, BIND_CONSOLE,
+         VERIFY, INVALID, START_MPS, UNCORDON_NODE)
 
 IDLE_NOTHING = "nothing"  # the installed driver is loaded, with the configured options
 IDLE_NOT_LOADED = "not-loaded"  # no nvidia module loaded: the driver stage loads the installed one
@@ -107,6 +112,9 @@ class Progress:
     cordoned: bool = False  # the agent cordoned the node (so it uncordons it)
     notes: list[str] = field(default_factory=list)
     stopped_units: list[str] = field(default_factory=list)  # the units the agent stopped, started at every end
+    # The resources whose MPS control daemons the agent quit for the unload: held off (the MPS watch starts none of
+    # them) until the agent starts them again, after validation or at any end; empty in every ended record.
+    stopped_mps: list[str] = field(default_factory=list)
     waiting_since: Optional[float] = None
     failed_step: Optional[str] = None
     failure: Optional[str] = None
@@ -190,6 +198,7 @@ class Facts:
     modules: frozenset[str] = frozenset()  # the NVIDIA modules (UNLOAD_ORDER) loaded now
     busy: tuple[str, ...] = ()  # what uses a GPU: pods, processes (looked at while waiting or unloading)
     active_units: frozenset[str] = frozenset()  # of driver.reload_units and the stopped units, those running
+    mps: tuple[str, ...] = ()  # the resources whose MPS control daemons (the agent's own) run now
     display: Optional[str] = None  # what holds nvidia_drm that the agent never takes away (a display server)
     consoles: tuple[str, ...] = ()  # vtconsoles bound to nvidia-drm's framebuffer (fbdev), which it may unbind
     drift: tuple[str, ...] = ()  # NVIDIA modules' options that are not the configured ones, described
@@ -313,6 +322,8 @@ def _restart(record: Progress, facts: Facts, request: Request, rules: Rules) -> 
                 return Move(STOP_UNIT, unit)
         if facts.busy and not (record.forced or request.force) and not record.unloaded:
             return Move(REFUSE, REFUSE_BUSY)
+        if facts.mps:  # its server holds the GPUs after its last client: never counted busy, quit here
+            return Move(QUIT_MPS, facts.mps[0])
         if "nvidia_drm" in facts.modules and facts.consoles:
             return Move(UNBIND_CONSOLE, facts.consoles[0])
         return Move(UNLOAD, next(module for module in UNLOAD_ORDER if module in facts.modules or module == "nvidia"))
@@ -331,6 +342,8 @@ def _validate(record: Progress, facts: Facts, request: Request, rules: Rules) ->
         return Move(LATER)
     if facts.validation:
         return Move(INVALID, "; ".join(facts.validation))
+    if record.stopped_mps:
+        return Move(START_MPS, record.stopped_mps[0])
     return Move(UNCORDON_NODE)
 
 

@@ -1,6 +1,7 @@
 """The .deb installed and run under a real, booted systemd; the .rpm checked with rpm itself."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import stat
@@ -159,15 +160,18 @@ def _daemon_pid(container: Container, other_than: str = "0") -> str:
                         ).stdout.strip()
 
 
-def _mps_state(container: Container, expected: str) -> dict:
-    """The daemon as /status shows it, once its state is `expected` (waited for, up to a deadline)."""
-    import json
-
-    check = f"import json, sys; sys.exit(json.load(sys.stdin)['mps']['daemons'][0]['state'] != '{expected}')"
+def _status_when(container: Container, holds: str) -> dict:
+    """/status once the Python expression `holds` is true of it (`s`), waited for up to a deadline."""
+    check = f"import json, sys; s = json.load(sys.stdin); sys.exit(not ({holds}))"
     script = ("for i in $(seq 150); do s=$(curl -fsS 127.0.0.1:9445/status 2>/dev/null) && echo \"$s\" | "
               f"python3 -c \"{check}\" 2>/dev/null && echo \"$s\" && exit 0; sleep 0.2; done; "
               "curl -sS 127.0.0.1:9445/status; journalctl -u gpu-agent --no-pager | tail -30; exit 1")
-    return json.loads(container.sh(script).stdout)["mps"]["daemons"][0]
+    return json.loads(container.sh(script).stdout)
+
+
+def _mps_state(container: Container, expected: str) -> dict:
+    """The daemon as /status shows it, once its state is `expected` (waited for, up to a deadline)."""
+    return _status_when(container, f"s['mps']['daemons'][0]['state'] == '{expected}'")["mps"]["daemons"][0]
 
 
 def _mount_device(container: Container, pid: str, point: str) -> list[str]:
@@ -175,12 +179,10 @@ def _mount_device(container: Container, pid: str, point: str) -> list[str]:
     return [line.split()[2] for line in lines if line.split()[4] == point]
 
 
-def test_mps_under_the_packaged_unit(container: Container) -> None:
-    """The packaged units with sharing.mps (simulated GPUs, this node's MPS control, a stand-in binary): the
-    daemon is an instance of gpu-agent-mps@.service, given its GPUs by the record the agent wrote, the tmpfs
-    (run-nvidia-mps-shm.mount) is in the host's mount namespace (PID 1's) and is the daemon's /dev/shm; the
-    daemon outlives `systemctl restart gpu-agent` and is adopted with the settings it shows; a replicas change
-    restarts it in place, its pipe directory kept; uninstall leaves nothing."""
+def _mps_set_up(container: Container) -> None:
+    """The package installed (the `-k mps` selection skips the install test), the stand-in binary, sharing.mps,
+    simulated GPUs with this node's MPS control; the agent started on them."""
+    container.sh("dpkg -s gpu-agent >/dev/null 2>&1 || dpkg -i /root/gpu-agent.deb")
     container.sh(f"cat > /usr/bin/nvidia-cuda-mps-control <<'EOF'\n{STAND_IN}EOF\n"
                  "chmod 755 /usr/bin/nvidia-cuda-mps-control && mkdir -p /var/lib/kubelet/device-plugins && "
                  f"mkdir -p {Path(DROP_IN).parent} && "
@@ -189,6 +191,24 @@ def test_mps_under_the_packaged_unit(container: Container) -> None:
                  f"{DROP_IN}")
     container.exec("systemctl", "daemon-reload")
     container.exec("systemctl", "restart", "gpu-agent")
+
+
+def _mps_torn_down(container: Container) -> None:
+    """The agent stopped, `gpu-agent uninstall` (the daemons and the tmpfs gone), the stand-in and drop-in removed."""
+    container.exec("systemctl", "stop", "gpu-agent")
+    undone = container.exec(*SIMULATED, "gpu-agent", "uninstall")
+    assert container.exec("systemctl", "is-active", UNIT, check=False).stdout.strip() == "inactive", undone.stdout
+    container.exec("rm", "/usr/bin/nvidia-cuda-mps-control", DROP_IN)
+    container.exec("systemctl", "daemon-reload")
+
+
+def test_mps_under_the_packaged_unit(container: Container) -> None:
+    """The packaged units with sharing.mps (simulated GPUs, this node's MPS control, a stand-in binary): the
+    daemon is an instance of gpu-agent-mps@.service, given its GPUs by the record the agent wrote, the tmpfs
+    (run-nvidia-mps-shm.mount) is in the host's mount namespace (PID 1's) and is the daemon's /dev/shm; the
+    daemon outlives `systemctl restart gpu-agent` and is adopted with the settings it shows; a replicas change
+    restarts it in place, its pipe directory kept; uninstall leaves nothing."""
+    _mps_set_up(container)
     pid = _daemon_pid(container)
     fragment = container.exec("systemctl", "show", "-p", "FragmentPath", "--value", UNIT).stdout.strip()
     assert fragment.endswith("/lib/systemd/system/gpu-agent-mps@.service"), fragment  # /lib is /usr/lib's link
@@ -214,9 +234,11 @@ def test_mps_under_the_packaged_unit(container: Container) -> None:
     container.exec("sed", "-i", "s/replicas: 4/replicas: 2/", "/etc/gpu-agent/config.yaml")
     container.exec("systemctl", "reload", "gpu-agent")
     restarted = _daemon_pid(container, other_than=pid)
-    assert container.exec("cat", f"{PIPE}/stand-in-threads").stdout == "50.0\n"
+    # Running once its settings were read back: set after its unit started, which is when its pid shows.
+    shown = _status_when(container, f"s['mps']['daemons'][0]['pid'] == {restarted} and "
+                                    "s['mps']['daemons'][0]['state'] == 'running'")["mps"]["daemons"][0]
+    assert shown["replicas"] == 2 and container.exec("cat", f"{PIPE}/stand-in-threads").stdout == "50.0\n"
     assert container.exec("stat", "-c", "%i", PIPE).stdout == inode, "the pods' pipe directory was replaced"
-    assert _mps_state(container, "running")["replicas"] == 2
 
     container.exec("systemctl", "stop", "gpu-agent")
     assert container.exec("test", "-d", f"/proc/{restarted}", check=False).returncode == 0, "the agent's stop killed it"
@@ -229,6 +251,51 @@ def test_mps_under_the_packaged_unit(container: Container) -> None:
     assert container.exec("systemctl", "is-active", SHM_UNIT, check=False).stdout.strip() == "inactive"
     container.exec("rm", "/usr/bin/nvidia-cuda-mps-control", DROP_IN)
     container.exec("systemctl", "daemon-reload")
+
+
+OLD_DRIVER, NEW_DRIVER = "550.90.07", "570.124.06"  # the simulated DGX H100's driver, and the upgrade
+
+
+def test_an_mps_daemon_outlives_a_restart_with_nvml_failing_and_a_reload_with_mps_on_completes(
+        container: Container) -> None:
+    """Issue 33's acceptance. A driver package upgrade (`sim install-driver`: the simulated NVML and modules on
+    disk, never this node's files) makes NVML fail with the version mismatch; `systemctl restart gpu-agent` then
+    starts an agent without an inventory, which leaves the template unit's daemon running (unknown, not
+    stopped). `gpu-agent driver reload` (handed to the running agent) quits the daemon for the unload, reloads,
+    and once validated sets the GPUs to EXCLUSIVE_PROCESS and starts the daemon again through its unit, in its
+    pipe directory: the reload completes, the daemon runs."""
+    _mps_set_up(container)
+    pid = _daemon_pid(container)
+    assert _mps_state(container, "running")["pid"] == int(pid)
+    inode = container.exec("stat", "-c", "%i", PIPE).stdout
+    installed = container.exec(*SIMULATED, "gpu-agent", "sim", "install-driver", NEW_DRIVER)
+    assert "the host's libraries stay as they are" in installed.stdout, installed.stdout
+
+    container.exec("systemctl", "restart", "gpu-agent")
+    mismatch = f"reload required: loaded {OLD_DRIVER}, installed {NEW_DRIVER}"
+    status = _status_when(container, f"any('{mismatch}' in (x.get('message') or '') for x in s['stages']) "
+                                     "and s['mps'] and s['mps']['daemons'][0]['state'] == 'unknown'")
+    assert status["gpus"] == [] and status["mps"]["daemons"][0]["pid"] == int(pid)  # no inventory: left as it is
+    assert _daemon_pid(container) == pid and container.exec("test", "-d", f"/proc/{pid}", check=False).returncode == 0
+    this_run = container.sh("journalctl --no-pager -o cat "
+                            "_SYSTEMD_INVOCATION_ID=$(systemctl show -p InvocationID --value gpu-agent)").stdout
+    assert "NVML" in this_run and "sent quit" not in this_run, this_run[-3000:]
+
+    reload = container.exec(*SIMULATED, "gpu-agent", "driver", "reload", check=False, timeout=600)
+    journal = container.exec("journalctl", "-u", "gpu-agent", "--no-pager", "-o", "cat").stdout
+    assert reload.returncode == 0, f"{reload.stdout}{reload.stderr}{journal[-4000:]}"
+    assert reload.stdout.startswith(f"driver reloaded {OLD_DRIVER} -> {NEW_DRIVER}"), reload.stdout
+    assert "driver reload: quitting the MPS control daemon for nvidia.com/gpu" in journal
+    restarted = _daemon_pid(container, other_than=pid)  # started again through its unit, after validation
+    shown = _status_when(container, f"s['mps']['daemons'][0]['pid'] == {restarted} and "
+                                    "s['mps']['daemons'][0]['state'] == 'running'")["mps"]["daemons"][0]
+    assert shown["compute_mode"] == "EXCLUSIVE_PROCESS" and shown["replicas"] == 4, shown
+    machine = json.loads(container.exec(*SIMULATED, "gpu-agent", "sim", "show", "--json").stdout)
+    assert [gpu.get("compute_mode") for gpu in machine["gpus"]] == [3] * 8  # EXCLUSIVE_PROCESS after the reload
+    assert {m["version"] for m in machine["kernel"]["loaded"] if m["name"] == "nvidia"} == {NEW_DRIVER}
+    assert container.exec("stat", "-c", "%i", PIPE).stdout == inode, "the pods' pipe directory was replaced"
+    assert container.exec("cat", f"{PIPE}/stand-in-threads").stdout == "25.0\n"  # its limits set again
+    _mps_torn_down(container)
 
 
 def test_purge_removes_the_unit_and_the_files(container: Container) -> None:
