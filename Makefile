@@ -7,7 +7,7 @@ RUN_ROOT ?= .run/root
 SIMULATE ?= dgx-h100
 BIN := $(VENV)/bin
 
-.PHONY: run lint test test-slow test-all bench package e2e e2e-cluster-build clean kubelet-api-stubs
+.PHONY: run lint test test-slow test-all bench package e2e e2e-cluster e2e-cluster-build clean kubelet-api-stubs
 
 $(BIN)/gpu-agent: pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
@@ -81,9 +81,13 @@ e2e: $(BIN)/gpu-agent
 
 # The real cluster of issue 34 (root): etcd, kube-apiserver, kubelet, containerd 2.x and crictl built from
 # their Go modules at the versions tests/e2e/cluster/modules/ pins, into /var/cache/gpu-agent-e2e/cluster
-# (tests/e2e/cluster/components.py: each once, then cached).
+# (tests/e2e/cluster/components.py: each once, then cached), and the tests that run them with the agent in
+# a booted Debian 13 (tests/e2e/cluster/test_cluster.py; docs/development.md says how long each takes).
 e2e-cluster-build:
 	$(PYTHON) tests/e2e/cluster/components.py
+
+e2e-cluster: $(BIN)/gpu-agent e2e-cluster-build
+	$(BIN)/python -m pytest -q tests/e2e/cluster
 
 # One package per target python3 into dist/ (packaging/README.md): Debian 12's and 13's .deb, RHEL 9's .rpm.
 package: $(BIN)/gpu-agent

@@ -1,0 +1,268 @@
+"""The agent against a real kube-apiserver and kubelet (issue 34): etcd, the apiserver (Node,RBAC authorization,
+NodeRestriction admission) and the kubelet built from upstream at the versions tests/e2e/cluster/modules/
+pins, Debian 13's containerd 1.7, the agent from its .deb simulating a DGX H100 with the kubelet's
+kubeconfig as its credentials. rig.py says how the machine is set up and what stands in."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+import rig
+from components import KUBERNETES, missing
+from kube_emulator import MERGE_PATCH, STRATEGIC_MERGE_PATCH, KubeEmulator
+
+NODE = "gpu-node"
+DROP_IN = "/etc/systemd/system/gpu-agent.service.d/simulate.conf"
+AGENT = "gpu-agent"  # the User-Agent of the agent's requests
+
+
+@pytest.fixture(scope="module")
+def cluster(packages: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[rig.Cluster]:
+    lacking = missing(rig.NEEDED)
+    if lacking:
+        reason = "the cluster rig's components are not built:\n  " + "\n  ".join(lacking)
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp("cluster")
+    container, directory, pki = rig.boot(work, packages["deb13"], NODE)
+    try:
+        booted = rig.start(container, directory, NODE, pki)
+        container.exec("dpkg", "-i", "/root/gpu-agent.deb")
+        container.sh(f"mkdir -p {Path(DROP_IN).parent} && "
+                     f"printf '[Service]\\nEnvironment=GPU_AGENT_SIMULATE=dgx-h100\\n' > {DROP_IN}")
+        container.exec("systemctl", "daemon-reload")
+        container.exec("systemctl", "start", "gpu-agent", timeout=180)
+        yield booted
+    finally:
+        rig.stop(container, directory)
+        pki.cleanup()
+
+
+def _writes_by(cluster: rig.Cluster, agent: str) -> list[dict[str, Any]]:
+    return [event for event in cluster.audit() if event.get("userAgent", "").startswith(agent)
+            and event.get("objectRef", {}).get("name") == cluster.node]
+
+
+def _condition(node: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in node["status"].get("conditions", []) if c["type"] == kind), None)
+
+
+def test_the_kubelet_registers_the_node_with_its_certificate(cluster: rig.Cluster) -> None:
+    node = cluster.node_object()
+    info = node["status"]["nodeInfo"]
+    assert info["kubeletVersion"] == KUBERNETES.version
+    assert info["containerRuntimeVersion"].startswith("containerd://1.7.24"), info
+    assert {a["type"]: a["address"] for a in node["status"]["addresses"]}["InternalIP"] == rig.ADDRESS
+    registered = [e for e in cluster.audit() if e["verb"] == "create" and e["objectRef"].get("name") == NODE]
+    assert registered and registered[0]["user"]["username"] == f"system:node:{NODE}", registered
+    assert "system:nodes" in registered[0]["user"]["groups"]
+
+
+def test_labels_and_the_condition_land_on_the_real_node(cluster: rig.Cluster) -> None:
+    def labelled() -> dict[str, Any] | None:
+        node = cluster.node_object()
+        ready = _condition(node, "GPUAgentReady")
+        done = node["metadata"]["labels"].get("nvidia.com/gpu.count") == "8" and ready and ready["status"] == "True"
+        return node if done else None
+
+    node = cluster.wait("the agent's labels and GPUAgentReady", labelled)
+    labels = node["metadata"]["labels"]
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert labels["nvidia.com/gpu-agent.ready"] == "true"
+    managed = node["metadata"]["annotations"]["nvidia.com/gpu-agent.managed-labels"].split(",")
+    assert sorted(managed) == sorted(k for k in labels if k.startswith("nvidia.com/")), managed
+    # The kubelet's own conditions stay beside the agent's (a strategic merge by type).
+    kinds = [c["type"] for c in node["status"]["conditions"]]
+    assert {"MemoryPressure", "DiskPressure", "PIDPressure", "Ready", "GPUAgentReady"} <= set(kinds), kinds
+    writes = _writes_by(cluster, AGENT)
+    assert writes and {w["user"]["username"] for w in writes} == {f"system:node:{NODE}"}
+    assert all(w["responseStatus"]["code"] == 200 for w in writes), writes
+
+
+def test_a_pass_with_nothing_to_change_sends_nothing(cluster: rig.Cluster) -> None:
+    """A one-shot pass, then the daemon's first pass after a restart: the Node read, nothing written."""
+    ours, kubelets = len(_writes_by(cluster, AGENT)), len(_writes_by(cluster, "kubelet"))
+    version = cluster.node_object()["metadata"]["resourceVersion"]
+    c = cluster.container
+    c.exec("systemctl", "stop", "gpu-agent")
+    once = c.exec("gpu-agent", "--simulate", "dgx-h100", "apply", "--once", timeout=300).stdout
+    assert f"[+] labels: ok: node {NODE}: 28 labels, GPUAgentReady=True" in once, once
+    c.exec("systemctl", "start", "gpu-agent", timeout=180)  # Type=notify: back once its first pass is done
+    journal = c.exec("journalctl", "-u", "gpu-agent", "-o", "cat", "--no-pager", "-n", "30").stdout
+    assert "first reconcile done" in journal.rsplit("Stopped gpu-agent", 1)[-1], journal
+    after = _writes_by(cluster, AGENT)
+    assert len(after) == ours, after[ours:]
+    if len(_writes_by(cluster, "kubelet")) == kubelets:  # the kubelet, too, may write its status meanwhile
+        assert cluster.node_object()["metadata"]["resourceVersion"] == version
+
+
+def test_the_kubelet_registers_the_device_plugin(cluster: rig.Cluster) -> None:
+    """Capacity and allocatable: after the agent's restart (the test before) the kubelet keeps the capacity
+    and shows 0 allocatable until the new registration's first ListAndWatch answer."""
+    def counted() -> dict[str, Any] | None:
+        status = cluster.node_object()["status"]
+        gpus = (status["capacity"].get("nvidia.com/gpu"), status["allocatable"].get("nvidia.com/gpu"))
+        return status if gpus == ("8", "8") else None
+
+    cluster.wait("nvidia.com/gpu: 8 in the Node's capacity and allocatable", counted)
+    journal = cluster.container.exec("journalctl", "-u", "kubelet", "-o", "cat", "--no-pager").stdout
+    assert "nvidia.com/gpu" in journal, journal[-3000:]
+
+
+# ---- parity: the emulator (tests/kube_emulator.py) and the real apiserver answer alike ------------------
+
+OTHER = "gpu-node-2"  # a Node the admin makes: another node's, to the node's credentials
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request, sent as `who` (node: the kubelet's certificate; admin: system:masters; foreign: a
+    certificate of another CA; anonymous: none) to both servers; `keep` picks what of a 2xx answer is compared."""
+
+    why: str
+    who: str
+    method: str
+    path: str
+    body: Any = None
+    content_type: str = STRATEGIC_MERGE_PATCH
+    keep: Optional[Callable[[Any], Any]] = None
+    mask: str = ""  # a pattern of the error message that holds each server's own data, left out of the comparison
+
+
+def _labels(*keys: str) -> Callable[[Any], Any]:
+    return lambda node: {key: node["metadata"].get("labels", {}).get(key) for key in keys}
+
+
+def _gpu_condition(node: Any) -> Any:
+    found = _condition(node, "GPUHealthy")
+    return found and {k: v for k, v in found.items() if k != "lastHeartbeatTime" or v is not None}
+
+
+PARITY = (
+    Ask("reads another node", "node", "GET", f"/api/v1/nodes/{OTHER}"),
+    Ask("lists all nodes", "node", "GET", "/api/v1/nodes"),
+    Ask("patches another node", "node", "PATCH", f"/api/v1/nodes/{OTHER}",
+        {"metadata": {"labels": {"nvidia.com/gpu.present": "true"}}}),
+    Ask("patches another node's status", "node", "PATCH", f"/api/v1/nodes/{OTHER}/status",
+        {"status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]}}),
+    Ask("sets labels NodeRestriction lets a node set", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"nvidia.com/parity": "1", "feature.node.kubernetes.io/pci-10de.present": "true",
+                                 "kubelet.kubernetes.io/x": "y", "topology.kubernetes.io/zone": "z1",
+                                 "node.kubernetes.io/instance-type": "p5"}}}, MERGE_PATCH,
+        _labels("nvidia.com/parity", "topology.kubernetes.io/zone", "node.kubernetes.io/instance-type")),
+    Ask("sets labels NodeRestriction refuses", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"node-role.kubernetes.io/gpu": "", "example.k8s.io/a": "b",
+                                 "node-restriction.kubernetes.io/pool": "x", "nvidia.com/ok": "1"}}}, MERGE_PATCH),
+    Ask("a refused patch applies nothing of itself", "node", "GET", f"/api/v1/nodes/{NODE}",
+        keep=_labels("nvidia.com/ok")),
+    Ask("sets a beta.kubernetes.io label not the kubelet's", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"beta.kubernetes.io/fluentd-ds-ready": "true"}}}),
+    Ask("the admin sets a node-role label", "admin", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"node-role.kubernetes.io/worker": ""}}}, MERGE_PATCH,
+        _labels("node-role.kubernetes.io/worker")),
+    Ask("removes the node-role label", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"node-role.kubernetes.io/worker": None}}}, MERGE_PATCH),
+    Ask("removes its taints", "node", "PATCH", f"/api/v1/nodes/{NODE}", {"spec": {"taints": None}}, MERGE_PATCH),
+    Ask("removes its taints through /status", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"spec": {"taints": []}}, MERGE_PATCH),
+    Ask("cordons itself", "node", "PATCH", f"/api/v1/nodes/{NODE}", {"spec": {"unschedulable": True}},
+        STRATEGIC_MERGE_PATCH, lambda node: node["spec"].get("unschedulable")),
+    Ask("uncordons itself", "node", "PATCH", f"/api/v1/nodes/{NODE}", {"spec": {"unschedulable": None}},
+        STRATEGIC_MERGE_PATCH, lambda node: node["spec"].get("unschedulable")),
+    Ask("a condition's times, RFC 3339 with an offset and a fraction", "node", "PATCH",
+        f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": [{"type": "GPUHealthy", "status": "False", "reason": "XidError",
+                                    "message": "Xid 79 on GPU 3",
+                                    "lastHeartbeatTime": "2025-01-02T03:04:05.123456+01:00",
+                                    "lastTransitionTime": "2025-01-02T03:04:05Z"}]}},
+        keep=_gpu_condition),
+    Ask("a condition merged by type, a field set to null", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": [{"type": "GPUHealthy", "status": "True", "reason": "AllGood", "message": None}]}},
+        keep=_gpu_condition),
+    Ask("a condition without its merge key", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": [{"status": "True"}]}}),
+    Ask("a condition sent to the main resource is dropped", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"status": {"conditions": [{"type": "GPUParity", "status": "True"}]}},
+        keep=lambda node: _condition(node, "GPUParity")),
+    Ask("a label sent through /status is kept", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"metadata": {"labels": {"nvidia.com/via-status": "yes"}}}, keep=_labels("nvidia.com/via-status")),
+    Ask("a condition deleted by $patch", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": [{"type": "GPUHealthy", "$patch": "delete"}]}}, keep=_gpu_condition),
+    Ask("an invalid label value", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"nvidia.com/bad": "-x-"}}}, MERGE_PATCH),
+    Ask("an invalid label key", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"nvidia.com/-bad-": "x"}}}, MERGE_PATCH),
+    Ask("an invalid annotation key", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"annotations": {"nvidia.com/-bad-": "x"}}}, MERGE_PATCH),
+    Ask("an unknown directive in a strategic merge patch", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"$foo": "x"}}),
+    Ask("an unknown $patch in a strategic merge patch", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"$patch": "foo"}}}),
+    Ask("a list element that is not an object", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": ["x"]}}, mask=r"(?<=identical: \[)\[.*\](?= \[x\]\]$)"),
+    Ask("a patch in plain JSON", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"a": "b"}}}, "application/json"),
+    Ask("a node that does not exist, to the admin", "admin", "GET", "/api/v1/nodes/no-such-node"),
+    Ask("a certificate of another CA", "foreign", "GET", f"/api/v1/nodes/{NODE}"),
+    Ask("no credentials", "anonymous", "GET", f"/api/v1/nodes/{NODE}"),
+)
+
+
+def _answer(status: int, body: Any, ask: Ask) -> Any:
+    if 200 <= status < 300:
+        return (status, ask.keep(body) if ask.keep else None)
+    if isinstance(body, dict):
+        message = re.sub(ask.mask, "...", str(body.get("message"))) if ask.mask else body.get("message")
+        return (status, body.get("reason"), message, body.get("details"))
+    return (status, body)
+
+
+def _ask_emulator(emulator: KubeEmulator, who: dict[str, Any], ask: Ask) -> Any:
+    connection = http.client.HTTPSConnection("127.0.0.1", emulator.port, timeout=30,
+                                             context=emulator.client_ssl_context(who[ask.who]))
+    try:
+        headers = {"Accept": "application/json"}
+        data = None
+        if ask.body is not None:
+            data, headers["Content-Type"] = json.dumps(ask.body).encode(), ask.content_type
+        connection.request(ask.method, ask.path, body=data, headers=headers)
+        response = connection.getresponse()
+        raw = response.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = raw.decode(errors="replace")
+        return _answer(response.status, body, ask)
+    finally:
+        connection.close()
+
+
+def _ask_cluster(cluster: rig.Cluster, who: dict[str, Any], ask: Ask) -> Any:
+    credentials = who[ask.who]
+    answer = cluster.api(ask.method, ask.path, ask.body, ask.content_type,
+                         cert=credentials.combined_path if credentials else None, anonymous=credentials is None)
+    return _answer(answer.status, answer.body, ask)
+
+
+def test_the_emulator_answers_as_the_real_apiserver(cluster: rig.Cluster) -> None:
+    """Each request of PARITY to the emulator and to the apiserver, in turn; every answer that differs is
+    listed (tests/kube_emulator.py's claims, checked once against the real thing)."""
+    other = cluster.api("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": OTHER}})
+    assert other.status in (201, 409), other
+    with KubeEmulator(pki=cluster.pki, nodes=(NODE, OTHER), anonymous_auth=True) as emulator:
+        who = {"node": cluster.pki.node_cert(NODE), "admin": cluster.admin, "anonymous": None,
+               "foreign": cluster.pki.node_cert(NODE, untrusted=True)}
+        differences = []
+        for ask in PARITY:
+            real, emulated = _ask_cluster(cluster, who, ask), _ask_emulator(emulator, who, ask)
+            if real != emulated:
+                differences.append(f"{ask.why} ({ask.who} {ask.method} {ask.path}):\n"
+                                   f"    apiserver {real}\n    emulator  {emulated}")
+    assert not differences, "\n".join(differences)
