@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -38,6 +39,7 @@ from conftest import Container, run, runtimes_root
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from kube_emulator import KubePKI
+from test_runtimes import STAND_INS, _busybox_image
 
 ADDRESS = "192.0.2.10"  # TEST-NET-1, on the machine's own veth link
 API = "https://127.0.0.1:6443"
@@ -79,6 +81,7 @@ def _apiserver_unit() -> str:
         f"{BIN}/kube-apiserver", "--etcd-servers=http://127.0.0.1:2379", f"--advertise-address={ADDRESS}",
         "--secure-port=6443", f"--tls-cert-file={PKI}/apiserver.crt", f"--tls-private-key-file={PKI}/apiserver.key",
         f"--client-ca-file={PKI}/ca.crt", "--authorization-mode=Node,RBAC",
+        "--kubelet-preferred-address-types=InternalIP",  # the node IP: its name would be looked up in DNS
         "--enable-admission-plugins=NodeRestriction", "--allow-privileged=true",
         f"--kubelet-client-certificate={PKI}/apiserver-kubelet-client.crt",
         f"--kubelet-client-key={PKI}/apiserver-kubelet-client.key",
@@ -242,6 +245,11 @@ def prepare(directory: Path, node: str, pki: KubePKI) -> None:
     (directory / "var/log/kubernetes").mkdir(parents=True, exist_ok=True)
     for name, text in (("etcd", _etcd_unit()), ("kube-apiserver", _apiserver_unit()), ("kubelet", _kubelet_unit())):
         _write(directory, f"/etc/systemd/system/{name}.service", text)
+    # The toolkit's binaries as tests/e2e/test_runtimes.py stands them in (the runtime passes to runc), and
+    # the busybox image's tarball.
+    for path, text in STAND_INS.items():
+        _write(directory, path, text, 0o755)
+    _write(directory, IMAGE_TAR, _busybox_image(directory))
     config = directory / "etc/containerd/config.toml"
     table = '  [plugins."io.containerd.grpc.v1.cri"]\n'
     assert table in config.read_text(), config.read_text()
@@ -289,6 +297,47 @@ def start(container: Container, directory: Path, node: str, pki: KubePKI) -> Clu
     container.exec("systemctl", "start", "kubelet")
     cluster.wait("the kubelet's Node", lambda: cluster.api("GET", f"/api/v1/nodes/{node}").status == 200)
     return cluster
+
+
+DROP_IN = "/etc/systemd/system/gpu-agent.service.d/rig.conf"
+# The agent as packaged, simulating a DGX H100 through the node's / bound again at /node (the way
+# tests/e2e/test_runtimes.py runs it): with simulated GPUs on / itself it leaves the real runtimes alone,
+# through /node it configures the real containerd and writes the real CDI spec. The unit's sandbox lets it
+# write there as it lets it write the same paths under /.
+AGENT_DROP_IN = """[Service]
+Environment=GPU_AGENT_SIMULATE=dgx-h100
+Environment=GPU_AGENT_ROOT=/node
+ReadWritePaths=/node
+"""
+
+
+def install_agent(container: Container) -> None:
+    """The .deb installed, the drop-in written, the agent started (Type=notify: after its first pass)."""
+    container.exec("dpkg", "-i", "/root/gpu-agent.deb")
+    container.sh("mkdir -p /node && mount --rbind / /node && mount --make-rslave /node")
+    container.sh(f"mkdir -p {Path(DROP_IN).parent} && cat > {DROP_IN} <<'EOF'\n{AGENT_DROP_IN}EOF")
+    container.exec("systemctl", "daemon-reload")
+    container.exec("systemctl", "start", "gpu-agent", timeout=180)
+
+
+IMAGE = "docker.io/local/busybox:1"
+DRIVER = "550.90.07"  # dgx-h100's
+LIBCUDA = f"/usr/lib/x86_64-linux-gnu/libcuda.so.{DRIVER}"
+IMAGE_TAR = "/root/image.tar"
+
+
+def import_images(container: Container) -> None:
+    """containerd restarted on the agent's configuration (the simulated agent's own restarts are the
+    simulator's), then the pods' image and the CRI's sandbox image imported from busybox: nothing pulled.
+    Docker (in the cached tree) makes the images from the tarball, as tests/e2e/test_runtimes.py does."""
+    container.exec("systemctl", "restart", "containerd", timeout=180)
+    dump = container.exec("containerd", "config", "dump").stdout
+    pause = re.search(r'sandbox_image = "([^"]+)"', dump)
+    assert pause and "enable_cdi = true" in dump, dump
+    local = IMAGE.split("/", 1)[1]
+    container.sh(f"docker import {IMAGE_TAR} {local} && docker import --change 'ENTRYPOINT [\"/bin/sleep\", "
+                 f"\"1000000\"]' {IMAGE_TAR} {pause[1]} && docker save {local} {pause[1]} | "
+                 "ctr -n k8s.io images import -", timeout=300)
 
 
 def boot(work: Path, deb: Path, node: str = "gpu-node") -> tuple[Container, Path, KubePKI]:

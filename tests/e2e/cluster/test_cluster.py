@@ -18,7 +18,7 @@ from components import KUBERNETES, missing
 from kube_emulator import MERGE_PATCH, STRATEGIC_MERGE_PATCH, KubeEmulator
 
 NODE = "gpu-node"
-DROP_IN = "/etc/systemd/system/gpu-agent.service.d/simulate.conf"
+ONE_SHOT = ("gpu-agent", "--root", "/node", "--simulate", "dgx-h100")  # as the unit runs it (rig.AGENT_DROP_IN)
 AGENT = "gpu-agent"  # the User-Agent of the agent's requests
 
 
@@ -34,11 +34,7 @@ def cluster(packages: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     container, directory, pki = rig.boot(work, packages["deb13"], NODE)
     try:
         booted = rig.start(container, directory, NODE, pki)
-        container.exec("dpkg", "-i", "/root/gpu-agent.deb")
-        container.sh(f"mkdir -p {Path(DROP_IN).parent} && "
-                     f"printf '[Service]\\nEnvironment=GPU_AGENT_SIMULATE=dgx-h100\\n' > {DROP_IN}")
-        container.exec("systemctl", "daemon-reload")
-        container.exec("systemctl", "start", "gpu-agent", timeout=180)
+        rig.install_agent(container)
         yield booted
     finally:
         rig.stop(container, directory)
@@ -92,7 +88,7 @@ def test_a_pass_with_nothing_to_change_sends_nothing(cluster: rig.Cluster) -> No
     version = cluster.node_object()["metadata"]["resourceVersion"]
     c = cluster.container
     c.exec("systemctl", "stop", "gpu-agent")
-    once = c.exec("gpu-agent", "--simulate", "dgx-h100", "apply", "--once", timeout=300).stdout
+    once = c.exec(*ONE_SHOT, "apply", "--once", timeout=300).stdout
     assert f"[+] labels: ok: node {NODE}: 28 labels, GPUAgentReady=True" in once, once
     c.exec("systemctl", "start", "gpu-agent", timeout=180)  # Type=notify: back once its first pass is done
     journal = c.exec("journalctl", "-u", "gpu-agent", "-o", "cat", "--no-pager", "-n", "30").stdout
@@ -112,8 +108,74 @@ def test_the_kubelet_registers_the_device_plugin(cluster: rig.Cluster) -> None:
         return status if gpus == ("8", "8") else None
 
     cluster.wait("nvidia.com/gpu: 8 in the Node's capacity and allocatable", counted)
-    journal = cluster.container.exec("journalctl", "-u", "kubelet", "-o", "cat", "--no-pager").stdout
-    assert "nvidia.com/gpu" in journal, journal[-3000:]
+    # The kubelet's own record of the plugin's devices: the agent's eight GPUs by UUID.
+    c = cluster.container
+    checkpoint = json.loads(c.exec("cat", "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").stdout)
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    registered = checkpoint["Data"]["RegisteredDevices"]
+    assert sorted(registered) == ["nvidia.com/gpu"], registered
+    assert sorted(registered["nvidia.com/gpu"]) == sorted(gpu["uuid"] for gpu in status["gpus"]), registered
+
+
+
+def test_what_the_nodes_credentials_may_not_do_the_agent_reports_clearly(cluster: rig.Cluster) -> None:
+    """The agent told another Node's name than its credentials' (kubernetes.node_name): the Node
+    authorizer's 403 in the agent's words, with the identity it used; nothing written."""
+    c = cluster.container
+    c.sh("printf 'version: v1\\nkubernetes:\\n  node_name: gpu-node-3\\n' > /root/other-node.yaml")
+    writes = len(cluster.audit())
+    c.exec("systemctl", "stop", "gpu-agent")
+    try:
+        done = c.exec(*ONE_SHOT, "--config", "/root/other-node.yaml", "apply", "--once", check=False, timeout=300)
+    finally:
+        c.exec("systemctl", "start", "gpu-agent", timeout=180)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("[-] labels")), done.stdout + done.stderr)
+    assert ('GET /api/v1/nodes/gpu-node-3: 403 Forbidden: nodes "gpu-node-3" is forbidden: User '
+            f'"system:node:{NODE}" cannot get resource "nodes" in API group "" at the cluster scope: node '
+            f"'{NODE}' cannot read 'gpu-node-3', only its own Node object") in line, line
+    assert f"system:node:{NODE}" in line.rsplit("(as ", 1)[-1], line  # who the agent was
+    assert len(cluster.audit()) == writes
+
+
+PROBE = ("for n in /dev/nvidia*; do [ -c $n ] && echo char $n; done; env | grep ^NVIDIA_; "
+         f"cat {rig.LIBCUDA} 2>&1; nvidia-smi 2>&1; true")
+
+
+def test_a_pod_with_one_gpu_runs_and_sees_it_through_cdi(cluster: rig.Cluster) -> None:
+    """A pod asking nvidia.com/gpu: 1, bound by nodeName: the kubelet allocates a GPU of the agent's device
+    plugin, which answers CDI names (the agent's choice on containerd 1.7: cdi-cri), the kubelet passes
+    them through the CRI and containerd applies the agent's spec."""
+    c = cluster.container
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    assert status["device_path"]["strategy"] == "cdi-cri", status["device_path"]
+    rig.import_images(c)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "gpu-pod", "namespace": "default"},
+           "spec": {"nodeName": NODE, "hostNetwork": True, "automountServiceAccountToken": False,
+                    "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
+                    "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
+                                    "command": ["/bin/sh", "-c", PROBE],
+                                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    created = cluster.api("POST", "/api/v1/namespaces/default/pods", pod)
+    assert created.status == 201, created
+    path = "/api/v1/namespaces/default/pods/gpu-pod"
+    done = cluster.wait("the GPU pod to finish", lambda: (
+        lambda p: p if p["status"].get("phase") in ("Succeeded", "Failed") else None)(cluster.get(path)))
+    log = cluster.api("GET", path + "/log")  # through the apiserver, from the kubelet
+    assert done["status"]["phase"] == "Succeeded", (done["status"], log)
+    assert log.status == 200, log
+    output = str(log.body)
+    gpus = re.findall(r"^char /dev/nvidia(\d+)$", output, re.M)
+    assert len(gpus) == 1, output  # one GPU of eight
+    for node in ("/dev/nvidiactl", "/dev/nvidia-uvm"):
+        assert f"char {node}\n" in output, output
+    assert f"placeholder libcuda {rig.DRIVER}" in output and f"nvidia-smi {rig.DRIVER} (simulated" in output, output
+    # The kubelet's own record: the device it gave the container is the agent's GPU of that index.
+    checkpoint = json.loads(c.exec("cat", "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").stdout)
+    entries = [e for e in checkpoint["Data"]["PodDeviceEntries"] if e["PodUID"] == done["metadata"]["uid"]]
+    assert [e["ResourceName"] for e in entries] == ["nvidia.com/gpu"], checkpoint
+    given = [d for ids in entries[0]["DeviceIDs"].values() for d in ids]
+    gpu = next(g for g in status["gpus"] if g["uuid"] in given) if len(given) == 1 else None
+    assert gpu is not None and str(gpu["index"]) == gpus[0], (given, status["gpus"])
 
 
 # ---- parity: the emulator (tests/kube_emulator.py) and the real apiserver answer alike ------------------
