@@ -324,8 +324,13 @@ def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 3
         said = done.output.replace(str(tree), "")
     if done.returncode != 0:
         return f"containerd rejects the result: {_what_containerd_says(said, list(contents))}"
-    effective = Document(parse(done.stdout, "containerd's effective config"), "containerd's effective config")
-    plugin = ("plugins", CRI_PLUGIN[max(files.version, 2)])
+    dumped = parse(done.stdout, "containerd's effective config")
+    effective = Document(dumped, "containerd's effective config")
+    # containerd 2.x dumps its own layout (version 3 and later: the CRI's runtime plugin) whatever the
+    # version of the files it read, a version 2 file migrated; 1.x dumps version 2 (tests/e2e/cluster).
+    dumped_version = dumped.get("version")
+    version = dumped_version if isinstance(dumped_version, int) else files.version
+    plugin = ("plugins", CRI_PLUGIN[min(max(version, 2), 3)])
     effective.check(((plugin, TABLE),))
     effective.check(CRI_SCHEMA, prefix=plugin)
     runtimes = effective.table(*plugin, "containerd", "runtimes")
@@ -335,8 +340,10 @@ def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 3
                    if files.hiding else "")
         return f"containerd's effective config has no {RUNTIME_NAME} runtime running {binary}{culprit}"
     default = runtimes.get(effective.string(*plugin, "containerd", "default_runtime_name") or "runc", {})
+    # containerd 2.x dumps runc's default options (SystemdCgroup = false) where the file names none, and
+    # the nvidia runtime's options as written: an option missing is its default, false.
     wanted = default.get("options", {}).get("SystemdCgroup")
-    if wanted is not None and nvidia["options"].get("SystemdCgroup") != wanted:
+    if wanted is not None and bool(nvidia["options"].get("SystemdCgroup", False)) != bool(wanted):
         return f"the {RUNTIME_NAME} runtime's SystemdCgroup differs from the default runtime's ({wanted})"
     return None
 
