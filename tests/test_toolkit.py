@@ -155,11 +155,19 @@ def test_a_bom_and_crlf_line_ends_are_read_as_containerd_reads_them(node: Path, 
     assert not any(run.planned for run in apply(node).runs)
 
 
-def test_containerd_v3_and_v1_drop_ins_keep_their_versions(node: Path) -> None:
+def test_containerd_v3_v4_and_v1_drop_ins_keep_their_versions(node: Path) -> None:
     containerd_config(node, CONTAINERD_V3)
     assert apply(node).ok
     drop_in = tomlkit.parse((node / DROP_IN).read_text()).unwrap()
     assert drop_in["version"] == 3
+    runtime = drop_in["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
+    assert runtime["options"] == {"SystemdCgroup": True, "BinaryName": BINARY}
+
+    # Version 4 (containerd 2.3 and later; v2.4.2's own default): the CRI's tables where version 3 has them.
+    containerd_config(node, CONTAINERD_V3.replace("version = 3  # containerd 2.x", "version = 4  # containerd 2.3"))
+    assert apply(node).ok
+    drop_in = tomlkit.parse((node / DROP_IN).read_text()).unwrap()
+    assert drop_in["version"] == 4
     runtime = drop_in["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
     assert runtime["options"] == {"SystemdCgroup": True, "BinaryName": BINARY}
 
