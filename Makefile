@@ -86,7 +86,11 @@ e2e: $(BIN)/gpu-agent
 e2e-cluster-build:
 	$(PYTHON) tests/e2e/cluster/components.py
 
+# The booted machine's systemd, containerd and kubelet each hold inotify instances, counted against root's
+# limit on the whole host (128 by default, which other root processes share): raised to 512 first, as kind
+# asks of its hosts.
 e2e-cluster: $(BIN)/gpu-agent e2e-cluster-build
+	@[ "$$(cat /proc/sys/fs/inotify/max_user_instances)" -ge 512 ] || sysctl -qw fs.inotify.max_user_instances=512
 	$(BIN)/python -m pytest -q tests/e2e/cluster
 
 # One package per target python3 into dist/ (packaging/README.md): Debian 12's and 13's .deb, RHEL 9's .rpm.

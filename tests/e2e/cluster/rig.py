@@ -1,5 +1,6 @@
 """The real cluster of issue 34 in one booted Debian 13 machine (systemd-nspawn): etcd, kube-apiserver and a
-kubelet built from upstream (components.py), Debian 13's containerd 1.7, and the agent from its .deb.
+kubelet built from upstream (components.py), Debian 13's containerd 1.7 or the built containerd 2.x, and the
+agent from its .deb.
 
 The apiserver authorizes with Node,RBAC and admits with NodeRestriction; the kubelet holds a client
 certificate as kubeadm leaves it (CN system:node:<node>, O system:nodes, behind the symbolic link
@@ -19,6 +20,10 @@ What this machine lacks and what stands in:
 - a read-only /proc/sys whose kernel settings are the host's: the three the kubelet checks at start
   (KUBELET_SYSCTLS) show its values through files bound over them, and the host's are left alone;
 - the apiserver allows anonymous requests, as its default and kubeadm's are (they get 403, not 401);
+- containerd 2.x (the second runtime, RUNTIMES): no distribution packages it for Debian 13, so the built
+  binaries replace the package's and its record names their version; with no cgroup controllers and no
+  disable_cgroup in 2.x, a runc wrapper first on PATH drops the resource limits (not the device rules)
+  from each container's spec;
 - no scheduler and no controller-manager: pods are bound by spec.nodeName, run on the host network
   (no CNI plugin), with no service account token mounted.
 """
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from components import CRICTL, ETCD, KUBERNETES, missing
+from components import CONTAINERD, CRICTL, ETCD, KUBERNETES, missing
 from conftest import Container, run, runtimes_root
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -137,6 +142,7 @@ class Cluster:
         self.node = node
         self.pki = pki
         self.admin = pki.client_cert("kubernetes-admin", ("system:masters",))
+        self.runtime = "containerd-1.7"  # a key of RUNTIMES
 
     def api(self, method: str, path: str, body: Optional[Any] = None, content_type: str = "application/json",
             cert: Optional[Path] = None, anonymous: bool = False) -> Answer:
@@ -197,17 +203,54 @@ def _write(root: Path, path: str, content: str | bytes, mode: int = 0o644) -> No
     target.chmod(mode)
 
 
-# What the machine runs (Debian 13's containerd 1.7 is its runtime).
-NEEDED = (KUBERNETES, ETCD, CRICTL)
+# What the machine runs; its runtime is Debian 13's containerd 1.7, or the built containerd 2.x (RUNTIMES).
+NEEDED = (KUBERNETES, ETCD, CRICTL, CONTAINERD)
+RUNTIMES = {"containerd-1.7": "1.7.24", "containerd-2": CONTAINERD.version.lstrip("v")}
+
+# Without cgroup controllers, containerd 2.x (which has no disable_cgroup) makes runc write limits to
+# files that are not there. runc as the shim finds it first on PATH drops the limits from the bundle's
+# spec and runs Debian's runc: the device rules stay, so the container's devices are what the CRI asked.
+RUNC_WITHOUT_LIMITS = """#!/usr/bin/python3
+import json, os, sys
+args = sys.argv[1:]
+if "create" in args or "run" in args:
+    bundle = next((args[i + 1] for i, a in enumerate(args) if a in ("--bundle", "-b")), ".")
+    path = os.path.join(bundle, "config.json")
+    with open(path) as file:
+        spec = json.load(file)
+    resources = spec.get("linux", {}).get("resources")
+    if resources:
+        spec["linux"]["resources"] = {"devices": resources.get("devices", [])}
+        with open(path, "w") as file:
+            json.dump(spec, file)
+os.execv("/usr/bin/runc", ["runc", *args])
+"""
 
 
-def _install_components(root: Path) -> None:
+def _install_components(root: Path, runtime: str) -> None:
     lacking = missing(NEEDED)
     if lacking:
         raise RuntimeError("the cluster rig's components are not built:\n  " + "\n  ".join(lacking))
-    for component in NEEDED:
+    for component in (KUBERNETES, ETCD, CRICTL):
         for name in component.binaries:
             shutil.copy(component.binary(name), root / BIN.lstrip("/") / name)
+    if runtime == "containerd-2":
+        _containerd_2(root)
+
+
+def _containerd_2(root: Path) -> None:
+    """containerd 2.x as a distribution's package of it would be (Debian 13 has 1.7 only): the built
+    binaries in place of the package's, its record naming their version; the package's version 2 root
+    config stays, as an upgrade leaves it."""
+    for name in CONTAINERD.binaries:
+        shutil.copy(CONTAINERD.binary(name), root / "usr/bin" / name)
+    status = root / "var/lib/dpkg/status"
+    text = status.read_text()
+    record = re.search(r"^Package: containerd\n(?:.+\n)*?Version: (\S+)\n", text, re.M)
+    assert record, "no containerd package record"
+    start, end = record.span(1)
+    status.write_text(text[:start] + f"{RUNTIMES['containerd-2']}-0+rig1" + text[end:])
+    _write(root, "/usr/local/sbin/runc", RUNC_WITHOUT_LIMITS, 0o755)
 
 
 def _install_pki(root: Path, pki: KubePKI, node: str) -> None:
@@ -234,9 +277,9 @@ def _install_pki(root: Path, pki: KubePKI, node: str) -> None:
     _write(root, KUBELET_CONF, _kubeconfig(pki.ca_pem, f"system:node:{node}", KUBELET_PEM, KUBELET_PEM), 0o600)
 
 
-def prepare(directory: Path, node: str, pki: KubePKI) -> None:
+def prepare(directory: Path, node: str, pki: KubePKI, runtime: str = "containerd-1.7") -> None:
     """The machine's tree before it boots: binaries, certificates, configs and units."""
-    _install_components(directory)
+    _install_components(directory, runtime)
     _install_pki(directory, pki, node)
     _write(directory, "/etc/hostname", node + "\n")
     _write(directory, "/etc/kubernetes/audit-policy.yaml", AUDIT_POLICY)
@@ -332,20 +375,23 @@ def import_images(container: Container) -> None:
     Docker (in the cached tree) makes the images from the tarball, as tests/e2e/test_runtimes.py does."""
     container.exec("systemctl", "restart", "containerd", timeout=180)
     dump = container.exec("containerd", "config", "dump").stdout
-    pause = re.search(r'sandbox_image = "([^"]+)"', dump)
-    assert pause and "enable_cdi = true" in dump, dump
+    # 1.7: sandbox_image in the CRI plugin, CDI on by enable_cdi; 2.x: the images plugin's pinned sandbox,
+    # CDI always on.
+    pause = re.search(r"""(?:sandbox_image|sandbox) = ['"]([^'"]+)['"]""", dump)
+    assert pause and ("enable_cdi = true" in dump or "io.containerd.cri.v1.runtime" in dump), dump
     local = IMAGE.split("/", 1)[1]
     container.sh(f"docker import {IMAGE_TAR} {local} && docker import --change 'ENTRYPOINT [\"/bin/sleep\", "
                  f"\"1000000\"]' {IMAGE_TAR} {pause[1]} && docker save {local} {pause[1]} | "
                  "ctr -n k8s.io images import -", timeout=300)
 
 
-def boot(work: Path, deb: Path, node: str = "gpu-node") -> tuple[Container, Path, KubePKI]:
+def boot(work: Path, deb: Path, node: str = "gpu-node", runtime: str = "containerd-1.7"
+         ) -> tuple[Container, Path, KubePKI]:
     directory = work / "rootfs"
     run(["cp", "-a", "--reflink=auto", str(runtimes_root("trixie")), str(directory)], timeout=900)
     shutil.copy(deb, directory / "root/gpu-agent.deb")
     pki = KubePKI(work / "pki")
-    prepare(directory, node, pki)
+    prepare(directory, node, pki, runtime)
     container = Container(directory, work / "console.log", nested=True)
     return container, directory, pki
 

@@ -22,18 +22,20 @@ ONE_SHOT = ("gpu-agent", "--root", "/node", "--simulate", "dgx-h100")  # as the 
 AGENT = "gpu-agent"  # the User-Agent of the agent's requests
 
 
-@pytest.fixture(scope="module")
-def cluster(packages: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[rig.Cluster]:
+@pytest.fixture(scope="module", params=list(rig.RUNTIMES))
+def cluster(request: pytest.FixtureRequest, packages: dict[str, Path],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[rig.Cluster]:
     lacking = missing(rig.NEEDED)
     if lacking:
         reason = "the cluster rig's components are not built:\n  " + "\n  ".join(lacking)
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
-    work = tmp_path_factory.mktemp("cluster")
-    container, directory, pki = rig.boot(work, packages["deb13"], NODE)
+    work = tmp_path_factory.mktemp(f"cluster-{request.param}")
+    container, directory, pki = rig.boot(work, packages["deb13"], NODE, request.param)
     try:
         booted = rig.start(container, directory, NODE, pki)
+        booted.runtime = request.param
         rig.install_agent(container)
         yield booted
     finally:
@@ -54,7 +56,7 @@ def test_the_kubelet_registers_the_node_with_its_certificate(cluster: rig.Cluste
     node = cluster.node_object()
     info = node["status"]["nodeInfo"]
     assert info["kubeletVersion"] == KUBERNETES.version
-    assert info["containerRuntimeVersion"].startswith("containerd://1.7.24"), info
+    assert info["containerRuntimeVersion"] == f"containerd://{rig.RUNTIMES[cluster.runtime]}", info
     assert {a["type"]: a["address"] for a in node["status"]["addresses"]}["InternalIP"] == rig.ADDRESS
     registered = [e for e in cluster.audit() if e["verb"] == "create" and e["objectRef"].get("name") == NODE]
     assert registered and registered[0]["user"]["username"] == f"system:node:{NODE}", registered
@@ -137,19 +139,61 @@ def test_what_the_nodes_credentials_may_not_do_the_agent_reports_clearly(cluster
     assert len(cluster.audit()) == writes
 
 
+def test_the_agents_containerd_drop_in_loads_and_the_admins_settings_stay(cluster: rig.Cluster) -> None:
+    """The agent's drop-in (version 2, like Debian's root config) on each containerd: the toolkit stage is
+    ok, containerd restarts on it, its effective config has the nvidia runtime and keeps the CRI settings
+    the root config holds."""
+    c = cluster.container
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    toolkit = next(stage for stage in status["stages"] if stage["name"] == "toolkit")
+    assert toolkit["state"] == "ok", toolkit
+    c.exec("systemctl", "restart", "containerd", timeout=180)
+    assert c.exec("systemctl", "is-active", "containerd", check=False).stdout.strip() == "active"
+    dump = c.exec("containerd", "config", "dump").stdout
+    assert re.search(r"""BinaryName = ['"]/usr/bin/nvidia-container-runtime['"]""", dump), dump
+    assert "restrict_oom_score_adj = true" in dump, dump
+    plugin = "io.containerd.cri.v1.runtime" if cluster.runtime == "containerd-2" else "io.containerd.grpc.v1.cri"
+    assert f"[plugins.{plugin!r}.containerd.runtimes.nvidia]".replace("'", '"') in dump.replace("'", '"'), dump
+
+
 PROBE = ("for n in /dev/nvidia*; do [ -c $n ] && echo char $n; done; env | grep ^NVIDIA_; "
          f"cat {rig.LIBCUDA} 2>&1; nvidia-smi 2>&1; true")
 
 
 def test_a_pod_with_one_gpu_runs_and_sees_it_through_cdi(cluster: rig.Cluster) -> None:
     """A pod asking nvidia.com/gpu: 1, bound by nodeName: the kubelet allocates a GPU of the agent's device
-    plugin, which answers CDI names (the agent's choice on containerd 1.7: cdi-cri), the kubelet passes
-    them through the CRI and containerd applies the agent's spec."""
+    plugin, which answers CDI names (the agent's choice on containerd 1.7 and 2.x: cdi-cri), the kubelet
+    passes them through the CRI and containerd applies the agent's spec."""
+    status = json.loads(cluster.container.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    assert status["device_path"]["strategy"] == "cdi-cri", status["device_path"]
+    rig.import_images(cluster.container)
+    _run_gpu_pod(cluster, "gpu-pod")
+
+
+def test_containerd_2_with_its_own_version_4_config(cluster: rig.Cluster) -> None:
+    """containerd v2.4.2's default config (version 4) as the root config, an admin's CRI setting in it: the
+    agent's drop-in is version 4 too, containerd loads both, and a GPU pod runs on the result."""
+    if cluster.runtime != "containerd-2":
+        pytest.skip("containerd 1.7 reads config versions up to 2")
+    c = cluster.container
+    c.sh("containerd config default | sed 's/restrict_oom_score_adj = false/restrict_oom_score_adj = true/' "
+         "> /etc/containerd/config.toml.new && mv /etc/containerd/config.toml.new /etc/containerd/config.toml")
+    assert c.exec("head", "-1", "/etc/containerd/config.toml").stdout == "version = 4\n"
+    c.exec("systemctl", "restart", "gpu-agent", timeout=180)
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    toolkit = next(stage for stage in status["stages"] if stage["name"] == "toolkit")
+    assert toolkit["state"] == "ok", toolkit
+    assert c.exec("head", "-3", "/etc/containerd/conf.d/99-nvidia.toml").stdout.splitlines()[1] == "version = 4"
+    rig.import_images(c)  # restarts containerd on the new files
+    dump = c.exec("containerd", "config", "dump").stdout
+    assert "restrict_oom_score_adj = true" in dump and "/usr/bin/nvidia-container-runtime" in dump, dump
+    _run_gpu_pod(cluster, "gpu-pod-v4")
+
+
+def _run_gpu_pod(cluster: rig.Cluster, name: str) -> None:
     c = cluster.container
     status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
-    assert status["device_path"]["strategy"] == "cdi-cri", status["device_path"]
-    rig.import_images(c)
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "gpu-pod", "namespace": "default"},
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
            "spec": {"nodeName": NODE, "hostNetwork": True, "automountServiceAccountToken": False,
                     "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
                     "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
@@ -157,8 +201,8 @@ def test_a_pod_with_one_gpu_runs_and_sees_it_through_cdi(cluster: rig.Cluster) -
                                     "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
     created = cluster.api("POST", "/api/v1/namespaces/default/pods", pod)
     assert created.status == 201, created
-    path = "/api/v1/namespaces/default/pods/gpu-pod"
-    done = cluster.wait("the GPU pod to finish", lambda: (
+    path = f"/api/v1/namespaces/default/pods/{name}"
+    done = cluster.wait(f"the pod {name} to finish", lambda: (
         lambda p: p if p["status"].get("phase") in ("Succeeded", "Failed") else None)(cluster.get(path)))
     log = cluster.api("GET", path + "/log")  # through the apiserver, from the kubelet
     assert done["status"]["phase"] == "Succeeded", (done["status"], log)
