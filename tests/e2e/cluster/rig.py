@@ -8,9 +8,10 @@ certificate as kubeadm leaves it (CN system:node:<node>, O system:nodes, behind 
 certificates are made here with the tests' PKI (kube_emulator.KubePKI: the cluster CA, the apiserver's
 serving certificate, client certificates).
 
-The machine has a private network namespace: the loopback and one link (a veth pair, both ends inside) with an address
-of the documentation range, which the apiserver advertises and the kubelet reports as its node IP; no packet
-leaves it. The tests reach the apiserver through that namespace (nsenter -n, the host's curl).
+The machine has a private network namespace: the loopback and one link (a veth pair, both ends inside)
+with an address of the documentation range, which the apiserver advertises and the kubelet reports as its
+node IP; no packet leaves it. The tests reach the apiserver through that namespace (nsenter -n, the
+host's curl), and containerd through crictl inside.
 
 What this machine lacks and what stands in:
 - no cgroup controllers in the booted system's cgroup v2 tree (this machine binds them to cgroup v1):

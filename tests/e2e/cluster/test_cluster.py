@@ -17,7 +17,13 @@ import rig
 from components import KUBERNETES, missing
 from kube_emulator import MERGE_PATCH, STRATEGIC_MERGE_PATCH, KubeEmulator
 
+# Each check waits on the real daemons' own periods (the kubelet posts a changed Node status on its 10 s
+# tick, a pod starts, the apiserver answers through nsenter and curl): slow, so no wall-clock limit of
+# the suite's fast tests applies (tests/conftest.py); the waits themselves are bounded (Cluster.wait).
+pytestmark = pytest.mark.slow
+
 NODE = "gpu-node"
+CRICTL = (f"{rig.BIN}/crictl", "--runtime-endpoint", "unix:///run/containerd/containerd.sock")
 ONE_SHOT = ("gpu-agent", "--root", "/node", "--simulate", "dgx-h100")  # as the unit runs it (rig.AGENT_DROP_IN)
 AGENT = "gpu-agent"  # the User-Agent of the agent's requests
 
@@ -120,6 +126,36 @@ def test_the_kubelet_registers_the_device_plugin(cluster: rig.Cluster) -> None:
 
 
 
+def _gpus(cluster: rig.Cluster) -> tuple[str, str]:
+    status = cluster.node_object()["status"]
+    return status["capacity"].get("nvidia.com/gpu", ""), status["allocatable"].get("nvidia.com/gpu", "")
+
+
+def test_an_xid_takes_its_gpu_out_of_allocatable_and_recovery_brings_it_back(cluster: rig.Cluster) -> None:
+    """XID 79 (fallen off the bus) on GPU 3: the plugin reports it unhealthy, the kubelet's allocatable
+    drops to 7 with the capacity kept; `sim clear` brings it back to 8."""
+    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
+    cluster.container.exec(*ONE_SHOT, "sim", "inject-xid", "--gpu", "3", "--xid", "79")
+    try:
+        cluster.wait("allocatable 7 after XID 79", lambda: _gpus(cluster) == ("8", "7"))
+    finally:
+        cluster.container.exec(*ONE_SHOT, "sim", "clear")
+    cluster.wait("allocatable 8 after sim clear", lambda: _gpus(cluster) == ("8", "8"))
+
+
+def test_a_restarted_kubelet_gets_the_plugin_registered_again(cluster: rig.Cluster) -> None:
+    c = cluster.container
+    said = "device plugin: registered nvidia.com/gpu (8 devices) with the kubelet"
+
+    def registrations() -> int:
+        return c.exec("journalctl", "-u", "gpu-agent", "-o", "cat", "--no-pager").stdout.count(said)
+
+    before = registrations()
+    c.exec("systemctl", "restart", "kubelet", timeout=180)
+    cluster.wait("the plugin registered again", lambda: registrations() > before)
+    cluster.wait("nvidia.com/gpu: 8 again", lambda: _gpus(cluster) == ("8", "8"))
+
+
 def test_what_the_nodes_credentials_may_not_do_the_agent_reports_clearly(cluster: rig.Cluster) -> None:
     """The agent told another Node's name than its credentials' (kubernetes.node_name): the Node
     authorizer's 403 in the agent's words, with the identity it used; nothing written."""
@@ -213,6 +249,13 @@ def _run_gpu_pod(cluster: rig.Cluster, name: str) -> None:
     for node in ("/dev/nvidiactl", "/dev/nvidia-uvm"):
         assert f"char {node}\n" in output, output
     assert f"placeholder libcuda {rig.DRIVER}" in output and f"nvidia-smi {rig.DRIVER} (simulated" in output, output
+    # containerd's own record (crictl, built with the rig): the container's OCI spec got that GPU's device
+    # node and no other GPU's, from the CDI spec, not from a volume or a privileged container.
+    found = c.exec(*CRICTL, "ps", "-a", "-q", "--label", f"io.kubernetes.pod.name={name}").stdout.split()
+    assert len(found) == 1, found
+    spec = json.loads(c.exec(*CRICTL, "inspect", found[0]).stdout)["info"]["runtimeSpec"]
+    devices = sorted(d["path"] for d in spec["linux"]["devices"] if re.fullmatch(r"/dev/nvidia\d+", d["path"]))
+    assert devices == [f"/dev/nvidia{gpus[0]}"], spec["linux"]["devices"]
     # The kubelet's own record: the device it gave the container is the agent's GPU of that index.
     checkpoint = json.loads(c.exec("cat", "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").stdout)
     entries = [e for e in checkpoint["Data"]["PodDeviceEntries"] if e["PodUID"] == done["metadata"]["uid"]]
