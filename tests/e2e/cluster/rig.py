@@ -55,13 +55,13 @@ KUBELET_PEM = "/var/lib/kubelet/pki/kubelet-client-current.pem"
 AUDIT_LOG = "/var/log/kubernetes/audit.log"
 BIN = "/usr/local/bin"
 
-# Every request that writes a Node or its status, with who sent it (user and user agent): the tests count
-# them (a pass with nothing to change must send none).
+# Every request that writes a Node or its status, with who sent it (user and user agent) and what it sent:
+# the tests count them (a pass with nothing to change must send none) and read a driver reload's patches.
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [RequestReceived]
 rules:
-- level: Metadata
+- level: Request
   verbs: [create, update, patch, delete]
   resources: [{group: "", resources: [nodes, nodes/status]}]
 - level: None

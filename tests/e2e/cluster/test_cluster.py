@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -15,6 +16,8 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 import rig
 from components import KUBERNETES, missing
+
+from gpu_agent.kube.budget import RATE
 from kube_emulator import MERGE_PATCH, STRATEGIC_MERGE_PATCH, KubeEmulator
 
 # Each check waits on the real daemons' own periods (the kubelet posts a changed Node status on its 10 s
@@ -58,6 +61,17 @@ def _condition(node: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return next((c for c in node["status"].get("conditions", []) if c["type"] == kind), None)
 
 
+def _room_for(cluster: rig.Cluster, requests: int) -> None:
+    """Until the agent's budget (12 requests a minute, node-wide, docs/kubernetes.md), which the checks
+    before spent some of, has room for `requests` more: a check of what the agent sends must not see
+    its requests held back."""
+    def room() -> bool:
+        text = cluster.container.exec("cat", "/var/lib/gpu-agent/kube-requests.json", check=False).stdout
+        sent = json.loads(text or "{}").get("sent", [])
+        return RATE - sum(1 for at in sent if at > time.time() - 60) >= requests
+    cluster.wait(f"room for {requests} of the agent's requests", room, timeout=240)
+
+
 def test_the_kubelet_registers_the_node_with_its_certificate(cluster: rig.Cluster) -> None:
     node = cluster.node_object()
     info = node["status"]["nodeInfo"]
@@ -92,6 +106,7 @@ def test_labels_and_the_condition_land_on_the_real_node(cluster: rig.Cluster) ->
 
 def test_a_pass_with_nothing_to_change_sends_nothing(cluster: rig.Cluster) -> None:
     """A one-shot pass, then the daemon's first pass after a restart: the Node read, nothing written."""
+    _room_for(cluster, 4)
     ours, kubelets = len(_writes_by(cluster, AGENT)), len(_writes_by(cluster, "kubelet"))
     version = cluster.node_object()["metadata"]["resourceVersion"]
     c = cluster.container
@@ -161,6 +176,7 @@ def test_what_the_nodes_credentials_may_not_do_the_agent_reports_clearly(cluster
     authorizer's 403 in the agent's words, with the identity it used; nothing written."""
     c = cluster.container
     c.sh("printf 'version: v1\\nkubernetes:\\n  node_name: gpu-node-3\\n' > /root/other-node.yaml")
+    _room_for(cluster, 4)
     writes = len(cluster.audit())
     c.exec("systemctl", "stop", "gpu-agent")
     try:
@@ -415,3 +431,32 @@ def test_the_emulator_answers_as_the_real_apiserver(cluster: rig.Cluster) -> Non
                 differences.append(f"{ask.why} ({ask.who} {ask.method} {ask.path}):\n"
                                    f"    apiserver {real}\n    emulator  {emulated}")
     assert not differences, "\n".join(differences)
+
+
+# Last of the module: a reload holds the device plugin off while it runs, and its requests spend the agent's
+# budget; nothing after it depends on either.
+UPGRADE_STATE = "nvidia.com/gpu-driver-upgrade-state"
+
+
+def test_a_driver_reload_cordons_and_uncordons_with_the_nodes_credentials(cluster: rig.Cluster) -> None:
+    """A driver upgraded on disk under the loaded module (`sim install-driver`), then `gpu-agent driver
+    reload`: the agent's own patches, as the apiserver logged them, cordon the Node, move the upgrade-state
+    label through its values and uncordon it; the plugin registers again and the GPUs come back."""
+    c = cluster.container
+    _room_for(cluster, RATE)
+    ours = len(_writes_by(cluster, AGENT))
+    c.exec(*ONE_SHOT, "sim", "install-driver", "570.124.06")
+    done = c.exec(*ONE_SHOT, "driver", "reload", "--json", check=False, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    patches = [w.get("requestObject") or {} for w in _writes_by(cluster, AGENT)[ours:]]
+    states = [p["metadata"]["labels"][UPGRADE_STATE] for p in patches
+              if UPGRADE_STATE in (p.get("metadata") or {}).get("labels", {})]
+    cordons = [p["spec"].get("unschedulable") for p in patches if "unschedulable" in (p.get("spec") or {})]
+    assert states and states[-1] == "upgrade-done", (states, patches)
+    assert "cordon-required" in states and states.index("cordon-required") < states.index("upgrade-done"), states
+    assert cordons[:1] == [True] and cordons[-1] in (False, None), (cordons, patches)
+    assert [e["user"]["username"] for e in _writes_by(cluster, AGENT)[ours:]] == [f"system:node:{NODE}"] * len(patches)
+    node = cluster.node_object()
+    assert not node["spec"].get("unschedulable") and node["metadata"]["labels"][UPGRADE_STATE] == "upgrade-done"
+    cluster.wait("nvidia.com/gpu: 8 after the reload", lambda: _gpus(cluster) == ("8", "8"))
+
