@@ -564,7 +564,7 @@ def test_a_relative_glob_is_read_from_the_config_directory_by_containerd_2(
     from gpu_agent.toolkit import containerd
 
     monkeypatch.setattr(containerd.shutil, "which", lambda name: "/usr/bin/containerd")
-    monkeypatch.setattr(containerd, "_major_version", lambda binary, timeout: 2)
+    monkeypatch.setattr(containerd, "_release", lambda binary, timeout: (2, 0))
     monkeypatch.setattr(containerd, "validate", lambda *args, **kwargs: None)  # no containerd 2 here
     root = tmp_path / "root"
     root.mkdir()
@@ -589,7 +589,7 @@ def test_a_relative_glob_is_refused_with_containerd_1(
     from gpu_agent.toolkit import containerd
 
     monkeypatch.setattr(containerd.shutil, "which", lambda name: "/usr/bin/containerd")
-    monkeypatch.setattr(containerd, "_major_version", lambda binary, timeout: 1)
+    monkeypatch.setattr(containerd, "_release", lambda binary, timeout: (1, 7))
     root = tmp_path / "root"
     root.mkdir()
     make_node(root)

@@ -155,11 +155,19 @@ def test_a_bom_and_crlf_line_ends_are_read_as_containerd_reads_them(node: Path, 
     assert not any(run.planned for run in apply(node).runs)
 
 
-def test_containerd_v3_and_v1_drop_ins_keep_their_versions(node: Path) -> None:
+def test_containerd_v3_v4_and_v1_drop_ins_keep_their_versions(node: Path) -> None:
     containerd_config(node, CONTAINERD_V3)
     assert apply(node).ok
     drop_in = tomlkit.parse((node / DROP_IN).read_text()).unwrap()
     assert drop_in["version"] == 3
+    runtime = drop_in["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
+    assert runtime["options"] == {"SystemdCgroup": True, "BinaryName": BINARY}
+
+    # Version 4 (containerd 2.3 and later; v2.4.2's own default): the CRI's tables where version 3 has them.
+    containerd_config(node, CONTAINERD_V3.replace("version = 3  # containerd 2.x", "version = 4  # containerd 2.3"))
+    assert apply(node).ok
+    drop_in = tomlkit.parse((node / DROP_IN).read_text()).unwrap()
+    assert drop_in["version"] == 4
     runtime = drop_in["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
     assert runtime["options"] == {"SystemdCgroup": True, "BinaryName": BINARY}
 
@@ -442,3 +450,57 @@ def test_docker_odd_json_is_a_clear_error_and_our_default_is_undone(node: Path) 
     assert json.loads(daemon.read_text())["default-runtime"] == "nvidia"
     apply(node, {"toolkit": {"set_as_default": False}})
     assert "default-runtime" not in json.loads(daemon.read_text())
+
+
+# What containerd v2.4.2 answers for a version 2 file (seen in tests/e2e/cluster, Debian 13's root config with
+# the agent's drop-in): `config dump` migrates it and prints its own layout, version 4, the runtimes under the
+# CRI's runtime plugin, runc's default options spelled out and the nvidia runtime's as the drop-in wrote them.
+CONTAINERD_2_4_DUMP = """\
+version = 4
+imports = ['/etc/containerd/conf.d/*.toml']
+
+[plugins]
+  [plugins.'io.containerd.cri.v1.runtime']
+    cdi_spec_dirs = ['/etc/cdi', '/var/run/cdi']
+
+    [plugins.'io.containerd.cri.v1.runtime'.containerd]
+      default_runtime_name = 'runc'
+
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes]
+        [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.nvidia]
+          runtime_type = 'io.containerd.runc.v2'
+
+          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.nvidia.options]
+            BinaryName = '/usr/bin/nvidia-container-runtime'
+
+        [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+          runtime_type = 'io.containerd.runc.v2'
+
+          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+            BinaryName = ''
+            SystemdCgroup = false
+"""
+
+
+def test_containerd_2_reads_a_version_2_file_and_dumps_its_own_layout(node: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check of the result reads the dump in the layout containerd printed, not the file's; an option
+    the nvidia runtime does not name (SystemdCgroup) is its default, as runc's false."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dump.toml").write_text(CONTAINERD_2_4_DUMP)
+    fake = bin_dir / "containerd"
+    fake.write_text('#!/bin/sh\ncase "$*" in *--version*) echo "containerd github.com/containerd/containerd/v2 '
+                    f'v2.4.2 ";; *"config dump"*) cat {bin_dir / "dump.toml"};; *) exit 1;; esac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    debian = CONTAINERD_V2.replace("SystemdCgroup = true", "SystemdCgroup = false")
+    containerd_config(node, debian)
+    done = apply(node)
+    assert done.ok, [(run.stage, run.message) for run in done.runs]
+    assert changes(done)[:3] == CONTAINERD_TRANSACTION
+    # The same dump without the nvidia runtime: the check still finds what is missing.
+    (bin_dir / "dump.toml").write_text(CONTAINERD_2_4_DUMP.replace("'/usr/bin/nvidia-container-runtime'", "''"))
+    containerd_config(node, debian)
+    (node / DROP_IN).unlink()
+    assert "containerd's effective config has no nvidia runtime running" in failed(apply(node))

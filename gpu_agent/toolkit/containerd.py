@@ -4,8 +4,9 @@ containerd 1.x (config versions 1 and 2) merges an imported file by replacing ea
 table, and a runtimes map replaces the built-in one (runc included), so a drop-in that only added
 runtimes.nvidia would silently drop the CRI plugin's mirrors, sandbox image and runc. The drop-in
 therefore carries the CRI plugin table as the files before it define it, plus the default runtime
-and the nvidia runtime; it is regenerated whenever those change. containerd 2.x (version 3) merges
-imported files key by key; the same drop-in is right there too.
+and the nvidia runtime; it is regenerated whenever those change. containerd 2.x (versions 3 and 4)
+merges imported files key by key; the same drop-in is right there too. Version 4 (containerd 2.3 and
+later) moved server-level settings into plugin tables and left the CRI's where version 3 has them.
 
 The files are found as containerd finds them: `imports` of every loaded file, breadth first, each
 file once; a relative path is read against the directory of the file that names it; a path with
@@ -46,7 +47,11 @@ DROP_IN = f"{DROP_IN_DIR}/99-nvidia.toml"
 IMPORT_GLOB = f"{DROP_IN_DIR}/*.toml"
 RUNTIME_NAME = "nvidia"
 RUNC_V2 = "io.containerd.runc.v2"  # the runtime_type nvidia-ctk fills in where the copied one is empty
-CRI_PLUGIN = {1: "cri", 2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime"}
+CRI_PLUGIN = {1: "cri", 2: "io.containerd.grpc.v1.cri", 3: "io.containerd.cri.v1.runtime",
+              4: "io.containerd.cri.v1.runtime"}
+# The newest config version each containerd release line reads: 1.x version 2, 2.0 to 2.2 version 3,
+# 2.3 and later version 4 (containerd v2.4.2's own default is version 4, tests/e2e/cluster).
+READABLE_FROM = ((2, 3, 4), (2, 0, 3), (0, 0, 2))
 HEADER = "# Written by gpu-agent: the nvidia runtime, with the CRI settings it inherits. Do not edit.\n"
 MAX_FILES = 256  # files one containerd config may import, all levels together
 _UNCHANGED = "nothing was changed"
@@ -83,7 +88,7 @@ def config_version(document: Document) -> int:
     if version is None:
         return 1
     if version not in CRI_PLUGIN:
-        raise document.error(("version",), "not a containerd config version this agent knows (1, 2, 3)")
+        raise document.error(("version",), "not a containerd config version this agent knows (1, 2, 3, 4)")
     return int(version)
 
 
@@ -218,7 +223,7 @@ class _Imports:
         """Whether a relative glob is read against its file's directory: not by containerd 1.x."""
         if self.relative_globs is None:
             containerd = shutil.which("containerd")
-            self.relative_globs = containerd is None or _major_version(containerd, 30.0) >= 2
+            self.relative_globs = containerd is None or _release(containerd, 30.0) >= (2, 0)
         return self.relative_globs
 
 
@@ -309,7 +314,8 @@ def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 3
     containerd = shutil.which("containerd")
     if containerd is None:
         raise Skipped("containerd is not installed here")
-    readable = 3 if _major_version(containerd, timeout) >= 2 else 2
+    release = _release(containerd, timeout)
+    readable = next(version for major, minor, version in READABLE_FROM if release >= (major, minor))
     if files.version > readable:
         raise Skipped(f"the installed containerd reads config versions up to {readable}, this file is {files.version}")
     contents = dict(files.imported)
@@ -326,8 +332,13 @@ def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 3
         said = done.output.replace(str(tree), "")
     if done.returncode != 0:
         return f"containerd rejects the result: {_what_containerd_says(said, list(contents))}"
-    effective = Document(parse(done.stdout, "containerd's effective config"), "containerd's effective config")
-    plugin = ("plugins", CRI_PLUGIN[max(files.version, 2)])
+    dumped = parse(done.stdout, "containerd's effective config")
+    effective = Document(dumped, "containerd's effective config")
+    # containerd 2.x dumps its own layout (version 3 and later: the CRI's runtime plugin) whatever the
+    # version of the files it read, a version 2 file migrated; 1.x dumps version 2 (tests/e2e/cluster).
+    dumped_version = dumped.get("version")
+    version = dumped_version if isinstance(dumped_version, int) else files.version
+    plugin = ("plugins", CRI_PLUGIN[min(max(version, 2), max(CRI_PLUGIN))])
     effective.check(((plugin, TABLE),))
     effective.check(CRI_SCHEMA, prefix=plugin)
     runtimes = effective.table(*plugin, "containerd", "runtimes")
@@ -337,8 +348,10 @@ def validate(root: Root, files: ContainerdFiles, binary: str, timeout: float = 3
                    if files.hiding else "")
         return f"containerd's effective config has no {RUNTIME_NAME} runtime running {binary}{culprit}"
     default = runtimes.get(effective.string(*plugin, "containerd", "default_runtime_name") or "runc", {})
+    # containerd 2.x dumps runc's default options (SystemdCgroup = false) where the file names none, and
+    # the nvidia runtime's options as written: an option missing is its default, false.
     wanted = default.get("options", {}).get("SystemdCgroup")
-    if wanted is not None and nvidia["options"].get("SystemdCgroup") != wanted:
+    if wanted is not None and bool(nvidia["options"].get("SystemdCgroup", False)) != bool(wanted):
         return f"the {RUNTIME_NAME} runtime's SystemdCgroup differs from the default runtime's ({wanted})"
     return None
 
@@ -385,7 +398,8 @@ class Skipped(Exception):
     """Validation could not run here; the reason says why."""
 
 
-def _major_version(containerd: str, timeout: float) -> int:
+def _release(containerd: str, timeout: float) -> tuple[int, int]:
+    """(major, minor) of `containerd --version`; (1, 0) when it names none."""
     done = proc.run([containerd, "--version"], timeout=timeout, limit=VERSION_OUTPUT_BYTES)
-    numbers = version_numbers(from_output(done.stdout))
-    return numbers[0] if numbers else 1
+    numbers = version_numbers(from_output(done.stdout), parts=2)
+    return (numbers[0], numbers[1]) if numbers and len(numbers) >= 2 else (1, 0)

@@ -1,0 +1,462 @@
+"""The agent against a real kube-apiserver and kubelet (issue 34): etcd, the apiserver (Node,RBAC authorization,
+NodeRestriction admission) and the kubelet built from upstream at the versions tests/e2e/cluster/modules/
+pins, Debian 13's containerd 1.7, the agent from its .deb simulating a DGX H100 with the kubelet's
+kubeconfig as its credentials. rig.py says how the machine is set up and what stands in."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+import rig
+from components import KUBERNETES, missing
+
+from gpu_agent.kube.budget import RATE
+from kube_emulator import MERGE_PATCH, STRATEGIC_MERGE_PATCH, KubeEmulator
+
+# Each check waits on the real daemons' own periods (the kubelet posts a changed Node status on its 10 s
+# tick, a pod starts, the apiserver answers through nsenter and curl): slow, so no wall-clock limit of
+# the suite's fast tests applies (tests/conftest.py); the waits themselves are bounded (Cluster.wait).
+pytestmark = pytest.mark.slow
+
+NODE = "gpu-node"
+CRICTL = (f"{rig.BIN}/crictl", "--runtime-endpoint", "unix:///run/containerd/containerd.sock")
+ONE_SHOT = ("gpu-agent", "--root", "/node", "--simulate", "dgx-h100")  # as the unit runs it (rig.AGENT_DROP_IN)
+AGENT = "gpu-agent"  # the User-Agent of the agent's requests
+
+
+@pytest.fixture(scope="module", params=list(rig.RUNTIMES))
+def cluster(request: pytest.FixtureRequest, packages: dict[str, Path],
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[rig.Cluster]:
+    lacking = missing(rig.NEEDED)
+    if lacking:
+        reason = "the cluster rig's components are not built:\n  " + "\n  ".join(lacking)
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    work = tmp_path_factory.mktemp(f"cluster-{request.param}")
+    container, directory, pki = rig.boot(work, packages["deb13"], NODE, request.param)
+    try:
+        booted = rig.start(container, directory, NODE, pki)
+        booted.runtime = request.param
+        rig.install_agent(container)
+        yield booted
+    finally:
+        rig.stop(container, directory)
+        pki.cleanup()
+
+
+def _writes_by(cluster: rig.Cluster, agent: str) -> list[dict[str, Any]]:
+    return [event for event in cluster.audit() if event.get("userAgent", "").startswith(agent)
+            and event.get("objectRef", {}).get("name") == cluster.node]
+
+
+def _condition(node: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in node["status"].get("conditions", []) if c["type"] == kind), None)
+
+
+def _room_for(cluster: rig.Cluster, requests: int) -> None:
+    """Until the agent's budget (12 requests a minute, node-wide, docs/kubernetes.md), which the checks
+    before spent some of, has room for `requests` more: a check of what the agent sends must not see
+    its requests held back."""
+    def room() -> bool:
+        text = cluster.container.exec("cat", "/var/lib/gpu-agent/kube-requests.json", check=False).stdout
+        sent = json.loads(text or "{}").get("sent", [])
+        return RATE - sum(1 for at in sent if at > time.time() - 60) >= requests
+    cluster.wait(f"room for {requests} of the agent's requests", room, timeout=240)
+
+
+def test_the_kubelet_registers_the_node_with_its_certificate(cluster: rig.Cluster) -> None:
+    node = cluster.node_object()
+    info = node["status"]["nodeInfo"]
+    assert info["kubeletVersion"] == KUBERNETES.version
+    assert info["containerRuntimeVersion"] == f"containerd://{rig.RUNTIMES[cluster.runtime]}", info
+    assert {a["type"]: a["address"] for a in node["status"]["addresses"]}["InternalIP"] == rig.ADDRESS
+    registered = [e for e in cluster.audit() if e["verb"] == "create" and e["objectRef"].get("name") == NODE]
+    assert registered and registered[0]["user"]["username"] == f"system:node:{NODE}", registered
+    assert "system:nodes" in registered[0]["user"]["groups"]
+
+
+def test_labels_and_the_condition_land_on_the_real_node(cluster: rig.Cluster) -> None:
+    def labelled() -> dict[str, Any] | None:
+        node = cluster.node_object()
+        ready = _condition(node, "GPUAgentReady")
+        done = node["metadata"]["labels"].get("nvidia.com/gpu.count") == "8" and ready and ready["status"] == "True"
+        return node if done else None
+
+    node = cluster.wait("the agent's labels and GPUAgentReady", labelled)
+    labels = node["metadata"]["labels"]
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+    assert labels["nvidia.com/gpu-agent.ready"] == "true"
+    managed = node["metadata"]["annotations"]["nvidia.com/gpu-agent.managed-labels"].split(",")
+    assert sorted(managed) == sorted(k for k in labels if k.startswith("nvidia.com/")), managed
+    # The kubelet's own conditions stay beside the agent's (a strategic merge by type).
+    kinds = [c["type"] for c in node["status"]["conditions"]]
+    assert {"MemoryPressure", "DiskPressure", "PIDPressure", "Ready", "GPUAgentReady"} <= set(kinds), kinds
+    writes = _writes_by(cluster, AGENT)
+    assert writes and {w["user"]["username"] for w in writes} == {f"system:node:{NODE}"}
+    assert all(w["responseStatus"]["code"] == 200 for w in writes), writes
+
+
+def test_a_pass_with_nothing_to_change_sends_nothing(cluster: rig.Cluster) -> None:
+    """A one-shot pass, then the daemon's first pass after a restart: the Node read, nothing written."""
+    _room_for(cluster, 4)
+    ours, kubelets = len(_writes_by(cluster, AGENT)), len(_writes_by(cluster, "kubelet"))
+    version = cluster.node_object()["metadata"]["resourceVersion"]
+    c = cluster.container
+    c.exec("systemctl", "stop", "gpu-agent")
+    once = c.exec(*ONE_SHOT, "apply", "--once", timeout=300).stdout
+    assert f"[+] labels: ok: node {NODE}: 28 labels, GPUAgentReady=True" in once, once
+    c.exec("systemctl", "start", "gpu-agent", timeout=180)  # Type=notify: back once its first pass is done
+    journal = c.exec("journalctl", "-u", "gpu-agent", "-o", "cat", "--no-pager", "-n", "30").stdout
+    assert "first reconcile done" in journal.rsplit("Stopped gpu-agent", 1)[-1], journal
+    after = _writes_by(cluster, AGENT)
+    assert len(after) == ours, after[ours:]
+    if len(_writes_by(cluster, "kubelet")) == kubelets:  # the kubelet, too, may write its status meanwhile
+        assert cluster.node_object()["metadata"]["resourceVersion"] == version
+
+
+def test_the_kubelet_registers_the_device_plugin(cluster: rig.Cluster) -> None:
+    """Capacity and allocatable: after the agent's restart (the test before) the kubelet keeps the capacity
+    and shows 0 allocatable until the new registration's first ListAndWatch answer."""
+    def counted() -> dict[str, Any] | None:
+        status = cluster.node_object()["status"]
+        gpus = (status["capacity"].get("nvidia.com/gpu"), status["allocatable"].get("nvidia.com/gpu"))
+        return status if gpus == ("8", "8") else None
+
+    cluster.wait("nvidia.com/gpu: 8 in the Node's capacity and allocatable", counted)
+    # The kubelet's own record of the plugin's devices: the agent's eight GPUs by UUID.
+    c = cluster.container
+    checkpoint = json.loads(c.exec("cat", "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").stdout)
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    registered = checkpoint["Data"]["RegisteredDevices"]
+    assert sorted(registered) == ["nvidia.com/gpu"], registered
+    assert sorted(registered["nvidia.com/gpu"]) == sorted(gpu["uuid"] for gpu in status["gpus"]), registered
+
+
+
+def _gpus(cluster: rig.Cluster) -> tuple[str, str]:
+    status = cluster.node_object()["status"]
+    return status["capacity"].get("nvidia.com/gpu", ""), status["allocatable"].get("nvidia.com/gpu", "")
+
+
+def test_an_xid_takes_its_gpu_out_of_allocatable_and_recovery_brings_it_back(cluster: rig.Cluster) -> None:
+    """XID 79 (fallen off the bus) on GPU 3: the plugin reports it unhealthy, the kubelet's allocatable
+    drops to 7 with the capacity kept; `sim clear` brings it back to 8."""
+    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
+    cluster.container.exec(*ONE_SHOT, "sim", "inject-xid", "--gpu", "3", "--xid", "79")
+    try:
+        cluster.wait("allocatable 7 after XID 79", lambda: _gpus(cluster) == ("8", "7"))
+    finally:
+        cluster.container.exec(*ONE_SHOT, "sim", "clear")
+    cluster.wait("allocatable 8 after sim clear", lambda: _gpus(cluster) == ("8", "8"))
+
+
+def test_a_restarted_kubelet_gets_the_plugin_registered_again(cluster: rig.Cluster) -> None:
+    c = cluster.container
+    said = "device plugin: registered nvidia.com/gpu (8 devices) with the kubelet"
+
+    def registrations() -> int:
+        return c.exec("journalctl", "-u", "gpu-agent", "-o", "cat", "--no-pager").stdout.count(said)
+
+    before = registrations()
+    c.exec("systemctl", "restart", "kubelet", timeout=180)
+    cluster.wait("the plugin registered again", lambda: registrations() > before)
+    cluster.wait("nvidia.com/gpu: 8 again", lambda: _gpus(cluster) == ("8", "8"))
+
+
+def test_what_the_nodes_credentials_may_not_do_the_agent_reports_clearly(cluster: rig.Cluster) -> None:
+    """The agent told another Node's name than its credentials' (kubernetes.node_name): the Node
+    authorizer's 403 in the agent's words, with the identity it used; nothing written."""
+    c = cluster.container
+    c.sh("printf 'version: v1\\nkubernetes:\\n  node_name: gpu-node-3\\n' > /root/other-node.yaml")
+    _room_for(cluster, 4)
+    writes = len(cluster.audit())
+    c.exec("systemctl", "stop", "gpu-agent")
+    try:
+        done = c.exec(*ONE_SHOT, "--config", "/root/other-node.yaml", "apply", "--once", check=False, timeout=300)
+    finally:
+        c.exec("systemctl", "start", "gpu-agent", timeout=180)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("[-] labels")), done.stdout + done.stderr)
+    assert ('GET /api/v1/nodes/gpu-node-3: 403 Forbidden: nodes "gpu-node-3" is forbidden: User '
+            f'"system:node:{NODE}" cannot get resource "nodes" in API group "" at the cluster scope: node '
+            f"'{NODE}' cannot read 'gpu-node-3', only its own Node object") in line, line
+    assert f"system:node:{NODE}" in line.rsplit("(as ", 1)[-1], line  # who the agent was
+    assert len(cluster.audit()) == writes
+
+
+def test_the_agents_containerd_drop_in_loads_and_the_admins_settings_stay(cluster: rig.Cluster) -> None:
+    """The agent's drop-in (version 2, like Debian's root config) on each containerd: the toolkit stage is
+    ok, containerd restarts on it, its effective config has the nvidia runtime and keeps the CRI settings
+    the root config holds."""
+    c = cluster.container
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    toolkit = next(stage for stage in status["stages"] if stage["name"] == "toolkit")
+    assert toolkit["state"] == "ok", toolkit
+    c.exec("systemctl", "restart", "containerd", timeout=180)
+    assert c.exec("systemctl", "is-active", "containerd", check=False).stdout.strip() == "active"
+    dump = c.exec("containerd", "config", "dump").stdout
+    assert re.search(r"""BinaryName = ['"]/usr/bin/nvidia-container-runtime['"]""", dump), dump
+    assert "restrict_oom_score_adj = true" in dump, dump
+    plugin = "io.containerd.cri.v1.runtime" if cluster.runtime == "containerd-2" else "io.containerd.grpc.v1.cri"
+    assert f"[plugins.{plugin!r}.containerd.runtimes.nvidia]".replace("'", '"') in dump.replace("'", '"'), dump
+
+
+PROBE = ("for n in /dev/nvidia*; do [ -c $n ] && echo char $n; done; env | grep ^NVIDIA_; "
+         f"cat {rig.LIBCUDA} 2>&1; nvidia-smi 2>&1; true")
+
+
+def test_a_pod_with_one_gpu_runs_and_sees_it_through_cdi(cluster: rig.Cluster) -> None:
+    """A pod asking nvidia.com/gpu: 1, bound by nodeName: the kubelet allocates a GPU of the agent's device
+    plugin, which answers CDI names (the agent's choice on containerd 1.7 and 2.x: cdi-cri), the kubelet
+    passes them through the CRI and containerd applies the agent's spec."""
+    status = json.loads(cluster.container.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    assert status["device_path"]["strategy"] == "cdi-cri", status["device_path"]
+    rig.import_images(cluster.container)
+    _run_gpu_pod(cluster, "gpu-pod")
+
+
+def test_containerd_2_with_its_own_version_4_config(cluster: rig.Cluster) -> None:
+    """containerd v2.4.2's default config (version 4) as the root config, an admin's CRI setting in it: the
+    agent's drop-in is version 4 too, containerd loads both, and a GPU pod runs on the result."""
+    if cluster.runtime != "containerd-2":
+        pytest.skip("containerd 1.7 reads config versions up to 2")
+    c = cluster.container
+    c.sh("containerd config default | sed 's/restrict_oom_score_adj = false/restrict_oom_score_adj = true/' "
+         "> /etc/containerd/config.toml.new && mv /etc/containerd/config.toml.new /etc/containerd/config.toml")
+    assert c.exec("head", "-1", "/etc/containerd/config.toml").stdout == "version = 4\n"
+    c.exec("systemctl", "restart", "gpu-agent", timeout=180)
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    toolkit = next(stage for stage in status["stages"] if stage["name"] == "toolkit")
+    assert toolkit["state"] == "ok", toolkit
+    assert c.exec("head", "-3", "/etc/containerd/conf.d/99-nvidia.toml").stdout.splitlines()[1] == "version = 4"
+    rig.import_images(c)  # restarts containerd on the new files
+    dump = c.exec("containerd", "config", "dump").stdout
+    assert "restrict_oom_score_adj = true" in dump and "/usr/bin/nvidia-container-runtime" in dump, dump
+    _run_gpu_pod(cluster, "gpu-pod-v4")
+
+
+def _run_gpu_pod(cluster: rig.Cluster, name: str) -> None:
+    c = cluster.container
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+           "spec": {"nodeName": NODE, "hostNetwork": True, "automountServiceAccountToken": False,
+                    "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
+                    "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
+                                    "command": ["/bin/sh", "-c", PROBE],
+                                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    created = cluster.api("POST", "/api/v1/namespaces/default/pods", pod)
+    assert created.status == 201, created
+    path = f"/api/v1/namespaces/default/pods/{name}"
+    done = cluster.wait(f"the pod {name} to finish", lambda: (
+        lambda p: p if p["status"].get("phase") in ("Succeeded", "Failed") else None)(cluster.get(path)))
+    log = cluster.api("GET", path + "/log")  # through the apiserver, from the kubelet
+    assert done["status"]["phase"] == "Succeeded", (done["status"], log)
+    assert log.status == 200, log
+    output = str(log.body)
+    gpus = re.findall(r"^char /dev/nvidia(\d+)$", output, re.M)
+    assert len(gpus) == 1, output  # one GPU of eight
+    for node in ("/dev/nvidiactl", "/dev/nvidia-uvm"):
+        assert f"char {node}\n" in output, output
+    assert f"placeholder libcuda {rig.DRIVER}" in output and f"nvidia-smi {rig.DRIVER} (simulated" in output, output
+    # containerd's own record (crictl, built with the rig): the container's OCI spec got that GPU's device
+    # node and no other GPU's, from the CDI spec, not from a volume or a privileged container.
+    found = c.exec(*CRICTL, "ps", "-a", "-q", "--label", f"io.kubernetes.pod.name={name}").stdout.split()
+    assert len(found) == 1, found
+    spec = json.loads(c.exec(*CRICTL, "inspect", found[0]).stdout)["info"]["runtimeSpec"]
+    devices = sorted(d["path"] for d in spec["linux"]["devices"] if re.fullmatch(r"/dev/nvidia\d+", d["path"]))
+    assert devices == [f"/dev/nvidia{gpus[0]}"], spec["linux"]["devices"]
+    # The kubelet's own record: the device it gave the container is the agent's GPU of that index.
+    checkpoint = json.loads(c.exec("cat", "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").stdout)
+    entries = [e for e in checkpoint["Data"]["PodDeviceEntries"] if e["PodUID"] == done["metadata"]["uid"]]
+    assert [e["ResourceName"] for e in entries] == ["nvidia.com/gpu"], checkpoint
+    given = [d for ids in entries[0]["DeviceIDs"].values() for d in ids]
+    gpu = next(g for g in status["gpus"] if g["uuid"] in given) if len(given) == 1 else None
+    assert gpu is not None and str(gpu["index"]) == gpus[0], (given, status["gpus"])
+
+
+# ---- parity: the emulator (tests/kube_emulator.py) and the real apiserver answer alike ------------------
+
+OTHER = "gpu-node-2"  # a Node the admin makes: another node's, to the node's credentials
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request, sent as `who` (node: the kubelet's certificate; admin: system:masters; foreign: a
+    certificate of another CA; anonymous: none) to both servers; `keep` picks what of a 2xx answer is compared."""
+
+    why: str
+    who: str
+    method: str
+    path: str
+    body: Any = None
+    content_type: str = STRATEGIC_MERGE_PATCH
+    keep: Optional[Callable[[Any], Any]] = None
+    mask: str = ""  # a pattern of the error message that holds each server's own data, left out of the comparison
+
+
+def _labels(*keys: str) -> Callable[[Any], Any]:
+    return lambda node: {key: node["metadata"].get("labels", {}).get(key) for key in keys}
+
+
+def _gpu_condition(node: Any) -> Any:
+    found = _condition(node, "GPUHealthy")
+    return found and {k: v for k, v in found.items() if k != "lastHeartbeatTime" or v is not None}
+
+
+PARITY = (
+    Ask("reads another node", "node", "GET", f"/api/v1/nodes/{OTHER}"),
+    Ask("lists all nodes", "node", "GET", "/api/v1/nodes"),
+    Ask("patches another node", "node", "PATCH", f"/api/v1/nodes/{OTHER}",
+        {"metadata": {"labels": {"nvidia.com/gpu.present": "true"}}}),
+    Ask("patches another node's status", "node", "PATCH", f"/api/v1/nodes/{OTHER}/status",
+        {"status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]}}),
+    Ask("sets labels NodeRestriction lets a node set", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"nvidia.com/parity": "1", "feature.node.kubernetes.io/pci-10de.present": "true",
+                                 "kubelet.kubernetes.io/x": "y", "topology.kubernetes.io/zone": "z1",
+                                 "node.kubernetes.io/instance-type": "p5"}}}, MERGE_PATCH,
+        _labels("nvidia.com/parity", "topology.kubernetes.io/zone", "node.kubernetes.io/instance-type")),
+    Ask("sets labels NodeRestriction refuses", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"node-role.kubernetes.io/gpu": "", "example.k8s.io/a": "b",
+                                 "node-restriction.kubernetes.io/pool": "x", "nvidia.com/ok": "1"}}}, MERGE_PATCH),
+    Ask("a refused patch applies nothing of itself", "node", "GET", f"/api/v1/nodes/{NODE}",
+        keep=_labels("nvidia.com/ok")),
+    Ask("sets a beta.kubernetes.io label not the kubelet's", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"beta.kubernetes.io/fluentd-ds-ready": "true"}}}),
+    Ask("the admin sets a node-role label", "admin", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"node-role.kubernetes.io/worker": ""}}}, MERGE_PATCH,
+        _labels("node-role.kubernetes.io/worker")),
+    Ask("removes the node-role label", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"node-role.kubernetes.io/worker": None}}}, MERGE_PATCH),
+    Ask("removes its taints", "node", "PATCH", f"/api/v1/nodes/{NODE}", {"spec": {"taints": None}}, MERGE_PATCH),
+    Ask("removes its taints through /status", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"spec": {"taints": []}}, MERGE_PATCH),
+    Ask("cordons itself", "node", "PATCH", f"/api/v1/nodes/{NODE}", {"spec": {"unschedulable": True}},
+        STRATEGIC_MERGE_PATCH, lambda node: node["spec"].get("unschedulable")),
+    Ask("uncordons itself", "node", "PATCH", f"/api/v1/nodes/{NODE}", {"spec": {"unschedulable": None}},
+        STRATEGIC_MERGE_PATCH, lambda node: node["spec"].get("unschedulable")),
+    Ask("a condition's times, RFC 3339 with an offset and a fraction", "node", "PATCH",
+        f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": [{"type": "GPUHealthy", "status": "False", "reason": "XidError",
+                                    "message": "Xid 79 on GPU 3",
+                                    "lastHeartbeatTime": "2025-01-02T03:04:05.123456+01:00",
+                                    "lastTransitionTime": "2025-01-02T03:04:05Z"}]}},
+        keep=_gpu_condition),
+    Ask("a condition merged by type, a field set to null", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": [{"type": "GPUHealthy", "status": "True", "reason": "AllGood", "message": None}]}},
+        keep=_gpu_condition),
+    Ask("a condition without its merge key", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": [{"status": "True"}]}}),
+    Ask("a condition sent to the main resource is dropped", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"status": {"conditions": [{"type": "GPUParity", "status": "True"}]}},
+        keep=lambda node: _condition(node, "GPUParity")),
+    Ask("a label sent through /status is kept", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"metadata": {"labels": {"nvidia.com/via-status": "yes"}}}, keep=_labels("nvidia.com/via-status")),
+    Ask("a condition deleted by $patch", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": [{"type": "GPUHealthy", "$patch": "delete"}]}}, keep=_gpu_condition),
+    Ask("an invalid label value", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"nvidia.com/bad": "-x-"}}}, MERGE_PATCH),
+    Ask("an invalid label key", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"nvidia.com/-bad-": "x"}}}, MERGE_PATCH),
+    Ask("an invalid annotation key", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"annotations": {"nvidia.com/-bad-": "x"}}}, MERGE_PATCH),
+    Ask("an unknown directive in a strategic merge patch", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"$foo": "x"}}),
+    Ask("an unknown $patch in a strategic merge patch", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"$patch": "foo"}}}),
+    Ask("a list element that is not an object", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
+        {"status": {"conditions": ["x"]}}, mask=r"(?<=identical: \[)\[.*\](?= \[x\]\]$)"),
+    Ask("a patch in plain JSON", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"labels": {"a": "b"}}}, "application/json"),
+    Ask("a node that does not exist, to the admin", "admin", "GET", "/api/v1/nodes/no-such-node"),
+    Ask("a certificate of another CA", "foreign", "GET", f"/api/v1/nodes/{NODE}"),
+    Ask("no credentials", "anonymous", "GET", f"/api/v1/nodes/{NODE}"),
+)
+
+
+def _answer(status: int, body: Any, ask: Ask) -> Any:
+    if 200 <= status < 300:
+        return (status, ask.keep(body) if ask.keep else None)
+    if isinstance(body, dict):
+        message = re.sub(ask.mask, "...", str(body.get("message"))) if ask.mask else body.get("message")
+        return (status, body.get("reason"), message, body.get("details"))
+    return (status, body)
+
+
+def _ask_emulator(emulator: KubeEmulator, who: dict[str, Any], ask: Ask) -> Any:
+    connection = http.client.HTTPSConnection("127.0.0.1", emulator.port, timeout=30,
+                                             context=emulator.client_ssl_context(who[ask.who]))
+    try:
+        headers = {"Accept": "application/json"}
+        data = None
+        if ask.body is not None:
+            data, headers["Content-Type"] = json.dumps(ask.body).encode(), ask.content_type
+        connection.request(ask.method, ask.path, body=data, headers=headers)
+        response = connection.getresponse()
+        raw = response.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = raw.decode(errors="replace")
+        return _answer(response.status, body, ask)
+    finally:
+        connection.close()
+
+
+def _ask_cluster(cluster: rig.Cluster, who: dict[str, Any], ask: Ask) -> Any:
+    credentials = who[ask.who]
+    answer = cluster.api(ask.method, ask.path, ask.body, ask.content_type,
+                         cert=credentials.combined_path if credentials else None, anonymous=credentials is None)
+    return _answer(answer.status, answer.body, ask)
+
+
+def test_the_emulator_answers_as_the_real_apiserver(cluster: rig.Cluster) -> None:
+    """Each request of PARITY to the emulator and to the apiserver, in turn; every answer that differs is
+    listed (tests/kube_emulator.py's claims, checked once against the real thing)."""
+    other = cluster.api("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": OTHER}})
+    assert other.status in (201, 409), other
+    with KubeEmulator(pki=cluster.pki, nodes=(NODE, OTHER), anonymous_auth=True) as emulator:
+        who = {"node": cluster.pki.node_cert(NODE), "admin": cluster.admin, "anonymous": None,
+               "foreign": cluster.pki.node_cert(NODE, untrusted=True)}
+        differences = []
+        for ask in PARITY:
+            real, emulated = _ask_cluster(cluster, who, ask), _ask_emulator(emulator, who, ask)
+            if real != emulated:
+                differences.append(f"{ask.why} ({ask.who} {ask.method} {ask.path}):\n"
+                                   f"    apiserver {real}\n    emulator  {emulated}")
+    assert not differences, "\n".join(differences)
+
+
+# Last of the module: a reload holds the device plugin off while it runs, and its requests spend the agent's
+# budget; nothing after it depends on either.
+UPGRADE_STATE = "nvidia.com/gpu-driver-upgrade-state"
+
+
+def test_a_driver_reload_cordons_and_uncordons_with_the_nodes_credentials(cluster: rig.Cluster) -> None:
+    """A driver upgraded on disk under the loaded module (`sim install-driver`), then `gpu-agent driver
+    reload`: the agent's own patches, as the apiserver logged them, cordon the Node, move the upgrade-state
+    label through its values and uncordon it; the plugin registers again and the GPUs come back."""
+    c = cluster.container
+    _room_for(cluster, RATE)
+    ours = len(_writes_by(cluster, AGENT))
+    c.exec(*ONE_SHOT, "sim", "install-driver", "570.124.06")
+    done = c.exec(*ONE_SHOT, "driver", "reload", "--json", check=False, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    patches = [w.get("requestObject") or {} for w in _writes_by(cluster, AGENT)[ours:]]
+    states = [p["metadata"]["labels"][UPGRADE_STATE] for p in patches
+              if UPGRADE_STATE in (p.get("metadata") or {}).get("labels", {})]
+    cordons = [p["spec"].get("unschedulable") for p in patches if "unschedulable" in (p.get("spec") or {})]
+    assert states and states[-1] == "upgrade-done", (states, patches)
+    assert "cordon-required" in states and states.index("cordon-required") < states.index("upgrade-done"), states
+    assert cordons[:1] == [True] and cordons[-1] in (False, None), (cordons, patches)
+    assert [e["user"]["username"] for e in _writes_by(cluster, AGENT)[ours:]] == [f"system:node:{NODE}"] * len(patches)
+    node = cluster.node_object()
+    assert not node["spec"].get("unschedulable") and node["metadata"]["labels"][UPGRADE_STATE] == "upgrade-done"
+    cluster.wait("nvidia.com/gpu: 8 after the reload", lambda: _gpus(cluster) == ("8", "8"))
+
