@@ -149,11 +149,13 @@ def fake_binary(root: Path) -> Path:
     return path
 
 
-def fake_process(root: Path, pid: int, exe: str, cgroup: str, start: int = 12345) -> None:
-    """/proc/PID as the kernel shows a process: its program, its stat line, its control groups."""
+def fake_process(root: Path, pid: int, exe: str, cgroup: str, start: int = 12345,
+                 cmdline: tuple[str, ...] = ()) -> None:
+    """/proc/PID as the kernel shows a process: its program, its arguments, its stat line, its control groups."""
     base = root / f"proc/{pid}"
     base.mkdir(parents=True)
     (base / "exe").symlink_to(exe)
+    (base / "cmdline").write_bytes(b"".join(argument.encode() + b"\0" for argument in cmdline or (exe,)))
     fields = ["S"] + ["0"] * 18 + [str(start)] + ["0"] * 30  # field 3 on; field 22 the start time
     (base / "stat").write_text(f"{pid} (nvidia-cuda-mps) {' '.join(fields)}\n")
     (base / "cgroup").write_text(cgroup)
@@ -175,6 +177,24 @@ def test_under_systemd_the_daemon_is_the_binary_in_its_unit(tmp_path: Path, exe:
                                                             ours: bool) -> None:
     fake_binary(tmp_path)
     fake_process(tmp_path, 4242, str(tmp_path / exe.lstrip("/")), cgroup)
+    write_pid_file(tmp_path, "4242\n")
+    control = HostMpsControl(Root(tmp_path), 5.0, SystemdUnits("/usr/bin/systemctl"))
+    assert control.pid(SPEC) == (4242 if ours else None)
+
+
+@pytest.mark.parametrize("cmdline, ours", [
+    (("/bin/sh", BINARY, "--serve"), True),  # the kernel ran a script's interpreter: the script comes first
+    (("/bin/sh", "-c", BINARY), False),  # a shell told to run it: the process it starts is another
+    (("/bin/sh", "/usr/bin/nvidia-cuda-mps-server"), False),
+    (("/bin/sh",), False),
+])
+def test_under_systemd_a_script_standing_in_for_the_binary_is_known_by_its_argument(
+        tmp_path: Path, cmdline: tuple[str, ...], ours: bool) -> None:
+    """Where the control binary is a script (make e2e's stand-in), the process runs its interpreter with the
+    script's path as the first argument; the unit's control group still decides."""
+    fake_binary(tmp_path)
+    script = tuple(str(tmp_path / a.lstrip("/")) if a.startswith("/usr/") else a for a in cmdline)
+    fake_process(tmp_path, 4242, "/usr/bin/dash", f"0::{UNIT}\n", cmdline=script)
     write_pid_file(tmp_path, "4242\n")
     control = HostMpsControl(Root(tmp_path), 5.0, SystemdUnits("/usr/bin/systemctl"))
     assert control.pid(SPEC) == (4242 if ours else None)

@@ -7,7 +7,9 @@ while that process lives) nor signalled. The name a process gives itself (/proc/
 any program can be called "nvidia". What does:
 
 - the program it runs, /proc/PID/exe: the control binary the agent runs, by its path (after a driver
-  upgrade replaced the file, the kernel names the same path with " (deleted)");
+  upgrade replaced the file, the kernel names the same path with " (deleted)"); or, where that binary is
+  a script (a stand-in where no GPU is), the interpreter the kernel ran for it with the script's path as
+  its first argument (/proc/PID/cmdline);
 - its user, the owner of /proc/PID: the agent's own (the agent starts its daemons as itself);
 - that it is the one the agent started. Under systemd, its control group is the resource's unit
   (gpu-agent-mps@<resource>.service): only systemd puts processes there, the daemon it started and the
@@ -35,6 +37,7 @@ STARTED = "daemon.started"  # in the resource's directory
 STARTING = "starting"
 _DELETED = " (deleted)"
 _STAT_HEAD = 4096  # /proc/PID/stat: 52 fields, a comm of 15 bytes at most
+_CMDLINE_HEAD = 8192  # an interpreter, its option and the script's path are at its start
 _MAX_CGROUP = 64 << 10  # one line per hierarchy: a few hundred bytes
 _START_FIELD = 22  # proc(5): starttime; fields after the comm's ")" begin with field 3
 
@@ -45,6 +48,7 @@ class Process:
     exe: str  # the program it runs, as /proc/PID/exe names it, " (deleted)" taken off
     uid: int  # the owner of /proc/PID: its effective user
     start: int  # clock ticks after boot
+    script: str = ""  # an interpreter's first argument, where it is a path: the script it runs
 
     def key(self) -> str:
         return f"{self.pid} {self.start}"
@@ -71,19 +75,23 @@ def process(root: Root, pid: int) -> Optional[Process]:
         exe = os.readlink(root(f"{base}/exe"))
         uid = os.stat(root(base)).st_uid
         stat = read_head(root(f"{base}/stat"), _STAT_HEAD)
+        cmdline = read_head(root(f"{base}/cmdline"), _CMDLINE_HEAD) or b""
     except (NotRegular, OSError):
         return None
+    arguments = cmdline.decode(errors="replace").split("\0")
+    script = arguments[1] if len(arguments) > 1 and arguments[1].startswith("/") else ""
     fields = (stat or b"").rpartition(b")")[2].split()
     index = _START_FIELD - 3
     start = decimal(fields[index].decode("ascii", errors="replace")) if len(fields) > index else None
     if start is None:
         return None
-    return Process(pid, exe[:-len(_DELETED)] if exe.endswith(_DELETED) else exe, uid, start)
+    return Process(pid, exe[:-len(_DELETED)] if exe.endswith(_DELETED) else exe, uid, start, script)
 
 
 def runs(found: Process, binary: str) -> bool:
-    """Whether `found` runs `binary` (its path as the kernel names it) as this process's user."""
-    return found.exe == binary and found.uid == os.geteuid()
+    """Whether `found` runs `binary` (its path as the kernel names it, or the script an interpreter runs)
+    as this process's user."""
+    return binary in (found.exe, found.script) and found.uid == os.geteuid()
 
 
 def in_unit(root: Root, pid: int, unit: str) -> bool:
