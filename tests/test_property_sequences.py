@@ -320,7 +320,6 @@ EVENTS: dict[str, Callable[[World], Any]] = {
     "processes end": World.processes_end,
     "NVML answers again": World.nvml_answers,
     "the MPS control daemon dies": lambda world: world.sim("fail", "mps", "--error", "die"),
-    "someone sets the daemon's threads": lambda world: world.poke_mps("set_default_active_thread_percentage 30"),
     "time passes": lambda world: None,
 }
 
@@ -396,6 +395,13 @@ class Sequence(RuleBasedStateMachine):
     def process_starts(self, gpu: int) -> None:
         self.pid += 1
         self.world.sim("add-process", "--gpu", str(gpu), "--pid", str(self.pid), "--name", "train.py")
+        self.answer()
+
+    @rule(command=st.sampled_from(["set_default_active_thread_percentage 30",
+                                   "set_default_device_pinned_mem_limit 1 1000M"]))
+    def someone_sets_the_mps_daemon(self, command: str) -> None:
+        """Someone else changes the running MPS control daemon's settings on its control pipe."""
+        self.world.poke_mps(command)
         self.answer()
 
     @rule()
