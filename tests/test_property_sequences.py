@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from gpu_agent.host.ledger import Ledger
@@ -474,9 +475,11 @@ def context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Context
     CONTEXT.api = KubeEmulator(tmp_path / "pki", nodes=(NODE,)).start()
     CONTEXT.base, CONTEXT.patch, CONTEXT.count = tmp_path, monkeypatch, 0
     install_watch(monkeypatch)
+    set_hypothesis_home_dir(tmp_path / "hypothesis")  # its caches in the test's folder, not the clone's .hypothesis
     try:
         yield CONTEXT
     finally:
+        set_hypothesis_home_dir(None)
         CONTEXT.api.close()
         WATCH.world = None
 
