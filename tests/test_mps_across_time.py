@@ -6,6 +6,7 @@ error, logged once, and the resource's replicas are not advertised healthy meanw
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import os
@@ -393,3 +394,32 @@ def test_an_adopted_daemon_without_a_whole_record_is_restarted_in_place(dgx: Sim
     assert (pipe / "pod-sees-this").exists() and pipe.stat().st_ino == inode
     spec = instance.read(dgx.root, GPU_RESOURCE)
     assert spec is not None and spec.replicas == 4 and spec.gpus == tuple(gpu.uuid for gpu in dgx.inventory.gpus)
+
+
+# --- every GPU unreadable (found by the property test over sequences) ---------------------------------------
+
+@pytest.mark.parametrize("unreadable", [range(8), [0, 1, 2, 3]])
+def test_a_daemon_whose_gpus_nvml_cannot_read_is_left_running_with_its_directories(
+        dgx: SimDgx, unreadable: range) -> None:
+    """NVML fails for the daemon's GPUs (every GPU's handle, say) while it answers for how many there are: the
+    inventory lists them unreadable and the config's resource has no device NVML reads. That is not knowing
+    which GPUs it is for, as without an inventory: the daemon runs on, its pipe directory and the tmpfs stay.
+    Before: taken for a config that no longer asks, the daemon was quit and its directories removed. With
+    devices [0-3] shared, GPUs 0-3 unreadable."""
+    text = config(4, "[0, 1, 2, 3]")
+    sync(agent(dgx, text)[1])
+    resource = "nvidia.com/gpu-shared"
+    pid = daemon(dgx, resource)["pid"]
+    pipe, inode = mark_a_pods_mount(dgx, resource)
+    gpus = tuple(dataclasses.replace(gpu, unreadable="nvmlDeviceGetHandleByIndex: Unknown Error")
+                 if gpu.index in unreadable else gpu for gpu in dgx.inventory.gpus)
+    state, manager = agent(dgx, text)
+    state.inventory = dataclasses.replace(dgx.inventory, gpus=gpus)
+    sync(manager, 3)
+    assert daemon(dgx, resource)["alive"] and daemon(dgx, resource)["pid"] == pid
+    assert (pipe / "pod-sees-this").exists() and pipe.stat().st_ino == inode
+    assert SHM_DIR in dgx.machine.read()["mounts"] and dgx.compute_modes()[:4] == [EXCLUSIVE] * 4
+    assert shown(state, resource)["state"] == "unknown"
+    state.inventory = dgx.inventory  # read again: adopted, its settings read back, kept
+    sync(manager)
+    assert shown(state, resource)["state"] == "running" and daemon(dgx, resource)["pid"] == pid

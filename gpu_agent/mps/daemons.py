@@ -15,7 +15,8 @@ percentage (100 / replicas) and each GPU's pinned memory limit (its memory / rep
 mps-control-daemon does. A daemon whose settings must change is sent `quit` and started again in place:
 its directories stay, so the pods that mounted its pipe directory keep the mount. Only a resource the
 config no longer asks for loses its daemon for good, its GPUs' compute modes and its directories; the
-tmpfs is unmounted once no daemon is left. Without an inventory nothing is started, stopped or removed.
+tmpfs is unmounted once no daemon is left. Without an inventory nothing is started, stopped or removed, nor for
+a resource whose GPUs NVML cannot read now.
 """
 from __future__ import annotations
 
@@ -111,11 +112,13 @@ class Wanted:
     decidable: bool
     withheld: dict[str, str]
     unreadable: frozenset[str] = frozenset()  # the UUIDs of the GPUs NVML cannot read now
+    undecided: frozenset[str] = frozenset()  # named, without a spec while GPUs are unreadable: maybe theirs
 
     def want(self, resource: str) -> Want:
         if resource in self.specs:
             return Want.YES
-        return Want.UNDECIDED if resource in self.named and not self.decidable else Want.NO
+        undecided = resource in self.undecided or (resource in self.named and not self.decidable)
+        return Want.UNDECIDED if undecided else Want.NO
 
 
 def wanted_daemons(root: Root, state: AgentState) -> Wanted:
@@ -139,7 +142,10 @@ def wanted_daemons(root: Root, state: AgentState) -> Wanted:
         order = sorted({device.gpu_uuid: device.gpu_index for device in resource.devices}.items(), key=lambda i: i[1])
         specs[name] = DaemonSpec(name, tuple(uuid for uuid, _ in order), tuple(index for _, index in order),
                                  tuple(gpus[uuid].memory_mib for uuid, _ in order), resource.replicas)
-    return Wanted(specs, named, True, dict(found.withheld), unreadable)
+    # A resource the config names and no GPU NVML reads gives a device may be for the GPUs it cannot read: not
+    # known, so its daemon is left as it is (NVML failing on every GPU is no config that stopped asking).
+    undecided = named - set(specs) if unreadable else frozenset()
+    return Wanted(specs, named, True, dict(found.withheld), unreadable, undecided)
 
 
 class MpsManager:
