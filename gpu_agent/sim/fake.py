@@ -1050,6 +1050,7 @@ class FakeNvml:
         try:
             return self._wait_for_event(event_set, timeout_ms)
         finally:
+            event_set.close()  # its watch is the wait's: a set never freed (its process killed) holds none
             with self._lock:
                 self._waits -= 1
                 self._waits_done.notify_all()
