@@ -191,8 +191,10 @@ class HostMpsControl:
         process = identity.process(self.root, found)
         if process is None or not identity.runs(process, binary):
             return None
+        if identity.in_unit(self.root, found, unit_name(spec.resource)):  # only systemd puts it there
+            return found  # also for `gpu-agent uninstall` from a shell, outside the agent's unit
         if self.systemd is not None:
-            return found if identity.in_unit(self.root, found, unit_name(spec.resource)) else None
+            return None
         return found if identity.started_by_agent(self.root, spec.resource, process) else None
 
     def terminate(self, spec: DaemonSpec) -> None:

@@ -72,7 +72,10 @@ def process(root: Root, pid: int) -> Optional[Process]:
     """The running process `pid`, as /proc shows it; None when there is none (or it cannot be read)."""
     base = f"/proc/{pid}"
     try:
-        exe = os.readlink(root(f"{base}/exe"))
+        try:
+            exe = os.readlink(root(f"{base}/exe"))
+        except PermissionError:  # ptrace's rule: the agent's unit has fewer capabilities than the daemon's
+            exe = ""
         uid = os.stat(root(base)).st_uid
         stat = read_head(root(f"{base}/stat"), _STAT_HEAD)
         cmdline = read_head(root(f"{base}/cmdline"), _CMDLINE_HEAD) or b""
@@ -80,6 +83,8 @@ def process(root: Root, pid: int) -> Optional[Process]:
         return None
     arguments = cmdline.decode(errors="replace").split("\0")
     script = arguments[1] if len(arguments) > 1 and arguments[1].startswith("/") else ""
+    if not exe:  # what it was started as, where the kernel will not say (a bare name: systemd's argv[0])
+        exe = arguments[0]
     fields = (stat or b"").rpartition(b")")[2].split()
     index = _START_FIELD - 3
     start = decimal(fields[index].decode("ascii", errors="replace")) if len(fields) > index else None
@@ -91,7 +96,8 @@ def process(root: Root, pid: int) -> Optional[Process]:
 def runs(found: Process, binary: str) -> bool:
     """Whether `found` runs `binary` (its path as the kernel names it, or the script an interpreter runs)
     as this process's user."""
-    return binary in (found.exe, found.script) and found.uid == os.geteuid()
+    named = found.exe == os.path.basename(binary)  # a bare name, as systemd passes ExecStart's first word
+    return (binary in (found.exe, found.script) or named) and found.uid == os.geteuid()
 
 
 def in_unit(root: Root, pid: int, unit: str) -> bool:
