@@ -223,6 +223,9 @@ class Agent:
             if event is None:
                 return
             self.daemon.xids.record(event)
+            gpus = [gpu["uuid"] for gpu in self.world.state()["gpus"]]
+            if event.gpu_uuid in gpus:
+                self.world.seen_xids[gpus.index(event.gpu_uuid)] = event.xid  # what its XID series must say
 
     def _sync_mps(self) -> None:
         """The daemon's _ensure_mps, then a sync of its watch (a restart in place, quit then start, is one)."""
@@ -263,7 +266,7 @@ class World:
         self.failing: set[int] = set()  # GPUs whose NVML queries fail
         self.touched: set[int] = set()  # GPUs any fault or XID reached: their health is theirs to judge
         self.nvml_down = False  # NVML fails for every GPU
-        self.seen_xids: dict[int, int] = {}  # by GPU: the last XID the agent running now was watching for
+        self.seen_xids: dict[int, int] = {}  # by GPU: the last XID the agent running now took
         self.pipes: dict[str, int] = {}  # the MPS pipe directories' inodes, while their resource is asked for
         self.agent: Optional[Agent] = None
         api.write_kubeconfig(self.root / KUBECONFIG.lstrip("/"), mode="cert-data")
@@ -317,16 +320,11 @@ class World:
             self.admin_cordoned = False
 
     def xid(self, gpu: int, xid: int) -> None:
-        watcher = self.agent.daemon.xids if self.agent is not None else None
-        uuid = self.state()["gpus"][gpu]["uuid"]
         self.sim("inject-xid", "--gpu", str(gpu), "--xid", str(xid))
         self.touched.add(gpu)
         if xid == 79:
             self.lost.add(gpu)
-        if watcher is not None and watcher._wait is not None and uuid in (watcher._watched or ()):
-            self.seen_xids[gpu] = xid
-        else:
-            self.seen_xids.pop(gpu, None)  # its series may say an earlier one
+        self.seen_xids.pop(gpu, None)  # until the agent takes it (NVML may not deliver it): an earlier one, or none
 
     def gpu_back(self, gpu: int) -> None:
         """A GPU off the bus back at its bus id, as after a reset."""

@@ -300,6 +300,26 @@ def test_a_changed_module_option_the_stage_and_the_command_agree_and_the_command
     assert nothing.stdout.startswith("nothing to reload: driver 550.90.07")
 
 
+def test_a_changed_module_option_is_said_by_the_stage_while_nvml_fails_as_by_the_command(tmp_path: Path) -> None:
+    """NVML fails on every GPU and a module option changed: the stage's failure names the options a reload would
+    apply, as `gpu-agent driver reload --dry-run` does. Before: the stage said only that NVML fails while the
+    command said a reload was required (found by the property test over sequences)."""
+    node = SimNode(tmp_path / "root", "t4")
+    settings_ = {"toolkit": {"enabled": False}, "driver": {"reload": "when-idle",
+                                                          "parameters": {"nvidia": {"NVreg_EnableGpuFirmware": 0}}}}
+    assert node.apply(settings_).ok
+    settings_["driver"]["parameters"]["nvidia"]["NVreg_EnableGpuFirmware"] = 1  # type: ignore[index]
+    node.sim("fail", "nvmlDeviceGetHandleByIndex", "--error", "Unknown")
+    stage = node.apply(settings_).stage("driver")
+    wanted = "nvidia NVreg_EnableGpuFirmware is 0, configured 1"
+    assert stage.state == "failed" and "is loaded but NVML fails" in stage.message, stage.message
+    assert f"reload required to apply the configured options: {wanted}" in stage.message, stage.message
+    config = tmp_path / "command.yaml"
+    config.write_text(json.dumps({"version": "v1", **settings_}))
+    plan = run_cli("--simulate", "t4", "driver", "reload", "--dry-run", "--json", root=node.root, config=config)
+    assert json.loads(plan.stdout)["reload_required"] == wanted, plan.stdout
+
+
 def test_the_command_in_process_forces_one_pass_then_follows_the_backoff(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the GPUs are busy, `gpu-agent driver reload` without a daemon runs a forced pass, then the passes

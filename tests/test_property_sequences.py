@@ -1,5 +1,6 @@
 """Issue 33, point 7: a property test over sequences. Random sequences of what happens to a GPU node (a driver
-installed, a rollback, a reboot, the agent killed -9 at any point of a pass and started again, a SIGHUP with a
+installed, a rollback, a reboot, the agent killed -9 between passes or at one of the first 16 points of one
+(each reload record, modprobe, unit stop or start, MPS start) and started again, a SIGHUP with a
 changed config, a GPU lost and back (XID 79, 48, 94), NVML failing, GPU processes starting and ending, rmmod
 refused, the kubelet restarting, `gpu-agent driver reload --abort`, an administrator's cordon), the agent in this
 process answering each as its daemon does (tests/sequences.py); after each step the invariants of the issue's
@@ -10,7 +11,8 @@ hypothesis's stateful testing draws the sequences and shrinks a failing one to a
 the calls that reproduce it. The seed is random and printed on failure; GPU_AGENT_PROPERTY_SEED=N runs the
 same sequences again (the example database is off: a seed alone reproduces a run). `make test` runs a few
 short sequences (GPU_AGENT_PROPERTY_EXAMPLES overrides how many); `make test-slow` runs 2,000 in four shards
-of 500, each its own seed, when GPU_AGENT_PROPERTY_LONG=1."""
+of 500, each its own seed (N, N+1, ...), when GPU_AGENT_PROPERTY_LONG=1. GPU_AGENT_PROPERTY_SHRINK=0 prints a
+failing sequence as found."""
 from __future__ import annotations
 
 import asyncio

@@ -246,14 +246,10 @@ class Driver(Stage):
         self._reload_required(state, missing)
         if missing:
             raise StageError(f"modules not loaded: {', '.join(missing)}")
-        self._verify_versions(state)
-        lost = self._verify_gpus(state)
-        if state.node_problems or state.link_problems:
-            problems = [*state.node_problems.values(), *state.link_problems.values()]
-            raise StageError("device nodes: " + "; ".join(problems))
-        if state.persistence is not None and not state.persistenced and not all(state.persistence):
-            off = [str(i) for i, on in enumerate(state.persistence) if not on]
-            raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
+        try:
+            lost = self._verify_loaded(state)
+        except StageError as exc:  # the options that need a reload are said all the same (`driver reload` says so)
+            raise StageError("; ".join([str(exc), *self._parameters_drift(state)])) from None
         notes = [*lost, *self._parameters_drift(state)]
         if self.settings.validate_cuda:
             notes.append(cuda_check.run(self.root, expected_gpus=len(state.pci.gpus)))
@@ -264,6 +260,19 @@ class Driver(Stage):
         if state.pci.nvswitches:
             message += f", {len(state.pci.nvswitches)} NVSwitches (fabric manager needed)"
         return "; ".join([message, *notes])
+
+    def _verify_loaded(self, state: DriverState) -> list[str]:
+        """The loaded driver against NVML, the GPUs, the device nodes and persistence mode: the GPUs lost to NVML,
+        noted; a StageError for the rest."""
+        self._verify_versions(state)
+        lost = self._verify_gpus(state)
+        if state.node_problems or state.link_problems:
+            problems = [*state.node_problems.values(), *state.link_problems.values()]
+            raise StageError("device nodes: " + "; ".join(problems))
+        if state.persistence is not None and not state.persistenced and not all(state.persistence):
+            off = [str(i) for i, on in enumerate(state.persistence) if not on]
+            raise StageError(f"persistence mode is off on GPU {', '.join(off)} and nvidia-persistenced is not running")
+        return lost
 
     def claims(self, state: DriverState) -> set[str]:
         return set(state.files)
