@@ -33,9 +33,9 @@ def unit_nofile() -> int:
     raise SystemExit(f"{UNIT}: no LimitNOFILE= line")
 
 
-def readyz_ms(port: int) -> float:
+def readyz_ms(port: int, timeout: float = 10.0) -> float:
     started = time.perf_counter()
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         connection.request("GET", "/readyz")
         response = connection.getresponse()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
 import signal
@@ -31,6 +30,7 @@ from typing import Any, Optional
 
 import psutil
 
+from flood import readyz_ms as _readyz_ms
 from soak import Daemon
 
 READYZ_GOAL_MS = 1000.0
@@ -120,17 +120,7 @@ async def flood(shape: str, port: int, unix: Optional[str], seconds: float) -> N
 
 
 def readyz_ms(port: int) -> float:
-    started = time.perf_counter()
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        connection.request("GET", "/readyz")
-        response = connection.getresponse()
-        response.read()
-        if response.status != 200:
-            raise RuntimeError(f"/readyz answered {response.status}")
-    finally:
-        connection.close()
-    return (time.perf_counter() - started) * 1000
+    return _readyz_ms(port, timeout=5)
 
 
 def measure(daemon: Daemon, shape: str, seconds: float, log_path: Path) -> dict[str, Any]:
