@@ -94,7 +94,6 @@ def _plan(args: argparse.Namespace) -> int:
 
     from gpu_agent.daemon.app import Runtime
     from gpu_agent.plan import DriverReloadStep
-    from gpu_agent.stages import reload_transitions as rt
 
     runtime = Runtime.build(root_of(args), config_of(args), args.simulate)
     try:
@@ -109,7 +108,7 @@ def _plan(args: argparse.Namespace) -> int:
     heading = _heading(record, facts, move) if steps else _nothing(move, driver.message if driver else None)
     if args.json:
         required = (f"loaded {facts.loaded}, installed {facts.installed}" if facts.mismatch else
-                    "; ".join(facts.drift) if steps and move.arg == rt.OPTIONS else None)
+                    "; ".join(facts.drift) if facts.drift and driver is not None else None)
         print(json.dumps({"reload_required": required, "message": driver.message if driver else None,
                           "plan": [{"step": s.step, "action": s.action} for s in steps]}, indent=2))
         return EXIT_OK

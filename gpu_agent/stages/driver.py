@@ -232,6 +232,18 @@ class Driver(Stage):
     # --- verify ----------------------------------------------------------------------------------
 
     def verify(self, state: DriverState) -> str:
+        """The loaded driver checked; the module options a reload would apply are said whether the checks pass
+        or not (`gpu-agent driver reload --dry-run` says so in both cases)."""
+        try:
+            message = self._verify(state)
+        except StageError as exc:
+            drift = self._parameters_drift(state)
+            if not drift:
+                raise
+            raise StageError("; ".join([str(exc), *drift])) from None
+        return "; ".join([message, *self._parameters_drift(state)])
+
+    def _verify(self, state: DriverState) -> str:
         if not state.pci.gpus:
             raise StageError("no NVIDIA GPU was found on the PCI bus (no vendor 0x10de display device "
                              "under /sys/bus/pci/devices)")
@@ -246,11 +258,7 @@ class Driver(Stage):
         self._reload_required(state, missing)
         if missing:
             raise StageError(f"modules not loaded: {', '.join(missing)}")
-        try:
-            lost = self._verify_loaded(state)
-        except StageError as exc:  # the options that need a reload are said all the same (`driver reload` says so)
-            raise StageError("; ".join([str(exc), *self._parameters_drift(state)])) from None
-        notes = [*lost, *self._parameters_drift(state)]
+        notes = self._verify_loaded(state)
         if self.settings.validate_cuda:
             notes.append(cuda_check.run(self.root, expected_gpus=len(state.pci.gpus)))
         gpus = len(state.managed_gpus)
@@ -369,10 +377,15 @@ class Driver(Stage):
         found = module_options.drift(self.root, self.kernel, self.settings.parameters, state.loaded)
         if not found:
             return []
-        applied = ("being applied: the reload under way loads them" if self._move is not None
-                   and self._move.kind not in (IDLE, LATER) else
-                   "`gpu-agent driver reload` applies them (drain the node first, or it waits for idle GPUs); "
-                   "driver.reload never reloads a driver for its options alone")
+        under_way = self._move is not None and self._move.kind not in (IDLE, LATER)
+        if under_way and not (self._record is not None and self._record.reloaded):
+            applied = "being applied: the reload under way loads them"
+        elif under_way:
+            applied = ("the reload under way loaded the modules before they changed: `gpu-agent driver reload` "
+                       "applies them once it has ended")
+        else:
+            applied = ("`gpu-agent driver reload` applies them (drain the node first, or it waits for idle GPUs); "
+                       "driver.reload never reloads a driver for its options alone")
         held = []
         for module in sorted({d.module for d in found}):
             used = state.loaded[module]
