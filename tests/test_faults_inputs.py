@@ -48,7 +48,7 @@ class ApiStandIn(socketserver.ThreadingTCPServer):
                 self.wfile.write(outer.answer)
 
         super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     def body(self, text: str) -> None:
         data = text.encode()

@@ -443,7 +443,7 @@ async def _not_ready_while_restarting(node: Node, unit: str) -> tuple[str, float
     return failing.reason, noticed
 
 
-@pytest.mark.parametrize("runtime", ["docker", "crio"])
+@pytest.mark.parametrize("runtime", ["docker", pytest.param("crio", marks=pytest.mark.slow)])
 def test_not_ready_from_the_moment_a_runtime_restart_starts_hanging(root: Path, tmp_path: Path, runtime: str) -> None:
     """Class: a restart in flight (systemctl restart that does not return, a runtime that does not answer):
     /readyz names the runtime and what it waits for as soon as the restart starts, not when the pass ends."""

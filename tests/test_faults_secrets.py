@@ -74,7 +74,7 @@ class EchoServer(socketserver.ThreadingTCPServer):
                 self.wfile.write(answer(authorization).encode("latin-1"))
 
         super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
     @property
     def url(self) -> str:

@@ -69,7 +69,8 @@ def _get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-@pytest.mark.parametrize("watchdog", [True, False], ids=["under systemd's watchdog", "without it"])
+@pytest.mark.parametrize("watchdog", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["under systemd's watchdog", "without it"])
 def test_a_pass_blocked_for_good_fails_healthz_and_stops_the_watchdog_until_it_completes(
         watchdog: bool, root: Path, write_config: Callable[..., Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
