@@ -105,7 +105,10 @@ class _Echo(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
-        if data.startswith(b"busy"):
+        if data.startswith(b"WAIT") and data.endswith(b"\r\n\r\n"):  # parsed, answered when "busy" is over
+            request_parsed(self.transport)
+            self.waiting = asyncio.get_running_loop().create_task(self._serve_in_turn(self.transport))
+        elif data.startswith(b"busy"):
             asyncio.get_running_loop().create_task(self._serve_slowly(self.transport))
         elif data.endswith(b"\r\n\r\n"):
             if data.strip(b"\r\n"):
@@ -114,6 +117,15 @@ class _Echo(asyncio.Protocol):
         elif data.endswith(b"\n"):
             with handling_request(self.transport):
                 self.transport.write(b"ok\n")
+
+    def eof_received(self) -> bool:
+        """As the HTTP protocol does: the client's end of sending keeps the answers it still waits for."""
+        return getattr(self, "waiting", None) is not None and not self.waiting.done()
+
+    async def _serve_in_turn(self, transport: asyncio.Transport) -> None:
+        await self.busy.wait()
+        with handling_request(transport):
+            transport.write(b"in turn\n")
 
     async def _serve_late(self, transport: asyncio.Transport) -> None:
         await asyncio.sleep(0.3)
@@ -223,6 +235,34 @@ def test_a_burst_of_whole_requests_waits_its_turn_instead_of_evicting_itself() -
                 clients[-1][1].write(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
             for reader, _ in clients:  # only connections already answered made room
                 assert await asyncio.wait_for(reader.readline(), 10) == b"late\n"
+
+    asyncio.run(scenario())
+
+
+def test_clients_gone_with_requests_waiting_their_turn_make_room_first() -> None:
+    """Clients that sent their requests and their end of sending (gone, or half-closed and waiting) while
+    every connection has a parsed request waiting: a newcomer closes one of them instead of waiting for
+    their turns (the pipelined-gone flood held /readyz probes over 1 s so). Only those that have ended:
+    the newcomer's own request waits its turn beside a connection still open."""
+    async def scenario() -> None:
+        with _serving(limit=3) as listener:
+            gone = [await _connect(listener) for _ in range(2)]
+            open_ = await _connect(listener)
+            for _, writer in (*gone, open_):
+                writer.write(b"WAIT /readyz\r\n\r\n")
+            await _until(lambda: listener.connections == 3 and not listener._idle)
+            for _, writer in gone:
+                writer.write_eof()
+            newcomer = await _connect(listener)
+            newcomer[1].write(b"ping\n")
+            assert await asyncio.wait_for(newcomer[0].readline(), 5) == b"ok\n"  # before any turn came
+            assert listener.evicted == 1
+            second = await _connect(listener)
+            second[1].write(b"ping\n")
+            assert await asyncio.wait_for(second[0].readline(), 5) == b"ok\n"
+            assert listener.evicted == 2 and all([await _closed(reader) for reader, _ in gone])
+            listener.busy.set()  # type: ignore[attr-defined]
+            assert await asyncio.wait_for(open_[0].readline(), 5) == b"in turn\n"
 
     asyncio.run(scenario())
 

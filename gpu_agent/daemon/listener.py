@@ -5,7 +5,9 @@ and on running out of descriptors logs a traceback for every failed accept (CPyt
 schedules a retry for each). A `Listener` owns one listening socket instead:
 
 - it holds at most `limit` connections; a new one closes a connection whose request the protocol
-  refused (it only drops what that client still sends), else the longest-idle connection (one without
+  refused (it only drops what that client still sends), or one whose client has ended its sending
+  while its requests wait for their turn (gone, most likely: a flood of pipelined requests from
+  clients that close at once would otherwise hold every place), else the longest-idle connection (one without
   a request the protocol parsed) to make room, or waits in the kernel's backlog while every connection
   has a request being answered or parsed and waiting to be. Only the protocol says what a request is:
   header ends in bytes it drops or skips are none;
@@ -284,6 +286,12 @@ class Listener:
             self._idle[connection] = self._loop.time()
         self._room_freed()
 
+    def _ended(self, connection: _Connection) -> None:
+        """The client ended its sending: while its requests wait for their turn, it makes room first."""
+        if connection.arrived and not connection.handling and connection in self._open:
+            self._stale[connection] = None
+            self._room_freed()
+
     def _not_idle(self, connection: _Connection) -> None:
         self._idle.pop(connection, None)
         self._stale.pop(connection, None)
@@ -307,6 +315,8 @@ class Listener:
 
     def _request_parsed(self, connection: _Connection) -> None:
         self._not_idle(connection)
+        if connection.ended:
+            self._ended(connection)
 
     def _request_started(self, connection: _Connection) -> None:
         self._not_idle(connection)
@@ -317,6 +327,8 @@ class Listener:
             self._start_timer(connection)
             if not connection.arrived:
                 self._set_idle(connection)
+            elif connection.ended:
+                self._ended(connection)
 
     def _start_timer(self, connection: _Connection) -> None:
         """The next request must have arrived and started within idle_timeout (slowloris)."""
@@ -405,6 +417,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.handling = 0  # requests being handled
         self.requests = 0  # requests the protocol has parsed in all
         self.refused = False  # the protocol refused a request: what the client still sends is dropped
+        self.ended = False  # the client ended its sending (EOF): gone, or half-closed waiting for answers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -427,6 +440,8 @@ class _Connection(asyncio.BufferedProtocol):
             self.listener._room_freed()  # read, and still idle: evictable again
 
     def eof_received(self) -> Optional[bool]:
+        self.ended = True
+        self.listener._ended(self)
         return self.inner.eof_received()
 
     def pause_writing(self) -> None:
