@@ -43,6 +43,19 @@ toolkit:
 kubernetes:
   enabled: false
 """
+# --exporter-all: every dcgm-exporter 4.8 option of docs/metrics.md on (no kubelet or API server here:
+# the pod attribution runs and says why it has nothing, as on a node before its first pod).
+EXPORTER_ALL = """metrics:
+  pod_labels: true
+  pod_uid: true
+  pod_kubernetes_labels: true
+  pod_label_allowlist_regex: ['^app']
+  virtual_gpus: true
+  hpc_job_mapping_dir: /run/slurm
+  hostname_label: hostname
+  exporter_series: [DCGM_EXP_XID_ERRORS_COUNT, DCGM_EXP_CLOCK_EVENTS_COUNT, DCGM_EXP_GPU_HEALTH_STATUS,
+                    DCGM_EXP_P2P_STATUS]
+"""
 _SMAPS_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
 
 
@@ -121,11 +134,12 @@ class Run:
         self.proc.wait(30)
 
 
-def prepare(workdir: Path, profile: str) -> None:
+def prepare(workdir: Path, profile: str, exporter_all: bool = False) -> None:
     (workdir / "root").mkdir()
     for name, driver in (("apply.yaml", "true"), ("run.yaml", "false")):
         (workdir / name).write_text("version: v1\nhttp:\n  listen: 127.0.0.1:0\n  socket: /run/gpu-agent/bench.sock\n"
-                                    + SETTINGS.format(driver=driver))
+                                    + SETTINGS.format(driver=driver)
+                                    + (EXPORTER_ALL if exporter_all and name == "run.yaml" else ""))
     subprocess.run([sys.executable, "-m", "gpu_agent", "--root", str(workdir / "root"), "--config",
                     str(workdir / "apply.yaml"), "--simulate", profile, "apply", "--once"],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, timeout=300)
@@ -178,13 +192,15 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     parser.add_argument("--no-inside", action="store_true", help="skip the second (tracemalloc) run")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--exporter-all", action="store_true", help="every dcgm-exporter 4.8 option on")
     args = parser.parse_args()
-    report: dict[str, Any] = {"python": sys.version.split()[0], "profile": args.profile}
+    report: dict[str, Any] = {"python": sys.version.split()[0], "profile": args.profile,
+                              "exporter_all": args.exporter_all}
     report["python_import_pynvml"] = baseline(args.idle_seconds)
     report["python_import_pynvml"]["modules"] = module_count()
     with tempfile.TemporaryDirectory(prefix="gpu-agent-idle-") as tmp:
         workdir = Path(tmp)
-        prepare(workdir, args.profile)
+        prepare(workdir, args.profile, args.exporter_all)
         run = Run(workdir, args.profile)
         try:
             report["agent"] = {"rollup_mib": settle(run.proc.pid, args.idle_seconds),

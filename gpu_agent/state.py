@@ -69,6 +69,9 @@ class GpuProcess:
     pid: int
     name: str
     used_mib: float
+    sm_util: Optional[int] = None  # % of the GPU's SMs, NVML's last sample of it (read with metrics.virtual_gpus)
+    pod_uid: str = ""  # of the pod whose cgroup it runs in (read with metrics.virtual_gpus)
+    gpu_instance_id: Optional[int] = None  # on a MIG GPU: the GPU instance it runs in
 
 
 # The results stages record (their `produces`), each kept in the attribute of that name: inventory
@@ -76,6 +79,9 @@ class GpuProcess:
 # (driver), driver_upgrade (driver-upgrade), device_path (device-path), cdi_devices (cdi).
 STAGE_OUTPUTS = ("inventory", "pci_gpus", "mellanox_nics", "mig", "runtimes", "driver_mismatch", "driver_upgrade",
                  "device_path", "cdi_devices")
+
+
+XID_LOG_LENGTH = 1024  # XIDs kept per GPU for DCGM_EXP_XID_ERRORS_COUNT: a window holds no more that matter
 
 
 @dataclass
@@ -107,6 +113,12 @@ class AgentState:
     sampled_at: Optional[float] = None  # when `samples` were taken (unix time)
     processes: dict[str, tuple[GpuProcess, ...]] = field(default_factory=dict)  # by GPU UUID
     pods: Optional[Any] = None  # who holds each GPU (metrics.pods.PodAttribution); None: metrics.pod_labels off
+    hpc_jobs: Optional[Any] = None  # the jobs on each GPU (metrics.hpc.HpcJobs); None: no hpc_job_mapping_dir
+    # For dcgm-exporter's own series, by GPU UUID: (when, XID), newest last; (when, clock event reasons) of the
+    # samples in the window; (peer GPU index, NVML's NVLink P2P status).
+    xid_log: dict[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    clock_events: dict[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
+    p2p: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     nvml_error: Optional[str] = None  # NVML hung or failing for the health watchers
     runtime_restarts: dict[str, int] = field(default_factory=dict)  # by container runtime
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
@@ -144,6 +156,18 @@ class AgentState:
         with _PUBLISH:
             self.samples, self.processes = dict(samples), dict(processes)
             self.sampled_at, self.nvml_error = at, None
+
+    def note_xid(self, uuid: str, xid: int, at: float) -> None:
+        """An XID of the GPU `uuid` (a MIG device's: its GPU's), for DCGM_EXP_XID_ERRORS_COUNT's window."""
+        with _PUBLISH:
+            kept = self.xid_log.get(uuid, ())[-(XID_LOG_LENGTH - 1):]
+            self.xid_log = {**self.xid_log, uuid: (*kept, (at, xid))}
+
+    def publish_exporter_readings(self, clock_events: Mapping[str, tuple[tuple[float, int], ...]],
+                                  p2p: Mapping[str, tuple[tuple[int, int], ...]], hpc_jobs: Optional[Any]) -> None:
+        """What the sampler read for dcgm-exporter's own series and the hpc_job label."""
+        with _PUBLISH:
+            self.clock_events, self.p2p, self.hpc_jobs = dict(clock_events), dict(p2p), hpc_jobs
 
     def publish_nvml_error(self, error: str) -> None:
         """The sampler found NVML hung or failing: the samples stay as last read."""
@@ -364,6 +388,7 @@ class AgentState:
                      "error": self.http_error},
             "driver": self._driver_json(),
             "pod_labels": self.pods.to_json() if self.pods is not None else None,
+            "hpc_jobs": self.hpc_jobs.to_json() if self.hpc_jobs is not None else None,
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],

@@ -1067,6 +1067,7 @@ class KubeEmulator:
         self._tokens: dict[str, User] = {}
         self._grants: list[_Grant] = []
         self._nodes: dict[str, dict[str, Any]] = {}
+        self._pods: list[dict[str, Any]] = []
         self._rv = 1000
         self._errors: list[str] = []
         self.tls_errors: list[str] = []
@@ -1712,6 +1713,8 @@ class KubeEmulator:
         if user is None:
             raise ApiError(401, "Unauthorized", "Unauthorized")
         parts = [p for p in path.split("/") if p]
+        if parts == ["api", "v1", "pods"] and method == "GET":
+            return self._list_pods(user, query)
         if parts[:3] != ["api", "v1", "nodes"] or len(parts) > 5 or (len(parts) == 5 and parts[4] != "status"):
             raise ApiError(404, "the server could not find the requested resource", "NotFound", {})
         name = parts[3] if len(parts) >= 4 else ""
@@ -1734,6 +1737,26 @@ class KubeEmulator:
         raise ApiError(405, "the server does not allow this method on the requested resource "
                             "(the emulator serves what the agent sends: get and patch of a node)",
                        "MethodNotAllowed", {})
+
+    def add_pod(self, namespace: str, name: str, node: str, uid: str,
+                labels: Optional[Mapping[str, str]] = None) -> None:
+        """A pod bound to `node`, for the pods list (metadata and spec.nodeName only)."""
+        with self._lock:
+            self._pods.append({"metadata": {"namespace": namespace, "name": name, "uid": uid,
+                                            "labels": dict(labels or {})}, "spec": {"nodeName": node}})
+
+    def _list_pods(self, user: User, query: dict[str, list[str]]) -> tuple[int, Any, dict[str, str]]:
+        """GET /api/v1/pods with a spec.nodeName field selector: the Node authorizer lets a node list the
+        pods bound to it, and no others (a list without that selector is refused)."""
+        selector = query.get("fieldSelector", [""])[-1]
+        node = selector[len("spec.nodeName="):] if selector.startswith("spec.nodeName=") else None
+        if MASTERS_GROUP not in user.groups and (node is None or node != user.node_name):
+            raise _forbidden("", f'User "{user.name}" cannot list resource "pods" in API group "" at the cluster '
+                                 "scope: can only list/watch pods with spec.nodeName field selector")
+        with self._lock:
+            items = [copy.deepcopy(pod) for pod in self._pods if node is None or pod["spec"]["nodeName"] == node]
+        return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._rv)},
+                     "items": items}, {}
 
     def _write(self, name: str, subresource: str, query: dict[str, list[str]], body: bytes,
                handler: _Handler, user: User) -> tuple[int, Any, dict[str, str]]:

@@ -134,7 +134,8 @@ def test_device_ids_map_to_gpus_and_gpu_instances(node: Node) -> None:
     holders = attribute(decoded, node.state.inventory)
     assert holders == {
         (gpu0, None): (Holder("ml", "trainer", "main"),),
-        (gpu1, None): (Holder("ml", "shared-b", "a"), Holder("ml", "shared-b", "b")),
+        # the replica (device id <uuid>::n) is kept, for metrics.virtual_gpus' vgpu label
+        (gpu1, None): (Holder("ml", "shared-b", "a", "3"), Holder("ml", "shared-b", "b", "0")),
         (node.gpus[2].uuid, node.mig[1].gpu_instance_id): (Holder("dev", "notebook", "nb"),),
     }
     assert attribute(decoded, None) == {}
@@ -294,7 +295,7 @@ def test_names_kubernetes_would_not_accept_never_become_label_values(node: Node,
     result = asyncio.run(node.labels().refresh())
     assert result.error is None and result.skipped == 6
     assert result.of(gpu0) == (Holder("ml", "trainer", "main"),)
-    assert result.of(gpu1) == (Holder("ml", "a" * 253, "c" * 63),)
+    assert result.of(gpu1) == (Holder("ml", "a" * 253, "c" * 63, "7"),)
     text = render(node.registry)
     assert len(text) < 64 << 10 and b"evil" not in text and b"forged_metric" not in text
     assert node.state.to_json()["pod_labels"]["skipped_holders"] == 6

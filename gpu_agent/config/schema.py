@@ -4,6 +4,7 @@ The sections are frozen dataclasses (config/section.py): the types the agent run
 pydantic (config/loader.py)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Annotated, Literal, Optional, Union
 
@@ -14,10 +15,31 @@ from gpu_agent.config.endpoint import (DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MA
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
 from gpu_agent.config.plugin import PluginConfig
-from gpu_agent.config.section import PATH_MAX, AllOr, Bounds, Check, Section, absolute_path, seconds, setting, shown
+from gpu_agent.config.section import (PATH_MAX, AbsolutePath, AllOr, Bounds, Check, Section, absolute_path, seconds,
+                                      setting, shown)
 from gpu_agent.config.toolkit import ToolkitConfig
 
 MAX_GPUS = 1024  # more than any node has: catches a typo, not a machine
+EXPORTER_SERIES = ("DCGM_EXP_XID_ERRORS_COUNT", "DCGM_EXP_CLOCK_EVENTS_COUNT", "DCGM_EXP_GPU_HEALTH_STATUS",
+                   "DCGM_EXP_P2P_STATUS")
+ExporterSeries = Literal["DCGM_EXP_XID_ERRORS_COUNT", "DCGM_EXP_CLOCK_EVENTS_COUNT", "DCGM_EXP_GPU_HEALTH_STATUS",
+                         "DCGM_EXP_P2P_STATUS"]
+
+
+def _regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"{shown(value)} is not a regular expression: {exc}") from None
+    return value
+
+
+def _one_or_list(value: object) -> object:
+    return [value] if isinstance(value, str) else value
+
+
+Regex = Annotated[str, Bounds(max_length=1024), Check(_regex)]
+RegexList = Annotated[list[Regex], Bounds(max_length=64), Check(_one_or_list, before=True)]
 
 
 @dataclass(frozen=True)
@@ -77,6 +99,47 @@ class MetricsConfig(Section):
     pod_labels: bool = setting(
         False, "Add pod, namespace and container labels to the GPU metrics, from the kubelet's "
                "pod-resources API (/var/lib/kubelet/pod-resources/kubelet.sock), as dcgm-exporter does.")
+    pod_uid: bool = setting(
+        False, "With pod_labels: also a pod_uid label (dcgm-exporter's --kubernetes-enable-pod-uid), the UID "
+               "read from the Kubernetes API with the node's credentials (kubernetes.kubeconfig).")
+    pod_kubernetes_labels: bool = setting(
+        False, "With pod_labels: also the pod's own Kubernetes labels, names sanitized to [a-zA-Z0-9_] "
+               "(dcgm-exporter's --kubernetes-enable-pod-labels), read from the Kubernetes API.")
+    pod_label_allowlist_regex: RegexList = setting(
+        [], "With pod_kubernetes_labels: only the pod labels whose key one of these regular expressions "
+            "matches, anywhere in the key (a regex or a list); empty: every label.")
+    legacy_label_names: bool = setting(
+        False, "dcgm-exporter 1.x's label names (--use-old-namespace): uuid, pod_name, pod_namespace and "
+               "container_name for UUID, pod, namespace and container.")
+    virtual_gpus: bool = setting(
+        False, "With pod_labels: shared GPUs (time-slicing, MPS) as dcgm-exporter's KUBERNETES_VIRTUAL_GPUS: "
+               "a vgpu label for the replica, and DCGM_FI_DEV_GPU_UTIL and DCGM_FI_DEV_FB_USED per pod from "
+               "each process' utilisation and memory (NVML), beside the GPU's own series.")
+    hpc_job_mapping_dir: Optional[AbsolutePath] = setting(
+        None, "A directory of files named by GPU index (or <gpu>.<gpu instance>) listing job ids, one a line; "
+              "each job is an hpc_job label (dcgm-exporter's --hpc-job-mapping-dir). Under --root.")
+    hostname_label: Literal["Hostname", "hostname", "none"] = setting(
+        "Hostname", "Name of the host label: Hostname (dcgm-exporter's releases to 4.8), hostname (its main "
+                    "branch since d5e5f51) or none (left out, as its --no-hostname).")
+    exporter_series: list[ExporterSeries] = setting(
+        [], "dcgm-exporter's own series to add (its default-counters.csv has them commented out): "
+            "DCGM_EXP_XID_ERRORS_COUNT, DCGM_EXP_CLOCK_EVENTS_COUNT, DCGM_EXP_GPU_HEALTH_STATUS, "
+            "DCGM_EXP_P2P_STATUS.", max_length=4)
+    xid_count_window_seconds: float = seconds(
+        300, 86400, "DCGM_EXP_XID_ERRORS_COUNT counts the XIDs of this window (--xid-count-window-size).")
+    clock_events_count_window_seconds: float = seconds(
+        300, 86400, "DCGM_EXP_CLOCK_EVENTS_COUNT counts the samples with each clock event reason in this window "
+                    "(--clock-events-count-window-size).")
+
+    def __post_init__(self) -> None:
+        needs = {"pod_uid": "pod_labels", "pod_kubernetes_labels": "pod_labels", "virtual_gpus": "pod_labels",
+                 "pod_label_allowlist_regex": "pod_kubernetes_labels"}
+        for key, needed in needs.items():
+            if getattr(self, key) and not getattr(self, needed):
+                raise ValueError(f"{key} takes effect only with {needed}: true (dcgm-exporter ignores it "
+                                 f"silently; set {needed}: true or remove {key})")
+        if len(set(self.exporter_series)) != len(self.exporter_series):
+            raise ValueError("exporter_series names a series twice")
 
 
 @dataclass(frozen=True)

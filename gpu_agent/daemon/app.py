@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,7 +313,9 @@ class Daemon:
         self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,
                                     self.state.publish_pods,
                                     lambda: self.config.metrics.pod_labels,
-                                    lambda: self.config.metrics.sample_interval_seconds)
+                                    lambda: self.config.metrics.sample_interval_seconds,
+                                    metadata=self._pod_metadata)
+        self._metadata: Optional[tuple[tuple[Any, ...], Any]] = None  # (its settings, metrics.pod_metadata.PodMetadata)
         self.registry = make_registry(self.collector)
         self.http = HttpServer(build_app(self.state, self.registry, self.stalled), runtime.root, self._http_error)
         self.xids = XidWatcher(runtime.nvml, self.state, self._after_xid)
@@ -539,6 +542,24 @@ class Daemon:
         kept = {stage.name: stage for stage in self.runtime.engine.stages}
         return [kept[new.name] if new.name in kept and _same_stage(kept[new.name], new) else new
                 for new in self.runtime.stages(config)]
+
+    def _pod_metadata(self) -> Any:
+        """Where the pods holding GPUs are read from the Kubernetes API (their UIDs and labels), while a
+        metrics setting needs them: with the node's credentials, on the node's request budget, apart from
+        the Node's own requests' retry schedule (a pod list refused does not hold back the Node's labels)."""
+        metrics, kube = self.config.metrics, self.config.kubernetes
+        if not (metrics.pod_uid or metrics.pod_kubernetes_labels or metrics.virtual_gpus):
+            return None
+        key = (kube.kubeconfig, kube.node_name, kube.request_timeout_seconds)
+        if self._metadata is None or self._metadata[0] != key:
+            from gpu_agent.kube.client import KubeClient
+            from gpu_agent.metrics.pod_metadata import PodMetadata
+
+            client = KubeClient(self.runtime.root, kube.kubeconfig, kube.request_timeout_seconds,
+                                self.runtime.kube_budget)
+            node = kube.node_name or socket.gethostname().strip().lower()  # as the labels stage names the Node
+            self._metadata = (key, PodMetadata(lambda limit: client.list_pods(node, limit)))
+        return self._metadata[1]
 
     def _apply_config(self, loaded: LoadedConfig, stages: list[Stage]) -> None:
         config = loaded.config

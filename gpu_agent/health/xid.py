@@ -112,6 +112,7 @@ class XidWatcher:
         devices of the GPU instance NVML attributes it to) unhealthy now."""
         for uuid in self._affected(event):
             self._record_on(uuid, event)
+        self.state.note_xid(event.gpu_uuid, event.xid, self.clock())
         self.on_change()
 
     def _affected(self, event: XidEvent) -> list[str]:

@@ -86,6 +86,12 @@ class KubeClient:
         path = _node_path(name)
         return _checked_node(self._request("GET", path), f"GET {path}")
 
+    def list_pods(self, node: str, limit: int) -> dict[str, Any]:
+        """The PodList of the pods bound to `node` (the Node authorizer lets a node list those), at most
+        `limit` of them; the caller reads their metadata."""
+        query = f"fieldSelector={quote('spec.nodeName=' + node, safe='')}&limit={limit}"
+        return self._request("GET", f"/api/v1/pods?{query}")
+
     def patch_node(self, name: str, patch: dict[str, Any], status: bool = False,
                    content_type: str = MERGE_PATCH, conflicts: int = 0) -> dict[str, Any]:
         """`conflicts`: the 409s this write met before (the ApiState re-reads after at most a few)."""

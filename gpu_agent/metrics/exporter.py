@@ -12,19 +12,11 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional
 
 from gpu_agent import __version__
-from gpu_agent.metrics import text
-from gpu_agent.metrics.dcgm import (
-    DEFAULT_COUNTERS,
-    LABELS,
-    MIG_LABELS,
-    XID_ERRORS,
-    XID_LABELS,
-    Counter,
-    dcgm_bus_id,
-    xid_labels,
-)
-from gpu_agent.metrics.pods import LABELS as POD_LABELS
+from gpu_agent.metrics import exp, text
+from gpu_agent.metrics.dcgm import DEFAULT_COUNTERS, LABELS, XID_ERRORS, XID_LABELS, Counter, dcgm_bus_id, xid_labels
 from gpu_agent.metrics.text import Family
+from gpu_agent.metrics.view import PER_PROCESS
+from gpu_agent.metrics.view import SeriesView as _View
 from gpu_agent.nvml.model import Gpu
 from gpu_agent.state import AgentState
 
@@ -136,23 +128,28 @@ class AgentCollector:
                 self.hostname, driver]
 
     def dcgm_text(self) -> str:
-        """dcgm-exporter's default counters, in its text format: one block per counter name."""
+        """dcgm-exporter's default counters, then the DCGM_EXP_* series asked for, in its text format: one
+        block per counter name."""
         inventory = self.state.inventory
         if inventory is None:
             return ""
+        view = _View(self.state, self.hostname)
         blocks = []
         for counter in DEFAULT_COUNTERS + (XID_ERRORS,):
-            lines = [line for gpu in inventory.gpus for line in self._series(counter, gpu)]
+            lines = [line for gpu in inventory.gpus for line in self._series(view, counter, gpu)]
             if lines:
                 blocks.append(f"# HELP {counter.name} {counter.help}\n# TYPE {counter.name} {counter.kind}\n"
                               + "".join(lines))
+        for name in view.settings.exporter_series:
+            lines = [line for gpu in inventory.gpus for line in self._exp_series(view, exp.SERIES[name], gpu)]
+            if lines:
+                blocks.append(f"# HELP {name} {exp.SERIES[name].help}\n# TYPE {name} {exp.KIND}\n" + "".join(lines))
         return "".join(blocks)
 
-    def _series(self, counter: Counter, gpu: Gpu) -> Iterator[str]:
+    def _series(self, view: _View, counter: Counter, gpu: Gpu) -> Iterator[str]:
         """As dcgm-exporter's default (flex) monitoring: a GPU without GPU instances is one series; a GPU
         with GPU instances is monitored through them only, one series each with GPU_I_PROFILE and GPU_I_ID:
         its own value for what a GPU instance has (framebuffer, GPM), its GPU's for the rest."""
-        labels = self._labels(gpu)
         sample = self.state.samples.get(gpu.uuid)
         if counter is XID_ERRORS:
             value: Optional[float] = self._last_xid(gpu.uuid)
@@ -160,11 +157,12 @@ class AgentCollector:
             return
         else:
             value = getattr(sample, counter.field)
+        per_process = counter.name if counter.name in PER_PROCESS else None
         instances = sample.mig if sample is not None else ()
         if not instances:
             if value is not None:
-                yield from self._attributed(counter.name, LABELS, labels, value, gpu.uuid,
-                                            attributes=_attributes(counter, value))
+                yield from view.expanded(counter.name, view.fixed(gpu), gpu, None, {},
+                                         _attributes(counter, value), value, per_process)
             return
         for instance in instances:
             own: Optional[float]
@@ -173,9 +171,34 @@ class AgentCollector:
             else:
                 own = getattr(instance, counter.field) if counter.per_gpu_instance else value
             if own is not None:
-                mig_labels = labels[:5] + [instance.profile, str(instance.gpu_instance_id)] + labels[5:]
-                yield from self._attributed(counter.name, MIG_LABELS, mig_labels, own, gpu.uuid,
-                                            instance.gpu_instance_id, _attributes(counter, own))
+                yield from view.expanded(counter.name, view.fixed(gpu, instance.profile, instance.gpu_instance_id),
+                                         gpu, instance.gpu_instance_id, {}, _attributes(counter, own), own,
+                                         per_process)
+
+    def _exp_series(self, view: _View, series: exp.ExpSeries, gpu: Gpu) -> Iterator[str]:
+        rows = list(self._exp_rows(view, series.name, gpu))
+        sample = self.state.samples.get(gpu.uuid)
+        instances = sample.mig if sample is not None and series.per_gpu_instance else ()
+        entities: list[tuple[list[tuple[str, str]], Optional[int]]] = [
+            (view.fixed(gpu, i.profile, i.gpu_instance_id), i.gpu_instance_id) for i in instances]
+        if not entities:
+            entities.append((view.fixed(gpu), None))
+        for fixed, gpu_instance in entities:
+            for labels, value in rows:
+                yield from view.expanded(series.name, fixed, gpu, gpu_instance, labels, {}, value, None)
+
+    def _exp_rows(self, view: _View, name: str, gpu: Gpu) -> Iterator[tuple[dict[str, str], int]]:
+        settings, now = view.settings, time.time()
+        if name == exp.XID_COUNT:
+            yield from exp.xid_rows(self.state.xid_log.get(gpu.uuid, ()), now, settings.xid_count_window_seconds)
+        elif name == exp.CLOCK_EVENTS_COUNT:
+            if gpu.uuid in self.state.samples:  # a GPU NVML cannot read has no reasons to count
+                yield from exp.clock_event_rows(self.state.clock_events.get(gpu.uuid, ()), now,
+                                                settings.clock_events_count_window_seconds)
+        elif name == exp.HEALTH_STATUS:
+            yield from exp.health_rows(self.state.health.get(gpu.uuid))
+        elif name == exp.P2P_STATUS:
+            yield from exp.p2p_rows(self.state.p2p.get(gpu.uuid, ()))
 
     def _last_xid(self, uuid: str, mig_devices: tuple[str, ...] = ()) -> float:
         """The last XID of a GPU, or of a GPU instance's MIG devices when they have one of their own."""
@@ -188,19 +211,6 @@ class AgentCollector:
     @staticmethod
     def _devices_of(gpu: Gpu, gpu_instance: int) -> tuple[str, ...]:
         return tuple(device.uuid for device in gpu.mig.devices if device.gpu_instance_id == gpu_instance)
-
-    def _attributed(self, name: str, names: tuple[str, ...], values: list[str], value: float, uuid: str,
-                    gpu_instance: Optional[int] = None, attributes: tuple[tuple[str, str], ...] = ()) -> Iterator[str]:
-        """The series, or with metrics.pod_labels one per container holding the GPU or GPU instance.
-        dcgm-exporter writes its attributes (the pod labels, XID's err_code and err_msg) after the labels,
-        sorted by name."""
-        holders = self.state.pods.of(uuid, gpu_instance) if self.state.pods is not None else ()
-        if not holders:
-            yield text.sample(name, names + tuple(k for k, _ in attributes), values + [v for _, v in attributes],
-                              value)
-        for holder in holders:
-            merged = sorted(attributes + tuple(zip(POD_LABELS, holder.labels)))
-            yield text.sample(name, names + tuple(k for k, _ in merged), values + [v for _, v in merged], value)
 
     def _health_transitions(self) -> Family:
         transitions = text.counter("gpu_agent_gpu_health_transitions",
@@ -244,5 +254,5 @@ def content_type() -> str:
     return text.CONTENT_TYPE
 
 
-def _attributes(counter: Counter, value: float) -> tuple[tuple[str, str], ...]:
-    return tuple(zip(XID_LABELS, xid_labels(int(value)))) if counter is XID_ERRORS else ()
+def _attributes(counter: Counter, value: float) -> dict[str, str]:
+    return dict(zip(XID_LABELS, xid_labels(int(value)))) if counter is XID_ERRORS else {}

@@ -19,12 +19,13 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.host.paths import Root
+from gpu_agent.metrics.pod_metadata import PodKey, PodMeta, PodMetadata
 from gpu_agent.nvml.model import Inventory
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 TIMEOUT_S = 5.0
+MAX_REPLICA_CHARS = 16  # the n of <uuid>::n: a longer one is no replica number, and no label value
 MAX_HOLDERS = 256  # per device: more containers than this on one GPU is not a real node's answer
 LABELS = ("container", "namespace", "pod")  # in the order dcgm-exporter writes them (its attributes, sorted)
 
@@ -45,6 +47,7 @@ class Holder:
     namespace: str
     pod: str
     container: str
+    replica: str = ""  # of a shared GPU: the n of its device id <uuid>::n (metrics.virtual_gpus' vgpu label)
 
     @property
     def labels(self) -> list[str]:
@@ -60,18 +63,25 @@ class PodAttribution:
     error: Optional[str] = None
     at: Optional[float] = None  # when the kubelet last answered (unix time)
     skipped: int = 0  # holders whose names Kubernetes would not accept (kube/podresources.py)
+    metadata: dict[PodKey, PodMeta] = field(default_factory=dict)  # the holders' pods, from the Kubernetes API
+    metadata_error: Optional[str] = None  # why the API's answer is missing or old
 
     def of(self, uuid: str, gpu_instance: Optional[int] = None) -> tuple[Holder, ...]:
         return self.holders.get((uuid, gpu_instance), ())
+
+    def meta(self, holder: Holder) -> Optional[PodMeta]:
+        return self.metadata.get((holder.namespace, holder.pod))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "error": self.error,
             "updated_at": self.at,
             "skipped_holders": self.skipped,
+            "pod_metadata_error": self.metadata_error,
             "devices": [
                 {"uuid": uuid, "gpu_instance_id": gi,
-                 "holders": [{"pod": h.pod, "namespace": h.namespace, "container": h.container} for h in holders]}
+                 "holders": [{"pod": h.pod, "namespace": h.namespace, "container": h.container,
+                              **({"replica": h.replica} if h.replica else {})} for h in holders]}
                 for (uuid, gi), holders in sorted(self.holders.items(), key=lambda item: (item[0][0], _gi(item[0][1])))
             ],
         }
@@ -91,12 +101,13 @@ def attribute(response: Holdings, inventory: Optional[Inventory]) -> dict[Key, t
     found: dict[Key, set[Holder]] = {}
     for pod in response.pod_resources:
         for container in pod.containers:
-            holder = Holder(pod.namespace, pod.name, container.name)
             for device in container.devices:
                 for device_id in device.device_ids:
-                    key = devices.get(device_id.partition("::")[0])
+                    uuid, _, replica = device_id.partition("::")
+                    key = devices.get(uuid)
+                    replica = replica if len(replica) <= MAX_REPLICA_CHARS else ""
                     if key is not None:
-                        found.setdefault(key, set()).add(holder)
+                        found.setdefault(key, set()).add(Holder(pod.namespace, pod.name, container.name, replica))
     return {key: tuple(sorted(holders)[:MAX_HOLDERS]) for key, holders in found.items()}
 
 
@@ -132,7 +143,11 @@ class PodLabels:
 
     def __init__(self, root: Root, inventory: Callable[[], Optional[Inventory]],
                  publish: Callable[[Optional[PodAttribution]], None], enabled: Callable[[], bool],
-                 interval: Callable[[], float], timeout: float = TIMEOUT_S) -> None:
+                 interval: Callable[[], float], timeout: float = TIMEOUT_S,
+                 metadata: Callable[[], Optional[PodMetadata]] = lambda: None) -> None:
+        """`metadata`: where the holders' pods are read from the Kubernetes API, None while no setting
+        needs them."""
+        self.metadata = metadata
         self.socket = root(SOCKET)
         self.inventory = inventory
         self.publish = publish
@@ -172,6 +187,11 @@ class PodLabels:
             inventory = self.inventory()
             holders = await asyncio.to_thread(attribute, response, inventory)
             attribution = PodAttribution(holders, None, time.time(), response.skipped)
+            source = self.metadata()
+            if source is not None:
+                wanted = {(h.namespace, h.pod) for found in holders.values() for h in found}
+                known = await asyncio.to_thread(source.lookup, wanted)
+                attribution = replace(attribution, metadata=known, metadata_error=source.error)
         except asyncio.TimeoutError:
             attribution = self._failed(f"the kubelet's pod-resources API at {self.socket} did not answer List "
                                        f"within {self.timeout:g} s")

@@ -12,6 +12,7 @@ from gpu_agent.host.processes import named
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.nvml.session import NvmlHung, NvmlUnavailable, describe
 from gpu_agent.health.policy import cleared
+from gpu_agent.metrics.extras import ExporterReadings
 from gpu_agent.metrics.gpm import Profiling
 from gpu_agent.nvml.model import Gpu, GpuSample
 from gpu_agent.state import AgentState, GpuProcess
@@ -28,6 +29,7 @@ class Sampler:
         self._misplaced: set[str] = set()  # lost GPUs found answering at another bus id, already logged
         self._nvlink: dict[str, tuple[float, float]] = {}  # by GPU UUID: the last NVLink counter (KiB) and when
         self.profiling = Profiling(nvml)
+        self.extras = ExporterReadings(nvml, root)
 
     def sample(self) -> None:
         """Read every known GPU once; runs on a worker thread. A sample already in progress wins."""
@@ -67,7 +69,12 @@ class Sampler:
             self.state.publish_nvml_error(str(exc))
             return
         self.profiling.keep_only(samples)
-        self.state.publish_samples(samples, processes, time.time())
+        now = time.time()
+        settings = self.state.config.config.metrics
+        if settings.virtual_gpus:
+            processes = self.extras.with_pods(processes)
+        self.state.publish_samples(samples, processes, now)
+        self.state.publish_exporter_readings(*self.extras.read(settings, inventory.gpus, samples, now))
 
     def _read_every(self, gpus: tuple[Gpu, ...]) -> list[Any]:
         """On the NVML worker: each GPU's reading, or the NVMLError it answered (the others go on)."""
@@ -81,9 +88,10 @@ class Sampler:
 
     def _read(self, gpu: Gpu) -> tuple[GpuSample, tuple[GpuProcess, ...]]:
         sample = self.profiling.add_to(self._nvlink_rate(gpu.uuid, self.nvml.sampling.sample(gpu.index, gpu.mig)), gpu)
-        used = self.nvml.inventory.processes(gpu.index)
-        names = named(self.root, [pid for pid, _ in used])
-        return sample, tuple(GpuProcess(pid, process.name or "?", mib) for (pid, mib), process in zip(used, names))
+        used = self.nvml.inventory.process_details(gpu.index, self.state.config.config.metrics.virtual_gpus)
+        names = named(self.root, [pid for pid, *_ in used])
+        return sample, tuple(GpuProcess(pid, process.name or "?", mib, sm, gpu_instance_id=gi)
+                             for (pid, mib, gi, sm), process in zip(used, names))
 
     def _nvlink_rate(self, uuid: str, sample: GpuSample) -> GpuSample:
         """DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL as DCGM works it out: the NVLink data counter's growth since

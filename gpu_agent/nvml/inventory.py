@@ -338,6 +338,48 @@ class NvmlInventory:
         except self.session.lib.NVMLError as exc:
             raise AgentError(f"GPU {uuid}: {describe(exc)}") from None
 
+    def process_details(self, index: int, utilization: bool) -> list[tuple[int, float, Optional[int], Optional[int]]]:
+        """(pid, MiB used, GPU instance id on a MIG GPU or None, SM utilisation % or None) of each compute
+        process; the utilisation (NVML's last sample of each process) only when asked, and only where NVML
+        keeps it (not in MIG mode)."""
+        self.session.init()
+        handle = self.session.handle(index)
+        lib = self.session.lib
+        found = self.session.call("nvmlDeviceGetComputeRunningProcesses", handle)
+        sm: dict[int, int] = {}
+        if utilization:
+            try:
+                for sample in self.session.call("nvmlDeviceGetProcessUtilization", handle, 0):
+                    sm[sample.pid] = sample.smUtil  # the last sample of each process wins, as dcgm-exporter reads them
+            except (lib.NVMLError_NotFound, lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound):
+                pass  # no sample since the driver started keeping them, or none in this mode
+        no_instance = 0xFFFFFFFF
+        return [(p.pid, (p.usedGpuMemory or 0) / (1024 * 1024),
+                 None if getattr(p, "gpuInstanceId", no_instance) == no_instance else p.gpuInstanceId, sm.get(p.pid))
+                for p in found]
+
+    def p2p_status(self, gpus: tuple[Gpu, ...]) -> dict[str, tuple[tuple[int, int], ...]]:
+        """By GPU UUID: NVML's NVLink P2P status towards every other GPU (peer index, nvmlGpuP2PStatus_t); a
+        pair NVML cannot say for is NOT_SUPPORTED (5), as DCGM reports it."""
+        self.session.init()
+        lib = self.session.lib
+        readable = [gpu for gpu in gpus if not gpu.unreadable]
+        handles = {gpu.index: self.session.handle(gpu.index) for gpu in readable}
+        found: dict[str, tuple[tuple[int, int], ...]] = {}
+        for gpu in readable:
+            peers = []
+            for peer in readable:
+                if peer.index == gpu.index:
+                    continue
+                try:
+                    status = int(self.session.call("nvmlDeviceGetP2PStatus", handles[gpu.index], handles[peer.index],
+                                                   getattr(lib, "NVML_P2P_CAPS_INDEX_NVLINK", 2)))
+                except (lib.NVMLError_NotSupported, lib.NVMLError_FunctionNotFound, lib.NVMLError_InvalidArgument):
+                    status = 5
+                peers.append((peer.index, status))
+            found[gpu.uuid] = tuple(peers)
+        return found
+
     def processes(self, index: int) -> list[tuple[int, float]]:
         """(pid, MiB of GPU memory used) of each compute process on the GPU."""
         self.session.init()

@@ -236,6 +236,7 @@ class GpuSample:
     pcie_tx_bytes: Optional[float] = None
     pcie_rx_bytes: Optional[float] = None
     profiling_unavailable: Optional[str] = None  # why the GPM series above are left out
+    clock_event_reasons: Optional[int] = None  # NVML's bitmask of why the clocks are held down now
     mig: tuple[MigSample, ...] = ()  # by GPU instance, where MIG is enabled
 
 

@@ -58,6 +58,7 @@ class NvmlSampling:
         read("nvmlDeviceGetPcieReplayCounter", into=lambda n: {"pcie_replays": float(n)})
         read("nvmlDeviceGetEncoderUtilization", into=lambda u: {"encoder_utilization_percent": float(u[0])})
         read("nvmlDeviceGetDecoderUtilization", into=lambda u: {"decoder_utilization_percent": float(u[0])})
+        read("nvmlDeviceGetCurrentClocksEventReasons", into=lambda reasons: {"clock_event_reasons": int(reasons)})
         read("nvmlDeviceGetRemappedRows", into=lambda rows: {
             "correctable_remapped_rows": float(rows[0]), "uncorrectable_remapped_rows": float(rows[1]),
             "row_remap_failure": float(bool(rows[3]))})

@@ -51,6 +51,7 @@ _CLOCKS_MHZ = {
 _SLOWDOWN_C = {"H100-80GB-HBM3": 89, "H200": 89, "A100-SXM4-40GB": 92, "A100-SXM4-80GB": 92, "A30": 92, "T4": 93,
                "default": 90}
 
+PROCESS_SM_UTIL = 35  # % of the SMs a simulated process keeps busy, unless it says its own (sm_util)
 HANG = "hang"  # a fault that blocks the call until the fault is cleared
 _HANG_LIMIT_S = 3600.0
 _POLL_S = 0.05
@@ -355,7 +356,7 @@ class FakeNvml:
         return gpu, model
 
     def _utilization(self, gpu: dict[str, Any]) -> int:
-        return min(100, 35 * len(gpu["processes"]))
+        return min(100, sum(p.get("sm_util", PROCESS_SM_UTIL) for p in gpu["processes"]))
 
     # --- init and system -------------------------------------------------------------------
 
@@ -641,6 +642,29 @@ class FakeNvml:
                                        "computeInstanceId": p.get("compute_instance_id", 0xFFFFFFFF)})
             for p in gpu["processes"]
         ]
+
+    @_nvml
+    def nvmlDeviceGetProcessUtilization(self, handle: SimHandle, since: int) -> list[Any]:
+        """A sample per process of the whole GPU, as the driver keeps them; none: NVML's NOT_FOUND."""
+        gpu = self._whole_gpu(handle)
+        if gpu["mig"]["current"]:  # NVML has no per-process utilisation in MIG mode
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        now = int(time.time() * 1_000_000)
+        samples = []
+        for process in gpu["processes"]:
+            sample = pynvml.c_nvmlProcessUtilizationSample_t()
+            sample.pid, sample.timeStamp = process["pid"], now
+            sample.smUtil = process.get("sm_util", PROCESS_SM_UTIL)
+            samples.append(sample)
+        if not samples or now <= since:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return samples
+
+    @_nvml
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: SimHandle) -> int:
+        """The machine's clock_event_reasons of the GPU; an idle GPU's clocks are down for idleness."""
+        gpu = self._whole_gpu(handle)
+        return int(gpu.get("clock_event_reasons", 0x1 if not gpu["processes"] else 0))
 
     # --- GPM: Hopper and later (compute capability 9.0+) -------------------------------------
 

@@ -357,6 +357,15 @@ def _process_stat(pid: int, name: str, parent: int = 1) -> str:
     return f"{pid} ({name[:15]}) {' '.join(after)}\n"
 
 
+def _process_cgroup(pod_uid: Optional[str]) -> str:
+    """/proc/PID/cgroup under cgroup v2: a pod's container as the kubelet's systemd driver names it, or a
+    login session's process."""
+    if not pod_uid:
+        return "0::/user.slice/user-1000.slice/session-1.scope\n"
+    slice_ = f"kubepods-besteffort-pod{pod_uid.replace('-', '_')}.slice"
+    return f"0::/kubepods.slice/kubepods-besteffort.slice/{slice_}/cri-containerd-{'0' * 64}.scope\n"
+
+
 def _built_in(state: dict[str, Any]) -> dict[str, str]:
     """The files of a built-in or machine-file kernel."""
     files: dict[str, str] = {"proc/sys/kernel/osrelease": f"{state['kernel']['release']}\n"}
@@ -367,6 +376,7 @@ def _built_in(state: dict[str, Any]) -> dict[str, str]:
             files[f"proc/{process['pid']}/comm"] = process["name"][:15] + "\n"  # the kernel keeps 15 characters
             files[f"proc/{process['pid']}/cmdline"] = f"/usr/bin/{process['name']}\0"
             files[f"proc/{process['pid']}/stat"] = _process_stat(process["pid"], process["name"])
+            files[f"proc/{process['pid']}/cgroup"] = _process_cgroup(process.get("pod_uid"))
     for pid, parent, _ in mps_servers(state):
         files[f"proc/{pid}/comm"] = MPS_SERVER[:15] + "\n"
         files[f"proc/{pid}/cmdline"] = f"/usr/bin/{MPS_SERVER}\0"
