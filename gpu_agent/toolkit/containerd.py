@@ -103,7 +103,9 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
     _check_cri(document, version)
     files = _Imports(root, version)
     before = files.load(document)
-    imported = IMPORT_GLOB in _patterns(document, ROOT_CONFIG)
+    # Any import that leads to the drop-in will do (`conf.d/*`, a relative path, a file imported by an
+    # imported file): the root file is then left as it is, every import in it kept.
+    imported = DROP_IN in before
     if root_file.text is None:
         root_desired = _minimal_root(version)
     else:
@@ -194,6 +196,13 @@ class _Imports:
                                  f"{_UNCHANGED}")
             document = load(imported.text, imported.shown)
             document.check(FILE_SCHEMA)
+            declared = document.get(("version",), INTEGER)
+            if declared is not None and declared > self.version:
+                raise document.error(("version",), f"version {declared} is newer than the root config's "
+                                     f"{ROOT_CONFIG} (version {self.version}): containerd 1.x reads no version past "
+                                     "2 and 2.0 to 2.2 none past 3, and they refuse to start; write this file in "
+                                     f"version {self.version}, or migrate the root config (`containerd config "
+                                     "migrate`)")
             _check_cri(document, self.version)
             self.cache[path] = _File(imported.text, document)
         return self.cache[path]
