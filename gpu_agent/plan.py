@@ -177,6 +177,35 @@ class RestartService(Change):
 
 
 @dataclass(frozen=True)
+class TakeOverUnit(Change):
+    """Another package's unit that writes what the agent writes: stopped, disabled and masked, what it was
+    recorded first, so that it is put back as it was (GiveBackUnit)."""
+
+    kind: ClassVar[str] = "TakeOverUnit"
+    unit: str
+    file_state: str  # its UnitFileState now
+    active: bool
+
+    def describe(self) -> str:
+        was = f"{self.file_state or 'state unknown'}, {'active' if self.active else 'inactive'}"
+        return f"take over {self.unit} ({was}): stop, disable, mask"
+
+
+@dataclass(frozen=True)
+class GiveBackUnit(Change):
+    """A unit the agent took over, unmasked and enabled and started again as it was."""
+
+    kind: ClassVar[str] = "GiveBackUnit"
+    unit: str
+    file_state: str  # as recorded before the take-over
+    active: bool
+
+    def describe(self) -> str:
+        steps = ["unmask"] + (["enable"] if self.file_state == "enabled" else []) + (["start"] if self.active else [])
+        return f"give back {self.unit}: {', '.join(steps)}"
+
+
+@dataclass(frozen=True)
 class PatchNode(Change):
     kind: ClassVar[str] = "PatchNode"
     node: str

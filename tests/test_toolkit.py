@@ -504,3 +504,143 @@ def test_containerd_2_reads_a_version_2_file_and_dumps_its_own_layout(node: Path
     containerd_config(node, debian)
     (node / DROP_IN).unlink()
     assert "containerd's effective config has no nvidia runtime running" in failed(apply(node))
+
+
+# --- drop-in versions and imports (issue 36: containerd drop-ins that break the runtime) ------------------
+
+
+def test_the_drop_in_takes_the_root_configs_version_whichever_way_it_changes(node: Path) -> None:
+    """Never newer than the root (containerd 1.x refuses 3, 2.0 to 2.2 refuse 4), and regenerated when the root
+    moves either way."""
+    for root_version, text in ((3, CONTAINERD_V3), (2, CONTAINERD_V2), (3, CONTAINERD_V3)):
+        containerd_config(node, text)
+        done = apply(node)
+        assert done.ok, failed(done)
+        assert tomlkit.parse((node / DROP_IN).read_text())["version"] == root_version
+
+
+def test_an_imported_file_newer_than_the_root_is_refused_naming_it(node: Path) -> None:
+    path = containerd_config(node, CONTAINERD_V2.replace("version = 2\n", 'version = 2\nimports = '
+                                                         '["/etc/containerd/conf.d/*.toml"]\n'))
+    site = node / "etc/containerd/conf.d/10-site.toml"
+    site.parent.mkdir(parents=True)
+    site.write_text('version = 3\n[plugins."io.containerd.cri.v1.images"]\n  snapshotter = "overlayfs"\n')
+    message = failed(apply(node))
+    assert message.startswith("/etc/containerd/conf.d/10-site.toml:1: version: version 3 is newer than the root "
+                              "config's /etc/containerd/config.toml (version 2)") and "nothing was changed" in message
+    assert not (node / DROP_IN).exists() and "imports" in path.read_text() and restarts(node) == 0
+    site.write_text("version = 2\n")
+    assert apply(node).ok
+
+
+def test_a_drop_in_nvidia_ctk_wrote_newer_than_the_root_is_replaced_in_the_roots_version(node: Path) -> None:
+    """nvidia-ctk's drop-in has the agent's name: it is rewritten in the root's version, its original kept."""
+    containerd_config(node, CONTAINERD_V2.replace("version = 2\n", 'version = 2\nimports = '
+                                                  '["/etc/containerd/conf.d/*.toml"]\n'))
+    theirs = 'version = 3\n[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia]\n  runtime_type = "x"\n'
+    (node / DROP_IN).parent.mkdir(parents=True)
+    (node / DROP_IN).write_text(theirs)
+    assert apply(node).ok
+    assert tomlkit.parse((node / DROP_IN).read_text())["version"] == 2
+    assert SimNode(node, "dgx-h100").uninstall().ok and (node / DROP_IN).read_text() == theirs
+
+
+def test_imports_are_kept_globs_and_relative_paths_included(node: Path) -> None:
+    root_text = CONTAINERD_V2.replace("version = 2\n", 'version = 2\nimports = ["/etc/containerd/certs.d/*.toml", '
+                                      '"site.toml"]\n')
+    path = containerd_config(node, root_text)
+    (node / "etc/containerd/certs.d").mkdir()
+    (node / "etc/containerd/certs.d/a.toml").write_text("version = 2\n")
+    (node / "etc/containerd/site.toml").write_text("version = 2\n")
+    assert apply(node).ok
+    document = tomlkit.parse(path.read_text())
+    assert document["imports"] == ["/etc/containerd/certs.d/*.toml", "site.toml", "/etc/containerd/conf.d/*.toml"]
+    assert path.read_text().replace(', "/etc/containerd/conf.d/*.toml"', "") == root_text
+    other = node / "etc/containerd/conf.d/50-other.toml"  # another tool's drop-in, beside the agent's
+    other.write_text("version = 2\n")
+    assert apply(node).ok and other.read_text() == "version = 2\n"
+    assert tomlkit.parse(path.read_text())["imports"] == document["imports"]
+
+
+@pytest.mark.parametrize("written", ['"/etc/containerd/conf.d/*"', '"conf.d/99-nvidia.toml"'])
+def test_an_import_that_already_leads_to_the_drop_in_leaves_the_root_as_it_is(node: Path, written: str) -> None:
+    root_text = CONTAINERD_V2.replace("version = 2\n", f"version = 2\nimports = [{written}]\n")
+    path = containerd_config(node, root_text)
+    done = apply(node)
+    assert done.ok, failed(done)
+    assert path.read_text() == root_text and (node / DROP_IN).exists()
+    assert ("WriteFile", "/etc/containerd/config.toml") not in changes(done)
+
+
+# --- a drop-in nvidia-ctk wrote at the agent's path (nvidia-ctk runtime configure, 1.18+: cmd/nvidia-ctk/runtime/
+# configure/configure.go at v1.20.0, f0c382c8, writes /etc/containerd/conf.d/99-nvidia.toml and
+# /etc/crio/crio.conf.d/99-nvidia.toml) ----------------------------------------------------------------------
+
+
+def as_nvidia_ctk(ours: str, binary: str = BINARY) -> str:
+    """The agent's drop-in as nvidia-ctk would write it: no header, an extra key of its own in the runtime."""
+    from gpu_agent.toolkit.containerd import HEADER
+
+    document = tomlkit.parse(ours.replace(HEADER, ""))
+    runtime = document["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["nvidia"]
+    runtime["privileged_without_host_devices"] = False
+    runtime["options"]["BinaryName"] = binary
+    return tomlkit.dumps(document)
+
+
+def test_a_sufficient_nvidia_ctk_drop_in_is_recognised_and_never_rewritten(node: Path) -> None:
+    containerd_config(node, CONTAINERD_V2)
+    assert apply(node).ok
+    theirs = as_nvidia_ctk((node / DROP_IN).read_text())
+    (node / DROP_IN).write_text(theirs)  # nvidia-ctk runtime configure, run after the agent
+    for _ in range(2):  # no turn taking: the agent leaves it, pass after pass
+        done = apply(node)
+        assert done.ok and ("WriteFile", "/" + DROP_IN) not in changes(done)
+        assert (node / DROP_IN).read_text() == theirs
+    assert restarts(node) == 1
+    gone = SimNode(node, "dgx-h100").uninstall()
+    message = gone.stage("owned-files").message
+    assert "changed since gpu-agent wrote them: /etc/containerd/conf.d/99-nvidia.toml" in message
+    assert (node / DROP_IN).read_text() == theirs
+
+
+def test_an_nvidia_ctk_drop_in_running_another_binary_is_replaced_and_put_back(node: Path, tmp_path: Path) -> None:
+    containerd_config(node, CONTAINERD_V2)
+    assert apply(node).ok
+    ours = (node / DROP_IN).read_text()
+    (node / "var/lib/gpu-agent/ledger.json").unlink()  # as if nvidia-ctk's came first
+    shutil.rmtree(node / "var/lib/gpu-agent/originals")
+    theirs = as_nvidia_ctk(ours, "/usr/local/nvidia/toolkit/nvidia-container-runtime")
+    (node / DROP_IN).write_text(theirs)
+    done = apply(node)
+    assert done.ok and ("WriteFile", "/" + DROP_IN) in changes(done) and (node / DROP_IN).read_text() == ours
+    assert SimNode(node, "dgx-h100").uninstall().ok and (node / DROP_IN).read_text() == theirs
+
+
+CRIO_NVIDIA_CTK = '[crio.runtime.runtimes.nvidia]\nruntime_path = "{binary}"\nruntime_type = "oci"\n'
+
+
+def test_crio_gets_no_drop_in_of_the_agents_where_nvidia_ctks_gives_the_runtime(node: Path) -> None:
+    (node / "etc/crio/crio.conf.d").mkdir(parents=True)
+    (node / "etc/crio/crio.conf").write_text('[crio.runtime]\ndefault_runtime = "crun"\n')
+    done = apply(node, {"toolkit": {"runtimes": ["crio"]}})
+    assert done.ok and (node / "etc/crio/crio.conf.d/99-nvidia.conf").exists()
+    theirs = node / "etc/crio/crio.conf.d/99-nvidia.toml"
+    theirs.write_text(CRIO_NVIDIA_CTK.format(binary=BINARY))
+    done = apply(node, {"toolkit": {"runtimes": ["crio"]}})
+    assert done.ok, [(run.stage, run.message) for run in done.runs]
+    assert ("RemoveFile", "/etc/crio/crio.conf.d/99-nvidia.conf") in changes(done, "owned-files")
+    assert not (node / "etc/crio/crio.conf.d/99-nvidia.conf").exists()
+    again = apply(node, {"toolkit": {"runtimes": ["crio"]}})
+    assert again.ok and not any(run.planned for run in again.runs)
+
+
+def test_crio_names_an_nvidia_ctk_drop_in_that_would_override_the_agents(node: Path) -> None:
+    (node / "etc/crio/crio.conf.d").mkdir(parents=True)
+    theirs = node / "etc/crio/crio.conf.d/99-nvidia.toml"
+    theirs.write_text(CRIO_NVIDIA_CTK.format(binary="/usr/local/nvidia/toolkit/nvidia-container-runtime"))
+    message = failed(apply(node, {"toolkit": {"runtimes": ["crio"]}}))
+    assert ("/etc/crio/crio.conf.d/99-nvidia.toml (nvidia-ctk runtime configure writes one there) is read after "
+            "gpu-agent's /etc/crio/crio.conf.d/99-nvidia.conf and sets the nvidia runtime's runtime_path "
+            "otherwise") in message
+    assert not (node / "etc/crio/crio.conf.d/99-nvidia.conf").exists()

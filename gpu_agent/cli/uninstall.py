@@ -29,7 +29,7 @@ def stages(runtime: Runtime) -> list[Stage]:
     from gpu_agent.stages.owned_files import OwnedFiles
 
     mps = (runtime.mps_control(), runtime.nvml.inventory)
-    return [OwnedFiles(runtime.root, runtime.services, set(), uninstall=True, mps=mps)]
+    return [OwnedFiles(runtime.root, runtime.services, set(), uninstall=True, mps=mps, units=runtime.units)]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -246,7 +246,7 @@ class Runtime:
         if config.toolkit.enabled and not self.real_root_simulated:
             stages.append(Toolkit(self.root, self.services, self.packages, config.toolkit, versions))
             if config.toolkit.cdi.enabled:
-                stages.append(Cdi(self.root, config.toolkit.cdi))
+                stages.append(Cdi(self.root, config.toolkit.cdi, self.services, self.units))
         if upgrade is not None:
             stages.append(upgrade)
         if sink is not None:
@@ -254,7 +254,7 @@ class Runtime:
         # Last: what the stages above no longer claim (or a stage turned off owned) is undone. Not for
         # simulated GPUs over the real /: its ledger is a real agent's.
         if not self.real_root_simulated:
-            stages.append(OwnedFiles(self.root, self.services, {stage.name for stage in stages}))
+            stages.append(OwnedFiles(self.root, self.services, {stage.name for stage in stages}, units=self.units))
         return stages
 
 

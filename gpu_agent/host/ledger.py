@@ -22,6 +22,10 @@ under /var/lib/gpu-agent.
 - mig_checkpoints: by GPU UUID, the GPU's whole MIG state (mode, GPU instances with placements, compute
   instances) from before a MIG change, recorded before its first NVML change and cleared once the change
   was made or undone (gpu_agent.mig.checkpoint).
+- units: other packages' systemd units the agent took over (the toolkit package's nvidia-cdi-refresh units,
+  which write the CDI spec the agent writes), with their UnitFileState and whether they were active before;
+  recorded before the first is stopped, and dropped once each was put back (when the agent stops writing
+  the spec, or at uninstall).
 - driver_reload: the step a driver reload has reached (gpu_agent.stages.driver_reload), recorded before
   each step is taken, so that after a kill -9 the next agent finishes the sequence or says where it stopped.
 
@@ -74,6 +78,14 @@ class OwnedLink:
     path: str  # host path of the link
     owner: str  # the stage that made it
     target: str  # what the agent made it point to, as written in the link
+
+
+@dataclass(frozen=True)
+class OwnedUnit:
+    unit: str  # nvidia-cdi-refresh.service
+    owner: str  # the stage that took it over
+    file_state: str  # its UnitFileState before: enabled, disabled, static, ...
+    active: bool  # whether it was active (running, or waiting on its paths) before
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,19 @@ class Ledger:
     def clear_pending_restart(self, unit: str) -> None:
         """Once the unit was restarted and answered."""
         self._forget("pending_restarts", unit)
+
+    def units(self) -> dict[str, OwnedUnit]:
+        """The units the agent took over, by name."""
+        return {unit: OwnedUnit(unit=unit, **entry) for unit, entry in self._read()["units"].items()}
+
+    def own_unit(self, entry: OwnedUnit) -> None:
+        """Record (durably, before it is stopped) that the agent takes `entry.unit` over; what it was before
+        stays as first recorded."""
+        fields = {"owner": entry.owner, "file_state": entry.file_state, "active": entry.active}
+        self._merge("units", entry.unit, lambda before: fields if before is None else before)
+
+    def disown_unit(self, unit: str) -> None:
+        self._forget("units", unit)
 
     def mps_directories(self) -> dict[str, str]:
         """The MPS directories the agent made (under /run/nvidia/mps), by host path: the resource they serve."""
@@ -287,7 +312,7 @@ class Ledger:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
         if raw is None:
             return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {},
-                    "mps_directories": {}, "compute_modes": {}, "mounts": {}}
+                    "mps_directories": {}, "compute_modes": {}, "mounts": {}, "units": {}}
         try:
             document = jsontext.loads(raw.decode("utf-8"), max_digits=jsontext.OWN_DIGITS)
         except jsontext.NumberTooLong as exc:
@@ -333,6 +358,10 @@ class Ledger:
             raise self._error(f'mounts: expected an object of mount points ({", ".join(MOUNT_POINTS)}), such as '
                               f'{{"{MOUNT_POINTS[0]}": {{"fstype": "tmpfs", "options": "nosuid,nodev,noexec,mode=1777,'
                               'size=65536k", "made": true}}}}')
+        units = document.setdefault("units", {})
+        if not isinstance(units, dict) or not all(_unit_entry(k, v) for k, v in units.items()):
+            raise self._error('units: expected an object of systemd units, such as {"nvidia-cdi-refresh.path": '
+                              '{"owner": "cdi", "file_state": "enabled", "active": true}}')
         reload = document.get("driver_reload")
         if reload is not None and not (isinstance(reload, dict) and isinstance(reload.get("step"), str)):
             raise self._error('driver_reload: expected an object such as {"step": "wait-for-jobs-required", '
@@ -348,7 +377,7 @@ class Ledger:
     def _write(self, document: dict[str, Any]) -> None:
         # a node without MIG changes or MPS keeps the file as it was
         document = {key: value for key, value in document.items()
-                    if key not in ("mig_checkpoints", "mps_directories", "compute_modes", "mounts") or value}
+                    if key not in ("mig_checkpoints", "mps_directories", "compute_modes", "mounts", "units") or value}
         path = self.root(PATH)
         try:
             path = self.path
@@ -374,7 +403,8 @@ def _mount_entry(path: Any, entry: Any) -> bool:
             and entry["fstype"] == "tmpfs" and isinstance(entry["options"], str) and isinstance(entry["made"], bool))
 
 
-_UNIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@-]{0,199}\.(service|socket|target)")
+_UNIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9:_.@-]{0,199}\.(service|socket|target|path)")
+_FILE_STATE = re.compile(r"[a-z-]{1,40}")  # systemd's UnitFileState words
 
 
 def _owned_entry(path: Any, entry: Any) -> bool:
@@ -390,6 +420,12 @@ def _owned_entry(path: Any, entry: Any) -> bool:
 def _unit_name(value: Any) -> bool:
     """A systemd unit's name (containerd.service): never a path, an option or words for a shell."""
     return isinstance(value, str) and _UNIT.fullmatch(value) is not None
+
+
+def _unit_entry(unit: Any, entry: Any) -> bool:
+    return (_unit_name(unit) and isinstance(entry, dict) and set(entry) == {"owner", "file_state", "active"}
+            and isinstance(entry["owner"], str) and isinstance(entry["file_state"], str)
+            and _FILE_STATE.fullmatch(entry["file_state"]) is not None and isinstance(entry["active"], bool))
 
 
 def _link_entry(path: Any, entry: Any) -> bool:

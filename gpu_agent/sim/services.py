@@ -5,6 +5,7 @@ from boot, and `systemctl stop|start` change its ActiveState (`sim fail stop|sta
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -32,6 +33,25 @@ _HISTORY = 200  # restart times kept per unit
 def unit_file(root: Root, unit: str) -> bool:
     """Whether systemd would find `unit`'s unit file under the root."""
     return "/" not in unit and any(root(f"{directory}/{unit}").is_file() for directory in UNIT_DIRS)
+
+
+def file_state(root: Root, unit: str, service: Optional[dict[str, Any]]) -> str:
+    """UnitFileState as systemctl would show it: a mask or an enablement the simulated systemctl set, else
+    the files under the root (a mask's link to /dev/null, an enablement's link in a .wants directory, an
+    [Install] section), as a package's preset leaves them."""
+    service = service or {}
+    mask = root(f"{UNIT_DIRS[0]}/{unit}")
+    if service.get("masked", mask.is_symlink() and os.readlink(mask) == "/dev/null"):
+        return "masked"
+    if service.get("enablement"):
+        return str(service["enablement"])
+    wants = [d for d in root(UNIT_DIRS[0]).glob("*.wants") if d.is_dir()]
+    if any(os.path.lexists(d / unit) for d in wants):  # a link to the unit file, as a host path
+        return "enabled"
+    text = next((read_bytes(root(f"{d}/{unit}")) for d in UNIT_DIRS if root(f"{d}/{unit}").is_file()), None)
+    if text is None:
+        return ""
+    return "disabled" if b"[Install]" in text else "static"
 
 
 def install_unit(root: Root, unit: str, program: str) -> None:
@@ -83,13 +103,16 @@ class SimServices:
 
     def state(self, unit: str) -> Optional[UnitState]:
         service = self.machine.read().get("services", {}).get(unit)
-        if service is None and unit_file(self.root, unit):
-            return UnitState(unit, "loaded", "active", "running", "")  # started at boot, untouched since
+        files = file_state(self.root, unit, service)
+        load = "masked" if files == "masked" else "loaded"
+        if service is None and unit_file(self.root, unit):  # started at boot (unless masked), untouched since
+            return UnitState(unit, load, *(("inactive", "dead") if files == "masked" else ("active", "running")), "",
+                             files)
         if service is None:
             return UnitState(unit, "not-found", "inactive", "dead", "")
         since = service.get("since")
-        return UnitState(unit, "loaded", service.get("active_state", "active"), service.get("sub_state", "running"),
-                         systemd_time(since) if since else "")
+        return UnitState(unit, load, service.get("active_state", "active"), service.get("sub_state", "running"),
+                         systemd_time(since) if since else "", files)
 
     def restart(self, unit: str) -> None:
         with self.machine.edit() as state:
@@ -140,8 +163,9 @@ def take_fault(state: dict[str, Any], call: str, unit: str) -> Optional[str]:
 
 
 class SimUnits:
-    """`systemctl stop|start UNIT` on the simulated machine, as systemd answers: a unit with no unit file is
-    not found; stop makes it inactive, start active, or failed with `sim fail start`; each call is recorded."""
+    """`systemctl stop|start|enable|disable|mask|unmask UNIT` on the simulated machine, as systemd answers: a
+    unit with no unit file is not found; stop makes it inactive, start active (a masked unit refuses), or
+    failed with `sim fail start`; the others change its UnitFileState; each call is recorded."""
 
     def __init__(self, machine: Any) -> None:
         self.machine = machine
@@ -161,7 +185,16 @@ class SimUnits:
                                                 "restart_times": []}
                 service.setdefault("calls", []).append(verb)
                 fault = take_fault(state, verb, unit)
-                if fault is not None:
+                masked = file_state(self.root, unit, service) == "masked"
+                if verb in ("mask", "unmask"):
+                    service["masked"] = verb == "mask"
+                elif verb in ("enable", "disable") and masked:
+                    error = f"Unit file {unit} is masked."
+                elif verb in ("enable", "disable"):
+                    service["enablement"] = f"{verb}d"
+                elif verb == "start" and masked:
+                    error = f"Failed to start {unit}: Unit {unit} is masked."
+                elif fault is not None:
                     error = (f"Job for {unit} failed because the control process exited with error code. "
                              f"See \"systemctl status {unit}\" and \"journalctl -xeu {unit}\" for details.")
                     if verb == "start":

@@ -7,6 +7,10 @@ switch the toolkit writes, a CDI consumer such as Podman, or the device plugin w
 and only then. Without a device
 path (its stage off), whenever the toolkit stage found a container runtime. The device names the spec
 holds once written go to the device plugin, which names no other.
+
+While it writes the spec it takes over the toolkit package's own nvidia-cdi-refresh units, which write
+the same spec (toolkit/cdi_refresh.py), and it fails while another spec in the CDI directories defines
+a device its spec defines (toolkit/cdi_duplicates.py), naming the files.
 """
 from __future__ import annotations
 
@@ -22,10 +26,13 @@ from gpu_agent.host.files import remove, stray_temps, unified_diff
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.model import Inventory
-from gpu_agent.plan import RemoveFile, WriteFile
+from gpu_agent.mig.hooks import UnitControl
+from gpu_agent.plan import RemoveFile, TakeOverUnit, WriteFile
 from gpu_agent.stages.base import Action, Stage
-from gpu_agent.toolkit import cdi, configfile
+from gpu_agent.toolkit import cdi, cdi_duplicates, cdi_refresh, configfile
+from gpu_agent.toolkit.cdi_refresh import Refresh
 from gpu_agent.toolkit.devicepath import DevicePath
+from gpu_agent.toolkit.services import ServiceControl, UnitState
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,9 @@ class CdiState:
     strays: tuple[str, ...] = ()  # temp files of a write a crash interrupted
     devices: frozenset[str] = frozenset()  # the spec's device names (nvidia.com/gpu=GPU-...)
     why_none: str = ""  # why no spec is needed
+    refresh: Refresh = Refresh()  # the toolkit package's CDI refresh units, as found
+    take_over: tuple[tuple[str, UnitState], ...] = ()  # those of its units still to take over
+    duplicates: tuple[tuple[str, tuple[str, ...]], ...] = ()  # devices other specs define too, with their files
 
 
 class Cdi(Stage):
@@ -44,9 +54,11 @@ class Cdi(Stage):
     produces = ("cdi_devices",)
     consumes = ("inventory", "runtimes", "device_path")
 
-    def __init__(self, root: Root, settings: CdiConfig) -> None:
+    def __init__(self, root: Root, settings: CdiConfig, services: ServiceControl, units: Optional[UnitControl]) -> None:
         self.root = root
         self.settings = settings
+        self.services = services
+        self.units = units  # None: nothing here can stop a unit, so none is taken over
         self.ledger = Ledger(root)
 
     def observe(self) -> CdiState:
@@ -73,11 +85,28 @@ class Cdi(Stage):
             raise StageError(f"CDI spec: {exc}") from None
         directory, name = posixpath.split(current.target)
         strays = tuple(posixpath.join(directory, path.name) for path in stray_temps(self.root(directory), [name]))
-        devices = frozenset(f"{built['kind']}={device['name']}" for device in built["devices"])
-        return CdiState(current.target, current.text, spec, strays, devices)
+        devices = frozenset(cdi_duplicates.device_names(built))
+        refresh = cdi_refresh.find(self.root, self.services)
+        take_over = cdi_refresh.to_take_over(refresh, self.ledger) if self.units is not None else []
+        return CdiState(current.target, current.text, spec, strays, devices, refresh=refresh,
+                        take_over=tuple(take_over), duplicates=self._duplicates(current.target, devices))
+
+    def _duplicates(self, path: str, devices: frozenset[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Devices defined by more than one spec: the agent's as it will be written, and every other spec in
+        the CDI directories but those the ledger says this stage wrote (undone later in the pass)."""
+        mine = {entry.path for entry in self.ledger.owned().values() if entry.owner == self.name}
+        others = cdi_duplicates.other_specs(self.root, {path, *mine}, (*cdi_duplicates.SPEC_DIRS,
+                                                                       posixpath.dirname(path)))
+        found = cdi_duplicates.duplicates({path: set(devices), **others})
+        return tuple((device, tuple(paths)) for device, paths in found.items())
 
     def plan(self, state: CdiState) -> list[Action]:
         actions = [Action.of(RemoveFile(path), functools.partial(remove, self.root(path))) for path in state.strays]
+        if state.desired is not None and state.take_over and self.units is not None:  # before the spec: no rewrite
+            units = self.units
+            actions.append(Action(tuple(TakeOverUnit(unit, found.file_state, found.running)
+                                        for unit, found in state.take_over),
+                                  lambda: cdi_refresh.take_over(self.ledger, units, self.name, list(state.take_over))))
         if state.desired is not None and state.current != state.desired:
             actions.append(Action.of(WriteFile.of(state.path, state.desired, state.current), lambda: self._write(state),
                                      diff=unified_diff(state.path, state.current, state.desired)))
@@ -92,10 +121,28 @@ class Cdi(Stage):
 
     def verify(self, state: CdiState) -> str:
         if state.desired is None:
-            return state.why_none
-        if state.current != state.desired:
-            raise StageError(f"the CDI spec {state.path} is not as generated")
-        return f"CDI spec {state.path} is up to date"
+            return state.why_none + self._refresh_note(state)
+        problems = [f"the CDI spec {state.path} is not as generated"] if state.current != state.desired else []
+        if state.take_over:
+            problems.append(f"found {state.refresh.found()}: not taken over"
+                            + ("" if self.units is not None else " (no service manager here)"))
+        if state.duplicates:
+            found = {device: list(paths) for device, paths in state.duplicates}
+            problems.append(f"devices defined by more than one CDI spec, which CDI readers cannot tell apart: "
+                            f"{cdi_duplicates.describe(found)}; remove the specs gpu-agent did not write (it writes "
+                            f"{state.path})")
+        if problems:
+            raise StageError("; ".join(problems))
+        return f"CDI spec {state.path} is up to date{self._refresh_note(state)}"
+
+    def _refresh_note(self, state: CdiState) -> str:
+        """What the stage found of the toolkit package's CDI refresh, and did with it."""
+        if not state.refresh.units and state.refresh.udev_rule is None:
+            return ""
+        taken = sorted(set(self.ledger.units()) & set(state.refresh.units))
+        did = (f"; taken over: {', '.join(taken)} stopped, disabled and masked (put back at uninstall)" if taken
+               else "; left alone: gpu-agent writes no spec" if state.desired is None else "")
+        return f"; found {state.refresh.found()}{did}"
 
     def outputs(self, state: CdiState) -> dict[str, Any]:
         """The spec's device names once the file is as generated; none before, or without a spec."""
@@ -103,7 +150,8 @@ class Cdi(Stage):
         return {"cdi_devices": state.devices if written else frozenset()}
 
     def claims(self, state: CdiState) -> set[str]:
-        return {state.path} if state.desired is not None else set()
+        """The spec's path, and the names of the units taken over for it (never a path: no clash)."""
+        return {state.path, *state.refresh.units} if state.desired is not None else set()
 
     def watched(self) -> list[str]:
         return [self.settings.path]

@@ -1,9 +1,10 @@
 """Owned files: what the config no longer asks for is undone. Every file the agent wrote is in the
 ledger with its owner; one whose stage is off, or no longer claims it, is removed (the agent created
 it) or its original put back, and the runtime that reads it restarted once. The links the agent
-created (/dev/char) are removed when their stage is off. `gpu-agent uninstall` is this stage with
-nothing claimed. A ledger entry for what no stage writes, or whose original is not the agent's own
-copy, is refused by name and left alone (host.owned.refusal).
+created (/dev/char) are removed when their stage is off, and the units it took over (the toolkit's
+nvidia-cdi-refresh) are put back as they were once their stage no longer claims them. `gpu-agent
+uninstall` is this stage with nothing claimed. A ledger entry for what no stage writes, or whose
+original is not the agent's own copy, is refused by name and left alone (host.owned.refusal).
 
 It runs after every other stage and gates nothing: a file it cannot undo degrades the agent.
 """
@@ -18,8 +19,11 @@ from gpu_agent.host import ledger as ledger_file, owned
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
-from gpu_agent.plan import (Change, RemoveFile, RemoveLink, RestartService, RestoreFile, SetComputeMode, StopMpsDaemon,
-                            Unmount)
+from gpu_agent.host.ledger import OwnedUnit
+from gpu_agent.mig.hooks import UnitControl
+from gpu_agent.plan import (Change, GiveBackUnit, RemoveFile, RemoveLink, RestartService, RestoreFile, SetComputeMode,
+                            StopMpsDaemon, Unmount)
+from gpu_agent.toolkit import cdi_refresh
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.toolkit.services import ServiceControl
 
@@ -33,6 +37,7 @@ class OwnedState:
     restarts: list[str] = field(default_factory=list)  # units that read an undone file and run
     kept: int = 0  # files still wanted
     mps_daemons: dict[str, int] = field(default_factory=dict)  # uninstall: the MPS control daemons running, pids
+    units: list[OwnedUnit] = field(default_factory=list)  # units taken over, to put back
 
 
 class OwnedFiles(Stage):
@@ -41,11 +46,12 @@ class OwnedFiles(Stage):
     gates_readiness = False
 
     def __init__(self, root: Root, services: ServiceControl, enabled: set[str], uninstall: bool = False,
-                 mps: Optional[tuple[MpsControl, ComputeModes]] = None) -> None:
+                 mps: Optional[tuple[MpsControl, ComputeModes]] = None, units: Optional[UnitControl] = None) -> None:
         """`mps`: at uninstall, what stops the MPS control daemons the ledger knows and puts their GPUs'
-        compute modes back."""
+        compute modes back. `units`: what unmasks, enables and starts the units taken over."""
         self.root = root
         self.services = services
+        self.units = units
         self.mps = mps
         self.enabled = enabled  # the stages that run: a file owned by any other is no longer wanted
         self.uninstall = uninstall
@@ -65,6 +71,10 @@ class OwnedFiles(Stage):
                 state.kept += 1  # still asked for, or its stage cannot tell now
                 continue
             state.undo.append(owned.undo_of(self.root, entry))
+        for taken in self.ledger.units().values():
+            wanted = claims.get(taken.owner)
+            if self.uninstall or taken.owner not in self.enabled or (wanted is not None and taken.unit not in wanted):
+                state.units.append(taken)
         for link in self.ledger.links().values():  # a link stays while its stage runs: nothing claims links
             if self.uninstall or link.owner not in self.enabled:
                 state.links.append(owned.link_undo_of(self.root, link))
@@ -93,13 +103,14 @@ class OwnedFiles(Stage):
             elif undo.how == owned.RESTORE and undo.entry.original is not None:
                 changes.append(RestoreFile(undo.entry.path, undo.entry.original))
         changes += [RemoveLink(u.entry.path, u.entry.target) for u in state.links if u.how == owned.REMOVE]
+        changes += [GiveBackUnit(u.unit, u.file_state, u.active) for u in state.units]
         changes += [RestartService(unit) for unit in state.restarts]
         if self.uninstall:
             changes += [StopMpsDaemon(resource, pid) for resource, pid in sorted(state.mps_daemons.items())]
             changes += [SetComputeMode(uuid, mode) for uuid, (mode, _) in sorted(self.ledger.compute_modes().items())]
             changes += [Unmount(path) for path in sorted(self.ledger.mounts())]
             changes += [RemoveFile(directory) for directory in sorted(self.ledger.mps_directories())]
-        if not state.undo and not state.links and not (self.uninstall and (
+        if not state.undo and not state.links and not state.units and not (self.uninstall and (
                 self.ledger.mps_directories() or self.ledger.compute_modes() or self.ledger.mounts())):
             return []
         return [Action(tuple(changes), lambda: self._undo(state))]
@@ -126,6 +137,19 @@ class OwnedFiles(Stage):
             else:
                 if link.how == owned.CHANGED:
                     self._left.append(link.entry.path)
+        for taken in state.units:  # after the files: the spec it writes is back as it was before it starts
+            if taken.unit not in cdi_refresh.UNITS:
+                self._failures.append(f"{ledger_file.PATH}: unit {taken.unit}: not a unit gpu-agent takes over "
+                                      f"({', '.join(cdi_refresh.UNITS)}); left alone")
+                self.ledger.disown_unit(taken.unit)
+                continue
+            if self.units is None:
+                self._failures.append(f"cannot give back {taken.unit}: no service manager runs this root's units")
+                continue
+            try:
+                cdi_refresh.give_back(self.ledger, self.units, taken)
+            except AgentError as exc:
+                self._failures.append(f"cannot give back {taken.unit}: {exc}")
         if self.uninstall:  # the MPS control daemons, then their shared memory and directories
             from gpu_agent.mps.daemons import remove_mps_directories, stop_left_over
 

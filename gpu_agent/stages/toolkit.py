@@ -217,6 +217,8 @@ class Toolkit(Stage):
 
     def _crio(self) -> list[FileChange]:
         wanted = crio.desired(self.root, self.settings.runtime_binary, self._default("crio"))
+        if wanted is None:
+            return []  # the other drop-ins (nvidia-ctk's) give it already: the agent's, if any, is undone
         current = configfile.read(self.root, crio.DROP_IN)
         return [FileChange(current.target, current.text, wanted, foreign=False)]
 

@@ -103,7 +103,9 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
     _check_cri(document, version)
     files = _Imports(root, version)
     before = files.load(document)
-    imported = IMPORT_GLOB in _patterns(document, ROOT_CONFIG)
+    # Any import that leads to the drop-in will do (`conf.d/*`, a relative path, a file imported by an
+    # imported file): the root file is then left as it is, every import in it kept.
+    imported = DROP_IN in before
     if root_file.text is None:
         root_desired = _minimal_root(version)
     else:
@@ -119,12 +121,15 @@ def plan(root: Root, binary: str, enable_cdi: bool, set_as_default: bool) -> Con
     order = list(after)
     plugin = CRI_PLUGIN[version]
     later = order[order.index(DROP_IN) + 1:] if DROP_IN in after else []
+    desired = _drop_in(_effective_cri(document, after, version), version, binary, enable_cdi, set_as_default)
+    if drop_in.text is not None and drop_in.text != desired and _sufficient(document, after, version, drop_in.text,
+                                                                              drop_in.shown, desired):
+        desired = drop_in.text  # another writer's (nvidia-ctk's) drop-in already gives what ours would: left as it is
     return ContainerdFiles(
         root_current=root_file.text,
         root_desired=root_desired,
         drop_in_current=drop_in.text,
-        drop_in_desired=_drop_in(_effective_cri(document, after, version), version, binary, enable_cdi,
-                                 set_as_default),
+        drop_in_desired=desired,
         version=version,
         root_target=root_file.target,
         drop_in_target=drop_in.target,
@@ -194,6 +199,13 @@ class _Imports:
                                  f"{_UNCHANGED}")
             document = load(imported.text, imported.shown)
             document.check(FILE_SCHEMA)
+            declared = document.get(("version",), INTEGER)
+            if declared is not None and declared > self.version:
+                raise document.error(("version",), f"version {declared} is newer than the root config's "
+                                     f"{ROOT_CONFIG} (version {self.version}): containerd 1.x reads no version past "
+                                     "2 and 2.0 to 2.2 none past 3, and they refuse to start; write this file in "
+                                     f"version {self.version}, or migrate the root config (`containerd config "
+                                     "migrate`)")
             _check_cri(document, self.version)
             self.cache[path] = _File(imported.text, document)
         return self.cache[path]
@@ -227,20 +239,50 @@ class _Imports:
         return self.relative_globs
 
 
-def _effective_cri(document: Document, imported: dict[str, _File], version: int) -> dict[str, Any]:
+def _effective_cri(document: Document, imported: dict[str, _File], version: int,
+                   include_drop_in: bool = False) -> dict[str, Any]:
     """The CRI plugin table as containerd would see it without our drop-in, the files in import
     order (the root file first): with containerd 1.x the last file that defines the plugin wins
     whole; with 2.x (version 3) each file's keys are merged in."""
     plugin = CRI_PLUGIN[version]
     cri = copy.deepcopy(document.table("plugins", plugin))
     for path, file in imported.items():
-        if path == DROP_IN or plugin not in file.document.table("plugins"):
+        if (path == DROP_IN and not include_drop_in) or plugin not in file.document.table("plugins"):
             continue
         if version >= 3:
             deep_merge(cri, file.document.table("plugins", plugin))
         else:
             cri = copy.deepcopy(file.document.table("plugins", plugin))
     return cri
+
+
+def _sufficient(document: Document, loaded: dict[str, _File], version: int, text: str, shown: str,
+                desired: str) -> bool:
+    """Whether a drop-in someone else wrote at the agent's path (nvidia-ctk runtime configure writes
+    /etc/containerd/conf.d/99-nvidia.toml too) makes containerd see everything the agent's would: the CRI
+    plugin as merged with it holds every key and value it holds merged with the agent's, and it declares
+    no version but the root file's. Then it is recognised and left, so the two writers never take turns."""
+    if text.startswith(HEADER):
+        return False  # the agent's own, out of date
+    try:
+        theirs = load(text, shown)
+        theirs.check(FILE_SCHEMA)
+        _check_cri(theirs, version)
+    except StageError:
+        return False  # not a file containerd would read as the agent reads it: replaced
+    if theirs.get(("version",), INTEGER) not in (None, version) or theirs.strings("imports"):
+        return False
+    ours = load(desired, DROP_IN)
+    with_theirs = _effective_cri(document, {**loaded, DROP_IN: _File(text, theirs)}, version, include_drop_in=True)
+    with_ours = _effective_cri(document, {**loaded, DROP_IN: _File(desired, ours)}, version, include_drop_in=True)
+    return covers(with_theirs, with_ours)
+
+
+def covers(have: Any, want: Any) -> bool:
+    """Every key of `want` in `have` with the same value, tables compared key by key."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(key in have and covers(have[key], value) for key, value in want.items())
+    return bool(have == want)
 
 
 def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, set_as_default: bool) -> str:

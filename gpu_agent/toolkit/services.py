@@ -27,6 +27,7 @@ class UnitState:
     active: str  # ActiveState: active, reloading, inactive, failed, activating, deactivating
     sub: str  # SubState: running, dead, failed, auto-restart, start, ...
     since: str  # StateChangeTimestamp as systemd prints it; "" when unknown
+    file_state: str = ""  # UnitFileState: enabled, disabled, static, masked, ...; "" when unknown
 
     @property
     def exists(self) -> bool:
@@ -86,7 +87,7 @@ class Systemd:
         return wait_for_socket(str(self.root(socket_path)), socket_path, timeout, progress)
 
 
-SHOW_PROPERTIES = "LoadState,ActiveState,SubState,StateChangeTimestamp,ActiveEnterTimestamp"
+SHOW_PROPERTIES = "LoadState,ActiveState,SubState,StateChangeTimestamp,ActiveEnterTimestamp,UnitFileState"
 
 
 def parse_show(unit: str, text: str) -> UnitState:
@@ -99,7 +100,8 @@ def parse_show(unit: str, text: str) -> UnitState:
     if not since and active == "active":  # a systemd without StateChangeTimestamp
         since = values.get("ActiveEnterTimestamp", "").strip()
     return UnitState(unit, values.get("LoadState", "").strip() or "unknown", active,
-                     values.get("SubState", "").strip(), "" if since == "n/a" else since)
+                     values.get("SubState", "").strip(), "" if since == "n/a" else since,
+                     values.get("UnitFileState", "").strip())
 
 
 def wait_for_socket(path: str, name: str, timeout: float, progress: Callable[[str], None] = _quiet) -> Optional[str]:
