@@ -129,7 +129,8 @@ def test_simulated_faults_reach_the_running_daemon_as_they_happen(agent, root: P
     assert run_cli("sim", "add-process", "--gpu", "1", "--pid", "4242", "--name", "python3", root=root).returncode == 0
     _, body = daemon.wait_http("/status", lambda _, b: bool(json.loads(b)["gpus"][1]["processes"]))
     gpu = json.loads(body)["gpus"][1]
-    assert gpu["processes"] == [{"pid": 4242, "name": "python3", "used_mib": 1024.0}]
+    assert gpu["processes"] == [{"pid": 4242, "name": "python3", "used_mib": 1024.0, "sm_util": None, "pod_uid": "",
+                                 "gpu_instance_id": None}]
     assert gpu["metrics"]["memory_used_mib"] == 1024 and gpu["metrics"]["memory_reserved_mib"] == 480
 
 

@@ -48,6 +48,8 @@ BOUNDED = {
     ("sim/fake.py", "int(rest.split('.')[0], 16)"): "the simulator's own bus ids",
     ("sim/fake.py", "int(rows.get('pending', 0))"): "the simulator's own state",
     ("sim/fake.py", "int(rows.get('failure', 0))"): "the simulator's own state",
+    ("sim/fake.py", "int(gpu.get('clock_event_reasons', 1 if not gpu['processes'] else 0))"):
+        "the simulator's own state",
     ("sim/machine.py", "int(match.group(3), 16)"): "_PCI_ADDRESS: at most 2 hex digits",
     ("sim/machine_file.py", "int(major)"): "validated by numbers.decimal (at most 99)",
     ("sim/machine_file.py", "int(minor)"): "validated by numbers.decimal (at most 99)",

@@ -26,7 +26,7 @@ def test_a_state_change_rewrites_only_the_files_it_changes(tmp_path: Path) -> No
     with machine.edit() as state:
         state["gpus"][1]["processes"].append({"pid": 4242, "name": "trainer", "used_memory_mib": 1})
     after = _inodes(machine.kernel_dir)
-    assert set(after) - set(before) == {"proc/4242/comm", "proc/4242/cmdline", "proc/4242/stat"}
+    assert set(after) - set(before) == {"proc/4242/comm", "proc/4242/cmdline", "proc/4242/stat", "proc/4242/cgroup"}
     assert {name: inode for name, inode in after.items() if name in before} == before  # none rewritten
     with machine.edit() as state:
         state["gpus"][1]["processes"] = []

@@ -370,10 +370,11 @@ LIBCUDA = f"/usr/lib/x86_64-linux-gnu/libcuda.so.{DRIVER}"
 IMAGE_TAR = "/root/image.tar"
 
 
-def import_images(container: Container) -> None:
+def import_images(container: Container) -> str:
     """containerd restarted on the agent's configuration (the simulated agent's own restarts are the
     simulator's), then the pods' image and the CRI's sandbox image imported from busybox: nothing pulled.
-    Docker (in the cached tree) makes the images from the tarball, as tests/e2e/test_runtimes.py does."""
+    Docker (in the cached tree) makes the images from the tarball, as tests/e2e/test_runtimes.py does.
+    The sandbox image's name is returned (a container that sleeps, as pause does)."""
     container.exec("systemctl", "restart", "containerd", timeout=180)
     dump = container.exec("containerd", "config", "dump").stdout
     # 1.7: sandbox_image in the CRI plugin, CDI on by enable_cdi; 2.x: the images plugin's pinned sandbox,
@@ -384,6 +385,7 @@ def import_images(container: Container) -> None:
     container.sh(f"docker import {IMAGE_TAR} {local} && docker import --change 'ENTRYPOINT [\"/bin/sleep\", "
                  f"\"1000000\"]' {IMAGE_TAR} {pause[1]} && docker save {local} {pause[1]} | "
                  "ctr -n k8s.io images import -", timeout=300)
+    return pause[1]
 
 
 def boot(work: Path, deb: Path, node: str = "gpu-node", runtime: str = "containerd-1.7"

@@ -210,7 +210,7 @@ def test_the_agents_containerd_drop_in_loads_and_the_admins_settings_stay(cluste
     assert f"[plugins.{plugin!r}.containerd.runtimes.nvidia]".replace("'", '"') in dump.replace("'", '"'), dump
 
 
-PROBE = ("for n in /dev/nvidia*; do [ -c $n ] && echo char $n; done; env | grep ^NVIDIA_; "
+PROBE = ("for n in /dev/nvidia* /dev/nvidia-caps/*; do [ -c $n ] && echo char $n; done; env | grep ^NVIDIA_; "
          f"cat {rig.LIBCUDA} 2>&1; nvidia-smi 2>&1; true")
 
 
@@ -244,16 +244,18 @@ def test_containerd_2_with_its_own_version_4_config(cluster: rig.Cluster) -> Non
     _run_gpu_pod(cluster, "gpu-pod-v4")
 
 
-def _run_gpu_pod(cluster: rig.Cluster, name: str) -> None:
-    c = cluster.container
-    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
-           "spec": {"nodeName": NODE, "hostNetwork": True, "automountServiceAccountToken": False,
-                    "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
-                    "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
-                                    "command": ["/bin/sh", "-c", PROBE],
-                                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
-    created = cluster.api("POST", "/api/v1/namespaces/default/pods", pod)
+def _pod(name: str, resource: str, command: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+            "spec": {"nodeName": NODE, "hostNetwork": True, "automountServiceAccountToken": False,
+                     "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
+                     "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
+                                     "command": ["/bin/sh", "-c", command],
+                                     "resources": {"limits": {resource: "1"}}}]}}
+
+
+def _finished_pod(cluster: rig.Cluster, name: str, resource: str) -> tuple[dict[str, Any], str]:
+    """The pod run to its end: the Pod object and its container's log."""
+    created = cluster.api("POST", "/api/v1/namespaces/default/pods", _pod(name, resource, PROBE))
     assert created.status == 201, created
     path = f"/api/v1/namespaces/default/pods/{name}"
     done = cluster.wait(f"the pod {name} to finish", lambda: (
@@ -261,7 +263,13 @@ def _run_gpu_pod(cluster: rig.Cluster, name: str) -> None:
     log = cluster.api("GET", path + "/log")  # through the apiserver, from the kubelet
     assert done["status"]["phase"] == "Succeeded", (done["status"], log)
     assert log.status == 200, log
-    output = str(log.body)
+    return done, str(log.body)
+
+
+def _run_gpu_pod(cluster: rig.Cluster, name: str) -> None:
+    c = cluster.container
+    status = json.loads(c.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+    done, output = _finished_pod(cluster, name, "nvidia.com/gpu")
     gpus = re.findall(r"^char /dev/nvidia(\d+)$", output, re.M)
     assert len(gpus) == 1, output  # one GPU of eight
     for node in ("/dev/nvidiactl", "/dev/nvidia-uvm"):
@@ -281,6 +289,169 @@ def _run_gpu_pod(cluster: rig.Cluster, name: str) -> None:
     given = [d for ids in entries[0]["DeviceIDs"].values() for d in ids]
     gpu = next(g for g in status["gpus"] if g["uuid"] in given) if len(given) == 1 else None
     assert gpu is not None and str(gpu["index"]) == gpus[0], (given, status["gpus"])
+
+
+def _status(cluster: rig.Cluster) -> dict[str, Any]:
+    return json.loads(cluster.container.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)
+
+
+def _capacity(cluster: rig.Cluster) -> dict[str, str]:
+    status = cluster.node_object()["status"]
+    return {k: v for k, v in status["allocatable"].items() if k.startswith("nvidia.com/")
+            and status["capacity"].get(k) == v}
+
+
+def _configured(cluster: rig.Cluster, text: str, wanted: Callable[[dict[str, str]], bool], what: str) -> None:
+    """The agent restarted on `text` as its config; then the kubelet's allocatable as `wanted` says."""
+    c = cluster.container
+    c.sh(f"cat > /etc/gpu-agent/config.yaml <<'EOF'\n{text}EOF")
+    c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait(what, lambda: wanted(_capacity(cluster)), timeout=300)
+
+
+BALANCED = {"nvidia.com/mig-1g.10gb": "16", "nvidia.com/mig-2g.20gb": "8", "nvidia.com/mig-3g.40gb": "8"}
+
+
+def test_mig_mixed_advertises_each_profile_and_a_pod_gets_one_mig_device(cluster: rig.Cluster) -> None:
+    """mig.config all-balanced (the packaged mig.yaml: on an H100 80GB two 1g.10gb, one 2g.20gb and one
+    3g.40gb) under mig.strategy mixed: the kubelet shows each profile's count and no nvidia.com/gpu; a pod
+    asking nvidia.com/mig-1g.10gb gets that MIG device's parent GPU node and its two access capabilities
+    (GPU instance and compute instance) through the agent's CDI spec, and no other GPU. Then all-disabled
+    and the config as it was: nvidia.com/gpu 8 again."""
+    c = cluster.container
+    original = c.exec("cat", "/etc/gpu-agent/config.yaml", check=False).stdout
+    try:
+        _configured(cluster, "version: v1\nmig:\n  strategy: mixed\n  config: all-balanced\n",
+                    lambda found: found == BALANCED, f"{BALANCED} in the Node's capacity and allocatable")
+        rig.import_images(c)
+        done, output = _finished_pod(cluster, "mig-pod", "nvidia.com/mig-1g.10gb")
+        gpus = re.findall(r"^char /dev/nvidia(\d+)$", output, re.M)
+        caps = re.findall(r"^char /dev/nvidia-caps/nvidia-cap(\d+)$", output, re.M)
+        assert len(gpus) == 1 and len(caps) == 2, output
+        status = _status(cluster)
+        checkpoint = json.loads(c.exec("cat", "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").stdout)
+        entries = [e for e in checkpoint["Data"]["PodDeviceEntries"] if e["PodUID"] == done["metadata"]["uid"]]
+        assert [e["ResourceName"] for e in entries] == ["nvidia.com/mig-1g.10gb"], checkpoint
+        given = [d for ids in entries[0]["DeviceIDs"].values() for d in ids]
+        parents = [g for g in status["gpus"] for m in (g["mig"] or {}).get("instances", []) if m.get("uuid") in given]
+        assert len(given) == 1 and [str(g["index"]) for g in parents] == gpus, (given, gpus, status["gpus"])
+    finally:
+        _configured(cluster, "version: v1\nmig:\n  strategy: mixed\n  config: all-disabled\n",
+                    lambda found: found.get("nvidia.com/gpu") == "8", "nvidia.com/gpu: 8 with MIG off")
+        c.sh(f"cat > /etc/gpu-agent/config.yaml <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
+
+
+def test_time_slicing_advertises_the_replicas(cluster: rig.Cluster) -> None:
+    """NVIDIA's sharing block, 4 replicas: the kubelet shows 32 nvidia.com/gpu; a pod gets one replica, and
+    with it one GPU's device node. The config as it was after: 8 again."""
+    c = cluster.container
+    original = c.exec("cat", "/etc/gpu-agent/config.yaml", check=False).stdout
+    try:
+        _configured(cluster, "version: v1\nplugin:\n  sharing:\n    timeSlicing:\n      resources:\n"
+                    "      - name: nvidia.com/gpu\n        replicas: 4\n",
+                    lambda found: found.get("nvidia.com/gpu") == "32", "nvidia.com/gpu: 32 replicas")
+        node = cluster.node_object()
+        assert node["metadata"]["labels"].get("nvidia.com/gpu.replicas") == "4", node["metadata"]["labels"]
+        rig.import_images(c)
+        _, output = _finished_pod(cluster, "shared-pod", "nvidia.com/gpu")
+        assert len(re.findall(r"^char /dev/nvidia(\d+)$", output, re.M)) == 1, output
+    finally:
+        c.sh(f"cat > /etc/gpu-agent/config.yaml <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
+
+
+def test_a_running_pod_keeps_its_gpu_across_an_agent_restart_and_metrics_name_it(cluster: rig.Cluster) -> None:
+    """A pod holding a GPU (sleeping), the agent restarted under it: the pod runs on with its device, the
+    kubelet's allocation stays, and /metrics carries the pod's namespace, name and container on that GPU's
+    series (the kubelet's pod-resources API, read by the agent)."""
+    c = cluster.container
+    rig.import_images(c)
+    name = "long-pod"
+    created = cluster.api("POST", "/api/v1/namespaces/default/pods",
+                          _pod(name, "nvidia.com/gpu", "ls /dev/nvidia[0-9]*; sleep 100000"))
+    assert created.status == 201, created
+    path = f"/api/v1/namespaces/default/pods/{name}"
+    try:
+        pod = cluster.wait("the pod running", lambda: (
+            lambda p: p if p["status"].get("phase") == "Running" else None)(cluster.get(path)))
+        checkpoint = json.loads(c.exec("cat", "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").stdout)
+        entries = [e for e in checkpoint["Data"]["PodDeviceEntries"] if e["PodUID"] == pod["metadata"]["uid"]]
+        given = [d for ids in entries[0]["DeviceIDs"].values() for d in ids]
+        gpu = next(g for g in _status(cluster)["gpus"] if g["uuid"] in given)
+        series = re.compile(r"^DCGM_FI_DEV_GPU_TEMP\{[^}]*gpu=\"" + str(gpu["index"]) + r"\"[^}]*\}", re.M)
+
+        def attributed() -> Optional[str]:
+            text = c.exec("curl", "-fsS", "127.0.0.1:9445/metrics").stdout
+            line = next((m.group(0) for m in series.finditer(text)), "")
+            return line if f'pod="{name}"' in line else None
+
+        line = cluster.wait("the pod on its GPU's series", attributed, timeout=240)
+        assert 'namespace="default"' in line and 'container="gpu"' in line, line
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+        cluster.wait("nvidia.com/gpu: 8 after the restart", lambda: _gpus(cluster) == ("8", "8"))
+        after = cluster.get(path)
+        assert after["status"]["phase"] == "Running", after["status"]
+        assert [s["restartCount"] for s in after["status"]["containerStatuses"]] == [0], after["status"]
+        listed = c.exec(*CRICTL, "exec", "-s", next(iter(c.exec(*CRICTL, "ps", "-q", "--label",
+                        f"io.kubernetes.pod.name={name}").stdout.split())), "ls", "/dev").stdout
+        assert f"nvidia{gpu['index']}" in listed.split(), listed
+        assert cluster.wait("the pod on its GPU's series again", attributed, timeout=240)
+    finally:
+        cluster.api("DELETE", path + "?gracePeriodSeconds=0")
+
+
+SHIM = Path(__file__).parents[3] / "packaging/kubernetes/gpu-agent-shim.yaml"
+
+
+def test_the_shim_runs_as_a_pod_and_its_readiness_is_the_agents(cluster: rig.Cluster) -> None:
+    """packaging/kubernetes/gpu-agent-shim.yaml applied as the admin; its pod made as the DaemonSet
+    controller would (no controller-manager here: the template with the node's name), with the sandbox
+    image standing in for pause (nothing is pulled). The kubelet's readiness probe is the agent's /readyz:
+    Ready, then not ready while an NVML call hangs (the agent's readiness fails), then Ready again."""
+    import yaml
+
+    documents = {d["kind"]: d for d in yaml.safe_load_all(SHIM.read_text())}
+    namespace = documents["Namespace"]["metadata"]["name"]
+    for path, body in (("/api/v1/namespaces", documents["Namespace"]),
+                       (f"/api/v1/namespaces/{namespace}/serviceaccounts",
+                        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}),
+                       ("/apis/node.k8s.io/v1/runtimeclasses", documents["RuntimeClass"]),
+                       (f"/apis/apps/v1/namespaces/{namespace}/daemonsets", documents["DaemonSet"])):
+        made = cluster.api("POST", path, body)
+        assert made.status in (201, 409), (path, made)
+    c = cluster.container
+    pause = rig.import_images(c)
+    template = documents["DaemonSet"]["spec"]["template"]
+    spec = {**template["spec"], "nodeName": NODE}
+    spec["containers"] = [{**spec["containers"][0], "image": pause, "imagePullPolicy": "Never"}]
+    name = "gpu-agent-shim-" + NODE
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": name}, "spec": spec}
+    made = cluster.api("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+    assert made.status == 201, made
+    path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+
+    def ready(want: str) -> Callable[[], Optional[dict[str, Any]]]:
+        def check() -> Optional[dict[str, Any]]:
+            found = cluster.get(path)
+            condition = next((c for c in found["status"].get("conditions", []) if c["type"] == "Ready"), None)
+            return found if condition and condition["status"] == want else None
+        return check
+
+    try:
+        cluster.wait("the shim's pod Ready", ready("True"), timeout=240)
+        c.exec(*ONE_SHOT, "sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang")
+        try:
+            cluster.wait("the shim's pod not ready with the agent", ready("False"), timeout=120)
+            assert c.exec("curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "127.0.0.1:9445/readyz",
+                          check=False).stdout == "503"
+        finally:
+            c.exec(*ONE_SHOT, "sim", "clear")
+        cluster.wait("the shim's pod Ready again", ready("True"), timeout=120)
+    finally:
+        cluster.api("DELETE", path + "?gracePeriodSeconds=0")
 
 
 # ---- parity: the emulator (tests/kube_emulator.py) and the real apiserver answer alike ------------------
