@@ -4,9 +4,12 @@ TestMigConfigSpec, TestMarshallUnmarshall), api/spec/v1/helpers_test.go (TestMig
 pkg/types/device_test.go (TestNewDeviceIDFromString, TestDeviceIDMatches), pkg/mig/config/known_configs_test.go
 (TestValidConfiguration) and examples/dgx-station-80gb-config.yaml (read from ../shared/upstream). Each row
 keeps upstream's description; where the agent deliberately refuses what mig-parted reads (docs/mig.md,
-"Where the agent differs from mig-parted"), the row says so."""
+"Where the agent differs from mig-parted"), the row says so. These files are unchanged at v0.15.0 (commit
+e2d5ad1fc72b9d298ea6d04b885cf2d7dbe56941, the version bump after bd7160f4): their subsystem-id filters are
+v0.15's, checked here also on the real H200's ids (tests/data/captures/h200-580-vm)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,8 @@ import pytest
 from upstream_data import upstream_file
 import yaml
 
+from gpu_agent.config import load_config
+from gpu_agent.daemon.app import Runtime
 from gpu_agent.host.paths import Root
 from gpu_agent.mig.config import DeviceFilter, MigConfigError, entry_for, load_mig_config, parse_mig_config
 from gpu_agent.mig.planner import NOT_SELECTED, plans_for
@@ -237,3 +242,31 @@ def test_mig_parted_dgx_station_example_plans_on_its_gpus(tmp_path: Path) -> Non
                 assert plan.target is None and plan.note == NOT_SELECTED and name == "balanced-k8s-dgx-station-80"
             else:
                 assert plan.target == (entry.mig_enabled, tuple(sorted(entry.wanted.items()))), (name, plan)
+
+
+CAPTURE = Path(__file__).resolve().parent / "data" / "captures" / "h200-580-vm"
+
+
+@pytest.mark.parametrize("device_filter, selected", [
+    ("0x233510DE", True), ("0x233510DE:0x18BF10DE", True), ("0x233510DE:0x18C010DE", False),
+    (["0x233510DE:0x18C010DE", "0x233510DE:0x18BF10DE"], True), ("0x233010DE:0x18BF10DE", False),
+])
+def test_subsystem_device_filters_on_the_h200_capture(tmp_path: Path, device_filter: Any, selected: bool) -> None:
+    """mig-parted v0.15 (pkg/types/device.go Matches, at e2d5ad1f, the same as at bd7160f4) matches a
+    `0xDDDDVVVV:0xSSSSssss` filter on the subsystem ids it reads from sysfs; the agent reads NVML's
+    pciSubSystemId, which on the real H200 is the same pair (0x18bf, 0x10de in its sysfs)."""
+    files = json.loads((CAPTURE / "files.json").read_text())["files"]
+    sysfs = {name.rsplit("/", 1)[1]: int(text, 16) for name, text in files.items()
+             if name.startswith("/sys/bus/pci/devices/0000:00:06.0/subsystem_")}
+    config = tmp_path / "config.yaml"
+    config.write_text("version: v1\n")
+    runtime = Runtime.build(Root(tmp_path / "root"), load_config(config, required=True), str(CAPTURE))
+    try:
+        [gpu] = runtime.nvml.inventory.read().gpus
+    finally:
+        runtime.nvml.close()
+    assert gpu.pci_subsystem_id == sysfs["subsystem_device"] << 16 | sysfs["subsystem_vendor"] == 0x18BF10DE
+    text = yaml.safe_dump({"version": "v1", "mig-configs": {"c": [
+        {"device-filter": device_filter, "devices": "all", "mig-enabled": True, "mig-devices": {"1g.18gb": 7}}]}})
+    [plan] = plans_for([gpu], parse_mig_config(text, "mig.yaml").select("c"))
+    assert (plan.note != NOT_SELECTED) is selected and (len(plan.changes) > 0) is selected

@@ -4,9 +4,10 @@
   mig assert [-f FILE] -c NAME                      exit 0 when it already is, 1 otherwise
 FILE defaults to the agent config's mig.config_file under --root (the daemon's file).
   mig export [-c NAME]                              the current geometry as a mig-parted config
+  mig generate-config [-o yaml|json]                the configs mig-parted generates from the GPUs' profiles
 
-apply holds the agent's lock (a running daemon makes it wait its turn); --dry-run, assert and export
-only read, so they are safe on any node.
+apply holds the agent's lock (a running daemon makes it wait its turn); --dry-run, assert, export and
+generate-config only read, so they are safe on any node.
 """
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     export = verbs.add_parser("export", help="print the current MIG geometry as a mig-parted config")
     export.add_argument("-c", "--config-name", default="current", metavar="NAME",
                         help="the config's name in the output (default current)")
+    generate = verbs.add_parser(
+        "generate-config", help="print all-disabled, all-enabled, all-<profile> and all-balanced for these GPUs",
+        description="The configs nvidia-mig-parted generate-config (v0.15) prints for the same GPUs, from the "
+                    "MIG profiles NVML reports: the same names, entries, device filters (on a node with more "
+                    "than one kind of GPU) and order. Read-only.")
+    generate.add_argument("-o", "--output-format", choices=("yaml", "json"), default="yaml",
+                          help="yaml (default) or json, as mig-parted writes them")
 
 
 def _file_and_config(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +67,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             if args.mig_command == "export":
                 return _export(runtime, args)
+            if args.mig_command == "generate-config":
+                return _generate(runtime, args)
             if writes and not (runtime.root.is_running_system or runtime.machine is not None):
                 raise AgentError(f"mig apply changes real GPUs: refusing while --root is {root.path}; "
                                  "use --dry-run, or --simulate")
@@ -76,6 +86,19 @@ def _export(runtime: Any, args: argparse.Namespace) -> int:
     inventory = runtime.nvml.inventory.read()
     _warn_unreadable(inventory, "left out of the export")
     sys.stdout.write(export(inventory.readable, args.config_name))
+    return EXIT_OK
+
+
+def _generate(runtime: Any, args: argparse.Namespace) -> int:
+    from gpu_agent.mig.generate import GenerateError, discover, generate, render
+
+    inventory = runtime.nvml.inventory.read()
+    for gpu in inventory.unidentified:  # mig-parted stops at a GPU NVML cannot read, as the agent does
+        raise GenerateError(f"GPU {gpu.index}: cannot read its MIG profiles: {gpu.reason}")
+    configs, notes = generate(discover(inventory.gpus))
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    sys.stdout.write(render(configs, args.output_format))
     return EXIT_OK
 
 

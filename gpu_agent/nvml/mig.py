@@ -15,6 +15,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # then the constant. The GFX, NO_ME and ALL_ME ones (Blackwell's `+gfx`, `-me` and `+me.all` profiles) are
 # each their own profile, MIG devices of which the device plugin advertises as their own resources; a pynvml
 # without one of them skips it.
+_GI_PROFILE_PREFIX = "NVML_GPU_INSTANCE_PROFILE_"
 _GI_PROFILE_CONSTANTS = (
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE",
     "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1",
@@ -124,6 +125,7 @@ class NvmlMig:
                     jpeg_engines=info.jpegCount,
                     ofa_engines=info.ofaCount,
                     placements=self._placements(handle, info.id, info.instanceCount),
+                    constant=constant.removeprefix(_GI_PROFILE_PREFIX),
                 )
             )
         return tuple(profiles)

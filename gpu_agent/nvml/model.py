@@ -24,6 +24,9 @@ class MigProfile:
     jpeg_engines: int
     ofa_engines: int
     placements: tuple[tuple[int, int], ...]  # (start, size)
+    # The NVML_GPU_INSTANCE_PROFILE_* constant NVML answered for, without that prefix ("1_SLICE_REV1"): what
+    # go-nvlib, and so mig-parted, names the profile by (its attributes); "" where not known.
+    constant: str = ""
 
 
 @dataclass(frozen=True)

@@ -67,10 +67,11 @@ class Mig(Stage):
         self.applier = Applier(nvml, reset, CheckpointStore(root), root, force=settings.force)
         self.units = units
         self._results: Optional[tuple[GpuResult, ...]] = None  # what this pass applied
+        self._failure = ""  # why this pass's change stopped before every GPU had its outcome
         self._planned: Optional[tuple[Inventory, tuple[GpuPlan, ...]]] = None  # this pass's plans, all GPUs
 
     def start_pass(self) -> None:
-        self._results, self._planned = None, None
+        self._results, self._planned, self._failure = None, None, ""
 
     # --- observe ---------------------------------------------------------------------------------
 
@@ -78,10 +79,13 @@ class Mig(Stage):
         name, source = self._selected()
         try:
             inventory = self.nvml.inventory.read()
-        except NvmlUnavailable as exc:
-            raise StageError(str(exc)) from None
-        except self.nvml.lib.NVMLError as exc:
-            raise StageError(f"NVML query failed: {describe(exc)}") from None
+        except (NvmlUnavailable, self.nvml.lib.NVMLError) as exc:
+            reason = str(exc) if isinstance(exc, NvmlUnavailable) else f"NVML query failed: {describe(exc)}"
+            if name is None:
+                raise StageError(reason) from None
+            # A selected config that cannot be compared with the GPUs has failed: the state label says so
+            # (never left as an earlier pass's success or pending).
+            return MigObservation(name, source, None, error=f"MIG config {name}: {reason}")
         if name is None:
             return MigObservation(None, source, inventory)
         try:
@@ -131,6 +135,13 @@ class Mig(Stage):
         hooks = Hooks(self.settings.stop_units, self.units) if self.settings.stop_units else None
         try:
             self._results = tuple(self.applier.apply_all(inventory.readable, plans, hooks=hooks))
+        except AgentError as exc:  # the state label goes failed, not left pending (outputs() after the error)
+            self._failure = str(exc)
+            raise
+        except Exception as exc:
+            log.exception("MIG change; this is a gpu-agent bug")
+            self._failure = f"internal error: {type(exc).__name__}: {exc}"
+            raise StageError(self._failure) from exc
         finally:
             self.nvml.inventory.forget()  # a GPU reset changes MIG outside NVML's calls
         for result in self._results:
@@ -171,6 +182,8 @@ class Mig(Stage):
             return MigResult(None, SUCCESS, "no MIG config selected")
         if observed.error:
             return MigResult(observed.config, FAILED, observed.error)
+        if self._failure:
+            return MigResult(observed.config, FAILED, self._failure)
         if self._results is not None:
             state = node_state(self._results)
             reasons = "; ".join(r.reason for r in self._results if r.state != SUCCESS)
