@@ -16,6 +16,7 @@ from gpu_agent.config.mig import MigConfig
 from gpu_agent.config.plugin import PluginConfig
 from gpu_agent.config.section import PATH_MAX, AllOr, Bounds, Check, Section, absolute_path, seconds, setting, shown
 from gpu_agent.config.toolkit import ToolkitConfig
+from gpu_agent.config.workload import WorkloadConfig
 
 MAX_GPUS = 1024  # more than any node has: catches a typo, not a machine
 
@@ -124,3 +125,4 @@ class AgentConfig(Section):
     health: HealthConfig = setting(HealthConfig())
     mig: MigConfig = setting(MigConfig())
     plugin: PluginConfig = setting(PluginConfig())
+    workload: WorkloadConfig = setting(WorkloadConfig())

@@ -192,8 +192,13 @@ class MachineState:
         """Create the machine for `spec` (a built-in name or a YAML file) unless it already runs here."""
         source = spec if spec in BUILT_IN else str(Path(spec).resolve())
         with self._locked():
-            if self.path.exists() and json.loads(self.path.read_text()).get("source") == source:
-                return
+            if self.path.exists():
+                state = json.loads(self.path.read_text())
+                if state.get("source") == source:
+                    # A writer killed between rendering the kernel's files and committing the state left files
+                    # the state does not hold: the kernel's files follow its state, so render them again.
+                    render(self.kernel_dir, state)
+                    return
             shutil.rmtree(self.kernel_dir, ignore_errors=True)  # a new machine boots a fresh kernel
             mig: dict[int, MigSpec] = {}
             if spec in BUILT_IN:

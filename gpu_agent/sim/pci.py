@@ -205,6 +205,7 @@ class SimPciControl:
         if override is not None:
             if override.group(1) not in known:
                 raise _error(errno.ENOENT, path)
+            pci.setdefault("bound", {})[override.group(1)] = bound_driver(state, override.group(1))  # probes later
             overrides = pci.setdefault("override", {})
             if value:
                 overrides[override.group(1)] = value
