@@ -69,6 +69,7 @@ def test_one_pass_passes_gpus_4_to_7_through_and_uninstall_puts_back_every_byte(
     assert kinds.count("UnbindPciFunction") == 4 and kinds.count("BindPciFunction") == 4
     checked = {run["stage"]: run for run in json.loads(run_cli("check", "--json", root=root).stdout)["stages"]}
     assert checked["discovery"]["message"].startswith("4x H100")  # GPUs 4-7 are outside NVML
+    assert "nvidia.com/GH100_H100_SXM5_80GB: 4" in checked["vfio"]["message"]
     again = run_cli("apply", "--once", "--json", root=root)  # converged: nothing planned
     assert {run["stage"]: run for run in json.loads(again.stdout)["stages"]}["vfio"]["changes"] == []
 

@@ -325,14 +325,28 @@ class Vfio(Stage):
             raise StageError(f"{waiting} GPU(s) not yet where their workload mode wants them")
         if not passed:
             return f"every GPU serves containers ({observed.source}: {observed.mode})"
-        return f"{passed} GPU(s) passed through to VMs on vfio-pci, {len(observed.gpus) - passed} serve containers"
+        served = ", ".join(f"{name}: {count}" for name, count in self._resources(observed).items())
+        return (f"{passed} GPU(s) passed through to VMs on vfio-pci ({served}), {len(observed.gpus) - passed} serve "
+                "containers")
+
+    def _resources(self, observed: WorkloadObservation) -> dict[str, int]:
+        """The VM path's resources, as the device plugin names them (KubeVirt's rule), and their GPUs."""
+        from gpu_agent.plugin.vfio import names, read_pci_ids
+
+        vm = [gpu.view for gpu in observed.gpus if gpu.want_vm]
+        named = names((gpu.device_id for gpu in vm), read_pci_ids(self.root)) if vm else {}
+        counts: dict[str, int] = {}
+        for gpu in vm:
+            counts[named[gpu.device_id]] = counts.get(named[gpu.device_id], 0) + 1
+        return dict(sorted(counts.items()))
 
     def outputs(self, observed: WorkloadObservation) -> dict[str, Any]:
         return {"workload": self._result(observed)}
 
     def facts(self, observed: WorkloadObservation) -> dict[str, Any]:
         result = self._result(observed)
-        return {"mode": result.mode, "source": result.source, "gpus": [gpu.to_json() for gpu in result.gpus]}
+        return {"mode": result.mode, "source": result.source, "gpus": [gpu.to_json() for gpu in result.gpus],
+                "resources": self._resources(observed)}
 
     def _result(self, observed: WorkloadObservation) -> WorkloadResult:
         gpus = []
