@@ -158,6 +158,53 @@ class Unmount(Change):
 
 
 @dataclass(frozen=True)
+class SetDriverOverride(Change):
+    """A PCI function's driver_override: the only driver that may bind it ("" clears it)."""
+
+    kind: ClassVar[str] = "SetDriverOverride"
+    address: str
+    driver: str
+
+    def describe(self) -> str:
+        return f"set driver_override of {self.address} to {self.driver or '(null)'}"
+
+
+@dataclass(frozen=True)
+class UnbindPciFunction(Change):
+    kind: ClassVar[str] = "UnbindPciFunction"
+    address: str
+    driver: str
+
+    def describe(self) -> str:
+        return f"unbind {self.address} from {self.driver}"
+
+
+@dataclass(frozen=True)
+class BindPciFunction(Change):
+    """Bind a PCI function to a driver ("": drivers_probe, the driver probing picks)."""
+
+    kind: ClassVar[str] = "BindPciFunction"
+    address: str
+    driver: str
+
+    def describe(self) -> str:
+        return f"bind {self.address} to {self.driver or 'the driver probing picks'}"
+
+
+@dataclass(frozen=True)
+class VfioStep(Change):
+    """A GPU's switch between its drivers and vfio-pci reaches a step (stages/vfio_transitions.py), recorded in
+    the ledger before the writes that follow: to-vfio, on-vfio (verified), to-host, or done (back, forgotten)."""
+
+    kind: ClassVar[str] = "VfioStep"
+    address: str
+    step: str
+
+    def describe(self) -> str:
+        return f"record GPU {self.address}'s switch as {self.step}"
+
+
+@dataclass(frozen=True)
 class InstallPackage(Change):
     kind: ClassVar[str] = "InstallPackage"
     package: str

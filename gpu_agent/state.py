@@ -76,9 +76,9 @@ class GpuProcess:
 
 # The results stages record (their `produces`), each kept in the attribute of that name: inventory
 # (discovery), pci_gpus and mellanox_nics (driver), mig (mig), runtimes (toolkit), driver_mismatch
-# (driver), driver_upgrade (driver-upgrade), device_path (device-path), cdi_devices (cdi).
+# (driver), driver_upgrade (driver-upgrade), device_path (device-path), cdi_devices (cdi), workload (vfio).
 STAGE_OUTPUTS = ("inventory", "pci_gpus", "mellanox_nics", "mig", "runtimes", "driver_mismatch", "driver_upgrade",
-                 "device_path", "cdi_devices")
+                 "device_path", "cdi_devices", "workload")
 
 
 XID_LOG_LENGTH = 1024  # XIDs kept per GPU for DCGM_EXP_XID_ERRORS_COUNT: a window holds no more that matter
@@ -104,6 +104,7 @@ class AgentState:
     driver_mismatch: Optional[str] = None  # "loaded X, installed Y" (driver stage)
     driver_upgrade: Optional[str] = None  # the GPU Operator's upgrade state of this node (driver-upgrade stage)
     mig: Optional[Any] = None  # the mig stage's last result (stages.mig.MigResult)
+    workload: Optional[Any] = None  # the vfio stage's last result (stages.vfio.WorkloadResult): GPUs and their modes
     health: dict[str, GpuHealth] = field(default_factory=dict)  # by GPU or MIG device UUID: see device_health()
     gpu_checks: dict[str, dict[str, str]] = field(default_factory=dict)  # periodic check -> {GPU UUID: why it fails}
     nvml_check: Optional[str] = None  # why NVML failed the last periodic check (hung), or None

@@ -19,8 +19,6 @@ READS_ALLOWED = {
         "the agent's own lock file, opened to be locked and written; its holder is read 32 bytes at most",
     ("sim/machine.py", 'source = json.loads(root(f"{STATE_DIR}/machine.json").read_text()).get("source")'):
         "the simulator's own state, written atomically by it under its lock",
-    ("sim/machine.py", 'if self.path.exists() and json.loads(self.path.read_text()).get("source") == source:'):
-        "the simulator's own state",
     ("sim/machine.py", "self._cache = json.loads(self.path.read_text())"): "the simulator's own state",
     ("sim/machine.py", "state = json.loads(self.path.read_text())"): "the simulator's own state",
     ("sim/machine.py", 'with open(self.writes_path, "rb") as counter:'): "the simulator's own write counter",

@@ -94,6 +94,18 @@ def test_every_place_the_agent_writes_is_writable_under_the_unit() -> None:
     assert not missing, f"add ReadWritePaths=-<folder> to systemd/gpu-agent.service for: {missing}"
 
 
+def test_the_vfio_switch_may_write_every_sysfs_path_it_writes() -> None:
+    """host/vfio.py's writes (driver_override, a driver's bind and unbind, drivers_probe) under the unit's writable
+    folders."""
+    from gpu_agent.host import vfio
+
+    writable = _writable((SYSTEMD / "gpu-agent.service").read_text())
+    written = [vfio.override_path("0000:9a:00.0"), vfio.driver_file("nvidia", "unbind"),
+               vfio.driver_file("vfio-pci", "bind"), vfio.driver_file("", "bind"), vfio.PROBE]
+    missing = [path for path in written if not any(path.startswith(folder.rstrip("/") + "/") for folder in writable)]
+    assert not missing, f"add ReadWritePaths= to systemd/gpu-agent.service for: {missing}"
+
+
 def test_tmpfiles_creates_the_runtime_directory(tmp_path: Path) -> None:
     tmpfiles = shutil.which("systemd-tmpfiles")
     if tmpfiles is None:

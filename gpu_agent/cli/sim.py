@@ -52,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "failed; a start leaves it failed). install makes installing "
                     "the container toolkit fail as apt-get does without NVIDIA's repository.")
     fail.add_argument("call", metavar="CALL", help="NVML function name, modprobe, rmmod, restart (a runtime's unit), "
-                                                   "stop or start (a unit), install, or mps (the MPS control "
-                                                   "daemons: --error die or hang)")
+                                                   "stop or start (a unit), install, mps (the MPS control "
+                                                   "daemons: --error die or hang), iommu (the kernel has no "
+                                                   "IOMMU), unbind (a driver's unbind is busy) or bind (a "
+                                                   "driver's bind is refused)")
     fail.add_argument("--gpu", type=int, metavar="N", help="NVML: only on this GPU (default: every GPU)")
     fail.add_argument("--module", metavar="M", help="modprobe, rmmod: only for this module (default: any)")
     fail.add_argument("--unit", metavar="U", help="restart, stop, start: only for this systemd unit (default: any)")
@@ -113,9 +115,15 @@ def _gpu_index(state: dict[str, Any], index: int) -> int:
 
 
 def _show(machine: Any, args: argparse.Namespace) -> None:
+    from gpu_agent.sim.pci import gpu_driver, iommu_groups, sysfs_address
+
     state = machine.read()
+    groups = iommu_groups(state)
     if args.json:
-        print(json.dumps(state, indent=2))
+        shown = dict(state, gpus=[dict(gpu, driver=gpu_driver(state, gpu),
+                                       iommu_group=groups.get(sysfs_address(gpu["pci_bus_id"])))
+                                  for gpu in state["gpus"]])
+        print(json.dumps(shown, indent=2))
         return
     driver = state["driver_version"] or "none (no NVIDIA driver installed)"
     print(f"machine {state['machine']} ({state['source']}), driver {driver}")
@@ -126,7 +134,8 @@ def _show(machine: Any, args: argparse.Namespace) -> None:
         if mig["pending"] != mig["current"]:
             mode += f" (pending {'on' if mig['pending'] else 'off'} until a GPU reset)"
         lost = " OFF THE BUS (GPU_IS_LOST)" if index in state.get("lost_gpus", ()) else ""
-        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} mig={mode} instances={instances}{lost}")
+        print(f"  GPU {index} {gpu['uuid']} {gpu['pci_bus_id']} {gpu['model']} driver={gpu_driver(state, gpu)} "
+              f"mig={mode} instances={instances}{lost}")
         for p in gpu["processes"]:
             client = f" (MPS client of {p['mps']})" if p.get("mps") else ""
             print(f"    process {p['pid']} {p['name']} {p['used_mib']} MiB{client}")
@@ -214,6 +223,9 @@ def _fail(machine: Any, args: argparse.Namespace) -> None:
     if args.call == "mps":
         _fail_mps(machine, args)
         return
+    if args.call in ("iommu", "bind", "unbind"):
+        _fail_pci(machine, args)
+        return
     if args.call in ("stop", "start"):
         from gpu_agent.sim.services import UNIT_ERRORS
 
@@ -251,6 +263,18 @@ def _error(args: argparse.Namespace, call: str, known: tuple[str, ...]) -> str:
     if error not in known:
         raise AgentError(f"--error {error}: unknown for {call}; one of {', '.join(known)}")
     return error
+
+
+def _fail_pci(machine: Any, args: argparse.Namespace) -> None:
+    """iommu: the kernel runs without an IOMMU (no groups, vfio-pci binds nothing); unbind: a driver's unbind is
+    refused, busy; bind: a driver's bind is refused (its probe fails). --gpu N: that GPU's functions only."""
+    from gpu_agent.sim.pci import FAULTS
+
+    error = _error(args, args.call, FAULTS[args.call])
+    _add_fault(machine, args, {"call": args.call, "gpu": args.gpu, "error": error}, gpu=args.gpu)
+    print({"iommu": "the kernel now runs without an IOMMU: no IOMMU groups, no /dev/vfio/<group>",
+           "unbind": "unbinding a PCI function from its driver will fail: Device or resource busy",
+           "bind": "binding a PCI function to a driver will fail: No such device"}[args.call])
 
 
 def _fail_mps(machine: Any, args: argparse.Namespace) -> None:

@@ -29,7 +29,9 @@ def stages(runtime: Runtime) -> list[Stage]:
     from gpu_agent.stages.owned_files import OwnedFiles
 
     mps = (runtime.mps_control(), runtime.nvml.inventory)
-    return [OwnedFiles(runtime.root, runtime.services, set(), uninstall=True, mps=mps, units=runtime.units)]
+    vfio = runtime.vfio_stage(runtime.state.config.config, uninstall=True)  # GPUs back on their drivers first
+    return [*([vfio] if vfio is not None else []), OwnedFiles(runtime.root, runtime.services, set(), uninstall=True,
+                                                              mps=mps, units=runtime.units)]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from gpu_agent.config.plugin import PluginConfig
 from gpu_agent.config.section import (PATH_MAX, AbsolutePath, AllOr, Bounds, Check, Section, absolute_path, seconds,
                                       setting, shown)
 from gpu_agent.config.toolkit import ToolkitConfig
+from gpu_agent.config.workload import WorkloadConfig
 
 MAX_GPUS = 1024  # more than any node has: catches a typo, not a machine
 EXPORTER_SERIES = ("DCGM_EXP_XID_ERRORS_COUNT", "DCGM_EXP_CLOCK_EVENTS_COUNT", "DCGM_EXP_GPU_HEALTH_STATUS",
@@ -187,3 +188,4 @@ class AgentConfig(Section):
     health: HealthConfig = setting(HealthConfig())
     mig: MigConfig = setting(MigConfig())
     plugin: PluginConfig = setting(PluginConfig())
+    workload: WorkloadConfig = setting(WorkloadConfig())

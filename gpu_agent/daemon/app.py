@@ -31,6 +31,7 @@ from gpu_agent.host.files import Stamp, stamp_of, written_by_us
 from gpu_agent.host.memory import give_back, limit_arenas
 from gpu_agent.host.modules import Modprobe, ModuleLoader, ModuleUnloader
 from gpu_agent.host.paths import Root, resolve
+from gpu_agent.host.vfio import PciControl, SysfsPci
 from gpu_agent.kube import budget
 from gpu_agent.kube.api_state import ApiState
 from gpu_agent.kube.budget import RequestBudget
@@ -90,6 +91,7 @@ class Runtime:
     plugin_gate: PluginGate = field(default_factory=PluginGate)  # holds the device plugin off (driver reload)
     versions: Optional[Versions] = None  # the runtimes' and the kubelet's versions, their --version runs cached
     console: Optional[ConsoleControl] = None  # binds the framebuffer console (a driver reload unbinds it)
+    pci: Optional[PciControl] = None  # moves PCI functions between drivers (VFIO passthrough)
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str],
@@ -122,6 +124,9 @@ class Runtime:
             gpu_reset: GpuReset = SimGpuReset(machine)
             units: UnitControl = SimUnits(machine)
             console: ConsoleControl = SimConsole(machine)
+            from gpu_agent.sim.pci import SimPciControl
+
+            pci: PciControl = SimPciControl(machine)
         else:
             import pynvml
 
@@ -132,6 +137,7 @@ class Runtime:
             gpu_reset = NvidiaSmiReset(root, config.mig.reset_timeout_seconds)
             units = Systemctl(root, config.toolkit.restart_timeout_seconds)
             console = SysfsConsole(root)
+            pci = SysfsPci(root)
         from gpu_agent.kube.labels import machine_name
 
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
@@ -141,7 +147,7 @@ class Runtime:
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units,
                       kube_budget=requests, kube_api=ApiState(requests, state.publish_kube_api, clock or time.time),
-                      versions=Versions(root), console=console)
+                      versions=Versions(root), console=console, pci=pci)
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")
@@ -238,6 +244,9 @@ class Runtime:
                               node_label=sink.node_label if sink and sink.api else None,
                               announce=(lambda state: sink.publish_label(STATE_LABEL, state)) if sink and sink.api
                               else None))
+        vfio = self.vfio_stage(config, sink.node_metadata if sink and sink.api else None)
+        if vfio is not None:
+            stages.append(vfio)
         stages.append(Discovery(self.nvml, config.discovery))
         toolkit = config.toolkit if not self.real_root_simulated else dataclasses.replace(config.toolkit, enabled=False)
         versions = self.versions or Versions(self.root)
@@ -256,6 +265,24 @@ class Runtime:
         if not self.real_root_simulated:
             stages.append(OwnedFiles(self.root, self.services, {stage.name for stage in stages}, units=self.units))
         return stages
+
+
+    def vfio_stage(self, config: AgentConfig, node: Optional[Callable[..., Any]] = None,
+                   uninstall: bool = False) -> Optional[Stage]:
+        """The vfio stage, where the node can change GPUs and something asks for it: a GPU's mode in config,
+        the node's workload label (`node`: the Node's labels as last read, no request of its own), or a GPU
+        the ledger says the agent passed through."""
+        from gpu_agent.host.ledger import Ledger
+        from gpu_agent.stages.vfio import Vfio
+
+        workload = config.workload
+        wanted = workload.mode != "container" or bool(workload.gpus) or (workload.follow_node_label and node)
+        if self.pci is None or not (self.root.is_running_system or self.machine is not None):
+            return None
+        if not (wanted or uninstall or Ledger(self.root).vfio()):
+            return None
+        label = (lambda key: node(fresh=False)[0].get(key)) if node is not None else None
+        return Vfio(self.root, self.nvml, self.loader, self.pci, workload, node_label=label, uninstall=uninstall)
 
 
 def _simulated_nvml(machine: Any) -> Any:

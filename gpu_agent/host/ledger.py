@@ -26,6 +26,9 @@ under /var/lib/gpu-agent.
   which write the CDI spec the agent writes), with their UnitFileState and whether they were active before;
   recorded before the first is stopped, and dropped once each was put back (when the agent stops writing
   the spec, or at uninstall).
+- vfio: by the PCI address of a GPU being passed through to VMs (or passed through, or being given back), the
+  switch's step and, for each function of its IOMMU group, the driver and driver_override it had before; recorded
+  before each sysfs write of the switch (gpu_agent.stages.vfio), dropped once the GPU is back on its drivers.
 - driver_reload: the step a driver reload has reached (gpu_agent.stages.driver_reload), recorded before
   each step is taken, so that after a kill -9 the next agent finishes the sequence or says where it stopped.
 
@@ -56,6 +59,7 @@ from gpu_agent.host.paths import Root, followed, walk
 from gpu_agent.plan import COMPUTE_MODES
 
 PATH = "/var/lib/gpu-agent/ledger.json"
+_DROPPED_WHEN_EMPTY = ("mig_checkpoints", "mps_directories", "compute_modes", "mounts", "units", "vfio")
 LOCK_PATH = "/var/lib/gpu-agent/ledger.lock"  # not a file the agent owns: the package's purge removes it
 LOCK_TIMEOUT_S = 10.0  # a change holds the lock for milliseconds: a holder this long is stuck
 MPS_DIRECTORY_ROOT = "/run/nvidia/mps"  # mps/layout.py's MPS_ROOT: the only place MPS directories may be
@@ -239,6 +243,24 @@ class Ledger:
 
         self._update(change)
 
+    def vfio(self) -> dict[str, dict[str, Any]]:
+        """The GPUs the agent passes (or passed) through, by PCI address: their switch's record."""
+        return {address: dict(entry) for address, entry in self._read().get("vfio", {}).items()}
+
+    def save_vfio(self, address: str, entry: Optional[dict[str, Any]]) -> None:
+        """Durably, before the sysfs write it prepares; None once the GPU is back on its drivers."""
+        def change(document: dict[str, Any]) -> bool:
+            section = document.setdefault("vfio", {})
+            if section.get(address) == entry:
+                return False
+            if entry is None:
+                section.pop(address, None)
+            else:
+                section[address] = entry
+            return True
+
+        self._update(change)
+
     def _record(self, section: str, key: str, value: Any) -> None:
         """`value` under `key` in `section`, written only when it changes it."""
         self._merge(section, key, lambda before: value)
@@ -366,6 +388,10 @@ class Ledger:
         if reload is not None and not (isinstance(reload, dict) and isinstance(reload.get("step"), str)):
             raise self._error('driver_reload: expected an object such as {"step": "wait-for-jobs-required", '
                               '"target": "570.124.06", ...}')
+        vfio = document.setdefault("vfio", {})
+        if not isinstance(vfio, dict) or not all(_vfio_entry(k, v) for k, v in vfio.items()):
+            raise self._error('vfio: expected an object of PCI addresses, such as {"0000:9a:00.0": {"step": "on-vfio", '
+                              '"functions": {"0000:9a:00.0": {"driver": "nvidia", "override": ""}}, ...}}')
         modes = document.setdefault("compute_modes", {})
         if not isinstance(modes, dict) or not all(
                 isinstance(v, dict) and set(v) == {"mode", "resource"} and v["mode"] in COMPUTE_MODES
@@ -377,7 +403,7 @@ class Ledger:
     def _write(self, document: dict[str, Any]) -> None:
         # a node without MIG changes or MPS keeps the file as it was
         document = {key: value for key, value in document.items()
-                    if key not in ("mig_checkpoints", "mps_directories", "compute_modes", "mounts", "units") or value}
+                    if key not in _DROPPED_WHEN_EMPTY or value}
         path = self.root(PATH)
         try:
             path = self.path
@@ -391,6 +417,20 @@ class Ledger:
                            "restarts it owes and the MIG geometry of GPUs it is changing: restore it from a backup, "
                            "or remove it (then gpu-agent can no longer undo its changes) and restart the runtimes "
                            "whose configs gpu-agent changed")
+
+
+_PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+
+
+def _vfio_entry(address: Any, entry: Any) -> bool:
+    def function(name: Any, value: Any) -> bool:
+        return (isinstance(name, str) and _PCI_ADDRESS.fullmatch(name) is not None and isinstance(value, dict)
+                and (value.get("driver") is None or isinstance(value["driver"], str))
+                and isinstance(value.get("override"), str))
+
+    return (isinstance(address, str) and _PCI_ADDRESS.fullmatch(address) is not None and isinstance(entry, dict)
+            and isinstance(entry.get("step"), str) and isinstance(entry.get("functions"), dict)
+            and all(function(k, v) for k, v in entry["functions"].items()))
 
 
 def _mps_directory(path: Any) -> bool:

@@ -32,6 +32,7 @@ class Resource:
     devices: tuple[PluginDevice, ...]
     replicas: int = 1  # the most replicas of one device; > 1: shared
     strategy: str = "none"  # how its shared devices are shared: time-slicing or mps
+    groups: tuple[tuple[str, Optional[str]], ...] = ()  # the VM path's: each device's PCI address and IOMMU group
 
     @property
     def shared(self) -> bool:

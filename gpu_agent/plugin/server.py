@@ -150,6 +150,9 @@ class DevicePluginService(api.DevicePluginBase):
         resource = self.feed.resource
         answers = []
         for container in request.container_requests:
+            if resource.groups:
+                answers.append(self._vfio(resource, list(container.devices_ids)))
+                continue
             try:
                 given = allocate(resource, list(container.devices_ids), self.list_strategy(),
                                  self.fail_greater_than_one(), self.cdi_spec())
@@ -161,6 +164,22 @@ class DevicePluginService(api.DevicePluginBase):
                 mounts=[api.Mount(container_path=inside, host_path=host) for inside, host in given.mounts],
                 cdi_devices=[api.CDIDevice(name=name) for name in given.cdi_devices]))
         await stream.send_message(api.AllocateResponse(container_responses=answers))
+
+    def _vfio(self, resource: Any, requested: list[str]) -> api.ContainerAllocateResponse:
+        """The VM path: the VFIO device nodes and KubeVirt's variable (plugin/vfio.py)."""
+        from gpu_agent.plugin.vfio import allocation
+
+        healthy = {device.id for device in resource.devices if device.healthy}
+        try:
+            unhealthy = [address for address in requested if address not in healthy]
+            envs, nodes = allocation(resource.name, requested, dict(resource.groups))
+            if unhealthy:
+                raise ValueError(f"{unhealthy[0]} of {resource.name} is not passed through (see gpu-agent status)")
+        except ValueError as exc:
+            log.warning("Allocate refused: %s", exc)
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
+        return api.ContainerAllocateResponse(envs=envs, devices=[
+            api.DeviceSpec(container_path=node, host_path=node, permissions="mrw") for node in nodes])
 
     async def PreStartContainer(
             self, stream: Stream[api.PreStartContainerRequest, api.PreStartContainerResponse]) -> None:

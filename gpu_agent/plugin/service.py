@@ -11,6 +11,7 @@ wants is not done yet (a registration or a socket that failed), so an idle node'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import time
@@ -22,7 +23,8 @@ from gpu_agent.host.watch import FileChanges
 from gpu_agent.host.paths import Root
 from gpu_agent.plugin.gate import PluginGate
 from gpu_agent.nvml.model import Inventory
-from gpu_agent.plugin.devices import Advertised, advertised
+from gpu_agent.nvml.session import short_bus_id
+from gpu_agent.plugin.devices import Advertised, PluginDevice, Resource, advertised
 from gpu_agent.plugin.shared_policy import preferred_allocation
 from gpu_agent.plugin.server import PluginEndpoint
 from gpu_agent.state import AgentState
@@ -159,11 +161,39 @@ class DevicePluginManager:
         self._publish(wanted, "")
 
     def compute(self) -> Advertised:
+        wanted = self._container_path()
+        workload = self.state.workload
+        if workload is None or not workload.vm_gpus():
+            return wanted
+        from gpu_agent.plugin.vfio import names, read_pci_ids
+
+        vm = workload.vm_gpus()
+        resources = dict(wanted.resources)
+        by_name: dict[str, list[Any]] = {}
+        named = names((gpu.device_id for gpu in vm), read_pci_ids(self.root))
+        for gpu in vm:
+            by_name.setdefault(named[gpu.device_id], []).append(gpu)
+        for name, gpus in sorted(by_name.items()):
+            devices = tuple(PluginDevice(gpu.address, gpu.address, gpu.uuid or gpu.address, gpu.index, gpu.numa_node,
+                                         gpu.passed_through, "" if gpu.passed_through else
+                                         gpu.reason or f"not bound to vfio-pci yet (driver {gpu.driver})")
+                            for gpu in gpus)
+            resources[name] = Resource(name, devices, groups=tuple((gpu.address, gpu.group) for gpu in gpus))
+        return Advertised(resources, wanted.withheld, wanted.ignored, "")
+
+    def _container_path(self) -> Advertised:
+        """nvidia.com/gpu and the MIG resources, without the GPUs whose mode is vm-passthrough: a GPU is never
+        advertised by both paths (one on its way to vfio-pci, or refused, is neither's to give to a container)."""
         state = self.state
         if state.nvml_error:
             return advertised(None, state.health, mig_strategy(state.config.config), self.settings, state.nvml_error,
                               state.mps_down, state.mps_running)
         inventory, unavailable = self._inventory(), ""
+        workload = state.workload
+        if inventory is not None and workload is not None and workload.vm_gpus():
+            vm = {gpu.uuid for gpu in workload.vm_gpus()} | {gpu.address for gpu in workload.vm_gpus()}
+            inventory = dataclasses.replace(inventory, gpus=tuple(
+                gpu for gpu in inventory.gpus if gpu.uuid not in vm and short_bus_id(gpu.pci_bus_id) not in vm))
         discovery = state.stages.get("discovery")
         if inventory is None and discovery is not None and discovery.state == "failed":
             unavailable = f"discovery failed: {discovery.message}"

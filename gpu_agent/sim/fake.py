@@ -12,13 +12,14 @@ import functools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import pynvml
 
 from gpu_agent.host.inotify import DirectoryWatch
 from gpu_agent.sim import topology
 from gpu_agent.sim.kernel import loaded_version
+from gpu_agent.sim.pci import on_nvidia
 from gpu_agent.sim.machine import MachineState
 from gpu_agent.sim.mig import (
     CiProfile,
@@ -315,7 +316,17 @@ class FakeNvml:
         gpus = self._gpus()
         if not 0 <= handle.gpu < len(gpus):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if handle.gpu not in self._visible():
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)  # unbound from nvidia since the handle was had
         return gpus[handle.gpu]
+
+    def _visible(self) -> Sequence[int]:
+        """The GPUs the nvidia driver holds, by their place in the machine: NVML's indices count only those (a GPU
+        bound to vfio-pci, or to no driver, is outside NVML)."""
+        state = self._state.read()
+        if not state["pci"].get("bound") and not state["pci"].get("override"):
+            return range(len(state["gpus"]))  # nothing was moved: every GPU probed by nvidia
+        return [index for index, gpu in enumerate(state["gpus"]) if on_nvidia(state, gpu)]
 
     def _model(self, gpu: dict[str, Any]) -> GpuModel:
         return MODELS[gpu["model"]]
@@ -398,18 +409,22 @@ class FakeNvml:
 
     @_nvml
     def nvmlDeviceGetCount(self) -> int:
-        return len(self._gpus())
+        return len(self._visible())
 
     @_nvml
     def nvmlDeviceGetHandleByIndex(self, index: int) -> SimHandle:
-        if not 0 <= index < len(self._gpus()):
+        visible = self._visible()
+        if not 0 <= index < len(visible):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return SimHandle(index)
+        return SimHandle(visible[index])
 
     @_nvml
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> SimHandle:
         lost = self._state.read().get("lost_gpus") or ()
+        visible = self._visible()
         for index, gpu in enumerate(self._gpus()):
+            if index not in visible:
+                continue
             found = SimHandle(index) if gpu["uuid"] == uuid else next(
                 (SimHandle(index, slot) for slot, (_, ci) in enumerate(mig_devices(gpu)) if ci["uuid"] == uuid), None)
             if found is not None and index in lost:
@@ -421,7 +436,7 @@ class FakeNvml:
     @_nvml
     def nvmlDeviceGetIndex(self, handle: SimHandle) -> int:
         self._whole_gpu(handle)
-        return handle.gpu
+        return list(self._visible()).index(handle.gpu)
 
     @_nvml
     def nvmlDeviceGetUUID(self, handle: SimHandle) -> str:

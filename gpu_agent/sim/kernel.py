@@ -19,6 +19,7 @@ from gpu_agent.host.bounded import Unreadable, read_text
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.modules import ModuleLoadError, ModuleUnloadError
 from gpu_agent.host.paths import Root, link_text, place
+from gpu_agent.sim import pci
 from gpu_agent.sim.mps import SERVER as MPS_SERVER
 from gpu_agent.sim.mps import servers as mps_servers
 
@@ -32,10 +33,15 @@ DEPENDS = {
     "drm_kms_helper": ("drm",),
     "nvidia_peermem": ("nvidia", "ib_core"),
     "mlx5_ib": ("ib_core",),
+    "vfio_pci": ("vfio_pci_core",),
+    "vfio_pci_core": ("vfio",),
+    "vfio_iommu_type1": ("vfio",),
 }
+VFIO_MODULES = ("vfio", "vfio_iommu_type1", "vfio_pci_core", "vfio_pci")  # in the kernel's tree: always installed
 SIZES = {"nvidia": 56807424, "nvidia_uvm": 4890624, "nvidia_modeset": 1355776, "nvidia_drm": 77824,
          "nvidia_peermem": 16384, "nouveau": 2433024, "drm": 614400, "drm_kms_helper": 204800,
-         "ib_core": 454656, "mlx5_ib": 446464}
+         "ib_core": 454656, "mlx5_ib": 446464, "vfio": 69632, "vfio_iommu_type1": 49152, "vfio_pci_core": 94208,
+         "vfio_pci": 16384}
 CHAR_MAJORS = {"nvidia": (195, "nvidia"), "nvidia_uvm": (510, "nvidia-uvm"),
                "nvidia_caps": (237, "nvidia-caps")}
 BASE_CHAR_DEVICES = ((1, "mem"), (4, "/dev/vc/0"), (4, "tty"), (5, "/dev/tty"), (5, "/dev/console"),
@@ -57,7 +63,8 @@ def new_boot_id() -> str:
 
 
 def initial_kernel(driver_version: Optional[str], nics: bool, nouveau: bool) -> dict[str, Any]:
-    installed: dict[str, Optional[str]] = {"nouveau": None, "drm": None, "drm_kms_helper": None}
+    installed: dict[str, Optional[str]] = {"nouveau": None, "drm": None, "drm_kms_helper": None,
+                                           **{module: None for module in VFIO_MODULES}}
     if driver_version:
         installed.update({module: driver_version for module in NVIDIA_MODULES})
     loaded: list[dict[str, Any]] = []
@@ -162,6 +169,8 @@ def boot(state: dict[str, Any], modprobe: SimModprobe) -> list[str]:
     kernel["loaded"] = [dict(m, state="live") for m in kernel["loaded"] if m["name"] not in NVIDIA_MODULES]
     kernel["boot_id"] = new_boot_id()
     kernel.pop("console_unbound", None)
+    kernel["loaded"] = [m for m in kernel["loaded"] if m["name"] not in VFIO_MODULES]  # nothing loads them at boot
+    pci.forget(state)
     failed = []
     for name in names:
         fault = next((f for f in state["faults"] if f["call"] == "modprobe" and f.get("module") in (None, name)
@@ -247,6 +256,7 @@ class SimModprobe:
         if faulted or users(state, module):
             return f"rmmod: ERROR: Module {module} is in use"
         state["kernel"]["loaded"] = [m for m in state["kernel"]["loaded"] if m["name"] != module]
+        pci.module_removed(state, module)
         if module == "nvidia":
             from gpu_agent.sim.mig import reload_driver
             from gpu_agent.sim.profiles import MODELS
@@ -281,6 +291,7 @@ class SimModprobe:
         if fault == "stuck":
             entry["state"] = "coming"
         kernel["loaded"].append(entry)
+        pci.module_inserted(state)
         return None
 
     def _options(self, module: str) -> dict[str, str]:
@@ -334,6 +345,7 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
     else:
         files, links, directories = _built_in(state), {}, []
         _pci(files, links, state)
+        vfio = pci.render(files, links, state)
         for gpu in state["gpus"]:  # a process using a GPU holds its device file open
             for process in gpu["processes"]:
                 links[f"proc/{process['pid']}/fd/3"] = f"/dev/nvidia{gpu['minor']}"
@@ -341,10 +353,21 @@ def render(kernel_dir: Path, state: dict[str, Any]) -> None:
             for fd, target in enumerate(["/dev/nvidiactl", "/dev/nvidia-uvm", *(f"/dev/nvidia{m}" for m in minors)], 3):
                 links[f"proc/{pid}/fd/{fd}"] = target
         _display(files, links, state)
+        _vfio_nodes(kernel_dir / "dev" / "vfio", vfio)
     for tree in ("proc", "sys"):
         _replace_tree(kernel_dir / tree, {k[len(tree) + 1:]: v for k, v in files.items() if k.startswith(tree + "/")},
                       {k[len(tree) + 1:]: v for k, v in links.items() if k.startswith(tree + "/")},
                       [d[len(tree) + 1:] for d in directories if d.startswith(tree + "/")])
+
+
+def _vfio_nodes(directory: Path, nodes: list[str]) -> None:
+    """/dev/vfio as the kernel keeps it (devtmpfs): the container node and one per viable group, while vfio-pci
+    is loaded. Plain files here: what the agent and the device plugin look for is that they exist."""
+    if not nodes:
+        if directory.is_dir():
+            shutil.rmtree(directory, ignore_errors=True)
+        return
+    _replace_tree(directory, {node: "" for node in nodes}, {})
 
 
 BOOT_TIME = 1736150000  # 2025-01-06 07:53:20 UTC
@@ -446,12 +469,6 @@ def _pci(files: dict[str, str], links: dict[str, str], state: dict[str, Any]) ->
     from gpu_agent.sim import topology
     from gpu_agent.sim.profiles import MODELS
 
-    names = loaded_names(state)
-    gpu_driver = "nvidia" if "nvidia" in names else "nouveau" if "nouveau" in names else None
-    if gpu_driver:  # the driver that probed first holds the GPUs
-        for gpu in state["gpus"]:
-            links[f"sys/bus/pci/devices/{_sysfs_address(gpu['pci_bus_id'])}/driver"] = \
-                f"../../../bus/pci/drivers/{gpu_driver}"
     devices = [(gpu["pci_bus_id"], 0x10DE, MODELS[gpu["model"]].pci_device_id >> 16, 0x030200)
                for gpu in state["gpus"]]
     devices += [(address, 0x10DE, 0x22A3, 0x068000) for address in state["pci"]["nvswitches"]]
@@ -494,6 +511,8 @@ def _proc_driver(files: dict[str, str], state: dict[str, Any], version: str) -> 
         f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Fri May 31 09:35:42 UTC 2024\n"
         "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
     for gpu in state["gpus"]:
+        if not pci.on_nvidia(state, gpu):
+            continue  # another driver's (vfio-pci), or no driver's: outside the nvidia driver
         files[f"proc/driver/nvidia/gpus/{_sysfs_address(gpu['pci_bus_id'])}/information"] = (
             f"Model: \t\t {MODELS[gpu['model']].name}\nIRQ:   \t\t 0\nGPU UUID: \t {gpu['uuid']}\n"
             f"Video BIOS: \t ??.??.??.??.??\nBus Type: \t PCIe\nDMA Size: \t 52 bits\n"

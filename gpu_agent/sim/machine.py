@@ -64,6 +64,7 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
     mig: dict[int, MigSpec] = {}
     numa: list[int] = []
     paths: list[tuple[str, ...]] = []
+    audio: list[bool] = []
     for n, gpu in enumerate(spec.gpus):
         model = MODELS.get(gpu.model)
         if model is None:
@@ -85,6 +86,7 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
             gpus.append((model, nvml_bus))
             numa.append(UNKNOWN_NUMA if gpu.numa_node is None else gpu.numa_node)
             paths.append(tuple(gpu.pcie_switch.split("/")) if gpu.pcie_switch else ())
+            audio.append(gpu.audio)
     if len(gpus) > MAX_GPUS:
         raise AgentError(f"{path}: gpus: {len(gpus)} GPUs in all; at most {MAX_GPUS}, as device minors 254 and 255 "
                          "belong to nvidia-modeset and nvidiactl")
@@ -95,7 +97,7 @@ def load_machine_file(path: Path) -> tuple[Machine, dict[int, MigSpec]]:
                       mellanox_nics=tuple(f"0000:{0xe0 + n:02x}:00.0" for n in range(spec.mellanox_nics)),
                       nouveau=spec.nouveau, product_name=spec.product_name,
                       numa_nodes=tuple(numa), pcie_paths=tuple(paths), nvlinks=spec.nvlinks,
-                      passthrough=spec.passthrough)
+                      passthrough=spec.passthrough, audio=tuple(audio))
     return machine, mig
 
 
@@ -141,6 +143,8 @@ def new_state(source: str, machine: Machine, mig: dict[int, MigSpec]) -> dict[st
         }
         if machine.passthrough:
             gpu["passthrough"] = True
+        if index < len(machine.audio) and machine.audio[index]:
+            gpu["audio"] = True
         for profile in devices:
             add_device(gpu, model, profile)
         gpus.append(gpu)
@@ -188,8 +192,13 @@ class MachineState:
         """Create the machine for `spec` (a built-in name or a YAML file) unless it already runs here."""
         source = spec if spec in BUILT_IN else str(Path(spec).resolve())
         with self._locked():
-            if self.path.exists() and json.loads(self.path.read_text()).get("source") == source:
-                return
+            if self.path.exists():
+                state = json.loads(self.path.read_text())
+                if state.get("source") == source:
+                    # A writer killed between rendering the kernel's files and committing the state left files
+                    # the state does not hold: the kernel's files follow its state, so render them again.
+                    render(self.kernel_dir, state)
+                    return
             shutil.rmtree(self.kernel_dir, ignore_errors=True)  # a new machine boots a fresh kernel
             mig: dict[int, MigSpec] = {}
             if spec in BUILT_IN:

@@ -32,6 +32,7 @@ class GpuSpec(_Spec):
     pcie_switch: Optional[str] = Field(
         None, pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$",
         description="the PCIe switches above these GPUs, from the root port down: `sw0`, or `sw0/sw0.1`")
+    audio: bool = Field(False, description="each GPU has an HD audio function beside it (function 1, its IOMMU group)")
 
 
 # The driver's version names files (libcuda.so.550.90.07, the modules' modinfo): digits and dots only.

@@ -153,6 +153,7 @@ class Machine:
     pcie_paths: tuple[tuple[str, ...], ...] = ()  # each GPU's PCIe switches from its root port down
     nvlinks: int = 0  # NVLinks from each GPU into the NVSwitch fabric (all-to-all); 0: no NVLink
     passthrough: bool = False  # a VM whose GPUs are passed through (NVML's virtualization mode)
+    audio: tuple[bool, ...] = ()  # each GPU's HD audio function (function 1 of its slot), in GPU order
 
 
 _DGX_A100_BUSES = ("07", "0F", "47", "4E", "87", "90", "B7", "BD")

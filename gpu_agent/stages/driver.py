@@ -68,6 +68,7 @@ class DriverState:
     installed: Optional[driver_version.Installed] = None
     reload_step: Optional[str] = None  # the ledger's driver reload step, when one is recorded
     reload_target: Optional[str] = None  # and the version it loads
+    passing: frozenset[str] = frozenset()  # the GPUs the vfio stage is switching (its ledger records), by address
 
     @property
     def mismatch(self) -> Optional[str]:
@@ -79,8 +80,9 @@ class DriverState:
 
     @property
     def managed_gpus(self) -> tuple[PciDevice, ...]:  # the field self.pci hides the module here
-        """GPUs passed through to VMs (bound to vfio-pci) are not the host driver's to manage."""
-        return tuple(gpu for gpu in self.pci.gpus if gpu.driver != "vfio-pci")
+        """GPUs passed through to VMs (bound to vfio-pci), or on their way there or back (the vfio stage's), are not
+        the host driver's to manage."""
+        return tuple(gpu for gpu in self.pci.gpus if gpu.driver != "vfio-pci" and gpu.address not in self.passing)
 
     @property
     def nouveau(self) -> bool:
@@ -112,6 +114,7 @@ class Driver(Stage):
     def observe(self) -> DriverState:
         inventory = pci.scan(self.root)
         state = DriverState(inventory, self.kernel.loaded(), list(CORE_MODULES), self._files())
+        state.passing = frozenset(Ledger(self.root).vfio())
         if self.reload is not None:
             progress = self.reload.progress()
             state.reload_step = progress.step if progress is not None else None
@@ -361,7 +364,7 @@ class Driver(Stage):
         """The GPUs NVML sees are those on the PCI bus. A GPU NVML cannot answer for (GPU_IS_LOST: fell off
         the bus, XID 79) is that GPU's fault, not the driver's: gpu-health reports it, and it is only noted here."""
         on_bus = {device.address for device in state.managed_gpus}
-        in_nvml = set(state.nvml_bus_ids)
+        in_nvml = set(state.nvml_bus_ids) - state.passing  # one the vfio stage is switching is its to judge
         notes = []
         if state.nvml_lost and in_nvml <= on_bus and len(on_bus - in_nvml) <= len(state.nvml_lost):
             notes += [f"GPU {index} lost to NVML ({why}; gpu-health reports it)" for index, why in state.nvml_lost]

@@ -258,19 +258,7 @@ class Reload:
         return users + [f"pod {pod}" for pod in self._gpu_pods()]
 
     def _gpu_pods(self) -> list[str]:
-        socket = self.root(POD_RESOURCES)
-        if not socket.exists():
-            return []
-        from gpu_agent.metrics.pods import list_pod_resources
-
-        try:
-            response = asyncio.run(list_pod_resources(socket, 5.0))
-        except Exception as exc:  # grpclib's and the socket's errors: the kubelet did not answer
-            raise StageError(f"cannot ask the kubelet which pods hold GPUs ({POD_RESOURCES}): "
-                             f"{type(exc).__name__}: {exc}") from None
-        return sorted(f"{pod.namespace}/{pod.name}" for pod in response.pod_resources
-                      if any(device.resource_name.startswith("nvidia.com/")
-                             for container in pod.containers for device in container.devices))
+        return pods_holding(self.root, lambda device: device.resource_name.startswith("nvidia.com/"))
 
     # --- taking the moves ------------------------------------------------------------------------
 
@@ -716,6 +704,23 @@ class Reload:
             swapped = move.kind == FINISH or (progress is not None and progress.reloaded)
             return head + ([] if swapped else unload) + load + finish
         return head + (cordon if at in (CORDON_REQUIRED, UPGRADE_REQUIRED) else []) + wait + unload + load + finish
+
+
+def pods_holding(root: Root, holds: Callable[[Any], bool]) -> list[str]:
+    """namespace/name of the pods the kubelet's pod-resources API says hold a device `holds` accepts (a
+    ContainerDevices: resource_name, device_ids); none where the kubelet has no such socket."""
+    socket = root(POD_RESOURCES)
+    if not socket.exists():
+        return []
+    from gpu_agent.metrics.pods import list_pod_resources
+
+    try:
+        response = asyncio.run(list_pod_resources(socket, 5.0))
+    except Exception as exc:  # grpclib's and the socket's errors: the kubelet did not answer
+        raise StageError(f"cannot ask the kubelet which pods hold GPUs ({POD_RESOURCES}): "
+                         f"{type(exc).__name__}: {exc}") from None
+    return sorted(f"{pod.namespace}/{pod.name}" for pod in response.pod_resources
+                  if any(holds(device) for container in pod.containers for device in container.devices))
 
 
 def _validation(outcomes: Optional[dict[str, Any]]) -> Optional[tuple[str, ...]]:

@@ -1,0 +1,155 @@
+"""The vfio stage on a simulated dgx-h100: GPUs 4-7 passed through to vfio-pci in one pass, back byte for byte by
+uninstall or by their mode going back to container, refused while a process holds one or without an IOMMU, and a
+switch cut by kill -9 at any of its writes finished by the next agent, never leaving a GPU without a driver."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+from harness import run_cli
+
+from gpu_agent.host.paths import Root
+from gpu_agent.sim.machine import MachineState
+from gpu_agent.sim.pci import gpu_driver
+
+PASSED = ("0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0")  # dgx-h100's GPUs 4-7
+VM_CONFIG = 'version: v1\nworkload:\n  gpus: {"4": vm-passthrough, "5": vm-passthrough, "6": vm-passthrough, ' \
+            '"7": vm-passthrough}\n'
+CONTAINER_CONFIG = "version: v1\n"
+
+
+def _configure(root: Path, text: str) -> None:
+    path = root / "etc/gpu-agent/config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _drivers(root: Path) -> list[Optional[str]]:
+    state = MachineState(Root(root)).read()
+    return [gpu_driver(state, gpu) for gpu in state["gpus"]]
+
+
+def _bindings(root: Path) -> dict[str, str]:
+    """Every GPU's and the drivers' PCI entries in the simulated sysfs: file contents and link texts."""
+    sys_dir = root / "var/lib/gpu-agent/sim/kernel/sys/bus/pci"
+    found = {}
+    for base in [*(sys_dir / "devices").iterdir(), sys_dir / "drivers/nvidia"]:
+        for path in sorted(base.rglob("*")) if base.is_dir() else ():
+            found[str(path.relative_to(sys_dir))] = ("-> " + os.readlink(path)) if path.is_symlink() else \
+                path.read_text(errors="replace") if path.is_file() else "dir"
+    return found
+
+
+@pytest.fixture
+def h100(root: Path) -> Path:
+    _configure(root, CONTAINER_CONFIG)
+    assert run_cli("--simulate", "dgx-h100", "apply", "--once", root=root).returncode == 0
+    return root
+
+
+def test_one_pass_passes_gpus_4_to_7_through_and_uninstall_puts_back_every_byte(h100: Path) -> None:
+    root = h100
+    before = _bindings(root)
+    _configure(root, VM_CONFIG)
+    done = run_cli("apply", "--once", "--json", root=root)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _drivers(root) == ["nvidia"] * 4 + ["vfio-pci"] * 4
+    groups = json.loads(run_cli("sim", "show", "--json", root=root).stdout)["gpus"]
+    nodes = sorted(os.listdir(root / "var/lib/gpu-agent/sim/kernel/dev/vfio"))
+    assert nodes == sorted(["vfio", *(str(gpu["iommu_group"]) for gpu in groups[4:])])
+    stages = {run["stage"]: run for run in json.loads(done.stdout)["stages"]}
+    kinds = [change["kind"] for change in stages["vfio"]["changes"]]
+    assert kinds[:2] == ["VfioStep", "LoadModule"]
+    assert kinds.count("UnbindPciFunction") == 4 and kinds.count("BindPciFunction") == 4
+    checked = {run["stage"]: run for run in json.loads(run_cli("check", "--json", root=root).stdout)["stages"]}
+    assert checked["discovery"]["message"].startswith("4x H100")  # GPUs 4-7 are outside NVML
+    assert "nvidia.com/GH100_H100_SXM5_80GB: 4" in checked["vfio"]["message"]
+    again = run_cli("apply", "--once", "--json", root=root)  # converged: nothing planned
+    assert {run["stage"]: run for run in json.loads(again.stdout)["stages"]}["vfio"]["changes"] == []
+
+    assert run_cli("uninstall", root=root).returncode == 0
+    assert _drivers(root) == ["nvidia"] * 8
+    assert _bindings(root) == before
+
+
+def test_switching_back_to_container_restores_the_bindings(h100: Path) -> None:
+    root = h100
+    before = _bindings(root)
+    _configure(root, VM_CONFIG)
+    assert run_cli("apply", "--once", root=root).returncode == 0
+    _configure(root, CONTAINER_CONFIG)
+    assert run_cli("apply", "--once", root=root).returncode == 0
+    assert _drivers(root) == ["nvidia"] * 8 and _bindings(root) == before
+    assert "vfio" not in json.loads((root / "var/lib/gpu-agent/ledger.json").read_text())
+
+
+def test_a_gpu_with_a_process_is_not_switched_and_status_says_why(h100: Path) -> None:
+    root = h100
+    assert run_cli("sim", "add-process", "--gpu", "5", "--pid", "4242", "--name", "trainer", root=root).returncode == 0
+    _configure(root, VM_CONFIG)
+    done = run_cli("apply", "--once", "--json", root=root)
+    assert done.returncode != 0
+    assert _drivers(root) == ["nvidia"] * 4 + ["vfio-pci", "nvidia", "vfio-pci", "vfio-pci"]
+    vfio = {run["stage"]: run for run in json.loads(done.stdout)["stages"]}["vfio"]
+    assert "GPU 5 (0000:ab:00.0) not passed through: process 4242 (trainer) has it open" in vfio["message"]
+
+
+def test_no_iommu_is_a_clear_error_naming_the_kernel_parameters(h100: Path) -> None:
+    root = h100
+    assert run_cli("sim", "fail", "iommu", root=root).returncode == 0
+    _configure(root, VM_CONFIG)
+    done = run_cli("apply", "--once", "--json", root=root)
+    message = {run["stage"]: run for run in json.loads(done.stdout)["stages"]}["vfio"]["message"]
+    assert done.returncode != 0 and "intel_iommu=on" in message and "iommu=pt" in message
+    assert _drivers(root) == ["nvidia"] * 8
+
+
+def test_a_refused_bind_puts_the_gpu_back_on_nvidia(h100: Path) -> None:
+    root = h100
+    assert run_cli("sim", "fail", "bind", "--gpu", "6", "--times", "1", root=root).returncode == 0
+    _configure(root, VM_CONFIG)
+    done = run_cli("apply", "--once", "--json", root=root)
+    message = {run["stage"]: run for run in json.loads(done.stdout)["stages"]}["vfio"]["message"]
+    assert "bind 0000:ba:00.0 to vfio-pci: No such device" in message and "back on its drivers" in message
+    assert _drivers(root)[6] == "nvidia"
+    assert run_cli("apply", "--once", root=root).returncode == 0  # the fault fired once: the next pass switches it
+    assert _drivers(root) == ["nvidia"] * 4 + ["vfio-pci"] * 4
+
+
+def _apply(root: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("GPU_AGENT_")}
+    return subprocess.run([sys.executable, "-m", "gpu_agent", "--root", str(root), "apply", "--once"],
+                          env={**environment, **env}, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.subprocess
+def test_kill_9_in_the_middle_of_a_switch_then_a_restart_finishes_it(h100: Path, tmp_path: Path) -> None:
+    root = h100
+    _configure(root, VM_CONFIG)
+    log = tmp_path / "points"
+    assert _apply(root, {"GPU_AGENT_SIM_CRASH_LOG": str(log)}).returncode == 0
+    points = log.read_text().splitlines()
+    machine_writes = [int(line.split()[0]) for line in points if line.endswith("sim/machine.json")]
+    assert run_cli("uninstall", root=root).returncode == 0
+    # a few points among the switch's own writes: the first, one in the middle, the last
+    for kill_at in sorted({machine_writes[1], machine_writes[len(machine_writes) // 2], machine_writes[-1]}):
+        killed = _apply(root, {"GPU_AGENT_SIM_KILL_AT": str(kill_at)})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        state = MachineState(Root(root)).read()
+        assert None not in _drivers(root) or any(entry for entry in _ledger_vfio(root).values()), state
+        done = run_cli("apply", "--once", root=root)
+        assert done.returncode == 0, f"killed at {kill_at}: {done.stdout}"
+        assert _drivers(root) == ["nvidia"] * 4 + ["vfio-pci"] * 4
+        assert run_cli("uninstall", root=root).returncode == 0
+        assert _drivers(root) == ["nvidia"] * 8
+
+
+def _ledger_vfio(root: Path) -> dict[str, object]:
+    path = root / "var/lib/gpu-agent/ledger.json"
+    return json.loads(path.read_text()).get("vfio", {}) if path.exists() else {}
