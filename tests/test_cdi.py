@@ -53,15 +53,11 @@ class Node:
         return cdi.build_spec(self.inventory(), self.root, cdi.discover(self.root, VERSION), **kwargs)
 
     def make_device_nodes(self) -> None:
-        """What the driver stage creates, plus the MIG capability nodes (nvidia-modprobe -f does that for those)."""
+        """What the driver stage creates: the MIG instances' capability nodes among them, as nvidia-modprobe -f
+        makes them for a process that opens an instance."""
         kernel = KernelModules(self.root)
-        majors = kernel.char_majors()
-        for node in devnodes.expected(self.root, majors, list(devnodes.gpu_minors(self.root).values()),
+        for node in devnodes.expected(self.root, kernel.char_majors(), list(devnodes.gpu_minors(self.root).values()),
                                       set(kernel.loaded())):
-            devnodes.create_node(self.root, node)
-        for access in self.root("/proc/driver/nvidia/capabilities").glob("gpu*/mig/**/access"):
-            minor = int(access.read_text().split("DeviceFileMinor:")[1].split()[0])
-            node = devnodes.DeviceNode(f"/dev/nvidia-caps/nvidia-cap{minor}", majors["nvidia-caps"], minor, 0o444)
             devnodes.create_node(self.root, node)
 
 

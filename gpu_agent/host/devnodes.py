@@ -6,6 +6,7 @@ cgroup rules it cannot resolve, and running containers lose access to their GPUs
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 from typing import Optional
@@ -58,13 +59,45 @@ def expected(root: Root, majors: dict[str, int], gpu_minors: list[int], modules:
         nodes.append(DeviceNode("/dev/nvidia-uvm", majors["nvidia-uvm"], 0, mode, **owner))
         nodes.append(DeviceNode("/dev/nvidia-uvm-tools", majors["nvidia-uvm"], 1, mode, **owner))
     if "nvidia-caps" in majors:
-        for cap in ("config", "monitor"):
-            info = driver_file(root, f"/proc/driver/nvidia/capabilities/mig/{cap}")
+        caps = [f"{CAPABILITIES}/mig/{cap}" for cap in ("config", "monitor")] + mig_instance_capabilities(root)
+        for cap in caps:
+            info = driver_file(root, cap)
             if "DeviceFileMinor" in info:
                 minor = info.integer("DeviceFileMinor", 0, MAX_MINOR)
                 cap_mode = info.integer("DeviceFileMode", 0o400, MAX_MODE)
                 nodes.append(DeviceNode(f"/dev/nvidia-caps/nvidia-cap{minor}", majors["nvidia-caps"], minor, cap_mode))
     return nodes
+
+
+CAPABILITIES = "/proc/driver/nvidia/capabilities"
+_GPU_DIR = re.compile(r"gpu\d{1,3}")
+_GI_DIR = re.compile(r"gi\d{1,3}")
+_CI_DIR = re.compile(r"ci\d{1,3}")
+_MAX_CAPABILITIES = 4096  # 32 GPU minors x 15 GPU instances x (1 + 8 compute instances) is 4,320 in nv-caps.c
+
+
+def mig_instance_capabilities(root: Root) -> list[str]:
+    """The access capability files of every MIG GPU instance and compute instance the driver has now
+    (gpuN/mig/giG/access, gpuN/mig/giG/ciC/access): their /dev/nvidia-caps nodes are what nvidia-modprobe -f
+    makes for a process that opens the instance, and what a container given a MIG device (CDI) needs."""
+    found: list[str] = []
+    for gpu in _entries(root, CAPABILITIES, _GPU_DIR):
+        for gi in _entries(root, f"{CAPABILITIES}/{gpu}/mig", _GI_DIR):
+            found.append(f"{CAPABILITIES}/{gpu}/mig/{gi}/access")
+            found += [f"{CAPABILITIES}/{gpu}/mig/{gi}/{ci}/access"
+                      for ci in _entries(root, f"{CAPABILITIES}/{gpu}/mig/{gi}", _CI_DIR)]
+            if len(found) >= _MAX_CAPABILITIES:
+                return found[:_MAX_CAPABILITIES]
+    return found
+
+
+def _entries(root: Root, host_path: str, pattern: re.Pattern[str]) -> list[str]:
+    try:
+        with os.scandir(root(host_path)) as listing:
+            names = [entry.name for _, entry in zip(range(_MAX_CAPABILITIES), listing)]
+    except OSError:
+        return []
+    return sorted((name for name in names if pattern.fullmatch(name)), key=lambda name: (len(name), name))
 
 
 def gpu_minors(root: Root) -> dict[str, int]:
