@@ -436,3 +436,92 @@ def spec_with(*, device: Any = None, edits: Any = None, **top: Any) -> dict[str,
 ])
 def test_minimum_version_follows_the_cdi_rules(spec: dict[str, Any], version: str) -> None:
     assert cdi.minimum_version(spec) == version
+
+
+# --- additionalGids (CDI 0.7.0) ---------------------------------------------------------------------
+
+# nvidia-container-toolkit v1.20.0 (5505e2f9), internal/edits/device_test.go TestGetAdditionalGIDs, as
+# (case, the node's group, its permission bits, additional_gids on) -> the groups the container gets.
+# Upstream's cases without a GID or file mode have no counterpart: a node the agent can stat has both.
+GROUP_CASES = [
+    ("feature disabled", 1, 0o660, False, []),
+    ("device node has zero GID", 0, 0o660, True, []),
+    ("character device is world read-writeable", 1, 0o666, True, []),
+    ("character device is only world readable", 1, 0o664, True, [1]),
+    ("character device is only world writeable", 1, 0o662, True, [1]),
+    ("character device is not world read-writeable", 1, 0o660, True, [1]),
+]
+
+
+@pytest.mark.parametrize("case, gid, mode, enabled, expected", GROUP_CASES, ids=[case[0] for case in GROUP_CASES])
+def test_the_groups_a_device_node_needs_as_nvidia_ctk_1_20_gives_them(
+        tmp_path: Path, case: str, gid: int, mode: int, enabled: bool, expected: list[int]) -> None:
+    import os
+
+    node_path = tmp_path / "dev/nvidia0"
+    node_path.parent.mkdir()
+    os.mknod(node_path, 0o600 | 0o020000, os.makedev(195, 0))  # a character device, as the driver's
+    os.chown(node_path, 0, gid)
+    os.chmod(node_path, mode)
+    assert (cdi.group_ids(Root(tmp_path), ["/dev/nvidia0"]) if enabled else []) == expected
+    (tmp_path / "dev/regular").write_text("")
+    os.chown(tmp_path / "dev/regular", 0, 1)
+    assert cdi.group_ids(Root(tmp_path), ["/dev/regular", "/dev/missing"]) == []  # no character device: none
+
+
+def test_a_spec_with_additional_gids_is_0_7_0_and_valid_cdi(node: Callable[..., Node]) -> None:
+    import os
+
+    dgx = node("dgx-h100").load("nvidia_uvm")
+    dgx.make_device_nodes()
+    os.chown(dgx.root("/dev/nvidia0"), 0, 44)
+    os.chmod(dgx.root("/dev/nvidia0"), 0o660)
+    without = dgx.spec()
+    assert without["cdiVersion"] == "0.5.0" and "additionalGids" not in device(without, "0")["containerEdits"]
+    assert device(without, "0")["containerEdits"]["deviceNodes"] == [
+        {"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0, "gid": 44}]  # the group: written when not 0
+    spec = dgx.spec(additional_gids=True)
+    assert spec["cdiVersion"] == "0.7.0" and device(spec, "0")["containerEdits"]["additionalGids"] == [44]
+    assert device(spec, "all")["containerEdits"]["additionalGids"] == [44]
+    assert "additionalGids" not in device(spec, "1")["containerEdits"]  # 0666 root:root: anyone opens it
+    assert "additionalGids" not in spec["containerEdits"]
+    assert not list(schema_validator().iter_errors(yaml.safe_load(cdi.render(spec))))
+
+
+@pytest.mark.parametrize("name, version, reads", [
+    ("containerd", "1.7.15", False), ("containerd", "1.7.16", True), ("containerd", "1.7.24~ds1", True),
+    ("containerd", "1.6.20~ds1", False), ("containerd", "2.0.0", True), ("k3s", "1.7.23-k3s2", True),
+    ("crio", "1.29.13", False), ("crio", "1.30.0", True),
+    ("podman", "4.3.1+ds1", False), ("podman", "5.0.3", False), ("podman", "5.1.0", True), ("podman", "5.4.2", True),
+    ("docker", "20.10.24+dfsg1", False), ("docker", "25.0.16", False), ("docker", "25.0.17", True),
+    ("docker", "26.0.2", False), ("docker", "26.1.0", True), ("docker", "26.1.5+dfsg1", True),
+    ("nerdctl", "2.1.0", False), ("containerd", None, None),
+])
+def test_which_cdi_readers_take_a_0_7_0_spec(name: str, version: Any, reads: Any) -> None:
+    from gpu_agent.toolkit.cdi_readers import reads_070
+    from gpu_agent.toolkit.devicepath import Found
+
+    assert reads_070(Found(name, version)) is reads
+
+
+def test_additional_gids_only_where_every_reader_takes_them(tmp_path: Path) -> None:
+    from gpu_agent.config.toolkit import CdiConfig
+    from gpu_agent.stages.cdi import Cdi
+    from gpu_agent.toolkit.devicepath import Found, Inputs, choose
+
+    def decide(setting: Any, *readers: tuple[str, str], consumers: tuple[tuple[str, str], ...] = ()) -> Any:
+        path = choose(Inputs(runtimes=tuple(Found(n, v) for n, v in readers), kubelet="1.31.4",
+                             consumers=tuple(Found(n, v) for n, v in consumers)))
+        stage = Cdi(Root(tmp_path), CdiConfig(additional_gids=setting), None, None)  # type: ignore[arg-type]
+        return stage._additional_gids(path)
+
+    assert decide("auto", ("containerd", "1.7.24~ds1"), ("docker", "26.1.5+dfsg1"),
+                  consumers=(("podman", "5.4.2"),)) == (True, "")  # Debian 13
+    on, why = decide("auto", ("containerd", "1.7.24~ds1"), consumers=(("podman", "4.3.1+ds1"),))
+    assert not on and "refused by Podman 4.3.1+ds1 (from 5.1.0)" in why and "stays at the version" in why
+    on, why = decide("auto", ("containerd", None))
+    assert not on and "containerd (version unknown): version unknown" in why
+    assert decide("auto", ("containerd", "1.6.20")) == (False, "no CDI reader whose version says it reads "
+                                                             "cdiVersion 0.7.0 (toolkit.cdi.additional_gids: auto)")
+    assert decide(False, ("containerd", "2.0.2")) == (False, "toolkit.cdi.additional_gids is false")
+    assert decide(True, ("containerd", "1.7.15"))[0] is True

@@ -10,6 +10,7 @@ from upstream_data import upstream_file
 import tomlkit
 from harness import Pass, SimNode
 
+from gpu_agent.toolkit import distributions
 from gpu_agent.toolkit.versions import Versions
 
 BINARY = "/usr/bin/nvidia-container-runtime"
@@ -314,3 +315,80 @@ def test_a_large_config_that_does_not_parse_is_not_parsed_again_either(monkeypat
     first = tomldoc.parse(K3S_V3 + "\n" * tomldoc.CACHED_FROM, "/etc/y.toml")
     first["version"] = 99  # the caller's own copy
     assert tomldoc.parse(K3S_V3 + "\n" * tomldoc.CACHED_FROM, "/etc/y.toml")["version"] == 3
+
+
+# --- which templates a release reads -------------------------------------------------------------------
+
+@pytest.mark.parametrize("release, base, v3", [
+    ("1.23.17+k3s1", False, False),
+    ("1.24.16+k3s1", False, False), ("1.24.17+k3s1", True, False),  # the September 2023 releases
+    ("1.27.4+k3s1", False, False), ("1.27.5+k3s1", True, False), ("1.28.0+k3s1", False, False),
+    ("1.28.1+k3s1", True, False), ("1.29.0+rke2r1", True, False),
+    ("1.31.5+k3s1", True, False), ("1.31.6+k3s1", True, True),  # the February 2025 releases: containerd 2.0
+    ("1.32.1+k3s1", True, False), ("1.32.2+rke2r1", True, True), ("1.33.0+k3s1", True, True),
+    (None, None, None), ("not a version", None, None),
+])
+def test_the_release_says_which_templates_it_reads(release: str, base: bool, v3: bool) -> None:
+    assert distributions.has_feature(release, distributions.BASE_TEMPLATE_SINCE,
+                                     distributions.BASE_TEMPLATE_ALL_FROM) is base
+    assert distributions.has_feature(release, distributions.V3_TEMPLATE_SINCE,
+                                     distributions.V3_TEMPLATE_ALL_FROM) is v3
+
+
+def release(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    """k3s's and RKE2's own version, as `k3s --version` gives it on the running system."""
+    read = Versions.read
+    monkeypatch.setattr(Versions, "read", lambda self, name: (version, "k3s --version")
+                        if name in ("k3s-kubelet", "rke2-kubelet") else read(self, name))
+
+
+def test_a_release_before_containerd_2_gets_the_import_in_the_template_it_reads(
+        node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """k3s v1.31.5 reads config.toml.tmpl only: a config-v3.toml.tmpl left there (for a later upgrade) is
+    not the template in use, and neither is written."""
+    release(monkeypatch, "1.31.5+k3s1")
+    k3s(node, RKE2_V2.replace("rke2", "k3s"))
+    waiting = put(node, f"{K3S}/config-v3.toml.tmpl", '{{ template "base" . }}\n')
+    done = apply(node)
+    assert written(done)[:2] == [("WriteFile", f"/{K3S}/config.toml.tmpl"),
+                                 ("WriteFile", f"/{K3S}/config.toml.d/99-nvidia.toml")]
+    assert waiting.read_text() == '{{ template "base" . }}\n'
+    assert f'imports = ["/{K3S}/config.toml.d/*.toml"]  # added by gpu-agent\n{{{{ template "base" . }}}}\n' in \
+        (node / K3S / "config.toml.tmpl").read_text()
+
+
+def test_a_release_without_the_base_template_is_not_given_one(node: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release(monkeypatch, "1.27.4+k3s1")
+    k3s(node, RKE2_V2.replace("rke2", "k3s"))
+    done = SimNode(node, "t4").apply()
+    toolkit = done.stage("toolkit")
+    assert toolkit.state == "failed" and "k3s 1.27.4+k3s1 has no base template to extend (from v1.24.17" in \
+        toolkit.message and f'add imports = ["/{K3S}/config.toml.d/*.toml"]' in toolkit.message
+    assert not (node / K3S / "config.toml.tmpl").exists() and not (node / K3S / "config.toml.d").exists()
+    # A template of the admin's own needs no base: the import goes at its top
+    own = put(node, f"{K3S}/config.toml.tmpl", RKE2_V2.replace("rke2", "k3s"))
+    assert SimNode(node, "t4").apply().stage("toolkit").state == "ok"
+    assert own.read_text().startswith(f'imports = ["/{K3S}/config.toml.d/*.toml"]  # added by gpu-agent\n')
+
+
+# --- restarts of units ordered after the agent ------------------------------------------------------------
+
+def test_k3s_and_rke2_restarts_never_wait_for_the_agents_own_start_job() -> None:
+    """gpu-agent.service is Before= them: a restart job of theirs from the agent's first pass would wait for
+    that pass. A running (or failed) one is restarted with its job's dependencies ignored; one not started
+    yet (at boot its start job waits for the agent) is left to start after the agent, owed a restart or not."""
+    from gpu_agent.toolkit.services import UnitState, restart_argv
+    from gpu_agent.toolkit.transaction import RuntimeChange
+
+    assert restart_argv("k3s-agent.service") == ["systemctl", "restart", "--job-mode=ignore-dependencies",
+                                                 "k3s-agent.service"]
+    assert restart_argv("containerd.service") == ["systemctl", "restart", "containerd.service"]
+
+    def restarts(unit: str, active: str, owed: bool) -> bool:
+        state = UnitState(unit, "loaded", active, "dead" if active == "inactive" else "running", "")
+        return RuntimeChange("k3s", unit, "/run/k3s/containerd/containerd.sock", [], unit_state=state,
+                             restart_owed=owed).restarts_unit
+
+    assert restarts("k3s-agent.service", "active", False) and restarts("rke2-server.service", "failed", False)
+    assert not restarts("k3s-agent.service", "inactive", True) and not restarts("rke2-agent.service", "inactive", False)
+    assert restarts("containerd.service", "inactive", True)  # not ordered after the agent: started now

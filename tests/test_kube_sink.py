@@ -349,3 +349,34 @@ def test_a_read_only_nfd_directory_fails_the_stage_naming_it(api: KubeEmulator, 
     message = labels_failed(apply(kube_root, "t4", nfd_feature_file=True))
     assert message == (f"cannot write the NFD features file /{NFD_FILE}: {features} is on a read-only file system "
                        "(EROFS)")
+
+
+def test_the_device_path_decides_from_the_node_from_the_first_pass_on_and_across_restarts(
+        api: KubeEmulator, kube_root: Path) -> None:
+    """The package record says containerd 1.7.24, the Node (the kubelet's own runtime) 1.6.20: the first pass
+    after a start already decides envvar, as every later one does. A restart while the API server fails
+    decides the same from the versions the Node last gave, and sends no more reads than the labels' own."""
+    def runtime(node: dict) -> None:
+        node["status"]["nodeInfo"]["containerRuntimeVersion"] = "containerd://1.6.20"
+
+    api.modify_node(NODE, runtime)
+    sim = SimNode(kube_root, "dgx-a100", settings())
+    sim.sim("install-runtime", "containerd", "1.7.24")
+    sim.sim("install-runtime", "kubelet", "1.31.4")
+    first = sim.apply()
+    assert first.state.device_path.strategy == "envvar", first.state.device_path.reason
+    assert "containerd 1.6.20 does not apply CDI" in first.state.device_path.reason
+    assert len(api.requests_for("GET")) == 1  # the device path's read is the labels' read
+    kept = json.loads((kube_root / "var/lib/gpu-agent/node-info.json").read_text())
+    assert kept == {"containerRuntimeVersion": "containerd://1.6.20",
+                    "kubeletVersion": api.get_node(NODE)["status"]["nodeInfo"]["kubeletVersion"]}
+
+    api.clear_requests()
+    api.fail_next("*", 403, count=None)  # a person must fix it: the labels stage's backoff
+    restarted = SimNode(kube_root, "dgx-a100", settings()).apply()
+    assert restarted.state.device_path.strategy == "envvar", restarted.state.device_path.reason
+    assert restarted.stage("labels").state == "failed" and len(api.requests_for("GET")) == 1
+
+    (kube_root / "var/lib/gpu-agent/node-info.json").unlink()  # never answered: the package record decides
+    api.clear_requests()
+    assert SimNode(kube_root, "dgx-a100", settings()).apply().state.device_path.strategy == "cdi-cri"

@@ -59,8 +59,7 @@ def test_verify_does_catch_a_broken_unit(tmp_path: Path) -> None:
 
 def test_unit_declares_the_daemon_contract() -> None:
     lines = (SYSTEMD / "gpu-agent.service").read_text().splitlines()
-    for expected in ("Type=notify", "WatchdogSec=30s", "Restart=on-failure", "Before=kubelet.service",
-                     "ExecStart=/usr/bin/gpu-agent run"):
+    for expected in ("Type=notify", "WatchdogSec=30s", "Restart=on-failure", "ExecStart=/usr/bin/gpu-agent run"):
         assert expected in lines
     assert any(line.startswith("ExecReload=") and "HUP" in line for line in lines)
 
@@ -209,3 +208,50 @@ def test_the_agent_may_write_the_mps_records_and_the_units_are_packaged() -> Non
     build = (SYSTEMD.parent / "packaging/build.py").read_text()
     for unit in (MPS_TEMPLATE, SHM_MOUNT):
         assert f'"/usr/lib/systemd/system/{unit.name}"' in build, unit.name
+
+
+# k3s's unit as its install script writes it (k3s-io/k3s install.sh, create_systemd_service_file), reduced to
+# what orders it: our own text with its keys.
+K3S_UNIT = """[Unit]
+Description=Lightweight Kubernetes
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=notify
+ExecStart=/usr/local/bin/k3s agent
+KillMode=process
+Restart=always
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def _verify_with_k3s(tmp_path: Path, drop_in: str = "") -> subprocess.CompletedProcess[str]:
+    root = _unit_root(tmp_path, (SYSTEMD / "gpu-agent.service").read_text())
+    (root / "usr/local/bin").mkdir(parents=True)
+    (root / "usr/local/bin/k3s").write_text("#!/bin/sh\n")
+    (root / "usr/local/bin/k3s").chmod(0o755)
+    (root / "etc/systemd/system/k3s-agent.service").write_text(K3S_UNIT)
+    if drop_in:
+        (root / "etc/systemd/system/k3s-agent.service.d").mkdir()
+        (root / "etc/systemd/system/k3s-agent.service.d/order.conf").write_text(drop_in)
+    return subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}",
+                           "/etc/systemd/system/gpu-agent.service", "/etc/systemd/system/k3s-agent.service"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_kubelets_units_start_after_the_agent_and_no_ordering_cycle_follows(tmp_path: Path) -> None:
+    """The units whose kubelet waits for the agent's first pass are those the agent's restarts take care
+    not to wait for (toolkit/services.py); with k3s's own unit installed, systemd finds no cycle. A k3s
+    ordered before the agent as well would be one: the check sees it."""
+    from gpu_agent.toolkit.services import ORDERED_AFTER_AGENT
+
+    before = [unit for value in _settings((SYSTEMD / "gpu-agent.service").read_text())["Before"]
+              for unit in value.split()]
+    assert before == list(ORDERED_AFTER_AGENT)
+    result = _verify_with_k3s(tmp_path / "ok")
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stderr
+    cycle = _verify_with_k3s(tmp_path / "cycle", "[Unit]\nBefore=gpu-agent.service\n")
+    assert "ordering cycle" in cycle.stdout + cycle.stderr

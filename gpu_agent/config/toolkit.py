@@ -76,6 +76,9 @@ class CdiConfig(Section):
     enabled: bool = setting(True, "Write a CDI spec for the GPUs and turn CDI on in the runtimes.")
     path: Annotated[str, Bounds(max_length=PATH_MAX), Check(cdi_spec_path)] = setting(
         "/var/run/cdi/nvidia.yaml", "Where the CDI spec is written: a .yaml or .json file in /etc/cdi or /var/run/cdi.")
+    additional_gids: Union[bool, Literal["auto"]] = setting(
+        "auto", "Give containers the group of each device node that is not world read-writable (additionalGids, "
+                "CDI 0.7.0); auto: where every CDI reader here reads 0.7.0 specs; false: never (docs/cdi.md).")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from gpu_agent.nvml.model import Inventory
 from gpu_agent.mig.hooks import UnitControl
 from gpu_agent.plan import RemoveFile, TakeOverUnit, WriteFile
 from gpu_agent.stages.base import Action, Stage
-from gpu_agent.toolkit import cdi, cdi_duplicates, cdi_refresh, configfile
+from gpu_agent.toolkit import cdi, cdi_duplicates, cdi_readers, cdi_refresh, configfile
 from gpu_agent.toolkit.cdi_refresh import Refresh
 from gpu_agent.toolkit.devicepath import DevicePath
 from gpu_agent.toolkit.services import ServiceControl, UnitState
@@ -46,6 +46,7 @@ class CdiState:
     refresh: Refresh = Refresh()  # the toolkit package's CDI refresh units, as found
     take_over: tuple[tuple[str, UnitState], ...] = ()  # those of its units still to take over
     duplicates: tuple[tuple[str, tuple[str, ...]], ...] = ()  # devices other specs define too, with their files
+    groups: str = ""  # what became of additionalGids, for the message: "" when no device node needs a group
 
 
 class Cdi(Stage):
@@ -78,8 +79,12 @@ class Cdi(Stage):
                 raise StageError(f"driver {inventory.driver_version}'s userspace libraries are missing from the "
                                  f"ld.so cache ({', '.join(files.missing)}): reinstall the driver's userspace, "
                                  "or run ldconfig")
-            built = cdi.build_spec(inventory, self.root, files)
+            gids, why_not = self._additional_gids(path)
+            built = cdi.build_spec(inventory, self.root, files, additional_gids=gids)
             spec = cdi.render(built)
+            groups = cdi.group_ids(self.root, cdi.device_node_paths(built))
+            note = "" if not groups else (f"; additionalGids {', '.join(map(str, groups))} (cdiVersion "
+                                          f"{built['cdiVersion']})" if gids else f"; no additionalGids: {why_not}")
             current = configfile.read(self.root, self.settings.path)
         except AgentError as exc:
             raise StageError(f"CDI spec: {exc}") from None
@@ -89,7 +94,22 @@ class Cdi(Stage):
         refresh = cdi_refresh.find(self.root, self.services)
         take_over = cdi_refresh.to_take_over(refresh, self.ledger) if self.units is not None else []
         return CdiState(current.target, current.text, spec, strays, devices, refresh=refresh,
-                        take_over=tuple(take_over), duplicates=self._duplicates(current.target, devices))
+                        take_over=tuple(take_over), duplicates=self._duplicates(current.target, devices), groups=note)
+
+    def _additional_gids(self, path: Optional[DevicePath]) -> tuple[bool, str]:
+        """Whether the spec gives containers their device nodes' groups, and if not why: only where every CDI
+        reader here takes a cdiVersion 0.7.0 spec (one that does not would refuse the whole file)."""
+        setting = self.settings.additional_gids
+        if setting != "auto":
+            return bool(setting), "toolkit.cdi.additional_gids is false"
+        if path is None or not path.readers:
+            return False, ("no CDI reader whose version says it reads cdiVersion 0.7.0 "
+                           "(toolkit.cdi.additional_gids: auto)")
+        refusing = cdi_readers.refusing_070(path.readers)
+        if refusing:
+            return False, (f"cdiVersion 0.7.0 would be refused by {'; '.join(refusing)}: the spec stays at the "
+                           "version without them (toolkit.cdi.additional_gids: auto)")
+        return True, ""
 
     def _duplicates(self, path: str, devices: frozenset[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """Devices defined by more than one spec: the agent's as it will be written, and every other spec in
@@ -133,7 +153,7 @@ class Cdi(Stage):
                             f"{state.path})")
         if problems:
             raise StageError("; ".join(problems))
-        return f"CDI spec {state.path} is up to date{self._refresh_note(state)}"
+        return f"CDI spec {state.path} is up to date{state.groups}{self._refresh_note(state)}"
 
     def _refresh_note(self, state: CdiState) -> str:
         """What the stage found of the toolkit package's CDI refresh, and did with it."""

@@ -37,6 +37,7 @@ from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import MERGE_PATCH, STRATEGIC_MERGE_PATCH, ApiError, KubeClient
 from gpu_agent.kube.labels import machine_name, node_labels
 from gpu_agent.kube.names import node_name_problem
+from gpu_agent.kube.node_info import KeptNodeInfo
 from gpu_agent.nvml.model import Inventory
 from gpu_agent.plan import PatchNode, WriteFile
 from gpu_agent.stages.base import OUTCOMES, Action, Stage
@@ -85,9 +86,13 @@ class KubeSink(Stage):
         self._node: Optional[dict[str, Any]] = None
         self._node_read = 0.0
         self._pass_failure: Optional[StageError] = None  # why the node could not be read in this pass
+        self._kept_info = KeptNodeInfo(root)
+        self._info_failed_at: Optional[float] = None  # when node_info's own read last failed
+        self._info_failure: Optional[StageError] = None  # and why, until this stage's next pass starts
 
     def start_pass(self) -> None:
-        self._pass_failure = None
+        # A read of node_info() that failed earlier in this pass is this pass's answer: not asked again.
+        self._pass_failure, self._info_failure = self._info_failure, None
 
     # --- observe ---------------------------------------------------------------------------------
 
@@ -158,11 +163,27 @@ class KubeSink(Stage):
         return value if isinstance(value, str) else None
 
     def node_info(self) -> Optional[dict[str, Any]]:
-        """The Node's status.nodeInfo (kubeletVersion, containerRuntimeVersion) as the labels' own read
-        last found it (every NODE_REFRESH_S): no request of its own, so a pass asks the API once; None
-        before the first read."""
-        info = ((self._node or {}).get("status") or {}).get("nodeInfo")
-        return info if isinstance(info, dict) else None
+        """The Node's status.nodeInfo (kubeletVersion, containerRuntimeVersion), for the device-path stage,
+        which runs before this one: read now where this process has not read the Node yet (or not for
+        NODE_REFRESH_S), so that the first pass after a restart decides as the passes before it did; the
+        labels' own observe then uses that read, and a pass still asks the API once. Where the Node cannot
+        be read, the versions it last gave (kube/node_info.py); None when it never answered. After a failed
+        read it asks again only NODE_REFRESH_S later: retrying is this stage's, on its own backoff."""
+        node = self._node
+        if self._info_failed_at is None or time.monotonic() - self._info_failed_at > NODE_REFRESH_S:
+            try:
+                node = self._current_node()
+                self._info_failed_at = None
+            except StageError as exc:  # this stage reports it when it runs, in the same pass
+                self._info_failure = exc
+                self._info_failed_at = time.monotonic()
+        if node is None:
+            return self._kept_info.read()
+        info = (node.get("status") or {}).get("nodeInfo")
+        if not isinstance(info, dict):
+            return None
+        self._kept_info.keep(info)
+        return info
 
     def publish_label(self, key: str, value: str) -> None:
         """Set one of our labels now, between passes' full patches (the mig stage's state label going

@@ -212,8 +212,9 @@ class Toolkit(Stage):
         return [FileChange(current.target, current.text, wanted, foreign=True)]
 
     def _distribution(self, name: str) -> list[FileChange]:
+        release = self.versions.read(f"{name}-kubelet")[0] if distributions.DISTRIBUTIONS[name].templated else None
         return distributions.plan(self.root, distributions.DISTRIBUTIONS[name], self.settings.runtime_binary,
-                                  self._cdi(name), self._default(name))
+                                  self._cdi(name), self._default(name), release)
 
     def _crio(self) -> list[FileChange]:
         wanted = crio.desired(self.root, self.settings.runtime_binary, self._default("crio"))

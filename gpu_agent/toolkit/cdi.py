@@ -80,10 +80,13 @@ def discover(root: Root, driver_version: str) -> DriverFiles:
     )
 
 
-def build_spec(inventory: Inventory, root: Root, files: DriverFiles, hook: str = HOOK) -> dict[str, Any]:
+def build_spec(inventory: Inventory, root: Root, files: DriverFiles, hook: str = HOOK,
+               additional_gids: bool = False) -> dict[str, Any]:
     """The spec as a dict (cdiVersion set to the lowest version whose features it uses). A GPU NVML cannot
     read keeps its devices as last known while its device node is there (a container restarted with it
-    resolves its name, and the spec does not change with each loss), the plugin having made it Unhealthy."""
+    resolves its name, and the spec does not change with each loss), the plugin having made it Unhealthy.
+    `additional_gids`: each edit gives the container the groups of its device nodes that a non-root user
+    could not open otherwise (cdiVersion 0.7.0), as nvidia-ctk 1.20 does (internal/edits/device.go)."""
     if not inventory.gpus:
         raise AgentError("no GPUs: a CDI spec needs at least one device (an \"all\" without nodes is invalid)")
     devices: list[dict[str, Any]] = []
@@ -91,7 +94,7 @@ def build_spec(inventory: Inventory, root: Root, files: DriverFiles, hook: str =
         gpu_node = f"/dev/{gpu.device_node}"
         if gpu.unreadable and "major" not in _node(root, gpu_node):
             continue  # NVML cannot read it and its device node is gone: nothing a container could be given
-        devices += [_device(name, root, [gpu_node], hook) for name in (str(gpu.index), gpu.uuid)]
+        devices += [_device(name, root, [gpu_node], hook, additional_gids) for name in (str(gpu.index), gpu.uuid)]
         if not gpu.mig.enabled:
             continue
         for position, mig in enumerate(gpu.mig.devices):
@@ -102,19 +105,26 @@ def build_spec(inventory: Inventory, root: Root, files: DriverFiles, hook: str =
                 if gpu.unreadable:  # its MIG devices as last read, where the driver still has their capabilities
                     continue
                 raise
-            devices += [_device(name, root, nodes, hook) for name in (f"{gpu.index}:{position}", mig.uuid)]
+            devices += [_device(name, root, nodes, hook, additional_gids)
+                        for name in (f"{gpu.index}:{position}", mig.uuid)]
     if not devices:
         raise AgentError("no GPU device node: NVML cannot read any GPU and their device nodes are gone")
     every = [node["path"] for device in devices for node in device["containerEdits"]["deviceNodes"]]
-    devices.append(_device("all", root, list(dict.fromkeys(every)), hook))
+    devices.append(_device("all", root, list(dict.fromkeys(every)), hook, additional_gids))
     spec: dict[str, Any] = {
         "cdiVersion": "",
         "kind": KIND,
         "devices": sorted(devices, key=lambda device: device["name"]),
-        "containerEdits": _common_edits(root, files, hook),
+        "containerEdits": _common_edits(root, files, hook, additional_gids),
     }
     spec["cdiVersion"] = minimum_version(spec)
     return spec
+
+
+def device_node_paths(spec: dict[str, Any]) -> list[str]:
+    """Every device node the spec names, once each."""
+    edits = [spec.get("containerEdits") or {}] + [device.get("containerEdits") or {} for device in spec["devices"]]
+    return list(dict.fromkeys(node["path"] for edit in edits for node in edit.get("deviceNodes") or []))
 
 
 def render(spec: dict[str, Any]) -> str:
@@ -153,7 +163,7 @@ def _ascii_letter(char: str) -> bool:
 # --- parts of the spec ----------------------------------------------------------------------------
 
 
-def _common_edits(root: Root, files: DriverFiles, hook: str) -> dict[str, Any]:
+def _common_edits(root: Root, files: DriverFiles, hook: str, additional_gids: bool) -> dict[str, Any]:
     mounts = [_mount(path, MOUNT_OPTIONS) for path in (*files.libraries, *files.binaries, *files.firmware)]
     mounts += [_mount(path, IPC_OPTIONS) for path in files.ipc]
     hooks = []
@@ -163,22 +173,41 @@ def _common_edits(root: Root, files: DriverFiles, hook: str) -> dict[str, Any]:
         hooks.append(_hook(hook, "create-symlinks", *(arg for link in links for arg in ("--link", link))))
     if files.library_dirs:
         hooks.append(_hook(hook, "update-ldcache", *(arg for d in files.library_dirs for arg in ("--folder", d))))
+    nodes = [path for path in COMMON_NODES if "major" in _node(root, path)]
     edits = {
         "env": ["NVIDIA_VISIBLE_DEVICES=void"],
-        "deviceNodes": _sorted_nodes([node for node in (_node(root, p) for p in COMMON_NODES) if "major" in node]),
+        "deviceNodes": _sorted_nodes([_node(root, path) for path in nodes]),
         "mounts": sorted(mounts, key=lambda mount: _depth_order(mount["containerPath"])),
         "hooks": hooks,
+        "additionalGids": group_ids(root, nodes) if additional_gids else [],
     }
     return {key: value for key, value in edits.items() if value}
 
 
-def _device(name: str, root: Root, nodes: list[str], hook: str) -> dict[str, Any]:
+def _device(name: str, root: Root, nodes: list[str], hook: str, additional_gids: bool) -> dict[str, Any]:
     """A device with its nodes; nested /dev/nvidia-caps nodes get nvidia-ctk's hook that makes the folder
     traversable for non-root users in the container (crun under rootless podman creates it 0700)."""
     edits: dict[str, Any] = {"deviceNodes": _sorted_nodes([_node(root, path) for path in nodes])}
     if any(path.startswith(CAPS_DEV + "/") for path in nodes):
         edits["hooks"] = [_hook(hook, "chmod", "--mode", "755", "--path", CAPS_DEV)]
+    groups = group_ids(root, nodes) if additional_gids else []
+    if groups:
+        edits["additionalGids"] = groups
     return {"name": name, "containerEdits": edits}
+
+
+def group_ids(root: Root, nodes: list[str]) -> list[int]:
+    """The groups a container's user needs to open `nodes`: each node's group where it is not root's and the
+    node is not both readable and writable by everyone (nvidia-ctk 1.20's getAdditionalGIDs)."""
+    found = []
+    for path in nodes:
+        try:
+            st = os.stat(root(path))
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode) and st.st_gid != 0 and st.st_mode & 0o006 != 0o006:
+            found.append(st.st_gid)
+    return sorted(set(found))
 
 
 def _node(root: Root, path: str) -> dict[str, Any]:
@@ -189,7 +218,8 @@ def _node(root: Root, path: str) -> dict[str, Any]:
         return {"path": path}
     if not stat.S_ISCHR(st.st_mode):
         return {"path": path}
-    return {"path": path, "type": "c", "major": os.major(st.st_rdev), "minor": os.minor(st.st_rdev)}
+    node = {"path": path, "type": "c", "major": os.major(st.st_rdev), "minor": os.minor(st.st_rdev)}
+    return {**node, "gid": st.st_gid} if st.st_gid != 0 else node  # as nvidia-ctk writes it: when not root's
 
 
 def _cap_node(root: Root, gpu: Gpu, gi: int, ci: Optional[int] = None) -> str:

@@ -89,6 +89,7 @@ class DevicePath:
     consumers: tuple[str, ...] = ()  # the CDI consumers (Podman, nerdctl) that read the spec
     reason: str = ""
     warning: Optional[str] = None  # an explicit setting on a node where it cannot work
+    readers: tuple[Found, ...] = ()  # what reads the CDI spec: the runtimes in `cdi`, then the consumers
 
     def to_json(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "chosen_by": "auto" if self.chosen else "config",
@@ -180,9 +181,10 @@ def choose(inputs: Inputs) -> DevicePath:
         reason += (f"; the CDI spec is written for {', '.join(consumer.describe() for consumer in consumers)}, "
                    "which read it themselves (--device nvidia.com/gpu=...)")
     spec_needed = bool(cdi) or bool(consumers) or (inputs.plugin and strategy != "envvar" and inputs.spec)
+    readers = tuple(runtime for runtime in runtimes if runtime.name in cdi) + tuple(consumers)
     return DevicePath(strategy, inputs.setting == "auto", pod_runtime.name if pod_runtime else None, tuple(cdi),
                       no_cdi, nvidia_default, spec_needed, tuple(consumer.name for consumer in consumers), reason,
-                      warning)
+                      warning, readers)
 
 
 def _strategy(inputs: Inputs, runtime: Optional[Found]) -> tuple[str, str, Optional[str]]:

@@ -39,6 +39,7 @@ from typing import Any, Optional
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.plugin import DEVICE_PLUGIN_DIR, MICROK8S_DEVICE_PLUGIN_DIR
 from gpu_agent.errors import AgentError, StageError
+from gpu_agent.numbers import version_numbers
 from gpu_agent.host.paths import Root
 from gpu_agent.printable import printable
 from gpu_agent.toolkit import configfile, containerd
@@ -54,6 +55,28 @@ BASE = '{{ template "base" . }}'
 _UNCHANGED = "nothing was changed"
 # Go's text/template: a comment action keeps the line above whole when the template starts by trimming
 _KEEP = "{{/* gpu-agent: keeps the line above */}}\n"
+# The k3s (and RKE2: the same agent code) releases that have a template feature: the first patch release of
+# each minor that has it; every minor from `all_from` on has it, none before the table's first.
+# `{{ template "base" . }}`: k3s docs, advanced.md "Base template", Version Gate (k3s-io/docs 40e7e02, PR #213).
+BASE_TEMPLATE_SINCE = {(1, 24): 17, (1, 25): 13, (1, 26): 8, (1, 27): 5, (1, 28): 1}
+BASE_TEMPLATE_ALL_FROM = (1, 29)
+# config-v3.toml.tmpl, read before config.toml.tmpl, with containerd 2.0 (k3s PR #11626); k3s docs,
+# advanced.md Version Gate: "containerd 2.0 as of the February 2025 releases: v1.31.6+k3s1 and v1.32.2+k3s1".
+V3_TEMPLATE_SINCE = {(1, 31): 6, (1, 32): 2}
+V3_TEMPLATE_ALL_FROM = (1, 33)
+
+
+def has_feature(version: Optional[str], since: dict[tuple[int, int], int], all_from: tuple[int, int]) -> Optional[bool]:
+    """Whether the k3s or RKE2 release `version` (`1.32.2+k3s1`) has a feature of the tables above; None
+    when the version is unknown."""
+    numbers = version_numbers(version)
+    if numbers is None:
+        return None
+    minor = (numbers[0], numbers[1])
+    if minor >= all_from:
+        return True
+    first = since.get(minor)
+    return first is not None and (numbers[2] if len(numbers) > 2 else 0) >= first
 
 
 @dataclass(frozen=True)
@@ -126,18 +149,19 @@ def unit(root: Root, distribution: Distribution, services: ServiceControl) -> st
 
 
 def plan(root: Root, distribution: Distribution, binary: str, enable_cdi: bool,
-         set_as_default: bool) -> list[FileChange]:
+         set_as_default: bool, release: Optional[str] = None) -> list[FileChange]:
     """The files to write for the distribution's containerd; each change's current == desired where the
-    file is the agent's already (kept, so it stays claimed)."""
+    file is the agent's already (kept, so it stays claimed). `release`: the k3s or RKE2 version
+    (`1.32.2+k3s1`), which says which templates it reads; None when unknown."""
     if distribution.templated:
-        return _rancher_files(root, distribution, binary, enable_cdi, set_as_default)
+        return _rancher_files(root, distribution, binary, enable_cdi, set_as_default, release)
     return [_microk8s_file(root, distribution, binary, enable_cdi, set_as_default)]
 
 
 # --- k3s and RKE2 ---------------------------------------------------------------------------------
 
 def _rancher_files(root: Root, distribution: Distribution, binary: str, enable_cdi: bool,
-                   set_as_default: bool) -> list[FileChange]:
+                   set_as_default: bool, release: Optional[str]) -> list[FileChange]:
     rendered = configfile.read(root, distribution.rendered)
     if rendered.text is None:
         raise StageError(f"{distribution.rendered}: {distribution.name} has not rendered its containerd config yet "
@@ -155,9 +179,7 @@ def _rancher_files(root: Root, distribution: Distribution, binary: str, enable_c
     if drop_in is None:
         return []  # the distribution's own detection serves: nothing to write, nothing to restart
 
-    v3 = configfile.read(root, f"{distribution.config_dir}/config-v3.toml.tmpl")
-    v2 = configfile.read(root, f"{distribution.config_dir}/config.toml.tmpl")
-    template = v3 if v3.text is not None else v2 if v2.text is not None else v3 if version >= 3 else v2
+    template = _template_read(root, distribution, version, release)
     directory = template.path.replace(".tmpl", ".d")
     pattern = f"{directory}/*.toml"
     ours = f"{directory}/{DROP_IN_NAME}"
@@ -171,11 +193,32 @@ def _rancher_files(root: Root, distribution: Distribution, binary: str, enable_c
             raise StageError(f"{distribution.name} does not import {pattern} yet, and adding it would also switch on "
                              f"{', '.join(map(printable, others))}: import the pattern yourself or move those files; "
                              f"{_UNCHANGED}")
+        if template_text is None and has_feature(release, BASE_TEMPLATE_SINCE, BASE_TEMPLATE_ALL_FROM) is False:
+            raise StageError(f"{distribution.name} {release} has no base template to extend (from v1.24.17, v1.25.13, "
+                             f"v1.26.8, v1.27.5, v1.28.1): add imports = [\"{printable(pattern)}\"] to a template of "
+                             f"your own at {template.shown}, or upgrade {distribution.name}; {_UNCHANGED}")
         desired = _with_import(template_text, template.shown, pattern)
         changes.append(FileChange(template.target, template_text, desired, foreign=template_text is not None))
     current = configfile.read(root, ours)
     changes.append(FileChange(current.target, current.text, drop_in, foreign=False, mode=rendered.mode))
     return changes
+
+
+def _template_read(root: Root, distribution: Distribution, version: int,
+                   release: Optional[str]) -> configfile.ConfigFile:
+    """The template the distribution renders its containerd config from: config-v3.toml.tmpl where the
+    release reads it and it exists, else config.toml.tmpl where that exists; with neither, the one of the
+    rendered config's version (that of the built-in template in use). A release that reads no
+    config-v3.toml.tmpl (before containerd 2.0) never gets one; with the release unknown, the rendered
+    config's version says whether it does (version 3: containerd 2.0, which reads it)."""
+    reads_v3 = has_feature(release, V3_TEMPLATE_SINCE, V3_TEMPLATE_ALL_FROM)
+    if reads_v3 is None:
+        reads_v3 = version >= 3
+    v2 = configfile.read(root, f"{distribution.config_dir}/config.toml.tmpl")
+    if not reads_v3:
+        return v2
+    v3 = configfile.read(root, f"{distribution.config_dir}/config-v3.toml.tmpl")
+    return v3 if v3.text is not None else v2 if v2.text is not None else v3 if version >= 3 else v2
 
 
 def _drop_in(cri: dict[str, Any], version: int, binary: str, enable_cdi: bool, set_as_default: bool) -> Optional[str]:

@@ -11,6 +11,10 @@ from gpu_agent.host import proc
 from gpu_agent.host.paths import Root
 
 _POLL_S = 0.2
+# The units systemd/gpu-agent.service orders after itself (Before=): they start once its first pass is
+# done. k3s and RKE2 run their containerd in that same unit, which the toolkit stage restarts.
+ORDERED_AFTER_AGENT = ("kubelet.service", "k3s.service", "k3s-agent.service", "rke2-server.service",
+                       "rke2-agent.service", "snap.microk8s.daemon-kubelite.service")
 _PROGRESS_S = 1.0
 
 
@@ -78,13 +82,26 @@ class Systemd:
     def restart(self, unit: str) -> None:
         if not self.root.is_running_system:
             raise AgentError(f"refusing to restart {unit} on this machine while --root is {self.root.path}")
-        done = proc.run(["systemctl", "restart", unit], timeout=self.timeout)
+        done = proc.run(restart_argv(unit), timeout=self.timeout)
         if done.returncode != 0:
             raise AgentError(f"systemctl restart {unit} failed: {done.output}; see journalctl -u {unit}")
 
     def wait_ready(self, unit: str, socket_path: str, timeout: float,
                    progress: Callable[[str], None] = _quiet) -> Optional[str]:
         return wait_for_socket(str(self.root(socket_path)), socket_path, timeout, progress)
+
+
+def restart_argv(unit: str) -> list[str]:
+    """`systemctl restart unit`; for a unit ordered after the agent, with its job's dependencies ignored.
+
+    Until the agent's first pass is done its own start job runs, and a restart job of a unit ordered after
+    it waits for that job: `systemctl restart k3s` from the first pass would wait for the pass itself, until
+    TimeoutStartSec. Only a unit that has run (running, failed or in transition: its dependencies were met
+    when it started) is restarted at all; one not started yet is left to start after the agent, and reads
+    the new files then (transaction.RuntimeChange.restarts_unit)."""
+    if unit in ORDERED_AFTER_AGENT:
+        return ["systemctl", "restart", "--job-mode=ignore-dependencies", unit]
+    return ["systemctl", "restart", unit]
 
 
 SHOW_PROPERTIES = "LoadState,ActiveState,SubState,StateChangeTimestamp,ActiveEnterTimestamp,UnitFileState"

@@ -14,7 +14,7 @@ from gpu_agent.host.files import BACKUP_DIR, backup, unified_diff
 from gpu_agent.host.ledger import Ledger, Owned
 from gpu_agent.host.paths import Root
 from gpu_agent.plan import Change, RestartService, WriteFile
-from gpu_agent.toolkit.services import ServiceControl, UnitState
+from gpu_agent.toolkit.services import ORDERED_AFTER_AGENT, ServiceControl, UnitState
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,15 @@ class RuntimeChange:
     def restarts_unit(self) -> bool:
         """Whether the change restarts the unit: one that should be running (running, failed, in
         transition, or owed a restart). One an administrator stopped, and owed nothing, is left
-        stopped: it reads the new files when it is started."""
+        stopped: it reads the new files when it is started. A stopped unit ordered after the agent
+        (k3s, RKE2) is left too, owed or not: at boot its start job waits for the agent's first pass, and
+        a restart from that pass would wait for itself (services.restart_argv)."""
         state = self.unit_state
-        return (self.unit is not None and state is not None and state.exists
-                and (not state.stopped or self.restart_owed))
+        if self.unit is None or state is None or not state.exists:
+            return False
+        if state.stopped:
+            return self.restart_owed and self.unit not in ORDERED_AFTER_AGENT
+        return True
 
     @property
     def pending(self) -> bool:
