@@ -391,3 +391,32 @@ def test_damaged_answers_decode_as_protobuf_decodes_them_or_raise_decode_error()
             assert MessageToDict(mine) == MessageToDict(theirs)
             agreed += 1
     assert agreed > 50  # most damage still decodes: the comparison ran
+
+
+def test_a_socket_directory_it_cannot_make_is_named_and_served_once_it_can(tmp_path: Path,
+                                                                          emulator: KubeEmulator) -> None:
+    root = tmp_path / "root"
+    (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
+    (root / "var/lib/kubelet/plugins").write_text("not a directory")
+
+    async def scenario() -> None:
+        manager = DraManager(Root(root), agent_state(root), client_of(tmp_path), NODE)
+        task = asyncio.create_task(manager.run())
+        try:
+            for _ in range(500):
+                if manager.state.dra and manager.state.dra["serve_error"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert manager.state.dra is not None and "Not a directory" in manager.state.dra["serve_error"]
+            assert not task.done()
+            (root / "var/lib/kubelet/plugins").unlink()
+            manager.wake()
+            for _ in range(500):
+                if (root / manager.host_registration.lstrip("/")).exists() and not manager.serve_error:
+                    break
+                await asyncio.sleep(0.01)
+            assert (root / manager.host_endpoint.lstrip("/")).exists() and manager.serve_error is None
+        finally:
+            await stopped(task)
+
+    asyncio.run(scenario())

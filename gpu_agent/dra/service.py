@@ -15,11 +15,13 @@ NodeUnprepareResources forgets it, a claim it does not know included (idempotent
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from grpclib.server import Server, Stream
@@ -29,6 +31,7 @@ from gpu_agent.dra import api
 from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, devices_for
 from gpu_agent.dra.devices import DRIVER, DraDevice, published
 from gpu_agent.dra.slices import SlicePublisher
+from gpu_agent.host import sandbox
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.plugin.server import CappedServer, request_of
@@ -63,6 +66,7 @@ class DraManager:
         self.registered: Optional[float] = None  # when the kubelet last said the registration succeeded
         self.registration_error: Optional[str] = None
         self.publish_error: Optional[str] = None
+        self.serve_error: Optional[str] = None  # why the sockets cannot be served (retried every 10 s)
         self._published: Optional[tuple[DraDevice, ...]] = None  # what the API holds, as last written or found
         self._retry_s = RETRY_FIRST_S
         self._retry_at = 0.0
@@ -79,11 +83,13 @@ class DraManager:
         self._wake = wake = asyncio.Event()
         self.checkpoint.load()
         try:
-            await self._serve()
             while True:
                 wake.clear()
+                if not self._servers:
+                    await self._serve()
                 self.sync()
-                timeout = max(self._retry_at - time.monotonic(), 0.1) if self.publish_error else None
+                timeout = RETRY_FIRST_S if self.serve_error else \
+                    max(self._retry_at - time.monotonic(), 0.1) if self.publish_error else None
                 try:
                     await asyncio.wait_for(wake.wait(), timeout)
                 except asyncio.TimeoutError:
@@ -92,6 +98,19 @@ class DraManager:
             await self.stop()
 
     async def _serve(self) -> None:
+        try:
+            await self._start_servers()
+        except OSError as exc:
+            failed = Path(exc.filename) if isinstance(exc.filename, str) else self.root(self.host_endpoint)
+            reason = sandbox.current().read_only(failed) if exc.errno == errno.EROFS else exc.strerror or str(exc)
+            if self.serve_error is None:
+                log.warning("DRA: cannot serve the kubelet plugin sockets: %s; retrying", reason)
+            self.serve_error = reason
+            await self.stop()
+            return
+        self.serve_error = None
+
+    async def _start_servers(self) -> None:
         for host_path, service in ((self.host_endpoint, _DraService(self)), (self.host_registration,
                                                                            _Registration(self))):
             path = self.root(host_path)
@@ -116,7 +135,10 @@ class DraManager:
                 log.warning("DRA: a kubelet connection did not close within 1 s")
         self._servers.clear()
         for host_path in (self.host_registration, self.host_endpoint):
-            self.root(host_path).unlink(missing_ok=True)  # the kubelet deregisters the plugin, drops its slices
+            try:
+                self.root(host_path).unlink(missing_ok=True)  # the kubelet deregisters the plugin, drops its slices
+            except OSError as exc:
+                log.warning("DRA: cannot remove %s: %s", host_path, exc.strerror or exc)
 
     def sync(self) -> None:
         inventory = self.state.inventory or self.state.last_inventory
@@ -219,6 +241,7 @@ class DraManager:
             "driver": DRIVER, "pool": self.node, "generation": self.publisher.generation,
             "registration_socket": self.host_registration, "endpoint": self.host_endpoint,
             "registered_at": self.registered, "registration_error": self.registration_error,
+            "serve_error": self.serve_error,
             "published": self._published is not None and self._published == self.devices,
             "publish_error": self.publish_error,
             "devices": [{"name": device.name, "uuid": device.uuid, "attributes": device.entry["attributes"],
