@@ -420,3 +420,59 @@ def test_a_socket_directory_it_cannot_make_is_named_and_served_once_it_can(tmp_p
             await stopped(task)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.subprocess
+def test_the_daemon_publishes_withdraws_an_xid_lost_gpu_and_returns_it(agent: Any, root: Path, tmp_path: Path) -> None:
+    """gpu-agent run with dra.enabled on a simulated DGX H100: registered by a kubelet, its pool published with
+    the node's credentials; an XID 79 takes GPU 2 off the pool (a new generation) and its recovery returns it."""
+    import time
+
+    from harness import run_cli
+
+    with KubeEmulator(tmp_path / "pki", nodes=(NODE,)) as server:
+        server.write_kubeconfig(root / KUBECONFIG.lstrip("/"))
+        (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
+        daemon = agent("dgx-h100", settings={"kubernetes": {"node_name": NODE}, "dra": {"enabled": True}})
+        daemon.wait_ready()
+        registration_socket = root / "var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock"
+
+        def pool(count: int) -> dict[str, Any]:
+            deadline = time.monotonic() + 20
+            while True:
+                stored = server.resource_slices(NODE)
+                if stored and len(stored[0]["spec"]["devices"]) == count:
+                    return stored[0]["spec"]
+                assert time.monotonic() < deadline, f"no pool of {count} devices: {stored}"
+                time.sleep(0.05)
+
+        async def register() -> None:
+            for _ in range(1000):
+                if registration_socket.exists():
+                    break
+                await asyncio.sleep(0.01)
+            kubelet = Kubelet(root)
+            try:
+                stub = pluginregistration_grpc.RegistrationStub(kubelet.channel(
+                    "/var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock"))
+                assert (await stub.GetInfo(pluginregistration_pb2.InfoRequest())).name == "gpu.nvidia.com"
+                await stub.NotifyRegistrationStatus(pluginregistration_pb2.RegistrationStatus(plugin_registered=True))
+            finally:
+                kubelet.close()
+
+        asyncio.run(register())
+        first = pool(8)
+        assert [device["name"] for device in first["devices"]] == [f"gpu-{n}" for n in range(8)]
+        assert run_cli("sim", "inject-xid", "--gpu", "2", "--xid", "79", root=root).returncode == 0
+        lost = pool(7)
+        assert "gpu-2" not in [device["name"] for device in lost["devices"]]
+        assert lost["pool"]["generation"] > first["pool"]["generation"]
+        assert run_cli("sim", "clear", root=root).returncode == 0
+        back = pool(8)
+        assert back["pool"]["generation"] > lost["pool"]["generation"]
+        server.delete_resource_slices(NODE)  # a kubelet that restarts deletes them, then registers the plugin again
+        asyncio.run(register())
+        assert pool(8)["pool"]["generation"] > back["pool"]["generation"]
+        status = json.loads(daemon.wait_http("/status", lambda code, _: code == 200)[1])
+        assert status["dra"]["pool"] == NODE and len(status["dra"]["devices"]) == 8
+        assert status["plugin"]["resources"] == [] and "dra.enabled" in status["plugin"]["reason"]
