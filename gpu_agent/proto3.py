@@ -1,14 +1,15 @@
 """Proto3 messages on the wire without the protobuf runtime.
 
-The agent speaks two small kubelet gRPC APIs, the device plugin's and pod-resources'. protobuf's
+The agent speaks small kubelet gRPC APIs: the device plugin's, pod-resources', DRA's and the plugin
+watcher's registration. protobuf's
 runtime would add about 5 MiB to the daemon's resident memory for them, so their messages are
 declared as dataclasses whose fields carry their proto numbers, and are encoded here by the proto3
 wire rules (protobuf.dev/programming-guides/encoding): fields in number order, zero values and unset
 messages left out, maps as repeated key/value entries. Decoding keeps what protobuf keeps: unknown
 fields and fields of an unexpected wire type are skipped, the last value of a singular scalar wins,
 repeated occurrences of a singular message merge, and strings must be valid UTF-8. Anything else
-malformed raises DecodeError. tests/test_proto3.py holds each declaration to the APIs' .proto files
-(tests/kubelet_api) and each encoding to protobuf's own.
+malformed raises DecodeError. tests/test_proto3.py and tests/test_dra.py hold each declaration to the
+APIs' .proto files (tests/kubelet_api) and each encoding to protobuf's own.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ INT32 = "int32"
 INT64 = "int64"
 MESSAGE = "message"
 STRING_MAP = "map<string, string>"
+MESSAGE_MAP = "map<string, message>"
 
 _VARINT, _FIXED64, _LENGTH, _GROUP_START, _GROUP_END, _FIXED32 = 0, 1, 2, 3, 4, 5
 LENGTH_DELIMITED = _LENGTH
-_WIRE_TYPE = {STRING: _LENGTH, BOOL: _VARINT, INT32: _VARINT, INT64: _VARINT, MESSAGE: _LENGTH, STRING_MAP: _LENGTH}
+_WIRE_TYPE = {STRING: _LENGTH, BOOL: _VARINT, INT32: _VARINT, INT64: _VARINT, MESSAGE: _LENGTH, STRING_MAP: _LENGTH,
+              MESSAGE_MAP: _LENGTH}
 _RANGE = {INT32: 1 << 31, INT64: 1 << 63}
 _MASK64 = (1 << 64) - 1
 _MAX_FIELD_NUMBER = (1 << 29) - 1
@@ -96,6 +99,11 @@ def messages(number: int, kind: type[Message]) -> Any:
 
 def string_map(number: int) -> Any:
     return _declared(_Wire(number, STRING_MAP), default_factory=dict)
+
+
+def message_map(number: int, kind: type[Message]) -> Any:
+    """map<string, kind>: an entry whose value is absent decodes as an empty `kind`, as protobuf's does."""
+    return _declared(_Wire(number, MESSAGE_MAP, False, kind), default_factory=dict)
 
 
 class Message:
@@ -171,6 +179,16 @@ def _encode(message: Message, out: bytearray) -> None:
                 entry = bytearray()
                 _length_delimited(1, _text(key, where), entry)
                 _length_delimited(2, _text(value[key], where), entry)
+                _length_delimited(field.number, bytes(entry), out)
+        elif field.kind == MESSAGE_MAP:
+            for key in sorted(value):
+                item = value[key]
+                if not isinstance(item, field.message):  # type: ignore[arg-type]
+                    raise TypeError(f"{where}[{key!r}] must be a {field.message.__name__}, "  # type: ignore[union-attr]
+                                    f"not {type(item).__name__}")
+                entry = bytearray()
+                _length_delimited(1, _text(key, where), entry)
+                _length_delimited(2, item.encode(), entry)
                 _length_delimited(field.number, bytes(entry), out)
         elif field.kind == BOOL:
             if value:
@@ -282,6 +300,9 @@ def _decode(kind: type[M], data: memoryview, depth: int) -> M:
         elif field.kind == STRING_MAP:
             entry = _decode(_MapEntry, chunk, depth + 1)
             values.setdefault(field.name, {})[entry.key] = entry.value
+        elif field.kind == MESSAGE_MAP:
+            entry_key, item = _map_entry(field, chunk, depth + 1)
+            values.setdefault(field.name, {})[entry_key] = item
         elif field.repeated:
             values.setdefault(field.name, []).append(_decode(field.message, chunk, depth + 1))  # type: ignore[arg-type]
         else:
@@ -290,6 +311,23 @@ def _decode(kind: type[M], data: memoryview, depth: int) -> M:
         merged = chunks[0] if len(chunks) == 1 else memoryview(b"".join(chunks))  # concatenation merges
         values[field.name] = _decode(field.message, merged, depth + 1)  # type: ignore[arg-type]
     return kind(**values)
+
+
+def _map_entry(field: _Field, data: memoryview, depth: int) -> tuple[str, Message]:
+    """One entry of a map<string, message>: its key (field 1) and its value (field 2; the last seen wins,
+    repeated occurrences merge, an absent one is the empty message). Other fields in the entry are skipped
+    and the entry kept, as Go's protobuf (the kubelet's) keeps it."""
+    where = f"{field.name} entry"
+    if depth > _MAX_DEPTH:
+        raise DecodeError(f"{where}: messages nested deeper than {_MAX_DEPTH}")
+    key, chunks = "", []
+    for number, _, value in fields_of(data, where):
+        if isinstance(value, memoryview) and number == 1:
+            key = _string(value, f"{where}.key")
+        elif isinstance(value, memoryview) and number == 2:
+            chunks.append(value)
+    merged = memoryview(b"".join(chunks)) if len(chunks) != 1 else chunks[0]
+    return key, _decode(field.message, merged, depth + 1)  # type: ignore[arg-type]
 
 
 def fields_of(data: Data, where: str) -> Iterator[tuple[int, int, Union[int, memoryview]]]:

@@ -125,6 +125,7 @@ class AgentState:
     claims: dict[str, set[str]] = field(default_factory=dict)  # by stage: the files it wants (engine only)
     plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
     mps: Optional[dict[str, Any]] = None  # the MPS control daemons' /status section (mps/daemons.py)
+    dra: Optional[dict[str, Any]] = None  # the DRA kubelet plugin's /status section (dra/service.py)
     mps_down: dict[str, str] = field(default_factory=dict)  # by MPS resource: why its daemon does not run as asked
     mps_running: frozenset[str] = frozenset()  # the MPS resources whose daemon runs as asked: healthy only then
     kube_api: Optional[dict[str, Any]] = None  # the Kubernetes API's /status section (kube/api_state.py)
@@ -194,6 +195,15 @@ class AgentState:
                 return False
             self.plugin = section
             self.published += 1  # the endpoints render /status again
+            return True
+
+    def publish_dra(self, section: dict[str, Any]) -> bool:
+        """The DRA plugin's /status section, replaced whole; False when it is the one already published."""
+        with _PUBLISH:
+            if section == self.dra:
+                return False
+            self.dra = section
+            self.published += 1
             return True
 
     def publish_mps(self, section: Optional[dict[str, Any]], down: Mapping[str, str],
@@ -397,6 +407,7 @@ class AgentState:
             "labels": dict(labels) if labels is not None else None,
             "plugin": self.plugin,
             "mps": self.mps,
+            "dra": self.dra,
             "kubernetes_api": self.kube_api,
             "device_path": self.device_path.to_json() if self.device_path is not None else None,
         }

@@ -1068,6 +1068,8 @@ class KubeEmulator:
         self._grants: list[_Grant] = []
         self._nodes: dict[str, dict[str, Any]] = {}
         self._pods: list[dict[str, Any]] = []
+        self._slices: dict[str, dict[str, Any]] = {}  # resource.k8s.io/v1 ResourceSlices by name
+        self._claims: dict[tuple[str, str], tuple[dict[str, Any], str]] = {}  # (ns, name): (claim, its pod's node)
         self._rv = 1000
         self._errors: list[str] = []
         self.tls_errors: list[str] = []
@@ -1715,6 +1717,8 @@ class KubeEmulator:
         parts = [p for p in path.split("/") if p]
         if parts == ["api", "v1", "pods"] and method == "GET":
             return self._list_pods(user, query)
+        if parts[:3] == ["apis", "resource.k8s.io", "v1"]:
+            return self._resource_api(method, parts[3:], query, body, user)
         if parts[:3] != ["api", "v1", "nodes"] or len(parts) > 5 or (len(parts) == 5 and parts[4] != "status"):
             raise ApiError(404, "the server could not find the requested resource", "NotFound", {})
         name = parts[3] if len(parts) >= 4 else ""
@@ -1757,6 +1761,149 @@ class KubeEmulator:
             items = [copy.deepcopy(pod) for pod in self._pods if node is None or pod["spec"]["nodeName"] == node]
         return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._rv)},
                      "items": items}, {}
+
+    # ---- resource.k8s.io/v1: ResourceSlices and ResourceClaims (DRA, Kubernetes 1.34) ---------------------
+    # As kube-apiserver 1.34 with the Node authorizer (AuthorizeNodeWithSelectors) and NodeRestriction: a node
+    # creates slices whose spec.nodeName is its own, gets, replaces and deletes only such slices, lists them only
+    # with the field selector spec.nodeName=<itself>, and gets a ResourceClaim only of a pod bound to it. The
+    # slice validation the agent's slices meet: at most 128 devices, at most 32 attributes and capacities per
+    # device, device names DNS labels, one value per attribute; quantities come back in canonical form.
+
+    def add_resource_claim(self, namespace: str, name: str, uid: str, node: str,
+                           results: Sequence[Mapping[str, str]] = ()) -> None:
+        """A ResourceClaim reserved for a pod on `node`, allocated `results` (driver, pool, device, request);
+        no results: not allocated."""
+        claim: dict[str, Any] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                 "metadata": {"namespace": namespace, "name": name, "uid": uid,
+                                              "resourceVersion": self._bump()},
+                                 "spec": {"devices": {"requests": []}}, "status": {}}
+        if results:
+            claim["status"]["allocation"] = {"devices": {"results": [dict(result) for result in results]}}
+        with self._lock:
+            self._claims[(namespace, name)] = (claim, node)
+
+    def resource_slices(self, node: Optional[str] = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return [copy.deepcopy(item) for _, item in sorted(self._slices.items())
+                    if node is None or item["spec"].get("nodeName") == node]
+
+    def delete_resource_slices(self, node: str) -> None:
+        """What a kubelet does when it starts: its node's slices are deleted."""
+        with self._lock:
+            for name in [name for name, item in self._slices.items() if item["spec"].get("nodeName") == node]:
+                del self._slices[name]
+
+    def _resource_api(self, method: str, parts: list[str], query: dict[str, list[str]], body: bytes,
+                      user: User) -> tuple[int, Any, dict[str, str]]:
+        masters = MASTERS_GROUP in user.groups
+        node = user.node_name
+        if len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "resourceclaims" and method == "GET":
+            with self._lock:
+                found = self._claims.get((parts[1], parts[3]))
+            if not masters and (found is None or found[1] != node):
+                raise _forbidden(parts[3], f'User "{user.name}" cannot get resource "resourceclaims" in API group '
+                                           f'"resource.k8s.io" in the namespace "{parts[1]}": no relationship found '
+                                           f"between node '{node}' and this object")
+            if found is None:
+                raise ApiError(404, f'resourceclaims.resource.k8s.io "{parts[3]}" not found', "NotFound",
+                               {"name": parts[3], "group": "resource.k8s.io", "kind": "resourceclaims"})
+            return 200, copy.deepcopy(found[0]), {}
+        if not parts or parts[0] != "resourceslices" or len(parts) > 2:
+            raise ApiError(404, "the server could not find the requested resource", "NotFound", {})
+        name = parts[1] if len(parts) == 2 else ""
+        with self._lock:
+            if method == "GET" and not name:
+                return self._list_slices(user, query)
+            if method == "POST" and not name:
+                return self._create_slice(user, body)
+            existing = self._slices.get(name)
+            if not masters and (existing is None or existing["spec"].get("nodeName") != node):
+                verb = {"GET": "get", "PUT": "update", "DELETE": "delete", "PATCH": "patch"}.get(method, method)
+                raise _forbidden(name, f'User "{user.name}" cannot {verb} resource "resourceslices" in API group '
+                                       f'"resource.k8s.io" at the cluster scope: no relationship found between '
+                                       f"node '{node}' and this object")
+            if existing is None:
+                raise ApiError(404, f'resourceslices.resource.k8s.io "{name}" not found', "NotFound",
+                               {"name": name, "group": "resource.k8s.io", "kind": "resourceslices"})
+            if method == "GET":
+                return 200, copy.deepcopy(existing), {}
+            if method == "DELETE":
+                del self._slices[name]
+                return 200, copy.deepcopy(existing), {}
+            if method == "PUT":
+                return self._replace_slice(user, name, existing, body)
+        raise ApiError(405, "the server does not allow this method on the requested resource", "MethodNotAllowed", {})
+
+    def _list_slices(self, user: User, query: dict[str, list[str]]) -> tuple[int, Any, dict[str, str]]:
+        wanted: dict[str, str] = {}
+        for requirement in filter(None, query.get("fieldSelector", [""])[-1].split(",")):
+            key, _, value = requirement.partition("=")
+            if key not in ("spec.nodeName", "spec.driver", "spec.pool.name"):
+                raise _bad_request(f'field label not supported: {key}')
+            wanted[key] = value
+        if MASTERS_GROUP not in user.groups and wanted.get("spec.nodeName") != user.node_name:
+            raise _forbidden("", f'User "{user.name}" cannot list resource "resourceslices" in API group '
+                                 '"resource.k8s.io" at the cluster scope: can only list/watch/deletecollection '
+                                 "resourceslices with nodeName field selector")
+        fields = {"spec.nodeName": ("nodeName",), "spec.driver": ("driver",), "spec.pool.name": ("pool", "name")}
+        items = []
+        for _, item in sorted(self._slices.items()):
+            values = {key: _field_at(item["spec"], path) for key, path in fields.items()}
+            if all(values[key] == value for key, value in wanted.items()):
+                items.append(copy.deepcopy(item))
+        return 200, {"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1",
+                     "metadata": {"resourceVersion": str(self._rv)}, "items": items}, {}
+
+    def _decoded_slice(self, body: bytes) -> dict[str, Any]:
+        try:
+            document = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _bad_request(f"error decoding the body: {exc}") from None
+        if not isinstance(document, dict) or not isinstance(document.get("spec"), dict) or \
+                not isinstance(document.get("metadata"), dict):
+            raise _bad_request("the body is not a ResourceSlice")
+        errors = _slice_errors(document["spec"])
+        if errors:
+            name = document["metadata"].get("name") or document["metadata"].get("generateName", "")
+            raise _invalid(name, errors, kind="ResourceSlice")
+        _canonical_quantities(document["spec"])
+        return document
+
+    def _create_slice(self, user: User, body: bytes) -> tuple[int, Any, dict[str, str]]:
+        document = self._decoded_slice(body)
+        node = user.node_name
+        if node is not None and MASTERS_GROUP not in user.groups and document["spec"].get("nodeName") != node:
+            raise _forbidden("", "can only create ResourceSlice with the same NodeName as the requesting node")
+        metadata = document["metadata"]
+        name = metadata.get("name") or (metadata.get("generateName", "") + secrets.token_hex(3)[:5])
+        if name in self._slices:
+            raise ApiError(409, f'resourceslices.resource.k8s.io "{name}" already exists', "AlreadyExists",
+                           {"name": name, "group": "resource.k8s.io", "kind": "resourceslices"})
+        metadata.update(name=name, uid=str(uuid.uuid4()), generation=1, resourceVersion=self._bump(),
+                        creationTimestamp=_format_time(_now()))
+        document.update(apiVersion="resource.k8s.io/v1", kind="ResourceSlice")
+        self._slices[name] = document
+        return 201, copy.deepcopy(document), {}
+
+    def _replace_slice(self, user: User, name: str, existing: dict[str, Any],
+                       body: bytes) -> tuple[int, Any, dict[str, str]]:
+        document = self._decoded_slice(body)
+        metadata, old = document["metadata"], existing["metadata"]
+        if metadata.get("name") != name:
+            raise _bad_request(f"the name of the object ({metadata.get('name')}) does not match the name on the URL "
+                               f"({name})")
+        version = metadata.get("resourceVersion")
+        if version and version != old["resourceVersion"]:
+            raise _conflict(name, OPTIMISTIC_LOCK_MSG)
+        if document["spec"].get("nodeName") != existing["spec"].get("nodeName"):
+            raise _invalid(name, [_FieldError("spec.nodeName", "FieldValueInvalid", "field is immutable")],
+                           kind="ResourceSlice")
+        if document["spec"] == existing["spec"]:
+            return 200, copy.deepcopy(existing), {}
+        stored = {**existing, "spec": document["spec"],
+                  "metadata": {**old, "resourceVersion": self._bump(), "generation": old.get("generation", 1) + 1}}
+        self._slices[name] = stored
+        return 200, copy.deepcopy(stored), {}
 
     def _write(self, name: str, subresource: str, query: dict[str, list[str]], body: bytes,
                handler: _Handler, user: User) -> tuple[int, Any, dict[str, str]]:
@@ -1871,6 +2018,98 @@ def _authorize_node(node: str, verb: str, subresource: str, name: str) -> tuple[
     elif subresource == "status" and verb in ("update", "patch"):
         return True, ""
     return False, ""
+
+
+# ---- ResourceSlice validation and quantities (resource.k8s.io/v1, Kubernetes 1.34) -----------------------
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_SEMVER = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-Za-z.-]+)?(\+[0-9A-Za-z.-]+)?")
+_DECIMAL_SUFFIXES = {"": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_BINARY_SUFFIXES = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
+
+
+def _field_at(value: Any, path: Sequence[str]) -> Any:
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _slice_errors(spec: dict[str, Any]) -> list[_FieldError]:
+    errors = []
+    devices = spec.get("devices") or []
+    if not isinstance(devices, list):
+        return [_FieldError("spec.devices", "FieldValueTypeInvalid", "must be a list")]
+    if len(devices) > 128:
+        errors.append(_FieldError("spec.devices", "FieldValueTooMany", f"Too many: {len(devices)}: must have at most "
+                                                                       "128 items"))
+    pool = spec.get("pool") if isinstance(spec.get("pool"), dict) else {}
+    if not pool.get("name"):
+        errors.append(_FieldError("spec.pool.name", "FieldValueRequired", "Required value"))
+    if not isinstance(pool.get("resourceSliceCount"), int) or pool["resourceSliceCount"] < 1:
+        errors.append(_FieldError("spec.pool.resourceSliceCount", "FieldValueInvalid", "must be greater than zero"))
+    if not spec.get("driver"):
+        errors.append(_FieldError("spec.driver", "FieldValueRequired", "Required value"))
+    for number, device in enumerate(devices[:128]):
+        where = f"spec.devices[{number}]"
+        name = device.get("name", "") if isinstance(device, dict) else ""
+        if not (len(name) <= 63 and _DNS_LABEL.fullmatch(name)):
+            errors.append(_FieldError(f"{where}.name", "FieldValueInvalid", "a lowercase RFC 1123 label must consist "
+                                      "of lower case alphanumeric characters or '-'"))
+        attributes = device.get("attributes") or {}
+        capacity = device.get("capacity") or {}
+        if len(attributes) + len(capacity) > 32:
+            errors.append(_FieldError(where, "FieldValueTooMany", f"Too many: {len(attributes) + len(capacity)}: "
+                                      "must have at most 32 attributes and capacities combined"))
+        for key, value in attributes.items():
+            kinds = [kind for kind in ("int", "bool", "string", "version") if kind in (value or {})]
+            if len(kinds) != 1:
+                errors.append(_FieldError(f"{where}.attributes[{key}]", "FieldValueInvalid",
+                                          "exactly one value must be specified"))
+            elif kinds == ["version"] and not _SEMVER.fullmatch(str(value["version"])):
+                errors.append(_FieldError(f"{where}.attributes[{key}].version", "FieldValueInvalid",
+                                          "must be a string compatible with semver.org spec 2.0.0"))
+        for key, value in capacity.items():
+            if _quantity(str((value or {}).get("value", ""))) is None:
+                errors.append(_FieldError(f"{where}.capacity[{key}].value", "FieldValueInvalid",
+                                          "quantities must match the regular expression"))
+    return errors
+
+
+def _quantity(text: str) -> Optional[tuple[int, bool]]:
+    """A whole quantity's value and whether its suffix is binary; None for what the emulator cannot read."""
+    match = re.fullmatch(r"([0-9]+)([a-zA-Z]*)", text)
+    if match is None:
+        return None
+    digits, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(digits) * 10 ** _DECIMAL_SUFFIXES[suffix], False
+    if suffix in _BINARY_SUFFIXES:
+        return int(digits) << _BINARY_SUFFIXES[suffix], True
+    return None
+
+
+def canonical_quantity(text: str) -> str:
+    """apimachinery's canonical form of a whole quantity: the format its suffix chose, the largest suffix
+    that keeps the number whole (DecimalSI by thousands, BinarySI by 1024s)."""
+    parsed = _quantity(text)
+    if parsed is None:
+        return text
+    value, binary = parsed
+    if binary:
+        for suffix, shift in sorted(_BINARY_SUFFIXES.items(), key=lambda item: -item[1]):
+            if value and value % (1 << shift) == 0:
+                return f"{value >> shift}{suffix}"
+        return str(value)
+    for suffix, exponent in sorted(_DECIMAL_SUFFIXES.items(), key=lambda item: -item[1]):
+        if exponent and value and value % 10 ** exponent == 0:
+            return f"{value // 10 ** exponent}{suffix}"
+    return str(value)
+
+
+def _canonical_quantities(spec: dict[str, Any]) -> None:
+    for device in spec.get("devices") or []:
+        for value in (device.get("capacity") or {}).values():
+            value["value"] = canonical_quantity(str(value["value"]))
 
 
 def _node_name_from_path(path: str) -> Optional[str]:

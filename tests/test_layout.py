@@ -8,7 +8,7 @@ The layers, lowest first (a package, or a module where one module of a package s
  3. config, nvml: the settings, and NVML behind its session
  4. health.policy: what a GPU's health and XIDs mean (the state applies it)
  5. state: the agent's state model
- 6. kube, mig, toolkit, metrics, health, plugin, mps, capture: what the stages and the daemon drive
+ 6. kube, mig, toolkit, metrics, health, plugin, mps, capture, dra: what the stages and the daemon drive
  7. stages: the reconcile stages
  8. sim: the simulator, above everything it simulates
  9. daemon: the engine, HTTP and the composition root (daemon/app.py)
@@ -33,7 +33,7 @@ LAYERS = (
     ("config", "nvml", "endpoint_proof"),
     ("health.policy",),
     ("state",),
-    ("kube", "mig", "toolkit", "metrics", "health", "plugin", "mps", "capture"),
+    ("kube", "mig", "toolkit", "metrics", "health", "plugin", "mps", "capture", "dra"),
     ("stages",),
     ("sim",),
     ("daemon",),

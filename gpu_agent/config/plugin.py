@@ -188,6 +188,14 @@ class PluginConfig(Section):
                        "most loaded first, keeping other GPUs free). Whole GPUs are placed by topology either way.")
 
 
+@dataclass(frozen=True)
+class DraConfig(Section):
+    enabled: bool = setting(
+        False, "Serve the GPUs through Dynamic Resource Allocation (driver gpu.nvidia.com, resource.k8s.io/v1, "
+               "Kubernetes 1.34+) instead of the device plugin: a node serves its GPUs through one API at a time, "
+               "so while this is true the device plugin advertises nothing (docs/dra.md).")
+
+
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"  # kubeadm's, k3s's and RKE2's kubelet
 MICROK8S_DEVICE_PLUGIN_DIR = "/var/snap/microk8s/common/var/lib/kubelet/device-plugins"  # its --root-dir
 
@@ -197,6 +205,11 @@ def device_plugin_dir(root: Root) -> str:
     if not root(DEVICE_PLUGIN_DIR).is_dir() and root(MICROK8S_DEVICE_PLUGIN_DIR).is_dir():
         return MICROK8S_DEVICE_PLUGIN_DIR
     return DEVICE_PLUGIN_DIR
+
+
+def kubelet_dir(root: Root) -> str:
+    """The kubelet's root directory (--root-dir): the one that holds its device-plugins directory."""
+    return device_plugin_dir(root).rsplit("/", 1)[0]
 
 
 def plugin_wanted(root: Root, settings: PluginConfig) -> bool:

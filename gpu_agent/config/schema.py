@@ -14,7 +14,7 @@ from gpu_agent.config.endpoint import (DEFAULT_LISTEN, DEFAULT_SOCKET, LISTEN_MA
                                        valid_listen, valid_socket)
 from gpu_agent.config.kubernetes import KubernetesConfig
 from gpu_agent.config.mig import MigConfig
-from gpu_agent.config.plugin import PluginConfig
+from gpu_agent.config.plugin import DraConfig, PluginConfig
 from gpu_agent.config.section import (PATH_MAX, AbsolutePath, AllOr, Bounds, Check, Section, absolute_path, seconds,
                                       setting, shown)
 from gpu_agent.config.toolkit import ToolkitConfig
@@ -189,3 +189,4 @@ class AgentConfig(Section):
     mig: MigConfig = setting(MigConfig())
     plugin: PluginConfig = setting(PluginConfig())
     workload: WorkloadConfig = setting(WorkloadConfig())
+    dra: DraConfig = setting(DraConfig())

@@ -285,6 +285,9 @@ class Runtime:
         return Vfio(self.root, self.nvml, self.loader, self.pci, workload, node_label=label, uninstall=uninstall)
 
 
+DRA_REQUESTS_PER_MINUTE = 120  # claims read and slices written: a node starting a few dozen pods at once
+
+
 def _simulated_nvml(machine: Any) -> Any:
     """The fake NVML of a built-in profile or machine file; a captured node's replay (whose module, with
     its capture schema, costs a built-in profile 20 ms and 1 MiB) only for a capture."""
@@ -362,6 +365,9 @@ class Daemon:
         self._passed_at = time.monotonic()  # when the last pass completed (the start, before the first)
         self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
         self._plugin_task: Optional[asyncio.Task[Any]] = None
+        self.dra: Optional[Any] = None  # the DRA kubelet plugin while dra.enabled (dra/service.py)
+        self._dra_task: Optional[asyncio.Task[Any]] = None
+        self._dra_key: Optional[tuple[Any, ...]] = None  # the settings it was built with
         self.mps: Optional[Any] = None  # the MPS control daemons' watch, started once sharing.mps asks (mps/)
         self._mps_looked = False  # whether the ledger was looked at for an earlier process's MPS daemons
 
@@ -609,6 +615,7 @@ class Daemon:
         self._ensure_plugin()
         if self.plugin is not None:
             self.plugin.wake()  # health, MIG and inventory changes reach ListAndWatch now
+        self._ensure_dra()
         if not self.state.first_reconcile_done:
             return
         self.notifier.status(self.state.summary_line())
@@ -664,6 +671,36 @@ class Daemon:
             self.runtime.plugin_gate.listener = from_any_thread
         self._plugin_task = asyncio.create_task(self.plugin.run(), name="device-plugin")
         self._tasks.append(self._plugin_task)
+
+    def _ensure_dra(self) -> None:
+        """The DRA plugin while dra.enabled, beside the device plugin (which then advertises nothing), with the
+        node's credentials and a request budget of its own (a pod's claims are not held back by the labels'
+        budget, nor the labels by a burst of claims); built again when the kubeconfig or node name change."""
+        kube = self.config.kubernetes
+        key = (kube.kubeconfig, kube.node_name, kube.request_timeout_seconds)
+        running = self._dra_task is not None and not self._dra_task.done()
+        if running and (not self.config.dra.enabled or key != self._dra_key):
+            assert self._dra_task is not None
+            self._dra_task.cancel()  # its servers close and its sockets go: the kubelet deregisters it
+            self._dra_task, self.dra, running = None, None, False
+        if self._dra_task is not None and self._dra_task.done() and not self._dra_task.cancelled() \
+                and self._dra_task.exception():
+            log.error("DRA plugin stopped: %s; starting it again", self._dra_task.exception())
+        if running:
+            assert self.dra is not None
+            self.dra.wake()
+            return
+        if not self.config.dra.enabled:
+            return
+        from gpu_agent.dra.service import DraManager  # grpclib: only when on
+        from gpu_agent.kube.client import KubeClient
+
+        client = KubeClient(self.runtime.root, kube.kubeconfig, kube.request_timeout_seconds,
+                            RequestBudget(per_minute=DRA_REQUESTS_PER_MINUTE))
+        node = kube.node_name or socket.gethostname().strip().lower()  # as the labels stage names the Node
+        self.dra, self._dra_key = DraManager(self.runtime.root, self.state, client, node), key
+        self._dra_task = asyncio.create_task(self.dra.run(), name="dra")
+        self._tasks.append(self._dra_task)
 
     def _after_xid(self) -> None:
         """From the XID watcher's thread: publish, and sample now, so a GPU an XID took off the bus is

@@ -37,6 +37,8 @@ LATE_WRITABLE = (
     "/var/lib/rancher/k3s/agent/etc/containerd", "/var/lib/rancher/rke2/agent/etc/containerd",
     "/var/snap/microk8s/current/args",
     "/var/lib/kubelet/device-plugins", "/var/snap/microk8s/common/var/lib/kubelet/device-plugins",
+    "/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry",
+    "/var/snap/microk8s/common/var/lib/kubelet/plugins", "/var/snap/microk8s/common/var/lib/kubelet/plugins_registry",
     "/run/nvidia/mps",
 )
 RESTARTED = "/run/gpu-agent/restarted-for"  # where the writes failed that a restart was asked for, one a line

@@ -32,9 +32,11 @@ from gpu_agent.kube.api_state import ApiState, Next
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.exchange import Answer, Redirected, exchange
 from gpu_agent.kube.kubeconfig import Credentials, load, read_token, shown_path
-from gpu_agent.kube.names import node_name_problem
+from gpu_agent.kube.names import node_name_problem, object_name_problem
 
 MERGE_PATCH = "application/merge-patch+json"
+JSON = "application/json"
+RESOURCE_API = "/apis/resource.k8s.io/v1"  # DRA, GA in Kubernetes 1.34
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 MAX_RESPONSE_BYTES = 4 << 20  # etcd keeps objects up to 1.5 MiB
 MAX_MESSAGE_CHARS = 300  # of the server's own message, in ours
@@ -98,6 +100,31 @@ class KubeClient:
         path = _node_path(name) + ("/status" if status else "")
         return _checked_node(self._request("PATCH", path, json.dumps(patch).encode(), content_type, conflicts),
                              f"PATCH {path}")
+
+    # --- DRA: the node's ResourceSlices (the Node authorizer and NodeRestriction let a node write those whose
+    # spec.nodeName is its own, and list them with that field selector) and the claims of its pods ---------
+
+    def list_resource_slices(self, node: str, driver: str) -> list[dict[str, Any]]:
+        selector = quote(f"spec.nodeName={node},spec.driver={driver}", safe="")
+        listed = self._request("GET", f"{RESOURCE_API}/resourceslices?fieldSelector={selector}")
+        items = listed.get("items")
+        if not isinstance(items, list) or not all(isinstance(item, dict) and isinstance(item.get("metadata"), dict)
+                                                  for item in items):
+            raise ApiError(f"GET {RESOURCE_API}/resourceslices: the answer is not a ResourceSliceList")
+        return items
+
+    def create_resource_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", f"{RESOURCE_API}/resourceslices", json.dumps(body).encode(), JSON)
+
+    def replace_resource_slice(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request("PUT", _named(f"{RESOURCE_API}/resourceslices", name), json.dumps(body).encode(), JSON)
+
+    def delete_resource_slice(self, name: str) -> dict[str, Any]:
+        return self._request("DELETE", _named(f"{RESOURCE_API}/resourceslices", name))
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """A ResourceClaim of a pod bound to this node (the Node authorizer allows a node no other)."""
+        return self._request("GET", _named(_named(f"{RESOURCE_API}/namespaces", namespace) + "/resourceclaims", name))
 
     # --- transport -------------------------------------------------------------------------------
 
@@ -273,6 +300,15 @@ def _node_path(name: str) -> str:
     if problem:
         raise ApiError(f"node name {shown(name)} {problem}; set kubernetes.node_name to the Node's name")
     return f"/api/v1/nodes/{quote(name, safe='')}"
+
+
+def _named(collection: str, name: str) -> str:
+    """An object's path in `collection`; its name must be a DNS subdomain (every name these objects can
+    have), so that nothing given can reach another path."""
+    problem = object_name_problem(name)
+    if problem:
+        raise ApiError(f"{collection}: the name {shown(name)} {problem}")
+    return f"{collection}/{quote(name, safe='')}"
 
 
 def _stamp(root: Root, path: str) -> tuple[int, int]:

@@ -22,3 +22,14 @@ def node_name_problem(name: str) -> Optional[str]:
         return None
     return ("is not a Kubernetes Node name: lower-case letters, digits, '-' and '.' only, each '.'-separated "
             "part starting and ending with a letter or digit (an RFC 1123 DNS subdomain)")
+
+
+def object_name_problem(name: str) -> Optional[str]:
+    """Why `name` cannot be the name of a namespace, ResourceSlice or ResourceClaim (a DNS subdomain; a
+    namespace's is stricter, which the server checks), or None when it can. The reason never quotes it."""
+    if not name:
+        return "is empty"
+    if len(name) > MAX_NODE_NAME or not _SUBDOMAIN.fullmatch(name):
+        return (f"is not a Kubernetes object name: at most {MAX_NODE_NAME} lower-case letters, digits, '-' and "
+                "'.' (an RFC 1123 DNS subdomain)")
+    return None

@@ -219,7 +219,7 @@ async def _receive(stream: Stream[Request, Any], refused: Counter[str]) -> Optio
     return message
 
 
-class _CappedServer(Server):
+class CappedServer(Server):
     """grpclib's Server holding MAX_CONNECTIONS connections at most, MAX_STREAMS calls at once on each."""
 
     def __init__(self, *args: Any, refused: Counter[str], **kwargs: Any) -> None:
@@ -242,7 +242,7 @@ class _Refused(asyncio.Protocol):
 class _Counted(asyncio.Protocol):
     """grpclib's protocol of one connection, counted while open, its calls at once capped."""
 
-    def __init__(self, inner: Any, server: _CappedServer) -> None:
+    def __init__(self, inner: Any, server: CappedServer) -> None:
         self.inner = inner
         self.server = server
         server.connections += 1  # now: asyncio makes the protocols of a batch of accepts before any starts
@@ -298,7 +298,7 @@ class PluginEndpoint:
 
     async def start(self) -> None:
         self.path.unlink(missing_ok=True)  # ours from a previous run, or a stale one: the name is ours
-        self.server = _CappedServer([self.service], codec=Codec(), refused=self.service.refused)
+        self.server = CappedServer([self.service], codec=Codec(), refused=self.service.refused)
         address, fd = socket_address(self.path)
         try:
             await self.server.start(path=address)

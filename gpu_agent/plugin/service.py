@@ -109,6 +109,10 @@ class DevicePluginManager:
         if held is not None:
             self._publish(None, f"off: {held}")
             return
+        if self.state.config.config.dra.enabled:  # one API per node: no GPU is handed out twice
+            await self.stop_all()
+            self._publish(None, "off: dra.enabled is true: this node's GPUs are served through DRA (docs/dra.md)")
+            return
         if not plugin_wanted(self.root, self.settings):
             await self.stop_all()
             self._publish(None, "off: plugin.enabled is false" if self.settings.enabled is False else

@@ -224,6 +224,92 @@ def test_a_pod_with_one_gpu_runs_and_sees_it_through_cdi(cluster: rig.Cluster) -
     _run_gpu_pod(cluster, "gpu-pod")
 
 
+DRA = "/apis/resource.k8s.io/v1"
+AGENT_CONFIG = "/etc/gpu-agent/config.yaml"  # the agent's root is /node, which is / bound again
+
+
+def _agent_status(cluster: rig.Cluster) -> dict[str, Any]:
+    return json.loads(cluster.container.exec("curl", "-fsS", "127.0.0.1:9445/status").stdout)  # type: ignore[no-any-return]
+
+
+def _pool(cluster: rig.Cluster) -> list[dict[str, Any]]:
+    listed = cluster.get(f"{DRA}/resourceslices")["items"]
+    return [s for s in listed if s["spec"]["nodeName"] == NODE and s["spec"]["driver"] == "gpu.nvidia.com"]
+
+
+def test_a_resource_claim_for_a_gpu_is_prepared_and_its_pod_sees_that_gpu(cluster: rig.Cluster) -> None:
+    """dra.enabled: the agent registers with the real kubelet as driver gpu.nvidia.com and publishes the node's
+    pool with the node's credentials (the real Node authorizer and NodeRestriction); a ResourceClaim selects a
+    GPU by productName and memory. There is no scheduler: the test allocates as the scheduler would (the CEL
+    selector evaluated here on the published attributes, the first match taken, the claim reserved for the
+    pod), the kubelet asks the agent to prepare it, and the pod's container sees that GPU and no other. The
+    pod deleted, the kubelet unprepares the claim; DRA turned off again, the device plugin comes back."""
+    c = cluster.container
+    rig.import_images(c)
+    c.sh(f"printf 'version: v1\\ndra:\\n  enabled: true\\n' > {AGENT_CONFIG}")
+    c.exec("systemctl", "reload", "gpu-agent")
+    try:
+        slices = cluster.wait("the pool of eight GPUs", lambda: (
+            lambda found: found if found and len(found[0]["spec"]["devices"]) == 8 else None)(_pool(cluster)))
+        assert slices[0]["spec"]["pool"]["name"] == NODE and slices[0]["spec"]["pool"]["resourceSliceCount"] == 1
+        cluster.wait("the device plugin off", lambda: _agent_status(cluster)["plugin"]["resources"] == [])
+        selector = ("device.attributes['gpu.nvidia.com'].productName == 'NVIDIA H100 80GB HBM3' && "
+                    "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('80G')) >= 0")
+        device_class = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                        "metadata": {"name": "gpu.nvidia.com"},
+                        "spec": {"selectors": [{"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}]}}
+        assert cluster.api("POST", f"{DRA}/deviceclasses", device_class).status in (201, 409)
+        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                 "metadata": {"name": "one-gpu", "namespace": "default"},
+                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                     "deviceClassName": "gpu.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}}]}}}
+        made = cluster.api("POST", f"{DRA}/namespaces/default/resourceclaims", claim)
+        assert made.status == 201, made
+        # the scheduler's part: the selector on the published attributes, in words the test evaluates
+        matching = [d for d in slices[0]["spec"]["devices"]
+                    if d["attributes"]["productName"]["string"] == "NVIDIA H100 80GB HBM3"
+                    and int(d["capacity"]["memory"]["value"]) >= 80 * 10 ** 9]
+        chosen = matching[3]  # not the first: the pod must see the one allocated
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dra-pod", "namespace": "default"},
+               "spec": {"nodeName": NODE, "hostNetwork": True, "automountServiceAccountToken": False,
+                        "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
+                        "resourceClaims": [{"name": "gpu", "resourceClaimName": "one-gpu"}],
+                        "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
+                                        "command": ["/bin/sh", "-c", PROBE],
+                                        "resources": {"claims": [{"name": "gpu"}]}}]}}
+        created = cluster.api("POST", "/api/v1/namespaces/default/pods", pod)
+        assert created.status == 201, created
+        stored = made.body
+        stored["status"] = {
+            "allocation": {"devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE,
+                                                    "device": chosen["name"]}]},
+                           "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                               {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}},
+            "reservedFor": [{"resource": "pods", "name": "dra-pod", "uid": created.body["metadata"]["uid"]}]}
+        allocated = cluster.api("PUT", f"{DRA}/namespaces/default/resourceclaims/one-gpu/status", stored)
+        assert allocated.status == 200, allocated
+        path = "/api/v1/namespaces/default/pods/dra-pod"
+        done = cluster.wait("the DRA pod to finish", lambda: (
+            lambda p: p if p["status"].get("phase") in ("Succeeded", "Failed") else None)(cluster.get(path)))
+        log = cluster.api("GET", path + "/log")
+        assert done["status"]["phase"] == "Succeeded", (done["status"], log)
+        minor = chosen["name"].removeprefix("gpu-")
+        assert re.findall(r"^char /dev/nvidia(\d+)$", str(log.body), re.M) == [minor], log.body
+        # the pod ended: the kubelet unprepares its claim (the agent's checkpoint forgets it)
+        cluster.wait("the claim unprepared", lambda: _agent_status(cluster)["dra"]["prepared_claims"] == {})
+        journal = c.exec("journalctl", "--no-pager", "-o", "cat", "-u", "gpu-agent").stdout
+        uid = made.body["metadata"]["uid"]
+        assert f"DRA: prepared claim default/one-gpu ({uid}): {chosen['name']}" in journal, journal[-3000:]
+        assert cluster.api("DELETE", path + "?gracePeriodSeconds=0").status == 200
+    finally:
+        cluster.api("DELETE", "/api/v1/namespaces/default/pods/dra-pod?gracePeriodSeconds=0")
+        cluster.api("DELETE", f"{DRA}/namespaces/default/resourceclaims/one-gpu")
+        c.sh(f"printf 'version: v1\\n' > {AGENT_CONFIG}")
+        c.exec("systemctl", "reload", "gpu-agent")
+    cluster.wait("nvidia.com/gpu: 8 with DRA off", lambda: _gpus(cluster) == ("8", "8"))
+    cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
+
+
 def test_containerd_2_with_its_own_version_4_config(cluster: rig.Cluster) -> None:
     """containerd v2.4.2's default config (version 4) as the root config, an admin's CRI setting in it: the
     agent's drop-in is version 4 too, containerd loads both, and a GPU pod runs on the result."""

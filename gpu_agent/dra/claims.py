@@ -1,0 +1,138 @@
+"""Prepared claims: what NodePrepareResources gave each ResourceClaim, and the checkpoint that keeps it
+across restarts of the agent, so that a claim prepared before a restart is answered the same and
+unprepared after it.
+
+The checkpoint, /var/lib/gpu-agent/dra/prepared.json, has one owner: the DRA plugin's service, which
+changes it only on its event loop, one call at a time, each change written whole (temp + fsync + rename).
+It is agent state beside the ledger, not a host file the agent took over: nothing to put back at uninstall.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from gpu_agent.dra.devices import DRIVER, DraDevice
+from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
+from gpu_agent.host.files import atomic_write
+from gpu_agent.toolkit.cdi import KIND as CDI_KIND
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "/var/lib/gpu-agent/dra/prepared.json"
+VERSION = 1
+MAX_CHECKPOINT_BYTES = 16 << 20  # a node's prepared claims: thousands at most, each a few hundred bytes
+
+
+class ClaimError(Exception):
+    """Why one claim cannot be prepared: its answer's error, which the kubelet shows in the pod's events."""
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    requests: tuple[str, ...]  # the claim's requests this device satisfies
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requests": list(self.requests), "pool": self.pool, "device": self.device,
+                "cdi_ids": list(self.cdi_ids)}
+
+
+@dataclass(frozen=True)
+class PreparedClaim:
+    namespace: str
+    name: str
+    devices: tuple[PreparedDevice, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"namespace": self.namespace, "name": self.name, "devices": [d.to_json() for d in self.devices]}
+
+
+def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mapping[str, DraDevice],
+                spec: Optional[frozenset[str]]) -> tuple[PreparedDevice, ...]:
+    """The devices `claim` (the ResourceClaim object) was allocated of this node's pool, each with the CDI
+    device of the agent's spec that gives it. Raises ClaimError naming what is wrong: another claim under
+    the name (its uid), no allocation, no device of this driver, another pool, a device the pool does not
+    publish (now), a CDI device the spec lacks."""
+    metadata = _mapping(claim.get("metadata"))
+    if metadata.get("uid") != uid:
+        raise ClaimError(f"the ResourceClaim of that name has uid {str(metadata.get('uid'))[:64]!r}, not {uid!r}: "
+                         "it was deleted and made again")
+    results = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices")).get("results")
+    if not isinstance(results, list):
+        raise ClaimError("the claim is not allocated (status.allocation.devices.results is missing)")
+    ours: dict[str, list[str]] = {}
+    for result in results:
+        if not isinstance(result, dict) or result.get("driver") != DRIVER:
+            continue
+        device, where = result.get("device"), result.get("pool")
+        if where != pool:
+            raise ClaimError(f"device {str(device)[:64]!r} is allocated from pool {str(where)[:253]!r}; this node "
+                             f"publishes pool {pool!r}")
+        if not isinstance(device, str) or device not in published:
+            raise ClaimError(f"device {str(device)[:64]!r} is not one this node publishes now (a stale allocation "
+                             "after a MIG change, or a GPU that became unhealthy)")
+        request = result.get("request")
+        ours.setdefault(device, [])
+        if isinstance(request, str) and request not in ours[device]:
+            ours[device].append(request)
+    if not ours:
+        drivers = sorted({str(r.get("driver"))[:64] for r in results if isinstance(r, dict)})
+        raise ClaimError(f"the claim allocates no {DRIVER} device (its drivers: {', '.join(drivers) or 'none'})")
+    prepared = []
+    for device, requests in sorted(ours.items()):
+        cdi = f"{CDI_KIND}={published[device].uuid}"
+        if spec is not None and cdi not in spec:
+            raise ClaimError(f"the agent's CDI spec holds no {cdi} (see the cdi stage in `gpu-agent status`)")
+        prepared.append(PreparedDevice(tuple(requests), pool, device, (cdi,)))
+    return tuple(prepared)
+
+
+class Checkpoint:
+    """The prepared claims by claim uid, as last written; read once at start."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.claims: dict[str, PreparedClaim] = {}
+        self.error: Optional[str] = None  # why the file could not be read or written
+
+    def load(self) -> None:
+        try:
+            data = read_bounded(self.path, MAX_CHECKPOINT_BYTES, follow=False)
+            if data is None:
+                return
+            document = json.loads(data)
+            if not isinstance(document, dict) or document.get("version") != VERSION:
+                raise ValueError(f"not a version {VERSION} checkpoint")
+            self.claims = {uid: _claim(entry) for uid, entry in document["claims"].items()}
+        except (OSError, NotRegular, TooLarge, ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.error = f"{CHECKPOINT} cannot be read ({exc}); claims prepared before are unprepared as unknown"
+            log.warning("DRA: %s", self.error)
+
+    def put(self, uid: str, claim: PreparedClaim) -> None:
+        if self.claims.get(uid) != claim:
+            self._write({**self.claims, uid: claim})
+
+    def drop(self, uid: str) -> None:
+        if uid in self.claims:
+            self._write({key: value for key, value in self.claims.items() if key != uid})
+
+    def _write(self, claims: dict[str, PreparedClaim]) -> None:
+        document = {"version": VERSION, "claims": {uid: claim.to_json() for uid, claim in sorted(claims.items())}}
+        atomic_write(self.path, json.dumps(document, indent=1) + "\n", mode=0o600)  # OSError: the caller's answer
+        self.claims = claims
+        self.error = None
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _claim(entry: dict[str, Any]) -> PreparedClaim:
+    devices = tuple(PreparedDevice(tuple(str(r) for r in d["requests"]), str(d["pool"]), str(d["device"]),
+                                   tuple(str(c) for c in d["cdi_ids"])) for d in entry["devices"])
+    return PreparedClaim(str(entry["namespace"]), str(entry["name"]), devices)

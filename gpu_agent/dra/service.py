@@ -1,0 +1,303 @@
+"""The DRA kubelet plugin for driver gpu.nvidia.com, beside the device plugin, fed from the same state model.
+
+Two gRPC servers (grpclib, the device plugin's limits: plugin/server.py): the plugin watcher's Registration
+on <kubelet>/plugins_registry/gpu.nvidia.com-reg.sock, which the kubelet finds by inotify and asks GetInfo,
+and the DRAPlugin service (v1 and v1beta1) on <kubelet>/plugins/gpu.nvidia.com/dra.sock. Each sync computes
+the node's devices (devices.py) and, when they changed or the kubelet registered the plugin again (a kubelet
+that starts deletes its node's slices), publishes the pool (slices.py) on a worker thread; a failure is
+retried after 10 s, doubling to 5 minutes.
+
+NodePrepareResources reads each claim from the API (a node may get the claims of its pods), answers every
+claim of the request (a claim past MAX_CLAIMS, or past the kubelet's deadline, with an error; it asks again),
+and keeps what it gave in the checkpoint (claims.py): a claim prepared before is answered from there, and
+NodeUnprepareResources forgets it, a claim it does not know included (idempotent).
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from grpclib.server import Server, Stream
+
+from gpu_agent.config.plugin import kubelet_dir
+from gpu_agent.dra import api
+from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, devices_for
+from gpu_agent.dra.devices import DRIVER, DraDevice, published
+from gpu_agent.dra.slices import SlicePublisher
+from gpu_agent.host import sandbox
+from gpu_agent.host.paths import Root
+from gpu_agent.host.sockets import socket_address
+from gpu_agent.plugin.server import CappedServer, request_of
+from gpu_agent.proto3 import Codec
+from gpu_agent.state import AgentState
+
+log = logging.getLogger(__name__)
+
+MAX_CLAIMS = 256  # prepared in one call; the kubelet sends a pod's claims, a handful
+PREPARE_BUDGET_S = 40.0  # of the kubelet's 45 s per call: claims left after it are answered "asked again"
+RETRY_FIRST_S, RETRY_MAX_S = 10.0, 300.0
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+class DraManager:
+    def __init__(self, root: Root, state: AgentState, client: Any, node: str) -> None:
+        """`client`: a kube.client.KubeClient with the node's credentials; `node`: the Node's name (the pool's)."""
+        self.root = root
+        self.state = state
+        self.client = client
+        self.node = node
+        kubelet = kubelet_dir(root)
+        self.host_registration = f"{kubelet}/plugins_registry/{DRIVER}-reg.sock"
+        self.host_endpoint = f"{kubelet}/plugins/{DRIVER}/dra.sock"
+        self.checkpoint = Checkpoint(root(CHECKPOINT))
+        self.publisher = SlicePublisher(client, node)
+        self.refused: Counter[str] = Counter()
+        self.devices: tuple[DraDevice, ...] = ()
+        self.registered: Optional[float] = None  # when the kubelet last said the registration succeeded
+        self.registration_error: Optional[str] = None
+        self.publish_error: Optional[str] = None
+        self.serve_error: Optional[str] = None  # why the sockets cannot be served (retried every 10 s)
+        self._published: Optional[tuple[DraDevice, ...]] = None  # what the API holds, as last written or found
+        self._retry_s = RETRY_FIRST_S
+        self._retry_at = 0.0
+        self._servers: list[Server] = []
+        self._wake: Optional[asyncio.Event] = None
+        self._publishing: Optional[asyncio.Task[None]] = None
+        self._claims = threading.Lock()  # prepare and unprepare run on worker threads: one at a time
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def run(self) -> None:
+        self._wake = wake = asyncio.Event()
+        self.checkpoint.load()
+        try:
+            while True:
+                wake.clear()
+                if not self._servers:
+                    await self._serve()
+                self.sync()
+                timeout = RETRY_FIRST_S if self.serve_error else \
+                    max(self._retry_at - time.monotonic(), 0.1) if self.publish_error else None
+                try:
+                    await asyncio.wait_for(wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await self.stop()
+
+    async def _serve(self) -> None:
+        try:
+            await self._start_servers()
+        except OSError as exc:
+            failed = Path(exc.filename) if isinstance(exc.filename, str) else self.root(self.host_endpoint)
+            reason = sandbox.current().read_only(failed) if exc.errno == errno.EROFS else exc.strerror or str(exc)
+            if self.serve_error is None:
+                log.warning("DRA: cannot serve the kubelet plugin sockets: %s; retrying", reason)
+            self.serve_error = reason
+            await self.stop()
+            return
+        self.serve_error = None
+
+    async def _start_servers(self) -> None:
+        for host_path, service in ((self.host_endpoint, _DraService(self)), (self.host_registration,
+                                                                           _Registration(self))):
+            path = self.root(host_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)  # ours from an earlier run: the name is ours
+            server = CappedServer([service], codec=Codec(), refused=self.refused)
+            address, fd = socket_address(path)
+            try:
+                await server.start(path=address)
+            finally:
+                if fd is not None:
+                    os.close(fd)
+            self._servers.append(server)
+        log.info("DRA: serving %s on %s, registering through %s", DRIVER, self.host_endpoint, self.host_registration)
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+            try:
+                await asyncio.wait_for(server.wait_closed(), timeout=1.0)
+            except asyncio.TimeoutError:
+                log.warning("DRA: a kubelet connection did not close within 1 s")
+        self._servers.clear()
+        for host_path in (self.host_registration, self.host_endpoint):
+            try:
+                self.root(host_path).unlink(missing_ok=True)  # the kubelet deregisters the plugin, drops its slices
+            except OSError as exc:
+                log.warning("DRA: cannot remove %s: %s", host_path, exc.strerror or exc)
+
+    def sync(self) -> None:
+        inventory = self.state.inventory or self.state.last_inventory
+        self.devices = published(inventory, self.state.health_of(inventory))
+        due = not self.publish_error or time.monotonic() >= self._retry_at
+        if (self.devices != self._published and due and inventory is not None
+                and (self._publishing is None or self._publishing.done())):
+            self._publishing = asyncio.ensure_future(self._publish(self.devices))
+        self._status()
+
+    def republish(self) -> None:
+        """The kubelet registered the plugin (again): it may have deleted the node's slices when it started."""
+        self._published = None
+        self.wake()
+
+    async def _publish(self, devices: tuple[DraDevice, ...]) -> None:
+        try:
+            wrote = await asyncio.to_thread(self.publisher.sync, devices)
+        except Exception as exc:  # the API's refusal or silence (ApiError), or a bug: retried either way
+            self.publish_error = f"publishing the ResourceSlices of pool {self.node} failed: {_describe(exc)}"
+            log.warning("DRA: %s; retrying in %.0f s", self.publish_error, self._retry_s)
+            self._retry_at = time.monotonic() + self._retry_s
+            self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+        else:
+            if wrote:
+                log.info("DRA: pool %s generation %d published: %d devices", self.node, self.publisher.generation,
+                         len(devices))
+            self._published, self.publish_error, self._retry_s = devices, None, RETRY_FIRST_S
+        self.wake()
+
+    # --- the kubelet's calls --------------------------------------------------------------------------
+
+    def prepare(self, claims: list[api.Claim], deadline: float,
+                now: Callable[[], float] = time.monotonic) -> dict[str, api.NodePrepareResourceResponse]:
+        """Every claim's answer (run on a worker thread: it reads claims from the API)."""
+        with self._claims:
+            return self._prepare(claims, deadline, now)
+
+    def _prepare(self, claims: list[api.Claim], deadline: float,
+                 now: Callable[[], float]) -> dict[str, api.NodePrepareResourceResponse]:
+        by_name = {device.name: device for device in self.devices}
+        spec = self._cdi_spec()
+        answers: dict[str, api.NodePrepareResourceResponse] = {}
+        for number, claim in enumerate(claims):
+            if claim.uid in answers:
+                continue
+            if number >= MAX_CLAIMS:
+                answers[claim.uid] = api.NodePrepareResourceResponse(
+                    error=f"not prepared: more than {MAX_CLAIMS} claims in one call")
+                continue
+            known = self.checkpoint.claims.get(claim.uid)
+            if known is not None:
+                answers[claim.uid] = _answer(known)
+                continue
+            if now() >= deadline:
+                answers[claim.uid] = api.NodePrepareResourceResponse(
+                    error="not prepared within the kubelet's deadline; it asks again")
+                continue
+            try:
+                found = self.client.get_resource_claim(claim.namespace, claim.name)
+                devices = devices_for(found, claim.uid, self.node, by_name, spec)
+                prepared = PreparedClaim(claim.namespace, claim.name, devices)
+                self.checkpoint.put(claim.uid, prepared)
+            except ClaimError as exc:
+                answers[claim.uid] = api.NodePrepareResourceResponse(
+                    error=f"claim {claim.namespace}/{claim.name}: {exc}")
+                continue
+            except Exception as exc:  # the API's answer (ApiError), the checkpoint's write (OSError)
+                answers[claim.uid] = api.NodePrepareResourceResponse(
+                    error=f"claim {claim.namespace}/{claim.name}: {_describe(exc)}")
+                continue
+            log.info("DRA: prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid,
+                     ", ".join(device.device for device in devices))
+            answers[claim.uid] = _answer(prepared)
+        return answers
+
+    def unprepare(self, claims: list[api.Claim]) -> dict[str, api.NodeUnprepareResourceResponse]:
+        answers: dict[str, api.NodeUnprepareResourceResponse] = {}
+        with self._claims:
+            for claim in claims:
+                answers[claim.uid] = self._unprepare(claim)
+        return answers
+
+    def _unprepare(self, claim: api.Claim) -> api.NodeUnprepareResourceResponse:
+        try:
+            self.checkpoint.drop(claim.uid)
+        except OSError as exc:
+            return api.NodeUnprepareResourceResponse(
+                error=f"claim {claim.namespace}/{claim.name}: the checkpoint cannot be written: {exc}")
+        return api.NodeUnprepareResourceResponse()
+
+    def _cdi_spec(self) -> Optional[frozenset[str]]:
+        toolkit = self.state.config.config.toolkit
+        if not (toolkit.enabled and toolkit.cdi.enabled):
+            return None
+        return self.state.cdi_devices or frozenset()
+
+    def _status(self) -> None:
+        self.state.publish_dra({
+            "driver": DRIVER, "pool": self.node, "generation": self.publisher.generation,
+            "registration_socket": self.host_registration, "endpoint": self.host_endpoint,
+            "registered_at": self.registered, "registration_error": self.registration_error,
+            "serve_error": self.serve_error,
+            "published": self._published is not None and self._published == self.devices,
+            "publish_error": self.publish_error,
+            "devices": [{"name": device.name, "uuid": device.uuid, "attributes": device.entry["attributes"],
+                         "capacity": device.entry["capacity"]} for device in self.devices],
+            "prepared_claims": {uid: claim.to_json() for uid, claim in sorted(self.checkpoint.claims.items())},
+            "checkpoint_error": self.checkpoint.error,
+            "refused": dict(self.refused),
+        })
+
+
+def _answer(claim: PreparedClaim) -> api.NodePrepareResourceResponse:
+    return api.NodePrepareResourceResponse(devices=[
+        api.Device(request_names=list(device.requests), pool_name=device.pool, device_name=device.device,
+                   cdi_device_ids=list(device.cdi_ids)) for device in claim.devices])
+
+
+class _Registration(api.RegistrationBase):
+    def __init__(self, manager: DraManager) -> None:
+        self.manager = manager
+
+    async def GetInfo(self, stream: Stream[api.InfoRequest, api.PluginInfo]) -> None:
+        await request_of(stream, self.manager.refused)
+        await stream.send_message(api.PluginInfo(type=api.PLUGIN_TYPE, name=DRIVER,
+                                                 endpoint=self.manager.host_endpoint,
+                                                 supported_versions=list(api.SUPPORTED_VERSIONS)))
+
+    async def NotifyRegistrationStatus(
+            self, stream: Stream[api.RegistrationStatus, api.RegistrationStatusResponse]) -> None:
+        status = await request_of(stream, self.manager.refused)
+        manager = self.manager
+        if status.plugin_registered:
+            log.info("DRA: the kubelet registered %s", DRIVER)
+            manager.registered, manager.registration_error = time.time(), None
+            manager.republish()
+        else:
+            manager.registration_error = status.error[:500] or "the kubelet refused the registration"
+            log.warning("DRA: registration refused by the kubelet: %s", manager.registration_error)
+            manager.wake()
+        await stream.send_message(api.RegistrationStatusResponse())
+
+
+class _DraService(api.DRAPluginBase):
+    def __init__(self, manager: DraManager) -> None:
+        self.manager = manager
+
+    async def NodePrepareResources(
+            self, stream: Stream[api.NodePrepareResourcesRequest, api.NodePrepareResourcesResponse]) -> None:
+        request = await request_of(stream, self.manager.refused)
+        deadline = time.monotonic() + PREPARE_BUDGET_S
+        answers = await asyncio.to_thread(self.manager.prepare, list(request.claims), deadline)
+        self.manager.wake()  # /status shows the claims
+        await stream.send_message(api.NodePrepareResourcesResponse(claims=answers))
+
+    async def NodeUnprepareResources(
+            self, stream: Stream[api.NodeUnprepareResourcesRequest, api.NodeUnprepareResourcesResponse]) -> None:
+        request = await request_of(stream, self.manager.refused)
+        answers = await asyncio.to_thread(self.manager.unprepare, list(request.claims))
+        self.manager.wake()
+        await stream.send_message(api.NodeUnprepareResourcesResponse(claims=answers))
