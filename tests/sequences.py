@@ -25,7 +25,7 @@ from gpu_agent.config.loader import reload_config
 from gpu_agent.daemon.app import Daemon, Runtime
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
-from gpu_agent.mps.daemons import MpsManager, Timing, wanted_daemons
+from gpu_agent.mps.daemons import MpsManager, Timing, held_by_reload, wanted_daemons
 from gpu_agent.sim import mps as sim_mps
 from gpu_agent.sim.kernel import SimModprobe, loaded_version
 from gpu_agent.sim.machine import MachineState
@@ -151,7 +151,9 @@ def install_watch(patch: Any) -> Watch:
             return
         WATCH.quits.add(resource)
         wanted = wanted_daemons(agent.runtime.root, agent.runtime.state)
-        if resource in wanted.named and not wanted.decidable:
+        # The reload quits the daemons for its unload whatever NVML answers (recorded first, started at its end).
+        reloads = held_by_reload(Ledger(agent.runtime.root))
+        if resource in wanted.named and not wanted.decidable and resource not in reloads:
             WATCH.broken.append(f"quit the MPS control daemon of {resource} without an inventory, while the config "
                                 "asks for it")
 

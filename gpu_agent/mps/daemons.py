@@ -26,6 +26,7 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass, field, replace
+from collections.abc import Collection
 from typing import Any, Callable, Optional
 
 from gpu_agent.config.plugin import mig_strategy, plugin_wanted
@@ -448,10 +449,15 @@ def make_directories(root: Root, ledger: Ledger, resource: str) -> None:
 def serves_but_for_unreadable(started: DaemonSpec, spec: DaemonSpec, unreadable: frozenset[str]) -> bool:
     """Whether a daemon started as `started` is the one `spec` asks for but for GPUs NVML cannot read now: a
     GPU off the bus is that GPU's fact, so the daemon goes on; one that stops starts again without it."""
-    keep = [n for n, uuid in enumerate(started.gpus) if uuid not in unreadable]
-    return len(keep) < len(started.gpus) and spec.runs_as(replace(
-        started, gpus=tuple(started.gpus[n] for n in keep), indices=tuple(started.indices[n] for n in keep),
-        memory_mib=tuple(started.memory_mib[n] for n in keep)))
+    kept = without(started, unreadable)
+    return len(kept.gpus) < len(started.gpus) and spec.runs_as(kept)
+
+
+def without(spec: DaemonSpec, gpus: Collection[str]) -> DaemonSpec:
+    """`spec` on its GPUs but those of `gpus` (UUIDs)."""
+    keep = [n for n, uuid in enumerate(spec.gpus) if uuid not in gpus]
+    return replace(spec, gpus=tuple(spec.gpus[n] for n in keep), indices=tuple(spec.indices[n] for n in keep),
+                   memory_mib=tuple(spec.memory_mib[n] for n in keep))
 
 
 def describe(spec: DaemonSpec) -> str:

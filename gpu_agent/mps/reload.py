@@ -19,7 +19,7 @@ from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.mps import instance
 from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
-from gpu_agent.mps.daemons import left_over, start_daemon, stop_daemon
+from gpu_agent.mps.daemons import left_over, start_daemon, stop_daemon, without
 from gpu_agent.mps.layout import record_path
 
 
@@ -59,6 +59,11 @@ class ReloadMps:
         if spec is None:
             return (f"the MPS control daemon for {resource} is not started again: no record of what it ran with "
                     f"({record_path(resource)}); the MPS watch starts it if the config still asks for it")
+        silent = [uuid for uuid in spec.gpus if not self._answers(uuid)]  # lost, or NVML fails for it: its fact
+        if len(silent) == len(spec.gpus):
+            return (f"the MPS control daemon for {resource} is not started again: none of its GPUs answers NVML; "
+                    "the MPS watch starts it once they do")
+        spec = without(spec, silent)
         try:
             start_daemon(self.root, self.ledger, self.control, self.modes, spec)
         except AgentError as exc:
@@ -67,6 +72,13 @@ class ReloadMps:
             return (f"the MPS control daemon for {resource} could not be started again: "
                     f"{exc.filename or resource}: {exc.strerror or exc}")
         return None
+
+    def _answers(self, uuid: str) -> bool:
+        try:
+            self.modes.compute_mode(uuid)
+        except AgentError:
+            return False
+        return True
 
     def _pid(self, resource: str) -> Optional[int]:
         return self.control.pid(DaemonSpec.left(resource))
