@@ -41,6 +41,8 @@ BOUNDED = {
     ("metrics/own_process.py", "int(fields[12])"): "the running kernel's own numbers for this process",
     ("metrics/own_process.py", "int(line.split()[1])"): "the running kernel's own numbers for this process",
     ("mig/config.py", "int(m.group(1), 16)"): "_PCI_ID: at most 8 hex digits",
+    ("mig/generate.py", "int(text[end])"): "one ASCII digit, checked before",
+    ("mig/generate.py", "int(whole + 1 if size - whole >= 0.5 else whole)"): "a float, no text",
     ("mig/profile.py", "int(g_text)"): "_FIELDS: at most 6 digits",
     ("mig/profile.py", "int(gb_text)"): "_FIELDS: at most 6 digits",
     ("mig/profile.py", "int(c_text)"): "_FIELDS: at most 6 digits",

@@ -8,11 +8,11 @@ point 2 hold on what the node, the API server and the agent show. At the end the
 cleared, processes ended) and the agent must have ended what it began.
 
 hypothesis's stateful testing draws the sequences and shrinks a failing one to a short one, which it prints as
-the calls that reproduce it. The seed is random and printed on failure; GPU_AGENT_PROPERTY_SEED=N runs the
-same sequences again (the example database is off: a seed alone reproduces a run). `make test` runs a few
-short sequences (GPU_AGENT_PROPERTY_EXAMPLES overrides how many); `make test-slow` runs 2,000 in four shards
-of 500, each its own seed (N, N+1, ...), when GPU_AGENT_PROPERTY_LONG=1. GPU_AGENT_PROPERTY_SHRINK=0 prints a
-failing sequence as found."""
+the calls that reproduce it. The seed is printed on failure; GPU_AGENT_PROPERTY_SEED=N runs the same sequences
+again (the example database is off: a seed alone reproduces a run). `make test` runs a few short sequences from
+a random seed (GPU_AGENT_PROPERTY_EXAMPLES overrides how many); `make test-slow` runs 2,000 in four shards of 500,
+seeds LONG_SEED to LONG_SEED + 3 unless GPU_AGENT_PROPERTY_SEED says otherwise (`random`: new ones each run).
+GPU_AGENT_PROPERTY_SHRINK=0 prints a failing sequence as found."""
 from __future__ import annotations
 
 import asyncio
@@ -486,10 +486,11 @@ def context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Context
         WATCH.world = None
 
 
-def run_sequences(examples: int, steps: int, shard: int = 0) -> None:
+def run_sequences(examples: int, steps: int, shard: int = 0, seed: Optional[int] = None) -> None:
     """`examples` sequences of at most `steps` events, from the seed GPU_AGENT_PROPERTY_SEED says (plus the
-    shard), else a random one; the seed is printed on failure."""
-    chosen = os.environ.get(SEED_ENV)
+    shard), else `seed` (plus the shard), else a random one; the seed is printed on failure."""
+    chosen = os.environ.get(SEED_ENV, None if seed is None else str(seed))
+    chosen = None if chosen == "random" else chosen
     seed = int(chosen) + shard if chosen else random.SystemRandom().randrange(2 ** 32)
     examples = int(os.environ.get(EXAMPLES_ENV, examples))
     machine: Any = Sequence
@@ -541,12 +542,13 @@ def test_the_sequences_once_found_keep_the_invariants(context: Context, name: st
     sequence.teardown()
 
 
-LONG_ENV = "GPU_AGENT_PROPERTY_LONG"
+# The long run's sequences are the same in every CI run, so that its verdict is the code's and not the draw's:
+# these four seeds' 2,000 sequences found the two of FOUND, and pass since. GPU_AGENT_PROPERTY_SEED=random draws new
+# ones (what a developer runs before changing the agent's lifecycles).
+LONG_SEED = 6000
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get(LONG_ENV), reason=f"the 2,000 sequences run with {LONG_ENV}=1: their "
-                    "shards have not yet passed in a whole CI run (about 15 min on 2 cores, beside the slow suite)")
 @pytest.mark.parametrize("shard", range(4))
 def test_2000_sequences_keep_the_invariants(context: Context, shard: int) -> None:
-    run_sequences(examples=500, steps=10, shard=shard)
+    run_sequences(examples=500, steps=10, shard=shard, seed=LONG_SEED)

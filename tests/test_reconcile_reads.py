@@ -68,10 +68,14 @@ def test_a_no_op_pass_reads_the_mig_geometry_once(runtime: Runtime) -> None:
     first = reconcile(runtime)
     assert all(run.state == "ok" for run in first), [(run.stage, run.message) for run in first]
     assert devices(runtime.state.inventory, 0) == DEVICES_PER_GPU
+    # The driver stage, before the mig stage in a pass, makes the new instances' /dev/nvidia-caps nodes in the next
+    # one (as nvidia-modprobe -f would for a process opening them); then nothing changes.
+    settled = reconcile(runtime)
+    assert [run.stage for run in settled if run.applied] == ["driver"], [(r.stage, r.message) for r in settled]
     calls = runtime.nvml.lib.calls
     calls.clear()
     runs = reconcile(runtime)
-    assert not any(run.applied for run in runs)
+    assert not any(run.applied for run in runs), [(run.stage, run.message) for run in runs if run.applied]
     assert calls["nvmlDeviceGetMigDeviceHandleByIndex"] == MIG_DEVICES  # one reading: the mig stage's, reused
     assert calls["nvmlDeviceGetComputeInstanceId"] == 0  # the devices' UUIDs are those of the last reading
     assert calls["nvmlDeviceGetGpuInstances"] == GPUS  # 7 GPU instances fill each GPU: no other profile asked

@@ -244,7 +244,7 @@ class Runtime:
                               node_label=sink.node_label if sink and sink.api else None,
                               announce=(lambda state: sink.publish_label(STATE_LABEL, state)) if sink and sink.api
                               else None))
-        vfio = self.vfio_stage(config, sink.node_metadata if sink and sink.api else None)
+        vfio = self.vfio_stage(config, sink.cached_labels if sink and sink.api else None)
         if vfio is not None:
             stages.append(vfio)
         stages.append(Discovery(self.nvml, config.discovery))
@@ -272,17 +272,27 @@ class Runtime:
         """The vfio stage, where the node can change GPUs and something asks for it: a GPU's mode in config,
         the node's workload label (`node`: the Node's labels as last read, no request of its own), or a GPU
         the ledger says the agent passed through."""
-        from gpu_agent.host.ledger import Ledger
         from gpu_agent.stages.vfio import Vfio
 
         workload = config.workload
         wanted = workload.mode != "container" or bool(workload.gpus) or (workload.follow_node_label and node)
         if self.pci is None or not (self.root.is_running_system or self.machine is not None):
             return None
-        if not (wanted or uninstall or Ledger(self.root).vfio()):
+        if not (wanted or uninstall or _passed_through(self.root)):
             return None
-        label = (lambda key: node(fresh=False)[0].get(key)) if node is not None else None
+        label = (lambda key: node().get(key)) if node is not None else None
         return Vfio(self.root, self.nvml, self.loader, self.pci, workload, node_label=label, uninstall=uninstall)
+
+
+def _passed_through(root: Root) -> bool:
+    """Whether the ledger says the agent passed GPUs through; a ledger that cannot be read may say so (the vfio
+    stage then fails on it with its reason, as every stage that writes does)."""
+    from gpu_agent.host.ledger import Ledger, LedgerError
+
+    try:
+        return bool(Ledger(root).vfio())
+    except LedgerError:
+        return True
 
 
 DRA_REQUESTS_PER_MINUTE = 120  # claims read and slices written: a node starting a few dozen pods at once

@@ -239,7 +239,7 @@ def _yaml_less(a: str, b: str) -> bool:
 
 def _digits(text: str, start: int, number: int) -> tuple[int, int]:
     end = start
-    while end < len(text) and text[end].isdigit():
+    while end < len(text) and "0" <= text[end] <= "9":  # ASCII only: str.isdigit() takes "²", which int() refuses
         number = number * 10 + int(text[end])
         end += 1
     return end, number

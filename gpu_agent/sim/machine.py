@@ -196,8 +196,10 @@ class MachineState:
                 state = json.loads(self.path.read_text())
                 if state.get("source") == source:
                     # A writer killed between rendering the kernel's files and committing the state left files
-                    # the state does not hold: the kernel's files follow its state, so render them again.
-                    render(self.kernel_dir, state)
+                    # the state does not hold (its mark says so): the kernel's files follow its state, again.
+                    if self._rendering.exists():
+                        render(self.kernel_dir, state)
+                        self._rendering.unlink()
                     return
             shutil.rmtree(self.kernel_dir, ignore_errors=True)  # a new machine boots a fresh kernel
             mig: dict[int, MigSpec] = {}
@@ -310,7 +312,13 @@ class MachineState:
             yield state
             self._write(state)
 
+    @property
+    def _rendering(self) -> Path:
+        """Made before the kernel's files are rendered and removed once the state they follow is committed."""
+        return self.path.with_name(self.path.name + ".rendering")
+
     def _write(self, state: dict[str, Any]) -> None:
+        self._rendering.touch()
         render(self.kernel_dir, state)
         # Counted before and after: a reader that looked between the count and the rename read the old
         # state under the first count, and the second makes it look again.
@@ -318,6 +326,7 @@ class MachineState:
         # One line: json's C encoder writes it (indent= takes the Python one, several times slower on
         # every simulated MIG call); `python -m json.tool` shows it indented.
         atomic_write(self.path, json.dumps(state, sort_keys=True) + "\n")
+        self._rendering.unlink()
         self._count_write()
         self._cache = None
         self._held.state = None  # what this thread reads next includes its own write

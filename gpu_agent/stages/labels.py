@@ -197,6 +197,10 @@ class KubeSink(Stage):
 
         self._write(change, status=False)
 
+    def cached_labels(self) -> dict[str, str]:
+        """This node's labels as last read, none before a read: never a request of its own."""
+        return dict(((self._node or {}).get("metadata") or {}).get("labels") or {})
+
     def node_metadata(self, fresh: bool = True) -> tuple[dict[str, str], dict[str, str], bool]:
         """(labels, annotations, spec.unschedulable) of this node, read now (`fresh`) or as last read."""
         node = self._current_node(force=fresh)

@@ -438,8 +438,9 @@ def test_time_slicing_advertises_the_replicas(cluster: rig.Cluster) -> None:
         _configured(cluster, "version: v1\nplugin:\n  sharing:\n    timeSlicing:\n      resources:\n"
                     "      - name: nvidia.com/gpu\n        replicas: 4\n",
                     lambda found: found.get("nvidia.com/gpu") == "32", "nvidia.com/gpu: 32 replicas")
-        node = cluster.node_object()
-        assert node["metadata"]["labels"].get("nvidia.com/gpu.replicas") == "4", node["metadata"]["labels"]
+        cluster.wait("the nvidia.com/gpu.replicas label at 4 (the agent's label writes have a budget of their own)",
+                     lambda: cluster.node_object()["metadata"]["labels"].get("nvidia.com/gpu.replicas") == "4",
+                     timeout=240)
         rig.import_images(c)
         _, output = _finished_pod(cluster, "shared-pod", "nvidia.com/gpu")
         assert len(re.findall(r"^char /dev/nvidia(\d+)$", output, re.M)) == 1, output
@@ -452,8 +453,11 @@ def test_time_slicing_advertises_the_replicas(cluster: rig.Cluster) -> None:
 def test_a_running_pod_keeps_its_gpu_across_an_agent_restart_and_metrics_name_it(cluster: rig.Cluster) -> None:
     """A pod holding a GPU (sleeping), the agent restarted under it: the pod runs on with its device, the
     kubelet's allocation stays, and /metrics carries the pod's namespace, name and container on that GPU's
-    series (the kubelet's pod-resources API, read by the agent)."""
+    series (the kubelet's pod-resources API, read by the agent with metrics.pod_labels)."""
     c = cluster.container
+    original = c.exec("cat", "/etc/gpu-agent/config.yaml", check=False).stdout
+    _configured(cluster, "version: v1\nmetrics:\n  pod_labels: true\n",
+                lambda found: found.get("nvidia.com/gpu") == "8", "nvidia.com/gpu: 8 with pod labels on")
     rig.import_images(c)
     name = "long-pod"
     created = cluster.api("POST", "/api/v1/namespaces/default/pods",
@@ -487,6 +491,8 @@ def test_a_running_pod_keeps_its_gpu_across_an_agent_restart_and_metrics_name_it
         assert cluster.wait("the pod on its GPU's series again", attributed, timeout=240)
     finally:
         cluster.api("DELETE", path + "?gracePeriodSeconds=0")
+        c.sh(f"cat > /etc/gpu-agent/config.yaml <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
 
 
 SHIM = Path(__file__).parents[3] / "packaging/kubernetes/gpu-agent-shim.yaml"
