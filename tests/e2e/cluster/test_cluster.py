@@ -450,6 +450,38 @@ def test_time_slicing_advertises_the_replicas(cluster: rig.Cluster) -> None:
     cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
 
 
+def test_the_nvidia_runtimes_environment_path_where_cdi_is_off(cluster: rig.Cluster) -> None:
+    """plugin.device_list_strategy: envvar (what the agent chooses where the runtime cannot apply CDI): nvidia
+    becomes containerd's default runtime (toolkit.set_as_default: auto), Allocate answers NVIDIA_VISIBLE_DEVICES
+    with the GPU's UUID and no CDI name; the pod's container runs through /usr/bin/nvidia-container-runtime (here
+    the stand-in that hands it to runc: the injection is the real runtime's) with that variable."""
+    c = cluster.container
+    original = c.exec("cat", "/etc/gpu-agent/config.yaml", check=False).stdout
+    try:
+        _configured(cluster, "version: v1\nplugin:\n  device_list_strategy: envvar\n",
+                    lambda found: found.get("nvidia.com/gpu") == "8", "nvidia.com/gpu: 8 on the envvar path")
+        assert _status(cluster)["device_path"]["strategy"] == "envvar"
+        rig.import_images(c)  # containerd restarted on the agent's drop-in: nvidia its default runtime now
+        dump = c.exec("containerd", "config", "dump").stdout
+        assert re.search(r"""default_runtime_name = ['"]nvidia['"]""", dump), dump
+        done, output = _finished_pod(cluster, "envvar-pod", "nvidia.com/gpu")
+        visible = re.findall(r"^NVIDIA_VISIBLE_DEVICES=(\S+)$", output, re.M)
+        checkpoint = json.loads(c.exec("cat", "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").stdout)
+        entries = [e for e in checkpoint["Data"]["PodDeviceEntries"] if e["PodUID"] == done["metadata"]["uid"]]
+        given = [d for ids in entries[0]["DeviceIDs"].values() for d in ids]
+        assert visible == given and len(given) == 1, (visible, given, output)
+        found = c.exec(*CRICTL, "ps", "-a", "-q", "--label", "io.kubernetes.pod.name=envvar-pod").stdout.split()
+        inspected = c.exec(*CRICTL, "inspect", found[0]).stdout
+        assert "/usr/bin/nvidia-container-runtime" in inspected, inspected
+        spec = json.loads(inspected)["info"]["runtimeSpec"]
+        assert not [d for d in spec["linux"].get("devices", []) if re.fullmatch(r"/dev/nvidia\d+", d["path"])], spec
+    finally:
+        c.sh(f"cat > /etc/gpu-agent/config.yaml <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+        rig.import_images(c)  # containerd back on CDI
+    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
+
+
 def test_a_running_pod_keeps_its_gpu_across_an_agent_restart_and_metrics_name_it(cluster: rig.Cluster) -> None:
     """A pod holding a GPU (sleeping), the agent restarted under it: the pod runs on with its device, the
     kubelet's allocation stays, and /metrics carries the pod's namespace, name and container on that GPU's
@@ -637,6 +669,13 @@ PARITY = (
         {"metadata": {"labels": {"$patch": "foo"}}}),
     Ask("a list element that is not an object", "node", "PATCH", f"/api/v1/nodes/{NODE}/status",
         {"status": {"conditions": ["x"]}}, mask=r"(?<=identical: \[)\[.*\](?= \[x\]\]$)"),
+    Ask("a merge patch with a resourceVersion that is no longer the Node's", "node", "PATCH", f"/api/v1/nodes/{NODE}",
+        {"metadata": {"resourceVersion": "1", "labels": {"nvidia.com/stale": "1"}}}, MERGE_PATCH),
+    Ask("a strategic merge patch of the status with a stale resourceVersion", "node", "PATCH",
+        f"/api/v1/nodes/{NODE}/status",
+        {"metadata": {"resourceVersion": "1"}, "status": {"conditions": [{"type": "GPUHealthy", "status": "True"}]}}),
+    Ask("a stale patch applies nothing of itself", "node", "GET", f"/api/v1/nodes/{NODE}",
+        keep=_labels("nvidia.com/stale")),
     Ask("a patch in plain JSON", "node", "PATCH", f"/api/v1/nodes/{NODE}",
         {"metadata": {"labels": {"a": "b"}}}, "application/json"),
     Ask("a node that does not exist, to the admin", "admin", "GET", "/api/v1/nodes/no-such-node"),
