@@ -117,7 +117,7 @@ def test_the_enabled_refresh_is_taken_over_before_the_spec_is_written_and_put_ba
     gone = sim.uninstall()
     assert gone.ok, gone.stage("owned-files").message
     assert [(c.kind, getattr(c, "unit", None)) for c in gone.changes("owned-files") if c.kind == "GiveBackUnit"] == [
-        ("GiveBackUnit", PATH_UNIT), ("GiveBackUnit", SERVICE)]
+        ("GiveBackUnit", SERVICE), ("GiveBackUnit", PATH_UNIT)]  # the path unit's service unmasked first
     assert units(sim) == {PATH_UNIT: ("enabled", "active"), SERVICE: ("enabled", "active")}
     assert calls(sim)[PATH_UNIT][3:] == ["unmask", "enable", "start"]
     assert spec.read_bytes() == before and ledger_units(node) == {}

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 LOCK_PATH = "/run/gpu-agent/agent.lock"
 MPS_CONTROL_ENV = "GPU_AGENT_MPS_CONTROL"
+UNITS_ENV = "GPU_AGENT_UNITS"  # `host`: with --simulate, the units other than the runtimes are this system's
 _SIM_POLL_S = 0.25
 _DRIFT_POLL_S = 1.0
 _LATE_POLL_S = 5.0  # where inotify cannot be had
@@ -123,6 +124,12 @@ class Runtime:
             packages = SimPackages(machine, root)
             gpu_reset: GpuReset = SimGpuReset(machine)
             units: UnitControl = SimUnits(machine)
+            if os.environ.get(UNITS_ENV) == "host":
+                from gpu_agent.sim.services import HostUnits
+
+                this_system = Root("/")  # the root given is this system bound again (docs/configuration.md)
+                services = HostUnits(services, Systemd(this_system, config.toolkit.restart_timeout_seconds))
+                units = Systemctl(this_system, config.toolkit.restart_timeout_seconds)
             console: ConsoleControl = SimConsole(machine)
             from gpu_agent.sim.pci import SimPciControl
 

@@ -19,12 +19,14 @@ from gpu_agent.config.schema import HttpConfig
 from gpu_agent.daemon.listener import MAX_CONNECTIONS, Listener, connection_limit
 from gpu_agent.daemon.protocol import HttpProtocol
 from gpu_agent import endpoint_proof
-from gpu_agent.daemon.responses import Capped, Handler, RenderCache, Request, Response, cached_response
+from gpu_agent.daemon.responses import (
+    Capped, Deflated, Handler, RenderCache, Rendered, Request, Response, cached_response, gzip_of,
+)
 from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write, remove
 from gpu_agent.host.paths import Root
 from gpu_agent.kube.labels import node_labels
-from gpu_agent.metrics.exporter import AgentRegistry, content_type, render
+from gpu_agent.metrics.exporter import AgentRegistry, DcgmText, content_type, render_own
 from gpu_agent.printable import printable
 from gpu_agent.state import AgentState
 
@@ -57,11 +59,27 @@ def this_second() -> int:
     return int(time.monotonic())
 
 
+def metrics_renderer(registry: AgentRegistry) -> Callable[[], Rendered]:
+    """/metrics's body: the agent's own families rendered each time, the DCGM series once per sample
+    (DcgmText), and their gzip compressed once per sample too (gzip_of)."""
+    dcgm = DcgmText(registry.collector)
+    tail = Deflated(b"")
+
+    def rendered() -> Rendered:
+        nonlocal tail
+        own, series = render_own(registry), dcgm.get()
+        if series is not tail.data:
+            tail = Deflated(series)
+        part = tail
+        return Rendered(own + series, lambda: gzip_of(own, part))
+    return rendered
+
+
 def build_app(state: AgentState, registry: AgentRegistry, stalled: Callable[[], Optional[str]]) -> Endpoints:
     """The routes; `stalled()` says why the daemon is not live (its passes stopped), or None."""
     status_cache = RenderCache(lambda: (json.dumps(_status(state), indent=2) + "\n").encode(), lambda: state.version)
     # A second at most: the body carries gpu_agent_sample_age_seconds.
-    metrics_cache = RenderCache(lambda: render(registry),
+    metrics_cache = RenderCache(metrics_renderer(registry),
                                 lambda: None if state.version is None else (state.version, this_second()))
 
     def index(request: Request) -> Response:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import struct
 import time
+import zlib
 from collections.abc import Hashable
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 from urllib.parse import parse_qsl
 
 RETRY_AFTER_S = 1
@@ -68,25 +70,59 @@ class Response:
 
 
 class Rendered:
-    """One rendering of an endpoint's body, with its ETag and (made on first use) its gzip."""
+    """One rendering of an endpoint's body, with its ETag and (made on first use) its gzip: by `compress`
+    where given (gzip_of's parts), else of the whole body."""
 
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, compress: Optional[Callable[[], bytes]] = None) -> None:
         self.body = body
         self.etag = '"' + hashlib.blake2b(body, digest_size=12).hexdigest() + '"'
+        self._compress = compress
         self._gzipped: Optional[bytes] = None
 
     @property
     def gzipped(self) -> bytes:
         if self._gzipped is None:
-            self._gzipped = gzip.compress(self.body, _GZIP_LEVEL, mtime=0)
+            self._gzipped = (self._compress() if self._compress is not None
+                             else gzip.compress(self.body, _GZIP_LEVEL, mtime=0))
         return self._gzipped
+
+
+class Deflated:
+    """A body's last part, compressed (on first use) once however many bodies end with it: raw deflate
+    ending with the final block."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._deflated: Optional[bytes] = None
+
+    @property
+    def deflated(self) -> bytes:
+        if self._deflated is None:
+            compressor = zlib.compressobj(_GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
+            self._deflated = compressor.compress(self.data) + compressor.flush()
+        return self._deflated
+
+
+# RFC 1952's member header as gzip.compress(mtime=0) writes it: deflate, no flags, no time, OS unknown.
+_GZIP_HEADER = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+
+
+def gzip_of(head: bytes, tail: Deflated) -> bytes:
+    """gzip of head + tail.data as one member, compressing only `head`: its deflate blocks end with a sync
+    flush (byte-aligned, not final), and tail's own blocks, which refer to nothing before them, follow;
+    the trailer's CRC-32 and size are the whole body's."""
+    compressor = zlib.compressobj(_GZIP_LEVEL, zlib.DEFLATED, -zlib.MAX_WBITS)
+    blocks = compressor.compress(head) + compressor.flush(zlib.Z_SYNC_FLUSH)
+    crc = zlib.crc32(tail.data, zlib.crc32(head))
+    return _GZIP_HEADER + blocks + tail.deflated + struct.pack("<II", crc, (len(head) + len(tail.data)) & 0xFFFFFFFF)
 
 
 class RenderCache:
     """The body `render` gives, rendered again only when `version()` changes; a None version means
     "do not cache" (the state before the first reconcile, which changes with every stage)."""
 
-    def __init__(self, render: Callable[[], bytes], version: Callable[[], Optional[Hashable]]) -> None:
+    def __init__(self, render: Callable[[], Union[bytes, Rendered]], version: Callable[[], Optional[Hashable]]
+                 ) -> None:
         self._render = render
         self._version = version
         self._cached: Optional[tuple[Hashable, Rendered]] = None
@@ -96,7 +132,8 @@ class RenderCache:
         version = self._version()
         if version is not None and self._cached is not None and self._cached[0] == version:
             return self._cached[1]
-        rendered = Rendered(self._render())
+        body = self._render()
+        rendered = body if isinstance(body, Rendered) else Rendered(body)
         self.renders += 1
         self._cached = None if version is None else (version, rendered)
         return rendered

@@ -127,6 +127,14 @@ class AgentCollector:
         return [str(gpu.index), gpu.uuid, dcgm_bus_id(gpu.pci_bus_id), f"nvidia{gpu.index}", gpu.product,
                 self.hostname, driver]
 
+    def dcgm_inputs(self) -> tuple[object, ...]:
+        """Everything dcgm_text() reads of the state; each is replaced whole when it changes, never changed in
+        place (state.py), so the same objects give the same text, but for the XID and clock-event windows,
+        which move on at the next sample."""
+        state = self.state
+        return (state.config, state.inventory, state.samples, state.processes, state.pods, state.hpc_jobs,
+                state.health, state.xid_log, state.clock_events, state.p2p)
+
     def dcgm_text(self) -> str:
         """dcgm-exporter's default counters, then the DCGM_EXP_* series asked for, in its text format: one
         block per counter name."""
@@ -247,7 +255,32 @@ def make_registry(collector: AgentCollector) -> AgentRegistry:
 
 
 def render(registry: AgentRegistry) -> bytes:
-    return (text.render(registry.families()) + registry.collector.dcgm_text()).encode()
+    return render_own(registry) + registry.collector.dcgm_text().encode()
+
+
+def render_own(registry: AgentRegistry) -> bytes:
+    """The agent's own families and the process' resources: what /metrics renders every second."""
+    return text.render(registry.families()).encode()
+
+
+class DcgmText:
+    """The DCGM series as bytes, rendered again only when one of dcgm_inputs() is another object: once per
+    sample (or pods list, health change, reload), not once per second as the rest of /metrics. The inputs are
+    held, so none of their ids is reused while they are compared."""
+
+    def __init__(self, collector: AgentCollector) -> None:
+        self.collector = collector
+        self._inputs: tuple[object, ...] = ()
+        self._text = b""
+        self.renders = 0
+
+    def get(self) -> bytes:
+        inputs = self.collector.dcgm_inputs()
+        if self.renders and len(inputs) == len(self._inputs) and all(a is b for a, b in zip(inputs, self._inputs)):
+            return self._text
+        self._inputs, self._text = inputs, self.collector.dcgm_text().encode()
+        self.renders += 1
+        return self._text
 
 
 def content_type() -> str:

@@ -13,7 +13,7 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host.files import atomic_write, read_bytes
 from gpu_agent.host.paths import Root
 from gpu_agent.toolkit.distributions import DISTRIBUTIONS
-from gpu_agent.toolkit.services import UnitState
+from gpu_agent.toolkit.services import ServiceControl, UnitState
 
 # What each simulated runtime reads when it starts.
 CONFIGS = {
@@ -162,6 +162,15 @@ def take_fault(state: dict[str, Any], call: str, unit: str) -> Optional[str]:
     return None
 
 
+def _trigger_masked(root: Root, unit: str, services: dict[str, Any]) -> bool:
+    """Whether `unit` is a path unit whose service (its namesake, as systemd.path(5) defaults Unit=) is masked:
+    systemd refuses to start it ("Refusing to start, unit ... to trigger not loaded")."""
+    if not unit.endswith(".path"):
+        return False
+    service = unit[:-len(".path")] + ".service"
+    return file_state(root, service, services.get(service)) == "masked"
+
+
 class SimUnits:
     """`systemctl stop|start|enable|disable|mask|unmask UNIT` on the simulated machine, as systemd answers: a
     unit with no unit file is not found; stop makes it inactive, start active (a masked unit refuses), or
@@ -194,6 +203,8 @@ class SimUnits:
                     service["enablement"] = f"{verb}d"
                 elif verb == "start" and masked:
                     error = f"Failed to start {unit}: Unit {unit} is masked."
+                elif verb == "start" and _trigger_masked(self.root, unit, services):
+                    error = "Job failed. See \"journalctl -xe\" for details."  # the path unit's refusal
                 elif fault is not None:
                     error = (f"Job for {unit} failed because the control process exited with error code. "
                              f"See \"systemctl status {unit}\" and \"journalctl -xeu {unit}\" for details.")
@@ -206,3 +217,26 @@ class SimUnits:
                                    loaded=config_digests(self.root, unit))
         if error is not None:
             raise AgentError(f"systemctl {verb} {unit} failed: {error}; see journalctl -u {unit}")
+
+
+class HostUnits:
+    """Simulated GPUs on a root that is the running system bound elsewhere (GPU_AGENT_UNITS=host, for the
+    booted e2e node): the container runtimes stay the simulator's (their restarts and the configs they
+    loaded), every other unit is the running system's, through systemctl (`host`)."""
+
+    def __init__(self, simulated: SimServices, host: ServiceControl) -> None:
+        self.simulated = simulated
+        self.host = host
+
+    def _for(self, unit: str) -> ServiceControl:
+        return self.simulated if unit in CONFIGS else self.host
+
+    def state(self, unit: str) -> Optional[UnitState]:
+        return self._for(unit).state(unit)
+
+    def restart(self, unit: str) -> None:
+        self._for(unit).restart(unit)
+
+    def wait_ready(self, unit: str, socket_path: str, timeout: float,
+                   progress: Callable[[str], None] = lambda waiting: None) -> Optional[str]:
+        return self._for(unit).wait_ready(unit, socket_path, timeout, progress)

@@ -71,7 +71,7 @@ class OwnedFiles(Stage):
                 state.kept += 1  # still asked for, or its stage cannot tell now
                 continue
             state.undo.append(owned.undo_of(self.root, entry))
-        for taken in self.ledger.units().values():
+        for taken in sorted(self.ledger.units().values(), key=lambda t: cdi_refresh.give_back_order(t.unit)):
             wanted = claims.get(taken.owner)
             if self.uninstall or taken.owner not in self.enabled or (wanted is not None and taken.unit not in wanted):
                 state.units.append(taken)

@@ -31,6 +31,12 @@ from gpu_agent.mig.hooks import UnitControl
 from gpu_agent.toolkit.services import ServiceControl, UnitState
 
 UNITS = ("nvidia-cdi-refresh.path", "nvidia-cdi-refresh.service")  # the path unit first: it starts the service
+
+
+def give_back_order(unit: str) -> int:
+    """Units are given back in the reverse of their take-over: systemd refuses to start a path unit whose
+    service is still masked ("Refusing to start, unit ... to trigger not loaded"), so the service comes first."""
+    return -UNITS.index(unit) if unit in UNITS else 1
 # systemd's unit search path for the system manager (systemd.unit(5)), highest priority first.
 UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/lib/systemd/system", "/usr/lib/systemd/system",
              "/lib/systemd/system")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import Container, run
 
 DROP_IN = "/etc/systemd/system/gpu-agent.service.d/simulate.conf"
@@ -296,6 +297,123 @@ def test_an_mps_daemon_outlives_a_restart_with_nvml_failing_and_a_reload_with_mp
     assert container.exec("stat", "-c", "%i", PIPE).stdout == inode, "the pods' pipe directory was replaced"
     assert container.exec("cat", f"{PIPE}/stand-in-threads").stdout == "25.0\n"  # its limits set again
     _mps_torn_down(container)
+
+
+# The toolkit package's CDI refresh units (nvidia-container-toolkit 1.18+, deployments/systemd/ at v1.20.0,
+# commit f0c382c8), re-expressed as our own minimal units with the facts that matter here: both in
+# /lib/systemd/system and wanted by multi-user.target (the package's preset enables them); the service a
+# oneshot that stays active after it ran (RemainAfterExit), writing $NVIDIA_CTK_CDI_OUTPUT_FILE_PATH
+# (/var/run/cdi/nvidia.yaml unless the env file says otherwise) with `nvidia-ctk cdi generate`; the path unit
+# watching the running kernel's modules.dep.
+REFRESH_UNITS = {
+    "nvidia-cdi-refresh.path": "[Unit]\nDescription=stand-in: refresh the CDI spec on a driver change\n\n"
+                               "[Path]\nPathChanged=/lib/modules/%v/modules.dep\n\n"
+                               "[Install]\nWantedBy=multi-user.target\n",
+    "nvidia-cdi-refresh.service": "[Unit]\nDescription=stand-in: refresh the NVIDIA CDI spec\n"
+                                  "ConditionPathExists=/usr/bin/nvidia-ctk\n\n"
+                                  "[Service]\nType=oneshot\nRemainAfterExit=yes\n"
+                                  "Environment=NVIDIA_CTK_CDI_OUTPUT_FILE_PATH=/var/run/cdi/nvidia.yaml\n"
+                                  "EnvironmentFile=-/etc/nvidia-container-toolkit/nvidia-cdi-refresh.env\n"
+                                  "ExecStart=/usr/bin/nvidia-ctk cdi generate\n\n"
+                                  "[Install]\nWantedBy=multi-user.target\n",
+}
+CTK_SPEC = "/usr/local/share/nvidia-ctk-stand-in/nvidia.yaml"  # what the stand-in's `cdi generate` writes
+CTK_RUNS = "/run/nvidia-ctk-stand-in.runs"
+# `nvidia-ctk cdi generate` as a script: the spec made beforehand, written by rename as nvidia-ctk does.
+CTK_STAND_IN = ('#!/bin/sh\nif [ "$1 $2" = "cdi generate" ]; then\n  out=${NVIDIA_CTK_CDI_OUTPUT_FILE_PATH}\n'
+                f'  mkdir -p "$(dirname "$out")" && cp {CTK_SPEC} "$out.tmp" && mv "$out.tmp" "$out"\n'
+                f'  echo generate >> {CTK_RUNS}\n  exit 0\nfi\n'
+                "echo 'NVIDIA Container Toolkit CLI version 1.20.0 (stand-in)'\n")
+TOOLKIT_STAND_INS = {"/usr/bin/nvidia-ctk": CTK_STAND_IN,
+                     "/usr/bin/nvidia-container-runtime": '#!/bin/sh\nexec runc "$@"\n',
+                     "/usr/bin/nvidia-container-runtime-hook": "#!/bin/sh\nexit 0\n",
+                     "/usr/bin/nvidia-cdi-hook": "#!/bin/sh\nexit 0\n"}
+SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")  # where CDI readers look, in their order
+# Simulated GPUs on the booted system bound again at /node (as the runtime matrix runs them), its units
+# other than the runtimes this system's own (GPU_AGENT_UNITS=host, docs/configuration.md).
+ON_NODE = ("env", "GPU_AGENT_UNITS=host", "gpu-agent", "--config", "/root/cdi-refresh.yaml", "--root", "/node",
+           "--simulate", "dgx-h100")
+
+
+def _refresh_units(container: Container) -> dict[str, tuple[str, str]]:
+    """Each refresh unit's (is-enabled, is-active), as the booted systemd answers."""
+    return {unit: (container.exec("systemctl", "is-enabled", unit, check=False).stdout.strip(),
+                   container.exec("systemctl", "is-active", unit, check=False).stdout.strip())
+            for unit in REFRESH_UNITS}
+
+
+def _definitions(container: Container) -> dict[str, list[str]]:
+    """Every `kind=name` the spec files of SPEC_DIRS define, with the files defining it."""
+    listing = container.sh("for f in " + " ".join(f"{d}/*.yaml {d}/*.json" for d in SPEC_DIRS) +
+                           '; do [ -f "$f" ] && printf "%s\\0" "$f" && cat "$f" && printf "\\0"; done; true').stdout
+    fields = listing.split("\0")
+    found: dict[str, list[str]] = {}
+    for path, text in zip(fields[0::2], fields[1::2]):
+        spec = yaml.safe_load(text)
+        for device in spec.get("devices", []):
+            found.setdefault(f"{spec['kind']}={device['name']}", []).append(path)
+    return found
+
+
+def test_the_toolkits_cdi_refresh_units_are_taken_over_and_given_back(container: Container) -> None:
+    """Issue 36: the toolkit package's nvidia-cdi-refresh units installed, enabled and started on the booted
+    node (its generator a stand-in: the real one needs a GPU), then the agent's package on simulated GPUs.
+    While the agent writes /var/run/cdi/nvidia.yaml both units are stopped and masked by the real systemd, a
+    start is refused, and each device is defined once across /etc/cdi and /var/run/cdi; `gpu-agent
+    uninstall` puts the spec back as the generator left it and the units back enabled and active."""
+    container.sh("dpkg -s gpu-agent >/dev/null 2>&1 || dpkg -i /root/gpu-agent.deb")
+    container.exec("systemctl", "stop", "gpu-agent")  # the one-shot passes below are the agent; one at a time
+    container.sh("mkdir -p /node && mount --rbind / /node && mount --make-rslave /node")
+    try:
+        container.sh("printf 'version: v1\\n' > /root/cdi-refresh.yaml")
+        machine = json.loads(container.exec(*ON_NODE, "sim", "show", "--json").stdout)
+        uuids = [gpu["uuid"] for gpu in machine["gpus"]]
+        names = [str(i) for i in range(len(uuids))] + uuids + ["all"]  # nvidia-ctk's index and uuid names, and all
+        generated = "# stand-in for nvidia-ctk cdi generate\n" + yaml.safe_dump(
+            {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+             "devices": [{"name": name, "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}}
+                         for name in names],
+             "containerEdits": {"deviceNodes": [{"path": "/dev/nvidiactl"}]}}, sort_keys=False)
+        root = container.directory
+        for path, text in {**TOOLKIT_STAND_INS, CTK_SPEC: generated, "/etc/docker/daemon.json": "{}\n"}.items():
+            (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            (root / path.lstrip("/")).write_text(text)
+            (root / path.lstrip("/")).chmod(0o755 if path.startswith("/usr/bin/") else 0o644)
+        for unit, text in REFRESH_UNITS.items():
+            (root / "lib/systemd/system" / unit).write_text(text)
+        container.exec("systemctl", "daemon-reload")
+        container.exec("systemctl", "enable", "--now", *REFRESH_UNITS)
+        assert _refresh_units(container) == {unit: ("enabled", "active") for unit in REFRESH_UNITS}
+        assert container.exec("cat", "/var/run/cdi/nvidia.yaml").stdout == generated
+        assert container.exec("cat", CTK_RUNS).stdout == "generate\n"
+
+        applied = container.exec(*ON_NODE, "apply", "--once", check=False, timeout=300)
+        out = applied.stdout + applied.stderr
+        assert applied.returncode == 0, out
+        for unit in REFRESH_UNITS:
+            assert f"did: take over {unit} (enabled, active): stop, disable, mask" in out, out
+        assert "did: write /run/cdi/nvidia.yaml" in out, out  # Debian's /var/run is a link to /run
+        assert _refresh_units(container) == {unit: ("masked", "inactive") for unit in REFRESH_UNITS}
+        refused = container.exec("systemctl", "start", "nvidia-cdi-refresh.service", check=False)
+        assert refused.returncode != 0 and "masked" in refused.stderr, refused.stderr
+        written = container.exec("cat", "/var/run/cdi/nvidia.yaml").stdout
+        assert written != generated and container.exec("cat", CTK_RUNS).stdout == "generate\n"  # the agent's spec
+        definitions = _definitions(container)
+        assert {f"nvidia.com/gpu={name}" for name in names} <= set(definitions), sorted(definitions)
+        assert {device: files for device, files in definitions.items() if len(files) != 1} == {}
+        checked = container.exec(*ON_NODE, "check", check=False, timeout=300).stdout
+        assert ("taken over: nvidia-cdi-refresh.path, nvidia-cdi-refresh.service stopped, disabled and masked "
+                "(put back at uninstall)") in " ".join(checked.split()), checked
+
+        undone = container.exec(*ON_NODE, "uninstall", check=False, timeout=300)
+        assert undone.returncode == 0, undone.stdout + undone.stderr
+        assert _refresh_units(container) == {unit: ("enabled", "active") for unit in REFRESH_UNITS}, undone.stdout
+        assert container.exec("cat", "/var/run/cdi/nvidia.yaml").stdout == generated
+    finally:
+        container.sh("systemctl disable --now nvidia-cdi-refresh.path nvidia-cdi-refresh.service; "
+                     "umount -R /node; rm -f " + " ".join(f"/lib/systemd/system/{unit}" for unit in REFRESH_UNITS) +
+                     " " + " ".join(TOOLKIT_STAND_INS) + f" {CTK_SPEC} {CTK_RUNS} /var/run/cdi/nvidia.yaml "
+                     "/etc/docker/daemon.json /root/cdi-refresh.yaml; systemctl daemon-reload", check=False)
 
 
 def test_purge_removes_the_unit_and_the_files(container: Container) -> None:
