@@ -341,6 +341,51 @@ def test_every_claim_of_a_huge_request_gets_an_answer(tmp_path: Path, emulator: 
     assert not emulator.requests_for(path="*/resourceclaims/*")
 
 
+def mig_node_state(tmp_path: Path) -> AgentState:
+    """A simulated node with one H100 in MIG mode (two 3g.40gb devices) and one whole: its inventory read
+    through NVML and the CDI devices of the spec the cdi stage builds from it (MIG devices by UUID)."""
+    import yaml
+    from test_cdi import MIG_MACHINE, VERSION, Node
+
+    from gpu_agent.sim.userspace import install_driver_userspace
+    from gpu_agent.toolkit import cdi
+    from gpu_agent.toolkit.cdi_duplicates import device_names
+
+    machine = tmp_path / "machine.yaml"
+    machine.write_text(yaml.safe_dump(MIG_MACHINE))
+    node = Node(tmp_path / "root", str(machine)).load("nvidia")
+    install_driver_userspace(node.path, VERSION)
+    node.make_device_nodes()
+    state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
+    state.inventory = node.inventory()
+    state.cdi_devices = frozenset(device_names(cdi.build_spec(state.inventory, node.root,
+                                                              cdi.discover(node.root, VERSION))))
+    return state
+
+
+def test_a_claim_for_a_mig_device_gets_that_mig_devices_cdi_device(tmp_path: Path, emulator: KubeEmulator) -> None:
+    state = mig_node_state(tmp_path)
+    manager = DraManager(Root(tmp_path / "root"), state, client_of(tmp_path), NODE)
+    manager.sync_devices()
+    mig = {device.name: device for device in manager.devices if device.name.startswith("gpu-0-mig-")}
+    assert sorted(mig) == ["gpu-0-mig-3g40gb-9-0", "gpu-0-mig-3g40gb-9-4"]
+    second = state.inventory.gpus[0].mig.devices[1].uuid
+    assert second.startswith("MIG-") and mig["gpu-0-mig-3g40gb-9-4"].uuid == second
+    emulator.add_resource_claim("default", "mig", "uid-mig", NODE,
+                                [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0-mig-3g40gb-9-4",
+                                  "request": "mig"}])
+    emulator.add_resource_claim("default", "parent", "uid-parent", NODE,
+                                [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0", "request": "gpu"}])
+    answers = manager.prepare([api.Claim("default", "uid-mig", "mig"), api.Claim("default", "uid-parent", "parent")],
+                              deadline=float("inf"))
+    assert [(d.device_name, d.cdi_device_ids) for d in answers["uid-mig"].devices] == [
+        ("gpu-0-mig-3g40gb-9-4", [f"nvidia.com/gpu={second}"])]
+    assert f"nvidia.com/gpu={second}" in state.cdi_devices  # the device the agent's own spec defines
+    # a GPU in MIG mode is published as its MIG devices only: the whole GPU is not a device to prepare
+    assert "gpu-0" not in [device.name for device in manager.devices]
+    assert "'gpu-0' is not one this node publishes" in answers["uid-parent"].error
+
+
 def test_with_dra_enabled_the_device_plugin_advertises_nothing_and_says_why(tmp_path: Path) -> None:
     from gpu_agent.plugin.service import DevicePluginManager
     from harness import SimNode
