@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from kubelet_api import pluginregistration_pb2
 
 from gpu_agent.config.loader import load_config
 from gpu_agent.dra import api
-from gpu_agent.dra.claims import CHECKPOINT
+from gpu_agent.dra.claims import CHECKPOINT, Checkpoint
 from gpu_agent.dra.devices import MAX_ATTRIBUTES_AND_CAPACITIES, DraDevice, published, quantity, semver, slices
+from gpu_agent.dra.params import ConfigError, Sharing, sharing_of
 from gpu_agent.dra.service import DraManager
 from gpu_agent.dra.slices import SlicePublisher
 from gpu_agent.host.paths import Root
@@ -384,6 +386,95 @@ def test_a_claim_for_a_mig_device_gets_that_mig_devices_cdi_device(tmp_path: Pat
     # a GPU in MIG mode is published as its MIG devices only: the whole GPU is not a device to prepare
     assert "gpu-0" not in [device.name for device in manager.devices]
     assert "'gpu-0' is not one this node publishes" in answers["uid-parent"].error
+
+
+# -- opaque claim parameters (resource.nvidia.com/v1beta1) ----------------------------------------------------
+
+def opaque(source: str, parameters: Any, *requests: str, driver: str = "gpu.nvidia.com") -> dict[str, Any]:
+    entry: dict[str, Any] = {"source": source, "opaque": {"driver": driver, "parameters": parameters}}
+    if requests:
+        entry["requests"] = list(requests)
+    return entry
+
+
+def gpu_config(strategy: str, **sharing: Any) -> dict[str, Any]:
+    return {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+            "sharing": {"strategy": strategy, **sharing}}
+
+
+def test_opaque_configs_apply_by_precedence_request_and_device_type() -> None:
+    short = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Short"})
+    long = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Long"})
+    mig = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}
+    results = [("gpu-0", "a", False), ("gpu-1", "b", False), ("gpu-2-mig-1g10gb-19-0", "c", True)]
+    # the claim's config outranks the class's whatever their order; a later one outranks an earlier one
+    found = sharing_of([opaque("FromClaim", long), opaque("FromClass", short), opaque("FromClaim", mig)], results)
+    assert found == {"gpu-0": Sharing("TimeSlicing", "Long"), "gpu-1": Sharing("TimeSlicing", "Long"),
+                     "gpu-2-mig-1g10gb-19-0": Sharing("MPS")}
+    found = sharing_of([opaque("FromClaim", short, "b"), opaque("FromClaim", long),
+                        opaque("FromClaim", {"x": 1}, driver="dra.example.com")], results)
+    assert found["gpu-0"] == Sharing("TimeSlicing", "Long") and found["gpu-2-mig-1g10gb-19-0"] is None
+    assert found["gpu-1"] == Sharing("TimeSlicing", "Long")  # the later typeless config comes first from the end
+    assert sharing_of([opaque("FromClaim", long), opaque("FromClaim", short, "b")], results)["gpu-1"] == Sharing(
+        "TimeSlicing", "Short")
+    assert sharing_of([opaque("FromClaim", gpu_config("TimeSlicing"))], results)["gpu-0"] == Sharing(
+        "TimeSlicing", "Default")
+    assert sharing_of(None, results) == {"gpu-0": None, "gpu-1": None, "gpu-2-mig-1g10gb-19-0": None}
+    with pytest.raises(ConfigError, match=r"config\[0\] \(FromClaim\): a GpuConfig cannot apply to "
+                                          r"'gpu-2-mig-1g10gb-19-0'.*takes MigDeviceConfig"):
+        sharing_of([opaque("FromClaim", short, "c")], results)
+
+
+@pytest.mark.parametrize(("config", "error"), [
+    ("not a list", "config is not a list"),
+    ([{"source": "FromSomewhere"}], "source 'FromSomewhere' is not one of FromClass, FromClaim"),
+    ([{"source": "FromClaim"}], "only opaque parameters"),
+    ([opaque("FromClaim", "text")], "opaque.parameters is not an object"),
+    ([opaque("FromClaim", {**gpu_config("MPS"), "apiVersion": "resource.nvidia.com/v1"})], "apiVersion 'resource"),
+    ([opaque("FromClaim", {**gpu_config("MPS"), "kind": "VfioDeviceConfig"})], "kind 'VfioDeviceConfig' is not read"),
+    ([opaque("FromClaim", {**gpu_config("MPS"), "sharng": {}})], "unknown field 'sharng'"),
+    ([opaque("FromClaim", gpu_config("Exclusive"))], "unknown sharing.strategy 'Exclusive'"),
+    ([opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Tiny"}))], "interval 'Tiny'"),
+    ([opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"intervall": "Short"}))],
+     "unknown field 'intervall'"),
+    ([opaque("FromClaim", gpu_config("TimeSlicing", mpsConfig={}))], "mpsConfig cannot be used with the TimeSlicing"),
+    ([opaque("FromClaim", gpu_config("MPS", timeSlicingConfig={}))], "timeSlicingConfig cannot be used with the MPS"),
+    ([opaque("FromClaim", gpu_config("MPS", mpsConfig={"defaultActiveThreadPercentage": 101}))], "0 to 100"),
+    ([opaque("FromClaim", gpu_config("MPS", mpsConfig={"defaultActiveThreadPercentage": True}))], "0 to 100"),
+    ([opaque("FromClaim", {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig",
+                           "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {}}})],
+     "unknown field 'timeSlicingConfig'"),
+    ([opaque("FromClaim", gpu_config("MPS"), 7)], "requests is not a list of names"),
+])
+def test_a_malformed_opaque_config_is_named(config: Any, error: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        sharing_of(config, [("gpu-0", "a", False)])
+
+
+def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on_its_own(
+        tmp_path: Path, emulator: KubeEmulator) -> None:
+    root = tmp_path / "root"
+    manager = DraManager(Root(root), agent_state(root), client_of(tmp_path), NODE)
+    manager.sync_devices()
+    allocated = [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-10", "request": "gpu"}]
+    short = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Short"})
+    emulator.add_resource_claim("default", "sliced", "uid-ts", NODE, allocated, [opaque("FromClaim", short)])
+    mps = gpu_config("MPS", mpsConfig={"defaultActiveThreadPercentage": 50})
+    emulator.add_resource_claim("default", "mps", "uid-mps", NODE, allocated, [opaque("FromClass", mps)])
+    emulator.add_resource_claim("default", "typo", "uid-typo", NODE, allocated,
+                                [opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"interval": 5}))])
+    answers = manager.prepare([api.Claim("default", uid, name) for uid, name in
+                               (("uid-ts", "sliced"), ("uid-mps", "mps"), ("uid-typo", "typo"))], float("inf"))
+    assert not answers["uid-ts"].error and [d.device_name for d in answers["uid-ts"].devices] == ["gpu-10"]
+    assert manager.checkpoint.claims["uid-ts"].devices[0].sharing == Sharing("TimeSlicing", "Short")
+    assert "claim default/mps: device 'gpu-10': sharing.strategy MPS is not supported by gpu-agent's DRA plugin " \
+           "yet" in answers["uid-mps"].error
+    assert "claim default/typo: opaque config: config[0] (FromClaim): unknown sharing.timeSlicingConfig.interval " \
+           "'5'" in answers["uid-typo"].error
+    assert sorted(manager.checkpoint.claims) == ["uid-ts"]
+    reread = Checkpoint(manager.checkpoint.path)
+    reread.load()
+    assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
 
 
 def test_with_dra_enabled_the_device_plugin_advertises_nothing_and_says_why(tmp_path: Path) -> None:
