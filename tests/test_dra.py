@@ -477,21 +477,113 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
 
 
-def test_with_dra_enabled_the_device_plugin_advertises_nothing_and_says_why(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("settings", "api"), [({"dra": {"enabled": True}}, "dra"), ({"plugin": {"api": "dra"}}, "dra"),
+                                             ({"plugin": {"api": "both"}}, "both")])
+def test_while_the_node_serves_through_dra_the_device_plugin_advertises_nothing_and_says_why(
+        tmp_path: Path, settings: dict[str, Any], api: str) -> None:
     from gpu_agent.plugin.service import DevicePluginManager
     from harness import SimNode
 
     root = tmp_path / "r"
     (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
-    state = SimNode(root, "dgx-h100").apply({"toolkit": {"enabled": False}, "dra": {"enabled": True}}).state
+    state = SimNode(root, "dgx-h100").apply({"toolkit": {"enabled": False}, **settings}).state
     asyncio.run(DevicePluginManager(Root(root), state).sync())
     assert state.plugin is not None and state.plugin["resources"] == []
-    assert state.plugin["reason"].startswith("off: dra.enabled is true")
+    assert state.plugin["reason"].startswith(f"off: plugin.api is {api}: ")
+    assert state.to_json()["api"] == {"configured": api, "serving": api, "switch": None}
     assert not list((root / "var/lib/kubelet/device-plugins").iterdir())
     # the same inventory is what DRA publishes: a simulated DGX H100's eight GPUs under NVIDIA's names
     devices = published(state.inventory, state.health_of(state.inventory))
     assert [device.name for device in devices] == [f"gpu-{n}" for n in range(8)]
     assert {device.entry["attributes"]["productName"]["string"] for device in devices} == {"NVIDIA H100 80GB HBM3"}
+
+
+def test_the_old_spelling_dra_enabled_yields_to_an_explicit_plugin_api() -> None:
+    from gpu_agent.config.plugin import DraConfig, PluginConfig, configured_api
+
+    assert configured_api(PluginConfig(), DraConfig()) == "device-plugin"
+    assert configured_api(PluginConfig(), DraConfig(enabled=True)) == "dra"
+    assert configured_api(PluginConfig(api="both"), DraConfig(enabled=True)) == "both"
+
+
+def test_a_switch_of_api_waits_for_the_pods_and_claims_holding_gpus(tmp_path: Path) -> None:
+    from test_pod_labels import Kubelet as PodResources
+    from test_pod_labels import response
+
+    from gpu_agent.dra import switch
+    from gpu_agent.dra.claims import PreparedClaim, PreparedDevice
+
+    root = Root(tmp_path)
+    assert asyncio.run(switch.holders(root, "device-plugin")) == []  # no kubelet: nothing held
+    assert asyncio.run(switch.holders(root, "dra")) == []  # no checkpoint: no claim prepared
+    kubelet = PodResources(tmp_path)
+    try:
+        kubelet.answer = response(("ml", "trainer", {"main": {"nvidia.com/gpu": ["GPU-1"]}}),
+                                  ("web", "nginx", {"main": {"example.com/nic": ["eth1"]}}))
+        held = asyncio.run(switch.holders(root, "device-plugin"))
+    finally:
+        kubelet.stop()
+    assert held == ["pod ml/trainer"]
+    message = switch.waiting("device-plugin", "dra", held)
+    assert message == "plugin.api dra waits: serving device-plugin until these end: pod ml/trainer"
+    checkpoint = Checkpoint(root(CHECKPOINT))
+    checkpoint.put("uid-1", PreparedClaim("ml", "claim-a", (PreparedDevice(("gpu",), NODE, "gpu-0", ("x",)),)))
+    assert asyncio.run(switch.holders(root, "both")) == ["claim ml/claim-a"]
+    assert switch.switch_now("dra", "both") and not switch.switch_now("both", "device-plugin")
+    many = switch.waiting("dra", "device-plugin", [f"claim ml/c{n}" for n in range(8)])
+    assert many.endswith("claim ml/c4 and 3 more")
+    root(CHECKPOINT).write_text("{")
+    with pytest.raises(OSError, match="cannot be read"):
+        asyncio.run(switch.holders(root, "dra"))
+
+
+def test_the_daemon_switches_api_only_once_no_pod_holds_a_gpu(root: Path, write_config: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubelet_api.podresources_pb2 import ListPodResourcesResponse
+    from test_pod_labels import Kubelet as PodResources
+    from test_pod_labels import response
+
+    from gpu_agent.daemon import app
+
+    monkeypatch.setattr(app, "SWITCH_RECHECK_S", 0.01)
+    config = write_config({})
+    runtime = app.Runtime.build(Root(root), load_config(config, required=True), "dgx-h100")
+    state = runtime.state
+    kubelet = PodResources(root)
+    kubelet.answer = response(("ml", "trainer", {"main": {"nvidia.com/gpu": ["GPU-1"]}}))
+
+    async def until(done: Any) -> None:
+        for _ in range(1000):
+            if done():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(state.to_json()["api"])
+
+    async def scenario() -> None:
+        daemon = app.Daemon(runtime, config, config_required=True)
+        monkeypatch.setattr(daemon, "publish", lambda: None)
+        daemon._ensure_api()
+        assert state.serving() == "device-plugin" and state.api_switch is None
+        state.config = load_config(write_config({"plugin": {"api": "dra"}}), required=True)
+        daemon._ensure_api()
+        await until(lambda: state.api_switch and "pod ml/trainer" in state.api_switch)
+        assert state.serving() == "device-plugin" and state.to_json()["api"] == {
+            "configured": "dra", "serving": "device-plugin",
+            "switch": "plugin.api dra waits: serving device-plugin until these end: pod ml/trainer"}
+        calls = kubelet.calls
+        await until(lambda: kubelet.calls > calls)  # asked again while it waits
+        kubelet.answer = ListPodResourcesResponse()  # the pod ended
+        await until(lambda: state.serving_api == "dra")
+        assert state.api_switch is None
+        state.config = load_config(write_config({"plugin": {"api": "both"}}), required=True)
+        daemon._ensure_api()  # both serves through DRA as dra does: nothing changes hands
+        assert state.serving() == "both" and state.api_switch is None
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        kubelet.stop()
+        runtime.nvml.close()
 
 
 def test_damaged_answers_decode_as_protobuf_decodes_them_or_raise_decode_error() -> None:
@@ -611,4 +703,4 @@ def test_the_daemon_publishes_withdraws_an_xid_lost_gpu_and_returns_it(agent: An
         assert pool(8)["pool"]["generation"] > back["pool"]["generation"]
         status = json.loads(daemon.wait_http("/status", lambda code, _: code == 200)[1])
         assert status["dra"]["pool"] == NODE and len(status["dra"]["devices"]) == 8
-        assert status["plugin"]["resources"] == [] and "dra.enabled" in status["plugin"]["reason"]
+        assert status["plugin"]["resources"] == [] and "plugin.api is dra" in status["plugin"]["reason"]
