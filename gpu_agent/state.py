@@ -10,6 +10,7 @@ from typing import Any, Callable, Collection, Mapping, Optional
 
 from gpu_agent import __version__
 from gpu_agent.config import LoadedConfig
+from gpu_agent.config.plugin import configured_api
 from gpu_agent.health.policy import GPU_CHECKS, NVML_RESPONSIVE, gates_readiness, recovers_at
 from gpu_agent.health.policy import meaning as xid_meaning
 from gpu_agent.nvml.model import Gpu, GpuHealth, GpuSample, Inventory, MigDevice, UnidentifiedGpu, to_json
@@ -126,6 +127,8 @@ class AgentState:
     plugin: Optional[dict[str, Any]] = None  # the device plugin's /status section, replaced whole by its service
     mps: Optional[dict[str, Any]] = None  # the MPS control daemons' /status section (mps/daemons.py)
     dra: Optional[dict[str, Any]] = None  # the DRA kubelet plugin's /status section (dra/service.py)
+    serving_api: Optional[str] = None  # the plugin.api this node serves now; None: the configured one, at start
+    api_switch: Optional[str] = None  # why a change of plugin.api waits (pods hold GPUs of the API serving now)
     mps_down: dict[str, str] = field(default_factory=dict)  # by MPS resource: why its daemon does not run as asked
     mps_running: frozenset[str] = frozenset()  # the MPS resources whose daemon runs as asked: healthy only then
     kube_api: Optional[dict[str, Any]] = None  # the Kubernetes API's /status section (kube/api_state.py)
@@ -196,6 +199,11 @@ class AgentState:
             self.plugin = section
             self.published += 1  # the endpoints render /status again
             return True
+
+    def serving(self) -> str:
+        """The plugin.api this node serves its GPUs through now (a configured change may wait: api_switch)."""
+        config = self.config.config
+        return self.serving_api or configured_api(config.plugin, config.dra)
 
     def publish_dra(self, section: dict[str, Any]) -> bool:
         """The DRA plugin's /status section, replaced whole; False when it is the one already published."""
@@ -408,6 +416,8 @@ class AgentState:
             "plugin": self.plugin,
             "mps": self.mps,
             "dra": self.dra,
+            "api": {"configured": configured_api(self.config.config.plugin, self.config.config.dra),
+                    "serving": self.serving(), "switch": self.api_switch},
             "kubernetes_api": self.kube_api,
             "device_path": self.device_path.to_json() if self.device_path is not None else None,
         }

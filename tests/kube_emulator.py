@@ -1770,15 +1770,18 @@ class KubeEmulator:
     # device, device names DNS labels, one value per attribute; quantities come back in canonical form.
 
     def add_resource_claim(self, namespace: str, name: str, uid: str, node: str,
-                           results: Sequence[Mapping[str, str]] = ()) -> None:
-        """A ResourceClaim reserved for a pod on `node`, allocated `results` (driver, pool, device, request);
-        no results: not allocated."""
+                           results: Sequence[Mapping[str, str]] = (), config: Sequence[Any] = ()) -> None:
+        """A ResourceClaim reserved for a pod on `node`, allocated `results` (driver, pool, device, request)
+        with the allocation's `config` (each as the scheduler copies it from the class or the claim: source,
+        requests, opaque driver and parameters); no results: not allocated."""
         claim: dict[str, Any] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                                  "metadata": {"namespace": namespace, "name": name, "uid": uid,
                                               "resourceVersion": self._bump()},
                                  "spec": {"devices": {"requests": []}}, "status": {}}
         if results:
             claim["status"]["allocation"] = {"devices": {"results": [dict(result) for result in results]}}
+            if config:
+                claim["status"]["allocation"]["devices"]["config"] = copy.deepcopy(list(config))
         with self._lock:
             self._claims[(namespace, name)] = (claim, node)
 

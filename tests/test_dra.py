@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from kubelet_api import pluginregistration_pb2
 
 from gpu_agent.config.loader import load_config
 from gpu_agent.dra import api
-from gpu_agent.dra.claims import CHECKPOINT
+from gpu_agent.dra.claims import CHECKPOINT, Checkpoint
 from gpu_agent.dra.devices import MAX_ATTRIBUTES_AND_CAPACITIES, DraDevice, published, quantity, semver, slices
+from gpu_agent.dra.params import ConfigError, Sharing, sharing_of
 from gpu_agent.dra.service import DraManager
 from gpu_agent.dra.slices import SlicePublisher
 from gpu_agent.host.paths import Root
@@ -341,21 +343,247 @@ def test_every_claim_of_a_huge_request_gets_an_answer(tmp_path: Path, emulator: 
     assert not emulator.requests_for(path="*/resourceclaims/*")
 
 
-def test_with_dra_enabled_the_device_plugin_advertises_nothing_and_says_why(tmp_path: Path) -> None:
+def mig_node_state(tmp_path: Path) -> AgentState:
+    """A simulated node with one H100 in MIG mode (two 3g.40gb devices) and one whole: its inventory read
+    through NVML and the CDI devices of the spec the cdi stage builds from it (MIG devices by UUID)."""
+    import yaml
+    from test_cdi import MIG_MACHINE, VERSION, Node
+
+    from gpu_agent.sim.userspace import install_driver_userspace
+    from gpu_agent.toolkit import cdi
+    from gpu_agent.toolkit.cdi_duplicates import device_names
+
+    machine = tmp_path / "machine.yaml"
+    machine.write_text(yaml.safe_dump(MIG_MACHINE))
+    node = Node(tmp_path / "root", str(machine)).load("nvidia")
+    install_driver_userspace(node.path, VERSION)
+    node.make_device_nodes()
+    state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
+    state.inventory = node.inventory()
+    state.cdi_devices = frozenset(device_names(cdi.build_spec(state.inventory, node.root,
+                                                              cdi.discover(node.root, VERSION))))
+    return state
+
+
+def test_a_claim_for_a_mig_device_gets_that_mig_devices_cdi_device(tmp_path: Path, emulator: KubeEmulator) -> None:
+    state = mig_node_state(tmp_path)
+    manager = DraManager(Root(tmp_path / "root"), state, client_of(tmp_path), NODE)
+    manager.sync_devices()
+    mig = {device.name: device for device in manager.devices if device.name.startswith("gpu-0-mig-")}
+    assert sorted(mig) == ["gpu-0-mig-3g40gb-9-0", "gpu-0-mig-3g40gb-9-4"]
+    second = state.inventory.gpus[0].mig.devices[1].uuid
+    assert second.startswith("MIG-") and mig["gpu-0-mig-3g40gb-9-4"].uuid == second
+    emulator.add_resource_claim("default", "mig", "uid-mig", NODE,
+                                [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0-mig-3g40gb-9-4",
+                                  "request": "mig"}])
+    emulator.add_resource_claim("default", "parent", "uid-parent", NODE,
+                                [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0", "request": "gpu"}])
+    answers = manager.prepare([api.Claim("default", "uid-mig", "mig"), api.Claim("default", "uid-parent", "parent")],
+                              deadline=float("inf"))
+    assert [(d.device_name, d.cdi_device_ids) for d in answers["uid-mig"].devices] == [
+        ("gpu-0-mig-3g40gb-9-4", [f"nvidia.com/gpu={second}"])]
+    assert f"nvidia.com/gpu={second}" in state.cdi_devices  # the device the agent's own spec defines
+    # a GPU in MIG mode is published as its MIG devices only: the whole GPU is not a device to prepare
+    assert "gpu-0" not in [device.name for device in manager.devices]
+    assert "'gpu-0' is not one this node publishes" in answers["uid-parent"].error
+
+
+# -- opaque claim parameters (resource.nvidia.com/v1beta1) ----------------------------------------------------
+
+def opaque(source: str, parameters: Any, *requests: str, driver: str = "gpu.nvidia.com") -> dict[str, Any]:
+    entry: dict[str, Any] = {"source": source, "opaque": {"driver": driver, "parameters": parameters}}
+    if requests:
+        entry["requests"] = list(requests)
+    return entry
+
+
+def gpu_config(strategy: str, **sharing: Any) -> dict[str, Any]:
+    return {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+            "sharing": {"strategy": strategy, **sharing}}
+
+
+def test_opaque_configs_apply_by_precedence_request_and_device_type() -> None:
+    short = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Short"})
+    long = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Long"})
+    mig = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}
+    results = [("gpu-0", "a", False), ("gpu-1", "b", False), ("gpu-2-mig-1g10gb-19-0", "c", True)]
+    # the claim's config outranks the class's whatever their order; a later one outranks an earlier one
+    found = sharing_of([opaque("FromClaim", long), opaque("FromClass", short), opaque("FromClaim", mig)], results)
+    assert found == {"gpu-0": Sharing("TimeSlicing", "Long"), "gpu-1": Sharing("TimeSlicing", "Long"),
+                     "gpu-2-mig-1g10gb-19-0": Sharing("MPS")}
+    found = sharing_of([opaque("FromClaim", short, "b"), opaque("FromClaim", long),
+                        opaque("FromClaim", {"x": 1}, driver="dra.example.com")], results)
+    assert found["gpu-0"] == Sharing("TimeSlicing", "Long") and found["gpu-2-mig-1g10gb-19-0"] is None
+    assert found["gpu-1"] == Sharing("TimeSlicing", "Long")  # the later typeless config comes first from the end
+    assert sharing_of([opaque("FromClaim", long), opaque("FromClaim", short, "b")], results)["gpu-1"] == Sharing(
+        "TimeSlicing", "Short")
+    assert sharing_of([opaque("FromClaim", gpu_config("TimeSlicing"))], results)["gpu-0"] == Sharing(
+        "TimeSlicing", "Default")
+    assert sharing_of(None, results) == {"gpu-0": None, "gpu-1": None, "gpu-2-mig-1g10gb-19-0": None}
+    with pytest.raises(ConfigError, match=r"config\[0\] \(FromClaim\): a GpuConfig cannot apply to "
+                                          r"'gpu-2-mig-1g10gb-19-0'.*takes MigDeviceConfig"):
+        sharing_of([opaque("FromClaim", short, "c")], results)
+
+
+@pytest.mark.parametrize(("config", "error"), [
+    ("not a list", "config is not a list"),
+    ([{"source": "FromSomewhere"}], "source 'FromSomewhere' is not one of FromClass, FromClaim"),
+    ([{"source": "FromClaim"}], "only opaque parameters"),
+    ([opaque("FromClaim", "text")], "opaque.parameters is not an object"),
+    ([opaque("FromClaim", {**gpu_config("MPS"), "apiVersion": "resource.nvidia.com/v1"})], "apiVersion 'resource"),
+    ([opaque("FromClaim", {**gpu_config("MPS"), "kind": "VfioDeviceConfig"})], "kind 'VfioDeviceConfig' is not read"),
+    ([opaque("FromClaim", {**gpu_config("MPS"), "sharng": {}})], "unknown field 'sharng'"),
+    ([opaque("FromClaim", gpu_config("Exclusive"))], "unknown sharing.strategy 'Exclusive'"),
+    ([opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Tiny"}))], "interval 'Tiny'"),
+    ([opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"intervall": "Short"}))],
+     "unknown field 'intervall'"),
+    ([opaque("FromClaim", gpu_config("TimeSlicing", mpsConfig={}))], "mpsConfig cannot be used with the TimeSlicing"),
+    ([opaque("FromClaim", gpu_config("MPS", timeSlicingConfig={}))], "timeSlicingConfig cannot be used with the MPS"),
+    ([opaque("FromClaim", gpu_config("MPS", mpsConfig={"defaultActiveThreadPercentage": 101}))], "0 to 100"),
+    ([opaque("FromClaim", gpu_config("MPS", mpsConfig={"defaultActiveThreadPercentage": True}))], "0 to 100"),
+    ([opaque("FromClaim", {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig",
+                           "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {}}})],
+     "unknown field 'timeSlicingConfig'"),
+    ([opaque("FromClaim", gpu_config("MPS"), 7)], "requests is not a list of names"),
+])
+def test_a_malformed_opaque_config_is_named(config: Any, error: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        sharing_of(config, [("gpu-0", "a", False)])
+
+
+def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on_its_own(
+        tmp_path: Path, emulator: KubeEmulator) -> None:
+    root = tmp_path / "root"
+    manager = DraManager(Root(root), agent_state(root), client_of(tmp_path), NODE)
+    manager.sync_devices()
+    allocated = [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-10", "request": "gpu"}]
+    short = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Short"})
+    emulator.add_resource_claim("default", "sliced", "uid-ts", NODE, allocated, [opaque("FromClaim", short)])
+    mps = gpu_config("MPS", mpsConfig={"defaultActiveThreadPercentage": 50})
+    emulator.add_resource_claim("default", "mps", "uid-mps", NODE, allocated, [opaque("FromClass", mps)])
+    emulator.add_resource_claim("default", "typo", "uid-typo", NODE, allocated,
+                                [opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"interval": 5}))])
+    answers = manager.prepare([api.Claim("default", uid, name) for uid, name in
+                               (("uid-ts", "sliced"), ("uid-mps", "mps"), ("uid-typo", "typo"))], float("inf"))
+    assert not answers["uid-ts"].error and [d.device_name for d in answers["uid-ts"].devices] == ["gpu-10"]
+    assert manager.checkpoint.claims["uid-ts"].devices[0].sharing == Sharing("TimeSlicing", "Short")
+    assert "claim default/mps: device 'gpu-10': sharing.strategy MPS is not supported by gpu-agent's DRA plugin " \
+           "yet" in answers["uid-mps"].error
+    assert "claim default/typo: opaque config: config[0] (FromClaim): unknown sharing.timeSlicingConfig.interval " \
+           "'5'" in answers["uid-typo"].error
+    assert sorted(manager.checkpoint.claims) == ["uid-ts"]
+    reread = Checkpoint(manager.checkpoint.path)
+    reread.load()
+    assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
+
+
+@pytest.mark.parametrize(("settings", "api"), [({"dra": {"enabled": True}}, "dra"), ({"plugin": {"api": "dra"}}, "dra"),
+                                             ({"plugin": {"api": "both"}}, "both")])
+def test_while_the_node_serves_through_dra_the_device_plugin_advertises_nothing_and_says_why(
+        tmp_path: Path, settings: dict[str, Any], api: str) -> None:
     from gpu_agent.plugin.service import DevicePluginManager
     from harness import SimNode
 
     root = tmp_path / "r"
     (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
-    state = SimNode(root, "dgx-h100").apply({"toolkit": {"enabled": False}, "dra": {"enabled": True}}).state
+    state = SimNode(root, "dgx-h100").apply({"toolkit": {"enabled": False}, **settings}).state
     asyncio.run(DevicePluginManager(Root(root), state).sync())
     assert state.plugin is not None and state.plugin["resources"] == []
-    assert state.plugin["reason"].startswith("off: dra.enabled is true")
+    assert state.plugin["reason"].startswith(f"off: plugin.api is {api}: ")
+    assert state.to_json()["api"] == {"configured": api, "serving": api, "switch": None}
     assert not list((root / "var/lib/kubelet/device-plugins").iterdir())
     # the same inventory is what DRA publishes: a simulated DGX H100's eight GPUs under NVIDIA's names
     devices = published(state.inventory, state.health_of(state.inventory))
     assert [device.name for device in devices] == [f"gpu-{n}" for n in range(8)]
     assert {device.entry["attributes"]["productName"]["string"] for device in devices} == {"NVIDIA H100 80GB HBM3"}
+
+
+def test_the_old_spelling_dra_enabled_yields_to_an_explicit_plugin_api() -> None:
+    from gpu_agent.config.plugin import DraConfig, PluginConfig, configured_api
+
+    assert configured_api(PluginConfig(), DraConfig()) == "device-plugin"
+    assert configured_api(PluginConfig(), DraConfig(enabled=True)) == "dra"
+    assert configured_api(PluginConfig(api="both"), DraConfig(enabled=True)) == "both"
+
+
+def test_a_switch_of_api_waits_for_the_pods_and_claims_holding_gpus(tmp_path: Path) -> None:
+    from test_pod_labels import Kubelet as PodResources
+    from test_pod_labels import response
+
+    from gpu_agent.dra import switch
+    from gpu_agent.dra.claims import PreparedClaim, PreparedDevice
+
+    root = Root(tmp_path)
+    assert asyncio.run(switch.holders(root, "device-plugin")) == []  # no kubelet: nothing held
+    assert asyncio.run(switch.holders(root, "dra")) == []  # no checkpoint: no claim prepared
+    kubelet = PodResources(tmp_path)
+    try:
+        kubelet.answer = response(("ml", "trainer", {"main": {"nvidia.com/gpu": ["GPU-1"]}}),
+                                  ("web", "nginx", {"main": {"example.com/nic": ["eth1"]}}))
+        held = asyncio.run(switch.holders(root, "device-plugin"))
+    finally:
+        kubelet.stop()
+    assert held == ["pod ml/trainer"]
+    message = switch.waiting("device-plugin", "dra", held)
+    assert message == "plugin.api dra waits: serving device-plugin until these end: pod ml/trainer"
+    checkpoint = Checkpoint(root(CHECKPOINT))
+    checkpoint.put("uid-1", PreparedClaim("ml", "claim-a", (PreparedDevice(("gpu",), NODE, "gpu-0", ("x",)),)))
+    assert asyncio.run(switch.holders(root, "both")) == ["claim ml/claim-a"]
+    assert switch.switch_now("dra", "both") and not switch.switch_now("both", "device-plugin")
+    many = switch.waiting("dra", "device-plugin", [f"claim ml/c{n}" for n in range(8)])
+    assert many.endswith("claim ml/c4 and 3 more")
+    root(CHECKPOINT).write_text("{")
+    with pytest.raises(OSError, match="cannot be read"):
+        asyncio.run(switch.holders(root, "dra"))
+
+
+def test_the_daemon_switches_api_only_once_no_pod_holds_a_gpu(root: Path, write_config: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubelet_api.podresources_pb2 import ListPodResourcesResponse
+    from test_pod_labels import Kubelet as PodResources
+    from test_pod_labels import response
+
+    from gpu_agent.daemon import app
+
+    monkeypatch.setattr(app, "SWITCH_RECHECK_S", 0.01)
+    config = write_config({})
+    runtime = app.Runtime.build(Root(root), load_config(config, required=True), "dgx-h100")
+    state = runtime.state
+    kubelet = PodResources(root)
+    kubelet.answer = response(("ml", "trainer", {"main": {"nvidia.com/gpu": ["GPU-1"]}}))
+
+    async def until(done: Any) -> None:
+        for _ in range(1000):
+            if done():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(state.to_json()["api"])
+
+    async def scenario() -> None:
+        daemon = app.Daemon(runtime, config, config_required=True)
+        monkeypatch.setattr(daemon, "publish", lambda: None)
+        daemon._ensure_api()
+        assert state.serving() == "device-plugin" and state.api_switch is None
+        state.config = load_config(write_config({"plugin": {"api": "dra"}}), required=True)
+        daemon._ensure_api()
+        await until(lambda: state.api_switch and "pod ml/trainer" in state.api_switch)
+        assert state.serving() == "device-plugin" and state.to_json()["api"] == {
+            "configured": "dra", "serving": "device-plugin",
+            "switch": "plugin.api dra waits: serving device-plugin until these end: pod ml/trainer"}
+        calls = kubelet.calls
+        await until(lambda: kubelet.calls > calls)  # asked again while it waits
+        kubelet.answer = ListPodResourcesResponse()  # the pod ended
+        await until(lambda: state.serving_api == "dra")
+        assert state.api_switch is None
+        state.config = load_config(write_config({"plugin": {"api": "both"}}), required=True)
+        daemon._ensure_api()  # both serves through DRA as dra does: nothing changes hands
+        assert state.serving() == "both" and state.api_switch is None
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        kubelet.stop()
+        runtime.nvml.close()
 
 
 def test_damaged_answers_decode_as_protobuf_decodes_them_or_raise_decode_error() -> None:
@@ -475,4 +703,4 @@ def test_the_daemon_publishes_withdraws_an_xid_lost_gpu_and_returns_it(agent: An
         assert pool(8)["pool"]["generation"] > back["pool"]["generation"]
         status = json.loads(daemon.wait_http("/status", lambda code, _: code == 200)[1])
         assert status["dra"]["pool"] == NODE and len(status["dra"]["devices"]) == 8
-        assert status["plugin"]["resources"] == [] and "dra.enabled" in status["plugin"]["reason"]
+        assert status["plugin"]["resources"] == [] and "plugin.api is dra" in status["plugin"]["reason"]

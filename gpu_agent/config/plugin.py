@@ -182,6 +182,11 @@ class PluginConfig(Section):
     gpu_replicas: GpuReplicas = setting(
         {}, 'Replicas per GPU, by index ("0") or UUID; overrides timeSlicing for that GPU and its MIG '
             "devices. 1 takes the GPU out of sharing.", max_length=1024)
+    api: Literal["device-plugin", "dra", "both"] = setting(
+        "device-plugin", "Which API serves this node's GPUs (one at a time, never the same GPU twice): "
+                         "device-plugin (nvidia.com/gpu), dra (driver gpu.nvidia.com, Kubernetes 1.34+) or both "
+                         "(DRA, with nvidia.com/gpu served through DRA's extended resource where the cluster "
+                         "has a DeviceClass for it); a switch waits until no pod holds a GPU (docs/dra.md).")
     shared_devices_allocation_policy: Literal["distributed", "packed"] = setting(
         "distributed", "Which replicas and MIG devices GetPreferredAllocation offers, as NVIDIA's plugin v0.20: "
                        "distributed (those of the least loaded GPUs, counting what is allocated) or packed (the "
@@ -191,9 +196,18 @@ class PluginConfig(Section):
 @dataclass(frozen=True)
 class DraConfig(Section):
     enabled: bool = setting(
-        False, "Serve the GPUs through Dynamic Resource Allocation (driver gpu.nvidia.com, resource.k8s.io/v1, "
-               "Kubernetes 1.34+) instead of the device plugin: a node serves its GPUs through one API at a time, "
-               "so while this is true the device plugin advertises nothing (docs/dra.md).")
+        False, "The earlier spelling of plugin.api: dra (kept): true serves the GPUs through DRA where plugin.api "
+               "is left at device-plugin.")
+
+
+def configured_api(plugin: PluginConfig, dra: DraConfig) -> str:
+    """plugin.api, with dra.enabled: true read as plugin.api: dra where plugin.api is left at its default."""
+    return "dra" if dra.enabled and plugin.api == "device-plugin" else plugin.api
+
+
+def serves_dra(api: str) -> bool:
+    """Whether `api` (a plugin.api value) serves the GPUs through DRA, the device plugin then advertising none."""
+    return api != "device-plugin"
 
 
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"  # kubeadm's, k3s's and RKE2's kubelet

@@ -18,7 +18,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Optional
 from gpu_agent import __version__
 from gpu_agent.config import AgentConfig, LoadedConfig
 from gpu_agent.config.loader import reload_config
-from gpu_agent.config.plugin import plugin_wanted
+from gpu_agent.config.plugin import configured_api, plugin_wanted, serves_dra
 from gpu_agent.daemon import liveness
 from gpu_agent.daemon.engine import Engine
 from gpu_agent.host.watch import FileChanges
@@ -302,6 +302,7 @@ def _passed_through(root: Root) -> bool:
         return True
 
 
+SWITCH_RECHECK_S = 10.0  # how often a waiting change of plugin.api asks again which pods hold GPUs
 DRA_REQUESTS_PER_MINUTE = 120  # claims read and slices written: a node starting a few dozen pods at once
 
 
@@ -382,7 +383,8 @@ class Daemon:
         self._passed_at = time.monotonic()  # when the last pass completed (the start, before the first)
         self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
         self._plugin_task: Optional[asyncio.Task[Any]] = None
-        self.dra: Optional[Any] = None  # the DRA kubelet plugin while dra.enabled (dra/service.py)
+        self.dra: Optional[Any] = None  # the DRA kubelet plugin while plugin.api serves through DRA (dra/service.py)
+        self._switch_task: Optional[asyncio.Task[Any]] = None  # asks who holds GPUs before plugin.api changes
         self._dra_task: Optional[asyncio.Task[Any]] = None
         self._dra_key: Optional[tuple[Any, ...]] = None  # the settings it was built with
         self.mps: Optional[Any] = None  # the MPS control daemons' watch, started once sharing.mps asks (mps/)
@@ -629,6 +631,7 @@ class Daemon:
     def publish(self) -> None:
         self.state.published += 1
         self._ensure_mps()
+        self._ensure_api()
         self._ensure_plugin()
         if self.plugin is not None:
             self.plugin.wake()  # health, MIG and inventory changes reach ListAndWatch now
@@ -689,14 +692,56 @@ class Daemon:
         self._plugin_task = asyncio.create_task(self.plugin.run(), name="device-plugin")
         self._tasks.append(self._plugin_task)
 
+    def _ensure_api(self) -> None:
+        """plugin.api as configured, once no pod holds a GPU of the API serving now (dra/switch.py); until then
+        the node goes on serving through it and /status api.switch says why."""
+        from gpu_agent.dra import switch
+
+        state = self.state
+        wanted = configured_api(self.config.plugin, self.config.dra)
+        serving = state.serving_api
+        if serving is None or serving == wanted or switch.switch_now(serving, wanted):
+            state.serving_api, state.api_switch = wanted, None
+            return
+        if self._switch_task is not None and not self._switch_task.done():
+            return
+
+        if state.api_switch is None:
+            state.api_switch = f"plugin.api {wanted} waits: asking which pods hold GPUs of {serving}"
+        self._switch_task = asyncio.create_task(self._switch_api(serving, wanted), name="api-switch")
+        self._tasks.append(self._switch_task)
+
+    async def _switch_api(self, serving: str, wanted: str) -> None:
+        """Asks every SWITCH_RECHECK_S who holds GPUs of `serving` until none does (then switches) or the
+        configuration asks for something else."""
+        from gpu_agent.dra import switch
+
+        state = self.state
+        while configured_api(self.config.plugin, self.config.dra) == wanted and state.serving_api == serving:
+            try:
+                held_by = await switch.holders(self.runtime.root, serving)
+            except Exception as exc:  # the kubelet's silence or refusal, an unreadable checkpoint: keep serving
+                state.api_switch = switch.waiting(serving, wanted, [], f"{type(exc).__name__}: {exc}"[:300])
+            else:
+                if not held_by:
+                    log.info("plugin.api: switching from %s to %s: no pod holds a GPU", serving, wanted)
+                    state.serving_api, state.api_switch = wanted, None
+                    break
+                state.api_switch = switch.waiting(serving, wanted, held_by)
+            self.state.published += 1  # /status shows the wait
+            await asyncio.sleep(SWITCH_RECHECK_S)
+        self.publish()
+
     def _ensure_dra(self) -> None:
-        """The DRA plugin while dra.enabled, beside the device plugin (which then advertises nothing), with the
-        node's credentials and a request budget of its own (a pod's claims are not held back by the labels'
-        budget, nor the labels by a burst of claims); built again when the kubeconfig or node name change."""
+        """The DRA plugin while plugin.api serves through DRA, beside the device plugin (which then advertises
+        nothing), with the node's credentials and a request budget of its own (a pod's claims are not held
+        back by the labels' budget, nor the labels by a burst of claims); built again when the kubeconfig or
+        node name change."""
         kube = self.config.kubernetes
         key = (kube.kubeconfig, kube.node_name, kube.request_timeout_seconds)
         running = self._dra_task is not None and not self._dra_task.done()
-        if running and (not self.config.dra.enabled or key != self._dra_key):
+        wanted = serves_dra(self.state.serving())
+        if running and (not wanted or key != self._dra_key):
             assert self._dra_task is not None
             self._dra_task.cancel()  # its servers close and its sockets go: the kubelet deregisters it
             self._dra_task, self.dra, running = None, None, False
@@ -707,7 +752,7 @@ class Daemon:
             assert self.dra is not None
             self.dra.wake()
             return
-        if not self.config.dra.enabled:
+        if not wanted:
             return
         from gpu_agent.dra.service import DraManager  # grpclib: only when on
         from gpu_agent.kube.client import KubeClient

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from gpu_agent.dra.devices import DRIVER, DraDevice
+from gpu_agent.dra.params import MPS, ConfigError, Sharing, sharing_of
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.toolkit.cdi import KIND as CDI_KIND
@@ -36,10 +37,13 @@ class PreparedDevice:
     pool: str
     device: str
     cdi_ids: tuple[str, ...]
+    sharing: Optional[Sharing] = None  # from the claim's opaque config; None: the device is given whole
 
     def to_json(self) -> dict[str, Any]:
+        sharing = None if self.sharing is None else {"strategy": self.sharing.strategy,
+                                                     "interval": self.sharing.interval or None}
         return {"requests": list(self.requests), "pool": self.pool, "device": self.device,
-                "cdi_ids": list(self.cdi_ids)}
+                "cdi_ids": list(self.cdi_ids), "sharing": sharing}
 
 
 @dataclass(frozen=True)
@@ -57,12 +61,13 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
     """The devices `claim` (the ResourceClaim object) was allocated of this node's pool, each with the CDI
     device of the agent's spec that gives it. Raises ClaimError naming what is wrong: another claim under
     the name (its uid), no allocation, no device of this driver, another pool, a device the pool does not
-    publish (now), a CDI device the spec lacks."""
+    publish (now), a CDI device the spec lacks, an opaque config that cannot be read or applied (MPS)."""
     metadata = _mapping(claim.get("metadata"))
     if metadata.get("uid") != uid:
         raise ClaimError(f"the ResourceClaim of that name has uid {str(metadata.get('uid'))[:64]!r}, not {uid!r}: "
                          "it was deleted and made again")
-    results = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices")).get("results")
+    allocation = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices"))
+    results = allocation.get("results")
     if not isinstance(results, list):
         raise ClaimError("the claim is not allocated (status.allocation.devices.results is missing)")
     ours: dict[str, list[str]] = {}
@@ -83,12 +88,22 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
     if not ours:
         drivers = sorted({str(r.get("driver"))[:64] for r in results if isinstance(r, dict)})
         raise ClaimError(f"the claim allocates no {DRIVER} device (its drivers: {', '.join(drivers) or 'none'})")
+    try:
+        sharing = sharing_of(allocation.get("config"), [
+            (device, request, published[device].uuid != published[device].gpu_uuid)
+            for device, requests in ours.items() for request in requests or [""]])
+    except ConfigError as exc:
+        raise ClaimError(f"opaque config: {exc}") from None
     prepared = []
     for device, requests in sorted(ours.items()):
+        chosen = sharing[device]
+        if chosen is not None and chosen.strategy == MPS:
+            raise ClaimError(f"device {device!r}: sharing.strategy {MPS} is not supported by gpu-agent's DRA "
+                             "plugin yet (TimeSlicing is; docs/dra.md)")
         cdi = f"{CDI_KIND}={published[device].uuid}"
         if spec is not None and cdi not in spec:
             raise ClaimError(f"the agent's CDI spec holds no {cdi} (see the cdi stage in `gpu-agent status`)")
-        prepared.append(PreparedDevice(tuple(requests), pool, device, (cdi,)))
+        prepared.append(PreparedDevice(tuple(requests), pool, device, (cdi,), chosen))
     return tuple(prepared)
 
 
@@ -134,5 +149,12 @@ def _mapping(value: Any) -> dict[str, Any]:
 
 def _claim(entry: dict[str, Any]) -> PreparedClaim:
     devices = tuple(PreparedDevice(tuple(str(r) for r in d["requests"]), str(d["pool"]), str(d["device"]),
-                                   tuple(str(c) for c in d["cdi_ids"])) for d in entry["devices"])
+                                   tuple(str(c) for c in d["cdi_ids"]), _sharing(d.get("sharing")))
+                    for d in entry["devices"])
     return PreparedClaim(str(entry["namespace"]), str(entry["name"]), devices)
+
+
+def _sharing(entry: Any) -> Optional[Sharing]:
+    if entry is None:  # a device given whole, or a checkpoint written before sharing was read
+        return None
+    return Sharing(str(entry["strategy"]), str(entry.get("interval") or ""))

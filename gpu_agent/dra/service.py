@@ -34,6 +34,7 @@ from gpu_agent.dra.slices import SlicePublisher
 from gpu_agent.host import sandbox
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
+from gpu_agent.nvml.model import Inventory
 from gpu_agent.plugin.server import CappedServer, request_of
 from gpu_agent.proto3 import Codec
 from gpu_agent.state import AgentState
@@ -140,9 +141,14 @@ class DraManager:
             except OSError as exc:
                 log.warning("DRA: cannot remove %s: %s", host_path, exc.strerror or exc)
 
-    def sync(self) -> None:
+    def sync_devices(self) -> Optional[Inventory]:
+        """The pool's devices from the inventory as read now (or last read) and its health."""
         inventory = self.state.inventory or self.state.last_inventory
         self.devices = published(inventory, self.state.health_of(inventory))
+        return inventory
+
+    def sync(self) -> None:
+        inventory = self.sync_devices()
         due = not self.publish_error or time.monotonic() >= self._retry_at
         if (self.devices != self._published and due and inventory is not None
                 and (self._publishing is None or self._publishing.done())):

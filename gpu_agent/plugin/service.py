@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any, Optional
 
-from gpu_agent.config.plugin import PluginConfig, device_plugin_dir, mig_strategy, plugin_wanted
+from gpu_agent.config.plugin import PluginConfig, device_plugin_dir, mig_strategy, plugin_wanted, serves_dra
 from gpu_agent.host import sandbox
 from gpu_agent.host.watch import FileChanges
 from gpu_agent.host.paths import Root
@@ -109,9 +109,10 @@ class DevicePluginManager:
         if held is not None:
             self._publish(None, f"off: {held}")
             return
-        if self.state.config.config.dra.enabled:  # one API per node: no GPU is handed out twice
+        serving = self.state.serving()
+        if serves_dra(serving):  # one API per node: no GPU is handed out twice
             await self.stop_all()
-            self._publish(None, "off: dra.enabled is true: this node's GPUs are served through DRA (docs/dra.md)")
+            self._publish(None, f"off: plugin.api is {serving}: this node's GPUs are served through DRA (docs/dra.md)")
             return
         if not plugin_wanted(self.root, self.settings):
             await self.stop_all()
