@@ -219,7 +219,9 @@ def test_blackwell_profile_kinds_as_mig_parted_writes_them(name: str, gpus: list
 # --- each generated config applies ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["dgx-h200", "a30", "h200-capture", "mixed-a100-h100-t4"])
+# The H200 capture's configs stand for the eight simulated H200s' (the same profiles), a30 for the reboot path.
+@pytest.mark.parametrize("name", [pytest.param("dgx-h200", marks=pytest.mark.slow), "a30", "h200-capture",
+                                  pytest.param("mixed-a100-h100-t4", marks=pytest.mark.slow)])
 def test_each_generated_config_applies(node: Any, tmp_path: Path, name: str) -> None:
     code, out, _ = node(name, "mig", "generate-config")
     assert code == 0
