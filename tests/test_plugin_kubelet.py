@@ -208,6 +208,11 @@ def test_eight_gpus_registered_and_allocated_in_every_list_strategy(agent, kubel
     plugin = status(daemon)["plugin"]
     assert plugin["enabled"] and plugin["resources"][0]["name"] == GPU
     assert plugin["resources"][0]["devices"] == 8 and plugin["resources"][0]["registered"] is True
+    # What the kubelet asked, as of the last reload's publish: one registration's options and stream (the real
+    # kubelet's sequence: tests/e2e/cluster), the allocations and the preferred allocation made before it.
+    calls = plugin["resources"][0]["calls"]
+    assert (calls["GetDevicePluginOptions"], calls["ListAndWatch"], calls["GetPreferredAllocation"]) == (1, 1, 1)
+    assert calls["Allocate"] >= 3 and "PreStartContainer" not in calls, calls
 
 
 def test_time_slicing_32_devices_and_xid_79_marks_exactly_its_replicas(agent, kubelet: Kubelet, root: Path) -> None:

@@ -89,14 +89,17 @@ class DevicePluginService(api.DevicePluginBase):
         self.prefer = prefer
         self.streams = 0  # ListAndWatch streams open
         self.refused: Counter[str] = Counter()  # requests refused, by reason (not logged: a client repeats them)
+        self.calls: Counter[str] = Counter()  # calls received, by method: what the kubelet asked, in /status
         self.idle = asyncio.Event()
         self.idle.set()
 
     async def GetDevicePluginOptions(self, stream: Stream[api.Empty, api.DevicePluginOptions]) -> None:
+        self.calls["GetDevicePluginOptions"] += 1
         await request_of(stream, self.refused)
         await stream.send_message(options())
 
     async def ListAndWatch(self, stream: Stream[api.Empty, api.ListAndWatchResponse]) -> None:
+        self.calls["ListAndWatch"] += 1
         await request_of(stream, self.refused)
         self.streams += 1
         self.idle.clear()
@@ -116,6 +119,7 @@ class DevicePluginService(api.DevicePluginBase):
 
     async def GetPreferredAllocation(
             self, stream: Stream[api.PreferredAllocationRequest, api.PreferredAllocationResponse]) -> None:
+        self.calls["GetPreferredAllocation"] += 1
         request = await request_of(stream, self.refused)
         resource = self.feed.resource
         known = {device.id for device in resource.devices}
@@ -146,6 +150,7 @@ class DevicePluginService(api.DevicePluginBase):
                                 f"advertise: {shown}{', ...' if len(unknown) > 3 else ''}")
 
     async def Allocate(self, stream: Stream[api.AllocateRequest, api.AllocateResponse]) -> None:
+        self.calls["Allocate"] += 1
         request = await request_of(stream, self.refused)
         resource = self.feed.resource
         answers = []
@@ -183,6 +188,7 @@ class DevicePluginService(api.DevicePluginBase):
 
     async def PreStartContainer(
             self, stream: Stream[api.PreStartContainerRequest, api.PreStartContainerResponse]) -> None:
+        self.calls["PreStartContainer"] += 1
         await request_of(stream, self.refused)  # never asked for: options() says pre_start_required=false
         await stream.send_message(api.PreStartContainerResponse())
 

@@ -289,6 +289,7 @@ class DevicePluginManager:
                 "replicas": endpoint.feed.resource.replicas,
                 "registered": name in self.registered, "registered_at": self.registered.get(name),
                 "refused": dict(endpoint.service.refused),  # by reason, as of this publish
+                "calls": dict(endpoint.service.calls),  # by method, as of this publish
                 "error": self.errors.get(name)})
         section: dict[str, Any] = {"enabled": plugin_wanted(self.root, self.settings), "resources": resources}
         if wanted is None:

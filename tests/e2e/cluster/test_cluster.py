@@ -171,6 +171,41 @@ def test_a_restarted_kubelet_gets_the_plugin_registered_again(cluster: rig.Clust
     cluster.wait("nvidia.com/gpu: 8 again", lambda: _gpus(cluster) == ("8", "8"))
 
 
+def test_the_kubelet_stand_ins_claims_hold_for_the_real_kubelet(cluster: rig.Cluster) -> None:
+    """What tests/kubelet_standin/main.go claims of the kubelet, checked once against it: a restarted kubelet
+    deletes every socket in its device-plugins folder and makes kubelet.sock anew; after each registration it
+    asks GetDevicePluginOptions and opens one ListAndWatch; for a pod it asks GetPreferredAllocation (the
+    plugin offers it: the stand-in's "preferred") and then Allocate, and never PreStartContainer."""
+    c = cluster.container
+    folder = "/var/lib/kubelet/device-plugins"
+
+    def calls() -> dict[str, int]:
+        resources = _status(cluster)["plugin"]["resources"]
+        return next((r.get("calls") or {} for r in resources if r["name"] == "nvidia.com/gpu"), {})
+
+    def inodes() -> dict[str, str]:
+        listed = c.exec("sh", "-c", f"cd {folder} && stat -c '%n %i' *.sock").stdout.split()
+        return dict(zip(listed[::2], listed[1::2]))
+
+    def registrations() -> int:
+        return c.exec("journalctl", "-u", "gpu-agent", "-o", "cat", "--no-pager").stdout.count(
+            "device plugin: registered nvidia.com/gpu")
+
+    before, registered = inodes(), registrations()
+    c.exec("systemctl", "restart", "kubelet", timeout=180)
+    cluster.wait("the plugin registered again", lambda: registrations() > registered, timeout=240)
+    after = inodes()
+    assert after["kubelet.sock"] != before["kubelet.sock"], (before, after)
+    assert after.get("nvidia-gpu.sock") != before["nvidia-gpu.sock"], (before, after)  # deleted, served anew
+    cluster.wait("one registration's calls", lambda: calls() == {"GetDevicePluginOptions": 1, "ListAndWatch": 1},
+                 timeout=240)
+    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
+    rig.import_images(c)
+    _finished_pod(cluster, "parity-pod", "nvidia.com/gpu")
+    cluster.wait("the pod's calls", lambda: calls().get("Allocate") == 1, timeout=240)
+    assert calls() == {"GetDevicePluginOptions": 1, "ListAndWatch": 1, "GetPreferredAllocation": 1, "Allocate": 1}
+
+
 def test_what_the_nodes_credentials_may_not_do_the_agent_reports_clearly(cluster: rig.Cluster) -> None:
     """The agent told another Node's name than its credentials' (kubernetes.node_name): the Node
     authorizer's 403 in the agent's words, with the identity it used; nothing written."""
