@@ -281,8 +281,11 @@ class Runtime:
             return None
         if not (wanted or uninstall or Ledger(self.root).vfio()):
             return None
+        from gpu_agent.mps.reload import ReloadMps
+
         label = (lambda key: node(fresh=False)[0].get(key)) if node is not None else None
-        return Vfio(self.root, self.nvml, self.loader, self.pci, workload, node_label=label, uninstall=uninstall)
+        return Vfio(self.root, self.nvml, self.loader, self.pci, workload, node_label=label, uninstall=uninstall,
+                    gate=self.plugin_gate, mps=ReloadMps(self.root, self.mps_control(), self.nvml.inventory))
 
 
 def _simulated_nvml(machine: Any) -> Any:
