@@ -3,6 +3,8 @@ uninstall or by their mode going back to container, refused while a process hold
 switch cut by kill -9 at any of its writes finished by the next agent, never leaving a GPU without a driver."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -153,3 +155,46 @@ def test_kill_9_in_the_middle_of_a_switch_then_a_restart_finishes_it(h100: Path,
 def _ledger_vfio(root: Path) -> dict[str, object]:
     path = root / "var/lib/gpu-agent/ledger.json"
     return json.loads(path.read_text()).get("vfio", {}) if path.exists() else {}
+
+
+def test_status_shows_each_gpus_mode_and_binding(tmp_path: Path) -> None:
+    """/status's GPU entries: GPUs 0-3 in container mode on nvidia, 4 and 6-7 passed through on vfio-pci (outside
+    NVML: no NVML index, their PCI place and IOMMU group), 5 wanted for a VM but held by a process: on nvidia, and
+    why; `gpu-agent status` prints the mode and driver of each."""
+    from harness import SimNode
+
+    from gpu_agent.cli.status import print_table
+
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    node.apply({"toolkit": {"enabled": False}})
+    node.sim("add-process", "--gpu", "5", "--pid", "4242", "--name", "trainer")
+    done = node.apply({"toolkit": {"enabled": False}, "workload": {"gpus": dict.fromkeys("4567", "vm-passthrough")}})
+    gpus = done.state.to_json()["gpus"]
+    shown = {gpu["pci_bus_id"].lower()[-12:]: gpu for gpu in gpus}
+    groups = {gpu["pci_bus_id"].lower()[-12:]: str(gpu["iommu_group"]) for gpu in json.loads(
+        run_cli("sim", "show", "--json", root=node.root).stdout)["gpus"]}
+    assert len(gpus) == 8 and [gpu["index"] for gpu in gpus] == [0, 1, 2, 3, 4, None, None, None]
+    for address, gpu in shown.items():
+        passed = address in (PASSED[0], *PASSED[2:])
+        assert gpu["mode"] == ("vm-passthrough" if address in PASSED else "container"), gpu
+        assert gpu["binding"]["driver"] == ("vfio-pci" if passed else "nvidia"), gpu
+        assert gpu["binding"]["iommu_group"] == groups[address], gpu
+    assert shown[PASSED[1]]["binding"]["reason"] == "process 4242 (trainer) has it open"
+    assert shown[PASSED[1]]["index"] == 4 and shown[PASSED[1]]["health"] == "healthy"  # NVML's 4th now
+    assert [shown[a]["pci_index"] for a in (PASSED[0], *PASSED[2:])] == [4, 6, 7]
+    assert all(shown[a]["known_from"] == "vfio" and shown[a]["health"] == "n/a" for a in (PASSED[0], *PASSED[2:]))
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_table(done.state.to_json())
+    lines = printed.getvalue().splitlines()
+    assert any(PASSED[0] in line and "vm-passthrough" in line and "vfio-pci" in line for line in lines), lines
+    assert any(PASSED[1] in line and "vm-passthrough" in line and " nvidia " in line for line in lines), lines
+    assert f"GPU {PASSED[1]} not as its mode (vm-passthrough) wants it: process 4242 (trainer) has it open" in lines
+
+
+def test_without_the_vfio_stage_every_gpu_serves_containers_on_nvidia(tmp_path: Path) -> None:
+    from harness import SimNode
+
+    gpus = SimNode(tmp_path / "root", "dgx-h100").apply({"toolkit": {"enabled": False}}).state.to_json()["gpus"]
+    assert [(gpu["mode"], gpu["binding"]["driver"]) for gpu in gpus] == [("container", "nvidia")] * 8
