@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 from harness import run_cli
@@ -198,3 +198,44 @@ def test_without_the_vfio_stage_every_gpu_serves_containers_on_nvidia(tmp_path: 
 
     gpus = SimNode(tmp_path / "root", "dgx-h100").apply({"toolkit": {"enabled": False}}).state.to_json()["gpus"]
     assert [(gpu["mode"], gpu["binding"]["driver"]) for gpu in gpus] == [("container", "nvidia")] * 8
+
+
+GFD_KEYS = ("gpu.product", "gpu.count", "gpu.memory", "gpu.family", "gpu.compute.major", "gpu.machine", "gpu.mode",
+            "gpu.replicas", "gpu.sharing-strategy", "mig.capable", "mps.capable", "cuda.driver-version.full",
+            "vgpu.present")
+
+
+def _labels(done: Any) -> dict[str, str]:
+    from gpu_agent.kube.labels import node_labels
+
+    state = done.state
+    return node_labels(state.config.config, state.inventory, True, "DGX H100", state.workload)
+
+
+def test_labels_of_a_mixed_node_and_of_a_node_whose_every_gpu_is_passed_through(tmp_path: Path) -> None:
+    """GFD's labels describe the GPUs NVML sees (those serving containers); with none left they go, and the node
+    keeps gpu.present=true (as the GPU Operator keeps it in vm-passthrough) and the agent's gpu-agent.workload. The
+    agent never writes the Operator's gpu.workload.config (its input) or gpu.deploy.* labels; the driver and
+    discovery stages are ok with every GPU passed through."""
+    from harness import SimNode
+
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    base = {"toolkit": {"enabled": False}}
+    plain = _labels(node.apply(base))
+    assert "nvidia.com/gpu-agent.workload" not in plain and plain["nvidia.com/gpu.count"] == "8"
+
+    mixed = _labels(node.apply({**base, "workload": {"gpus": dict.fromkeys("4567", "vm-passthrough")}}))
+    assert mixed["nvidia.com/gpu-agent.workload"] == "mixed"
+    assert mixed["nvidia.com/gpu.count"] == "4" and mixed["nvidia.com/gpu.product"] == plain["nvidia.com/gpu.product"]
+    assert mixed["nvidia.com/gpu.present"] == "true"
+
+    whole = node.apply({**base, "workload": {"mode": "vm-passthrough"}})
+    assert _drivers(node.root) == ["vfio-pci"] * 8
+    assert {run.stage: run.state for run in whole.runs if run.stage in ("driver", "vfio", "discovery")} == {
+        "driver": "ok", "vfio": "ok", "discovery": "ok"}, [(run.stage, run.message) for run in whole.runs]
+    labels = _labels(whole)
+    assert labels["nvidia.com/gpu-agent.workload"] == "vm-passthrough" and labels["nvidia.com/gpu.present"] == "true"
+    assert not [key for key in GFD_KEYS if "nvidia.com/" + key in labels], labels
+    for written in (plain, mixed, labels):
+        assert "nvidia.com/gpu.workload.config" not in written
+        assert not [key for key in written if key.startswith("nvidia.com/gpu.deploy.")]
