@@ -181,3 +181,26 @@ def test_the_device_plugin_stops_advertising_a_gpu_before_it_is_unbound(tmp_path
     # At each unbind, the list the plugin serves (and streams) already leaves both GPUs out.
     assert result["at_unbind"] == {"0000:9a:00.0": [0, 1, 2, 3, 6, 7], "0000:ab:00.0": [0, 1, 2, 3, 6, 7]}
     assert _drivers(node)[4:6] == ["vfio-pci", "vfio-pci"]
+
+
+def test_the_sampler_leaves_gpus_being_passed_through_alone(tmp_path: Path) -> None:
+    """Between the switch and the pass's discovery, the inventory still lists GPUs 4-7, which NVML no longer
+    sees: read, they would fail (query errors, unhealthy transitions on /metrics); the vfio stage's `leaving`
+    keeps the sampler off them, and the other GPUs are sampled."""
+    from gpu_agent.metrics.sampler import Sampler
+
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    before = node.apply({"toolkit": {"enabled": False}}).state  # its inventory: eight GPUs
+    node.apply({"toolkit": {"enabled": False}, "workload": VM})
+    assert _drivers(node)[4:] == ["vfio-pci"] * 4
+    nvml = Nvml(FakeNvml(node.machine))
+    try:
+        leaving = frozenset(("0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"))
+        Sampler(nvml, before, Root(node.root), lambda: leaving).sample()
+        assert len(before.samples) == 4 and not before.health_transitions
+        assert all(health.healthy for health in before.health.values())
+        Sampler(nvml, before, Root(node.root)).sample()  # without it: the errors the daemon logged
+        assert sorted(key for key, _ in before.health_transitions) == sorted(gpu.uuid for gpu in
+                                                                             before.inventory.gpus[4:])
+    finally:
+        nvml.close()

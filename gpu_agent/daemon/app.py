@@ -337,7 +337,7 @@ class Daemon:
         self.config_path = config_path
         self.config_required = config_required
         self.notifier = Notifier()
-        self.sampler = Sampler(runtime.nvml, self.state, runtime.root)
+        self.sampler = Sampler(runtime.nvml, self.state, runtime.root, lambda: runtime.plugin_gate.leaving)
         self.collector = AgentCollector(self.state, lambda: runtime.nvml.session.timeouts,
                                         self.config.metrics.hostname)
         self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,

@@ -5,7 +5,8 @@ record, so a daemon restarted mid-reload holds the plugin off from its first pas
 
 It also carries the GPUs the vfio stage takes from the container path (`withdraw`): the plugin leaves them
 out of its lists and says, after each sync, which it has left out (`applied`), so the stage unbinds a GPU only
-once the kubelet has been sent lists without it (`wait_withdrawn`)."""
+once the kubelet has been sent lists without it (`wait_withdrawn`); and those whose binding it changes
+(`leaving`), which the metrics sampler does not read."""
 from __future__ import annotations
 
 import threading
@@ -18,6 +19,9 @@ class PluginGate:
         self.closures = 0  # how many times it closed: a plugin that did not see one still registers again
         self.listener: Callable[[], None] = lambda: None
         self.withdrawn: frozenset[str] = frozenset()  # PCI addresses (0000:9a:00.0) not to advertise
+        # The GPUs the vfio stage switches, or switched, between nvidia and vfio-pci (its ledger's): NVML stops or
+        # starts seeing them before the pass's discovery, so the sampler leaves them alone.
+        self.leaving: frozenset[str] = frozenset()
         self._serving = False  # a device plugin runs and says what it has left out
         self._applied: frozenset[str] = frozenset()
         self._changed = threading.Condition()

@@ -140,6 +140,7 @@ class Vfio(Stage):
             found.gpus.append(_Gpu(view, record, facts, wanted == VM_PASSTHROUGH, nvml_gpu))
         if self.gate is not None:  # before any of them is switched: see _switch
             self.gate.withdraw(gpu.view.address for gpu in found.gpus if gpu.want_vm or gpu.record is not None)
+            self.gate.leaving = frozenset(gpu.view.address for gpu in found.gpus if gpu.record is not None)
         return found
 
     def _mode(self) -> tuple[str, str, str]:
@@ -254,6 +255,8 @@ class Vfio(Stage):
         if want_vm and self.gate is not None and not self.gate.wait_withdrawn(address, WITHDRAW_WAIT_S):
             raise StageError(f"GPU {address} not passed through: the device plugin has not withdrawn it from the "
                              f"container path's resources within {WITHDRAW_WAIT_S:g} s; tried again next pass")
+        if self.gate is not None:  # NVML stops (or starts) seeing it before this pass's discovery
+            self.gate.leaving = self.gate.leaving | {address}
         for _ in range(_MOVES_PER_GPU):
             gpu = self._fresh(address, want_vm, nvml_gpu)  # after the withdrawal: no pod is given it meanwhile
             move = decide(gpu.record, want_vm, gpu.facts)
