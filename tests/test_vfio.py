@@ -239,3 +239,30 @@ def test_labels_of_a_mixed_node_and_of_a_node_whose_every_gpu_is_passed_through(
     for written in (plain, mixed, labels):
         assert "nvidia.com/gpu.workload.config" not in written
         assert not [key for key in written if key.startswith("nvidia.com/gpu.deploy.")]
+
+
+def test_an_nvswitch_board_split_between_host_and_vms_is_passed_through_with_a_warning(tmp_path: Path) -> None:
+    """dgx-h100's GPUs 4-7 are passed through (the acceptance case: vfio-manage binds single GPUs too), and the
+    stage says what is given up: their NVLinks, whose NVSwitches and Fabric Manager stay with the host. Every GPU
+    passed through: the NVSwitches still stay (as vfio-manage without BIND_NVSWITCHES). No NVSwitch: no warning."""
+    from harness import SimNode
+
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    base: dict[str, Any] = {"toolkit": {"enabled": False}}
+    node.apply(base)
+    split = node.apply({**base, "workload": {"gpus": dict.fromkeys("4567", "vm-passthrough")}}).stage("vfio")
+    assert split.state == "ok" and _drivers(node.root)[4:] == ["vfio-pci"] * 4
+    assert "warning: GPUs 4, 5, 6, 7 are passed through from an NVSwitch board (4 NVSwitches)" in split.message
+    assert "Fabric Manager" in split.facts["fabric_warning"] and split.facts["nvswitches"] == 4
+    devices = node.root / "var/lib/gpu-agent/sim/kernel/sys/bus/pci/devices"
+    for bus in ("05", "06", "07", "08"):  # dgx-h100's NVSwitches are never the agent's to bind
+        link = devices / f"0000:{bus}:00.0" / "driver"
+        assert (devices / f"0000:{bus}:00.0").is_dir()
+        assert not link.is_symlink() or os.path.basename(os.readlink(link)) != "vfio-pci"
+    whole = node.apply({**base, "workload": {"mode": "vm-passthrough"}}).stage("vfio")
+    assert "warning: every GPU is passed through, the 4 NVSwitches stay with the host" in whole.message
+
+    single = SimNode(tmp_path / "a30", "a30")
+    single.apply(base)
+    alone = single.apply({**base, "workload": {"mode": "vm-passthrough"}}).stage("vfio")
+    assert alone.state == "ok" and "warning" not in alone.message and alone.facts["fabric_warning"] is None

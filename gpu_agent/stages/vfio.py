@@ -93,6 +93,7 @@ class WorkloadObservation:
     source: str
     error: str = ""
     gpus: list[_Gpu] = field(default_factory=list)
+    nvswitches: int = 0  # NVIDIA NVSwitches on the PCI bus: an HGX board, whose NVLinks Fabric Manager sets up
 
 
 class Vfio(Stage):
@@ -113,6 +114,7 @@ class Vfio(Stage):
         self.mps = mps  # the agent's own MPS control daemons: quit before their GPU is unbound, never blockers
         self.ledger = Ledger(root)
         self._failures: list[str] = []
+        self._warned = ""  # the Fabric Manager warning last logged
 
     def start_pass(self) -> None:
         self._failures = []
@@ -125,7 +127,9 @@ class Vfio(Stage):
         inventory = self._inventory()
         by_address = {sysfs.pci_address(gpu.pci_bus_id): gpu for gpu in (inventory.gpus if inventory else ())}
         records = {address: Record.from_json(entry) for address, entry in self.ledger.vfio().items()}
-        for index, device in enumerate(pci_bus.scan(self.root).gpus):
+        bus = pci_bus.scan(self.root)
+        found.nvswitches = len(bus.nvswitches)
+        for index, device in enumerate(bus.gpus):
             record = records.get(device.address)
             nvml_gpu = by_address.get(device.address)
             uuid = nvml_gpu.uuid if nvml_gpu is not None else record.uuid if record is not None else None
@@ -355,8 +359,12 @@ class Vfio(Stage):
         if not passed:
             return f"every GPU serves containers ({observed.source}: {observed.mode})"
         served = ", ".join(f"{name}: {count}" for name, count in self._resources(observed).items())
+        warning = fabric_warning(observed)
+        if warning and warning != self._warned:  # once, not every pass
+            log.warning("vfio: %s", warning)
+        self._warned = warning
         return (f"{passed} GPU(s) passed through to VMs on vfio-pci ({served}), {len(observed.gpus) - passed} serve "
-                "containers")
+                "containers" + (f"; warning: {warning}" if warning else ""))
 
     def _resources(self, observed: WorkloadObservation) -> dict[str, int]:
         """The VM path's resources, as the device plugin names them (KubeVirt's rule), and their GPUs."""
@@ -375,7 +383,8 @@ class Vfio(Stage):
     def facts(self, observed: WorkloadObservation) -> dict[str, Any]:
         result = self._result(observed)
         return {"mode": result.mode, "source": result.source, "gpus": [gpu.to_json() for gpu in result.gpus],
-                "resources": self._resources(observed)}
+                "resources": self._resources(observed), "nvswitches": observed.nvswitches,
+                "fabric_warning": fabric_warning(observed) or None}
 
     def _result(self, observed: WorkloadObservation) -> WorkloadResult:
         gpus = []
@@ -385,6 +394,24 @@ class Vfio(Stage):
                 else ""
             gpus.append(GpuWorkload(**{**gpu.view.__dict__, "reason": reason}))
         return WorkloadResult(observed.mode, observed.source, tuple(gpus))
+
+
+def fabric_warning(observed: WorkloadObservation) -> str:
+    """On an NVSwitch (HGX) board, what passing GPUs through gives up: the agent binds GPUs (and their IOMMU
+    group's functions) only, as the GPU Operator's vfio-manager does without BIND_NVSWITCHES, and sets up no
+    Fabric Manager model for VMs (docs/vfio.md). Empty where no GPU of such a board is passed through."""
+    vm = [gpu.view for gpu in observed.gpus if gpu.want_vm]
+    if not observed.nvswitches or not vm:
+        return ""
+    which = ", ".join(str(gpu.index) for gpu in vm)
+    if len(vm) < len(observed.gpus):
+        return (f"GPUs {which} are passed through from an NVSwitch board ({observed.nvswitches} NVSwitches) whose "
+                "other GPUs stay with the host: the host's Fabric Manager keeps the NVSwitches, so the VMs get no "
+                "NVLink among those GPUs (PCIe only); Fabric Manager's models for VMs (full passthrough, shared "
+                "NVSwitch partitions) are not set up by gpu-agent")
+    return (f"every GPU is passed through, the {observed.nvswitches} NVSwitches stay with the host: a VM gets no "
+            "NVLink fabric unless the NVSwitches are passed through too (Fabric Manager's full passthrough model), "
+            "which gpu-agent does not do")
 
 
 def _same_bus(key: str, address: str) -> bool:
