@@ -14,6 +14,7 @@ from gpu_agent.config.plugin import configured_api
 from gpu_agent.health.policy import GPU_CHECKS, NVML_RESPONSIVE, gates_readiness, recovers_at
 from gpu_agent.health.policy import meaning as xid_meaning
 from gpu_agent.nvml.model import Gpu, GpuHealth, GpuSample, Inventory, MigDevice, UnidentifiedGpu, to_json
+from gpu_agent.nvml.session import short_bus_id
 
 PENDING, OK, FAILED, WAITING = "pending", "ok", "failed", "waiting"
 _PUBLISH = threading.Lock()  # the watcher threads' updates of the model, one at a time
@@ -411,7 +412,7 @@ class AgentState:
             "stages": [to_json(stage) for stage in self.stages.values()],
             "runtime_restarts": dict(self.runtime_restarts),
             "checks": [to_json(check) for check in self.checks()],
-            "gpus": self._gpus_json(inventory) if inventory else [],
+            "gpus": self._gpus_json(inventory),
             "labels": dict(labels) if labels is not None else None,
             "plugin": self.plugin,
             "mps": self.mps,
@@ -437,12 +438,21 @@ class AgentState:
         links = self.inventory.links if self.inventory else ()
         return {str(link.b if link.a == index else link.a): link.kind for link in links if index in (link.a, link.b)}
 
-    def _gpus_json(self, inventory: Inventory) -> list[dict[str, Any]]:
-        """Every GPU NVML counts, by index: those it cannot read too, as far as they are known."""
-        health = self.health_of(inventory)
-        found = [(gpu.index, self._gpu_json(gpu, health)) for gpu in inventory.gpus]
-        found += [(unnamed.index, _unidentified_json(unnamed)) for unnamed in inventory.unidentified]
-        return [doc for _, doc in sorted(found, key=lambda pair: pair[0])]
+    def _gpus_json(self, inventory: Optional[Inventory]) -> list[dict[str, Any]]:
+        """Every GPU NVML counts, by index: those it cannot read too, as far as they are known; then those the
+        vfio stage passed through to VMs (outside NVML), by PCI address. Each with its workload mode and the
+        driver its PCI function is bound to."""
+        workload = {gpu.address: gpu for gpu in self.workload.gpus} if self.workload is not None else {}
+        found: list[tuple[int, dict[str, Any]]] = []
+        if inventory is not None:
+            health = self.health_of(inventory)
+            for gpu in inventory.gpus:
+                seen = workload.pop(short_bus_id(gpu.pci_bus_id), None)
+                found.append((gpu.index, {**self._gpu_json(gpu, health), **_binding_json(seen, "nvidia")}))
+            found += [(unnamed.index, {**_unidentified_json(unnamed), **_binding_json(None, None)})
+                      for unnamed in inventory.unidentified]
+        ordered = [doc for _, doc in sorted(found, key=lambda pair: pair[0])]
+        return ordered + [_outside_nvml_json(gpu) for _, gpu in sorted(workload.items())]
 
     def _gpu_json(self, gpu: Gpu, healths: Mapping[str, GpuHealth]) -> dict[str, Any]:
         health = healths.get(gpu.uuid, GpuHealth())
@@ -501,6 +511,27 @@ def _unidentified_json(unnamed: UnidentifiedGpu) -> dict[str, Any]:
             "health": "unhealthy", "health_reason": reason, "last_xid": None, "recovers_at": None, "lost": False,
             "query_error": reason, "failing_checks": None, "xid_counts": {}, "mig": None, "processes": [],
             "metrics": None}
+
+
+def _binding_json(gpu: Optional[Any], in_nvml: Optional[str]) -> dict[str, Any]:
+    """A GPU's workload mode (container | vm-passthrough) and its PCI function's binding, from the vfio stage's
+    result (stages.vfio.GpuWorkload) where it ran; without it, every GPU serves containers, and one NVML reads
+    is bound to nvidia (`in_nvml`)."""
+    if gpu is None:
+        return {"mode": "container", "binding": {"driver": in_nvml, "iommu_group": None, "step": None,
+                                                 "reason": None}}
+    return {"mode": gpu.mode, "binding": {"driver": gpu.driver, "iommu_group": gpu.group, "step": gpu.step,
+                                          "reason": gpu.reason or None}}
+
+
+def _outside_nvml_json(gpu: Any) -> dict[str, Any]:
+    """/status of a GPU NVML does not see because it is bound to vfio-pci (or on its way): what the vfio stage
+    knows of it. `index` is None (NVML gives it none); `pci_index` is its place among the NVIDIA GPUs."""
+    return {"index": None, "pci_index": gpu.index, "uuid": gpu.uuid, "pci_bus_id": gpu.address, "product": None,
+            "unreadable": None, "known_from": "vfio", "memory_mib": None, "compute_capability": None,
+            "numa_node": gpu.numa_node, "links": {}, "health": "n/a", "health_reason": None, "last_xid": None,
+            "recovers_at": None, "lost": False, "query_error": None, "failing_checks": None, "xid_counts": {},
+            "mig": None, "processes": [], "metrics": None, **_binding_json(gpu, None)}
 
 
 def _sick(inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -> tuple[list[str], int]:

@@ -36,4 +36,4 @@ def _computed_here(args: argparse.Namespace) -> dict[str, str]:
     runtime.engine.record_dry_run(runs)
     state = runtime.state
     ready, _ = state.readiness(one_shot=True)
-    return node_labels(state.config.config, state.inventory, ready, state.machine)
+    return node_labels(state.config.config, state.inventory, ready, state.machine, state.workload)

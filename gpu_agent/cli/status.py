@@ -199,20 +199,26 @@ def print_table(status: dict[str, Any]) -> None:
     _table(rows)
     if status["gpus"]:
         print()
-        rows = [("GPU", "UUID", "PCI", "PRODUCT", "MEMORY", "MIG", "HEALTH", "LAST XID", "RECOVERS")]
+        rows = [("GPU", "UUID", "PCI", "PRODUCT", "MEMORY", "MIG", "MODE", "DRIVER", "HEALTH", "LAST XID",
+                 "RECOVERS")]
         for gpu in status["gpus"]:
             mig = gpu["mig"]  # None: not known (NVML cannot read the GPU, and never could since the agent started)
             mig_text = "?" if mig is None else "n/a" if not mig["capable"] else (
                 f"on ({len(mig['instances'])} instances)" if mig["mode"] == "enabled" else "off")
             last = gpu.get("last_xid")
             memory = gpu["memory_mib"]
-            rows.append((str(gpu["index"]), gpu["uuid"] or "?", gpu["pci_bus_id"] or "?", gpu["product"] or "?",
-                         "?" if memory is None else f"{memory} MiB", mig_text, gpu["health"],
-                         f"{last['xid']} ({last['meaning']})" if last else "-", _recovery(gpu)))
+            binding = gpu.get("binding") or {}  # an older agent's /status has none
+            rows.append(("-" if gpu["index"] is None else str(gpu["index"]), gpu["uuid"] or "?",
+                         gpu["pci_bus_id"] or "?", gpu["product"] or "?", "?" if memory is None else f"{memory} MiB",
+                         mig_text, gpu.get("mode") or "?", binding.get("driver") or "none", gpu["health"],
+                         f"{last['xid']} ({last['meaning']})" if last else "-",
+                         "-" if gpu["health"] == "n/a" else _recovery(gpu)))
         _table(rows)
         for gpu in status["gpus"]:
             if gpu["health_reason"]:
                 print(f"GPU {gpu['index']} {gpu['health']}: {gpu['health_reason']}")
+            if (gpu.get("binding") or {}).get("reason"):
+                print(f"GPU {gpu['pci_bus_id']} not as its mode ({gpu['mode']}) wants it: {gpu['binding']['reason']}")
             for device in gpu["mig"]["instances"] if gpu["mig"] else ():
                 if device.get("health_reason"):
                     print(f"GPU {gpu['index']} MIG device {device['uuid']} {device['health']}: "

@@ -287,8 +287,11 @@ class Runtime:
             return None
         if not (wanted or uninstall or _passed_through(self.root)):
             return None
+        from gpu_agent.mps.reload import ReloadMps
+
         label = (lambda key: node().get(key)) if node is not None else None
-        return Vfio(self.root, self.nvml, self.loader, self.pci, workload, node_label=label, uninstall=uninstall)
+        return Vfio(self.root, self.nvml, self.loader, self.pci, workload, node_label=label, uninstall=uninstall,
+                    gate=self.plugin_gate, mps=ReloadMps(self.root, self.mps_control(), self.nvml.inventory))
 
 
 def _passed_through(root: Root) -> bool:
@@ -355,7 +358,7 @@ class Daemon:
         self.config_path = config_path
         self.config_required = config_required
         self.notifier = Notifier()
-        self.sampler = Sampler(runtime.nvml, self.state, runtime.root)
+        self.sampler = Sampler(runtime.nvml, self.state, runtime.root, lambda: runtime.plugin_gate.leaving)
         self.collector = AgentCollector(self.state, lambda: runtime.nvml.session.timeouts,
                                         self.config.metrics.hostname)
         self.pod_labels = PodLabels(runtime.root, lambda: self.state.inventory,

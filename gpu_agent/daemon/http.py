@@ -314,7 +314,8 @@ class HttpServer:
 
 
 def _status(state: AgentState) -> dict[str, Any]:
-    return state.to_json(labels=node_labels(state.config.config, state.inventory, state.ready, state.machine))
+    return state.to_json(labels=node_labels(state.config.config, state.inventory, state.ready, state.machine,
+                                             state.workload))
 
 
 def _bind(where: str, make: Callable[[], list[socket.socket]]) -> list[socket.socket]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from gpu_agent.config.plugin import RESOURCE_PREFIX, mig_strategy
 from gpu_agent.host import procfs
@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "nvidia.com/"
 TIMESTAMP = PREFIX + "gfd.timestamp"
+WORKLOAD = PREFIX + "gpu-agent.workload"
 _STAMP = re.compile(r"[0-9]{1,19}")
 _INVALID = re.compile(r"[^A-Za-z0-9_. -]")
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
@@ -58,11 +59,23 @@ def machine_name(root: Root) -> Optional[str]:
 
 
 def node_labels(config: AgentConfig, inventory: Optional[Inventory], ready: bool,
-                machine: Optional[str]) -> dict[str, str]:
+                machine: Optional[str], workload: Optional[Any] = None) -> dict[str, str]:
     """Every label the agent owns for this inventory and readiness: what the labels stage sets, /status
-    shows and `gpu-agent labels` prints, with mig.strategy and the time-shared resources of `config`."""
+    shows and `gpu-agent labels` prints, with mig.strategy and the time-shared resources of `config`, and the
+    node's workload where the vfio stage ran (`workload`: its stages.vfio.WorkloadResult)."""
     strategy = mig_strategy(config)
-    return compute(inventory, ready, strategy, machine, sharing(inventory, strategy, config.plugin))
+    labels = compute(inventory, ready, strategy, machine, sharing(inventory, strategy, config.plugin))
+    return {**labels, **workload_labels(workload)} if workload is not None else labels
+
+
+def workload_labels(workload: Any) -> dict[str, str]:
+    """gpu-agent.workload: container, vm-passthrough (every GPU passed through) or mixed; gpu.present stays true
+    while the node's GPUs are passed through (NVML, which the GFD labels describe, sees none of them), as the GPU
+    Operator keeps it on a vm-passthrough node. The agent never writes gpu.workload.config (its input) nor the
+    Operator's gpu.deploy.* labels (docs/vfio.md)."""
+    vm = len(workload.vm_gpus())
+    mode = "container" if not vm else "vm-passthrough" if vm == len(workload.gpus) else "mixed"
+    return {WORKLOAD: mode, **({PREFIX + "gpu.present": "true"} if vm else {})}
 
 
 def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine: Optional[str],

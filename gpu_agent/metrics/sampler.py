@@ -5,12 +5,12 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from gpu_agent.host.paths import Root
 from gpu_agent.host.processes import named
 from gpu_agent.nvml.client import Nvml
-from gpu_agent.nvml.session import NvmlHung, NvmlUnavailable, describe
+from gpu_agent.nvml.session import NvmlHung, NvmlUnavailable, describe, short_bus_id
 from gpu_agent.health.policy import cleared
 from gpu_agent.metrics.extras import ExporterReadings
 from gpu_agent.metrics.gpm import Profiling
@@ -21,10 +21,12 @@ log = logging.getLogger(__name__)
 
 
 class Sampler:
-    def __init__(self, nvml: Nvml, state: AgentState, root: Root) -> None:
+    def __init__(self, nvml: Nvml, state: AgentState, root: Root,
+                 leaving: Callable[[], frozenset[str]] = frozenset) -> None:
         self.nvml = nvml
         self.state = state
         self.root = root
+        self.leaving = leaving  # PCI addresses of GPUs passed through to VMs or given back now: not read
         self._running = threading.Lock()
         self._misplaced: set[str] = set()  # lost GPUs found answering at another bus id, already logged
         self._nvlink: dict[str, tuple[float, float]] = {}  # by GPU UUID: the last NVLink counter (KiB) and when
@@ -46,6 +48,12 @@ class Sampler:
         inventory = self.state.inventory or self.state.last_inventory
         if inventory is None:
             return
+        # A GPU the vfio stage moves to vfio-pci leaves NVML before the pass's discovery drops it: not a GPU
+        # that stopped answering (no query error, no unhealthy transition), and its series go.
+        leaving = self.leaving()
+        if leaving:
+            inventory = replace(inventory, gpus=tuple(
+                gpu for gpu in inventory.gpus if short_bus_id(gpu.pci_bus_id) not in leaving))
         samples: dict[str, GpuSample] = {}
         processes: dict[str, tuple[GpuProcess, ...]] = {}
         try:

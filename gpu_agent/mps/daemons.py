@@ -133,7 +133,9 @@ def wanted_daemons(root: Root, state: AgentState) -> Wanted:
     if inventory is None:
         return Wanted({}, named, False, {})
     unreadable = frozenset(gpu.uuid for gpu in inventory.gpus if gpu.unreadable)
-    inventory = replace(inventory, gpus=inventory.readable)  # a daemon starts on the GPUs NVML reads
+    leaving = passed_through(root, state)
+    # A daemon starts on the GPUs NVML reads, but those leaving for VMs (or gone to them).
+    inventory = replace(inventory, gpus=tuple(gpu for gpu in inventory.readable if gpu.uuid not in leaving))
     found = advertised(inventory, {}, mig_strategy(state.config.config), settings)
     specs: dict[str, DaemonSpec] = {}
     gpus = {gpu.uuid: gpu for gpu in inventory.gpus}
@@ -533,6 +535,18 @@ def _ancestors(directory: str) -> list[str]:
     """MPS_ROOT, then each directory down to `directory`: /run/nvidia/mps, .../nvidia.com, .../nvidia.com/gpu."""
     parts = directory[len(MPS_ROOT):].strip("/").split("/")
     return [MPS_ROOT] + [f"{MPS_ROOT}/{'/'.join(parts[:n])}" for n in range(1, len(parts) + 1)]
+
+
+def passed_through(root: Root, state: AgentState) -> frozenset[str]:
+    """The UUIDs of the GPUs whose mode is vm-passthrough, or that the vfio stage's ledger records name (on
+    their way to vfio-pci, or there): no daemon serves them."""
+    workload = state.workload
+    found = {gpu.uuid for gpu in workload.vm_gpus() if gpu.uuid} if workload is not None else set()
+    try:
+        records = Ledger(root).vfio()
+    except AgentError:  # the ledger's own problem, which the stages report
+        records = {}
+    return frozenset(found | {entry["uuid"] for entry in records.values() if isinstance(entry.get("uuid"), str)})
 
 
 def held_by_reload(ledger: Ledger) -> frozenset[str]:

@@ -19,7 +19,7 @@ from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.mps import instance
 from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
-from gpu_agent.mps.daemons import left_over, start_daemon, stop_daemon, without
+from gpu_agent.mps.daemons import left_over, restore_compute_modes, start_daemon, stop_daemon, without
 from gpu_agent.mps.layout import record_path
 
 
@@ -45,6 +45,31 @@ class ReloadMps:
             return set()
         return {user.pid for user in users
                 if user.pid in daemons or processes.parent(self.procs, user.pid) in daemons}
+
+    def serving(self, uuid: str) -> list[tuple[str, int]]:
+        """(resource, pid) of the running daemons started with the GPU `uuid` among theirs (their records)."""
+        found = []
+        for resource in left_over(self.ledger):
+            pid, spec = self._pid(resource), instance.read(self.root, resource)
+            if pid is not None and spec is not None and uuid in spec.gpus:
+                found.append((resource, pid))
+        return found
+
+    def recorded_mode(self, uuid: str) -> Optional[str]:
+        """The compute mode the GPU `uuid` had before a daemon of the agent's set EXCLUSIVE_PROCESS, if recorded."""
+        recorded = self.ledger.compute_modes().get(uuid)
+        return recorded[0] if recorded is not None else None
+
+    def release(self, uuid: str) -> Optional[str]:
+        """The GPU `uuid`'s compute mode from before a daemon of the agent's put back and forgotten (it leaves
+        the daemon's GPUs); None once done, else why not."""
+        recorded = self.ledger.compute_modes()
+        if uuid not in recorded:
+            return None
+        owner = recorded[uuid][1]
+        others = tuple(gpu for gpu, (_, resource) in recorded.items() if resource == owner and gpu != uuid)
+        problems = restore_compute_modes(self.ledger, self.modes, owner, keep=others)
+        return "; ".join(problems) or None
 
     def quit(self, resource: str) -> Optional[str]:
         """Its daemon quit (SIGTERM after), its server with it; None once it runs no more, else why not."""

@@ -64,6 +64,8 @@ class DevicePluginManager:
     async def run(self) -> None:
         self._wake = wake = asyncio.Event()
         changes = FileChanges("device plugin", POLL_S)
+        if self.gate is not None:
+            self.gate.serving(True)
         try:
             while True:
                 wake.clear()
@@ -79,6 +81,8 @@ class DevicePluginManager:
                 self._retry.cancel()
                 self._retry = None
             await self.stop_all()
+            if self.gate is not None:
+                self.gate.serving(False)
 
     async def _sleep(self, wake: asyncio.Event, changes: FileChanges) -> None:
         """Until the daemon or a retry wakes it, or the kubelet's directory changes."""
@@ -96,6 +100,12 @@ class DevicePluginManager:
     # --- one sync ----------------------------------------------------------------------------------
 
     async def sync(self) -> None:
+        withdrawn = self.gate.withdrawn if self.gate is not None else frozenset()
+        await self._sync(withdrawn)
+        if self.gate is not None:  # served without them, or nothing served at all
+            self.gate.applied(withdrawn)
+
+    async def _sync(self, withdrawn: frozenset[str]) -> None:
         held = self.gate.closed if self.gate is not None else None
         # Closed since the last sync, maybe open again already (a reload within one pass): the sockets
         # still go and come back, so the kubelet sees the new driver's devices registered anew.
@@ -124,7 +134,7 @@ class DevicePluginManager:
             missing = "is not a directory" if self.directory.exists() else "does not exist"
             self._publish(None, f"waiting for the kubelet: {self.host_directory} {missing}")
             return
-        wanted = self.compute()
+        wanted = self.compute(withdrawn)
         for name in [name for name in self.endpoints if name not in wanted.resources]:
             log.info("device plugin: %s no longer advertised; unregistering", name)
             await self._remove(name)
@@ -165,8 +175,10 @@ class DevicePluginManager:
         self._kubelet = kubelet
         self._publish(wanted, "")
 
-    def compute(self) -> Advertised:
-        wanted = self._container_path()
+    def compute(self, withdrawn: frozenset[str] = frozenset()) -> Advertised:
+        """What to serve; `withdrawn`: the PCI addresses of GPUs the vfio stage takes from the container path
+        now, left out of it before their mode is published."""
+        wanted = self._container_path(withdrawn)
         workload = self.state.workload
         if workload is None or not workload.vm_gpus():
             return wanted
@@ -186,7 +198,7 @@ class DevicePluginManager:
             resources[name] = Resource(name, devices, groups=tuple((gpu.address, gpu.group) for gpu in gpus))
         return Advertised(resources, wanted.withheld, wanted.ignored, "")
 
-    def _container_path(self) -> Advertised:
+    def _container_path(self, withdrawn: frozenset[str]) -> Advertised:
         """nvidia.com/gpu and the MIG resources, without the GPUs whose mode is vm-passthrough: a GPU is never
         advertised by both paths (one on its way to vfio-pci, or refused, is neither's to give to a container)."""
         state = self.state
@@ -195,8 +207,9 @@ class DevicePluginManager:
                               state.mps_down, state.mps_running)
         inventory, unavailable = self._inventory(), ""
         workload = state.workload
-        if inventory is not None and workload is not None and workload.vm_gpus():
-            vm = {gpu.uuid for gpu in workload.vm_gpus()} | {gpu.address for gpu in workload.vm_gpus()}
+        vm_gpus = workload.vm_gpus() if workload is not None else ()
+        if inventory is not None and (vm_gpus or withdrawn):
+            vm = {gpu.uuid for gpu in vm_gpus} | {gpu.address for gpu in vm_gpus} | withdrawn
             inventory = dataclasses.replace(inventory, gpus=tuple(
                 gpu for gpu in inventory.gpus if gpu.uuid not in vm and short_bus_id(gpu.pci_bus_id) not in vm))
         discovery = state.stages.get("discovery")

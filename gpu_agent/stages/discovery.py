@@ -14,6 +14,7 @@ from gpu_agent.stages.base import Stage
 class Discovery(Stage):
     name = "discovery"
     produces = ("inventory",)
+    consumes = ("workload",)  # the vfio stage's: GPUs passed through to VMs are outside NVML
 
     def __init__(self, nvml: Nvml, settings: DiscoveryConfig) -> None:
         self.nvml = nvml
@@ -36,6 +37,10 @@ class Discovery(Stage):
         """A GPU NVML cannot read (off the bus, its queries failing) is in the inventory as what is known of it,
         and noted here: it is gpu-health's to judge, and the other GPUs are served as ever."""
         found = inventory.count
+        workload = self.inputs.get("workload")
+        passed = workload.vm_gpus() if workload is not None else ()
+        if found == 0 and workload is not None and passed and len(passed) == len(workload.gpus):
+            return f"no GPU serves containers: all {len(passed)} NVIDIA GPUs are passed through to VMs"
         if found == 0:
             raise StageError(
                 f"no NVIDIA GPU was found: driver {inventory.driver_version} is loaded but NVML reports no GPU"

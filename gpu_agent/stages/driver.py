@@ -251,6 +251,9 @@ class Driver(Stage):
             raise StageError("no NVIDIA GPU was found on the PCI bus (no vendor 0x10de display device "
                              "under /sys/bus/pci/devices)")
         if not state.managed_gpus:
+            if all(gpu.address in state.passing for gpu in state.pci.gpus):  # the vm-passthrough mode of the node
+                return (f"every NVIDIA GPU ({len(state.pci.gpus)}) is passed through to VMs by the vfio stage: the "
+                        "nvidia driver serves none")
             raise StageError(f"all {len(state.pci.gpus)} NVIDIA GPUs are bound to vfio-pci (passed through to VMs)")
         if state.nouveau:
             fix = (f"{BLACKLIST_NOUVEAU} is written: reboot (after updating the initramfs) to finish"

@@ -67,7 +67,7 @@ class SinkState:
 
 class KubeSink(Stage):
     name = "labels"
-    consumes = ("inventory", "last_inventory", "pci_gpus", "mig", "driver_upgrade", OUTCOMES)
+    consumes = ("inventory", "last_inventory", "pci_gpus", "mig", "driver_upgrade", "workload", OUTCOMES)
     gates_readiness = False  # /readyz speaks for the GPUs; a failing sink only marks the agent degraded
 
     def __init__(self, root: Root, readiness: Readiness, config: Callable[[], AgentConfig],
@@ -109,7 +109,7 @@ class KubeSink(Stage):
                 node = self._current_node()
             except StageError as exc:  # the labels are still computed: the NFD file needs no API server
                 self._pass_failure = exc
-        wanted = node_labels(self.config(), inventory, ready, machine_name(self.root))
+        wanted = node_labels(self.config(), inventory, ready, machine_name(self.root), self.inputs.get("workload"))
         if inventory is None and self.inputs.get("pci_gpus") != 0:
             # GPUs on the bus, not seen yet: keep what the node has (or, without it, the NFD file)
             wanted = {**(_owned_labels(node) if node is not None else self._nfd_labels()), **wanted}

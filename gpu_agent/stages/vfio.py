@@ -25,17 +25,21 @@ from gpu_agent.host.modules import ModuleLoader
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.nvml.model import Gpu, Inventory
-from gpu_agent.plan import BindPciFunction, Change, LoadModule, SetDriverOverride, UnbindPciFunction, VfioStep
+from gpu_agent.mps.reload import ReloadMps
+from gpu_agent.plan import (BindPciFunction, Change, LoadModule, SetComputeMode, SetDriverOverride, StopMpsDaemon,
+                            UnbindPciFunction, VfioStep)
+from gpu_agent.plugin.gate import PluginGate
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.stages.driver_reload import pods_holding
-from gpu_agent.stages.vfio_transitions import (BACK, BIND, FORGET, IDLE, LOAD, ON_VFIO, OVERRIDE, REFUSE, START,
-                                               TO_HOST, TO_VFIO, UNBIND, VERIFY, VFIO_DRIVER, VFIO_MODULE, Facts,
-                                               Function, Move, Record, after, decide)
+from gpu_agent.stages.vfio_transitions import (BACK, BIND, FORGET, IDLE, LOAD, ON_VFIO, OVERRIDE, QUIT_MPS, REFUSE,
+                                               RELEASE_MODE, START, TO_HOST, TO_VFIO, UNBIND, VERIFY, VFIO_DRIVER,
+                                               VFIO_MODULE, Facts, Function, Move, Record, after, decide)
 
 log = logging.getLogger(__name__)
 
 WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
 _MOVES_PER_GPU = 32  # a group of a few functions takes a dozen moves each way
+WITHDRAW_WAIT_S = 10.0  # how long the device plugin may take to send the kubelet lists without a GPU
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class WorkloadObservation:
     source: str
     error: str = ""
     gpus: list[_Gpu] = field(default_factory=list)
+    nvswitches: int = 0  # NVIDIA NVSwitches on the PCI bus: an HGX board, whose NVLinks Fabric Manager sets up
 
 
 class Vfio(Stage):
@@ -96,7 +101,8 @@ class Vfio(Stage):
     produces = ("workload",)
 
     def __init__(self, root: Root, nvml: Nvml, loader: ModuleLoader, pci: sysfs.PciControl, settings: WorkloadConfig,
-                 node_label: Optional[Callable[[str], Optional[str]]] = None, uninstall: bool = False) -> None:
+                 node_label: Optional[Callable[[str], Optional[str]]] = None, uninstall: bool = False,
+                 gate: Optional[PluginGate] = None, mps: Optional[ReloadMps] = None) -> None:
         self.root = root
         self.nvml = nvml
         self.loader = loader
@@ -104,8 +110,11 @@ class Vfio(Stage):
         self.settings = settings
         self.node_label = node_label
         self.uninstall = uninstall  # every GPU back on its drivers
+        self.gate = gate  # the device plugin's: the GPUs taken from the container path are withdrawn first
+        self.mps = mps  # the agent's own MPS control daemons: quit before their GPU is unbound, never blockers
         self.ledger = Ledger(root)
         self._failures: list[str] = []
+        self._warned = ""  # the Fabric Manager warning last logged
 
     def start_pass(self) -> None:
         self._failures = []
@@ -118,7 +127,9 @@ class Vfio(Stage):
         inventory = self._inventory()
         by_address = {sysfs.pci_address(gpu.pci_bus_id): gpu for gpu in (inventory.gpus if inventory else ())}
         records = {address: Record.from_json(entry) for address, entry in self.ledger.vfio().items()}
-        for index, device in enumerate(pci_bus.scan(self.root).gpus):
+        bus = pci_bus.scan(self.root)
+        found.nvswitches = len(bus.nvswitches)
+        for index, device in enumerate(bus.gpus):
             record = records.get(device.address)
             nvml_gpu = by_address.get(device.address)
             uuid = nvml_gpu.uuid if nvml_gpu is not None else record.uuid if record is not None else None
@@ -131,6 +142,9 @@ class Vfio(Stage):
                                device.device, pci_bus.numa_node(self.root, device.address),
                                tuple(f.address for f in facts.functions), record.step if record else None)
             found.gpus.append(_Gpu(view, record, facts, wanted == VM_PASSTHROUGH, nvml_gpu))
+        if self.gate is not None:  # before any of them is switched: see _switch
+            self.gate.withdraw(gpu.view.address for gpu in found.gpus if gpu.want_vm or gpu.record is not None)
+            self.gate.leaving = frozenset(gpu.view.address for gpu in found.gpus if gpu.record is not None)
         return found
 
     def _mode(self) -> tuple[str, str, str]:
@@ -173,11 +187,16 @@ class Vfio(Stage):
         functions = tuple(Function(member, sysfs.driver_of(self.root, member), sysfs.override_of(self.root, member))
                           for member in ordered)
         blockers: tuple[str, ...] = ()
+        daemons: tuple[tuple[str, int], ...] = ()
+        mode = None
         on_host = functions[0].driver not in (None, VFIO_DRIVER)
         if want_vm and on_host and (record is None or record.step == ON_VFIO):
             blockers = tuple(self._blockers(functions, gpu))
+        uuid = gpu.uuid if gpu is not None else record.uuid if record is not None else None
+        if want_vm and on_host and uuid is not None and self.mps is not None:
+            daemons, mode = tuple(self.mps.serving(uuid)), self.mps.recorded_mode(uuid)
         return Facts(functions, group, group is not None and sysfs.group_node(self.root, group),
-                     sysfs.driver_present(self.root, VFIO_DRIVER), blockers)
+                     sysfs.driver_present(self.root, VFIO_DRIVER), blockers, daemons, mode)
 
     def _blockers(self, functions: Sequence[Function], gpu: Optional[Gpu]) -> list[str]:
         """What holds the GPU, or makes taking it from the host unsafe: refused with the reason."""
@@ -193,7 +212,8 @@ class Vfio(Stage):
         if gpu.mig.enabled:
             found.append("MIG mode is on: turn it off first (mig.config), the MIG devices are the container path's")
         held = processes.holding(self.root, re.compile(rf"/dev/nvidia{gpu.minor_number}$"))
-        found += [f"process {process.describe()} has it open" for process in held]
+        own = self.mps.own(held) if self.mps is not None else set()  # quit before the unbind (QUIT_MPS)
+        found += [f"process {process.describe()} has it open" for process in held if process.pid not in own]
         pods = pods_holding(self.root, lambda device: any(i.split("::")[0] == gpu.uuid for i in device.device_ids))
         found += [f"pod {pod} holds it" for pod in pods]
         if self._persistence(gpu):
@@ -226,7 +246,7 @@ class Vfio(Stage):
             move = decide(record, gpu.want_vm, facts)
             if move.kind in (IDLE, REFUSE):
                 break
-            changes.append(_change(move, gpu.view.address))
+            changes.append(_change(move, gpu.view.address, gpu.view.uuid, dict(facts.mps)))
             record, facts = after(move, record, facts)
             if move.kind == FORGET:
                 break
@@ -236,8 +256,13 @@ class Vfio(Stage):
         """Take the moves for one GPU until it is where its mode wants it, or refused; a failure on the way out
         puts it back and is raised."""
         failure = None
+        if want_vm and self.gate is not None and not self.gate.wait_withdrawn(address, WITHDRAW_WAIT_S):
+            raise StageError(f"GPU {address} not passed through: the device plugin has not withdrawn it from the "
+                             f"container path's resources within {WITHDRAW_WAIT_S:g} s; tried again next pass")
+        if self.gate is not None:  # NVML stops (or starts) seeing it before this pass's discovery
+            self.gate.leaving = self.gate.leaving | {address}
         for _ in range(_MOVES_PER_GPU):
-            gpu = self._fresh(address, want_vm, nvml_gpu)
+            gpu = self._fresh(address, want_vm, nvml_gpu)  # after the withdrawal: no pod is given it meanwhile
             move = decide(gpu.record, want_vm, gpu.facts)
             if move.kind in (IDLE, REFUSE):
                 break
@@ -255,6 +280,8 @@ class Vfio(Stage):
                 record.step, record.failure = TO_HOST, what
                 self.ledger.save_vfio(address, record.to_json())
             if move.kind == FORGET:
+                if self.gate is not None:  # back on its drivers: the container path's again
+                    self.gate.withdraw(self.gate.withdrawn - {address})
                 break
         self.nvml.session.gpus_changed()  # NVML's GPUs and their indices changed under it
         if failure is not None:
@@ -266,7 +293,8 @@ class Vfio(Stage):
         entry = self.ledger.vfio().get(address)
         record = Record.from_json(entry) if entry is not None else None
         facts = self._facts(address, record, want_vm, nvml_gpu)
-        view = GpuWorkload(-1, address, nvml_gpu.uuid if nvml_gpu else None, VM_PASSTHROUGH if want_vm else CONTAINER,
+        uuid = nvml_gpu.uuid if nvml_gpu else record.uuid if record is not None else None
+        view = GpuWorkload(-1, address, uuid, VM_PASSTHROUGH if want_vm else CONTAINER,
                            facts.functions[0].driver, facts.group, 0, None)
         return _Gpu(view, record, facts, want_vm)
 
@@ -281,6 +309,11 @@ class Vfio(Stage):
             self.ledger.save_vfio(address, record.to_json())  # before the first write
         elif move.kind == LOAD:
             self.loader.load(VFIO_MODULE)
+        elif move.kind in (QUIT_MPS, RELEASE_MODE):
+            assert self.mps is not None and gpu.view.uuid is not None  # facts name none without them
+            problem = self.mps.quit(move.address) if move.kind == QUIT_MPS else self.mps.release(gpu.view.uuid)
+            if problem is not None:
+                raise AgentError(problem)
         elif move.kind == OVERRIDE:
             self.pci.write(sysfs.override_path(move.address), move.value or "\n")
         elif move.kind == UNBIND:
@@ -326,8 +359,12 @@ class Vfio(Stage):
         if not passed:
             return f"every GPU serves containers ({observed.source}: {observed.mode})"
         served = ", ".join(f"{name}: {count}" for name, count in self._resources(observed).items())
+        warning = fabric_warning(observed)
+        if warning and warning != self._warned:  # once, not every pass
+            log.warning("vfio: %s", warning)
+        self._warned = warning
         return (f"{passed} GPU(s) passed through to VMs on vfio-pci ({served}), {len(observed.gpus) - passed} serve "
-                "containers")
+                "containers" + (f"; warning: {warning}" if warning else ""))
 
     def _resources(self, observed: WorkloadObservation) -> dict[str, int]:
         """The VM path's resources, as the device plugin names them (KubeVirt's rule), and their GPUs."""
@@ -346,7 +383,8 @@ class Vfio(Stage):
     def facts(self, observed: WorkloadObservation) -> dict[str, Any]:
         result = self._result(observed)
         return {"mode": result.mode, "source": result.source, "gpus": [gpu.to_json() for gpu in result.gpus],
-                "resources": self._resources(observed)}
+                "resources": self._resources(observed), "nvswitches": observed.nvswitches,
+                "fabric_warning": fabric_warning(observed) or None}
 
     def _result(self, observed: WorkloadObservation) -> WorkloadResult:
         gpus = []
@@ -358,6 +396,24 @@ class Vfio(Stage):
         return WorkloadResult(observed.mode, observed.source, tuple(gpus))
 
 
+def fabric_warning(observed: WorkloadObservation) -> str:
+    """On an NVSwitch (HGX) board, what passing GPUs through gives up: the agent binds GPUs (and their IOMMU
+    group's functions) only, as the GPU Operator's vfio-manager does without BIND_NVSWITCHES, and sets up no
+    Fabric Manager model for VMs (docs/vfio.md). Empty where no GPU of such a board is passed through."""
+    vm = [gpu.view for gpu in observed.gpus if gpu.want_vm]
+    if not observed.nvswitches or not vm:
+        return ""
+    which = ", ".join(str(gpu.index) for gpu in vm)
+    if len(vm) < len(observed.gpus):
+        return (f"GPUs {which} are passed through from an NVSwitch board ({observed.nvswitches} NVSwitches) whose "
+                "other GPUs stay with the host: the host's Fabric Manager keeps the NVSwitches, so the VMs get no "
+                "NVLink among those GPUs (PCIe only); Fabric Manager's models for VMs (full passthrough, shared "
+                "NVSwitch partitions) are not set up by gpu-agent")
+    return (f"every GPU is passed through, the {observed.nvswitches} NVSwitches stay with the host: a VM gets no "
+            "NVLink fabric unless the NVSwitches are passed through too (Fabric Manager's full passthrough model), "
+            "which gpu-agent does not do")
+
+
 def _same_bus(key: str, address: str) -> bool:
     try:
         return sysfs.pci_address(key if key.count(":") == 2 else f"0000:{key}") == address
@@ -365,11 +421,15 @@ def _same_bus(key: str, address: str) -> bool:
         return False
 
 
-def _change(move: Move, address: str) -> Change:
+def _change(move: Move, address: str, uuid: Optional[str], daemons: dict[str, int]) -> Change:
     if move.kind in STEP_OF:
         return VfioStep(address, STEP_OF[move.kind])
     if move.kind == LOAD:
         return LoadModule(VFIO_MODULE)
+    if move.kind == QUIT_MPS:
+        return StopMpsDaemon(move.address, daemons[move.address])
+    if move.kind == RELEASE_MODE:
+        return SetComputeMode(uuid or address, move.value)
     if move.kind == OVERRIDE:
         return SetDriverOverride(move.address, move.value)
     if move.kind == UNBIND:
@@ -382,7 +442,8 @@ STEP_OF = {START: TO_VFIO, VERIFY: ON_VFIO, BACK: TO_HOST, FORGET: "done"}
 
 def _doing(move: Move) -> str:
     return {START: "switch to vfio-pci begins", LOAD: f"modprobe {VFIO_MODULE}", VERIFY: "verify /dev/vfio",
-            BACK: "back to its drivers", FORGET: "back on its drivers",
+            BACK: "back to its drivers", QUIT_MPS: f"quit the MPS control daemon for {move.address}",
+            RELEASE_MODE: f"compute mode {move.value} again (MPS no longer serves it)", FORGET: "back on its drivers",
             OVERRIDE: f"driver_override of {move.address} := {move.value or '(null)'}",
             UNBIND: f"unbind {move.address} from {move.value}",
             BIND: f"bind {move.address} to {move.value or 'its probed driver'}"}.get(move.kind, move.kind)

@@ -10,7 +10,9 @@ decision, by the move that binds it (to vfio-pci going out, to its own driver co
 The invariants:
 - no record: nothing of the agent's is under way; a GPU is switched only when nothing holds it (Facts.blockers)
   and its IOMMU group exists;
-- to-vfio: driver_override to vfio-pci first (a reprobe then finds vfio-pci, not nvidia), then unbind, then bind;
+- to-vfio: the agent's own MPS control daemons serving the GPU quit first (their servers hold it open), and its
+  compute mode from before them is set again (the ledger forgets it); then driver_override to vfio-pci (a
+  reprobe then finds vfio-pci, not nvidia), then unbind, then bind;
   once every function is vfio-pci's and /dev/vfio/<group> exists: on-vfio;
 - on-vfio: while the mode stays vm-passthrough, a function found on its own driver again (a reboot forgets
   bindings) is switched again, when nothing holds it;
@@ -38,10 +40,12 @@ LOAD = "load"  # modprobe vfio_pci
 OVERRIDE = "override"  # address, value: write driver_override
 UNBIND = "unbind"  # address, driver: write the driver's unbind
 BIND = "bind"  # address, driver: write the driver's bind ("" : drivers_probe)
+QUIT_MPS = "quit-mps"  # address: the resource: the agent's MPS control daemon serving the GPU quits
+RELEASE_MODE = "release-mode"  # value: the compute mode the GPU had before an MPS daemon of the agent's, set again
 VERIFY = "verify"  # every function is vfio-pci's: /dev/vfio/<group> must exist; then on-vfio
 BACK = "back"  # step to-host
 FORGET = "forget"  # every function is back: the record goes
-MOVES = (IDLE, REFUSE, START, LOAD, OVERRIDE, UNBIND, BIND, VERIFY, BACK, FORGET)
+MOVES = (IDLE, REFUSE, START, LOAD, QUIT_MPS, RELEASE_MODE, OVERRIDE, UNBIND, BIND, VERIFY, BACK, FORGET)
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class Facts:
     group_node: bool  # /dev/vfio/<group> exists
     vfio_loaded: bool  # the vfio-pci driver is there (/sys/bus/pci/drivers/vfio-pci)
     blockers: tuple[str, ...] = ()  # what holds the GPU (processes, pods) or makes the switch unsafe
+    mps: tuple[tuple[str, int], ...] = ()  # (resource, pid) of the agent's MPS control daemons serving the GPU
+    compute_mode: Optional[str] = None  # its compute mode before an MPS daemon of the agent's (the ledger's)
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,11 @@ def decide(record: Optional[Record], want_vm: bool, facts: Facts) -> Move:
             return refused
     if not facts.vfio_loaded:
         return Move(LOAD)
+    if facts.functions[0].driver not in (None, VFIO_DRIVER):
+        if facts.mps:
+            return Move(QUIT_MPS, facts.mps[0][0])
+        if facts.compute_mode is not None:
+            return Move(RELEASE_MODE, value=facts.compute_mode)
     for function in facts.functions:
         if function.override != VFIO_DRIVER:
             return Move(OVERRIDE, function.address, VFIO_DRIVER)
@@ -157,8 +168,10 @@ def after(move: Move, record: Optional[Record], facts: Facts) -> tuple[Optional[
             Function(function.address, function.driver, move.value) if move.kind == OVERRIDE else
             Function(function.address, None, function.override) if move.kind == UNBIND else
             Function(function.address, move.value or None, function.override) for function in functions)
+    daemons = tuple(daemon for daemon in facts.mps if move.kind != QUIT_MPS or daemon[0] != move.address)
     facts = Facts(functions, facts.group, facts.group_node or move.kind == VERIFY, facts.vfio_loaded or
-                  move.kind == LOAD, facts.blockers)
+                  move.kind == LOAD, facts.blockers, daemons,
+                  None if move.kind == RELEASE_MODE else facts.compute_mode)
     if move.kind == START:
         record = Record(TO_VFIO, {f.address: {"driver": f.driver, "override": f.override} for f in functions},
                         group=facts.group)
