@@ -69,13 +69,14 @@ def node_labels(config: AgentConfig, inventory: Optional[Inventory], ready: bool
 
 
 def workload_labels(workload: Any) -> dict[str, str]:
-    """gpu-agent.workload: container, vm-passthrough (every GPU passed through) or mixed; gpu.present stays true
-    while the node's GPUs are passed through (NVML, which the GFD labels describe, sees none of them), as the GPU
-    Operator keeps it on a vm-passthrough node. The agent never writes gpu.workload.config (its input) nor the
-    Operator's gpu.deploy.* labels (docs/vfio.md)."""
+    """gpu-agent.workload: vm-passthrough (every GPU passed through) or mixed, none on a node of containers only;
+    gpu.present stays true while the node's GPUs are passed through (NVML, which the GFD labels describe, sees
+    none of them), as the GPU Operator keeps it on a vm-passthrough node. The agent never writes
+    gpu.workload.config (its input) nor the Operator's gpu.deploy.* labels (docs/vfio.md)."""
     vm = len(workload.vm_gpus())
-    mode = "container" if not vm else "vm-passthrough" if vm == len(workload.gpus) else "mixed"
-    return {WORKLOAD: mode, **({PREFIX + "gpu.present": "true"} if vm else {})}
+    if not vm:  # a node of containers only carries no label of this (most nodes: nothing new to write)
+        return {}
+    return {WORKLOAD: "vm-passthrough" if vm == len(workload.gpus) else "mixed", PREFIX + "gpu.present": "true"}
 
 
 def compute(inventory: Optional[Inventory], ready: bool, strategy: str, machine: Optional[str],
