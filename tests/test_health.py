@@ -220,8 +220,8 @@ def test_status_command_shows_health_last_xid_and_when_it_recovers(node, capsys)
     print_table(n.state.to_json())
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("GPU "))
-    assert header.split() == ["GPU", "UUID", "PCI", "PRODUCT", "MEMORY", "MIG", "MODE", "DRIVER", "HEALTH", "LAST", "XID",
-                              "RECOVERS"]
+    assert header.split() == ["GPU", "UUID", "PCI", "PRODUCT", "MEMORY", "MIG", "MODE", "DRIVER", "HEALTH", "LAST",
+                              "XID", "RECOVERS"]
     row = {line.split()[0]: line for line in lines if line[:1].isdigit()}
     due = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(n.clock.now + 300))
     assert "unhealthy" in row["1"] and "48 (double-bit ECC error)" in row["1"] and f"at {due}" in row["1"]

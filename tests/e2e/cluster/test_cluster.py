@@ -184,8 +184,10 @@ def test_the_kubelet_stand_ins_claims_hold_for_the_real_kubelet(cluster: rig.Clu
         return next((r.get("calls") or {} for r in resources if r["name"] == "nvidia.com/gpu"), {})
 
     def inodes() -> dict[str, str]:
-        listed = c.exec("sh", "-c", f"cd {folder} && stat -c '%n %i' *.sock").stdout.split()
-        return dict(zip(listed[::2], listed[1::2]))
+        """Each socket's inode change time, to the nanosecond: a socket made anew has a later one (its inode
+        number may be the deleted one's, reused)."""
+        listed = c.exec("sh", "-c", f"cd {folder} && stat -c '%n|%z' *.sock").stdout.splitlines()
+        return dict(line.split("|", 1) for line in listed)
 
     def registrations() -> int:
         return c.exec("journalctl", "-u", "gpu-agent", "-o", "cat", "--no-pager").stdout.count(
@@ -194,9 +196,10 @@ def test_the_kubelet_stand_ins_claims_hold_for_the_real_kubelet(cluster: rig.Clu
     before, registered = inodes(), registrations()
     c.exec("systemctl", "restart", "kubelet", timeout=180)
     cluster.wait("the plugin registered again", lambda: registrations() > registered, timeout=240)
-    after = inodes()
+    after = cluster.wait("the plugin's socket served anew (the kubelet deleted it)", lambda: (
+        lambda now: now if now.get("nvidia-gpu.sock", before["nvidia-gpu.sock"]) != before["nvidia-gpu.sock"]
+        else None)(inodes()), timeout=240)
     assert after["kubelet.sock"] != before["kubelet.sock"], (before, after)
-    assert after.get("nvidia-gpu.sock") != before["nvidia-gpu.sock"], (before, after)  # deleted, served anew
     cluster.wait("one registration's calls", lambda: calls() == {"GetDevicePluginOptions": 1, "ListAndWatch": 1},
                  timeout=240)
     cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
