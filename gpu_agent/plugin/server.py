@@ -81,7 +81,8 @@ class DevicePluginService(api.DevicePluginBase):
     """The DevicePlugin service of one resource."""
 
     def __init__(self, feed: DeviceFeed, list_strategy: Callable[[], str], fail_greater_than_one: Callable[[], bool],
-                 prefer: Preference, cdi_spec: Callable[[], Optional[AbstractSet[str]]] = lambda: None) -> None:
+                 prefer: Preference, cdi_spec: Callable[[], Optional[AbstractSet[str]]] = lambda: None,
+                 called: Callable[[], None] = lambda: None) -> None:
         self.feed = feed
         self.list_strategy = list_strategy
         self.cdi_spec = cdi_spec
@@ -90,16 +91,21 @@ class DevicePluginService(api.DevicePluginBase):
         self.streams = 0  # ListAndWatch streams open
         self.refused: Counter[str] = Counter()  # requests refused, by reason (not logged: a client repeats them)
         self.calls: Counter[str] = Counter()  # calls received, by method: what the kubelet asked, in /status
+        self.called = called  # after each: /status shows the count (the plugin's manager publishes again)
         self.idle = asyncio.Event()
         self.idle.set()
 
+    def _count(self, method: str) -> None:
+        self.calls[method] += 1
+        self.called()
+
     async def GetDevicePluginOptions(self, stream: Stream[api.Empty, api.DevicePluginOptions]) -> None:
-        self.calls["GetDevicePluginOptions"] += 1
+        self._count("GetDevicePluginOptions")
         await request_of(stream, self.refused)
         await stream.send_message(options())
 
     async def ListAndWatch(self, stream: Stream[api.Empty, api.ListAndWatchResponse]) -> None:
-        self.calls["ListAndWatch"] += 1
+        self._count("ListAndWatch")
         await request_of(stream, self.refused)
         self.streams += 1
         self.idle.clear()
@@ -119,7 +125,7 @@ class DevicePluginService(api.DevicePluginBase):
 
     async def GetPreferredAllocation(
             self, stream: Stream[api.PreferredAllocationRequest, api.PreferredAllocationResponse]) -> None:
-        self.calls["GetPreferredAllocation"] += 1
+        self._count("GetPreferredAllocation")
         request = await request_of(stream, self.refused)
         resource = self.feed.resource
         known = {device.id for device in resource.devices}
@@ -150,7 +156,7 @@ class DevicePluginService(api.DevicePluginBase):
                                 f"advertise: {shown}{', ...' if len(unknown) > 3 else ''}")
 
     async def Allocate(self, stream: Stream[api.AllocateRequest, api.AllocateResponse]) -> None:
-        self.calls["Allocate"] += 1
+        self._count("Allocate")
         request = await request_of(stream, self.refused)
         resource = self.feed.resource
         answers = []
@@ -188,7 +194,7 @@ class DevicePluginService(api.DevicePluginBase):
 
     async def PreStartContainer(
             self, stream: Stream[api.PreStartContainerRequest, api.PreStartContainerResponse]) -> None:
-        self.calls["PreStartContainer"] += 1
+        self._count("PreStartContainer")
         await request_of(stream, self.refused)  # never asked for: options() says pre_start_required=false
         await stream.send_message(api.PreStartContainerResponse())
 

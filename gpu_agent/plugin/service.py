@@ -224,7 +224,7 @@ class DevicePluginManager:
         return self.state.inventory or self.state.last_inventory
 
     def _service_args(self) -> dict[str, Any]:
-        return {"list_strategy": self._strategy, "cdi_spec": self._cdi_spec,
+        return {"list_strategy": self._strategy, "cdi_spec": self._cdi_spec, "called": self.wake,
                 "fail_greater_than_one": lambda: self.settings.sharing.fail_requests_greater_than_one,
                 "prefer": lambda resource, available, must, size: preferred_allocation(
                     resource, available, must, size, self.settings.shared_devices_allocation_policy,

@@ -200,8 +200,9 @@ def test_the_kubelet_stand_ins_claims_hold_for_the_real_kubelet(cluster: rig.Clu
         lambda now: now if now.get("nvidia-gpu.sock", before["nvidia-gpu.sock"]) != before["nvidia-gpu.sock"]
         else None)(inodes()), timeout=240)
     assert after["kubelet.sock"] != before["kubelet.sock"], (before, after)
-    cluster.wait("one registration's calls", lambda: calls() == {"GetDevicePluginOptions": 1, "ListAndWatch": 1},
-                 timeout=240)
+    once = cluster.wait("the new socket's ListAndWatch", lambda: (lambda now: now if now.get("ListAndWatch") else None)(
+        calls()), timeout=240)
+    assert once == {"GetDevicePluginOptions": 1, "ListAndWatch": 1}, once
     cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
     rig.import_images(c)
     _finished_pod(cluster, "parity-pod", "nvidia.com/gpu")
