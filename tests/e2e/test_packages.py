@@ -331,8 +331,10 @@ TOOLKIT_STAND_INS = {"/usr/bin/nvidia-ctk": CTK_STAND_IN,
 SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")  # where CDI readers look, in their order
 # Simulated GPUs on the booted system bound again at /node (as the runtime matrix runs them), its units
 # other than the runtimes this system's own (GPU_AGENT_UNITS=host, docs/configuration.md).
+# A machine of its own (dgx-a100: the tests before leave the dgx-h100 under /node upgraded to a driver whose
+# userspace is not in the ld.so cache, which the CDI stage rightly refuses).
 ON_NODE = ("env", "GPU_AGENT_UNITS=host", "gpu-agent", "--config", "/root/cdi-refresh.yaml", "--root", "/node",
-           "--simulate", "dgx-h100")
+           "--simulate", "dgx-a100")
 
 
 def _refresh_units(container: Container) -> dict[str, tuple[str, str]]:

@@ -193,6 +193,7 @@ def test_the_kubelet_stand_ins_claims_hold_for_the_real_kubelet(cluster: rig.Clu
         return c.exec("journalctl", "-u", "gpu-agent", "-o", "cat", "--no-pager").stdout.count(
             "device plugin: registered nvidia.com/gpu")
 
+    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))  # its socket served and registered
     before, registered = inodes(), registrations()
     c.exec("systemctl", "restart", "kubelet", timeout=180)
     cluster.wait("the plugin registered again", lambda: registrations() > registered, timeout=240)
