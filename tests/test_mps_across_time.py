@@ -76,7 +76,11 @@ def dgx(tmp_path: Path) -> Iterator[SimDgx]:
 
 # --- a restart without an inventory ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("replicas", [2, 4, 48])
+# One case of each family in make test, the others in make test-slow (each starts and restarts an agent).
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("replicas", [2, pytest.param(4, marks=SLOW), pytest.param(48, marks=SLOW)])
 def test_an_agent_started_while_nvml_fails_leaves_the_daemon_running(dgx: SimDgx, replicas: int) -> None:
     sync(agent(dgx, config(replicas))[1])
     pid, modes = daemon(dgx)["pid"], dgx.compute_modes()
@@ -150,9 +154,9 @@ def _spec() -> Any:
     (4, 2, None, True),  # the config's replicas changed while the agent was down: threads and memory differ
     (4, 4, _threads_set_to_50, True),  # someone changed the daemon's thread percentage: threads only
     (4, 4, _memory_of_device_5_set_to_1000m, True),  # and one GPU's pinned memory limit: memory only
-    (2, 2, _memory_of_device_5_set_to_1000m, True),
+    pytest.param(2, 2, _memory_of_device_5_set_to_1000m, True, marks=SLOW),
     (4, 4, None, False),  # nothing differs: adopted as it is, its clients keep their server
-    (48, 48, None, False),
+    pytest.param(48, 48, None, False, marks=SLOW),
 ])
 def test_an_adopted_daemon_runs_with_the_settings_shown(dgx: SimDgx, before: int, after: int, changed: Any,
                                                        restarted: bool) -> None:
@@ -189,7 +193,8 @@ def test_an_adopted_daemon_without_the_tmpfs_is_started_again_in_place(dgx: SimD
 
 # --- a config change while the agent runs ------------------------------------------------------------------
 
-@pytest.mark.parametrize("before, after", [(4, 2), (4, 8), (2, 48), (48, 3)])
+@pytest.mark.parametrize("before, after", [(4, 2), pytest.param(4, 8, marks=SLOW), pytest.param(2, 48, marks=SLOW),
+                                           (48, 3)])
 def test_a_replicas_change_restarts_the_daemon_in_place(dgx: SimDgx, before: int, after: int) -> None:
     state, manager = agent(dgx, config(before))
     sync(manager)
@@ -372,7 +377,8 @@ def test_random_runs_of_restarts_outages_and_changes_keep_the_invariants(dgx: Si
         inode = pipe
 
 
-@pytest.mark.parametrize("record", [None, "CUDA_VISIBLE_DEVICES=GPU-x\n", "GPU_AGENT_MPS_REPLICAS=four\n", ""])
+@pytest.mark.parametrize("record", [None, pytest.param("CUDA_VISIBLE_DEVICES=GPU-x\n", marks=SLOW),
+                                    "GPU_AGENT_MPS_REPLICAS=four\n", pytest.param("", marks=SLOW)])
 def test_an_adopted_daemon_without_a_whole_record_is_restarted_in_place(dgx: SimDgx, record: Any) -> None:
     """Its GPUs cannot be told (a daemon of a gpu-agent from before the record, or a record cut short): it is
     started again, in place, and the record written anew."""

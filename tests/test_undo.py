@@ -69,7 +69,15 @@ def restarts(sim: SimNode, unit: str) -> int:
     return int(sim.machine.read().get("services", {}).get(unit, {}).get("restarts", 0))
 
 
-@pytest.mark.parametrize("fixture", sorted(RUNTIME_CONFIGS))
+def _half(first: bool) -> list[Any]:
+    """The runtime configs, each in make test once across the two undo tests below (the other half of each in
+    make test-slow): every config's undo is checked fast by one of them."""
+    names = sorted(RUNTIME_CONFIGS)
+    return [name if (n % 2 == 0) == first else pytest.param(name, marks=pytest.mark.slow)
+            for n, name in enumerate(names)]
+
+
+@pytest.mark.parametrize("fixture", _half(True))
 def test_toolkit_off_removes_exactly_what_it_wrote_and_restores_what_it_replaced(node: SimNode, fixture: str) -> None:
     write(node, RUNTIME_CONFIGS[fixture])
     node.apply({"toolkit": {"enabled": False}})  # the driver converges first: only the toolkit is compared
@@ -92,7 +100,7 @@ def test_toolkit_off_removes_exactly_what_it_wrote_and_restores_what_it_replaced
     assert node.apply({"toolkit": {"enabled": False}}).changes("owned-files") == []  # nothing left to undo
 
 
-@pytest.mark.parametrize("fixture", sorted(RUNTIME_CONFIGS))
+@pytest.mark.parametrize("fixture", _half(False))
 def test_uninstall_returns_the_node_to_its_pre_install_bytes(node: SimNode, fixture: str) -> None:
     write(node, RUNTIME_CONFIGS[fixture])
     before = host_files(node, "/etc", "/usr", "/var/run")
