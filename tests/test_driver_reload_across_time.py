@@ -514,6 +514,33 @@ def test_a_cordon_the_api_forbids_is_noted_and_the_reload_goes_on(tmp_path: Path
     assert node.apply(config).ok and api.labels()[STATE] == "upgrade-done"
 
 
+def test_an_uncordon_the_api_server_sheds_waits_at_uncordon_required_and_goes_on(tmp_path: Path,
+                                                                               api: KubeEmulator) -> None:
+    """The uncordon answered 429 (the API server shedding load; the agent's own request budget spent is the
+    same case, which the real cluster's reload met): not a failed reload, which `gpu-agent driver reload` would
+    report as such, but one that waits at uncordon-required for the API's schedule, then uncordons."""
+    node = SimNode(tmp_path / "root", "t4")
+    config = {**settings(api, node), "mig": {}}
+    assert node.apply(config).stage("driver").state == "ok"
+    node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
+    node.sim("install-driver", NEW)
+    a_minute_later(node)
+    assert node.apply(config).stage("driver").state == "failed" and cordoned(api)  # waits for the process
+    node.sim("clear")
+    api.fail_next(f"/api/v1/nodes/{NODE}", 429, count=None, method="PATCH", retry_after=5)
+    a_minute_later(node)
+    shed = node.apply(config)
+    assert loaded_version(node.machine.read(), "nvidia") == NEW
+    assert record(node)["step"] == "uncordon-required" and cordoned(api), record(node)["failure"]
+    upgrade = shed.stage("driver-upgrade")
+    assert upgrade.state == "failed" and "uncordoning waits for the API server" in upgrade.message, upgrade.message
+    api.clear_faults()
+    a_minute_later(node)
+    done = node.apply(config)
+    assert done.stage("driver-upgrade").state == "ok" and record(node)["step"] == "upgrade-done"
+    assert not cordoned(api) and api.labels()[STATE] == "upgrade-done"
+
+
 @pytest.mark.parametrize("say", ["label skip", "annotation enabled=false"])
 def test_the_nodes_say_keeps_a_reload_from_starting_not_from_finishing(tmp_path: Path, api: KubeEmulator,
                                                                        say: str) -> None:
