@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from gpu_agent.config.driver import DriverConfig
 from gpu_agent.errors import AgentError, StageError, TransientError
-from gpu_agent.kube import retry
 from gpu_agent.host import display, driver_version, processes
 from gpu_agent.host.display import ConsoleControl
 from gpu_agent.host.ledger import Ledger
@@ -527,11 +526,11 @@ class Reload:
             try:  # uncordoned before the end is recorded: an agent killed between them uncordons again
                 self.node.patch_node(False, {STATE_LABEL: shown or end})
             except AgentError as exc:
-                due = _api_retry_at(exc)
-                if end == DONE and due is not None:  # the API server's or the agent's own request limits: the
-                    # sequence stays at uncordon-required, and the next pass, when the API's schedule says, goes on
+                if end == DONE and isinstance(exc, TransientError):  # the API server's or the agent's own
+                    # request limits (the node access says so): the sequence stays at uncordon-required, and the
+                    # next pass, when the API's schedule says, goes on
                     raise TransientError(f"driver {progress.what()} validated; uncordoning waits for the API "
-                                         f"server: {exc}", due) from None
+                                         f"server: {exc}", exc.retry_at) from None
                 if end == DONE:
                     raise self._fail(progress, UNCORDON, f"cannot uncordon the node: {exc}") from None
                 raise StageError(f"driver {progress.what()} {end}, but the node stays cordoned: cannot uncordon "
@@ -811,15 +810,3 @@ def abandoned(progress: Progress) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(progress.ended_at)) if progress.ended_at else "?"
     notes = f" ({'; '.join(progress.notes)})" if progress.notes else ""
     return f"driver {progress.what()} abandoned by {progress.ended_by} at {when}: {progress.ended_why}{notes}"
-
-
-def _api_retry_at(error: AgentError) -> Optional[float]:
-    """When a Kubernetes API request that failed may be sent again, where what failed passes by itself (the
-    server shedding load, a connection reset, the agent's own request budget): None for a refusal a person must
-    fix."""
-    if isinstance(error, TransientError):  # as the labels stage's node access says it
-        return error.retry_at
-    following = getattr(error, "next", None)
-    if following is None or following.action != retry.WAIT or following.at is None:
-        return None
-    return float(following.at)
