@@ -218,9 +218,37 @@ def _now() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc)
 
 
+# An RSA 2048 key takes about 40 ms of CPU to make, and the suite starts hundreds of emulators. A CA's
+# key goes back to this pool when its PKI is cleaned up, so two PKIs alive at once never share one (a
+# certificate one CA signed must not verify against the other); a leaf's key is the same for every
+# certificate of a process, since trust comes from the CA's signature, not from the leaf's key.
+_FREE_CA_KEYS: list[Any] = []
+_LEAF_RSA_KEYS: list[Any] = []
+_KEYS_LOCK = threading.Lock()
+
+
+def _rsa_key() -> Any:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def _take_ca_key() -> Any:
+    with _KEYS_LOCK:
+        if _FREE_CA_KEYS:
+            return _FREE_CA_KEYS.pop()
+    return _rsa_key()
+
+
+def _give_back_ca_key(key: Any) -> None:
+    with _KEYS_LOCK:
+        _FREE_CA_KEYS.append(key)
+
+
 def _new_key(key_type: str) -> Any:
     if key_type == "rsa":
-        return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        with _KEYS_LOCK:
+            if not _LEAF_RSA_KEYS:
+                _LEAF_RSA_KEYS.append(_rsa_key())
+            return _LEAF_RSA_KEYS[0]
     if key_type == "ec":
         return ec.generate_private_key(ec.SECP256R1())
     raise ValueError(f"key_type must be 'rsa' or 'ec', not {key_type!r}")
@@ -253,7 +281,7 @@ class KubePKI:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._counter = 0
-        self._ca_key = _new_key("rsa")
+        self._ca_key = _take_ca_key()
         self.ca_cert = self._make_ca(self._ca_key, "kubernetes")
         self.ca_pem = _cert_pem(self.ca_cert)
         self.ca_path = self.directory / "ca.crt"
@@ -369,6 +397,9 @@ class KubePKI:
     def cleanup(self) -> None:
         if self._owns_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
+        if self._ca_key is not None:
+            _give_back_ca_key(self._ca_key)
+            self._ca_key = None
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ pynvml, the daemon) inside its main(), so `gpu-agent status` starts fast."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -60,6 +61,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser, its defaults from the environment as it is now. Built once per environment: each
+    build asks gettext for every help text (10 ms), and the tests call main() thousands of times."""
+    return _parser_for(*(os.environ.get(name) for name in _ENVIRONMENT))
+
+
+_ENVIRONMENT = ("GPU_AGENT_CONFIG", "GPU_AGENT_ROOT", "GPU_AGENT_SIMULATE")
+
+
+@functools.lru_cache(maxsize=4)
+def _parser_for(*environment: Optional[str]) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gpu-agent",
         description="Make this machine's NVIDIA GPUs ready for Kubernetes and containers, and keep them that way.",

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from gpu_agent.errors import AgentError
 from gpu_agent.host.bounded import Unreadable, read_text
-from gpu_agent.host.files import atomic_write
+from gpu_agent.sim.files import publish
 from gpu_agent.host.modules import ModuleLoadError, ModuleUnloadError
 from gpu_agent.host.paths import Root, link_text, place
 from gpu_agent.sim import pci
@@ -626,7 +626,7 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
                     continue
         except (FileNotFoundError, NotADirectoryError):
             pass
-        atomic_write(Path(name), content.encode("utf-8", "surrogateescape"))
+        publish(Path(name), content.encode("utf-8", "surrogateescape"))
         written = _stamp(name)
         if written is not None:
             known[relative] = (content, written)

@@ -35,7 +35,7 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host import ldcache
 from gpu_agent.host import jsontext
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
-from gpu_agent.host.files import atomic_write
+from gpu_agent.sim.files import publish
 from gpu_agent.host.paths import Root, followed, link_text, place
 from gpu_agent.nvml import answers
 from gpu_agent.capture import FORMAT, MANIFEST, PARTS
@@ -672,7 +672,7 @@ def _file(root: Root, path: str, text: str) -> None:
     where = root(place(root, path))
     if where.is_dir() and not where.is_symlink():
         raise IsADirectoryError(errno.EISDIR, "a directory is there", path)
-    atomic_write(where, text.encode("utf-8", "surrogateescape"))
+    publish(where, text.encode("utf-8", "surrogateescape"))
 
 
 def _link(root: Root, path: str, target: str) -> None:
@@ -716,7 +716,7 @@ def _libraries(root: Root, capture: Capture) -> None:
         with capture.entry_error("ldcache.json", f"[{n}] {library.path}"):
             target = root(followed(root, library.target))
             if not os.path.lexists(target):
-                atomic_write(target, f"placeholder {posixpath.basename(library.target)} (replayed capture)\n")
+                publish(target, f"placeholder {posixpath.basename(library.target)} (replayed capture)\n")
             if library.target != library.path:
                 _link(root, library.path, library.target)
     with capture.entry_error("ldcache.json", ldcache.PATH):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gpu_agent.host import ldcache
 from gpu_agent.host.driver_version import modinfo_bytes
-from gpu_agent.host.files import atomic_write
+from gpu_agent.sim.files import publish
 from gpu_agent.host.paths import Root, place
 
 # Library name -> soname suffix ("" means the soname is the versioned file itself), as the 550 driver ships them.
@@ -83,16 +83,16 @@ def install_driver_modules(root_path: Path, release: str, version: str) -> list[
     written = []
     for name in KERNEL_MODULES:
         path = f"{base}/updates/dkms/{name}.ko"
-        atomic_write(_place(root_path, path), modinfo_bytes(version) if name == "nvidia" else b"\x7fELF", 0o644)
+        publish(_place(root_path, path), modinfo_bytes(version) if name == "nvidia" else b"\x7fELF", 0o644)
         written.append(path)
     dep = "".join(f"updates/dkms/{name}.ko:{'' if name == 'nvidia' else ' updates/dkms/nvidia.ko'}\n"
                   for name in KERNEL_MODULES)
-    atomic_write(_place(root_path, f"{base}/modules.dep"), dep, 0o644)
+    publish(_place(root_path, f"{base}/modules.dep"), dep, 0o644)
     return [*written, f"{base}/modules.dep"]
 
 
 def _write(root_path: Path, host_path: str, content: str, mode: int) -> None:
-    atomic_write(_place(root_path, host_path), content, mode)
+    publish(_place(root_path, host_path), content, mode)
 
 
 def _place(root_path: Path, host_path: str) -> Path:
