@@ -7,6 +7,7 @@ which the agent must see as someone else's. Tens of thousands of them are writte
 where the fsyncs and the own-write records were a fifth of its CPU."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from pathlib import Path
@@ -38,10 +39,8 @@ def publish(path: Path, data: bytes | str, mode: Optional[int] = None) -> None:
             os.fchmod(f.fileno(), keep if keep is not None else 0o644 if mode is None else mode)
         os.rename(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
 
 
