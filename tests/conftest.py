@@ -32,6 +32,14 @@ _SUBPROCESS_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spaw
 _PATH_EVENTS = {"open": 0, "os.mkdir": 0, "os.remove": 0, "os.rmdir": 0, "os.rename": 0, "os.replace": 0,
                 "os.symlink": 1, "os.link": 1, "os.chmod": 0, "os.chown": 0, "os.truncate": 0, "os.utime": 0,
                 "os.listdir": 0, "os.scandir": 0, "shutil.rmtree": 0, "shutil.copyfile": 1, "os.mknod": 0}
+
+
+def _prefixes(folders: tuple[str, ...]) -> tuple[str, ...]:
+    """`folders` as the prefixes of what is in them: the guard runs at every file event, and one
+    str.startswith over a tuple is what it can afford."""
+    return tuple(folder.rstrip("/") + "/" for folder in folders)
+
+
 _PROJECT = Path(__file__).resolve().parent.parent
 _ALWAYS_AS_GIVEN = {
     _PROJECT, Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix),
@@ -46,12 +54,12 @@ _ALWAYS = tuple(sorted({str(p) for p in _ALWAYS_AS_GIVEN} | {os.path.realpath(p)
 # Test data is in tests/data; upstream's own data files are read from ../shared/upstream and
 # ../shared/schemas (tests/upstream_data.py), and only read. The rest of a checkout beside the clone is
 # refused even where the clone's folder is also the temporary one (a clone in /tmp).
-_NEVER = (os.path.realpath(_PROJECT.parent / "shared"),)
-_READ_ONLY = tuple(os.path.realpath(_PROJECT.parent / "shared" / name) for name in ("upstream", "schemas"))
+_NEVER = _prefixes((os.path.realpath(_PROJECT.parent / "shared"),))
+_READ_ONLY = _prefixes(tuple(os.path.realpath(_PROJECT.parent / "shared" / name) for name in ("upstream", "schemas")))
 
 
-def _inside(path: str, folders: tuple[str, ...]) -> bool:
-    return any(path == folder or path.startswith(folder.rstrip("/") + "/") for folder in folders)
+def _inside(path: str, prefixes: tuple[str, ...]) -> bool:
+    return (path + "/").startswith(prefixes)
 
 
 def _resolved(path: str) -> str:
@@ -60,7 +68,7 @@ def _resolved(path: str) -> str:
     folder's own lstat, kept with it, notices one replaced by a link; a name that is a link, or a path
     with "..", is resolved in full."""
     folder, name = os.path.split(path)
-    if ".." in path.split(os.sep) or name in ("", "."):
+    if ("/.." in path and ".." in path.split(os.sep)) or name in ("", "."):
         return os.path.realpath(path)
     try:
         folder_stat = os.lstat(folder)
@@ -94,7 +102,7 @@ class _Guard:
     active = False
     subprocess = False
     host_paths = False
-    basetemp: tuple[str, ...] = ()  # --basetemp, where `make test` puts the tests' folders (on a tmpfs)
+    allowed = _prefixes(_ALWAYS)  # and --basetemp, where `make test` puts the tests' folders (on a tmpfs)
 
     @classmethod
     def audit(cls, event: str, args: tuple) -> None:
@@ -114,7 +122,7 @@ class _Guard:
         real = _resolved(os.fspath(path))
         if _inside(real, _READ_ONLY) and _only_reads(event, args):
             return
-        if _inside(real, _NEVER) or not _inside(real, _ALWAYS + _Guard.basetemp):
+        if _inside(real, _NEVER) or not _inside(real, cls.allowed):
             raise RuntimeError(f"this test touched the host path {real} ({event}); use a tmp root, or mark "
                                "it @pytest.mark.host_paths")
 
@@ -186,7 +194,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "subprocess: the test may start real processes (the process contract)")
     config.addinivalue_line("markers", "host_paths: the test may touch real host paths")
     if config.option.basetemp:
-        _Guard.basetemp = (os.path.realpath(config.option.basetemp),)
+        _Guard.allowed = _prefixes((*_ALWAYS, os.path.realpath(config.option.basetemp)))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

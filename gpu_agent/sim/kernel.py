@@ -19,7 +19,7 @@ from gpu_agent.host.bounded import Unreadable, read_text
 from gpu_agent.sim.files import publish
 from gpu_agent.host.modules import ModuleLoadError, ModuleUnloadError
 from gpu_agent.host.paths import Root, link_text, place
-from gpu_agent.sim import pci
+from gpu_agent.sim import listing, pci
 from gpu_agent.sim.mps import SERVER as MPS_SERVER
 from gpu_agent.sim.mps import servers as mps_servers
 
@@ -605,7 +605,9 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
     # What else is there goes, compared as relative path strings (pathlib's parents of every file, on
     # every write of the machine, were most of a MIG change's time).
     if directory.is_dir():
-        _remove_unwanted(str(directory), "", wanted, wanted_dirs)
+        listing.remove_unwanted(str(directory), wanted, wanted_dirs)
+    else:
+        listing.forget(str(directory))
     tree = Root(directory)
     for relative, target in links.items():
         _link(tree, directory, relative, target)
@@ -630,6 +632,7 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         written = _stamp(name)
         if written is not None:
             known[relative] = (content, written)
+    listing.remember(str(directory), wanted, wanted_dirs)
 
 
 _LINK_TEXTS: dict[tuple[str, str, str], str] = {}  # (tree, link, target as given) -> the text written
@@ -655,18 +658,3 @@ def _link(tree: Root, directory: Path, relative: str, target: str) -> None:
     elif path.is_dir():
         shutil.rmtree(path)
     os.symlink(text, path)
-
-
-def _remove_unwanted(directory: str, prefix: str, wanted: set[str], wanted_dirs: set[str]) -> None:
-    """Remove what under `directory` (`prefix` relative to the tree) is neither a wanted file or link
-    nor a wanted directory; one scandir per directory, no stat beyond what it already knows."""
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            relative = prefix + entry.name
-            if entry.is_dir(follow_symlinks=False):
-                if relative in wanted_dirs:
-                    _remove_unwanted(entry.path, relative + "/", wanted, wanted_dirs)
-                else:
-                    shutil.rmtree(entry.path, ignore_errors=True)
-            elif relative not in wanted:
-                os.unlink(entry.path)

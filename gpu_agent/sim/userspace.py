@@ -13,7 +13,7 @@ from pathlib import Path
 from gpu_agent.host import ldcache
 from gpu_agent.host.driver_version import modinfo_bytes
 from gpu_agent.sim.files import publish
-from gpu_agent.host.paths import Root, place
+from gpu_agent.host.paths import Root, followed
 
 # Library name -> soname suffix ("" means the soname is the versioned file itself), as the 550 driver ships them.
 LIBRARIES = {
@@ -38,6 +38,7 @@ def install_driver_userspace(root_path: Path, version: str) -> list[str]:
     root_path = Path(root_path).resolve()
     if root_path == Path("/"):
         raise ValueError("install_driver_userspace writes placeholder driver files: never under /")
+    at = _Placer(root_path)
     written: list[str] = []
     entries: list[ldcache.CacheEntry] = []
     for directory, names, flags in ((lib_dir(), list(LIBRARIES), ldcache.native_flags()),
@@ -45,16 +46,16 @@ def install_driver_userspace(root_path: Path, version: str) -> list[str]:
         for name in names:
             _remove_other_versions(root_path / directory.lstrip("/"), name, version)
             real = f"{directory}/{name}.so.{version}"
-            _write(root_path, real, f"placeholder {name} {version}\n", 0o644)
+            publish(at(real), f"placeholder {name} {version}\n", 0o644)
             written.append(real)
             file_name = posixpath.basename(real)
             soname = f"{name}.so.{LIBRARIES[name]}" if LIBRARIES[name] else file_name
             if soname != file_name:
-                _symlink(root_path, f"{directory}/{soname}", file_name)
+                _symlink(at(f"{directory}/{soname}"), file_name)
             entries.append(ldcache.CacheEntry(soname, f"{directory}/{soname}", flags))
     for name in BINARIES:
         path = f"/usr/bin/{name}"
-        _write(root_path, path, f"#!/bin/sh\necho '{name} {version} (simulated placeholder)'\n", 0o755)
+        publish(at(path), f"#!/bin/sh\necho '{name} {version} (simulated placeholder)'\n", 0o755)
         written.append(path)
     firmware_root = root_path / "lib/firmware/nvidia"
     for old in firmware_root.iterdir() if firmware_root.is_dir() else ():
@@ -62,9 +63,9 @@ def install_driver_userspace(root_path: Path, version: str) -> list[str]:
             shutil.rmtree(old)
     for name in FIRMWARE:
         path = f"/lib/firmware/nvidia/{version}/{name}"
-        _write(root_path, path, f"placeholder GSP firmware {version}\n", 0o644)
+        publish(at(path), f"placeholder GSP firmware {version}\n", 0o644)
         written.append(path)
-    ldcache.write_cache(_place(root_path, ldcache.PATH), entries)
+    ldcache.write_cache(at(ldcache.PATH), entries)
     written.append(ldcache.PATH)
     return written
 
@@ -79,30 +80,37 @@ def install_driver_modules(root_path: Path, release: str, version: str) -> list[
     root_path = Path(root_path).resolve()
     if root_path == Path("/"):
         raise ValueError("install_driver_modules writes placeholder modules: never under /")
+    at = _Placer(root_path)
     base = f"/lib/modules/{release}"
     written = []
     for name in KERNEL_MODULES:
         path = f"{base}/updates/dkms/{name}.ko"
-        publish(_place(root_path, path), modinfo_bytes(version) if name == "nvidia" else b"\x7fELF", 0o644)
+        publish(at(path), modinfo_bytes(version) if name == "nvidia" else b"\x7fELF", 0o644)
         written.append(path)
     dep = "".join(f"updates/dkms/{name}.ko:{'' if name == 'nvidia' else ' updates/dkms/nvidia.ko'}\n"
                   for name in KERNEL_MODULES)
-    publish(_place(root_path, f"{base}/modules.dep"), dep, 0o644)
+    publish(at(f"{base}/modules.dep"), dep, 0o644)
     return [*written, f"{base}/modules.dep"]
 
 
-def _write(root_path: Path, host_path: str, content: str, mode: int) -> None:
-    publish(_place(root_path, host_path), content, mode)
+class _Placer:
+    """Where an entry goes under the sandbox: the entry itself, the links in its directory followed as in
+    a chroot there (host.paths.place). For one install: each directory is followed once, the installs
+    making no link where a directory is."""
+
+    def __init__(self, root_path: Path) -> None:
+        self._root = Root(root_path)
+        self._followed: dict[str, str] = {}
+
+    def __call__(self, host_path: str) -> Path:
+        directory, name = posixpath.split(host_path)
+        followed_directory = self._followed.get(directory)
+        if followed_directory is None:
+            followed_directory = self._followed[directory] = followed(self._root, directory)
+        return self._root(posixpath.join(followed_directory, name))
 
 
-def _place(root_path: Path, host_path: str) -> Path:
-    """The entry itself under the sandbox, links in its directory followed as in a chroot there."""
-    root = Root(root_path)
-    return root(place(root, host_path))
-
-
-def _symlink(root_path: Path, host_path: str, target: str) -> None:
-    link = _place(root_path, host_path)
+def _symlink(link: Path, target: str) -> None:
     if link.is_symlink() or link.exists():
         link.unlink()
     os.symlink(target, link)
