@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import resource
+import select
 import socket
 import struct
 import termios
@@ -220,7 +221,7 @@ class Listener:
         less than _EVICT_AFTER_S (a client sends its request right after connecting) and one whose bytes
         the loop has not read yet (likely a request: a burst of connections can arrive faster than the
         loop reads)."""
-        stale = next(iter(self._stale), None)
+        stale = next(iter(self._stale), None) or self._gone_while_waiting()
         if stale is not None:
             return stale
         now = self._loop.time()
@@ -241,6 +242,27 @@ class Listener:
         if recheck is not None and self._recheck is None:
             self._recheck = self._loop.call_at(recheck, self._rechecked)
         return None
+
+    def _gone_while_waiting(self) -> Optional[_Connection]:
+        """Connections whose requests wait for their turn are not read meanwhile (the protocol's rule), so
+        their client's end of sending or reset is not seen by a read: the kernel says so instead, and
+        they are ended (_ended), the first to make room. A flood of pipelined requests from clients that
+        close at once filled every place with such connections, and the kernel's backlog behind them
+        overflowed, dropping a probe's connection for a second."""
+        waiting = {}
+        for connection in self._open:
+            sock = connection.transport.get_extra_info("socket") if connection.transport else None
+            if connection.arrived and not connection.handling and not connection.ended and sock is not None:
+                waiting[sock.fileno()] = connection
+        if not waiting:
+            return None
+        poller = select.poll()
+        for fd in waiting:
+            poller.register(fd, select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
+        for fd, _ in poller.poll(0):
+            waiting[fd].ended = True
+            self._ended(waiting[fd])
+        return next(iter(self._stale), None)
 
     def _rechecked(self) -> None:
         self._recheck = None
