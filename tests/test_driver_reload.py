@@ -135,6 +135,34 @@ def test_when_idle_waits_for_the_gpu_process_then_reloads_and_uncordons(tmp_path
     assert {"cordon-required", "wait-for-jobs-required", "pod-restart-required", "validation-required"} <= set(history)
 
 
+def test_when_idle_waits_for_a_pod_whose_resource_claim_holds_a_gpu(tmp_path: Path, api: KubeEmulator) -> None:
+    """A pod holding a GPU through a resource claim of the agent's DRA driver (pod-resources' DynamicResources)
+    is a job the reload waits for, as one holding the device plugin's nvidia.com/gpu is; another driver's
+    claim is not."""
+    from kubelet_api.podresources_pb2 import ListPodResourcesResponse
+    from test_pod_labels import Kubelet as PodResources, claims_response
+
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    config = settings(api, node)
+    assert node.apply(config).stage("mig").state == "ok"
+    kubelet = PodResources(node.root)
+    try:
+        kubelet.answer = claims_response(("ml", "trainer", "main", "big-gpu", "ml", [("gpu.nvidia.com", NODE, "gpu-3")]),
+                                         ("ml", "nic", "main", "fpga", "ml", [("example.com", NODE, "fpga-0")]))
+        node.sim("install-driver", NEW)
+        a_minute_later(node)
+        driver = node.apply(config).stage("driver")
+        assert driver.state == "failed" and "wait-for-jobs-required" in driver.message, driver.message
+        assert "pod ml/trainer" in driver.message and "ml/nic" not in driver.message
+        kubelet.answer = ListPodResourcesResponse()  # the pod ended
+        a_minute_later(node)
+        done = node.apply(config)
+    finally:
+        kubelet.stop()
+    assert done.stage("driver").state == "ok", done.stage("driver").message
+    assert loaded_version(node.machine.read(), "nvidia") == NEW
+
+
 def test_never_reports_only_and_a_refused_unload_leaves_it_cordoned_until_the_retry(
         tmp_path: Path, api: KubeEmulator) -> None:
     node = SimNode(tmp_path / "root", "dgx-h100")

@@ -395,3 +395,48 @@ def test_more_pods_holding_devices_than_a_node_runs_is_an_error(node: Node, monk
         podresources.holdings(answer.SerializeToString())
     assert len(podresources.holdings(response(*[("ns", f"p{n}", {"c": {"nvidia.com/gpu": ["GPU-x"]}})
                                                 for n in range(50)]).SerializeToString()).pod_resources) == 50
+
+
+def claims_response(*pods: tuple[str, str, str, str, str, list[tuple[str, str, str]]]) -> ListPodResourcesResponse:
+    """(namespace, pod, container, claim name, claim namespace, [(driver, pool, device)]) each."""
+    answer = ListPodResourcesResponse()
+    for namespace, name, container_name, claim_name, claim_namespace, devices in pods:
+        container = answer.pod_resources.add(name=name, namespace=namespace).containers.add(name=container_name)
+        claim = container.dynamic_resources.add(claim_name=claim_name, claim_namespace=claim_namespace)
+        for driver, pool, device in devices:
+            claim.claim_resources.add(driver_name=driver, pool_name=pool, device_name=device,
+                                      cdi_devices=[{"name": f"k8s.gpu.nvidia.com/claim={device}"}])
+    return answer
+
+
+def test_devices_a_resource_claim_gave_carry_dcgm_exporters_dra_labels(node: Node, kubelet: Kubelet) -> None:
+    """As dcgm-exporter reads pod-resources' DynamicResources (Kubernetes' KubeletPodResourcesDynamicResources
+    page shows its series): the claim's device is found by the DRA plugin's name for it, a GPU's `gpu-<minor>`,
+    a MIG device's `gpu-<minor>-mig-<profile>-<GI profile id>-<placement start>`."""
+    from gpu_agent.dra.devices import gpu_device_name, mig_device_name
+
+    gpu0, mig_gpu = node.gpus[0], node.gpus[2]
+    instance = next(i for i in mig_gpu.mig.gpu_instances if i.id == node.mig[1].gpu_instance_id)
+    mig_name = mig_device_name(mig_gpu, instance)
+    kubelet.answer = claims_response(
+        ("gpu-test3", "pod1", "ctr", "single-gpu", "gpu-test3", [("gpu.nvidia.com", "node-1", gpu_device_name(gpu0))]),
+        ("ml", "slice", "main", "mig-claim", "ml", [("gpu.nvidia.com", "node-1", mig_name)]),
+        ("ml", "other", "main", "nic", "ml", [("example.com", "node-1", "gpu-1")]),  # another driver's gpu-1
+        ("ml", "lost", "main", "gone", "ml", [("gpu.nvidia.com", "node-1", "gpu-9")]),  # no such device here
+        ("ml", "bad", "main", "Not_A_Name", "ml", [("gpu.nvidia.com", "node-1", "gpu-1")]),
+    )
+    result = asyncio.run(node.labels().refresh())
+    assert result.error is None
+    held = {(s["UUID"], s.get("GPU_I_ID")): s for s in node.series("DCGM_FI_DEV_GPU_TEMP") if "pod" in s}
+    assert set(held) == {(gpu0.uuid, None), (mig_gpu.uuid, str(instance.id))}
+    assert list(held[(gpu0.uuid, None)])[7:] == [
+        "container", "dra_claim_name", "dra_claim_namespace", "dra_device_name", "dra_driver_name", "dra_pool_name",
+        "namespace", "pod"]
+    assert {key: value for key, value in held[(gpu0.uuid, None)].items() if key.startswith("dra_")} == {
+        "dra_claim_name": "single-gpu", "dra_claim_namespace": "gpu-test3", "dra_device_name": "gpu-0",
+        "dra_driver_name": "gpu.nvidia.com", "dra_pool_name": "node-1"}
+    assert held[(mig_gpu.uuid, str(instance.id))]["dra_device_name"] == mig_name
+    devices = {d["uuid"]: d["holders"] for d in node.state.to_json()["pod_labels"]["devices"]}
+    assert devices[gpu0.uuid] == [{"pod": "pod1", "namespace": "gpu-test3", "container": "ctr", "claim": {
+        "dra_claim_name": "single-gpu", "dra_claim_namespace": "gpu-test3", "dra_device_name": "gpu-0",
+        "dra_driver_name": "gpu.nvidia.com", "dra_pool_name": "node-1"}}]

@@ -16,7 +16,7 @@ from harness import SimNode
 from kubelet_api import deviceplugin_pb2 as api
 from kubelet_api.deviceplugin_grpc import DevicePluginStub
 from test_plugin_service import PLUGIN_DIR, Registrations
-from test_pod_labels import Kubelet, response
+from test_pod_labels import Kubelet, claims_response, response
 
 from gpu_agent.daemon.app import Runtime
 from gpu_agent.host.ledger import Ledger
@@ -101,6 +101,26 @@ def test_a_pod_holding_a_gpu_refuses_its_switch_and_the_facts_say_which(tmp_path
     assert _drivers(node) == ["nvidia"] * 4 + ["vfio-pci", "vfio-pci", "nvidia", "vfio-pci"]
     reasons = {gpu["index"]: gpu["reason"] for gpu in vfio.facts["gpus"]}
     assert reasons[6] == "pod ml/trainer holds it" and reasons[5] is None
+
+
+def test_a_pod_whose_resource_claim_holds_a_gpu_refuses_its_switch(tmp_path: Path) -> None:
+    """A GPU the agent's DRA plugin gave a claim (pod-resources' DynamicResources, by its device name gpu-<minor>)
+    is held as a device plugin's is; another driver's device of the same name is not the GPU."""
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    config: dict[str, Any] = {"toolkit": {"enabled": False}}
+    node.apply(config)
+    kubelet = Kubelet(node.root)
+    try:
+        kubelet.answer = claims_response(("ml", "trainer", "main", "big-gpu", "ml", [("gpu.nvidia.com", "n", "gpu-5")]),
+                                         ("ml", "nic", "main", "fpga", "ml", [("example.com", "n", "gpu-7")]))
+        switched = node.apply({**config, "workload": VM})
+    finally:
+        kubelet.stop()
+    vfio = switched.stage("vfio")
+    assert vfio.state == "failed"
+    reasons = {gpu["index"]: gpu["reason"] for gpu in vfio.facts["gpus"]}
+    assert reasons[5] == "pod ml/trainer holds it" and reasons[7] is None
+    assert _drivers(node)[4:] == ["vfio-pci", "nvidia", "vfio-pci", "vfio-pci"]
 
 
 class _Watched:

@@ -1,7 +1,8 @@
 """The kubelet's pod-resources API, k8s.io/kubelet/pkg/apis/podresources/v1 (its wire facts stated in
 tests/kubelet_api/podresources.proto), declared for gpu_agent.proto3: List, and of its answer the
-fields that attribute a device to a container. The rest (CPUs, memory, dynamic resources) is skipped
-on decoding, as protobuf skips fields a reader does not know.
+fields that attribute a device to a container: the device plugins' devices, and the devices of the
+containers' resource claims (DynamicResources) by driver, pool and device name. The rest (CPUs, memory,
+CDI devices) is skipped on decoding, as protobuf skips fields a reader does not know.
 
 The answer is read bounded (MAX_MESSAGE_BYTES, refused by its length prefix) and decoded by holdings(),
 which keeps only the pods whose containers hold devices: a node's hundred thousand pods without a GPU
@@ -29,7 +30,8 @@ MAX_RESOURCE_NAME = 317  # a qualified name: a 253-character DNS prefix, '/', a 
 _PART = rb"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
 _SUBDOMAIN = re.compile(rb"%s(?:\.%s)*" % (_PART, _PART))
 _LABEL = re.compile(_PART)
-MAX_POD_NAME, MAX_LABEL = 253, 63
+_POOL = re.compile(rb"%s(?:\.%s)*(?:/%s(?:\.%s)*)*" % (_PART, _PART, _PART, _PART))
+MAX_POD_NAME, MAX_LABEL, MAX_POOL_NAME = 253, 63, 253
 
 
 @dataclass
@@ -44,9 +46,24 @@ class ContainerDevices(Message):
 
 
 @dataclass
+class ClaimResource(Message):
+    driver_name: str = string(2)
+    pool_name: str = string(3)
+    device_name: str = string(4)
+
+
+@dataclass
+class DynamicResource(Message):
+    claim_name: str = string(2)
+    claim_namespace: str = string(3)
+    claim_resources: list[ClaimResource] = messages(4, ClaimResource)
+
+
+@dataclass
 class ContainerResources(Message):
     name: str = string(1)
     devices: list[ContainerDevices] = messages(2, ContainerDevices)
+    dynamic_resources: list[DynamicResource] = messages(5, DynamicResource)
 
 
 @dataclass
@@ -102,7 +119,7 @@ def _holding_pod(data: memoryview) -> Optional[PodResources]:
     """The pod with its containers that hold devices; None when none does; a pod with no containers
     when its own name or namespace, or each holding container's name, is not a Kubernetes name."""
     name = namespace = memoryview(b"")
-    containers: list[tuple[memoryview, list[ContainerDevices]]] = []
+    containers: list[tuple[memoryview, list[ContainerDevices], list[DynamicResource]]] = []
     for number, value in _parts(data, "PodResources"):
         if number == 1:
             name = value
@@ -117,20 +134,63 @@ def _holding_pod(data: memoryview) -> Optional[PodResources]:
     if not (_named(name, _SUBDOMAIN, MAX_POD_NAME) and _named(namespace, _LABEL, MAX_LABEL)):
         return PodResources()
     return PodResources(name=str(name, "ascii"), namespace=str(namespace, "ascii"),
-                        containers=[ContainerResources(name=str(title, "ascii"), devices=devices)
-                                    for title, devices in containers if _named(title, _LABEL, MAX_LABEL)])
+                        containers=[ContainerResources(name=str(title, "ascii"), devices=devices,
+                                                       dynamic_resources=claims)
+                                    for title, devices, claims in containers if _named(title, _LABEL, MAX_LABEL)])
 
 
-def _holding_container(data: memoryview) -> Optional[tuple[memoryview, list[ContainerDevices]]]:
+def _holding_container(data: memoryview) -> Optional[tuple[memoryview, list[ContainerDevices],
+                                                          list[DynamicResource]]]:
     name = memoryview(b"")
-    devices = []
+    devices, claims = [], []
     for number, value in _parts(data, "ContainerResources"):
-        held = _devices(value) if number == 2 else None
         if number == 1:
             name = value
-        elif held is not None:
-            devices.append(held)
-    return (name, devices) if devices else None
+        elif number == 2:
+            held = _devices(value)
+            if held is not None:
+                devices.append(held)
+        elif number == 5:
+            claim = _claim(value)
+            if claim is not None:
+                claims.append(claim)
+    return (name, devices, claims) if devices or claims else None
+
+
+def _claim(data: memoryview) -> Optional[DynamicResource]:
+    """One resource claim of a container, with its devices; None when it names none, or its name or
+    namespace is not a Kubernetes name (a claim's name is a DNS subdomain, as a pod's is)."""
+    name = namespace = memoryview(b"")
+    resources = []
+    for number, value in _parts(data, "DynamicResource"):
+        if number == 2:
+            name = value
+        elif number == 3:
+            namespace = value
+        elif number == 4:
+            resource = _claim_resource(value)
+            if resource is not None:
+                resources.append(resource)
+    if not resources or not (_named(name, _SUBDOMAIN, MAX_POD_NAME) and _named(namespace, _LABEL, MAX_LABEL)):
+        return None
+    return DynamicResource(str(name, "ascii"), str(namespace, "ascii"), resources)
+
+
+def _claim_resource(data: memoryview) -> Optional[ClaimResource]:
+    """A claim's device by driver, pool and device name: a driver name is a DNS subdomain, a pool name
+    one or more of them joined by '/', a device name a DNS label (resource.k8s.io's validation)."""
+    driver = pool = device = memoryview(b"")
+    for number, value in _parts(data, "ClaimResource"):
+        if number == 2:
+            driver = value
+        elif number == 3:
+            pool = value
+        elif number == 4:
+            device = value
+    if not (_named(driver, _SUBDOMAIN, MAX_POD_NAME) and _named(device, _LABEL, MAX_LABEL)
+            and _named(pool, _POOL, MAX_POOL_NAME)):
+        return None
+    return ClaimResource(str(driver, "ascii"), str(pool, "ascii"), str(device, "ascii"))
 
 
 def _devices(data: memoryview) -> Optional[ContainerDevices]:

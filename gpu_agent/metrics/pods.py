@@ -4,7 +4,10 @@ The kubelet's pod-resources API (v1 List, on <root>/var/lib/kubelet/pod-resource
 which container holds which device. A device id is a GPU UUID, a MIG device UUID or a time-slicing
 replica `<uuid>::<n>`: the replica suffix is stripped, a GPU's holders label its whole-GPU series and a
 MIG device's holders label its GPU instance's series (GPU_I_ID), each with `pod`, `namespace` and
-`container`. A device several containers share (replicas) gets one series per holder, as dcgm-exporter
+`container`. A device a resource claim gave (the agent's DRA plugin, driver gpu.nvidia.com) is named in the
+answer by its pool and device name (`gpu-0`, `gpu-0-mig-1g10gb-19-0`), and its series also get
+dcgm-exporter's `dra_claim_name`, `dra_claim_namespace`, `dra_device_name`, `dra_driver_name` and
+`dra_pool_name`. A device several containers share (replicas) gets one series per holder, as dcgm-exporter
 writes them for shared GPUs; a device nobody holds keeps its series without those labels.
 
 The query runs on its own timer (the sample interval), never on a scrape, and is bounded by a timeout;
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from gpu_agent.dra.devices import DRIVER, gpu_device_name, mig_device_name
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.host.paths import Root
 from gpu_agent.metrics.pod_metadata import PodKey, PodMeta, PodMetadata
@@ -42,17 +46,26 @@ LABELS = ("container", "namespace", "pod")  # in the order dcgm-exporter writes 
 Key = tuple[str, Optional[int]]  # (GPU UUID, GPU instance id; None: the whole GPU)
 
 
+DRA_LABELS = ("dra_claim_name", "dra_claim_namespace", "dra_device_name", "dra_driver_name", "dra_pool_name")
+
+
 @dataclass(frozen=True, order=True)
 class Holder:
     namespace: str
     pod: str
     container: str
     replica: str = ""  # of a shared GPU: the n of its device id <uuid>::n (metrics.virtual_gpus' vgpu label)
+    claim: tuple[str, ...] = ()  # of a device a resource claim gave: the values of DRA_LABELS
 
     @property
     def labels(self) -> list[str]:
         """Values of LABELS."""
         return [self.container, self.namespace, self.pod]
+
+    @property
+    def dra_labels(self) -> dict[str, str]:
+        """dcgm-exporter's labels of a device a resource claim gave (none for a device plugin's)."""
+        return dict(zip(DRA_LABELS, self.claim))
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,8 @@ class PodAttribution:
             "devices": [
                 {"uuid": uuid, "gpu_instance_id": gi,
                  "holders": [{"pod": h.pod, "namespace": h.namespace, "container": h.container,
-                              **({"replica": h.replica} if h.replica else {})} for h in holders]}
+                              **({"replica": h.replica} if h.replica else {}),
+                              **({"claim": h.dra_labels} if h.claim else {})} for h in holders]}
                 for (uuid, gi), holders in sorted(self.holders.items(), key=lambda item: (item[0][0], _gi(item[0][1])))
             ],
         }
@@ -92,15 +106,26 @@ def _gi(value: Optional[int]) -> int:
 
 
 def attribute(response: Holdings, inventory: Optional[Inventory]) -> dict[Key, tuple[Holder, ...]]:
-    """Who holds each of the inventory's GPUs and GPU instances, from the kubelet's answer."""
+    """Who holds each of the inventory's GPUs and GPU instances, from the kubelet's answer: the device
+    plugin's devices by UUID, the resource claims' by the names the agent's DRA plugin gives them."""
     devices: dict[str, Key] = {}
+    named: dict[str, Key] = {}  # in the node's pool of driver gpu.nvidia.com
     for gpu in inventory.gpus if inventory else ():
-        devices[gpu.uuid] = (gpu.uuid, None)
+        devices[gpu.uuid] = named[gpu_device_name(gpu)] = (gpu.uuid, None)
         for mig in gpu.mig.devices:
             devices[mig.uuid] = (gpu.uuid, mig.gpu_instance_id)
+        for instance in gpu.mig.gpu_instances:
+            named[mig_device_name(gpu, instance)] = (gpu.uuid, instance.id)
     found: dict[Key, set[Holder]] = {}
     for pod in response.pod_resources:
         for container in pod.containers:
+            for claim in container.dynamic_resources:
+                for resource in claim.claim_resources:
+                    key = named.get(resource.device_name) if resource.driver_name == DRIVER else None
+                    if key is not None:
+                        values = (claim.claim_name, claim.claim_namespace, resource.device_name,
+                                  resource.driver_name, resource.pool_name)
+                        found.setdefault(key, set()).add(Holder(pod.namespace, pod.name, container.name, claim=values))
             for device in container.devices:
                 for device_id in device.device_ids:
                     uuid, _, replica = device_id.partition("::")

@@ -98,7 +98,7 @@ class SeriesView:
 
     def _names_of(self, holder: Holder) -> dict[str, str]:
         return {self.names.pod: holder.pod, self.names.namespace: holder.namespace,
-                self.names.container: holder.container}
+                self.names.container: holder.container, **holder.dra_labels}
 
     def _uid(self, holder: Holder) -> str:
         meta = self.pods.meta(holder) if self.pods is not None else None

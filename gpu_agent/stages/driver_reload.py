@@ -22,6 +22,7 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from gpu_agent.config.driver import DriverConfig
+from gpu_agent.dra.devices import DRIVER as DRA_DRIVER
 from gpu_agent.errors import AgentError, StageError, TransientError
 from gpu_agent.host import display, driver_version, processes
 from gpu_agent.host.display import ConsoleControl
@@ -249,16 +250,17 @@ class Reload:
         return None
 
     def consumers(self) -> list[str]:
-        """What uses a GPU now: pods with NVIDIA devices (the kubelet's pod-resources), processes with an
-        NVIDIA device file open, but the agent's own MPS control daemons and their servers (quit before the
-        unload)."""
+        """What uses a GPU now: pods with NVIDIA devices or resource claims of them (the kubelet's
+        pod-resources), processes with an NVIDIA device file open, but the agent's own MPS control daemons
+        and their servers (quit before the unload)."""
         found = processes.device_users(self.root)
         own = self.mps.own(found) if self.mps is not None else set()
         users = [f"process {p.describe()}" for p in found if p.pid not in own]
         return users + [f"pod {pod}" for pod in self._gpu_pods()]
 
     def _gpu_pods(self) -> list[str]:
-        return pods_holding(self.root, lambda device: device.resource_name.startswith("nvidia.com/"))
+        return pods_holding(self.root, lambda device: device.resource_name.startswith("nvidia.com/"),
+                            lambda claimed: claimed.driver_name == DRA_DRIVER)
 
     # --- taking the moves ------------------------------------------------------------------------
 
@@ -711,9 +713,11 @@ class Reload:
         return head + (cordon if at in (CORDON_REQUIRED, UPGRADE_REQUIRED) else []) + wait + unload + load + finish
 
 
-def pods_holding(root: Root, holds: Callable[[Any], bool]) -> list[str]:
-    """namespace/name of the pods the kubelet's pod-resources API says hold a device `holds` accepts (a
-    ContainerDevices: resource_name, device_ids); none where the kubelet has no such socket."""
+def pods_holding(root: Root, holds: Callable[[Any], bool], claimed: Callable[[Any], bool]) -> list[str]:
+    """namespace/name of the pods the kubelet's pod-resources API says hold a device: one a device plugin
+    gave that `holds` accepts (a ContainerDevices: resource_name, device_ids), or one a resource claim gave
+    that `claimed` accepts (a ClaimResource: driver_name, pool_name, device_name); none where the kubelet
+    has no such socket."""
     socket = root(POD_RESOURCES)
     if not socket.exists():
         return []
@@ -725,7 +729,9 @@ def pods_holding(root: Root, holds: Callable[[Any], bool]) -> list[str]:
         raise StageError(f"cannot ask the kubelet which pods hold GPUs ({POD_RESOURCES}): "
                          f"{type(exc).__name__}: {exc}") from None
     return sorted(f"{pod.namespace}/{pod.name}" for pod in response.pod_resources
-                  if any(holds(device) for container in pod.containers for device in container.devices))
+                  if any(holds(device) for container in pod.containers for device in container.devices)
+                  or any(claimed(resource) for container in pod.containers for claim in container.dynamic_resources
+                         for resource in claim.claim_resources))
 
 
 def _validation(outcomes: Optional[dict[str, Any]]) -> Optional[tuple[str, ...]]:

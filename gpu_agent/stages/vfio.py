@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gpu_agent.config.workload import CONTAINER, MODES, VGPU_REFUSED, VM_PASSTHROUGH, VM_VGPU, WorkloadConfig
+from gpu_agent.dra.devices import DRIVER as DRA_DRIVER
+from gpu_agent.dra.devices import gpu_device_name
 from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host import pci as pci_bus
 from gpu_agent.host import processes
@@ -214,7 +216,9 @@ class Vfio(Stage):
         held = processes.holding(self.root, re.compile(rf"/dev/nvidia{gpu.minor_number}$"))
         own = self.mps.own(held) if self.mps is not None else set()  # quit before the unbind (QUIT_MPS)
         found += [f"process {process.describe()} has it open" for process in held if process.pid not in own]
-        pods = pods_holding(self.root, lambda device: any(i.split("::")[0] == gpu.uuid for i in device.device_ids))
+        name = gpu_device_name(gpu)
+        pods = pods_holding(self.root, lambda device: any(i.split("::")[0] == gpu.uuid for i in device.device_ids),
+                            lambda claimed: claimed.driver_name == DRA_DRIVER and claimed.device_name == name)
         found += [f"pod {pod} holds it" for pod in pods]
         if self._persistence(gpu):
             found.append("persistence mode is on (the driver keeps it initialised): turn it off (nvidia-smi -i "
