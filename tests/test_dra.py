@@ -586,6 +586,32 @@ def test_the_daemon_switches_api_only_once_no_pod_holds_a_gpu(root: Path, write_
         runtime.nvml.close()
 
 
+def test_status_shows_the_pool_and_the_checkpoints_claims_while_the_dra_plugin_does_not_run(
+        root: Path, write_config: Any) -> None:
+    """plugin.api device-plugin (the default): /status dra names the devices the pool would publish and the
+    claims the checkpoint still holds (prepared before the node switched back), and that nothing runs."""
+    from gpu_agent.daemon import app
+    from gpu_agent.dra.claims import PreparedClaim, PreparedDevice
+
+    config = write_config({"kubernetes": {"node_name": NODE}})
+    runtime = app.Runtime.build(Root(root), load_config(config, required=True), "dgx-h100")
+    try:
+        asyncio.run(runtime.engine.reconcile(force=True))
+        daemon = app.Daemon(runtime, config, config_required=True)
+        daemon._ensure_dra()
+        section = runtime.state.to_json()["dra"]
+        assert section["running"] is False and section["pool"] == NODE and "does not run" in section["reason"]
+        assert [device["name"] for device in section["devices"]] == [f"gpu-{n}" for n in range(8)]
+        assert section["prepared_claims"] == {} and section["checkpoint_error"] is None
+        Checkpoint(Root(root)(CHECKPOINT)).put("uid-1", PreparedClaim("ml", "big-gpu", (
+            PreparedDevice(("gpu",), NODE, "gpu-3", ("nvidia.com/gpu=GPU-3",)),)))
+        daemon._ensure_dra()
+        claims = runtime.state.to_json()["dra"]["prepared_claims"]
+        assert claims["uid-1"]["name"] == "big-gpu" and claims["uid-1"]["devices"][0]["device"] == "gpu-3"
+    finally:
+        runtime.nvml.close()
+
+
 def test_damaged_answers_decode_as_protobuf_decodes_them_or_raise_decode_error() -> None:
     import random
 

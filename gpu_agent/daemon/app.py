@@ -387,6 +387,8 @@ class Daemon:
         self.plugin: Optional[Any] = None  # the device plugin, started once wanted (plugin/service.py)
         self._plugin_task: Optional[asyncio.Task[Any]] = None
         self.dra: Optional[Any] = None  # the DRA kubelet plugin while plugin.api serves through DRA (dra/service.py)
+        self._dra_checkpoint: Optional[Any] = None  # its claims, for /status while it does not run
+        self._dra_checkpoint_stamp: Optional[Stamp] = None
         self._switch_task: Optional[asyncio.Task[Any]] = None  # asks who holds GPUs before plugin.api changes
         self._dra_task: Optional[asyncio.Task[Any]] = None
         self._dra_key: Optional[tuple[Any, ...]] = None  # the settings it was built with
@@ -756,6 +758,7 @@ class Daemon:
             self.dra.wake()
             return
         if not wanted:
+            self._publish_dra_off(kube.node_name or socket.gethostname().strip().lower())
             return
         from gpu_agent.dra.service import DraManager  # grpclib: only when on
         from gpu_agent.kube.client import KubeClient
@@ -766,6 +769,32 @@ class Daemon:
         self.dra, self._dra_key = DraManager(self.runtime.root, self.state, client, node), key
         self._dra_task = asyncio.create_task(self.dra.run(), name="dra")
         self._tasks.append(self._dra_task)
+
+    def _publish_dra_off(self, node: str) -> None:
+        """/status dra while the DRA plugin does not run (plugin.api device-plugin): the devices its pool would
+        publish, and the claims its checkpoint still holds (prepared before the node switched back); nothing
+        is served or published. The checkpoint is read again only when its file changed."""
+        from gpu_agent.dra.claims import CHECKPOINT, Checkpoint
+        from gpu_agent.dra.devices import DRIVER, published
+
+        path = self.runtime.root(CHECKPOINT)
+        stamp = stamp_of(path)
+        if self._dra_checkpoint is None or stamp != self._dra_checkpoint_stamp:
+            self._dra_checkpoint, self._dra_checkpoint_stamp = Checkpoint(path), stamp
+            if stamp is not None:
+                self._dra_checkpoint.load()
+        inventory = self.state.inventory
+        checkpoint = self._dra_checkpoint
+        self.state.publish_dra({
+            "driver": DRIVER, "pool": node, "running": False,
+            "reason": f"plugin.api serves the node through {self.state.serving()}: the DRA plugin does not run, "
+                      "its pool is not published",
+            "devices": [{"name": device.name, "uuid": device.uuid, "attributes": device.entry["attributes"],
+                         "capacity": device.entry["capacity"]}
+                        for device in published(inventory, self.state.health_of(inventory))],
+            "prepared_claims": {uid: claim.to_json() for uid, claim in sorted(checkpoint.claims.items())},
+            "checkpoint_error": checkpoint.error,
+        })
 
     def _after_xid(self) -> None:
         """From the XID watcher's thread: publish, and sample now, so a GPU an XID took off the bus is

@@ -244,7 +244,7 @@ class DraManager:
 
     def _status(self) -> None:
         self.state.publish_dra({
-            "driver": DRIVER, "pool": self.node, "generation": self.publisher.generation,
+            "driver": DRIVER, "pool": self.node, "running": True, "generation": self.publisher.generation,
             "registration_socket": self.host_registration, "endpoint": self.host_endpoint,
             "registered_at": self.registered, "registration_error": self.registration_error,
             "serve_error": self.serve_error,
