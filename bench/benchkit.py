@@ -9,6 +9,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -152,6 +153,17 @@ def pinned_to(cpu: int) -> Optional[Any]:
     if not can_pin():
         return None
     return lambda: os.sched_setaffinity(0, {cpu})
+
+
+def pinned(argv: list[str], cpu: int) -> list[str]:
+    """`argv` run pinned to one CPU by taskset (it execs the command: same pid), as `argv` where we cannot pin.
+    Where the bench process runs gRPC servers (grpcio's threads: the pod-resources stand-in), a preexec_fn
+    made subprocess fork it and run Python in the child, which grpcio's fork handlers broke (the load
+    generator died with "epoll_wait: Bad file descriptor"); without one, subprocess uses vfork."""
+    taskset = shutil.which("taskset")
+    if not can_pin() or taskset is None:
+        return argv
+    return [taskset, "-c", str(cpu), *argv]
 
 
 def free_port() -> int:
@@ -307,9 +319,9 @@ class Agent:
             env["WATCHDOG_USEC"] = str(self.options.watchdog_usec)
         log = open(self.log_path, "ab")
         self.started_wall = time.time()
-        self.proc = subprocess.Popen(self.argv("--simulate", self.options.profile, "run"), env=env,
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     preexec_fn=pinned_to(AGENT_CPU) if self.options.pin else None)
+        argv = self.argv("--simulate", self.options.profile, "run")
+        self.proc = subprocess.Popen(pinned(argv, AGENT_CPU) if self.options.pin else argv, env=env,
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         if wait:
             self.wait_ready()

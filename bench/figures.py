@@ -23,7 +23,7 @@ from idle_memory import EXPORTER_ALL
 
 from benchkit import (
     AGENT_CPU, BENCH, LOAD_CPU, PYTHON, REPO, Agent, AgentOptions, Figure, busy_jiffies, cpu_seconds,
-    free_port, http_get, median, memory_mib, parse_importtime, percentile, pinned_to, wakeups,
+    free_port, http_get, median, memory_mib, parse_importtime, percentile, pinned, pinned_to, wakeups,
 )
 
 GPU_AGENT = str(Path(PYTHON).parent / "gpu-agent")  # the console script a person types
@@ -127,8 +127,7 @@ def spawn_wall_ms(argv: list[str], cpu: int = AGENT_CPU) -> float:
 def loadgen(port: int, path: str, rate: float, seconds: float, gzip: bool = False) -> dict[str, Any]:
     argv = [PYTHON, str(BENCH / "loadgen.py"), "--port", str(port), "--path", path, "--rate", str(rate),
             "--seconds", str(seconds)] + (["--gzip"] if gzip else [])
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120,
-                          preexec_fn=pinned_to(LOAD_CPU))
+    done = subprocess.run(pinned(argv, LOAD_CPU), capture_output=True, text=True, timeout=seconds + 120)
     if done.returncode != 0:
         raise RuntimeError(f"load generator failed: {done.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(done.stdout)
