@@ -147,8 +147,9 @@ def test_when_idle_waits_for_a_pod_whose_resource_claim_holds_a_gpu(tmp_path: Pa
     assert node.apply(config).stage("mig").state == "ok"
     kubelet = PodResources(node.root)
     try:
-        kubelet.answer = claims_response(("ml", "trainer", "main", "big-gpu", "ml", [("gpu.nvidia.com", NODE, "gpu-3")]),
-                                         ("ml", "nic", "main", "fpga", "ml", [("example.com", NODE, "fpga-0")]))
+        kubelet.answer = claims_response(
+            ("ml", "trainer", "main", "big-gpu", "ml", [("gpu.nvidia.com", NODE, "gpu-3")]),
+            ("ml", "nic", "main", "fpga", "ml", [("example.com", NODE, "fpga-0")]))
         node.sim("install-driver", NEW)
         a_minute_later(node)
         driver = node.apply(config).stage("driver")
