@@ -151,11 +151,15 @@ def test_a_pod_resources_answer_keeps_what_attribution_needs_and_skips_the_rest(
     pod.memory.add(memory_type="hugepages-1Gi", size=1 << 40).topology.nodes.add(ID=1)
     container = pod.containers.add(name="main", cpu_ids=[4, 5])
     container.devices.add(resource_name="nvidia.com/gpu", device_ids=["GPU-1", "GPU-2"]).topology.nodes.add(ID=0)
-    container.dynamic_resources.add(claim_name="c").claim_resources.add(driver_name="gpu.nvidia.com", share_id="s")
+    claim = container.dynamic_resources.add(claim_name="c", claim_namespace="ml")
+    claim.claim_resources.add(driver_name="gpu.nvidia.com", pool_name="node-1", device_name="gpu-0", share_id="s",
+                              cdi_devices=[{"name": "k8s.gpu.nvidia.com/claim=c-gpu-0"}])
     decoded = podresources.ListPodResourcesResponse.decode(full.SerializeToString())
     assert decoded == podresources.ListPodResourcesResponse(pod_resources=[podresources.PodResources(
         name="trainer", namespace="ml", containers=[podresources.ContainerResources(name="main", devices=[
-            podresources.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=["GPU-1", "GPU-2"])])])])
+            podresources.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=["GPU-1", "GPU-2"])],
+            dynamic_resources=[podresources.DynamicResource("c", "ml", [
+                podresources.ClaimResource("gpu.nvidia.com", "node-1", "gpu-0")])])])])
 
 
 def test_a_singular_message_seen_twice_merges_and_the_last_scalar_wins() -> None:
