@@ -572,7 +572,6 @@ class Daemon:
             loaded = await asyncio.to_thread(reload_config, self.config_path, self.config_required, self.state.config)
             if loaded is None:
                 self.state.config_error = None
-                self.state.published += 1
                 log.info("reloading configuration from %s: the file is unchanged; keeping configuration %s",
                          self.config_path, self.state.config.digest[:19])
                 return False
@@ -592,7 +591,6 @@ class Daemon:
 
     def _reject_reload(self, reason: str) -> None:
         self.state.config_error = reason
-        self.state.published += 1
         log.error("configuration reload rejected, still running the previous one: %s", reason)
 
     def _stages_for(self, config: AgentConfig) -> list[Stage]:
@@ -625,7 +623,6 @@ class Daemon:
         runtime = self.runtime
         self.state.config, self.state.config_error = loaded, None
         self.state.config_loaded_at = time.time()
-        self.state.published += 1  # /status shows the new config now, not at the end of the pass it forces
         runtime.nvml.session.call_timeout = config.nvml.call_timeout_seconds
         runtime.engine.settings = config.reconcile
         runtime.engine.set_stages(stages)
