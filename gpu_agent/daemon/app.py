@@ -757,15 +757,15 @@ class Daemon:
             assert self.dra is not None
             self.dra.wake()
             return
+        node = kube.node_name or socket.gethostname().strip().lower()  # as the labels stage names the Node
         if not wanted:
-            self._publish_dra_off(kube.node_name or socket.gethostname().strip().lower())
+            self._publish_dra_off(node)
             return
         from gpu_agent.dra.service import DraManager  # grpclib: only when on
         from gpu_agent.kube.client import KubeClient
 
         client = KubeClient(self.runtime.root, kube.kubeconfig, kube.request_timeout_seconds,
                             RequestBudget(per_minute=DRA_REQUESTS_PER_MINUTE))
-        node = kube.node_name or socket.gethostname().strip().lower()  # as the labels stage names the Node
         self.dra, self._dra_key = DraManager(self.runtime.root, self.state, client, node), key
         self._dra_task = asyncio.create_task(self.dra.run(), name="dra")
         self._tasks.append(self._dra_task)
@@ -784,16 +784,13 @@ class Daemon:
             if stamp is not None:
                 self._dra_checkpoint.load()
         inventory = self.state.inventory
-        checkpoint = self._dra_checkpoint
         self.state.publish_dra({
             "driver": DRIVER, "pool": node, "running": False,
             "reason": f"plugin.api serves the node through {self.state.serving()}: the DRA plugin does not run, "
                       "its pool is not published",
-            "devices": [{"name": device.name, "uuid": device.uuid, "attributes": device.entry["attributes"],
-                         "capacity": device.entry["capacity"]}
-                        for device in published(inventory, self.state.health_of(inventory))],
-            "prepared_claims": {uid: claim.to_json() for uid, claim in sorted(checkpoint.claims.items())},
-            "checkpoint_error": checkpoint.error,
+            "devices": [device.to_json() for device in published(inventory, self.state.health_of(inventory))],
+            "prepared_claims": self._dra_checkpoint.to_json(),
+            "checkpoint_error": self._dra_checkpoint.error,
         })
 
     def _after_xid(self) -> None:

@@ -136,11 +136,19 @@ class Checkpoint:
         if uid in self.claims:
             self._write({key: value for key, value in self.claims.items() if key != uid})
 
+    def to_json(self) -> dict[str, Any]:
+        """The prepared claims by uid, as the file and /status hold them."""
+        return _claims_json(self.claims)
+
     def _write(self, claims: dict[str, PreparedClaim]) -> None:
-        document = {"version": VERSION, "claims": {uid: claim.to_json() for uid, claim in sorted(claims.items())}}
+        document = {"version": VERSION, "claims": _claims_json(claims)}
         atomic_write(self.path, json.dumps(document, indent=1) + "\n", mode=0o600)  # OSError: the caller's answer
         self.claims = claims
         self.error = None
+
+
+def _claims_json(claims: Mapping[str, PreparedClaim]) -> dict[str, Any]:
+    return {uid: claim.to_json() for uid, claim in sorted(claims.items())}
 
 
 def _mapping(value: Any) -> dict[str, Any]:

@@ -40,6 +40,11 @@ class DraDevice:
     gpu_uuid: str
     entry: dict[str, Any]
 
+    def to_json(self) -> dict[str, Any]:
+        """As /status lists it."""
+        return {"name": self.name, "uuid": self.uuid, "attributes": self.entry["attributes"],
+                "capacity": self.entry["capacity"]}
+
 
 def gpu_device_name(gpu: Gpu) -> str:
     return f"gpu-{gpu.minor_number}"

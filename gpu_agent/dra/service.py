@@ -250,9 +250,8 @@ class DraManager:
             "serve_error": self.serve_error,
             "published": self._published is not None and self._published == self.devices,
             "publish_error": self.publish_error,
-            "devices": [{"name": device.name, "uuid": device.uuid, "attributes": device.entry["attributes"],
-                         "capacity": device.entry["capacity"]} for device in self.devices],
-            "prepared_claims": {uid: claim.to_json() for uid, claim in sorted(self.checkpoint.claims.items())},
+            "devices": [device.to_json() for device in self.devices],
+            "prepared_claims": self.checkpoint.to_json(),
             "checkpoint_error": self.checkpoint.error,
             "refused": dict(self.refused),
         })
