@@ -179,14 +179,8 @@ def _claim(data: memoryview) -> Optional[DynamicResource]:
 def _claim_resource(data: memoryview) -> Optional[ClaimResource]:
     """A claim's device by driver, pool and device name: a driver name is a DNS subdomain, a pool name
     one or more of them joined by '/', a device name a DNS label (resource.k8s.io's validation)."""
-    driver = pool = device = memoryview(b"")
-    for number, value in _parts(data, "ClaimResource"):
-        if number == 2:
-            driver = value
-        elif number == 3:
-            pool = value
-        elif number == 4:
-            device = value
+    fields = dict(_parts(data, "ClaimResource"))  # the last of a repeated scalar wins, as protobuf's
+    driver, pool, device = (fields.get(number, memoryview(b"")) for number in (2, 3, 4))
     if not (_named(driver, _SUBDOMAIN, MAX_POD_NAME) and _named(device, _LABEL, MAX_LABEL)
             and _named(pool, _POOL, MAX_POOL_NAME)):
         return None
