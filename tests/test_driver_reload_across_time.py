@@ -76,6 +76,13 @@ def a_gpu_opened_as_the_units_stop(monkeypatch: pytest.MonkeyPatch, node: SimNod
     monkeypatch.setattr(SimUnits, "__call__", stop_then_open)
 
 
+def upgraded_under_a_job(node: SimNode) -> None:
+    """Driver NEW installed while a GPU process runs (pid 4242 on GPU 0), a minute after the last pass."""
+    node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
+    node.sim("install-driver", NEW)
+    a_minute_later(node)
+
+
 def cordoned(api: KubeEmulator) -> bool:
     return bool(api.get_node(NODE)["spec"].get("unschedulable"))
 
@@ -165,9 +172,7 @@ def test_a_second_upgrade_while_waiting_keeps_the_cordon_and_ends_uncordoned(
     node = SimNode(tmp_path / "root", "t4")
     config = {**settings(api, node), "mig": {}}
     assert node.apply(config).stage("driver").state == "ok"
-    node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
-    node.sim("install-driver", NEW)
-    a_minute_later(node)
+    upgraded_under_a_job(node)
     waiting = node.apply(config)
     assert "wait-for-jobs-required" in waiting.stage("driver").message and cordoned(api)
     node.sim("install-driver", NEWER)
@@ -481,9 +486,7 @@ def test_a_node_someone_else_cordoned_stays_cordoned_through_a_new_target_an_abo
     written.write_text(json.dumps({"version": "v1", **config}))
     assert node.apply(config).stage("driver").state == "ok"
     api.modify_node(NODE, lambda n: n["spec"].update(unschedulable=True))  # an administrator's cordon
-    node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
-    node.sim("install-driver", NEW)
-    a_minute_later(node)
+    upgraded_under_a_job(node)
     node.apply(config)
     assert "the node was already cordoned: it is left cordoned" in record(node)["notes"]
     assert not record(node)["cordoned"]
@@ -522,9 +525,7 @@ def test_an_uncordon_the_api_server_sheds_waits_at_uncordon_required_and_goes_on
     node = SimNode(tmp_path / "root", "t4")
     config = {**settings(api, node), "mig": {}}
     assert node.apply(config).stage("driver").state == "ok"
-    node.sim("add-process", "--gpu", "0", "--pid", "4242", "--name", "train.py")
-    node.sim("install-driver", NEW)
-    a_minute_later(node)
+    upgraded_under_a_job(node)
     assert node.apply(config).stage("driver").state == "failed" and cordoned(api)  # waits for the process
     node.sim("clear")
     api.fail_next(f"/api/v1/nodes/{NODE}", 429, count=None, method="PATCH", retry_after=5)
