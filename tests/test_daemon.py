@@ -157,9 +157,12 @@ def test_a_failing_stage_is_retried_with_backoff_and_recovers(agent, root: Path)
 
 def test_a_hung_driver_fails_readiness_but_not_the_daemon(agent, root: Path) -> None:
     # 1 s, not less: a sample of one GPU is one batch of calls, and a loaded test machine can take a few
-    # hundred ms over it, which a shorter timeout would call a hang long after `sim clear`
+    # hundred ms over it, which a shorter timeout would call a hang long after `sim clear`. The driver stage
+    # fails while NVML hangs; retries at most 1 s apart see it pass soon after `sim clear` however long the hang
+    # lasted (the default backoff reaches 10 s after two failures, which a loaded machine met).
     daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 1.0},
-                                         "metrics": {"sample_interval_seconds": 0.2}})
+                                         "metrics": {"sample_interval_seconds": 0.2},
+                                         "reconcile": {"backoff_initial_seconds": 0.2, "backoff_max_seconds": 1}})
     daemon.wait_ready()
     run_cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
     _, body = daemon.wait_http("/readyz?verbose", lambda status, _: status == 503)
@@ -257,9 +260,12 @@ def test_a_squatter_on_the_tcp_port_never_stops_the_agent_from_starting_serving_
 
 def test_sigterm_exits_cleanly_with_an_nvml_call_still_hung(agent, root: Path) -> None:
     # 1 s, not less: a sample of one GPU is one batch of calls, and a loaded test machine can take a few
-    # hundred ms over it, which a shorter timeout would call a hang long after `sim clear`
+    # hundred ms over it, which a shorter timeout would call a hang long after `sim clear`. The driver stage
+    # fails while NVML hangs; retries at most 1 s apart see it pass soon after `sim clear` however long the hang
+    # lasted (the default backoff reaches 10 s after two failures, which a loaded machine met).
     daemon = agent("dgx-h100", settings={"nvml": {"call_timeout_seconds": 1.0},
-                                         "metrics": {"sample_interval_seconds": 0.2}})
+                                         "metrics": {"sample_interval_seconds": 0.2},
+                                         "reconcile": {"backoff_initial_seconds": 0.2, "backoff_max_seconds": 1}})
     daemon.wait_ready()
     run_cli("sim", "fail", "nvmlDeviceGetTemperature", "--error", "hang", root=root)
     daemon.wait_http("/readyz", lambda status, _: status == 503)

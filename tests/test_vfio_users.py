@@ -224,3 +224,23 @@ def test_the_sampler_leaves_gpus_being_passed_through_alone(tmp_path: Path) -> N
                                                                              before.inventory.gpus[4:])
     finally:
         nvml.close()
+
+
+def test_a_gpu_the_stage_starts_moving_while_the_sampler_reads_it_is_not_a_failure(tmp_path: Path) -> None:
+    """The race the daemon test met on a loaded machine: the sampler read `leaving` (empty), then the vfio stage
+    marked GPUs 4-7 leaving and unbound them, and their readings failed in the same sample. Those failures are
+    the move, not the GPUs: no query error, no unhealthy transition; GPUs 0-3 are sampled."""
+    from gpu_agent.metrics.sampler import Sampler
+
+    node = SimNode(tmp_path / "root", "dgx-h100")
+    before = node.apply({"toolkit": {"enabled": False}}).state
+    node.apply({"toolkit": {"enabled": False}, "workload": VM})
+    nvml = Nvml(FakeNvml(node.machine))
+    answers = iter((frozenset(),))  # the first read: before the stage marked them
+    leaving = frozenset(("0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"))
+    try:
+        Sampler(nvml, before, Root(node.root), lambda: next(answers, leaving)).sample()
+        assert len(before.samples) == 4 and not before.health_transitions
+        assert not any(health.query_error for health in before.health.values())
+    finally:
+        nvml.close()
