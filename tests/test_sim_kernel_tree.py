@@ -3,6 +3,7 @@ only the files whose content changed, and still repairs a file someone else chan
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from gpu_agent.host.paths import Root
@@ -65,3 +66,35 @@ def test_two_machines_and_a_second_writer_of_one_tree_stay_exact(tmp_path: Path)
     with first.edit():
         pass
     assert (first.kernel_dir / "proc/sys/kernel/osrelease").read_text() == f"{state['kernel']['release']}\n"
+
+
+def _links(tree: Path) -> dict[str, str]:
+    return {str(path.relative_to(tree)): os.readlink(path) for path in tree.rglob("*") if path.is_symlink()}
+
+
+def test_a_settled_tree_skips_its_links_yet_a_link_changed_behind_its_back_is_repaired(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """A render whose tree has not changed since the last one leaves its links alone (the reading it changed
+    is NVML's); a link removed or pointed elsewhere changes its directory, and the next render repairs it."""
+    import gpu_agent.sim.kernel as kernel
+
+    machine = _machine(tmp_path)
+    written = _links(machine.kernel_dir)
+    time.sleep(0.05)  # past a timestamp tick: the tree's directories get stamps the next render can trust
+    with machine.edit():
+        pass
+    calls: list[str] = []
+    real_link = kernel._link
+    monkeypatch.setattr(kernel, "_link", lambda tree, directory, relative, target: (
+        calls.append(relative), real_link(tree, directory, relative, target)))
+    with machine.edit() as state:
+        state["gpus"][0]["temperature_c"] = 71
+    assert calls == []
+    group = next(name for name in written if name.endswith("/iommu_group"))
+    member = next(name for name in written if name.startswith("sys/kernel/iommu_groups/"))
+    os.unlink(machine.kernel_dir / group)
+    os.unlink(machine.kernel_dir / member)
+    os.symlink("../../../../../proc", machine.kernel_dir / member)
+    with machine.edit():
+        pass
+    assert _links(machine.kernel_dir) == written and calls

@@ -586,6 +586,11 @@ def _known(directory: Path) -> dict[str, tuple[str, _Stamp]]:
     return known
 
 
+# Each tree's last render, by its path: (its shape, the wanted entries and directories worked out from it).
+_Shape = tuple[tuple[str, ...], tuple[tuple[str, str], ...], tuple[str, ...]]
+_RENDERED: collections.OrderedDict[str, tuple[_Shape, set[str], set[str]]] = collections.OrderedDict()
+
+
 def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
                   directories: Optional[list[str]] = None) -> None:
     """Make `directory` hold exactly `files`, `links` and `directories` (which may be empty);
@@ -594,30 +599,45 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
     The tree is a chroot for what it holds (a captured node's links included): what is not wanted
     goes first, a link left by anyone with it; then each link is written relative to where it is,
     its target read as in a chroot at the tree (host.paths.link_text), so that every link in the tree
-    leads into the tree, and files and directories written through one stay there."""
-    wanted = {os.path.normpath(relative) for relative in [*files, *links]}
-    wanted_dirs = {os.path.normpath(relative) for relative in directories or ()}
-    for relative in list(wanted | wanted_dirs):
-        parent = os.path.dirname(relative)
-        while parent and parent not in wanted_dirs:
-            wanted_dirs.add(parent)
-            parent = os.path.dirname(parent)
+    leads into the tree, and files and directories written through one stay there.
+
+    Most renders change no file of the tree (an NVML reading, a fault, a counter changed): where the
+    tree has the shape of its last render and no directory of it changed since, its links and
+    directories are the ones that render left, and only its files are looked at (a file can be edited
+    in place without its directory showing it)."""
+    base = str(directory)
+    shape = (tuple(files), tuple(links.items()), tuple(directories or ()))
+    last = _RENDERED.pop(base, None)
+    if last is not None and last[0] == shape:
+        wanted, wanted_dirs = last[1], last[2]
+    else:
+        last = None
+        wanted = {os.path.normpath(relative) for relative in [*files, *links]}
+        wanted_dirs = {os.path.normpath(relative) for relative in directories or ()}
+        for relative in list(wanted | wanted_dirs):
+            parent = os.path.dirname(relative)
+            while parent and parent not in wanted_dirs:
+                wanted_dirs.add(parent)
+                parent = os.path.dirname(parent)
     # What else is there goes, compared as relative path strings (pathlib's parents of every file, on
     # every write of the machine, were most of a MIG change's time).
-    if directory.is_dir():
-        listing.remove_unwanted(str(directory), wanted, wanted_dirs)
+    settled = False
+    if os.path.isdir(base):
+        settled = listing.remove_unwanted(base, wanted, wanted_dirs) and last is not None
     else:
-        listing.forget(str(directory))
-    tree = Root(directory)
-    for relative, target in links.items():
-        _link(tree, directory, relative, target)
-    for relative in directories or ():
-        (directory / relative).mkdir(parents=True, exist_ok=True)
+        listing.forget(base)
+    if not settled:
+        tree = Root(directory)
+        for relative, target in links.items():
+            _link(tree, directory, relative, target)
+        for relative in directories or ():
+            (directory / relative).mkdir(parents=True, exist_ok=True)
     known = _known(directory)
     for gone in [relative for relative in known if relative not in files]:
         del known[gone]
+    wrote = False
     for relative, content in files.items():
-        name = os.path.join(directory, relative)
+        name = os.path.join(base, relative)
         stamp = _stamp(name)
         if stamp is not None and known.get(relative) == (content, stamp):
             continue
@@ -629,10 +649,15 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         except (FileNotFoundError, NotADirectoryError):
             pass
         publish(Path(name), content.encode("utf-8", "surrogateescape"))
+        wrote = True
         written = _stamp(name)
         if written is not None:
             known[relative] = (content, written)
-    listing.remember(str(directory), wanted, wanted_dirs)
+    if not settled or wrote:  # else every directory still has the stamp the listing keeps
+        listing.remember(base, wanted, wanted_dirs)
+    _RENDERED[base] = (shape, wanted, wanted_dirs)
+    while len(_RENDERED) > _KNOWN_TREES:
+        _RENDERED.popitem(last=False)
 
 
 _LINK_TEXTS: dict[tuple[str, str, str], str] = {}  # (tree, link, target as given) -> the text written

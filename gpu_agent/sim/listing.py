@@ -33,13 +33,18 @@ class _Listing:
 _LISTINGS: collections.OrderedDict[str, _Listing] = collections.OrderedDict()
 
 
-def remove_unwanted(tree: str, wanted: set[str], wanted_dirs: set[str]) -> None:
+def remove_unwanted(tree: str, wanted: set[str], wanted_dirs: set[str]) -> bool:
     """Remove from `tree` what is neither in `wanted` (files and links, relative paths) nor in
-    `wanted_dirs` (directories, "" the tree itself, every parent of a wanted entry included)."""
+    `wanted_dirs` (directories, "" the tree itself, every parent of a wanted entry included).
+
+    True when nothing changed in the tree's directories since the last remember(): the same entries are
+    wanted, and each directory has the stamp it had then, so every link and file there is the one that
+    render left (a file's content may still have been edited in place, which no directory shows)."""
     listing = _LISTINGS.get(tree)
     if listing is None:
         _remove_listed(tree, "", wanted, wanted_dirs)
-        return
+        return False
+    settled = listing.wanted == wanted and listing.wanted_dirs == wanted_dirs
     for relative in listing.wanted - wanted:
         _remove(os.path.join(tree, relative))
     for relative in sorted(listing.wanted_dirs - wanted_dirs, key=len):
@@ -53,12 +58,15 @@ def remove_unwanted(tree: str, wanted: set[str], wanted_dirs: set[str]) -> None:
         try:
             info = os.lstat(path)
         except OSError:
+            settled = False
             continue
         if not stat.S_ISDIR(info.st_mode):
-            continue
+            continue  # a link the render writes (its place a wanted directory's parent too)
         real_dirs.add(relative)
         if listing.stamps.get(relative) != _dir_stamp(info):
+            settled = False
             _remove_listed(path, relative + "/" if relative else "", wanted, wanted_dirs, recurse=False)
+    return settled
 
 
 def remember(tree: str, wanted: set[str], wanted_dirs: set[str]) -> None:
