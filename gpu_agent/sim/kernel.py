@@ -665,10 +665,13 @@ _LINK_TEXTS: dict[tuple[str, str, str], str] = {}  # (tree, link, target as give
 
 def _link(tree: Root, directory: Path, relative: str, target: str) -> None:
     key = (str(directory), relative, target)
-    path = directory / relative
     text = _LINK_TEXTS.get(key)
-    if text is not None and path.is_symlink() and os.readlink(path) == text:
-        return
+    if text is not None:
+        try:
+            if os.readlink(os.path.join(key[0], relative)) == text:
+                return
+        except OSError:  # not there, or not a link
+            pass
     at = place(tree, "/" + relative)
     text = link_text(tree, at, target)
     if len(_LINK_TEXTS) > 4096:
