@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "gpu_agent"
+from package_source import modules, nodes
+
 
 # (module, the call's line as written, stripped): why it may read the file itself.
 READS_ALLOWED = {
@@ -43,7 +43,7 @@ _RUNS = {("subprocess", name) for name in ("run", "Popen", "call", "check_call",
 
 
 def calls(tree: ast.AST) -> Iterator[ast.Call]:
-    return (node for node in ast.walk(tree) if isinstance(node, ast.Call))
+    return (node for node in nodes(tree) if isinstance(node, ast.Call))
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -80,12 +80,10 @@ def runs_a_program(call: ast.Call) -> bool:
 
 def found(predicate: object) -> set[tuple[str, str]]:
     places = set()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        text = path.read_text()
-        lines = text.splitlines()
-        for call in calls(ast.parse(text)):
+    for module in modules():
+        for call in calls(module.tree):
             if predicate(call):  # type: ignore[operator]
-                places.add((str(path.relative_to(PACKAGE)), lines[call.lineno - 1].strip().split("  #")[0]))
+                places.add((module.relative, module.lines[call.lineno - 1].strip().split("  #")[0]))
     return places
 
 

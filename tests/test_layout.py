@@ -21,8 +21,9 @@ production module imports it or branches on it.
 from __future__ import annotations
 
 import ast
-import functools
 from pathlib import Path
+
+from package_source import modules, nodes
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gpu_agent"
 WIRING = {"daemon/app.py"}  # the composition root
@@ -64,7 +65,7 @@ def _name(path: Path) -> str:
 def _imported(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, dotted name under gpu_agent) of every import of the agent's own modules, wherever it is."""
     found = []
-    for node in ast.walk(tree):
+    for node in nodes(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module == "gpu_agent":  # `from gpu_agent import __version__` or `... import sim`
                 found += [(node.lineno, a.name if (PACKAGE / a.name).exists() or (PACKAGE / f"{a.name}.py").exists()
@@ -94,10 +95,8 @@ def _excepted(module: str, name: str) -> bool:
     return any(module == where and (name == what or name.startswith(f"{what}.")) for where, what in EXCEPTIONS)
 
 
-@functools.lru_cache(maxsize=1)  # parsed once per test process, not once per test
 def _modules() -> list[tuple[str, str, ast.AST]]:
-    return [(path.relative_to(PACKAGE).as_posix(), _name(path), ast.parse(path.read_text(), str(path)))
-            for path in sorted(PACKAGE.rglob("*.py"))]
+    return [(module.relative, _name(module.path), module.tree) for module in modules()]
 
 
 def test_no_module_imports_a_higher_layer() -> None:
@@ -130,7 +129,7 @@ def _may_know_the_simulator(relative: str) -> bool:
 
 def _mentions(tree: ast.AST) -> list[str]:
     found = []
-    for node in ast.walk(tree):
+    for node in nodes(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpu_agent.sim"):
             found.append(f"line {node.lineno}: from {node.module} import ...")
         elif isinstance(node, ast.ImportFrom) and node.module == "gpu_agent" and "sim" in (a.name for a in node.names):

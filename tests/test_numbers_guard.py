@@ -6,13 +6,12 @@ underscores; numbers.decimal takes none of them. An entry that no longer matches
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
+from package_source import modules, nodes
 
 from gpu_agent.numbers import MAX_DIGITS, decimal, hexadecimal, version_numbers
 
-PACKAGE = Path(__file__).resolve().parent.parent / "gpu_agent"
 _TEXT_CALLS = {"group", "groups", "split", "strip", "rstrip", "lstrip", "partition", "rpartition", "decode",
                "read_text", "read", "get", "getenv"}
 _TEXT_WORDS = ("text", "environ", "digit", "word", "field", "part", "value", "major", "minor", "usec", "port", "size",
@@ -79,10 +78,10 @@ def int_of_text(call: ast.Call) -> bool:
 
 def test_every_int_of_text_is_bounded() -> None:
     found = set()
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for module in modules():
+        for node in nodes(module.tree):
             if isinstance(node, ast.Call) and int_of_text(node):
-                found.add((str(path.relative_to(PACKAGE)), ast.unparse(node)))
+                found.add((module.relative, ast.unparse(node)))
     unlisted = sorted(found - BOUNDED.keys())
     assert not unlisted, "convert through gpu_agent.numbers (decimal, hexadecimal, version_numbers), or bound the " \
         "digits and list it here:\n" + "\n".join(f"  {module}: {call}" for module, call in unlisted)

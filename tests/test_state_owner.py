@@ -20,6 +20,7 @@ import pytest
 import yaml
 from conftest import cli
 from kube_emulator import KubeEmulator
+from package_source import nodes
 from test_toolkit import node  # noqa: F401  (a fixture)
 
 from gpu_agent.config import LoadedConfig, load_config
@@ -201,7 +202,7 @@ def state_model_mentions(tree: ast.AST) -> list[str]:
     the value types a stage may read (an outcome, a check)."""
     allowed = {"Outcome", "Check", "OK", "FAILED", "PENDING", "WAITING"}
     found = []
-    for each in ast.walk(tree):
+    for each in nodes(tree):
         if isinstance(each, ast.ImportFrom) and each.module == "gpu_agent.state":
             found += [f"line {each.lineno}: imports {alias.name}" for alias in each.names if alias.name not in allowed]
         elif isinstance(each, ast.Import):
