@@ -85,8 +85,8 @@ def test_a_settled_tree_skips_its_links_yet_a_link_changed_behind_its_back_is_re
         pass
     calls: list[str] = []
     real_link = kernel._link
-    monkeypatch.setattr(kernel, "_link", lambda tree, directory, relative, target: (
-        calls.append(relative), real_link(tree, directory, relative, target)))
+    monkeypatch.setattr(kernel, "_link", lambda tree, directory, relative, *rest: (
+        calls.append(relative), real_link(tree, directory, relative, *rest))[1])
     with machine.edit() as state:
         state["gpus"][0]["temperature_c"] = 71
     assert calls == []
@@ -98,3 +98,19 @@ def test_a_settled_tree_skips_its_links_yet_a_link_changed_behind_its_back_is_re
     with machine.edit():
         pass
     assert _links(machine.kernel_dir) == written and calls
+
+
+def test_a_machine_made_afresh_has_the_links_and_files_of_the_first_one_made(tmp_path: Path) -> None:
+    """The second new tree of a shape writes the links the first one worked out: the same links, the same
+    files, wherever the machine is."""
+    first, second = _machine(tmp_path / "a"), _machine(tmp_path / "deeper" / "b")
+
+    def contents(tree: Path) -> dict[str, bytes]:
+        return {str(path.relative_to(tree)): path.read_bytes() for path in tree.rglob("*")
+                if path.is_file() and not path.is_symlink()}
+
+    assert _links(second.kernel_dir) == _links(first.kernel_dir) != {}
+    boot_id = "proc/sys/kernel/random/boot_id"  # each machine boots its own
+    assert {**contents(second.kernel_dir), boot_id: b""} == {**contents(first.kernel_dir), boot_id: b""}
+    for tree in (first.kernel_dir, second.kernel_dir):
+        assert all(os.path.realpath(path).startswith(str(tree)) for path in tree.rglob("*") if path.is_symlink())

@@ -589,6 +589,10 @@ def _known(directory: Path) -> dict[str, tuple[str, _Stamp]]:
 # Each tree's last render, by its path: (its shape, the wanted entries and directories worked out from it).
 _Shape = tuple[tuple[str, ...], tuple[tuple[str, str], ...], tuple[str, ...]]
 _RENDERED: collections.OrderedDict[str, tuple[_Shape, set[str], set[str]]] = collections.OrderedDict()
+# Where each link of a tree rendered afresh went (relative to the tree, its parents' links followed) and what it
+# says, by the tree's shape: an empty tree given the same entries in the same order ends the same, wherever
+# it is, so each test's new machine writes them without working them out again.
+_FRESH_LINKS: collections.OrderedDict[_Shape, tuple[tuple[str, str], ...]] = collections.OrderedDict()
 
 
 def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
@@ -621,15 +625,25 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
                 parent = os.path.dirname(parent)
     # What else is there goes, compared as relative path strings (pathlib's parents of every file, on
     # every write of the machine, were most of a MIG change's time).
-    settled = False
+    settled = fresh = False
     if os.path.isdir(base):
         settled = listing.remove_unwanted(base, wanted, wanted_dirs) and last is not None
     else:
+        fresh = True
         listing.forget(base)
-    if not settled:
+    if fresh and shape in _FRESH_LINKS:
+        _FRESH_LINKS.move_to_end(shape)
+        for at, text in _FRESH_LINKS[shape]:
+            os.makedirs(os.path.dirname(base + at), exist_ok=True)
+            os.symlink(text, base + at)
+    elif not settled:
         tree = Root(directory)
-        for relative, target in links.items():
-            _link(tree, directory, relative, target)
+        placed = [_link(tree, directory, relative, target, fresh) for relative, target in links.items()]
+        if fresh:
+            _FRESH_LINKS[shape] = tuple(placed)
+            while len(_FRESH_LINKS) > _KNOWN_TREES:
+                _FRESH_LINKS.popitem(last=False)
+    if not settled:
         for relative in directories or ():
             (directory / relative).mkdir(parents=True, exist_ok=True)
     known = _known(directory)
@@ -638,14 +652,15 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
     wrote = False
     for relative, content in files.items():
         name = os.path.join(base, relative)
-        stamp = _stamp(name)
+        stamp = None if fresh else _stamp(name)
         if stamp is not None and known.get(relative) == (content, stamp):
             continue
         try:
-            with open(name, encoding="utf-8", errors="surrogateescape") as current:  # as a capture reads bytes
-                if current.read() == content:
-                    known[relative] = (content, stamp)  # type: ignore[assignment]  # it exists: it was read
-                    continue
+            if not fresh:
+                with open(name, encoding="utf-8", errors="surrogateescape") as current:  # as a capture reads bytes
+                    if current.read() == content:
+                        known[relative] = (content, stamp)  # type: ignore[assignment]  # it exists: it was read
+                        continue
         except (FileNotFoundError, NotADirectoryError):
             pass
         publish(Path(name), content.encode("utf-8", "surrogateescape"))
@@ -663,13 +678,14 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
 _LINK_TEXTS: dict[tuple[str, str, str], str] = {}  # (tree, link, target as given) -> the text written
 
 
-def _link(tree: Root, directory: Path, relative: str, target: str) -> None:
+def _link(tree: Root, directory: Path, relative: str, target: str, fresh: bool = False) -> tuple[str, str]:
+    """Make the link `relative` lead to `target` (see _replace_tree); where it is, and what it says."""
     key = (str(directory), relative, target)
     text = _LINK_TEXTS.get(key)
-    if text is not None:
+    if text is not None and not fresh:
         try:
             if os.readlink(os.path.join(key[0], relative)) == text:
-                return
+                return "/" + os.path.normpath(relative), text
         except OSError:  # not there, or not a link
             pass
     at = place(tree, "/" + relative)
@@ -679,10 +695,11 @@ def _link(tree: Root, directory: Path, relative: str, target: str) -> None:
     _LINK_TEXTS[key] = text
     path = tree(at)
     if path.is_symlink() and os.readlink(path) == text:
-        return
+        return at, text
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():
         shutil.rmtree(path)
     os.symlink(text, path)
+    return at, text
