@@ -588,7 +588,8 @@ def _known(directory: Path) -> dict[str, tuple[str, _Stamp]]:
 
 # Each tree's last render, by its path: (its shape, the wanted entries and directories worked out from it).
 _Shape = tuple[tuple[str, ...], tuple[tuple[str, str], ...], tuple[str, ...]]
-_RENDERED: collections.OrderedDict[str, tuple[_Shape, set[str], set[str]]] = collections.OrderedDict()
+_Texts = dict[tuple[str, str], str]  # (link, target as given) -> the text written for it
+_RENDERED: collections.OrderedDict[str, tuple[_Shape, set[str], set[str], _Texts]] = collections.OrderedDict()
 # Where each link of a tree rendered afresh went (relative to the tree, its parents' links followed) and what it
 # says, by the tree's shape: an empty tree given the same entries in the same order ends the same, wherever
 # it is, so each test's new machine writes them without working them out again.
@@ -612,6 +613,7 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
     base = str(directory)
     shape = (tuple(files), tuple(links.items()), tuple(directories or ()))
     last = _RENDERED.pop(base, None)
+    texts: _Texts = last[3] if last is not None else {}  # what the last render wrote in each of its links
     if last is not None and last[0] == shape:
         wanted, wanted_dirs = last[1], last[2]
     else:
@@ -633,14 +635,17 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
         listing.forget(base)
     if fresh and shape in _FRESH_LINKS:
         _FRESH_LINKS.move_to_end(shape)
-        for at, text in _FRESH_LINKS[shape]:
+        placed = _FRESH_LINKS[shape]
+        for at, text in placed:
             os.makedirs(os.path.dirname(base + at), exist_ok=True)
             os.symlink(text, base + at)
+        texts = {link: text for link, (_, text) in zip(links.items(), placed)}
     elif not settled:
         tree = Root(directory)
-        placed = [_link(tree, directory, relative, target, fresh) for relative, target in links.items()]
+        before, texts = ({} if fresh else texts), {}
+        placed = tuple(_link(tree, base, relative, target, before, texts) for relative, target in links.items())
         if fresh:
-            _FRESH_LINKS[shape] = tuple(placed)
+            _FRESH_LINKS[shape] = placed
             while len(_FRESH_LINKS) > _KNOWN_TREES:
                 _FRESH_LINKS.popitem(last=False)
     if not settled:
@@ -670,29 +675,24 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
             known[relative] = (content, written)
     if not settled or wrote:  # else every directory still has the stamp the listing keeps
         listing.remember(base, wanted, wanted_dirs)
-    _RENDERED[base] = (shape, wanted, wanted_dirs)
+    _RENDERED[base] = (shape, wanted, wanted_dirs, texts)
     while len(_RENDERED) > _KNOWN_TREES:
         _RENDERED.popitem(last=False)
 
 
-_LINK_TEXTS: dict[tuple[str, str, str], str] = {}  # (tree, link, target as given) -> the text written
-
-
-def _link(tree: Root, directory: Path, relative: str, target: str, fresh: bool = False) -> tuple[str, str]:
-    """Make the link `relative` lead to `target` (see _replace_tree); where it is, and what it says."""
-    key = (str(directory), relative, target)
-    text = _LINK_TEXTS.get(key)
-    if text is not None and not fresh:
+def _link(tree: Root, base: str, relative: str, target: str, before: _Texts, texts: _Texts) -> tuple[str, str]:
+    """Make the link `relative` lead to `target` (see _replace_tree): where it is, and what it says, also
+    added to `texts`. `before`: what the tree's last render wrote in its links."""
+    text = before.get((relative, target))
+    if text is not None:
         try:
-            if os.readlink(os.path.join(key[0], relative)) == text:
+            if os.readlink(os.path.join(base, relative)) == text:
+                texts[relative, target] = text
                 return "/" + os.path.normpath(relative), text
         except OSError:  # not there, or not a link
             pass
     at = place(tree, "/" + relative)
-    text = link_text(tree, at, target)
-    if len(_LINK_TEXTS) > 4096:
-        _LINK_TEXTS.clear()
-    _LINK_TEXTS[key] = text
+    text = texts[relative, target] = link_text(tree, at, target)
     path = tree(at)
     if path.is_symlink() and os.readlink(path) == text:
         return at, text
