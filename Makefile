@@ -60,8 +60,9 @@ WARM := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q gpu_agent >/dev/
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q --collect-only -p no:xdist --ignore=tests/e2e >/dev/null
 
 # The developer loop: everything but the tests marked slow (pyproject's markers). Its goal is 90 s on 2
-# idle cores; its tests take 85-96 s there (2,633 tests, about 160 s of CPU; 89 s in a fresh clone's CI
-# run). A test not marked slow fails when it runs well over 10 s (tests/conftest.py).
+# idle cores; its tests take 80-84 s there (2,635 tests, about 155 s of CPU; 84 s in a fresh clone's CI
+# run; ~10 % more when the VM they were measured on ran slow). A test not marked slow fails when it runs
+# well over 10 s (tests/conftest.py).
 test: lint
 	@$(WARM)
 	$(PYTEST) -m "not slow"
