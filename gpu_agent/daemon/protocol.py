@@ -35,11 +35,10 @@ from urllib.parse import unquote
 import h11
 
 from gpu_agent.daemon.listener import OncePer, request_parsed, request_started
-from gpu_agent.daemon.responses import Capped, Request, Response
+from gpu_agent.daemon.responses import MAX_HEAD_BYTES, Capped, Request, Response
 
 log = logging.getLogger(__name__)
 
-MAX_HEAD_BYTES = 16 * 1024  # a request line and headers longer than this are refused (431)
 SEND_TIMEOUT_S = 10.0  # for a client to take an answer the kernel could not hold at once
 ANSWERS_PER_TURN = 8  # requests of one connection answered before the loop serves the others
 _METHODS = ("GET", "HEAD")

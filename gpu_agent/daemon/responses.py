@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence, Union
 from urllib.parse import parse_qsl
 
 RETRY_AFTER_S = 1
+MAX_HEAD_BYTES = 16 * 1024  # a request line and headers longer than this are refused (431; daemon/protocol.py)
 # An answer its client has not read for this long gives its place (and its connection) up to a newcomer,
 # the one unread longest first. None: a client that reads steadily leaves the unread ones at every read
 # and comes back last, so under a flood of clients that never read the newcomers (a probe among them)
