@@ -616,7 +616,8 @@ def test_a_client_gone_after_pipelining_more_than_a_request_is_closed_at_accept(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Connections waiting in the accept queue: one whose client wrote 20 KiB of requests (more than one
     request's worth) and ended its sending is closed as it is accepted, without an answer, and counted; one
-    that sent a request and half-closed, and one that sent 20 KiB but still sends, are answered. The flood
+    that sent a request and half-closed, one that sent one 20 KiB head and half-closed (431), and one that sent
+    20 KiB of requests but still sends, are answered. The flood
     of the first kind overflowed the kernel's accept queue, and a probe's connection waited out TCP's 1 s
     retransmit there (`bench/hostile.py --shapes pipelined-gone`: ~200 listen overflows a run before)."""
     request = b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -624,18 +625,21 @@ def test_a_client_gone_after_pipelining_more_than_a_request_is_closed_at_accept(
     with _flood_target(tmp_path, caplog) as server:
         listener = server.server.listeners[0]
         server.on_loop(lambda: listener._watch(False))  # the clients below wait in the accept queue
-        clients = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(3)]
-        gone, half_closed, still_sending = clients
+        clients = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(4)]
+        gone, half_closed, oversize, still_sending = clients
         gone.sendall(many)
         gone.shutdown(socket.SHUT_WR)
         half_closed.sendall(request)
         half_closed.shutdown(socket.SHUT_WR)
+        oversize.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * (20 << 10) + b"\r\n\r\n")
+        oversize.shutdown(socket.SHUT_WR)
         still_sending.sendall(many)
         server.on_loop(lambda: listener._watch(True))
         try:
             with pytest.raises(ConnectionResetError):  # closed with its requests unread: a reset, nothing answered
                 gone.recv(65536)
             assert half_closed.recv(65536).startswith(b"HTTP/1.1 200 ")
+            assert oversize.recv(65536).startswith(b"HTTP/1.1 431 ")
             assert still_sending.recv(65536).startswith(b"HTTP/1.1 200 ")
         finally:
             for client in clients:

@@ -11,10 +11,10 @@ schedules a retry for each). A `Listener` owns one listening socket instead:
   a request the protocol parsed) to make room, or waits in the kernel's backlog while every connection
   has a request being answered or parsed and waiting to be. Only the protocol says what a request is:
   header ends in bytes it drops or skips are none;
-- a connection whose client pipelined more than one request's worth and already ended its sending is
-  closed as it is accepted (errors: reason gone_at_accept): a flood of such clients fills the kernel's
-  accept queue faster than taking each on could empty it, and a probe's connection was dropped there,
-  waiting out TCP's 1 s retransmit;
+- a connection whose client pipelined more than one request's worth (two heads' ends or more) and
+  already ended its sending is closed as it is accepted (errors: reason gone_at_accept): a flood of such
+  clients fills the kernel's accept queue faster than taking each on could empty it, and a probe's
+  connection was dropped there, waiting out TCP's 1 s retransmit;
 - a connection that has not sent a whole request within `idle_timeout` of connecting or of its
   previous answer is closed (slowloris, forgotten keep-alives); on TCP the kernel keeps connections
   that send nothing out of the accept queue for that long (TCP_DEFER_ACCEPT), so a flood of idle
@@ -492,17 +492,24 @@ _READ_BUFFER = memoryview(bytearray(64 * 1024))
 
 
 def _gone_after_pipelining(sock: socket.socket) -> bool:
-    """Whether a connection, before it is taken on, holds more than one request's worth of bytes (the
-    protocol refuses bodies, so that is two requests or more) from a client that has already ended its
-    sending. Such a client has left without reading (a flood's) or, at the very least, answers to it would
-    only fill buffers: it is closed at accept, for ~20 us, instead of a transport and a protocol made for
-    it (~400 us). Clients that pipeline that much before reading a byte and half-close meanwhile are none
-    of this endpoint's (Prometheus, curl, the kubelet's probes, the shim)."""
+    """Whether a connection, before it is taken on, holds more than one request's worth of bytes with two
+    request heads' ends or more in them, from a client that has already ended its sending. Such a client
+    has left without reading (a flood's) or, at the very least, answers to it would only fill buffers: it
+    is closed at accept, for ~20 us, instead of a transport and a protocol made for it (~400 us). One
+    oversize head is not that (it is answered 431), nor a client that pipelines a little; clients that
+    pipeline more than 16 KiB before reading a byte and half-close meanwhile are none of this endpoint's
+    (Prometheus, curl, the kubelet's probes, the shim)."""
     if _unread_bytes(sock) <= responses.MAX_HEAD_BYTES:
         return False
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
-    return bool(poller.poll(0))
+    if not poller.poll(0):
+        return False
+    try:
+        head = sock.recv(2 * responses.MAX_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    return head.count(b"\r\n\r\n") >= 2
 
 
 def _unread_bytes(sock: Any) -> int:
