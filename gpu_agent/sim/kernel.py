@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -558,13 +559,34 @@ def _sysfs_address(nvml_bus_id: str) -> str:
     return f"{domain[-4:]}:{rest}".lower()
 
 
-# What each kernel tree's files held when this process last wrote or read them, with their stat
-# stamps: a file whose stamp is unchanged still holds that content, so a MIG call that changes two
-# files of the tree neither reads nor rewrites the other hundreds. Any other writer (a test, another
-# process) changes the stamp: a rename gives a new inode, an edit in place a new mtime or size.
 _Stamp = tuple[int, int, int, int]
-_KNOWN: collections.OrderedDict[str, dict[str, tuple[str, _Stamp]]] = collections.OrderedDict()
+_Shape = tuple[tuple[str, ...], tuple[tuple[str, str], ...], tuple[str, ...]]  # files, links, directories
+_Texts = dict[tuple[str, str], str]  # (link, target as given) -> the text written for it
 _KNOWN_TREES = 16  # the trees of the last few machines this process drove
+
+
+@dataclass
+class _Tree:
+    """What this process knows of a kernel tree it rendered.
+
+    `known`: what each file held when this process last wrote or read it, with its stat stamp: a file
+    whose stamp is unchanged still holds that content, so a MIG call that changes two files of the tree
+    neither reads nor rewrites the other hundreds. Any other writer (a test, another process) changes the
+    stamp: a rename gives a new inode, an edit in place a new mtime or size.
+    `shape`: the last render's that completed (None while one is under way), with the wanted entries and
+    directories worked out from it and the text it wrote in each link."""
+    known: dict[str, tuple[str, _Stamp]] = field(default_factory=dict)
+    shape: Optional[_Shape] = None
+    wanted: set[str] = field(default_factory=set)
+    wanted_dirs: set[str] = field(default_factory=set)
+    texts: _Texts = field(default_factory=dict)
+
+
+_TREES: collections.OrderedDict[str, _Tree] = collections.OrderedDict()  # by the tree's path
+# Where each link of a tree rendered afresh went (relative to the tree, its parents' links followed) and what it
+# says, by the tree's shape: an empty tree given the same entries in the same order ends the same, wherever
+# it is, so each test's new machine writes them without working them out again.
+_FRESH_LINKS: collections.OrderedDict[_Shape, tuple[tuple[str, str], ...]] = collections.OrderedDict()
 
 
 def _stamp(path: str) -> Optional[_Stamp]:
@@ -575,25 +597,12 @@ def _stamp(path: str) -> Optional[_Stamp]:
     return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
 
-def _known(directory: Path) -> dict[str, tuple[str, _Stamp]]:
-    key = str(directory)
-    known = _KNOWN.pop(key, None)
-    if known is None:
-        known = {}
-    _KNOWN[key] = known
-    while len(_KNOWN) > _KNOWN_TREES:
-        _KNOWN.popitem(last=False)
-    return known
-
-
-# Each tree's last render, by its path: (its shape, the wanted entries and directories worked out from it).
-_Shape = tuple[tuple[str, ...], tuple[tuple[str, str], ...], tuple[str, ...]]
-_Texts = dict[tuple[str, str], str]  # (link, target as given) -> the text written for it
-_RENDERED: collections.OrderedDict[str, tuple[_Shape, set[str], set[str], _Texts]] = collections.OrderedDict()
-# Where each link of a tree rendered afresh went (relative to the tree, its parents' links followed) and what it
-# says, by the tree's shape: an empty tree given the same entries in the same order ends the same, wherever
-# it is, so each test's new machine writes them without working them out again.
-_FRESH_LINKS: collections.OrderedDict[_Shape, tuple[tuple[str, str], ...]] = collections.OrderedDict()
+def _tree(base: str) -> _Tree:
+    tree = _TREES.pop(base, None) or _Tree()
+    _TREES[base] = tree
+    while len(_TREES) > _KNOWN_TREES:
+        _TREES.popitem(last=False)
+    return tree
 
 
 def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
@@ -612,12 +621,11 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
     in place without its directory showing it)."""
     base = str(directory)
     shape = (tuple(files), tuple(links.items()), tuple(directories or ()))
-    last = _RENDERED.pop(base, None)
-    texts: _Texts = last[3] if last is not None else {}  # what the last render wrote in each of its links
-    if last is not None and last[0] == shape:
-        wanted, wanted_dirs = last[1], last[2]
+    record = _tree(base)
+    same_shape, record.shape = record.shape == shape, None
+    if same_shape:
+        wanted, wanted_dirs = record.wanted, record.wanted_dirs
     else:
-        last = None
         wanted = {os.path.normpath(relative) for relative in [*files, *links]}
         wanted_dirs = {os.path.normpath(relative) for relative in directories or ()}
         for relative in list(wanted | wanted_dirs):
@@ -629,10 +637,11 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
     # every write of the machine, were most of a MIG change's time).
     settled = fresh = False
     if os.path.isdir(base):
-        settled = listing.remove_unwanted(base, wanted, wanted_dirs) and last is not None
+        settled = listing.remove_unwanted(base, wanted, wanted_dirs) and same_shape
     else:
         fresh = True
         listing.forget(base)
+    texts = record.texts
     if fresh and shape in _FRESH_LINKS:
         _FRESH_LINKS.move_to_end(shape)
         placed = _FRESH_LINKS[shape]
@@ -641,33 +650,26 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
             os.symlink(text, base + at)
         texts = {link: text for link, (_, text) in zip(links.items(), placed)}
     elif not settled:
-        tree = Root(directory)
+        root = Root(directory)
         before, texts = ({} if fresh else texts), {}
-        placed = tuple(_link(tree, base, relative, target, before, texts) for relative, target in links.items())
-        if fresh:
+        found = [(_link(root, base, relative, target, before, texts), texts[relative, target])
+                 for relative, target in links.items()]
+        placed = tuple((at, text) for at, text in found if at is not None)
+        if fresh and len(placed) == len(found):  # each placed by a walk of the tree: nothing before to find
             _FRESH_LINKS[shape] = placed
             while len(_FRESH_LINKS) > _KNOWN_TREES:
                 _FRESH_LINKS.popitem(last=False)
     if not settled:
         for relative in directories or ():
             (directory / relative).mkdir(parents=True, exist_ok=True)
-    known = _known(directory)
+    known = record.known
     for gone in [relative for relative in known if relative not in files]:
         del known[gone]
     wrote = False
     for relative, content in files.items():
         name = os.path.join(base, relative)
-        stamp = None if fresh else _stamp(name)
-        if stamp is not None and known.get(relative) == (content, stamp):
+        if not fresh and _holds(known, relative, name, content):
             continue
-        try:
-            if not fresh:
-                with open(name, encoding="utf-8", errors="surrogateescape") as current:  # as a capture reads bytes
-                    if current.read() == content:
-                        known[relative] = (content, stamp)  # type: ignore[assignment]  # it exists: it was read
-                        continue
-        except (FileNotFoundError, NotADirectoryError):
-            pass
         publish(Path(name), content.encode("utf-8", "surrogateescape"))
         wrote = True
         written = _stamp(name)
@@ -675,31 +677,48 @@ def _replace_tree(directory: Path, files: dict[str, str], links: dict[str, str],
             known[relative] = (content, written)
     if not settled or wrote:  # else every directory still has the stamp the listing keeps
         listing.remember(base, wanted, wanted_dirs)
-    _RENDERED[base] = (shape, wanted, wanted_dirs, texts)
-    while len(_RENDERED) > _KNOWN_TREES:
-        _RENDERED.popitem(last=False)
+    record.shape, record.wanted, record.wanted_dirs, record.texts = shape, wanted, wanted_dirs, texts
 
 
-def _link(tree: Root, base: str, relative: str, target: str, before: _Texts, texts: _Texts) -> tuple[str, str]:
-    """Make the link `relative` lead to `target` (see _replace_tree): where it is, and what it says, also
-    added to `texts`. `before`: what the tree's last render wrote in its links."""
+def _holds(known: dict[str, tuple[str, _Stamp]], relative: str, name: str, content: str) -> bool:
+    """Whether the file `name` holds `content`: by its stamp where this process knows what it held, else
+    read (and then known)."""
+    stamp = _stamp(name)
+    if stamp is None:
+        return False
+    if known.get(relative) == (content, stamp):
+        return True
+    try:
+        with open(name, encoding="utf-8", errors="surrogateescape") as current:  # as a capture reads bytes
+            if current.read() != content:
+                return False
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    known[relative] = (content, stamp)
+    return True
+
+
+def _link(root: Root, base: str, relative: str, target: str, before: _Texts, texts: _Texts) -> Optional[str]:
+    """Make the link `relative` lead to `target` (see _replace_tree), its text added to `texts`; where it is
+    (a host path in the tree, its parents' links followed), or None where the text the tree's last render
+    wrote (`before`) was found there, without walking the tree."""
     text = before.get((relative, target))
     if text is not None:
         try:
             if os.readlink(os.path.join(base, relative)) == text:
                 texts[relative, target] = text
-                return "/" + os.path.normpath(relative), text
+                return None
         except OSError:  # not there, or not a link
             pass
-    at = place(tree, "/" + relative)
-    text = texts[relative, target] = link_text(tree, at, target)
-    path = tree(at)
+    at = place(root, "/" + relative)
+    text = texts[relative, target] = link_text(root, at, target)
+    path = root(at)
     if path.is_symlink() and os.readlink(path) == text:
-        return at, text
+        return at
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_symlink() or path.is_file():
         path.unlink()
     elif path.is_dir():
         shutil.rmtree(path)
     os.symlink(text, path)
-    return at, text
+    return at
