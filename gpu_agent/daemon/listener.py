@@ -192,6 +192,11 @@ class Listener:
             except OSError as exc:
                 self._pause(exc)
                 return
+            pending = _unread_bytes(conn)
+            if _gone_after_pipelining(conn, pending):  # before any other makes room for it
+                self.errors["gone_at_accept"] += 1
+                conn.close()
+                continue
             if evict is not None and evict in self._unread:
                 self.errors["unread_evicted"] += 1
                 self._drop(evict)
@@ -200,13 +205,9 @@ class Listener:
                 self._drop(evict)
                 self._full_log(logging.WARNING, "%s: %d connections open (the limit); closing the longest idle "
                                "ones to make room", self.name, self.limit)
-            if _gone_after_pipelining(conn):
-                self.errors["gone_at_accept"] += 1
-                conn.close()
-                continue
             # Nothing sent yet although TCP_DEFER_ACCEPT held it back for idle_timeout: first to go
             # (unless its bytes turn up first: under a flood, SYN cookies let connections through early).
-            stale = self._deferred and not _unread_bytes(conn)
+            stale = self._deferred and not pending
             conn.setblocking(False)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             task = self._loop.create_task(self._attach(conn, stale))
@@ -491,15 +492,16 @@ class _Connection(asyncio.BufferedProtocol):
 _READ_BUFFER = memoryview(bytearray(64 * 1024))
 
 
-def _gone_after_pipelining(sock: socket.socket) -> bool:
-    """Whether a connection, before it is taken on, holds more than one request's worth of bytes with two
-    request heads' ends or more in them, from a client that has already ended its sending. Such a client
+def _gone_after_pipelining(sock: socket.socket, pending: int) -> bool:
+    """Whether a connection, before it is taken on, holds more than one request's worth of unread bytes
+    (`pending`) with two request heads' ends or more in them, from a client that has already ended its
+    sending. Such a client
     has left without reading (a flood's) or, at the very least, answers to it would only fill buffers: it
     is closed at accept, for ~20 us, instead of a transport and a protocol made for it (~400 us). One
     oversize head is not that (it is answered 431), nor a client that pipelines a little; clients that
     pipeline more than 16 KiB before reading a byte and half-close meanwhile are none of this endpoint's
     (Prometheus, curl, the kubelet's probes, the shim)."""
-    if _unread_bytes(sock) <= responses.MAX_HEAD_BYTES:
+    if pending <= responses.MAX_HEAD_BYTES:
         return False
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
