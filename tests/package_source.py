@@ -19,6 +19,7 @@ class Module:
     relative: str  # "host/paths.py"
     lines: list[str]
     tree: ast.Module
+    nodes: tuple[ast.AST, ...]  # the tree's, in ast.walk's order
 
 
 @functools.lru_cache(maxsize=1)
@@ -26,18 +27,18 @@ def modules() -> tuple[Module, ...]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
-        found.append(Module(path, path.relative_to(PACKAGE).as_posix(), text.splitlines(), ast.parse(text, str(path))))
+        tree = ast.parse(text, str(path))
+        found.append(Module(path, path.relative_to(PACKAGE).as_posix(), text.splitlines(), tree,
+                            tuple(ast.walk(tree))))
     return tuple(found)
 
 
-_WALKED: dict[int, tuple[ast.AST, ...]] = {}  # by id() of a tree modules() keeps alive
+@functools.lru_cache(maxsize=1)
+def _walked() -> dict[int, tuple[ast.AST, ...]]:
+    return {id(module.tree): module.nodes for module in modules()}  # modules() keeps each tree, and its id, alive
 
 
 def nodes(tree: ast.AST) -> Sequence[ast.AST]:
     """Every node of `tree`, as ast.walk gives them; walked once for the package's own trees."""
-    if not any(module.tree is tree for module in modules()):
-        return tuple(ast.walk(tree))
-    walked = _WALKED.get(id(tree))
-    if walked is None:
-        walked = _WALKED[id(tree)] = tuple(ast.walk(tree))
-    return walked
+    walked = _walked().get(id(tree))
+    return walked if walked is not None else tuple(ast.walk(tree))
