@@ -4,10 +4,12 @@ pins, Debian 13's containerd 1.7, the agent from its .deb simulating a DGX H100 
 kubeconfig as its credentials. rig.py says how the machine is set up and what stands in."""
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
 import re
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -783,6 +785,145 @@ def test_the_emulator_answers_as_the_real_apiserver(cluster: rig.Cluster) -> Non
                                    f"    apiserver {real}\n    emulator  {emulated}")
     assert not differences, "\n".join(differences)
 
+
+
+# ---- parity: a request kube-apiserver's priority and fairness refuses (429) ---------------------------------
+
+FLOW = "gpu-agent-parity"  # the FlowSchema, its priority level, and the namespace of the seat holder's list
+FLOWCONTROL = "/apis/flowcontrol.apiserver.k8s.io/v1"
+# A level with no seats of its own, none borrowed, that rejects rather than queues: a request is let in
+# while nothing of the level executes (queueset.canAccommodateSeatsLocked), and refused while one does.
+PRIORITY_LEVEL = {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "PriorityLevelConfiguration",
+                  "metadata": {"name": FLOW},
+                  "spec": {"type": "Limited", "limited": {"nominalConcurrencyShares": 0, "lendablePercent": 0,
+                                                          "borrowingLimitPercent": 0,
+                                                          "limitResponse": {"type": "Reject"}}}}
+HOLDER_OBJECTS, HOLDER_BYTES = 16, 900_000  # a list of ~14 MiB: more than the kernel buffers between the two
+
+
+def _flow_schema(user: str) -> dict[str, Any]:
+    return {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema", "metadata": {"name": FLOW},
+            "spec": {"priorityLevelConfiguration": {"name": FLOW}, "matchingPrecedence": 90,
+                     "distinguisherMethod": {"type": "ByUser"},
+                     "rules": [{"subjects": [{"kind": "User", "user": {"name": user}}],
+                                "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                                                   "clusterScope": True, "namespaces": ["*"]}]}]}}
+
+
+@dataclass(frozen=True)
+class RawAnswer:
+    status: int
+    headers: dict[str, str]  # names in lower case
+    body: bytes
+
+    def wire(self) -> tuple[Any, ...]:
+        """What a client reads of a refusal: the status, the headers that say what the body is and when to
+        come back, and the body."""
+        return (self.status, *(self.headers.get(name) for name in ("content-type", "x-content-type-options",
+                                                                  "retry-after")), self.body)
+
+
+def _raw_cluster(cluster: rig.Cluster, method: str, path: str, cert: Path) -> RawAnswer:
+    argv = ["nsenter", "-t", str(cluster.container.init_pid), "-n", "curl", "-sS", "--http1.1", "-i",
+            "--cacert", str(cluster.pki.ca_path), "--cert", str(cert), "-X", method, rig.API + path]
+    done = subprocess.run(argv, capture_output=True, timeout=60, stdin=subprocess.DEVNULL, check=True)
+    head, _, body = done.stdout.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return RawAnswer(int(status_line.split()[1]), headers, body)
+
+
+def _raw_emulator(emulator: KubeEmulator, method: str, path: str, credentials: Any) -> RawAnswer:
+    connection = http.client.HTTPSConnection("127.0.0.1", emulator.port, timeout=30,
+                                             context=emulator.client_ssl_context(credentials))
+    try:
+        connection.request(method, path)
+        response = connection.getresponse()
+        return RawAnswer(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
+    finally:
+        connection.close()
+
+
+def _make_blobs(cluster: rig.Cluster, work: Path) -> None:
+    blob = base64.b64encode(os.urandom(HOLDER_BYTES * 3 // 4)).decode()
+    for n in range(HOLDER_OBJECTS):
+        body = work / "configmap.json"
+        body.write_text(json.dumps({"apiVersion": "v1", "kind": "ConfigMap",
+                                    "metadata": {"name": f"blob-{n}", "namespace": FLOW}, "data": {"blob": blob}}))
+        done = rig.run(["nsenter", "-t", str(cluster.container.init_pid), "-n", "curl", "-sS", "-o", "/dev/null",
+                        "-w", "%{http_code}", "--cacert", str(cluster.pki.ca_path), "--cert",
+                        str(cluster.admin.combined_path), "-H", "Content-Type: application/json",
+                        "--data-binary", f"@{body}", f"{rig.API}/api/v1/namespaces/{FLOW}/configmaps"],
+                       timeout=60, check=False)
+        assert done.stdout in ("201", "409"), done
+
+
+def _slow_list(cluster: rig.Cluster, cert: Path) -> subprocess.Popen[str]:
+    """The large ConfigMaps listed and read at 1 KiB/s: the handler blocks writing the answer, and so keeps
+    its seat of the priority level, until the reader is killed."""
+    return subprocess.Popen(["nsenter", "-t", str(cluster.container.init_pid), "-n", "curl", "-sS", "--http1.1",
+                             "--limit-rate", "1K", "-o", "/dev/null", "-w", "%{http_code} %{size_download}",
+                             "--cacert", str(cluster.pki.ca_path), "--cert", str(cert),
+                             f"{rig.API}/api/v1/namespaces/{FLOW}/configmaps"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_request_priority_and_fairness_refuses_is_answered_as_the_emulator_answers_429(
+        cluster: rig.Cluster, tmp_path: Path) -> None:
+    """The emulator's 429 (fail_next(status=429)) is what kube-apiserver's priority and fairness sends:
+    a FlowSchema puts another node's user on a level with no seats that rejects; one list of that user
+    reads its answer slowly and so keeps executing; that user's next request is refused. Its status, the
+    headers a client reads and its body, from both servers."""
+    user = f"system:node:{OTHER}"
+    cert = cluster.pki.node_cert(OTHER)
+    made = [cluster.api("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": OTHER}}),
+            cluster.api("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                       "metadata": {"name": FLOW}}),
+            cluster.api("POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{FLOW}/roles",
+                        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": FLOW},
+                         "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list"]}]}),
+            cluster.api("POST", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{FLOW}/rolebindings",
+                        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                         "metadata": {"name": FLOW},
+                         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": FLOW},
+                         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}),
+            cluster.api("POST", f"{FLOWCONTROL}/prioritylevelconfigurations", PRIORITY_LEVEL),
+            cluster.api("POST", f"{FLOWCONTROL}/flowschemas", _flow_schema(user))]
+    assert all(answer.status in (201, 409) for answer in made), made
+    schema = cluster.get(f"{FLOWCONTROL}/flowschemas/{FLOW}")["metadata"]["uid"]
+
+    def classified() -> bool:  # the apiserver's flow control takes a new schema up on its own time
+        answer = _raw_cluster(cluster, "GET", f"/api/v1/nodes/{OTHER}", cert.combined_path)
+        return answer.headers.get("x-kubernetes-pf-flowschema-uid") == schema
+
+    cluster.wait("the other node's requests classified by the new FlowSchema", classified, timeout=60)
+    _make_blobs(cluster, tmp_path)
+    holders = [_slow_list(cluster, cert.combined_path)]
+    try:
+        def refused() -> Optional[RawAnswer]:
+            # A list refused itself (a request of the level had not yet finished when it came) is sent again.
+            if holders[-1].poll() is not None:
+                holders.append(_slow_list(cluster, cert.combined_path))
+                return None
+            answer = _raw_cluster(cluster, "GET", f"/api/v1/nodes/{OTHER}", cert.combined_path)
+            return answer if answer.status == 429 else None
+
+        real = cluster.wait("the other node's requests refused while its list holds the level's seat", refused,
+                            timeout=60)
+        assert isinstance(real, RawAnswer), real
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+        for path in (f"{FLOWCONTROL}/flowschemas/{FLOW}", f"{FLOWCONTROL}/prioritylevelconfigurations/{FLOW}",
+                     f"/api/v1/namespaces/{FLOW}/configmaps"):
+            cluster.api("DELETE", path)
+    with KubeEmulator(pki=cluster.pki, nodes=(NODE, OTHER)) as emulator:
+        emulator.fail_next("*", 429)
+        emulated = _raw_emulator(emulator, "GET", f"/api/v1/nodes/{OTHER}", cert)
+    assert real.wire() == emulated.wire(), f"apiserver {real}\nemulator  {emulated}"
+    # Priority and fairness also names the schema and level that refused (their UIDs); the agent reads neither.
+    assert {"x-kubernetes-pf-flowschema-uid", "x-kubernetes-pf-prioritylevel-uid"} <= set(real.headers), real.headers
 
 # Last of the module: a reload holds the device plugin off while it runs, and its requests spend the agent's
 # budget; nothing after it depends on either.
