@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -286,43 +287,35 @@ def _pool(cluster: rig.Cluster) -> list[dict[str, Any]]:
     return [s for s in listed if s["spec"]["nodeName"] == NODE and s["spec"]["driver"] == "gpu.nvidia.com"]
 
 
-def test_a_resource_claim_for_a_gpu_is_prepared_and_its_pod_sees_that_gpu(cluster: rig.Cluster) -> None:
-    """dra.enabled: the agent registers with the real kubelet as driver gpu.nvidia.com and publishes the node's
-    pool with the node's credentials (the real Node authorizer and NodeRestriction); a ResourceClaim selects a
-    GPU by productName and memory. There is no scheduler: the test allocates as the scheduler would (the CEL
-    selector evaluated here on the published attributes, the first match taken, the claim reserved for the
-    pod), the kubelet asks the agent to prepare it, and the pod's container sees that GPU and no other. The
-    pod deleted, the kubelet unprepares the claim; DRA turned off again, the device plugin comes back."""
-    c = cluster.container
-    rig.import_images(c)
-    c.sh(f"printf 'version: v1\\ndra:\\n  enabled: true\\n' > {AGENT_CONFIG}")
-    c.exec("systemctl", "reload", "gpu-agent")
+DEVICE_CLASS = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": "gpu.nvidia.com"},
+                "spec": {"selectors": [{"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}]}}
+
+
+def _pool_of(cluster: rig.Cluster, count: int) -> list[dict[str, Any]]:
+    """The node's pool once it holds `count` devices: its slices."""
+    return cluster.wait(f"the pool of {count} devices", lambda: (
+        lambda found: found if found and sum(len(s["spec"]["devices"]) for s in found) == count else None)(
+            _pool(cluster)))  # type: ignore[no-any-return]
+
+
+def _claimed_pod(cluster: rig.Cluster, name: str, selector: str, device: dict[str, Any]) -> str:
+    """A ResourceClaim `name` for one device of class gpu.nvidia.com matching `selector`, and a pod of that
+    claim, bound to the node. There is no scheduler: the claim is allocated `device` (which the test chose
+    as the scheduler would) and reserved for the pod; the kubelet asks the agent to prepare it. Once the
+    pod succeeded, the kubelet unprepares the claim (the agent's checkpoint forgets it). The pod's log."""
+    assert cluster.api("POST", f"{DRA}/deviceclasses", DEVICE_CLASS).status in (201, 409)
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": name, "namespace": "default"},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                 "deviceClassName": "gpu.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}}]}}}
+    path = f"/api/v1/namespaces/default/pods/{name}"
     try:
-        slices = cluster.wait("the pool of eight GPUs", lambda: (
-            lambda found: found if found and len(found[0]["spec"]["devices"]) == 8 else None)(_pool(cluster)))
-        assert slices[0]["spec"]["pool"]["name"] == NODE and slices[0]["spec"]["pool"]["resourceSliceCount"] == 1
-        cluster.wait("the device plugin off", lambda: _agent_status(cluster)["plugin"]["resources"] == [])
-        selector = ("device.attributes['gpu.nvidia.com'].productName == 'NVIDIA H100 80GB HBM3' && "
-                    "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('80G')) >= 0")
-        device_class = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-                        "metadata": {"name": "gpu.nvidia.com"},
-                        "spec": {"selectors": [{"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}]}}
-        assert cluster.api("POST", f"{DRA}/deviceclasses", device_class).status in (201, 409)
-        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                 "metadata": {"name": "one-gpu", "namespace": "default"},
-                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                     "deviceClassName": "gpu.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}}]}}}
         made = cluster.api("POST", f"{DRA}/namespaces/default/resourceclaims", claim)
         assert made.status == 201, made
-        # the scheduler's part: the selector on the published attributes, in words the test evaluates
-        matching = [d for d in slices[0]["spec"]["devices"]
-                    if d["attributes"]["productName"]["string"] == "NVIDIA H100 80GB HBM3"
-                    and int(d["capacity"]["memory"]["value"]) >= 80 * 10 ** 9]
-        chosen = matching[3]  # not the first: the pod must see the one allocated
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dra-pod", "namespace": "default"},
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
                "spec": {"nodeName": NODE, "hostNetwork": True, "automountServiceAccountToken": False,
                         "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
-                        "resourceClaims": [{"name": "gpu", "resourceClaimName": "one-gpu"}],
+                        "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
                         "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
                                         "command": ["/bin/sh", "-c", PROBE],
                                         "resources": {"claims": [{"name": "gpu"}]}}]}}
@@ -331,31 +324,80 @@ def test_a_resource_claim_for_a_gpu_is_prepared_and_its_pod_sees_that_gpu(cluste
         stored = made.body
         stored["status"] = {
             "allocation": {"devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE,
-                                                    "device": chosen["name"]}]},
+                                                    "device": device["name"]}]},
                            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
                                {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}},
-            "reservedFor": [{"resource": "pods", "name": "dra-pod", "uid": created.body["metadata"]["uid"]}]}
-        allocated = cluster.api("PUT", f"{DRA}/namespaces/default/resourceclaims/one-gpu/status", stored)
+            "reservedFor": [{"resource": "pods", "name": name, "uid": created.body["metadata"]["uid"]}]}
+        allocated = cluster.api("PUT", f"{DRA}/namespaces/default/resourceclaims/{name}/status", stored)
         assert allocated.status == 200, allocated
-        path = "/api/v1/namespaces/default/pods/dra-pod"
-        done = cluster.wait("the DRA pod to finish", lambda: (
+        done = cluster.wait(f"the pod {name} to finish", lambda: (
             lambda p: p if p["status"].get("phase") in ("Succeeded", "Failed") else None)(cluster.get(path)))
         log = cluster.api("GET", path + "/log")
         assert done["status"]["phase"] == "Succeeded", (done["status"], log)
-        minor = chosen["name"].removeprefix("gpu-")
-        assert re.findall(r"^char /dev/nvidia(\d+)$", str(log.body), re.M) == [minor], log.body
-        # the pod ended: the kubelet unprepares its claim (the agent's checkpoint forgets it)
         cluster.wait("the claim unprepared", lambda: _agent_status(cluster)["dra"]["prepared_claims"] == {})
-        journal = c.exec("journalctl", "--no-pager", "-o", "cat", "-u", "gpu-agent").stdout
+        journal = cluster.container.exec("journalctl", "--no-pager", "-o", "cat", "-u", "gpu-agent").stdout
         uid = made.body["metadata"]["uid"]
-        assert f"DRA: prepared claim default/one-gpu ({uid}): {chosen['name']}" in journal, journal[-3000:]
-        assert cluster.api("DELETE", path + "?gracePeriodSeconds=0").status == 200
+        assert f"DRA: prepared claim default/{name} ({uid}): {device['name']}" in journal, journal[-3000:]
+        return str(log.body)
     finally:
-        cluster.api("DELETE", "/api/v1/namespaces/default/pods/dra-pod?gracePeriodSeconds=0")
-        cluster.api("DELETE", f"{DRA}/namespaces/default/resourceclaims/one-gpu")
+        cluster.api("DELETE", path + "?gracePeriodSeconds=0")
+        cluster.api("DELETE", f"{DRA}/namespaces/default/resourceclaims/{name}")
+
+
+def test_a_resource_claim_for_a_gpu_is_prepared_and_its_pod_sees_that_gpu(cluster: rig.Cluster) -> None:
+    """dra.enabled: the agent registers with the real kubelet as driver gpu.nvidia.com and publishes the node's
+    pool with the node's credentials (the real Node authorizer and NodeRestriction); a ResourceClaim selects a
+    GPU by productName and memory (the CEL selector evaluated here on the published attributes, as the
+    scheduler would), and its pod's container sees that GPU and no other. DRA turned off again, the device
+    plugin comes back and the pool goes."""
+    c = cluster.container
+    rig.import_images(c)
+    c.sh(f"printf 'version: v1\\ndra:\\n  enabled: true\\n' > {AGENT_CONFIG}")
+    c.exec("systemctl", "reload", "gpu-agent")
+    try:
+        slices = _pool_of(cluster, 8)
+        assert slices[0]["spec"]["pool"]["name"] == NODE and slices[0]["spec"]["pool"]["resourceSliceCount"] == 1
+        cluster.wait("the device plugin off", lambda: _agent_status(cluster)["plugin"]["resources"] == [])
+        selector = ("device.attributes['gpu.nvidia.com'].productName == 'NVIDIA H100 80GB HBM3' && "
+                    "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('80G')) >= 0")
+        matching = [d for d in slices[0]["spec"]["devices"]
+                    if d["attributes"]["productName"]["string"] == "NVIDIA H100 80GB HBM3"
+                    and int(d["capacity"]["memory"]["value"]) >= 80 * 10 ** 9]
+        chosen = matching[3]  # not the first: the pod must see the one allocated
+        log = _claimed_pod(cluster, "one-gpu", selector, chosen)
+        minor = chosen["name"].removeprefix("gpu-")
+        assert re.findall(r"^char /dev/nvidia(\d+)$", log, re.M) == [minor], log
+    finally:
         c.sh(f"printf 'version: v1\\n' > {AGENT_CONFIG}")
         c.exec("systemctl", "reload", "gpu-agent")
     cluster.wait("nvidia.com/gpu: 8 with DRA off", lambda: _gpus(cluster) == ("8", "8"))
+    cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
+
+
+def test_a_resource_claim_for_a_mig_device_is_prepared_and_its_pod_sees_it(cluster: rig.Cluster) -> None:
+    """plugin.api dra with mig.config all-balanced: the pool holds the 32 MIG devices (no whole GPU), each
+    with its profile; a claim selecting a 1g.10gb by profile is prepared, and its pod sees the parent GPU's
+    node and the two access capabilities of that MIG device, nothing else. Then MIG off and the config as
+    it was: nvidia.com/gpu 8 from the device plugin again."""
+    c = cluster.container
+    original = c.exec("cat", AGENT_CONFIG, check=False).stdout
+    rig.import_images(c)
+    try:
+        c.sh(f"printf 'version: v1\\nplugin:\\n  api: dra\\nmig:\\n  strategy: mixed\\n  config: all-balanced\\n' "
+             f"> {AGENT_CONFIG}")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+        devices = [d for s in _pool_of(cluster, 32) for d in s["spec"]["devices"]]
+        profiles = Counter(d["attributes"]["profile"]["string"] for d in devices)
+        assert profiles == {"1g.10gb": 16, "2g.20gb": 8, "3g.40gb": 8}, profiles
+        matching = [d for d in devices if d["attributes"]["profile"]["string"] == "1g.10gb"]
+        chosen = matching[5]
+        log = _claimed_pod(cluster, "one-mig", "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'", chosen)
+        parent = chosen["name"].split("-")[1]  # gpu-<parent minor>-mig-<profile>-<GI profile>-<placement>
+        assert re.findall(r"^char /dev/nvidia(\d+)$", log, re.M) == [parent], log
+        caps = re.findall(r"^char /dev/nvidia-caps/nvidia-cap(\d+)$", log, re.M)
+        assert len(caps) == 2, log
+    finally:
+        _mig_off_and_config_back(cluster, original)
     cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
 
 
@@ -444,6 +486,15 @@ def _configured(cluster: rig.Cluster, text: str, wanted: Callable[[dict[str, str
     cluster.wait(what, lambda: wanted(_capacity(cluster)), timeout=300)
 
 
+def _mig_off_and_config_back(cluster: rig.Cluster, original: str) -> None:
+    """MIG disabled on every GPU (nvidia.com/gpu: 8 from the device plugin), then the agent's config as it was."""
+    _configured(cluster, "version: v1\nmig:\n  strategy: mixed\n  config: all-disabled\n",
+                lambda found: found.get("nvidia.com/gpu") == "8", "nvidia.com/gpu: 8 with MIG off")
+    cluster.container.sh(f"cat > {AGENT_CONFIG} <<'EOF'\n{original}EOF")
+    cluster.container.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
+
+
 BALANCED = {"nvidia.com/mig-1g.10gb": "16", "nvidia.com/mig-2g.20gb": "8", "nvidia.com/mig-3g.40gb": "8"}
 
 
@@ -471,11 +522,7 @@ def test_mig_mixed_advertises_each_profile_and_a_pod_gets_one_mig_device(cluster
         parents = [g for g in status["gpus"] for m in (g["mig"] or {}).get("instances", []) if m.get("uuid") in given]
         assert len(given) == 1 and [str(g["index"]) for g in parents] == gpus, (given, gpus, status["gpus"])
     finally:
-        _configured(cluster, "version: v1\nmig:\n  strategy: mixed\n  config: all-disabled\n",
-                    lambda found: found.get("nvidia.com/gpu") == "8", "nvidia.com/gpu: 8 with MIG off")
-        c.sh(f"cat > /etc/gpu-agent/config.yaml <<'EOF'\n{original}EOF")
-        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
-    cluster.wait("nvidia.com/gpu: 8", lambda: _gpus(cluster) == ("8", "8"))
+        _mig_off_and_config_back(cluster, original)
 
 
 def test_time_slicing_advertises_the_replicas(cluster: rig.Cluster) -> None:
