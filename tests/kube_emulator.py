@@ -1083,12 +1083,13 @@ class KubeEmulator:
 
     def __init__(self, directory: Union[str, Path, None] = None, *, pki: Optional[KubePKI] = None,
                  nodes: Sequence[str] = ("gpu-node-1", "gpu-node-2"), anonymous_auth: bool = False,
-                 authorize_node_with_selectors: bool = True,
+                 authorize_node_with_selectors: bool = True, device_taints: bool = False,
                  hang_seconds: float = 10.0, idle_timeout: float = 30.0) -> None:
         self._owns_pki = pki is None
         self.pki = pki or KubePKI(directory)
         self.anonymous_auth = anonymous_auth
         self.authorize_node_with_selectors = authorize_node_with_selectors
+        self.device_taints = device_taints  # the DRADeviceTaints feature gate (alpha in 1.34: off by default)
         self.hang_seconds = hang_seconds
         self.idle_timeout = idle_timeout
         self._lock = threading.RLock()
@@ -1798,7 +1799,10 @@ class KubeEmulator:
     # creates slices whose spec.nodeName is its own, gets, replaces and deletes only such slices, lists them only
     # with the field selector spec.nodeName=<itself>, and gets a ResourceClaim only of a pod bound to it. The
     # slice validation the agent's slices meet: at most 128 devices, at most 32 attributes and capacities per
-    # device, device names DNS labels, one value per attribute; quantities come back in canonical form.
+    # device, device names DNS labels, one value per attribute; quantities come back in canonical form. A
+    # device's taints are dropped while DRADeviceTaints is off, unless the stored slice holds taints already
+    # (the ResourceSlice strategy's dropDisabledDRADeviceTaintsFields); kept while it is on, a taint without
+    # timeAdded given the time of the write.
 
     def add_resource_claim(self, namespace: str, name: str, uid: str, node: str,
                            results: Sequence[Mapping[str, str]] = (), config: Sequence[Any] = ()) -> None:
@@ -1915,6 +1919,7 @@ class KubeEmulator:
                            {"name": name, "group": "resource.k8s.io", "kind": "resourceslices"})
         metadata.update(name=name, uid=str(uuid.uuid4()), generation=1, resourceVersion=self._bump(),
                         creationTimestamp=_format_time(_now()))
+        self._taints_as_gated(document["spec"], None)
         document.update(apiVersion="resource.k8s.io/v1", kind="ResourceSlice")
         self._slices[name] = document
         return 201, copy.deepcopy(document), {}
@@ -1932,12 +1937,23 @@ class KubeEmulator:
         if document["spec"].get("nodeName") != existing["spec"].get("nodeName"):
             raise _invalid(name, [_FieldError("spec.nodeName", "FieldValueInvalid", "field is immutable")],
                            kind="ResourceSlice")
+        self._taints_as_gated(document["spec"], existing["spec"])
         if document["spec"] == existing["spec"]:
             return 200, copy.deepcopy(existing), {}
         stored = {**existing, "spec": document["spec"],
                   "metadata": {**old, "resourceVersion": self._bump(), "generation": old.get("generation", 1) + 1}}
         self._slices[name] = stored
         return 200, copy.deepcopy(stored), {}
+
+    def _taints_as_gated(self, spec: dict[str, Any], old: Optional[dict[str, Any]]) -> None:
+        devices = [device for device in spec.get("devices") or () if isinstance(device, dict)]
+        in_use = old is not None and any(isinstance(d, dict) and d.get("taints") for d in old.get("devices") or ())
+        for device in devices:
+            if not self.device_taints and not in_use:
+                device.pop("taints", None)
+            for taint in device.get("taints") or ():
+                if isinstance(taint, dict) and not taint.get("timeAdded"):
+                    taint["timeAdded"] = _format_time(_now())
 
     def _write(self, name: str, subresource: str, query: dict[str, list[str]], body: bytes,
                handler: _Handler, user: User) -> tuple[int, Any, dict[str, str]]:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from kubelet_api import pluginregistration_pb2
 
 from gpu_agent.config.loader import load_config
 from gpu_agent.dra import api
-from gpu_agent.dra.claims import CHECKPOINT, Checkpoint
+from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, devices_for
 from gpu_agent.dra.devices import MAX_ATTRIBUTES_AND_CAPACITIES, DraDevice, published, quantity, semver, slices
 from gpu_agent.dra.params import ConfigError, Sharing, sharing_of
 from gpu_agent.dra.service import DraManager
@@ -29,7 +30,8 @@ from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.kube.client import ApiError, KubeClient
-from gpu_agent.nvml.model import ComputeInstance, Gpu, GpuHealth, GpuInstance, Inventory, MigProfile, MigState
+from gpu_agent.nvml.model import (IDENTITY, LAST_READING, ComputeInstance, Gpu, GpuHealth, GpuInstance, Inventory,
+                                  MigProfile, MigState)
 from gpu_agent.proto3 import BOOL, MESSAGE, MESSAGE_MAP, STRING, Message
 from gpu_agent.state import AgentState
 from kube_emulator import KubeEmulator
@@ -140,12 +142,43 @@ def test_whole_gpus_and_mig_devices_get_nvidias_names_attributes_and_capacities(
         assert len(device.entry["attributes"]) + len(device.entry["capacity"]) <= MAX_ATTRIBUTES_AND_CAPACITIES
 
 
-def test_an_unhealthy_gpu_is_withdrawn_and_returns_when_it_recovers() -> None:
-    node = inventory(gpu(0), gpu(1))
-    sick = {node.gpus[1].uuid: GpuHealth(xid_reason="XID 79")}
-    assert [device.name for device in published(node, sick)] == ["gpu-10"]
-    assert [device.name for device in published(node, {})] == ["gpu-10", "gpu-11"]
+def test_an_unhealthy_device_carries_a_taint_until_it_recovers() -> None:
+    node = inventory(gpu(0), gpu(1), gpu(2), gpu(3, "3g.40gb", "3g.40gb"))
+    mig = node.gpus[3].mig.gpu_instances[1].compute_instances[0].uuid
+    sick = {node.gpus[1].uuid: GpuHealth(xid_reason="XID 79 (fallen off the bus)", last_xid=79, lost=True),
+            node.gpus[2].uuid: GpuHealth(query_error="NVML: GPU is lost"),
+            mig: GpuHealth(check_reason="pending row remaps")}
+    devices = {device.name: device for device in published(node, sick)}
+    assert list(devices) == ["gpu-10", "gpu-11", "gpu-12", "gpu-13-mig-3g40gb-9-0", "gpu-13-mig-3g40gb-9-4"]
+    assert {name: device.entry.get("taints") for name, device in devices.items()} == {
+        "gpu-10": None, "gpu-11": [{"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoSchedule"}],
+        "gpu-12": [{"key": "gpu.nvidia.com/unhealthy", "value": "nvml-query-failed", "effect": "NoSchedule"}],
+        "gpu-13-mig-3g40gb-9-0": None,
+        "gpu-13-mig-3g40gb-9-4": [{"key": "gpu.nvidia.com/unhealthy", "value": "health-check-failed",
+                                   "effect": "NoSchedule"}]}
+    assert devices["gpu-11"].to_json()["taints"] == devices["gpu-11"].entry["taints"]
+    # a MIG device of an unhealthy GPU carries its GPU's taint
+    parent = {node.gpus[3].uuid: GpuHealth(xid_reason="XID 48", last_xid=48)}
+    assert {d.name: d.entry["taints"][0]["value"] for d in published(node, parent) if d.tainted} == {
+        "gpu-13-mig-3g40gb-9-0": "48", "gpu-13-mig-3g40gb-9-4": "48"}
+    assert not any(device.tainted for device in published(node, {}))
     assert published(None, {}) == ()
+    # off the bus: as last read, tainted (by its XID where one was seen); known by its identity alone: absent
+    lost = inventory(gpu(0), replace(gpu(1), unreadable="GPU is lost", known_from=LAST_READING),
+                     replace(gpu(2), unreadable="GPU is lost", known_from=IDENTITY))
+    assert {d.name: d.entry["taints"][0]["value"] for d in published(lost, {}) if d.tainted} == {
+        "gpu-11": "nvml-query-failed"}
+    assert [d.name for d in published(lost, {})] == ["gpu-10", "gpu-11"]
+    assert published(lost, sick)[1].entry["taints"][0]["value"] == "79"
+
+
+def test_a_tainted_device_is_not_prepared_and_the_claim_says_why() -> None:
+    devices = {device.name: device for device in published(inventory(gpu(0), gpu(1)), {
+        gpu(1).uuid: GpuHealth(xid_reason="XID 79", last_xid=79)})}
+    allocated = {"metadata": {"uid": "u"}, "status": {"allocation": {"devices": {"results": [
+        {"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-11", "request": "gpu"}]}}}}
+    with pytest.raises(ClaimError, match=r"'gpu-11' is unhealthy \(tainted gpu.nvidia.com/xid=79\)"):
+        devices_for(allocated, "u", NODE, devices, None)
 
 
 def test_quantities_and_versions_are_written_as_the_api_server_writes_them_back() -> None:
@@ -194,6 +227,46 @@ def test_the_pool_is_published_once_bumped_on_change_and_published_again_after_t
     emulator.delete_resource_slices(NODE)  # a kubelet that starts
     assert publisher.sync(eight[:7])
     assert emulator.resource_slices(NODE)[0]["spec"]["pool"]["generation"] == 3
+
+
+def test_where_the_api_server_drops_taints_an_unhealthy_device_is_withdrawn(tmp_path: Path,
+                                                                          emulator: KubeEmulator) -> None:
+    """DRADeviceTaints off (the emulator's default, as kube-apiserver 1.34's): the first write of a tainted
+    device comes back without its taint, and the same sync withdraws the device; recovered, it returns."""
+    node = inventory(*(gpu(n) for n in range(3)))
+    publisher = SlicePublisher(client_of(tmp_path), NODE)
+    assert publisher.sync(published(node, {})) and publisher.taints is None
+    sick = published(node, {node.gpus[1].uuid: GpuHealth(xid_reason="XID 79", last_xid=79)})
+    assert publisher.sync(sick) and publisher.taints is False
+    stored = emulator.resource_slices(NODE)[0]["spec"]
+    assert [device["name"] for device in stored["devices"]] == ["gpu-10", "gpu-12"]
+    assert stored["pool"]["generation"] == 3  # the tainted write, then the withdrawal
+    assert not publisher.sync(sick)  # as stored: nothing written
+    assert publisher.sync(published(node, {})) and len(emulator.resource_slices(NODE)[0]["spec"]["devices"]) == 3
+
+
+def test_where_the_api_server_keeps_taints_an_unhealthy_device_is_tainted_in_place(tmp_path: Path) -> None:
+    """DRADeviceTaints on: the device stays in the pool with its taint, the time the server gave the taint
+    is neither a change nor lost when another device's taint is written; recovered, the taint goes."""
+    with KubeEmulator(tmp_path / "pki", device_taints=True) as server:
+        server.write_kubeconfig(tmp_path / "root" / KUBECONFIG.lstrip("/"))
+        node = inventory(*(gpu(n) for n in range(3)))
+        publisher = SlicePublisher(client_of(tmp_path), NODE)
+        one = published(node, {node.gpus[1].uuid: GpuHealth(xid_reason="XID 79", last_xid=79)})
+        assert publisher.sync(one) and publisher.taints is True
+
+        def taints() -> dict[str, Any]:
+            return {d["name"]: d.get("taints") for d in server.resource_slices(NODE)[0]["spec"]["devices"]}
+
+        first = taints()["gpu-11"]
+        assert len(first) == 1 and first[0]["key"] == "gpu.nvidia.com/xid" and first[0]["timeAdded"]
+        assert not publisher.sync(one)  # the server's timeAdded is no change
+        two = published(node, {node.gpus[1].uuid: GpuHealth(xid_reason="XID 79", last_xid=79),
+                               node.gpus[2].uuid: GpuHealth(check_reason="too hot")})
+        assert publisher.sync(two)
+        assert taints()["gpu-11"] == first and taints()["gpu-12"][0]["value"] == "health-check-failed"
+        assert publisher.sync(published(node, {}))
+        assert taints() == {"gpu-10": None, "gpu-11": None, "gpu-12": None}
 
 
 def test_a_restarted_agent_continues_the_generation_it_finds(tmp_path: Path, emulator: KubeEmulator) -> None:
@@ -677,25 +750,29 @@ def test_a_socket_directory_it_cannot_make_is_named_and_served_once_it_can(tmp_p
 
 
 @pytest.mark.subprocess
-def test_the_daemon_publishes_withdraws_an_xid_lost_gpu_and_returns_it(agent: Any, root: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("device_taints", [False, True], ids=["taints-dropped", "taints-kept"])
+def test_the_daemon_publishes_an_xid_lost_gpu_withdrawn_or_tainted_and_returns_it(
+        device_taints: bool, agent: Any, root: Path, tmp_path: Path) -> None:
     """gpu-agent run with dra.enabled on a simulated DGX H100: registered by a kubelet, its pool published with
-    the node's credentials; an XID 79 takes GPU 2 off the pool (a new generation) and its recovery returns it."""
+    the node's credentials; an XID 79 on GPU 2 withdraws it from the pool where the API server drops device
+    taints, and taints it where it keeps them (a new generation either way); its recovery returns it."""
     import time
 
     from harness import run_cli
 
-    with KubeEmulator(tmp_path / "pki", nodes=(NODE,)) as server:
+    with KubeEmulator(tmp_path / "pki", nodes=(NODE,), device_taints=device_taints) as server:
         server.write_kubeconfig(root / KUBECONFIG.lstrip("/"))
         (root / "var/lib/kubelet/device-plugins").mkdir(parents=True)
         daemon = agent("dgx-h100", settings={"kubernetes": {"node_name": NODE}, "dra": {"enabled": True}})
         daemon.wait_ready()
         registration_socket = root / "var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock"
 
-        def pool(count: int) -> dict[str, Any]:
+        def pool(count: int, tainted: int = 0) -> dict[str, Any]:
             deadline = time.monotonic() + 20
             while True:
                 stored = server.resource_slices(NODE)
-                if stored and len(stored[0]["spec"]["devices"]) == count:
+                if stored and len(stored[0]["spec"]["devices"]) == count and \
+                        sum(bool(d.get("taints")) for d in stored[0]["spec"]["devices"]) == tainted:
                     return stored[0]["spec"]
                 assert time.monotonic() < deadline, f"no pool of {count} devices: {stored}"
                 time.sleep(0.05)
@@ -718,8 +795,13 @@ def test_the_daemon_publishes_withdraws_an_xid_lost_gpu_and_returns_it(agent: An
         first = pool(8)
         assert [device["name"] for device in first["devices"]] == [f"gpu-{n}" for n in range(8)]
         assert run_cli("sim", "inject-xid", "--gpu", "2", "--xid", "79", root=root).returncode == 0
-        lost = pool(7)
-        assert "gpu-2" not in [device["name"] for device in lost["devices"]]
+        if device_taints:
+            lost = pool(8, tainted=1)
+            taint = next(d["taints"] for d in lost["devices"] if d["name"] == "gpu-2")
+            assert [(t["key"], t["value"], t["effect"]) for t in taint] == [("gpu.nvidia.com/xid", "79", "NoSchedule")]
+        else:
+            lost = pool(7)
+            assert "gpu-2" not in [device["name"] for device in lost["devices"]]
         assert lost["pool"]["generation"] > first["pool"]["generation"]
         assert run_cli("sim", "clear", root=root).returncode == 0
         back = pool(8)
@@ -729,4 +811,5 @@ def test_the_daemon_publishes_withdraws_an_xid_lost_gpu_and_returns_it(agent: An
         assert pool(8)["pool"]["generation"] > back["pool"]["generation"]
         status = json.loads(daemon.wait_http("/status", lambda code, _: code == 200)[1])
         assert status["dra"]["pool"] == NODE and len(status["dra"]["devices"]) == 8
+        assert status["dra"]["device_taints"] is device_taints
         assert status["plugin"]["resources"] == [] and "plugin.api is dra" in status["plugin"]["reason"]

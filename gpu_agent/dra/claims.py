@@ -80,7 +80,12 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
                              f"publishes pool {pool!r}")
         if not isinstance(device, str) or device not in published:
             raise ClaimError(f"device {str(device)[:64]!r} is not one this node publishes now (a stale allocation "
-                             "after a MIG change, or a GPU that became unhealthy)")
+                             "after a MIG change, a GPU NVML cannot read, or an unhealthy GPU withdrawn)")
+        if published[device].tainted:
+            taint = published[device].entry["taints"][0]
+            raise ClaimError(f"device {device!r} is unhealthy (tainted {taint['key']}={taint['value']}): gpu-agent "
+                             "does not prepare a device it knows to be failing, a claim that tolerates the taint "
+                             "included")
         request = result.get("request")
         ours.setdefault(device, [])
         if isinstance(request, str) and request not in ours[device]:

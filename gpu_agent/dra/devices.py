@@ -30,20 +30,45 @@ _ARCHITECTURES = {"volta": "Volta", "turing": "Turing", "ampere": "Ampere", "ada
                   "kepler": "Kepler"}
 
 
+XID_TAINT = f"{DRIVER}/xid"  # a critical XID; its value the XID's number
+UNHEALTHY_TAINT = f"{DRIVER}/unhealthy"  # a failed health check, or NVML failing on the GPU
+TAINT_EFFECT = "NoSchedule"  # not allocated again; the pods of claims already prepared are not evicted
+
+
 @dataclass(frozen=True)
 class DraDevice:
-    """One published device: its name in the pool, what containers get (the GPU or MIG device UUID, the
-    name of its CDI device in the agent's spec) and the ResourceSlice entry."""
+    """One device of the pool: its name in the pool, what containers get (the GPU or MIG device UUID, the
+    name of its CDI device in the agent's spec) and the ResourceSlice entry, which carries a taint while
+    the device is unhealthy."""
 
     name: str
     uuid: str
     gpu_uuid: str
     entry: dict[str, Any]
 
+    @property
+    def tainted(self) -> bool:
+        return bool(self.entry.get("taints"))
+
     def to_json(self) -> dict[str, Any]:
         """As /status lists it."""
-        return {"name": self.name, "uuid": self.uuid, "attributes": self.entry["attributes"],
-                "capacity": self.entry["capacity"]}
+        shown = {"name": self.name, "uuid": self.uuid, "attributes": self.entry["attributes"],
+                 "capacity": self.entry["capacity"]}
+        if self.tainted:
+            shown["taints"] = self.entry["taints"]
+        return shown
+
+
+def health_taint(health: GpuHealth) -> Optional[dict[str, Any]]:
+    """The taint an unhealthy GPU or MIG device carries on its ResourceSlice entry (resource.k8s.io/v1
+    DeviceTaint: a qualified key, a label value, an effect); None while it is healthy."""
+    if health.healthy:
+        return None
+    if health.xid_reason:
+        value = str(health.last_xid) if health.last_xid is not None else "unknown"
+        return {"key": XID_TAINT, "value": value, "effect": TAINT_EFFECT}
+    value = "nvml-query-failed" if health.query_error else "health-check-failed"
+    return {"key": UNHEALTHY_TAINT, "value": value, "effect": TAINT_EFFECT}
 
 
 def gpu_device_name(gpu: Gpu) -> str:
@@ -74,22 +99,28 @@ def semver(text: str) -> Optional[str]:
 
 
 def published(inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -> tuple[DraDevice, ...]:
-    """The devices of the node's pool, in name order: each readable, healthy GPU whose MIG mode is off, and
-    each MIG device (a GPU instance with one compute instance as large as itself) of a healthy GPU whose MIG
-    mode is on. An unhealthy GPU or MIG device is withdrawn (the pool has no device taints) and comes back
-    when it recovers."""
+    """The devices of the node's pool, in name order: each readable GPU whose MIG mode is off, and each MIG
+    device (a GPU instance with one compute instance as large as itself) of a readable GPU whose MIG mode is
+    on. An unhealthy GPU or MIG device (a MIG device also while its GPU is) carries a taint
+    (health_taint) until it recovers, and so does a GPU NVML cannot read now (off the bus), as last read;
+    where the API server drops taints (DRADeviceTaints off) the publisher withdraws them instead
+    (slices.py). A GPU known by its identity alone (no reading of its memory or MIG state) is not in the
+    pool."""
     if inventory is None:
         return ()
     common = _driver_attributes(inventory)
     found: list[DraDevice] = []
     for gpu in inventory.gpus:
-        if gpu.unreadable or not gpu.details_known or not health.get(gpu.uuid, GpuHealth()).healthy:
+        if not gpu.details_known:
             continue
         attributes = {**_gpu_attributes(gpu), **common}
+        gpu_taint = health_taint(health.get(gpu.uuid, GpuHealth()))
+        if gpu_taint is None and gpu.unreadable:
+            gpu_taint = {"key": UNHEALTHY_TAINT, "value": "nvml-query-failed", "effect": TAINT_EFFECT}
         if not gpu.mig.enabled:
             entry = _entry(gpu_device_name(gpu),
                            {"type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, **attributes},
-                           {"memory": {"value": quantity(gpu.memory_mib * 1024 * 1024)}})
+                           {"memory": {"value": quantity(gpu.memory_mib * 1024 * 1024)}}, gpu_taint)
             found.append(DraDevice(entry["name"], gpu.uuid, gpu.uuid, entry))
             continue
         profiles = {profile.id: profile for profile in gpu.mig.profiles}
@@ -98,20 +129,23 @@ def published(inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -
             if len(single) != 1 or single[0].slices != instance.slices:
                 continue
             uuid = single[0].uuid
-            if not health.get(uuid, GpuHealth()).healthy:
-                continue
             entry = _entry(mig_device_name(gpu, instance),
                            {"type": {"string": "mig"}, "uuid": {"string": uuid}, "parentUUID": {"string": gpu.uuid},
                             "profile": {"string": instance.profile}, **attributes},
-                           _mig_capacity(instance, profiles.get(instance.profile_id)))
+                           _mig_capacity(instance, profiles.get(instance.profile_id)),
+                           gpu_taint or health_taint(health.get(uuid, GpuHealth())))
             found.append(DraDevice(entry["name"], uuid, gpu.uuid, entry))
     return tuple(sorted(found, key=lambda device: device.name))
 
 
-def _entry(name: str, attributes: dict[str, Any], capacity: dict[str, Any]) -> dict[str, Any]:
+def _entry(name: str, attributes: dict[str, Any], capacity: dict[str, Any],
+           taint: Optional[dict[str, Any]]) -> dict[str, Any]:
     if len(attributes) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:  # a bug: the sets above are fixed
         raise AssertionError(f"{name}: {len(attributes) + len(capacity)} attributes and capacities")
-    return {"name": name, "attributes": attributes, "capacity": capacity}
+    entry: dict[str, Any] = {"name": name, "attributes": attributes, "capacity": capacity}
+    if taint is not None:
+        entry["taints"] = [taint]
+    return entry
 
 
 def _driver_attributes(inventory: Inventory) -> dict[str, Any]:

@@ -250,6 +250,7 @@ class DraManager:
             "serve_error": self.serve_error,
             "published": self._published is not None and self._published == self.devices,
             "publish_error": self.publish_error,
+            "device_taints": self.publisher.taints,
             "devices": [device.to_json() for device in self.devices],
             "prepared_claims": self.checkpoint.to_json(),
             "checkpoint_error": self.checkpoint.error,
