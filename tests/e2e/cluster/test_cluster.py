@@ -401,6 +401,71 @@ def test_a_resource_claim_for_a_mig_device_is_prepared_and_its_pod_sees_it(clust
     cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
 
 
+def _with_device_taints(cluster: rig.Cluster, on: bool) -> None:
+    """kube-apiserver restarted with DRADeviceTaints on (a drop-in adding the gate), or as the rig made it."""
+    c = cluster.container
+    dropin = "/etc/systemd/system/kube-apiserver.service.d/device-taints.conf"
+    if on:
+        start = next(line for line in rig._apiserver_unit().splitlines() if line.startswith("ExecStart="))
+        c.sh(f"mkdir -p {Path(dropin).parent} && printf '%s\\n' '[Service]' 'ExecStart=' "
+             f"'{start} --feature-gates=DRADeviceTaints=true' > {dropin}")
+    else:
+        c.exec("rm", "-f", dropin)
+    c.exec("systemctl", "daemon-reload")
+    c.exec("systemctl", "restart", "kube-apiserver", timeout=180)
+    cluster.wait("the apiserver's /readyz", lambda: cluster.api("GET", "/readyz").status == 200, timeout=240)
+
+
+def test_an_xid_withdraws_or_taints_the_gpus_device_and_recovery_clears_it(cluster: rig.Cluster) -> None:
+    """plugin.api dra, XID 79 on GPU 3 (`sim inject-xid`): kube-apiserver 1.34 as it comes (DRADeviceTaints
+    off) drops the taint the agent writes, and the agent withdraws gpu-3 from the pool instead; with the gate
+    on, gpu-3 stays with the taint gpu.nvidia.com/xid=79 (NoSchedule) and the time the server gave it, and
+    the pool is not written again while nothing changes. `sim clear`: all eight, untainted."""
+    c = cluster.container
+    original = c.exec("cat", AGENT_CONFIG, check=False).stdout
+
+    def devices() -> dict[str, Any]:
+        return {d["name"]: d.get("taints") for s in _pool(cluster) for d in s["spec"]["devices"]}
+
+    try:
+        c.sh(f"printf 'version: v1\\nplugin:\\n  api: dra\\n' > {AGENT_CONFIG}")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+        _pool_of(cluster, 8)
+        c.exec(*ONE_SHOT, "sim", "inject-xid", "--gpu", "3", "--xid", "79")
+        try:
+            cluster.wait("gpu-3 withdrawn (the API server drops device taints)", lambda: (
+                lambda found: len(found) == 7 and "gpu-3" not in found and not any(found.values()))(devices()))
+            assert _agent_status(cluster)["dra"]["device_taints"] is False
+        finally:
+            c.exec(*ONE_SHOT, "sim", "clear")
+        cluster.wait("all eight again", lambda: len(devices()) == 8)
+
+        _with_device_taints(cluster, True)
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)  # what it learnt of the server is not kept
+        _pool_of(cluster, 8)
+        c.exec(*ONE_SHOT, "sim", "inject-xid", "--gpu", "3", "--xid", "79")
+        try:
+            found = cluster.wait("gpu-3 tainted in place", lambda: (
+                lambda got: got if len(got) == 8 and got.get("gpu-3") else None)(devices()))
+            assert [(t["key"], t["value"], t["effect"]) for t in found["gpu-3"]] == [
+                ("gpu.nvidia.com/xid", "79", "NoSchedule")]
+            assert found["gpu-3"][0]["timeAdded"], found
+            assert [name for name, taints in found.items() if taints] == ["gpu-3"]
+            assert _agent_status(cluster)["dra"]["device_taints"] is True
+            version = _pool(cluster)[0]["metadata"]["resourceVersion"]
+            time.sleep(5)  # the agent's syncs meanwhile find the stored pool as wanted, timeAdded and all
+            assert _pool(cluster)[0]["metadata"]["resourceVersion"] == version
+        finally:
+            c.exec(*ONE_SHOT, "sim", "clear")
+        cluster.wait("gpu-3 untainted", lambda: (lambda got: len(got) == 8 and not any(got.values()))(devices()))
+    finally:
+        _with_device_taints(cluster, False)
+        c.sh(f"cat > {AGENT_CONFIG} <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait("nvidia.com/gpu: 8 with DRA off", lambda: _gpus(cluster) == ("8", "8"))
+    cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
+
+
 def test_containerd_2_with_its_own_version_4_config(cluster: rig.Cluster) -> None:
     """containerd v2.4.2's default config (version 4) as the root config, an admin's CRI setting in it: the
     agent's drop-in is version 4 too, containerd loads both, and a GPU pod runs on the result."""
