@@ -142,34 +142,41 @@ def test_whole_gpus_and_mig_devices_get_nvidias_names_attributes_and_capacities(
         assert len(device.entry["attributes"]) + len(device.entry["capacity"]) <= MAX_ATTRIBUTES_AND_CAPACITIES
 
 
-def test_an_unhealthy_device_carries_a_taint_until_it_recovers() -> None:
-    node = inventory(gpu(0), gpu(1), gpu(2), gpu(3, "3g.40gb", "3g.40gb"))
+def test_an_unhealthy_device_carries_nvidias_taints_until_it_recovers() -> None:
+    """The keys of NVIDIA's gpu-kubelet-plugin (device_health.go at 15a116f03ce09bbaabff2635c0bf3823d15aff19):
+    gpu.nvidia.com/xid=<xid> and gpu.nvidia.com/gpu-lost, NoSchedule; the agent's gpu.nvidia.com/unhealthy for
+    failing NVML queries and checks, which NVIDIA's plugin does not run."""
+    node = inventory(gpu(0), gpu(1), gpu(2), gpu(3, "3g.40gb", "3g.40gb"), gpu(4))
     mig = node.gpus[3].mig.gpu_instances[1].compute_instances[0].uuid
     sick = {node.gpus[1].uuid: GpuHealth(xid_reason="XID 79 (fallen off the bus)", last_xid=79, lost=True),
-            node.gpus[2].uuid: GpuHealth(query_error="NVML: GPU is lost"),
+            node.gpus[2].uuid: GpuHealth(query_error="NVML: unknown error"),
+            node.gpus[4].uuid: GpuHealth(xid_reason="XID 48", last_xid=48, check_reason="too hot"),
             mig: GpuHealth(check_reason="pending row remaps")}
     devices = {device.name: device for device in published(node, sick)}
-    assert list(devices) == ["gpu-10", "gpu-11", "gpu-12", "gpu-13-mig-3g40gb-9-0", "gpu-13-mig-3g40gb-9-4"]
+    xid = {"key": "gpu.nvidia.com/xid", "effect": "NoSchedule"}
     assert {name: device.entry.get("taints") for name, device in devices.items()} == {
-        "gpu-10": None, "gpu-11": [{"key": "gpu.nvidia.com/xid", "value": "79", "effect": "NoSchedule"}],
+        "gpu-10": None,
+        "gpu-11": [{**xid, "value": "79"}, {"key": "gpu.nvidia.com/gpu-lost", "effect": "NoSchedule"}],
         "gpu-12": [{"key": "gpu.nvidia.com/unhealthy", "value": "nvml-query-failed", "effect": "NoSchedule"}],
         "gpu-13-mig-3g40gb-9-0": None,
         "gpu-13-mig-3g40gb-9-4": [{"key": "gpu.nvidia.com/unhealthy", "value": "health-check-failed",
-                                   "effect": "NoSchedule"}]}
+                                   "effect": "NoSchedule"}],
+        "gpu-14": [{**xid, "value": "48"}, {"key": "gpu.nvidia.com/unhealthy", "value": "health-check-failed",
+                                           "effect": "NoSchedule"}]}
     assert devices["gpu-11"].to_json()["taints"] == devices["gpu-11"].entry["taints"]
-    # a MIG device of an unhealthy GPU carries its GPU's taint
+    # a MIG device of an unhealthy GPU carries its GPU's taints
     parent = {node.gpus[3].uuid: GpuHealth(xid_reason="XID 48", last_xid=48)}
-    assert {d.name: d.entry["taints"][0]["value"] for d in published(node, parent) if d.tainted} == {
-        "gpu-13-mig-3g40gb-9-0": "48", "gpu-13-mig-3g40gb-9-4": "48"}
+    assert {d.name: d.entry["taints"] for d in published(node, parent) if d.tainted} == {
+        "gpu-13-mig-3g40gb-9-0": [{**xid, "value": "48"}], "gpu-13-mig-3g40gb-9-4": [{**xid, "value": "48"}]}
     assert not any(device.tainted for device in published(node, {}))
     assert published(None, {}) == ()
-    # off the bus: as last read, tainted (by its XID where one was seen); known by its identity alone: absent
+    # off the bus: as last read, gpu-lost (and its XID where one was seen); known by its identity alone: absent
     lost = inventory(gpu(0), replace(gpu(1), unreadable="GPU is lost", known_from=LAST_READING),
                      replace(gpu(2), unreadable="GPU is lost", known_from=IDENTITY))
-    assert {d.name: d.entry["taints"][0]["value"] for d in published(lost, {}) if d.tainted} == {
-        "gpu-11": "nvml-query-failed"}
-    assert [d.name for d in published(lost, {})] == ["gpu-10", "gpu-11"]
-    assert published(lost, sick)[1].entry["taints"][0]["value"] == "79"
+    assert [(d.name, d.entry.get("taints")) for d in published(lost, {})] == [
+        ("gpu-10", None), ("gpu-11", [{"key": "gpu.nvidia.com/gpu-lost", "effect": "NoSchedule"}])]
+    assert [t["key"] for t in published(lost, sick)[1].entry["taints"]] == ["gpu.nvidia.com/xid",
+                                                                             "gpu.nvidia.com/gpu-lost"]
 
 
 def test_a_tainted_device_is_not_prepared_and_the_claim_says_why() -> None:
@@ -798,7 +805,8 @@ def test_the_daemon_publishes_an_xid_lost_gpu_withdrawn_or_tainted_and_returns_i
         if device_taints:
             lost = pool(8, tainted=1)
             taint = next(d["taints"] for d in lost["devices"] if d["name"] == "gpu-2")
-            assert [(t["key"], t["value"], t["effect"]) for t in taint] == [("gpu.nvidia.com/xid", "79", "NoSchedule")]
+            assert [(t["key"], t.get("value"), t["effect"]) for t in taint] == [
+                ("gpu.nvidia.com/xid", "79", "NoSchedule"), ("gpu.nvidia.com/gpu-lost", None, "NoSchedule")]
         else:
             lost = pool(7)
             assert "gpu-2" not in [device["name"] for device in lost["devices"]]

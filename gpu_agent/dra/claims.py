@@ -82,8 +82,9 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
             raise ClaimError(f"device {str(device)[:64]!r} is not one this node publishes now (a stale allocation "
                              "after a MIG change, a GPU NVML cannot read, or an unhealthy GPU withdrawn)")
         if published[device].tainted:
-            taint = published[device].entry["taints"][0]
-            raise ClaimError(f"device {device!r} is unhealthy (tainted {taint['key']}={taint['value']}): gpu-agent "
+            taints = ", ".join(f"{t['key']}={t['value']}" if t.get("value") else t["key"]
+                               for t in published[device].entry["taints"])
+            raise ClaimError(f"device {device!r} is unhealthy (tainted {taints}): gpu-agent "
                              "does not prepare a device it knows to be failing, a claim that tolerates the taint "
                              "included")
         request = result.get("request")

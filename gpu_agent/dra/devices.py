@@ -30,10 +30,13 @@ _ARCHITECTURES = {"volta": "Volta", "turing": "Turing", "ampere": "Ampere", "ada
                   "kepler": "Kepler"}
 
 
+# Taint keys as NVIDIA's gpu-kubelet-plugin writes them (cmd/gpu-kubelet-plugin/device_health.go at
+# 15a116f03ce09bbaabff2635c0bf3823d15aff19), so that tolerations written for its devices fit the agent's, and
+# one of the agent's own for what NVIDIA's plugin does not check.
 XID_TAINT = f"{DRIVER}/xid"  # a critical XID; its value the XID's number
-UNHEALTHY_TAINT = f"{DRIVER}/unhealthy"  # a failed health check, or NVML failing on the GPU
+GPU_LOST_TAINT = f"{DRIVER}/gpu-lost"  # NVML cannot reach the GPU (off the bus); no value
+UNHEALTHY_TAINT = f"{DRIVER}/unhealthy"  # the agent's: NVML queries failing, or a failed periodic check
 TAINT_EFFECT = "NoSchedule"  # not allocated again; the pods of claims already prepared are not evicted
-
 
 @dataclass(frozen=True)
 class DraDevice:
@@ -59,16 +62,21 @@ class DraDevice:
         return shown
 
 
-def health_taint(health: GpuHealth) -> Optional[dict[str, Any]]:
-    """The taint an unhealthy GPU or MIG device carries on its ResourceSlice entry (resource.k8s.io/v1
-    DeviceTaint: a qualified key, a label value, an effect); None while it is healthy."""
-    if health.healthy:
-        return None
+def health_taints(health: GpuHealth, unreadable: bool = False) -> list[dict[str, Any]]:
+    """The taints an unhealthy GPU or MIG device carries on its ResourceSlice entry (resource.k8s.io/v1
+    DeviceTaint: a qualified key, a label value, an effect); none while it is healthy and readable.
+    `unreadable`: NVML cannot read the GPU now."""
+    taints = []
     if health.xid_reason:
         value = str(health.last_xid) if health.last_xid is not None else "unknown"
-        return {"key": XID_TAINT, "value": value, "effect": TAINT_EFFECT}
-    value = "nvml-query-failed" if health.query_error else "health-check-failed"
-    return {"key": UNHEALTHY_TAINT, "value": value, "effect": TAINT_EFFECT}
+        taints.append({"key": XID_TAINT, "value": value, "effect": TAINT_EFFECT})
+    if unreadable or health.lost or health.missing:
+        taints.append({"key": GPU_LOST_TAINT, "effect": TAINT_EFFECT})
+    elif health.query_error:
+        taints.append({"key": UNHEALTHY_TAINT, "value": "nvml-query-failed", "effect": TAINT_EFFECT})
+    if health.check_reason:
+        taints.append({"key": UNHEALTHY_TAINT, "value": "health-check-failed", "effect": TAINT_EFFECT})
+    return taints
 
 
 def gpu_device_name(gpu: Gpu) -> str:
@@ -102,7 +110,7 @@ def published(inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -
     """The devices of the node's pool, in name order: each readable GPU whose MIG mode is off, and each MIG
     device (a GPU instance with one compute instance as large as itself) of a readable GPU whose MIG mode is
     on. An unhealthy GPU or MIG device (a MIG device also while its GPU is) carries a taint
-    (health_taint) until it recovers, and so does a GPU NVML cannot read now (off the bus), as last read;
+    (health_taints) until it recovers, and so does a GPU NVML cannot read now (off the bus), as last read;
     where the API server drops taints (DRADeviceTaints off) the publisher withdraws them instead
     (slices.py). A GPU known by its identity alone (no reading of its memory or MIG state) is not in the
     pool."""
@@ -114,13 +122,11 @@ def published(inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -
         if not gpu.details_known:
             continue
         attributes = {**_gpu_attributes(gpu), **common}
-        gpu_taint = health_taint(health.get(gpu.uuid, GpuHealth()))
-        if gpu_taint is None and gpu.unreadable:
-            gpu_taint = {"key": UNHEALTHY_TAINT, "value": "nvml-query-failed", "effect": TAINT_EFFECT}
+        gpu_taints = health_taints(health.get(gpu.uuid, GpuHealth()), bool(gpu.unreadable))
         if not gpu.mig.enabled:
             entry = _entry(gpu_device_name(gpu),
                            {"type": {"string": "gpu"}, "uuid": {"string": gpu.uuid}, **attributes},
-                           {"memory": {"value": quantity(gpu.memory_mib * 1024 * 1024)}}, gpu_taint)
+                           {"memory": {"value": quantity(gpu.memory_mib * 1024 * 1024)}}, gpu_taints)
             found.append(DraDevice(entry["name"], gpu.uuid, gpu.uuid, entry))
             continue
         profiles = {profile.id: profile for profile in gpu.mig.profiles}
@@ -133,18 +139,18 @@ def published(inventory: Optional[Inventory], health: Mapping[str, GpuHealth]) -
                            {"type": {"string": "mig"}, "uuid": {"string": uuid}, "parentUUID": {"string": gpu.uuid},
                             "profile": {"string": instance.profile}, **attributes},
                            _mig_capacity(instance, profiles.get(instance.profile_id)),
-                           gpu_taint or health_taint(health.get(uuid, GpuHealth())))
+                           gpu_taints or health_taints(health.get(uuid, GpuHealth())))
             found.append(DraDevice(entry["name"], uuid, gpu.uuid, entry))
     return tuple(sorted(found, key=lambda device: device.name))
 
 
 def _entry(name: str, attributes: dict[str, Any], capacity: dict[str, Any],
-           taint: Optional[dict[str, Any]]) -> dict[str, Any]:
+           taints: list[dict[str, Any]]) -> dict[str, Any]:
     if len(attributes) + len(capacity) > MAX_ATTRIBUTES_AND_CAPACITIES:  # a bug: the sets above are fixed
         raise AssertionError(f"{name}: {len(attributes) + len(capacity)} attributes and capacities")
     entry: dict[str, Any] = {"name": name, "attributes": attributes, "capacity": capacity}
-    if taint is not None:
-        entry["taints"] = [taint]
+    if taints:
+        entry["taints"] = taints
     return entry
 
 

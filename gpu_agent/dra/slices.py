@@ -10,7 +10,7 @@ order are replaced, missing ones created (generateName), extra ones deleted. The
 with every change, above any generation the listed slices carry, so the scheduler never mixes two versions
 of the pool. With the slices already as asked nothing is written.
 
-An unhealthy device carries a taint (devices.health_taint). An API server whose DRADeviceTaints feature is
+An unhealthy device carries taints (devices.health_taints). An API server whose DRADeviceTaints feature is
 off drops taints from what it stores (ResourceSlice strategy, dropDisabledDRADeviceTaintsFields, unless
 the stored slice held taints already): the first write of a tainted device whose answer comes back
 without its taint tells the publisher so, and from then on it withdraws unhealthy devices instead, at

@@ -418,9 +418,10 @@ def _with_device_taints(cluster: rig.Cluster, on: bool) -> None:
 
 def test_an_xid_withdraws_or_taints_the_gpus_device_and_recovery_clears_it(cluster: rig.Cluster) -> None:
     """plugin.api dra, XID 79 on GPU 3 (`sim inject-xid`): kube-apiserver 1.34 as it comes (DRADeviceTaints
-    off) drops the taint the agent writes, and the agent withdraws gpu-3 from the pool instead; with the gate
-    on, gpu-3 stays with the taint gpu.nvidia.com/xid=79 (NoSchedule) and the time the server gave it, and
-    the pool is not written again while nothing changes. `sim clear`: all eight, untainted."""
+    off) drops the taints the agent writes, and the agent withdraws gpu-3 from the pool instead; with the
+    gate on, gpu-3 stays, tainted gpu.nvidia.com/xid=79 and gpu.nvidia.com/gpu-lost (NoSchedule) at the
+    times the server gave them, and the pool is not written again while nothing changes. `sim clear`: all
+    eight, untainted."""
     c = cluster.container
     original = c.exec("cat", AGENT_CONFIG, check=False).stdout
 
@@ -447,9 +448,9 @@ def test_an_xid_withdraws_or_taints_the_gpus_device_and_recovery_clears_it(clust
         try:
             found = cluster.wait("gpu-3 tainted in place", lambda: (
                 lambda got: got if len(got) == 8 and got.get("gpu-3") else None)(devices()))
-            assert [(t["key"], t["value"], t["effect"]) for t in found["gpu-3"]] == [
-                ("gpu.nvidia.com/xid", "79", "NoSchedule")]
-            assert found["gpu-3"][0]["timeAdded"], found
+            assert [(t["key"], t.get("value"), t["effect"]) for t in found["gpu-3"]] == [
+                ("gpu.nvidia.com/xid", "79", "NoSchedule"), ("gpu.nvidia.com/gpu-lost", None, "NoSchedule")]
+            assert all(t["timeAdded"] for t in found["gpu-3"]), found
             assert [name for name, taints in found.items() if taints] == ["gpu-3"]
             assert _agent_status(cluster)["dra"]["device_taints"] is True
             version = _pool(cluster)[0]["metadata"]["resourceVersion"]
