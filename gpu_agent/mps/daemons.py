@@ -458,12 +458,17 @@ def serves_but_for_unreadable(started: DaemonSpec, spec: DaemonSpec, unreadable:
 def without(spec: DaemonSpec, gpus: Collection[str]) -> DaemonSpec:
     """`spec` on its GPUs but those of `gpus` (UUIDs)."""
     keep = [n for n, uuid in enumerate(spec.gpus) if uuid not in gpus]
+    pinned = None if spec.pinned_mib is None else tuple(spec.pinned_mib[n] for n in keep)
     return replace(spec, gpus=tuple(spec.gpus[n] for n in keep), indices=tuple(spec.indices[n] for n in keep),
-                   memory_mib=tuple(spec.memory_mib[n] for n in keep))
+                   memory_mib=tuple(spec.memory_mib[n] for n in keep), pinned_mib=pinned)
 
 
 def describe(spec: DaemonSpec) -> str:
-    return f"GPUs {','.join(map(str, spec.indices))} with {spec.replicas} replicas"
+    gpus = f"GPUs {','.join(map(str, spec.indices))}"
+    if spec.threads is None and spec.pinned_mib is None:
+        return f"{gpus} with {spec.replicas} replicas"
+    limits = "/".join(limit for _, limit in spec.pinned_limits()) or "no memory limit"
+    return f"{gpus} with {spec.thread_percentage} % of their threads and pinned memory {limits}"
 
 
 def read_back(root: Root, control: MpsControl, spec: DaemonSpec) -> tuple[Seen, Settings, Optional[str]]:
