@@ -23,7 +23,7 @@ from gpu_agent.config.loader import load_config
 from gpu_agent.dra import api
 from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, devices_for
 from gpu_agent.dra.devices import MAX_ATTRIBUTES_AND_CAPACITIES, DraDevice, published, quantity, semver, slices
-from gpu_agent.dra.params import ConfigError, Sharing, sharing_of
+from gpu_agent.dra.params import ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.dra.service import DraManager
 from gpu_agent.dra.slices import SlicePublisher
 from gpu_agent.host.paths import Root
@@ -480,6 +480,36 @@ def opaque(source: str, parameters: Any, *requests: str, driver: str = "gpu.nvid
 def gpu_config(strategy: str, **sharing: Any) -> dict[str, Any]:
     return {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
             "sharing": {"strategy": strategy, **sharing}}
+
+
+def test_an_mps_config_is_read_into_its_limits_as_nvidias_driver_reads_them() -> None:
+    """api/nvidia.com/resource/v1beta1/sharing.go at 95932046683719c43b6a0dd9613c2e5aad5d6703: the default
+    pinned limit applies to every device, the per-device one (by UUID or index) over it, each in whole MiB
+    (bytes / 1024 / 1024) and at least 1."""
+    config = gpu_config("MPS", mpsConfig={"defaultActiveThreadPercentage": 40, "defaultPinnedDeviceMemoryLimit": "10Gi",
+                                          "defaultPerDevicePinnedMemoryLimit": {"1": "1G", "GPU-c": 2 ** 30},
+                                          "multiUser": False})
+    found = sharing_of([opaque("FromClaim", config)], [("gpu-0", "gpu", False)])["gpu-0"]
+    assert found is not None and found.mps == MpsLimits(40, 10240, (("1", 953), ("GPU-c", 1024)))
+    assert found.mps.pinned_for(("GPU-a", "GPU-b", "GPU-c")) == (10240, 953, 1024)
+    assert MpsLimits(threads=50).pinned_for(("GPU-a",)) is None
+    assert MpsLimits(per_device_mib=(("0", 5),)).pinned_for(("GPU-a", "GPU-b")) == (5, 0)
+    with pytest.raises(ConfigError, match="'2' is neither the UUID nor the index"):
+        MpsLimits(per_device_mib=(("2", 5),)).pinned_for(("GPU-a", "GPU-b"))
+    assert sharing_of([opaque("FromClaim", gpu_config("MPS"))], [("gpu-0", "gpu", False)])["gpu-0"] == Sharing("MPS")
+
+
+@pytest.mark.parametrize("mps, error", [
+    ({"defaultPinnedDeviceMemoryLimit": "lots"}, "'lots' is not a quantity"),
+    ({"defaultPinnedDeviceMemoryLimit": "0.5Mi"}, "less than 1 MiB"),
+    ({"defaultPinnedDeviceMemoryLimit": True}, "is not a quantity"),
+    ({"defaultPerDevicePinnedMemoryLimit": ["1Gi"]}, "is not a map"),
+    ({"defaultPerDevicePinnedMemoryLimit": {"0": "-1Gi"}}, r"defaultPerDevicePinnedMemoryLimit\[0\]: '-1Gi' is less"),
+    ({"multiUser": True}, "multiUser: true is not supported"),
+])
+def test_a_malformed_mps_config_is_named(mps: Any, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        sharing_of([opaque("FromClaim", gpu_config("MPS", mpsConfig=mps))], [("gpu-0", "gpu", False)])
 
 
 def test_opaque_configs_apply_by_precedence_request_and_device_type() -> None:
