@@ -21,7 +21,7 @@ from kubelet_api import pluginregistration_pb2
 
 from gpu_agent.config.loader import load_config
 from gpu_agent.dra import api
-from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, devices_for
+from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, PreparedDevice, devices_for
 from gpu_agent.dra.devices import MAX_ATTRIBUTES_AND_CAPACITIES, DraDevice, published, quantity, semver, slices
 from gpu_agent.dra.params import ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.dra.service import DraManager
@@ -851,3 +851,21 @@ def test_the_daemon_publishes_an_xid_lost_gpu_withdrawn_or_tainted_and_returns_i
         assert status["dra"]["pool"] == NODE and len(status["dra"]["devices"]) == 8
         assert status["dra"]["device_taints"] is device_taints
         assert status["plugin"]["resources"] == [] and "plugin.api is dra" in status["plugin"]["reason"]
+
+
+def test_the_checkpoint_keeps_a_claims_mps_limits_across_a_restart(tmp_path: Path) -> None:
+    limits = MpsLimits(30, 10240, (("0", 953), ("GPU-c", 1024)))
+    claim_ = PreparedClaim("ml", "shared", (PreparedDevice(("gpu",), NODE, "gpu-10", ("nvidia.com/gpu=GPU-a",),
+                                                          Sharing("MPS", mps=limits)),
+                                           PreparedDevice(("gpu",), NODE, "gpu-11", ("nvidia.com/gpu=GPU-b",),
+                                                          Sharing("TimeSlicing", "Long"))))
+    Checkpoint(tmp_path / "prepared.json").put("uid-1", claim_)
+    again = Checkpoint(tmp_path / "prepared.json")
+    again.load()
+    assert again.error is None and again.claims == {"uid-1": claim_}
+    damaged = json.loads((tmp_path / "prepared.json").read_text())
+    damaged["claims"]["uid-1"]["devices"][0]["sharing"]["mps"]["threads"] = "30"
+    (tmp_path / "prepared.json").write_text(json.dumps(damaged))
+    broken = Checkpoint(tmp_path / "prepared.json")
+    broken.load()
+    assert broken.claims == {} and "cannot be read" in str(broken.error)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from gpu_agent.dra.devices import DRIVER, DraDevice
-from gpu_agent.dra.params import MPS, ConfigError, Sharing, sharing_of
+from gpu_agent.dra.params import MPS, ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.toolkit.cdi import KIND as CDI_KIND
@@ -40,8 +40,13 @@ class PreparedDevice:
     sharing: Optional[Sharing] = None  # from the claim's opaque config; None: the device is given whole
 
     def to_json(self) -> dict[str, Any]:
-        sharing = None if self.sharing is None else {"strategy": self.sharing.strategy,
-                                                     "interval": self.sharing.interval or None}
+        sharing: Optional[dict[str, Any]] = None
+        if self.sharing is not None:
+            sharing = {"strategy": self.sharing.strategy, "interval": self.sharing.interval or None}
+            limits = self.sharing.mps
+            if limits is not None:
+                sharing["mps"] = {"threads": limits.threads, "pinned_mib": limits.pinned_mib,
+                                  "per_device_mib": dict(limits.per_device_mib)}
         return {"requests": list(self.requests), "pool": self.pool, "device": self.device,
                 "cdi_ids": list(self.cdi_ids), "sharing": sharing}
 
@@ -171,4 +176,16 @@ def _claim(entry: dict[str, Any]) -> PreparedClaim:
 def _sharing(entry: Any) -> Optional[Sharing]:
     if entry is None:  # a device given whole, or a checkpoint written before sharing was read
         return None
-    return Sharing(str(entry["strategy"]), str(entry.get("interval") or ""))
+    mps = entry.get("mps")
+    limits = None if mps is None else MpsLimits(
+        _optional_int(mps["threads"]), _optional_int(mps["pinned_mib"]),
+        tuple((str(key), int(value)) for key, value in sorted(mps["per_device_mib"].items())))
+    return Sharing(str(entry["strategy"]), str(entry.get("interval") or ""), limits)
+
+
+def _optional_int(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not a whole number")
+    return value
