@@ -4,10 +4,15 @@ the record keeps across restarts of the agent, and when a running daemon is one 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
+from gpu_agent.config.loader import load_config
+from gpu_agent.host.paths import Root
 from gpu_agent.mps import instance
 from gpu_agent.mps.control import DaemonSpec
-from gpu_agent.mps.daemons import describe, without
+from gpu_agent.mps.daemons import describe, wanted_daemons, without
+from gpu_agent.mps.lifecycle import Want
+from gpu_agent.state import AgentState, ClaimMps
 
 GPUS = ("GPU-a", "GPU-b")
 SHARED = DaemonSpec("nvidia.com/gpu", GPUS, (0, 1), (81559, 81559), 4)
@@ -40,3 +45,23 @@ def test_a_daemon_runs_as_asked_only_with_the_limits_asked_for() -> None:
     assert not CLAIMED.runs_as(replace(CLAIMED, threads=None, pinned_mib=None))
     kept = without(CLAIMED, {"GPU-a"})
     assert (kept.gpus, kept.pinned_mib, kept.pinned_limits()) == (("GPU-b",), (0,), [])
+
+
+def test_a_prepared_claims_mps_daemon_is_wanted_on_its_gpus_with_its_limits(tmp_path: Path) -> None:
+    from test_dra import gpu, inventory
+
+    state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
+    state.inventory = inventory(gpu(0), gpu(1), gpu(2))
+    b, a = state.inventory.gpus[2].uuid, state.inventory.gpus[0].uuid
+    state.publish_claim_mps({"claims/uid-1": ClaimMps((b, a), 30, (2048, 1024))})
+    wanted = wanted_daemons(Root(tmp_path), state)
+    spec = wanted.specs["claims/uid-1"]
+    assert (spec.gpus, spec.indices, spec.thread_percentage, spec.pinned_limits()) == (
+        (a, b), (0, 2), 30, [(0, "1024M"), (1, "2048M")])  # in index order, each GPU with its own limit
+    assert wanted.want("claims/uid-1") is Want.YES and "claims/uid-1" in wanted.named
+    # a GPU of the claim NVML cannot read: undecided, its daemon left as it is
+    state.inventory = replace(state.inventory, gpus=(state.inventory.gpus[0], state.inventory.gpus[1],
+                                                     replace(state.inventory.gpus[2], unreadable="GPU is lost")))
+    assert wanted_daemons(Root(tmp_path), state).want("claims/uid-1") is Want.UNDECIDED
+    state.publish_claim_mps({})  # unprepared: no longer wanted
+    assert wanted_daemons(Root(tmp_path), state).want("claims/uid-1") is Want.NO
