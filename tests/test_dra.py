@@ -33,7 +33,7 @@ from gpu_agent.kube.client import ApiError, KubeClient
 from gpu_agent.nvml.model import (IDENTITY, LAST_READING, ComputeInstance, Gpu, GpuHealth, GpuInstance, Inventory,
                                   MigProfile, MigState)
 from gpu_agent.proto3 import BOOL, MESSAGE, MESSAGE_MAP, STRING, Message
-from gpu_agent.state import AgentState
+from gpu_agent.state import AgentState, ClaimMps
 from kube_emulator import KubeEmulator
 
 NODE = "gpu-node-1"
@@ -573,15 +573,23 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     emulator.add_resource_claim("default", "mps", "uid-mps", NODE, allocated, [opaque("FromClass", mps)])
     emulator.add_resource_claim("default", "typo", "uid-typo", NODE, allocated,
                                 [opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"interval": 5}))])
+    far = gpu_config("MPS", mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"3": "1Gi"}})
+    emulator.add_resource_claim("default", "far", "uid-far", NODE, allocated, [opaque("FromClaim", far)])
     answers = manager.prepare([api.Claim("default", uid, name) for uid, name in
-                               (("uid-ts", "sliced"), ("uid-mps", "mps"), ("uid-typo", "typo"))], float("inf"))
+                               (("uid-ts", "sliced"), ("uid-mps", "mps"), ("uid-typo", "typo"), ("uid-far", "far"))],
+                              float("inf"))
     assert not answers["uid-ts"].error and [d.device_name for d in answers["uid-ts"].devices] == ["gpu-10"]
     assert manager.checkpoint.claims["uid-ts"].devices[0].sharing == Sharing("TimeSlicing", "Short")
-    assert "claim default/mps: device 'gpu-10': sharing.strategy MPS is not supported by gpu-agent's DRA plugin " \
-           "yet" in answers["uid-mps"].error
+    assert not answers["uid-mps"].error
+    assert manager.state.claim_mps == {"k8s.gpu.nvidia.com/claim/uid-mps": ClaimMps(
+        ("GPU-00000000-0000-0000-0000-000000000000",), 50, None)}
     assert "claim default/typo: opaque config: config[0] (FromClaim): unknown sharing.timeSlicingConfig.interval " \
            "'5'" in answers["uid-typo"].error
-    assert sorted(manager.checkpoint.claims) == ["uid-ts"]
+    assert "claim default/far: opaque config: sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: '3' is neither" \
+           in answers["uid-far"].error
+    assert sorted(manager.checkpoint.claims) == ["uid-mps", "uid-ts"]
+    assert manager.unprepare([api.Claim("default", "uid-mps", "mps")])["uid-mps"].error == ""
+    assert manager.state.claim_mps == {}
     reread = Checkpoint(manager.checkpoint.path)
     reread.load()
     assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
@@ -869,3 +877,13 @@ def test_the_checkpoint_keeps_a_claims_mps_limits_across_a_restart(tmp_path: Pat
     broken = Checkpoint(tmp_path / "prepared.json")
     broken.load()
     assert broken.claims == {} and "cannot be read" in str(broken.error)
+
+
+def test_mps_on_a_mig_device_is_refused_for_its_claim() -> None:
+    devices = {device.name: device for device in published(inventory(gpu(0, "3g.40gb")), {})}
+    config = [opaque("FromClaim", {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig",
+                                   "sharing": {"strategy": "MPS"}})]
+    allocated = {"metadata": {"uid": "u"}, "status": {"allocation": {"devices": {"config": config, "results": [
+        {"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-10-mig-3g40gb-9-0", "request": "mig"}]}}}}
+    with pytest.raises(ClaimError, match="MPS on a MIG device is not supported by gpu-agent"):
+        devices_for(allocated, "u", NODE, devices, None)

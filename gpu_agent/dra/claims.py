@@ -18,6 +18,7 @@ from gpu_agent.dra.devices import DRIVER, DraDevice
 from gpu_agent.dra.params import MPS, ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
+from gpu_agent.state import ClaimMps
 from gpu_agent.toolkit.cdi import KIND as CDI_KIND
 
 log = logging.getLogger(__name__)
@@ -108,14 +109,39 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
     prepared = []
     for device, requests in sorted(ours.items()):
         chosen = sharing[device]
-        if chosen is not None and chosen.strategy == MPS:
-            raise ClaimError(f"device {device!r}: sharing.strategy {MPS} is not supported by gpu-agent's DRA "
-                             "plugin yet (TimeSlicing is; docs/dra.md)")
+        if chosen is not None and chosen.strategy == MPS and published[device].uuid != published[device].gpu_uuid:
+            raise ClaimError(f"device {device!r}: sharing.strategy {MPS} on a MIG device is not supported by "
+                             "gpu-agent (on whole GPUs it is; docs/dra.md)")
         cdi = f"{CDI_KIND}={published[device].uuid}"
         if spec is not None and cdi not in spec:
             raise ClaimError(f"the agent's CDI spec holds no {cdi} (see the cdi stage in `gpu-agent status`)")
         prepared.append(PreparedDevice(tuple(requests), pool, device, (cdi,), chosen))
+    try:
+        claim_daemons({uid: PreparedClaim("", "", tuple(prepared))})
+    except ConfigError as exc:
+        raise ClaimError(f"opaque config: {exc}") from None
     return tuple(prepared)
+
+
+MPS_CLAIMS = "k8s.gpu.nvidia.com/claim"  # the MPS resources of claims: <this>/<claim uid>[-<n>]
+
+
+def claim_daemons(claims: Mapping[str, PreparedClaim]) -> dict[str, ClaimMps]:
+    """The MPS control daemons the prepared claims ask for, by resource: one for each claim and set of
+    limits its MPS devices share (most claims: one), on those devices' GPUs. Raises ConfigError for a
+    per-device limit that names no device of its set."""
+    daemons: dict[str, ClaimMps] = {}
+    for uid, claim in sorted(claims.items()):
+        groups: dict[Optional[MpsLimits], list[str]] = {}
+        for device in claim.devices:
+            if device.sharing is not None and device.sharing.strategy == MPS:
+                groups.setdefault(device.sharing.mps, []).append(device.cdi_ids[0].split("=", 1)[1])
+        for number, (limits, uuids) in enumerate(groups.items()):
+            resource = f"{MPS_CLAIMS}/{uid}" + (f"-{number}" if len(groups) > 1 else "")
+            gpus = tuple(uuids)
+            daemons[resource] = ClaimMps(gpus, limits.threads if limits else None,
+                                         limits.pinned_for(gpus) if limits else None)
+    return daemons
 
 
 class Checkpoint:
@@ -179,13 +205,15 @@ def _sharing(entry: Any) -> Optional[Sharing]:
     mps = entry.get("mps")
     limits = None if mps is None else MpsLimits(
         _optional_int(mps["threads"]), _optional_int(mps["pinned_mib"]),
-        tuple((str(key), int(value)) for key, value in sorted(mps["per_device_mib"].items())))
+        tuple((str(key), _whole(value)) for key, value in sorted(mps["per_device_mib"].items())))
     return Sharing(str(entry["strategy"]), str(entry.get("interval") or ""), limits)
 
 
 def _optional_int(value: Any) -> Optional[int]:
-    if value is None:
-        return None
+    return None if value is None else _whole(value)
+
+
+def _whole(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{value!r} is not a whole number")
+        raise ValueError(f"{str(value)[:32]!r} is not a whole number")
     return value

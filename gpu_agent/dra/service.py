@@ -28,7 +28,8 @@ from grpclib.server import Server, Stream
 
 from gpu_agent.config.plugin import kubelet_dir
 from gpu_agent.dra import api
-from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, devices_for
+from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, claim_daemons, devices_for
+from gpu_agent.dra.params import ConfigError
 from gpu_agent.dra.devices import DRIVER, DraDevice, published
 from gpu_agent.dra.slices import SlicePublisher
 from gpu_agent.host import sandbox
@@ -83,6 +84,7 @@ class DraManager:
     async def run(self) -> None:
         self._wake = wake = asyncio.Event()
         self.checkpoint.load()
+        self._publish_claim_mps()
         try:
             while True:
                 wake.clear()
@@ -208,6 +210,7 @@ class DraManager:
                 devices = devices_for(found, claim.uid, self.node, by_name, spec)
                 prepared = PreparedClaim(claim.namespace, claim.name, devices)
                 self.checkpoint.put(claim.uid, prepared)
+                self._publish_claim_mps()
             except ClaimError as exc:
                 answers[claim.uid] = api.NodePrepareResourceResponse(
                     error=f"claim {claim.namespace}/{claim.name}: {exc}")
@@ -234,7 +237,18 @@ class DraManager:
         except OSError as exc:
             return api.NodeUnprepareResourceResponse(
                 error=f"claim {claim.namespace}/{claim.name}: the checkpoint cannot be written: {exc}")
+        self._publish_claim_mps()
         return api.NodeUnprepareResourceResponse()
+
+    def _publish_claim_mps(self) -> None:
+        """The MPS control daemons the checkpoint's claims ask for (a checkpoint's claim whose limits no longer
+        resolve asks for none, and says so)."""
+        try:
+            daemons = claim_daemons(self.checkpoint.claims)
+        except ConfigError as exc:  # only a checkpoint edited by hand: each claim was checked at prepare
+            log.warning("DRA: the checkpoint's MPS claims cannot be read: %s", exc)
+            daemons = {}
+        self.state.publish_claim_mps(daemons)
 
     def _cdi_spec(self) -> Optional[frozenset[str]]:
         toolkit = self.state.config.config.toolkit
