@@ -575,14 +575,23 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
                                 [opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"interval": 5}))])
     far = gpu_config("MPS", mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"3": "1Gi"}})
     emulator.add_resource_claim("default", "far", "uid-far", NODE, allocated, [opaque("FromClaim", far)])
+    wanted: list[int] = []
+    manager.mps_wanted = lambda: wanted.append(1)
+    clock = iter(range(1000)).__next__  # each look at the time a second later: the deadline comes at once
     answers = manager.prepare([api.Claim("default", uid, name) for uid, name in
-                               (("uid-ts", "sliced"), ("uid-mps", "mps"), ("uid-typo", "typo"), ("uid-far", "far"))],
-                              float("inf"))
+                               (("uid-ts", "sliced"), ("uid-typo", "typo"), ("uid-far", "far"), ("uid-mps", "mps"))],
+                              10, now=clock)
     assert not answers["uid-ts"].error and [d.device_name for d in answers["uid-ts"].devices] == ["gpu-10"]
     assert manager.checkpoint.claims["uid-ts"].devices[0].sharing == Sharing("TimeSlicing", "Short")
-    assert not answers["uid-mps"].error
-    assert manager.state.claim_mps == {"k8s.gpu.nvidia.com/claim/uid-mps": ClaimMps(
-        ("GPU-00000000-0000-0000-0000-000000000000",), 50, None)}
+    resource = "k8s.gpu.nvidia.com/claim/uid-mps"
+    assert manager.state.claim_mps == {resource: ClaimMps(("GPU-00000000-0000-0000-0000-000000000000",), 50, None)}
+    assert wanted  # the daemon's MPS watch was told
+    # its daemon does not run (nothing starts it here): not answered yet, kept prepared, asked again
+    assert answers["uid-mps"].error == ("claim default/mps: its MPS control daemon does not run yet (not started "
+                                        "yet); the kubelet asks again")
+    manager.state.publish_mps(None, {}, {resource})  # as the MPS watch publishes a daemon running as asked
+    again = manager.prepare([api.Claim("default", "uid-mps", "mps")], float("inf"))
+    assert not again["uid-mps"].error and [d.device_name for d in again["uid-mps"].devices] == ["gpu-10"]
     assert "claim default/typo: opaque config: config[0] (FromClaim): unknown sharing.timeSlicingConfig.interval " \
            "'5'" in answers["uid-typo"].error
     assert "claim default/far: opaque config: sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: '3' is neither" \
