@@ -26,6 +26,7 @@ from gpu_agent.dra.devices import MAX_ATTRIBUTES_AND_CAPACITIES, DraDevice, publ
 from gpu_agent.dra.params import ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.dra.service import DraManager
 from gpu_agent.dra.slices import SlicePublisher
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.kube.budget import RequestBudget
@@ -592,6 +593,22 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     manager.state.publish_mps(None, {}, {resource})  # as the MPS watch publishes a daemon running as asked
     again = manager.prepare([api.Claim("default", "uid-mps", "mps")], float("inf"))
     assert not again["uid-mps"].error and [d.device_name for d in again["uid-mps"].devices] == ["gpu-10"]
+    assert list(again["uid-mps"].devices[0].cdi_device_ids) == [
+        "nvidia.com/gpu=GPU-00000000-0000-0000-0000-000000000000", "k8s.gpu.nvidia.com/claim=uid-mps-gpu-10"]
+    spec_file = root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mps.json"
+    pipe = "/run/nvidia/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe"
+    assert json.loads(spec_file.read_text()) == {
+        "cdiVersion": "0.3.0", "kind": "k8s.gpu.nvidia.com/claim",
+        "devices": [{"name": "uid-mps-gpu-10", "containerEdits": {
+            "env": ["CUDA_MPS_PIPE_DIRECTORY=/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe"],
+            "mounts": [{"hostPath": pipe, "containerPath": "/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe",
+                        "options": ["rw", "nosuid", "nodev", "bind"]},
+                       {"hostPath": "/run/nvidia/mps/shm", "containerPath": "/dev/shm",
+                        "options": ["rw", "nosuid", "nodev", "bind"]}]}}]}
+    assert Ledger(Root(root)).claim_specs() == {"/var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mps.json": "uid-mps"}
+    stamp = spec_file.stat().st_mtime_ns
+    manager.prepare([api.Claim("default", "uid-mps", "mps")], float("inf"))
+    assert spec_file.stat().st_mtime_ns == stamp  # as written: not written again
     assert "claim default/typo: opaque config: config[0] (FromClaim): unknown sharing.timeSlicingConfig.interval " \
            "'5'" in answers["uid-typo"].error
     assert "claim default/far: opaque config: sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: '3' is neither" \
@@ -599,6 +616,7 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     assert sorted(manager.checkpoint.claims) == ["uid-mps", "uid-ts"]
     assert manager.unprepare([api.Claim("default", "uid-mps", "mps")])["uid-mps"].error == ""
     assert manager.state.claim_mps == {}
+    assert not spec_file.exists() and Ledger(Root(root)).claim_specs() == {}
     reread = Checkpoint(manager.checkpoint.path)
     reread.load()
     assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
@@ -896,3 +914,17 @@ def test_mps_on_a_mig_device_is_refused_for_its_claim() -> None:
         {"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-10-mig-3g40gb-9-0", "request": "mig"}]}}}}
     with pytest.raises(ClaimError, match="MPS on a MIG device is not supported by gpu-agent"):
         devices_for(allocated, "u", NODE, devices, None)
+
+
+def test_a_claims_cdi_spec_is_valid_cdi_and_named_only_from_a_kubernetes_uid() -> None:
+    from gpu_agent.dra import claim_cdi
+    from test_cdi import schema_validator
+
+    spec = claim_cdi.render("5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60", {"gpu-0": "k8s.gpu.nvidia.com/claim/x",
+                                                                    "gpu-1": "k8s.gpu.nvidia.com/claim/x"})
+    assert not list(schema_validator().iter_errors(spec))
+    assert [device["name"] for device in spec["devices"]] == ["5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60-gpu-0",
+                                                              "5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60-gpu-1"]
+    for uid in ("../etc", "A", "", "x" * 65, "uid/1"):
+        with pytest.raises(claim_cdi.ClaimSpecError, match="is not a Kubernetes UID"):
+            claim_cdi.spec_path(uid)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from gpu_agent.dra import claim_cdi
 from gpu_agent.dra.devices import DRIVER, DraDevice
 from gpu_agent.dra.params import MPS, ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
@@ -115,7 +116,14 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
         cdi = f"{CDI_KIND}={published[device].uuid}"
         if spec is not None and cdi not in spec:
             raise ClaimError(f"the agent's CDI spec holds no {cdi} (see the cdi stage in `gpu-agent status`)")
-        prepared.append(PreparedDevice(tuple(requests), pool, device, (cdi,), chosen))
+        ids: tuple[str, ...] = (cdi,)
+        if chosen is not None and chosen.strategy == MPS:
+            try:
+                claim_cdi.spec_path(uid)
+            except claim_cdi.ClaimSpecError as exc:
+                raise ClaimError(str(exc)) from None
+            ids = (cdi, claim_cdi.device_id(uid, device))  # its MPS daemon's edits, in the claim's own spec
+        prepared.append(PreparedDevice(tuple(requests), pool, device, ids, chosen))
     try:
         claim_daemons({uid: PreparedClaim("", "", tuple(prepared))})
     except ConfigError as exc:
@@ -132,16 +140,27 @@ def claim_daemons(claims: Mapping[str, PreparedClaim]) -> dict[str, ClaimMps]:
     per-device limit that names no device of its set."""
     daemons: dict[str, ClaimMps] = {}
     for uid, claim in sorted(claims.items()):
-        groups: dict[Optional[MpsLimits], list[str]] = {}
-        for device in claim.devices:
-            if device.sharing is not None and device.sharing.strategy == MPS:
-                groups.setdefault(device.sharing.mps, []).append(device.cdi_ids[0].split("=", 1)[1])
-        for number, (limits, uuids) in enumerate(groups.items()):
-            resource = f"{MPS_CLAIMS}/{uid}" + (f"-{number}" if len(groups) > 1 else "")
-            gpus = tuple(uuids)
+        for resource, (limits, devices) in _mps_groups(uid, claim).items():
+            gpus = tuple(device.cdi_ids[0].split("=", 1)[1] for device in devices)
             daemons[resource] = ClaimMps(gpus, limits.threads if limits else None,
                                          limits.pinned_for(gpus) if limits else None)
     return daemons
+
+
+def mps_resources(uid: str, claim: PreparedClaim) -> dict[str, str]:
+    """The claim's MPS devices by name, each with the resource of the daemon that serves it."""
+    return {device.device: resource for resource, (_, devices) in _mps_groups(uid, claim).items()
+            for device in devices}
+
+
+def _mps_groups(uid: str, claim: PreparedClaim) -> dict[str, tuple[Optional[MpsLimits], list[PreparedDevice]]]:
+    """The claim's MPS devices by the limits they share, each set under its daemon's resource."""
+    groups: dict[Optional[MpsLimits], list[PreparedDevice]] = {}
+    for device in claim.devices:
+        if device.sharing is not None and device.sharing.strategy == MPS:
+            groups.setdefault(device.sharing.mps, []).append(device)
+    return {f"{MPS_CLAIMS}/{uid}" + (f"-{number}" if len(groups) > 1 else ""): (limits, devices)
+            for number, (limits, devices) in enumerate(groups.items())}
 
 
 class Checkpoint:

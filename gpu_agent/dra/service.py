@@ -28,11 +28,15 @@ from grpclib.server import Server, Stream
 
 from gpu_agent.config.plugin import kubelet_dir
 from gpu_agent.dra import api
-from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, claim_daemons, devices_for
+from gpu_agent.dra import claim_cdi
+from gpu_agent.dra.claims import (CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, claim_daemons, devices_for,
+                                    mps_resources)
 from gpu_agent.dra.params import ConfigError
 from gpu_agent.dra.devices import DRIVER, DraDevice, published
 from gpu_agent.dra.slices import SlicePublisher
+from gpu_agent.errors import AgentError
 from gpu_agent.host import sandbox
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.nvml.model import Inventory
@@ -66,6 +70,7 @@ class DraManager:
         self.host_registration = f"{kubelet}/plugins_registry/{DRIVER}-reg.sock"
         self.host_endpoint = f"{kubelet}/plugins/{DRIVER}/dra.sock"
         self.checkpoint = Checkpoint(root(CHECKPOINT))
+        self.ledger = Ledger(root)
         self.mps_wanted = mps_wanted
         self.publisher = SlicePublisher(client, node)
         self.refused: Counter[str] = Counter()
@@ -248,6 +253,15 @@ class DraManager:
                     error=f"claim {claim.namespace}/{claim.name}: its MPS control daemon does not run yet ({why}); "
                           "the kubelet asks again")
             time.sleep(MPS_POLL_S)
+        devices = mps_resources(claim.uid, prepared)
+        if devices:
+            try:
+                if claim_cdi.write(self.root, self.ledger, claim.uid, devices):
+                    log.info("DRA: claim %s/%s: its CDI spec written (MPS)", claim.namespace, claim.name)
+            except (OSError, AgentError) as exc:
+                return api.NodePrepareResourceResponse(
+                    error=f"claim {claim.namespace}/{claim.name}: its CDI spec cannot be written: "
+                          f"{getattr(exc, 'strerror', None) or exc}")
         return _answer(prepared)
 
     def unprepare(self, claims: list[api.Claim]) -> dict[str, api.NodeUnprepareResourceResponse]:
@@ -258,6 +272,14 @@ class DraManager:
         return answers
 
     def _unprepare(self, claim: api.Claim) -> api.NodeUnprepareResourceResponse:
+        try:
+            claim_cdi.remove(self.root, self.ledger, claim.uid)
+        except claim_cdi.ClaimSpecError:
+            pass  # no spec was ever written under such a name
+        except (OSError, AgentError) as exc:
+            return api.NodeUnprepareResourceResponse(
+                error=f"claim {claim.namespace}/{claim.name}: its CDI spec cannot be removed: "
+                      f"{getattr(exc, 'strerror', None) or exc}")
         try:
             self.checkpoint.drop(claim.uid)
         except OSError as exc:
