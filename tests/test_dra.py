@@ -598,7 +598,7 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     spec_file = root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mps.json"
     pipe = "/run/nvidia/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe"
     assert json.loads(spec_file.read_text()) == {
-        "cdiVersion": "0.3.0", "kind": "k8s.gpu.nvidia.com/claim",
+        "cdiVersion": "0.3.0", "kind": "k8s.gpu.nvidia.com/claim",  # a uid that starts with a letter
         "devices": [{"name": "uid-mps-gpu-10", "containerEdits": {
             "env": ["CUDA_MPS_PIPE_DIRECTORY=/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe"],
             "mounts": [{"hostPath": pipe, "containerPath": "/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe",
@@ -923,6 +923,7 @@ def test_a_claims_cdi_spec_is_valid_cdi_and_named_only_from_a_kubernetes_uid() -
     spec = claim_cdi.render("5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60", {"gpu-0": "k8s.gpu.nvidia.com/claim/x",
                                                                     "gpu-1": "k8s.gpu.nvidia.com/claim/x"})
     assert not list(schema_validator().iter_errors(spec))
+    assert spec["cdiVersion"] == "0.5.0"  # a device name that starts with a digit (containerd refuses it in 0.3.0)
     assert [device["name"] for device in spec["devices"]] == ["5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60-gpu-0",
                                                               "5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60-gpu-1"]
     for uid in ("../etc", "A", "", "x" * 65, "uid/1"):

@@ -22,9 +22,9 @@ from gpu_agent.host.files import atomic_write
 from gpu_agent.host.ledger import CLAIM_SPEC_DIR, Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.mps.layout import client_envs, client_mounts
+from gpu_agent.toolkit.cdi import minimum_version
 
 KIND = "k8s.gpu.nvidia.com/claim"
-CDI_VERSION = "0.3.0"  # env and mounts only: the earliest version still accepted
 MOUNT_OPTIONS = ("rw", "nosuid", "nodev", "bind")
 _UID = re.compile(r"[a-z0-9-]{1,64}")  # a Kubernetes UID (a UUID), and what a file name may be made of
 
@@ -52,7 +52,9 @@ def render(uid: str, devices: Mapping[str, str]) -> dict[str, Any]:
         mounts = [{"hostPath": host, "containerPath": container, "options": list(MOUNT_OPTIONS)}
                   for container, host in client_mounts(resource)]
         entries.append({"name": f"{uid}-{device}", "containerEdits": {"env": env, "mounts": mounts}})
-    return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": entries}
+    spec = {"cdiVersion": "", "kind": KIND, "devices": entries}
+    spec["cdiVersion"] = minimum_version(spec)  # 0.5.0: its device names start with the uid, often a digit
+    return spec
 
 
 def write(root: Root, ledger: Ledger, uid: str, devices: Mapping[str, str]) -> bool:
