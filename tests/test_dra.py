@@ -273,6 +273,10 @@ def test_where_the_api_server_keeps_taints_an_unhealthy_device_is_tainted_in_pla
                                node.gpus[2].uuid: GpuHealth(check_reason="too hot")})
         assert publisher.sync(two)
         assert taints()["gpu-11"] == first and taints()["gpu-12"][0]["value"] == "health-check-failed"
+        lost = published(node, {node.gpus[1].uuid: GpuHealth(xid_reason="XID 79", last_xid=79),
+                                node.gpus[2].uuid: GpuHealth(lost=True)})  # gpu-lost: a taint without a value
+        assert publisher.sync(lost) and [t["key"] for t in taints()["gpu-12"]] == ["gpu.nvidia.com/gpu-lost"]
+        assert not publisher.sync(lost) and taints()["gpu-11"] == first
         assert publisher.sync(published(node, {}))
         assert taints() == {"gpu-10": None, "gpu-11": None, "gpu-12": None}
 

@@ -128,7 +128,7 @@ def _with_taint_times(spec: dict[str, Any], times: dict[tuple[Any, ...], Any]) -
         if device.get("taints"):
             taints = []
             for taint in device["taints"]:
-                added = times.get((device["name"], taint["key"], taint["value"], taint["effect"]))
+                added = times.get((device["name"], taint["key"], taint.get("value"), taint["effect"]))
                 taints.append({**taint, "timeAdded": added} if added else taint)
             device = {**device, "taints": taints}
         devices.append(device)
