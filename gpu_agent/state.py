@@ -76,6 +76,16 @@ class GpuProcess:
     gpu_instance_id: Optional[int] = None  # on a MIG GPU: the GPU instance it runs in
 
 
+@dataclass(frozen=True)
+class ClaimMps:
+    """The MPS control daemon a prepared DRA claim asks for: its whole GPUs (UUIDs) and the limits of its
+    mpsConfig (the default active thread percentage; each GPU's pinned memory in MiB, 0 for none)."""
+
+    gpus: tuple[str, ...]
+    threads: Optional[int] = None
+    pinned_mib: Optional[tuple[int, ...]] = None
+
+
 # The results stages record (their `produces`), each kept in the attribute of that name: inventory
 # (discovery), pci_gpus and mellanox_nics (driver), mig (mig), runtimes (toolkit), driver_mismatch
 # (driver), driver_upgrade (driver-upgrade), device_path (device-path), cdi_devices (cdi), workload (vfio).
@@ -132,6 +142,7 @@ class AgentState:
     api_switch: Optional[str] = None  # why a change of plugin.api waits (pods hold GPUs of the API serving now)
     mps_down: dict[str, str] = field(default_factory=dict)  # by MPS resource: why its daemon does not run as asked
     mps_running: frozenset[str] = frozenset()  # the MPS resources whose daemon runs as asked: healthy only then
+    claim_mps: dict[str, ClaimMps] = field(default_factory=dict)  # by MPS resource: the prepared claims' (dra/)
     kube_api: Optional[dict[str, Any]] = None  # the Kubernetes API's /status section (kube/api_state.py)
     reconciles: int = 0
     first_reconcile_done: bool = False
@@ -224,6 +235,16 @@ class AgentState:
             if section == self.mps and dict(down) == self.mps_down and frozenset(running) == self.mps_running:
                 return False
             self.mps, self.mps_down, self.mps_running = section, dict(down), frozenset(running)
+            self.published += 1
+            return True
+
+    def publish_claim_mps(self, daemons: Mapping[str, ClaimMps]) -> bool:
+        """The MPS control daemons the prepared DRA claims ask for, by resource, replaced whole (the DRA
+        plugin's service is their one writer); False when they are those already published."""
+        with _PUBLISH:
+            if dict(daemons) == self.claim_mps:
+                return False
+            self.claim_mps = dict(daemons)
             self.published += 1
             return True
 

@@ -21,11 +21,12 @@ from kubelet_api import pluginregistration_pb2
 
 from gpu_agent.config.loader import load_config
 from gpu_agent.dra import api
-from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, devices_for
+from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, PreparedDevice, devices_for
 from gpu_agent.dra.devices import MAX_ATTRIBUTES_AND_CAPACITIES, DraDevice, published, quantity, semver, slices
-from gpu_agent.dra.params import ConfigError, Sharing, sharing_of
+from gpu_agent.dra.params import ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.dra.service import DraManager
 from gpu_agent.dra.slices import SlicePublisher
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.kube.budget import RequestBudget
@@ -33,7 +34,7 @@ from gpu_agent.kube.client import ApiError, KubeClient
 from gpu_agent.nvml.model import (IDENTITY, LAST_READING, ComputeInstance, Gpu, GpuHealth, GpuInstance, Inventory,
                                   MigProfile, MigState)
 from gpu_agent.proto3 import BOOL, MESSAGE, MESSAGE_MAP, STRING, Message
-from gpu_agent.state import AgentState
+from gpu_agent.state import AgentState, ClaimMps
 from kube_emulator import KubeEmulator
 
 NODE = "gpu-node-1"
@@ -486,6 +487,36 @@ def gpu_config(strategy: str, **sharing: Any) -> dict[str, Any]:
             "sharing": {"strategy": strategy, **sharing}}
 
 
+def test_an_mps_config_is_read_into_its_limits_as_nvidias_driver_reads_them() -> None:
+    """api/nvidia.com/resource/v1beta1/sharing.go at 95932046683719c43b6a0dd9613c2e5aad5d6703: the default
+    pinned limit applies to every device, the per-device one (by UUID or index) over it, each in whole MiB
+    (bytes / 1024 / 1024) and at least 1."""
+    config = gpu_config("MPS", mpsConfig={"defaultActiveThreadPercentage": 40, "defaultPinnedDeviceMemoryLimit": "10Gi",
+                                          "defaultPerDevicePinnedMemoryLimit": {"1": "1G", "GPU-c": 2 ** 30},
+                                          "multiUser": False})
+    found = sharing_of([opaque("FromClaim", config)], [("gpu-0", "gpu", False)])["gpu-0"]
+    assert found is not None and found.mps == MpsLimits(40, 10240, (("1", 953), ("GPU-c", 1024)))
+    assert found.mps.pinned_for(("GPU-a", "GPU-b", "GPU-c")) == (10240, 953, 1024)
+    assert MpsLimits(threads=50).pinned_for(("GPU-a",)) is None
+    assert MpsLimits(per_device_mib=(("0", 5),)).pinned_for(("GPU-a", "GPU-b")) == (5, 0)
+    with pytest.raises(ConfigError, match="'2' is neither the UUID nor the index"):
+        MpsLimits(per_device_mib=(("2", 5),)).pinned_for(("GPU-a", "GPU-b"))
+    assert sharing_of([opaque("FromClaim", gpu_config("MPS"))], [("gpu-0", "gpu", False)])["gpu-0"] == Sharing("MPS")
+
+
+@pytest.mark.parametrize("mps, error", [
+    ({"defaultPinnedDeviceMemoryLimit": "lots"}, "'lots' is not a quantity"),
+    ({"defaultPinnedDeviceMemoryLimit": "0.5Mi"}, "less than 1 MiB"),
+    ({"defaultPinnedDeviceMemoryLimit": True}, "is not a quantity"),
+    ({"defaultPerDevicePinnedMemoryLimit": ["1Gi"]}, "is not a map"),
+    ({"defaultPerDevicePinnedMemoryLimit": {"0": "-1Gi"}}, r"defaultPerDevicePinnedMemoryLimit\[0\]: '-1Gi' is less"),
+    ({"multiUser": True}, "multiUser: true is not supported"),
+])
+def test_a_malformed_mps_config_is_named(mps: Any, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        sharing_of([opaque("FromClaim", gpu_config("MPS", mpsConfig=mps))], [("gpu-0", "gpu", False)])
+
+
 def test_opaque_configs_apply_by_precedence_request_and_device_type() -> None:
     short = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Short"})
     long = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Long"})
@@ -547,15 +578,49 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     emulator.add_resource_claim("default", "mps", "uid-mps", NODE, allocated, [opaque("FromClass", mps)])
     emulator.add_resource_claim("default", "typo", "uid-typo", NODE, allocated,
                                 [opaque("FromClaim", gpu_config("TimeSlicing", timeSlicingConfig={"interval": 5}))])
+    far = gpu_config("MPS", mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"3": "1Gi"}})
+    emulator.add_resource_claim("default", "far", "uid-far", NODE, allocated, [opaque("FromClaim", far)])
+    wanted: list[int] = []
+    manager.mps_wanted = lambda: wanted.append(1)
+    clock = iter(range(1000)).__next__  # each look at the time a second later: the deadline comes at once
     answers = manager.prepare([api.Claim("default", uid, name) for uid, name in
-                               (("uid-ts", "sliced"), ("uid-mps", "mps"), ("uid-typo", "typo"))], float("inf"))
+                               (("uid-ts", "sliced"), ("uid-typo", "typo"), ("uid-far", "far"), ("uid-mps", "mps"))],
+                              10, now=clock)
     assert not answers["uid-ts"].error and [d.device_name for d in answers["uid-ts"].devices] == ["gpu-10"]
     assert manager.checkpoint.claims["uid-ts"].devices[0].sharing == Sharing("TimeSlicing", "Short")
-    assert "claim default/mps: device 'gpu-10': sharing.strategy MPS is not supported by gpu-agent's DRA plugin " \
-           "yet" in answers["uid-mps"].error
+    resource = "k8s.gpu.nvidia.com/claim/uid-mps"
+    assert manager.state.claim_mps == {resource: ClaimMps(("GPU-00000000-0000-0000-0000-000000000000",), 50, None)}
+    assert wanted  # the daemon's MPS watch was told
+    # its daemon does not run (nothing starts it here): not answered yet, kept prepared, asked again
+    assert answers["uid-mps"].error == ("claim default/mps: its MPS control daemon does not run yet (not started "
+                                        "yet); the kubelet asks again")
+    manager.state.publish_mps(None, {}, {resource})  # as the MPS watch publishes a daemon running as asked
+    again = manager.prepare([api.Claim("default", "uid-mps", "mps")], float("inf"))
+    assert not again["uid-mps"].error and [d.device_name for d in again["uid-mps"].devices] == ["gpu-10"]
+    assert list(again["uid-mps"].devices[0].cdi_device_ids) == [
+        "nvidia.com/gpu=GPU-00000000-0000-0000-0000-000000000000", "k8s.gpu.nvidia.com/claim=uid-mps-gpu-10"]
+    spec_file = root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mps.json"
+    pipe = "/run/nvidia/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe"
+    assert json.loads(spec_file.read_text()) == {
+        "cdiVersion": "0.3.0", "kind": "k8s.gpu.nvidia.com/claim",  # a uid that starts with a letter
+        "devices": [{"name": "uid-mps-gpu-10", "containerEdits": {
+            "env": ["CUDA_MPS_PIPE_DIRECTORY=/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe"],
+            "mounts": [{"hostPath": pipe, "containerPath": "/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe",
+                        "options": ["rw", "nosuid", "nodev", "bind"]},
+                       {"hostPath": "/run/nvidia/mps/shm", "containerPath": "/dev/shm",
+                        "options": ["rw", "nosuid", "nodev", "bind"]}]}}]}
+    assert Ledger(Root(root)).claim_specs() == {"/var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mps.json": "uid-mps"}
+    stamp = spec_file.stat().st_mtime_ns
+    manager.prepare([api.Claim("default", "uid-mps", "mps")], float("inf"))
+    assert spec_file.stat().st_mtime_ns == stamp  # as written: not written again
     assert "claim default/typo: opaque config: config[0] (FromClaim): unknown sharing.timeSlicingConfig.interval " \
            "'5'" in answers["uid-typo"].error
-    assert sorted(manager.checkpoint.claims) == ["uid-ts"]
+    assert "claim default/far: opaque config: sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: '3' is neither" \
+           in answers["uid-far"].error
+    assert sorted(manager.checkpoint.claims) == ["uid-mps", "uid-ts"]
+    assert manager.unprepare([api.Claim("default", "uid-mps", "mps")])["uid-mps"].error == ""
+    assert manager.state.claim_mps == {}
+    assert not spec_file.exists() and Ledger(Root(root)).claim_specs() == {}
     reread = Checkpoint(manager.checkpoint.path)
     reread.load()
     assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
@@ -825,3 +890,46 @@ def test_the_daemon_publishes_an_xid_lost_gpu_withdrawn_or_tainted_and_returns_i
         assert status["dra"]["pool"] == NODE and len(status["dra"]["devices"]) == 8
         assert status["dra"]["device_taints"] is device_taints
         assert status["plugin"]["resources"] == [] and "plugin.api is dra" in status["plugin"]["reason"]
+
+
+def test_the_checkpoint_keeps_a_claims_mps_limits_across_a_restart(tmp_path: Path) -> None:
+    limits = MpsLimits(30, 10240, (("0", 953), ("GPU-c", 1024)))
+    claim_ = PreparedClaim("ml", "shared", (PreparedDevice(("gpu",), NODE, "gpu-10", ("nvidia.com/gpu=GPU-a",),
+                                                          Sharing("MPS", mps=limits)),
+                                           PreparedDevice(("gpu",), NODE, "gpu-11", ("nvidia.com/gpu=GPU-b",),
+                                                          Sharing("TimeSlicing", "Long"))))
+    Checkpoint(tmp_path / "prepared.json").put("uid-1", claim_)
+    again = Checkpoint(tmp_path / "prepared.json")
+    again.load()
+    assert again.error is None and again.claims == {"uid-1": claim_}
+    damaged = json.loads((tmp_path / "prepared.json").read_text())
+    damaged["claims"]["uid-1"]["devices"][0]["sharing"]["mps"]["threads"] = "30"
+    (tmp_path / "prepared.json").write_text(json.dumps(damaged))
+    broken = Checkpoint(tmp_path / "prepared.json")
+    broken.load()
+    assert broken.claims == {} and "cannot be read" in str(broken.error)
+
+
+def test_mps_on_a_mig_device_is_refused_for_its_claim() -> None:
+    devices = {device.name: device for device in published(inventory(gpu(0, "3g.40gb")), {})}
+    config = [opaque("FromClaim", {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig",
+                                   "sharing": {"strategy": "MPS"}})]
+    allocated = {"metadata": {"uid": "u"}, "status": {"allocation": {"devices": {"config": config, "results": [
+        {"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-10-mig-3g40gb-9-0", "request": "mig"}]}}}}
+    with pytest.raises(ClaimError, match="MPS on a MIG device is not supported by gpu-agent"):
+        devices_for(allocated, "u", NODE, devices, None)
+
+
+def test_a_claims_cdi_spec_is_valid_cdi_and_named_only_from_a_kubernetes_uid() -> None:
+    from gpu_agent.dra import claim_cdi
+    from test_cdi import schema_validator
+
+    spec = claim_cdi.render("5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60", {"gpu-0": "k8s.gpu.nvidia.com/claim/x",
+                                                                    "gpu-1": "k8s.gpu.nvidia.com/claim/x"})
+    assert not list(schema_validator().iter_errors(spec))
+    assert spec["cdiVersion"] == "0.5.0"  # a device name that starts with a digit (containerd refuses it in 0.3.0)
+    assert [device["name"] for device in spec["devices"]] == ["5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60-gpu-0",
+                                                              "5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60-gpu-1"]
+    for uid in ("../etc", "A", "", "x" * 65, "uid/1"):
+        with pytest.raises(claim_cdi.ClaimSpecError, match="is not a Kubernetes UID"):
+            claim_cdi.spec_path(uid)

@@ -650,13 +650,13 @@ class Daemon:
             self.trigger()  # the sinks tell Kubernetes within seconds
 
     def _ensure_mps(self) -> None:
-        """The MPS control daemons' watch, beside the plugin: started when sharing.mps is first asked for, or
-        at the first publish when the ledger holds an earlier process's daemons (a config that no longer asks
-        for them), then kept (it stops the daemons when the config no longer asks for them)."""
+        """The MPS control daemons' watch, beside the plugin: started when sharing.mps or a prepared DRA claim
+        first asks for a daemon, or at the first publish when the ledger holds an earlier process's daemons (a
+        config that no longer asks for them), then kept (it stops the daemons no longer asked for)."""
         if self.mps is not None:
             self.mps.wake()
             return
-        if self.config.plugin.sharing.mps is None:
+        if self.config.plugin.sharing.mps is None and not self.state.claim_mps:
             if self._mps_looked:
                 return
             self._mps_looked = True
@@ -766,7 +766,9 @@ class Daemon:
 
         client = KubeClient(self.runtime.root, kube.kubeconfig, kube.request_timeout_seconds,
                             RequestBudget(per_minute=DRA_REQUESTS_PER_MINUTE))
-        self.dra, self._dra_key = DraManager(self.runtime.root, self.state, client, node), key
+        loop = asyncio.get_running_loop()
+        self.dra, self._dra_key = DraManager(self.runtime.root, self.state, client, node,
+                                             mps_wanted=lambda: loop.call_soon_threadsafe(self.publish)), key
         self._dra_task = asyncio.create_task(self.dra.run(), name="dra")
         self._tasks.append(self._dra_task)
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from gpu_agent.dra import claim_cdi
 from gpu_agent.dra.devices import DRIVER, DraDevice
-from gpu_agent.dra.params import MPS, ConfigError, Sharing, sharing_of
+from gpu_agent.dra.params import MPS, ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
+from gpu_agent.state import ClaimMps
 from gpu_agent.toolkit.cdi import KIND as CDI_KIND
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,13 @@ class PreparedDevice:
     sharing: Optional[Sharing] = None  # from the claim's opaque config; None: the device is given whole
 
     def to_json(self) -> dict[str, Any]:
-        sharing = None if self.sharing is None else {"strategy": self.sharing.strategy,
-                                                     "interval": self.sharing.interval or None}
+        sharing: Optional[dict[str, Any]] = None
+        if self.sharing is not None:
+            sharing = {"strategy": self.sharing.strategy, "interval": self.sharing.interval or None}
+            limits = self.sharing.mps
+            if limits is not None:
+                sharing["mps"] = {"threads": limits.threads, "pinned_mib": limits.pinned_mib,
+                                  "per_device_mib": dict(limits.per_device_mib)}
         return {"requests": list(self.requests), "pool": self.pool, "device": self.device,
                 "cdi_ids": list(self.cdi_ids), "sharing": sharing}
 
@@ -103,14 +110,57 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
     prepared = []
     for device, requests in sorted(ours.items()):
         chosen = sharing[device]
-        if chosen is not None and chosen.strategy == MPS:
-            raise ClaimError(f"device {device!r}: sharing.strategy {MPS} is not supported by gpu-agent's DRA "
-                             "plugin yet (TimeSlicing is; docs/dra.md)")
+        if chosen is not None and chosen.strategy == MPS and published[device].uuid != published[device].gpu_uuid:
+            raise ClaimError(f"device {device!r}: sharing.strategy {MPS} on a MIG device is not supported by "
+                             "gpu-agent (on whole GPUs it is; docs/dra.md)")
         cdi = f"{CDI_KIND}={published[device].uuid}"
         if spec is not None and cdi not in spec:
             raise ClaimError(f"the agent's CDI spec holds no {cdi} (see the cdi stage in `gpu-agent status`)")
-        prepared.append(PreparedDevice(tuple(requests), pool, device, (cdi,), chosen))
+        ids: tuple[str, ...] = (cdi,)
+        if chosen is not None and chosen.strategy == MPS:
+            try:
+                claim_cdi.spec_path(uid)
+            except claim_cdi.ClaimSpecError as exc:
+                raise ClaimError(str(exc)) from None
+            ids = (cdi, claim_cdi.device_id(uid, device))  # its MPS daemon's edits, in the claim's own spec
+        prepared.append(PreparedDevice(tuple(requests), pool, device, ids, chosen))
+    try:
+        claim_daemons({uid: PreparedClaim("", "", tuple(prepared))})
+    except ConfigError as exc:
+        raise ClaimError(f"opaque config: {exc}") from None
     return tuple(prepared)
+
+
+MPS_CLAIMS = "k8s.gpu.nvidia.com/claim"  # the MPS resources of claims: <this>/<claim uid>[-<n>]
+
+
+def claim_daemons(claims: Mapping[str, PreparedClaim]) -> dict[str, ClaimMps]:
+    """The MPS control daemons the prepared claims ask for, by resource: one for each claim and set of
+    limits its MPS devices share (most claims: one), on those devices' GPUs. Raises ConfigError for a
+    per-device limit that names no device of its set."""
+    daemons: dict[str, ClaimMps] = {}
+    for uid, claim in sorted(claims.items()):
+        for resource, (limits, devices) in _mps_groups(uid, claim).items():
+            gpus = tuple(device.cdi_ids[0].split("=", 1)[1] for device in devices)
+            daemons[resource] = ClaimMps(gpus, limits.threads if limits else None,
+                                         limits.pinned_for(gpus) if limits else None)
+    return daemons
+
+
+def mps_resources(uid: str, claim: PreparedClaim) -> dict[str, str]:
+    """The claim's MPS devices by name, each with the resource of the daemon that serves it."""
+    return {device.device: resource for resource, (_, devices) in _mps_groups(uid, claim).items()
+            for device in devices}
+
+
+def _mps_groups(uid: str, claim: PreparedClaim) -> dict[str, tuple[Optional[MpsLimits], list[PreparedDevice]]]:
+    """The claim's MPS devices by the limits they share, each set under its daemon's resource."""
+    groups: dict[Optional[MpsLimits], list[PreparedDevice]] = {}
+    for device in claim.devices:
+        if device.sharing is not None and device.sharing.strategy == MPS:
+            groups.setdefault(device.sharing.mps, []).append(device)
+    return {f"{MPS_CLAIMS}/{uid}" + (f"-{number}" if len(groups) > 1 else ""): (limits, devices)
+            for number, (limits, devices) in enumerate(groups.items())}
 
 
 class Checkpoint:
@@ -171,4 +221,18 @@ def _claim(entry: dict[str, Any]) -> PreparedClaim:
 def _sharing(entry: Any) -> Optional[Sharing]:
     if entry is None:  # a device given whole, or a checkpoint written before sharing was read
         return None
-    return Sharing(str(entry["strategy"]), str(entry.get("interval") or ""))
+    mps = entry.get("mps")
+    limits = None if mps is None else MpsLimits(
+        _optional_int(mps["threads"]), _optional_int(mps["pinned_mib"]),
+        tuple((str(key), _whole(value)) for key, value in sorted(mps["per_device_mib"].items())))
+    return Sharing(str(entry["strategy"]), str(entry.get("interval") or ""), limits)
+
+
+def _optional_int(value: Any) -> Optional[int]:
+    return None if value is None else _whole(value)
+
+
+def _whole(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{str(value)[:32]!r} is not a whole number")
+    return value

@@ -11,7 +11,9 @@ device of its type. GpuConfig fits whole GPUs and MigDeviceConfig MIG devices. S
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Mapping, Optional
 
 from gpu_agent.dra.devices import DRIVER
@@ -31,9 +33,37 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class MpsLimits:
+    """A claim's mpsConfig, read: the default active thread percentage, the pinned memory limit of every
+    device in MiB, and each device's own (by its UUID, or its index among the claim's devices of that
+    config) overriding it."""
+
+    threads: Optional[int] = None
+    pinned_mib: Optional[int] = None
+    per_device_mib: tuple[tuple[str, int], ...] = ()
+
+    def pinned_for(self, uuids: tuple[str, ...]) -> Optional[tuple[int, ...]]:
+        """Each of `uuids`' limit in MiB (0: none), as NVIDIA's driver resolves them; None when no limit is
+        asked for. Raises ConfigError for a key that names no device of `uuids`."""
+        if self.pinned_mib is None and not self.per_device_mib:
+            return None
+        limits = [self.pinned_mib or 0 for _ in uuids]
+        for key, mib in self.per_device_mib:
+            if key in uuids:
+                limits[uuids.index(key)] = mib
+            elif key.isascii() and key.isdigit() and int(key) < len(uuids):
+                limits[int(key)] = mib
+            else:
+                raise ConfigError(f"sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: {key[:64]!r} is neither the "
+                                  f"UUID nor the index of a device of the claim ({len(uuids)} device(s))")
+        return tuple(limits)
+
+
+@dataclass(frozen=True)
 class Sharing:
     strategy: str  # TIME_SLICING or MPS
     interval: str = ""  # TimeSlicing on a whole GPU: its timeSlicingConfig.interval ("Default" when not given)
+    mps: Optional[MpsLimits] = None  # MPS: the limits its mpsConfig asks for (None: none given)
 
 
 @dataclass(frozen=True)
@@ -119,8 +149,7 @@ def _sharing(where: str, kind: str, sharing: Any) -> Sharing:
     if strategy == MPS:
         if "timeSlicingConfig" in sharing:
             raise ConfigError(f"{where}: sharing.timeSlicingConfig cannot be used with the {MPS} strategy")
-        _mps(where, sharing.get("mpsConfig"))
-        return Sharing(MPS)
+        return Sharing(MPS, mps=_mps(where, sharing.get("mpsConfig")))
     if "mpsConfig" in sharing:
         raise ConfigError(f"{where}: sharing.mpsConfig cannot be used with the {TIME_SLICING} strategy")
     if kind == MIG_CONFIG:
@@ -136,9 +165,9 @@ def _sharing(where: str, kind: str, sharing: Any) -> Sharing:
     return Sharing(TIME_SLICING, str(interval))
 
 
-def _mps(where: str, config: Any) -> None:
+def _mps(where: str, config: Any) -> Optional[MpsLimits]:
     if config is None:
-        return
+        return None
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: sharing.mpsConfig is not an object")
     _only(where + " sharing.mpsConfig", config, set(_MPS_FIELDS))
@@ -146,6 +175,41 @@ def _mps(where: str, config: Any) -> None:
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 100):
         raise ConfigError(f"{where}: sharing.mpsConfig.defaultActiveThreadPercentage {str(threads)[:32]!r} is not "
                           "a whole number from 0 to 100")
+    if config.get("multiUser") not in (None, False):
+        raise ConfigError(f"{where}: sharing.mpsConfig.multiUser: true is not supported by gpu-agent (its MPS "
+                          "control daemons serve one user)")
+    default = config.get("defaultPinnedDeviceMemoryLimit")
+    pinned = None if default is None else _mebibytes(f"{where}: sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
+                                                     default)
+    per_device = config.get("defaultPerDevicePinnedMemoryLimit") or {}
+    if not isinstance(per_device, dict):
+        raise ConfigError(f"{where}: sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit is not a map")
+    limits = tuple(sorted((str(key), _mebibytes(f"{where}: sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit"
+                                                f"[{str(key)[:64]}]", value)) for key, value in per_device.items()))
+    return MpsLimits(threads, pinned, limits)
+
+
+# A Kubernetes quantity (k8s.io/apimachinery resource.Quantity): a decimal number, then a binary suffix, a
+# decimal one or an exponent.
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?")
+_SUFFIXES: dict[str, Fraction] = {
+    **{suffix: Fraction(2) ** (10 * n) for n, suffix in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), start=1)},
+    **{suffix: Fraction(10) ** (3 * n) for n, suffix in enumerate(("k", "M", "G", "T", "P", "E"), start=1)},
+    "m": Fraction(1, 1000)}
+
+
+def _mebibytes(where: str, value: Any) -> int:
+    """A memory limit in whole MiB, as NVIDIA's driver reads it (bytes / 1024 / 1024, at least 1)."""
+    text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    found = _QUANTITY.fullmatch(text.strip()) if text is not None and len(text) <= 64 else None
+    if found is None:
+        raise ConfigError(f"{where}: {str(value)[:64]!r} is not a quantity (such as 10Gi)")
+    number, suffix = Fraction(found.group(1)), found.group(2) or ""
+    scale = _SUFFIXES.get(suffix) or Fraction(10) ** int(suffix[1:] or 0)
+    mib = int(number * scale) // 2 ** 20
+    if mib <= 0:
+        raise ConfigError(f"{where}: {text!r} is less than 1 MiB")
+    return mib
 
 
 def _only(where: str, found: Mapping[str, Any], allowed: set[str]) -> None:

@@ -28,10 +28,15 @@ from grpclib.server import Server, Stream
 
 from gpu_agent.config.plugin import kubelet_dir
 from gpu_agent.dra import api
-from gpu_agent.dra.claims import CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, devices_for
+from gpu_agent.dra import claim_cdi
+from gpu_agent.dra.claims import (CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, claim_daemons, devices_for,
+                                    mps_resources)
+from gpu_agent.dra.params import ConfigError
 from gpu_agent.dra.devices import DRIVER, DraDevice, published
 from gpu_agent.dra.slices import SlicePublisher
+from gpu_agent.errors import AgentError
 from gpu_agent.host import sandbox
+from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.nvml.model import Inventory
@@ -44,6 +49,7 @@ log = logging.getLogger(__name__)
 MAX_CLAIMS = 256  # prepared in one call; the kubelet sends a pod's claims, a handful
 PREPARE_BUDGET_S = 40.0  # of the kubelet's 45 s per call: claims left after it are answered "asked again"
 RETRY_FIRST_S, RETRY_MAX_S = 10.0, 300.0
+MPS_POLL_S = 0.1  # how often a prepare waiting for a claim's MPS control daemon looks again
 
 
 def _describe(exc: BaseException) -> str:
@@ -51,8 +57,11 @@ def _describe(exc: BaseException) -> str:
 
 
 class DraManager:
-    def __init__(self, root: Root, state: AgentState, client: Any, node: str) -> None:
-        """`client`: a kube.client.KubeClient with the node's credentials; `node`: the Node's name (the pool's)."""
+    def __init__(self, root: Root, state: AgentState, client: Any, node: str,
+                 mps_wanted: Callable[[], Any] = lambda: None) -> None:
+        """`client`: a kube.client.KubeClient with the node's credentials; `node`: the Node's name (the pool's);
+        `mps_wanted`: called (from any thread) when the claims ask for other MPS control daemons, so that the
+        daemon's MPS watch starts or looks again."""
         self.root = root
         self.state = state
         self.client = client
@@ -61,6 +70,8 @@ class DraManager:
         self.host_registration = f"{kubelet}/plugins_registry/{DRIVER}-reg.sock"
         self.host_endpoint = f"{kubelet}/plugins/{DRIVER}/dra.sock"
         self.checkpoint = Checkpoint(root(CHECKPOINT))
+        self.ledger = Ledger(root)
+        self.mps_wanted = mps_wanted
         self.publisher = SlicePublisher(client, node)
         self.refused: Counter[str] = Counter()
         self.devices: tuple[DraDevice, ...] = ()
@@ -83,6 +94,7 @@ class DraManager:
     async def run(self) -> None:
         self._wake = wake = asyncio.Event()
         self.checkpoint.load()
+        self._publish_claim_mps()
         try:
             while True:
                 wake.clear()
@@ -197,7 +209,7 @@ class DraManager:
                 continue
             known = self.checkpoint.claims.get(claim.uid)
             if known is not None:
-                answers[claim.uid] = _answer(known)
+                answers[claim.uid] = self._answer_when_served(claim, known, deadline, now)
                 continue
             if now() >= deadline:
                 answers[claim.uid] = api.NodePrepareResourceResponse(
@@ -208,6 +220,7 @@ class DraManager:
                 devices = devices_for(found, claim.uid, self.node, by_name, spec)
                 prepared = PreparedClaim(claim.namespace, claim.name, devices)
                 self.checkpoint.put(claim.uid, prepared)
+                self._publish_claim_mps()
             except ClaimError as exc:
                 answers[claim.uid] = api.NodePrepareResourceResponse(
                     error=f"claim {claim.namespace}/{claim.name}: {exc}")
@@ -218,8 +231,38 @@ class DraManager:
                 continue
             log.info("DRA: prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid,
                      ", ".join(device.device for device in devices))
-            answers[claim.uid] = _answer(prepared)
+            answers[claim.uid] = self._answer_when_served(claim, prepared, deadline, now)
         return answers
+
+    def _answer_when_served(self, claim: api.Claim, prepared: PreparedClaim, deadline: float,
+                            now: Callable[[], float]) -> api.NodePrepareResourceResponse:
+        """The claim's devices, once the MPS control daemons it asks for run as asked (none for most claims);
+        an error naming why not when the kubelet's deadline comes first (the claim stays prepared: its daemon
+        goes on starting, and the kubelet asks again)."""
+        try:
+            resources = set(claim_daemons({claim.uid: prepared}))
+        except ConfigError as exc:
+            return api.NodePrepareResourceResponse(error=f"claim {claim.namespace}/{claim.name}: {exc}")
+        if resources - self.state.mps_running:
+            self.mps_wanted()
+        while resources - self.state.mps_running:
+            if now() >= deadline:
+                waiting = sorted(resources - self.state.mps_running)
+                why = "; ".join(self.state.mps_down.get(resource, "not started yet") for resource in waiting)
+                return api.NodePrepareResourceResponse(
+                    error=f"claim {claim.namespace}/{claim.name}: its MPS control daemon does not run yet ({why}); "
+                          "the kubelet asks again")
+            time.sleep(MPS_POLL_S)
+        devices = mps_resources(claim.uid, prepared)
+        if devices:
+            try:
+                if claim_cdi.write(self.root, self.ledger, claim.uid, devices):
+                    log.info("DRA: claim %s/%s: its CDI spec written (MPS)", claim.namespace, claim.name)
+            except (OSError, AgentError) as exc:
+                return api.NodePrepareResourceResponse(
+                    error=f"claim {claim.namespace}/{claim.name}: its CDI spec cannot be written: "
+                          f"{getattr(exc, 'strerror', None) or exc}")
+        return _answer(prepared)
 
     def unprepare(self, claims: list[api.Claim]) -> dict[str, api.NodeUnprepareResourceResponse]:
         answers: dict[str, api.NodeUnprepareResourceResponse] = {}
@@ -230,11 +273,31 @@ class DraManager:
 
     def _unprepare(self, claim: api.Claim) -> api.NodeUnprepareResourceResponse:
         try:
+            claim_cdi.remove(self.root, self.ledger, claim.uid)
+        except claim_cdi.ClaimSpecError:
+            pass  # no spec was ever written under such a name
+        except (OSError, AgentError) as exc:
+            return api.NodeUnprepareResourceResponse(
+                error=f"claim {claim.namespace}/{claim.name}: its CDI spec cannot be removed: "
+                      f"{getattr(exc, 'strerror', None) or exc}")
+        try:
             self.checkpoint.drop(claim.uid)
         except OSError as exc:
             return api.NodeUnprepareResourceResponse(
                 error=f"claim {claim.namespace}/{claim.name}: the checkpoint cannot be written: {exc}")
+        self._publish_claim_mps()
         return api.NodeUnprepareResourceResponse()
+
+    def _publish_claim_mps(self) -> None:
+        """The MPS control daemons the checkpoint's claims ask for (a checkpoint's claim whose limits no longer
+        resolve asks for none, and says so)."""
+        try:
+            daemons = claim_daemons(self.checkpoint.claims)
+        except ConfigError as exc:  # only a checkpoint edited by hand: each claim was checked at prepare
+            log.warning("DRA: the checkpoint's MPS claims cannot be read: %s", exc)
+            daemons = {}
+        if self.state.publish_claim_mps(daemons):
+            self.mps_wanted()
 
     def _cdi_spec(self) -> Optional[frozenset[str]]:
         toolkit = self.state.config.config.toolkit

@@ -29,6 +29,9 @@ under /var/lib/gpu-agent.
 - vfio: by the PCI address of a GPU being passed through to VMs (or passed through, or being given back), the
   switch's step and, for each function of its IOMMU group, the driver and driver_override it had before; recorded
   before each sysfs write of the switch (gpu_agent.stages.vfio), dropped once the GPU is back on its drivers.
+- claim_specs: the transient CDI specs the DRA plugin wrote for prepared claims (under /var/run/cdi), by
+  path, with the claim's uid; recorded before each is written, dropped once it was removed (at the claim's
+  unprepare, or at uninstall).
 - driver_reload: the step a driver reload has reached (gpu_agent.stages.driver_reload), recorded before
   each step is taken, so that after a kill -9 the next agent finishes the sequence or says where it stopped.
 
@@ -59,7 +62,10 @@ from gpu_agent.host.paths import Root, followed, walk
 from gpu_agent.plan import COMPUTE_MODES
 
 PATH = "/var/lib/gpu-agent/ledger.json"
-_DROPPED_WHEN_EMPTY = ("mig_checkpoints", "mps_directories", "compute_modes", "mounts", "units", "vfio")
+_DROPPED_WHEN_EMPTY = ("mig_checkpoints", "mps_directories", "compute_modes", "mounts", "units", "vfio",
+                       "claim_specs")
+CLAIM_SPEC_DIR = "/var/run/cdi"  # the transient CDI specs of DRA claims, and only there
+_CLAIM_SPEC = re.compile(r"k8s\.gpu\.nvidia\.com-claim_[a-z0-9-]{1,64}\.json")
 LOCK_PATH = "/var/lib/gpu-agent/ledger.lock"  # not a file the agent owns: the package's purge removes it
 LOCK_TIMEOUT_S = 10.0  # a change holds the lock for milliseconds: a holder this long is stuck
 MPS_DIRECTORY_ROOT = "/run/nvidia/mps"  # mps/layout.py's MPS_ROOT: the only place MPS directories may be
@@ -180,6 +186,19 @@ class Ledger:
 
     def disown_mps_directory(self, path: str) -> None:
         self._forget("mps_directories", path)
+
+    def claim_specs(self) -> dict[str, str]:
+        """The transient CDI specs of prepared DRA claims, by host path: the claim's uid."""
+        return dict(self._read()["claim_specs"])
+
+    def own_claim_spec(self, path: str, uid: str) -> None:
+        """Record (durably, before it is written) that the agent writes the CDI spec `path` for claim `uid`."""
+        if not _claim_spec(path):
+            raise LedgerError(f"{path}: not a claim's CDI spec in {CLAIM_SPEC_DIR}, never one of gpu-agent's")
+        self._record("claim_specs", path, uid)
+
+    def disown_claim_spec(self, path: str) -> None:
+        self._forget("claim_specs", path)
 
     def mounts(self) -> dict[str, OwnedMount]:
         """The file systems the agent mounted, by mount point."""
@@ -334,7 +353,7 @@ class Ledger:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
         if raw is None:
             return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {},
-                    "mps_directories": {}, "compute_modes": {}, "mounts": {}, "units": {}}
+                    "mps_directories": {}, "compute_modes": {}, "mounts": {}, "units": {}, "claim_specs": {}}
         try:
             document = jsontext.loads(raw.decode("utf-8"), max_digits=jsontext.OWN_DIGITS)
         except jsontext.NumberTooLong as exc:
@@ -375,6 +394,10 @@ class Ledger:
                 _mps_directory(k) and isinstance(v, str) for k, v in directories.items()):
             raise self._error(f'mps_directories: expected an object of directories under {MPS_DIRECTORY_ROOT}, such '
                               f'as {{"{MPS_DIRECTORY_ROOT}/nvidia.com/gpu": "nvidia.com/gpu"}}')
+        specs = document.setdefault("claim_specs", {})
+        if not isinstance(specs, dict) or not all(_claim_spec(k) and isinstance(v, str) for k, v in specs.items()):
+            raise self._error(f'claim_specs: expected an object of CDI specs in {CLAIM_SPEC_DIR}, such as '
+                              f'{{"{CLAIM_SPEC_DIR}/k8s.gpu.nvidia.com-claim_<uid>.json": "<uid>"}}')
         mounted = document.setdefault("mounts", {})
         if not isinstance(mounted, dict) or not all(_mount_entry(k, v) for k, v in mounted.items()):
             raise self._error(f'mounts: expected an object of mount points ({", ".join(MOUNT_POINTS)}), such as '
@@ -431,6 +454,11 @@ def _vfio_entry(address: Any, entry: Any) -> bool:
     return (isinstance(address, str) and _PCI_ADDRESS.fullmatch(address) is not None and isinstance(entry, dict)
             and isinstance(entry.get("step"), str) and isinstance(entry.get("functions"), dict)
             and all(function(k, v) for k, v in entry["functions"].items()))
+
+
+def _claim_spec(path: Any) -> bool:
+    return isinstance(path, str) and posixpath.dirname(path) == CLAIM_SPEC_DIR and \
+        _CLAIM_SPEC.fullmatch(posixpath.basename(path)) is not None
 
 
 def _mps_directory(path: Any) -> bool:

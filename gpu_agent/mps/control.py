@@ -49,13 +49,17 @@ MAX_ANSWER = 64 << 10  # what one command's answer may be; a server list of 48 p
 
 @dataclass(frozen=True)
 class DaemonSpec:
-    """One control daemon: a shared resource, its GPUs and their replica count."""
+    """One control daemon: a shared resource, its GPUs and their replica count, whose share of threads and
+    memory its limits are; or the limits themselves, as a DRA claim's mpsConfig gives them."""
 
     resource: str
     gpus: tuple[str, ...]  # UUIDs, in CUDA_VISIBLE_DEVICES order (by index)
     indices: tuple[int, ...]  # their NVML indices, for /status
     memory_mib: tuple[int, ...]  # each GPU's memory
     replicas: int
+    threads: Optional[int] = None  # the default active thread percentage asked for; None: 100 / replicas
+    pinned_mib: Optional[tuple[int, ...]] = None  # each GPU's pinned memory limit asked for (0: none); None:
+    # memory / replicas
 
     @classmethod
     def left(cls, resource: str) -> DaemonSpec:
@@ -63,20 +67,22 @@ class DaemonSpec:
         return cls(resource, (), (), (), 1)
 
     def runs_as(self, other: Optional[DaemonSpec]) -> bool:
-        """Whether a daemon started as `other` is one started as this: its GPUs, their memory and the
-        replicas (the NVML indices, shown in /status only, may differ)."""
-        return other is not None and (self.gpus, self.memory_mib, self.replicas) == (
-            other.gpus, other.memory_mib, other.replicas)
+        """Whether a daemon started as `other` is one started as this: its GPUs, their memory, the replicas
+        and the limits asked for (the NVML indices, shown in /status only, may differ)."""
+        return other is not None and (self.gpus, self.memory_mib, self.replicas, self.threads, self.pinned_mib) == (
+            other.gpus, other.memory_mib, other.replicas, other.threads, other.pinned_mib)
 
     @property
     def thread_percentage(self) -> int:
-        """100 / replicas, as NVIDIA's mps-control-daemon computes it (integer division)."""
-        return 100 // self.replicas
+        """As asked for; else 100 / replicas, as NVIDIA's mps-control-daemon computes it (integer division)."""
+        return self.threads if self.threads is not None else 100 // self.replicas
 
     def pinned_limits(self) -> list[tuple[int, str]]:
-        """(device ordinal among CUDA_VISIBLE_DEVICES, limit): each GPU's memory / replicas in MiB, written
-        `<n>M` as NVIDIA's perDevicePinnedDeviceMemoryLimits does. The ordinal, not the NVML index: the
-        daemon sees only its GPUs, renumbered from 0."""
+        """(device ordinal among CUDA_VISIBLE_DEVICES, limit): each GPU's limit as asked for, else its memory
+        / replicas, in MiB, written `<n>M` as NVIDIA's perDevicePinnedDeviceMemoryLimits does. The ordinal,
+        not the NVML index: the daemon sees only its GPUs, renumbered from 0."""
+        if self.pinned_mib is not None:
+            return [(n, f"{limit}M") for n, limit in enumerate(self.pinned_mib) if limit]
         return [(n, f"{memory // self.replicas}M") for n, memory in enumerate(self.memory_mib) if memory]
 
     def env(self, root: Root) -> dict[str, str]:

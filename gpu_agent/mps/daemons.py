@@ -123,6 +123,36 @@ class Wanted:
 
 
 def wanted_daemons(root: Root, state: AgentState) -> Wanted:
+    """The daemons the config, the prepared DRA claims and the GPUs ask for."""
+    shared = shared_daemons(root, state)
+    if not state.claim_mps:
+        return shared
+    claimed = claim_daemons(state)
+    named = shared.named | frozenset(state.claim_mps)
+    return replace(shared, specs={**shared.specs, **claimed}, named=named,
+                   undecided=shared.undecided | (frozenset(state.claim_mps) - set(claimed)))
+
+
+def claim_daemons(state: AgentState) -> dict[str, DaemonSpec]:
+    """The daemons of the prepared DRA claims that share their GPUs by MPS (state.claim_mps), on the GPUs
+    NVML reads: a claim whose GPU it cannot read now is undecided, its daemon left as it is."""
+    inventory = state.inventory or state.last_inventory
+    if inventory is None:
+        return {}
+    gpus = {gpu.uuid: gpu for gpu in inventory.readable}
+    specs = {}
+    for resource, claim in state.claim_mps.items():
+        if not all(uuid in gpus for uuid in claim.gpus):
+            continue
+        order = sorted(claim.gpus, key=lambda uuid: gpus[uuid].index)
+        pinned = None if claim.pinned_mib is None else tuple(
+            claim.pinned_mib[claim.gpus.index(uuid)] for uuid in order)
+        specs[resource] = DaemonSpec(resource, tuple(order), tuple(gpus[uuid].index for uuid in order),
+                                     tuple(gpus[uuid].memory_mib for uuid in order), 1, claim.threads, pinned)
+    return specs
+
+
+def shared_daemons(root: Root, state: AgentState) -> Wanted:
     """The daemons the config and the GPUs ask for (the inventory, or the last one while discovery fails, as
     the device plugin serves them)."""
     settings = state.config.config.plugin
@@ -458,12 +488,17 @@ def serves_but_for_unreadable(started: DaemonSpec, spec: DaemonSpec, unreadable:
 def without(spec: DaemonSpec, gpus: Collection[str]) -> DaemonSpec:
     """`spec` on its GPUs but those of `gpus` (UUIDs)."""
     keep = [n for n, uuid in enumerate(spec.gpus) if uuid not in gpus]
+    pinned = None if spec.pinned_mib is None else tuple(spec.pinned_mib[n] for n in keep)
     return replace(spec, gpus=tuple(spec.gpus[n] for n in keep), indices=tuple(spec.indices[n] for n in keep),
-                   memory_mib=tuple(spec.memory_mib[n] for n in keep))
+                   memory_mib=tuple(spec.memory_mib[n] for n in keep), pinned_mib=pinned)
 
 
 def describe(spec: DaemonSpec) -> str:
-    return f"GPUs {','.join(map(str, spec.indices))} with {spec.replicas} replicas"
+    gpus = f"GPUs {','.join(map(str, spec.indices))}"
+    if spec.threads is None and spec.pinned_mib is None:
+        return f"{gpus} with {spec.replicas} replicas"
+    limits = "/".join(limit for _, limit in spec.pinned_limits()) or "no memory limit"
+    return f"{gpus} with {spec.thread_percentage} % of their threads and pinned memory {limits}"
 
 
 def read_back(root: Root, control: MpsControl, spec: DaemonSpec) -> tuple[Seen, Settings, Optional[str]]:

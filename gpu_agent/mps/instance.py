@@ -29,6 +29,8 @@ VISIBLE = "CUDA_VISIBLE_DEVICES"
 INDICES = "GPU_AGENT_MPS_GPU_INDICES"
 MEMORY = "GPU_AGENT_MPS_GPU_MEMORY_MIB"
 REPLICAS = "GPU_AGENT_MPS_REPLICAS"
+THREADS = "GPU_AGENT_MPS_ACTIVE_THREAD_PERCENTAGE"  # only where limits are asked for, not derived from replicas
+PINNED = "GPU_AGENT_MPS_PINNED_MEMORY_MIB"  # each GPU's, 0 for none; likewise
 _MAX_BYTES = 64 << 10
 
 
@@ -36,7 +38,9 @@ def render(spec: DaemonSpec) -> str:
     return (f"# gpu-agent wrote this before it started the MPS control daemon of {spec.resource} "
             f"({unit_name(spec.resource)} reads it): its GPUs, and what gpu-agent sets it to.\n"
             f"{VISIBLE}={','.join(spec.gpus)}\n{INDICES}={','.join(map(str, spec.indices))}\n"
-            f"{MEMORY}={','.join(map(str, spec.memory_mib))}\n{REPLICAS}={spec.replicas}\n")
+            f"{MEMORY}={','.join(map(str, spec.memory_mib))}\n{REPLICAS}={spec.replicas}\n"
+            + (f"{THREADS}={spec.threads}\n" if spec.threads is not None else "")
+            + (f"{PINNED}={','.join(map(str, spec.pinned_mib))}\n" if spec.pinned_mib is not None else ""))
 
 
 def parse(resource: str, text: str) -> Optional[DaemonSpec]:
@@ -51,8 +55,14 @@ def parse(resource: str, text: str) -> Optional[DaemonSpec]:
     if not all(gpus) or None in indices or None in memory or not replicas or \
             not len(gpus) == len(indices) == len(memory):
         return None
+    threads = decimal(values[THREADS]) if THREADS in values else None
+    pinned = tuple(decimal(mib) for mib in values[PINNED].split(",")) if PINNED in values else None
+    if (THREADS in values and (threads is None or threads > 100)) or \
+            (pinned is not None and (None in pinned or len(pinned) != len(gpus))):
+        return None
     return DaemonSpec(resource, gpus, tuple(n for n in indices if n is not None),
-                      tuple(n for n in memory if n is not None), replicas)
+                      tuple(n for n in memory if n is not None), replicas, threads,
+                      None if pinned is None else tuple(n or 0 for n in pinned))
 
 
 def write(root: Root, spec: DaemonSpec) -> None:

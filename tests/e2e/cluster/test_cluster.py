@@ -401,6 +401,96 @@ def test_a_resource_claim_for_a_mig_device_is_prepared_and_its_pod_sees_it(clust
     cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
 
 
+# Each pod marks the daemon's pipe directory (shared through the claim's CDI spec) and waits for the other's
+# mark: the two run at once, whatever the runtime's pace.
+MPS_PROBE = ("echo pipe=$CUDA_MPS_PIPE_DIRECTORY; [ -d \"$CUDA_MPS_PIPE_DIRECTORY\" ] && echo pipe-mounted; "
+             "grep -q ' /dev/shm ' /proc/mounts && echo shm-mounted; "
+             "for n in /dev/nvidia[0-9]*; do [ -c $n ] && echo char $n; done; "
+             "touch \"$CUDA_MPS_PIPE_DIRECTORY/$0.here\"; i=0; "
+             "while [ $(ls \"$CUDA_MPS_PIPE_DIRECTORY\" | grep -c '[.]here$') -lt 2 ] && [ $i -lt 150 ]; "
+             "do sleep 1; i=$((i+1)); done; echo together=$(ls \"$CUDA_MPS_PIPE_DIRECTORY\" | grep -c '[.]here$')")
+
+
+def test_a_claim_shared_by_mps_runs_two_pods_on_one_gpu_with_its_limits(cluster: rig.Cluster) -> None:
+    """plugin.api dra; a ResourceClaim for one GPU whose opaque config shares it by MPS (50 % of the threads,
+    10Gi of pinned memory), reserved for two pods: the agent starts the claim's MPS control daemon with those
+    limits before it answers the kubelet; both pods run at once on that GPU (each marks the daemon's pipe
+    directory and sees the other's mark) with its shared memory, through the claim's own CDI spec; the pods
+    ended, the kubelet unprepares the claim and the daemon and the spec go."""
+    c = cluster.container
+    original = c.exec("cat", AGENT_CONFIG, check=False).stdout
+    rig.import_images(c)
+    names = ("mps-a", "mps-b")
+    try:
+        c.sh(f"printf 'version: v1\\nplugin:\\n  api: dra\\n' > {AGENT_CONFIG}")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+        chosen = [d for s in _pool_of(cluster, 8) for d in s["spec"]["devices"]][2]
+        assert cluster.api("POST", f"{DRA}/deviceclasses", DEVICE_CLASS).status in (201, 409)
+        opaque = {"driver": "gpu.nvidia.com", "parameters": {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {
+                "strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50,
+                                                 "defaultPinnedDeviceMemoryLimit": "10Gi"}}}}
+        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                 "metadata": {"name": "shared", "namespace": "default"},
+                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}],
+                                      "config": [{"requests": ["gpu"], "opaque": opaque}]}}}
+        made = cluster.api("POST", f"{DRA}/namespaces/default/resourceclaims", claim)
+        assert made.status == 201, made
+        uid = made.body["metadata"]["uid"]
+        reserved = []
+        for name in names:
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
+                   "spec": {"nodeName": NODE, "hostNetwork": True, "automountServiceAccountToken": False,
+                            "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
+                            "resourceClaims": [{"name": "gpu", "resourceClaimName": "shared"}],
+                            "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
+                                            "command": ["/bin/sh", "-c", MPS_PROBE, name],
+                                            "resources": {"claims": [{"name": "gpu"}]}}]}}
+            created = cluster.api("POST", "/api/v1/namespaces/default/pods", pod)
+            assert created.status == 201, created
+            reserved.append({"resource": "pods", "name": name, "uid": created.body["metadata"]["uid"]})
+        stored = made.body
+        stored["status"] = {
+            "allocation": {"devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE,
+                                                    "device": chosen["name"]}],
+                                       "config": [{"source": "FromClaim", "requests": ["gpu"], "opaque": opaque}]},
+                           "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                               {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}},
+            "reservedFor": reserved}
+        allocated = cluster.api("PUT", f"{DRA}/namespaces/default/resourceclaims/shared/status", stored)
+        assert allocated.status == 200, allocated
+        resource = f"k8s.gpu.nvidia.com/claim/{uid}"
+
+        def daemon() -> Any:
+            found = [d for d in (_agent_status(cluster)["mps"] or {}).get("daemons", []) if d["resource"] == resource]
+            return found if found and found[0]["state"] == "running" else None
+
+        daemons = cluster.wait("the claim's MPS control daemon running", daemon)
+        assert daemons[0]["active_thread_percentage"] == 50 and daemons[0]["pinned_memory_limits"] == {
+            str(daemons[0]["gpus"][0]): "10240M"}, daemons
+        minor = chosen["name"].removeprefix("gpu-")
+        for name in names:
+            path = f"/api/v1/namespaces/default/pods/{name}"
+            done = cluster.wait(f"the pod {name} to finish", lambda path=path: (
+                lambda p: p if p["status"].get("phase") in ("Succeeded", "Failed") else None)(cluster.get(path)))
+            log = str(cluster.api("GET", path + "/log").body)
+            assert done["status"]["phase"] == "Succeeded", (done["status"], log)
+            assert f"pipe=/mps/{resource}/pipe" in log and "pipe-mounted" in log and "shm-mounted" in log, log
+            assert "together=2" in log, log
+            assert re.findall(r"^char /dev/nvidia(\d+)$", log, re.M) == [minor], log
+        cluster.wait("the claim unprepared", lambda: _agent_status(cluster)["dra"]["prepared_claims"] == {})
+        cluster.wait("its MPS control daemon gone", lambda: not [
+            d for d in (_agent_status(cluster)["mps"] or {}).get("daemons", []) if d["resource"] == resource])
+        assert c.exec("ls", "/var/run/cdi", check=False).stdout.count("k8s.gpu.nvidia.com-claim_") == 0
+    finally:
+        for name in names:
+            cluster.api("DELETE", f"/api/v1/namespaces/default/pods/{name}?gracePeriodSeconds=0")
+        cluster.api("DELETE", f"{DRA}/namespaces/default/resourceclaims/shared")
+        c.sh(f"cat > {AGENT_CONFIG} <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait("nvidia.com/gpu: 8 with DRA off", lambda: _gpus(cluster) == ("8", "8"))
+
+
 def _with_device_taints(cluster: rig.Cluster, on: bool) -> None:
     """kube-apiserver restarted with DRADeviceTaints on (a drop-in adding the gate), or as the rig made it."""
     c = cluster.container
