@@ -222,3 +222,25 @@ def test_backups_keep_the_last_five_changes_of_a_file(tmp_path: Path) -> None:
     kept = sorted(root(BACKUP_DIR).iterdir())
     assert len(kept) == KEEP_BACKUPS == 5
     assert sorted(path.read_text() for path in kept) == [f'{{"n": {n}}}\n' for n in range(3, 8)]
+
+
+def test_uninstall_removes_the_cdi_specs_of_dra_claims_never_unprepared_and_only_those(tmp_path: Path) -> None:
+    from gpu_agent.dra import claim_cdi
+
+    (tmp_path / "root").mkdir()
+    node = SimNode(tmp_path / "root", "t4")
+    node.sim("show")
+    root = Root(node.root)
+    claim_cdi.write(root, Ledger(root), "9f0a1b2c-3d4e-4f60-8a1b-2c3d4e5f6071", {"gpu-0": "k8s.gpu.nvidia.com/claim/x"})
+    ours = root("/var/run/cdi/k8s.gpu.nvidia.com-claim_9f0a1b2c-3d4e-4f60-8a1b-2c3d4e5f6071.json")
+    theirs = root("/var/run/cdi/k8s.gpu.nvidia.com-claim_0e1d2c3b-4a59-4687-9a0b-1c2d3e4f5a6b.json")
+    theirs.write_text("{}\n")  # NVIDIA's DRA driver's, say: not in the ledger
+    assert ours.is_file()
+    dry = node.uninstall(dry_run=True)
+    assert RemoveFile("/var/run/cdi/k8s.gpu.nvidia.com-claim_9f0a1b2c-3d4e-4f60-8a1b-2c3d4e5f6071.json") in \
+        dry.changes("owned-files")
+    assert ours.is_file()  # a dry run: nothing
+    done = node.uninstall()
+    assert done.stage("owned-files").state == "ok", done.stage("owned-files").message
+    assert not ours.exists() and theirs.read_text() == "{}\n" and Ledger(root).claim_specs() == {}
+    assert node.uninstall().changes("owned-files") == []

@@ -9,7 +9,7 @@ sharing.go of kubernetes-sigs/dra-driver-nvidia-gpu at 14fd2e64bad38879d01a79844
 writes one only for a claim that needs edits its own spec does not hold.
 
 Each spec is recorded in the ledger (claim_specs) before it is written (temp + fsync + rename), and removed
-with its record at the claim's unprepare.
+with its record at the claim's unprepare, or by `gpu-agent uninstall` when a claim was never unprepared.
 """
 from __future__ import annotations
 
@@ -77,7 +77,20 @@ def write(root: Root, ledger: Ledger, uid: str, devices: Mapping[str, str]) -> b
 def remove(root: Root, ledger: Ledger, uid: str) -> None:
     """The claim's spec gone, then its record; nothing to do for a claim without one."""
     path = spec_path(uid)
-    if path not in ledger.claim_specs():
-        return
+    if path in ledger.claim_specs():
+        _remove(root, ledger, path)
+
+
+def remove_left(root: Root, ledger: Ledger) -> list[str]:
+    """Every spec the ledger holds removed, with its record (uninstall); returns the paths removed. OSError as
+    the first removal's that failed."""
+    removed = []
+    for path in sorted(ledger.claim_specs()):
+        _remove(root, ledger, path)
+        removed.append(path)
+    return removed
+
+
+def _remove(root: Root, ledger: Ledger, path: str) -> None:
     root(path).unlink(missing_ok=True)
     ledger.disown_claim_spec(path)

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gpu_agent.dra import claim_cdi
 from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host import ledger as ledger_file, owned
 from gpu_agent.host.ledger import Ledger
@@ -110,8 +111,10 @@ class OwnedFiles(Stage):
             changes += [SetComputeMode(uuid, mode) for uuid, (mode, _) in sorted(self.ledger.compute_modes().items())]
             changes += [Unmount(path) for path in sorted(self.ledger.mounts())]
             changes += [RemoveFile(directory) for directory in sorted(self.ledger.mps_directories())]
+            changes += [RemoveFile(path) for path in sorted(self.ledger.claim_specs())]
         if not state.undo and not state.links and not state.units and not (self.uninstall and (
-                self.ledger.mps_directories() or self.ledger.compute_modes() or self.ledger.mounts())):
+                self.ledger.mps_directories() or self.ledger.compute_modes() or self.ledger.mounts()
+                or self.ledger.claim_specs())):
             return []
         return [Action(tuple(changes), lambda: self._undo(state))]
 
@@ -161,6 +164,11 @@ class OwnedFiles(Stage):
                         log.info("%s: removed (gpu-agent no longer manages it)", directory)
             except (OSError, AgentError) as exc:
                 self._failures.append(f"cannot remove the MPS directories: {getattr(exc, 'strerror', None) or exc}")
+            try:  # the DRA claims' specs, which give their containers those daemons
+                for path in claim_cdi.remove_left(self.root, self.ledger):
+                    log.info("%s: removed (a DRA claim's CDI spec, never unprepared)", path)
+            except (OSError, AgentError) as exc:
+                self._failures.append(f"cannot remove a DRA claim's CDI spec: {getattr(exc, 'strerror', None) or exc}")
         for unit in state.restarts:
             try:
                 self.services.restart(unit)
