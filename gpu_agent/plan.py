@@ -135,6 +135,18 @@ class SetComputeMode(Change):
 
 
 @dataclass(frozen=True)
+class SetTimeSlice(Change):
+    """A GPU's compute time-slice (`nvidia-smi compute-policy --set-timeslice`): 0 Default .. 3 Long."""
+
+    kind: ClassVar[str] = "SetTimeSlice"
+    gpu: str  # UUID
+    level: int
+
+    def describe(self) -> str:
+        return f"set GPU {self.gpu}'s compute time-slice to level {self.level}"
+
+
+@dataclass(frozen=True)
 class StopMpsDaemon(Change):
     """`quit` to an MPS control daemon (SIGTERM if it does not exit), before its directories go."""
 

@@ -2,7 +2,8 @@
 
 Every file it created is removed and every file it replaced gets its original back, unless someone
 changed it since (then it is left, and named); each runtime that reads one is restarted once; each MPS
-control daemon it started is sent `quit` (SIGTERM if it does not exit) before its directories go. It asks
+control daemon it started is sent `quit` (SIGTERM if it does not exit) before its directories go; each
+time-slice and compute mode set for a DRA claim is put back. It asks
 no question: the package's purge script runs it. Device nodes, /dev/char links and loaded modules
 stay: they are the running driver's, and the GPUs' users need them.
 """
@@ -31,7 +32,8 @@ def stages(runtime: Runtime) -> list[Stage]:
     mps = (runtime.mps_control(), runtime.nvml.inventory)
     vfio = runtime.vfio_stage(runtime.state.config.config, uninstall=True)  # GPUs back on their drivers first
     return [*([vfio] if vfio is not None else []), OwnedFiles(runtime.root, runtime.services, set(), uninstall=True,
-                                                              mps=mps, units=runtime.units)]
+                                                              mps=mps, units=runtime.units,
+                                                              timeslices=runtime.timeslices)]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from gpu_agent.kube.api_state import ApiState
 from gpu_agent.kube.budget import RequestBudget
 from gpu_agent.mig.hooks import Systemctl, UnitControl
 from gpu_agent.mig.reset import GpuReset, NvidiaSmiReset
+from gpu_agent.dra.timeslice import NvidiaSmiTimeSlices, TimeSlices
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.plugin.gate import PluginGate
 from gpu_agent.stages.base import Stage
@@ -93,6 +94,7 @@ class Runtime:
     versions: Optional[Versions] = None  # the runtimes' and the kubelet's versions, their --version runs cached
     console: Optional[ConsoleControl] = None  # binds the framebuffer console (a driver reload unbinds it)
     pci: Optional[PciControl] = None  # moves PCI functions between drivers (VFIO passthrough)
+    timeslices: Optional[TimeSlices] = None  # sets a GPU's compute time-slice (DRA claims shared by TimeSlicing)
 
     @classmethod
     def build(cls, root: Root, loaded: LoadedConfig, simulate: Optional[str],
@@ -134,6 +136,9 @@ class Runtime:
             from gpu_agent.sim.pci import SimPciControl
 
             pci: PciControl = SimPciControl(machine)
+            from gpu_agent.sim.timeslice import SimTimeSlices
+
+            timeslices: TimeSlices = SimTimeSlices(machine)
         else:
             import pynvml
 
@@ -145,6 +150,7 @@ class Runtime:
             units = Systemctl(root, config.toolkit.restart_timeout_seconds)
             console = SysfsConsole(root)
             pci = SysfsPci(root)
+            timeslices = NvidiaSmiTimeSlices(root)
         from gpu_agent.kube.labels import machine_name
 
         state = AgentState(loaded, hardware=f"simulated {simulate}" if simulate else "real", machine=machine_name(root))
@@ -154,7 +160,7 @@ class Runtime:
         runtime = cls(root, nvml, loader, services, packages, state, engine, machine,
                       real_root_simulated=bool(simulate) and real_root, gpu_reset=gpu_reset, units=units,
                       kube_budget=requests, kube_api=ApiState(requests, state.publish_kube_api, clock or time.time),
-                      versions=Versions(root), console=console, pci=pci)
+                      versions=Versions(root), console=console, pci=pci, timeslices=timeslices)
         if runtime.real_root_simulated:
             log.warning("simulated GPUs on the real root /: the toolkit stage and CUDA validation are off, "
                         "so the real container runtimes and CUDA library are left alone")

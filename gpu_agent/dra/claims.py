@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 
 from gpu_agent.dra import claim_cdi
 from gpu_agent.dra.devices import DRIVER, DraDevice
-from gpu_agent.dra.params import MPS, ConfigError, MpsLimits, Sharing, sharing_of
+from gpu_agent.dra.params import INTERVALS, LEVELS, MPS, TIME_SLICING, ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.state import ClaimMps
@@ -153,6 +153,13 @@ def mps_resources(uid: str, claim: PreparedClaim) -> dict[str, str]:
             for device in devices}
 
 
+def timeslice_levels(claim: PreparedClaim) -> dict[str, int]:
+    """The compute time-slice level each whole GPU of the claim shared by TimeSlicing asks for, by UUID (a MIG
+    device's interval is its GPU's, never set per claim)."""
+    return {device.cdi_ids[0].split("=", 1)[1]: LEVELS[device.sharing.interval] for device in claim.devices
+            if device.sharing is not None and device.sharing.strategy == TIME_SLICING and device.sharing.interval}
+
+
 def _mps_groups(uid: str, claim: PreparedClaim) -> dict[str, tuple[Optional[MpsLimits], list[PreparedDevice]]]:
     """The claim's MPS devices by the limits they share, each set under its daemon's resource."""
     groups: dict[Optional[MpsLimits], list[PreparedDevice]] = {}
@@ -225,7 +232,10 @@ def _sharing(entry: Any) -> Optional[Sharing]:
     limits = None if mps is None else MpsLimits(
         _optional_int(mps["threads"]), _optional_int(mps["pinned_mib"]),
         tuple((str(key), _whole(value)) for key, value in sorted(mps["per_device_mib"].items())))
-    return Sharing(str(entry["strategy"]), str(entry.get("interval") or ""), limits)
+    interval = str(entry.get("interval") or "")
+    if interval not in ("", *INTERVALS):
+        raise ValueError(f"interval {interval[:32]!r} is none of {', '.join(INTERVALS)}")
+    return Sharing(str(entry["strategy"]), interval, limits)
 
 
 def _optional_int(value: Any) -> Optional[int]:

@@ -22,6 +22,7 @@ API_VERSION = "resource.nvidia.com/v1beta1"
 GPU_CONFIG, MIG_CONFIG = "GpuConfig", "MigDeviceConfig"
 TIME_SLICING, MPS = "TimeSlicing", "MPS"
 INTERVALS = ("Default", "Short", "Medium", "Long")
+LEVELS = {name: level for level, name in enumerate(INTERVALS)}  # `nvidia-smi compute-policy --set-timeslice`'s
 SOURCES = ("FromClass", "FromClaim")  # resource.k8s.io/v1 AllocationConfigSource, in order of precedence
 _MPS_FIELDS = frozenset({"defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit",
                          "defaultPerDevicePinnedMemoryLimit", "multiUser"})

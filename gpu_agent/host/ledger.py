@@ -32,6 +32,10 @@ under /var/lib/gpu-agent.
 - claim_specs: the transient CDI specs the DRA plugin wrote for prepared claims (under /var/run/cdi), by
   path, with the claim's uid; recorded before each is written, dropped once it was removed (at the claim's
   unprepare, or at uninstall).
+- timeslices: by GPU UUID, the DRA claim whose TimeSlicing interval the agent set on the GPU (its compute
+  time-slice level, the boot it was set in) and the compute mode the GPU had before it was set to DEFAULT
+  for it (null when it was DEFAULT); recorded before the change, dropped once the time-slice is Default
+  again and the mode put back (at the claim's unprepare, or at uninstall).
 - driver_reload: the step a driver reload has reached (gpu_agent.stages.driver_reload), recorded before
   each step is taken, so that after a kill -9 the next agent finishes the sequence or says where it stopped.
 
@@ -63,7 +67,7 @@ from gpu_agent.plan import COMPUTE_MODES
 
 PATH = "/var/lib/gpu-agent/ledger.json"
 _DROPPED_WHEN_EMPTY = ("mig_checkpoints", "mps_directories", "compute_modes", "mounts", "units", "vfio",
-                       "claim_specs")
+                       "claim_specs", "timeslices")
 CLAIM_SPEC_DIR = "/var/run/cdi"  # the transient CDI specs of DRA claims, and only there
 _CLAIM_SPEC = re.compile(r"k8s\.gpu\.nvidia\.com-claim_[a-z0-9-]{1,64}\.json")
 LOCK_PATH = "/var/lib/gpu-agent/ledger.lock"  # not a file the agent owns: the package's purge removes it
@@ -104,6 +108,14 @@ class OwnedMount:
     fstype: str  # "tmpfs"
     options: str  # as mount(8) takes them
     made: bool  # the agent made the directory: removed after the unmount
+
+
+@dataclass(frozen=True)
+class TimeSlice:
+    claim: str  # the DRA claim's uid
+    level: int  # the compute time-slice set: 0 Default, 1 Short, 2 Medium, 3 Long
+    boot: str  # the boot it was set in (/proc/sys/kernel/random/boot_id): a reboot sets Default again
+    mode_before: Optional[str]  # the compute mode to put back; None: it was DEFAULT, nothing was changed
 
 
 class LedgerError(AgentError):
@@ -199,6 +211,20 @@ class Ledger:
 
     def disown_claim_spec(self, path: str) -> None:
         self._forget("claim_specs", path)
+
+    def timeslices(self) -> dict[str, TimeSlice]:
+        """By GPU UUID: the time-slice the agent set on the GPU for a DRA claim."""
+        return {uuid: TimeSlice(**entry) for uuid, entry in self._read()["timeslices"].items()}
+
+    def save_timeslice(self, gpu_uuid: str, entry: TimeSlice) -> TimeSlice:
+        """Durably, before the GPU's compute mode or time-slice is changed for `entry.claim`. The compute mode
+        recorded by an earlier change is kept: that one is what to put back. Returns what is recorded."""
+        recorded = self._merge("timeslices", gpu_uuid, lambda before: asdict(entry) if before is None else {
+            **asdict(entry), "mode_before": before["mode_before"]})
+        return TimeSlice(**recorded)
+
+    def clear_timeslice(self, gpu_uuid: str) -> None:
+        self._forget("timeslices", gpu_uuid)
 
     def mounts(self) -> dict[str, OwnedMount]:
         """The file systems the agent mounted, by mount point."""
@@ -353,7 +379,8 @@ class Ledger:
             raise self._error(f"cannot read it ({exc.strerror or exc})") from None
         if raw is None:
             return {"version": VERSION, "pending_restarts": {}, "owned": {}, "links": {}, "mig_checkpoints": {},
-                    "mps_directories": {}, "compute_modes": {}, "mounts": {}, "units": {}, "claim_specs": {}}
+                    "mps_directories": {}, "compute_modes": {}, "mounts": {}, "units": {}, "claim_specs": {},
+                    "timeslices": {}}
         try:
             document = jsontext.loads(raw.decode("utf-8"), max_digits=jsontext.OWN_DIGITS)
         except jsontext.NumberTooLong as exc:
@@ -394,6 +421,11 @@ class Ledger:
                 _mps_directory(k) and isinstance(v, str) for k, v in directories.items()):
             raise self._error(f'mps_directories: expected an object of directories under {MPS_DIRECTORY_ROOT}, such '
                               f'as {{"{MPS_DIRECTORY_ROOT}/nvidia.com/gpu": "nvidia.com/gpu"}}')
+        slices = document.setdefault("timeslices", {})
+        if not isinstance(slices, dict) or not all(_timeslice_entry(v) for v in slices.values()):
+            raise self._error('timeslices: expected an object of GPU UUIDs, such as {"GPU-...": {"claim": "<uid>", '
+                              '"level": 1, "boot": "<boot id>", "mode_before": null}} (a level 0 to 3, a mode_before '
+                              f'null or one of {", ".join(COMPUTE_MODES)})')
         specs = document.setdefault("claim_specs", {})
         if not isinstance(specs, dict) or not all(_claim_spec(k) and isinstance(v, str) for k, v in specs.items()):
             raise self._error(f'claim_specs: expected an object of CDI specs in {CLAIM_SPEC_DIR}, such as '
@@ -454,6 +486,13 @@ def _vfio_entry(address: Any, entry: Any) -> bool:
     return (isinstance(address, str) and _PCI_ADDRESS.fullmatch(address) is not None and isinstance(entry, dict)
             and isinstance(entry.get("step"), str) and isinstance(entry.get("functions"), dict)
             and all(function(k, v) for k, v in entry["functions"].items()))
+
+
+def _timeslice_entry(entry: Any) -> bool:
+    return (isinstance(entry, dict) and set(entry) == {"claim", "level", "boot", "mode_before"}
+            and isinstance(entry["claim"], str) and isinstance(entry["boot"], str)
+            and type(entry["level"]) is int and 0 <= entry["level"] <= 3
+            and (entry["mode_before"] is None or entry["mode_before"] in COMPUTE_MODES))
 
 
 def _claim_spec(path: Any) -> bool:

@@ -264,6 +264,7 @@ class SimModprobe:
 
             for gpu in state["gpus"]:
                 gpu.pop("compute_mode", None)  # the driver's, as a captured node's GPUs show too
+                gpu.pop("timeslice", None)
                 if gpu.get("model") in MODELS:
                     reload_driver(gpu, MODELS[gpu["model"]])
         return None

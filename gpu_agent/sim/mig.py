@@ -225,8 +225,10 @@ def loses_mode_on_reload(model: GpuModel) -> bool:
 def reload_driver(gpu: dict[str, Any], model: GpuModel) -> None:
     """The nvidia module unloaded and loaded again: MIG instances are the driver's and are gone on every
     GPU; Hopper and later come back with MIG disabled; Ampere keeps its mode, and a pending one stays
-    pending (only a GPU reset or a reboot applies it). The compute mode, the driver's too, is DEFAULT again."""
+    pending (only a GPU reset or a reboot applies it). The compute mode and time-slice, the driver's too, are
+    Default again."""
     gpu.pop("compute_mode", None)
+    gpu.pop("timeslice", None)
     mig = gpu["mig"]
     mig["gpu_instances"] = []
     if loses_mode_on_reload(model):

@@ -14,16 +14,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gpu_agent.dra import claim_cdi
+from gpu_agent.dra import claim_cdi, timeslice
+from gpu_agent.dra.timeslice import TimeSlices
 from gpu_agent.errors import AgentError, StageError
 from gpu_agent.host import ledger as ledger_file, owned
-from gpu_agent.host.ledger import Ledger
+from gpu_agent.host.ledger import Ledger, TimeSlice
 from gpu_agent.host.paths import Root
 from gpu_agent.mps.control import ComputeModes, DaemonSpec, MpsControl
 from gpu_agent.host.ledger import OwnedUnit
 from gpu_agent.mig.hooks import UnitControl
 from gpu_agent.plan import (Change, GiveBackUnit, RemoveFile, RemoveLink, RestartService, RestoreFile, SetComputeMode,
-                            StopMpsDaemon, Unmount)
+                            SetTimeSlice, StopMpsDaemon, Unmount)
 from gpu_agent.toolkit import cdi_refresh
 from gpu_agent.stages.base import Action, Stage
 from gpu_agent.toolkit.services import ServiceControl
@@ -47,13 +48,16 @@ class OwnedFiles(Stage):
     gates_readiness = False
 
     def __init__(self, root: Root, services: ServiceControl, enabled: set[str], uninstall: bool = False,
-                 mps: Optional[tuple[MpsControl, ComputeModes]] = None, units: Optional[UnitControl] = None) -> None:
+                 mps: Optional[tuple[MpsControl, ComputeModes]] = None, units: Optional[UnitControl] = None,
+                 timeslices: Optional[TimeSlices] = None) -> None:
         """`mps`: at uninstall, what stops the MPS control daemons the ledger knows and puts their GPUs'
-        compute modes back. `units`: what unmasks, enables and starts the units taken over."""
+        compute modes back. `units`: what unmasks, enables and starts the units taken over. `timeslices`: at
+        uninstall, with `mps`'s compute modes, what puts back the time-slices set for DRA claims."""
         self.root = root
         self.services = services
         self.units = units
         self.mps = mps
+        self.timeslices = timeslices
         self.enabled = enabled  # the stages that run: a file owned by any other is no longer wanted
         self.uninstall = uninstall
         self.ledger = Ledger(root)
@@ -112,9 +116,10 @@ class OwnedFiles(Stage):
             changes += [Unmount(path) for path in sorted(self.ledger.mounts())]
             changes += [RemoveFile(directory) for directory in sorted(self.ledger.mps_directories())]
             changes += [RemoveFile(path) for path in sorted(self.ledger.claim_specs())]
+            changes += _timeslices_back(self.ledger.timeslices(), timeslice.boot_id(self.root))
         if not state.undo and not state.links and not state.units and not (self.uninstall and (
                 self.ledger.mps_directories() or self.ledger.compute_modes() or self.ledger.mounts()
-                or self.ledger.claim_specs())):
+                or self.ledger.claim_specs() or self.ledger.timeslices())):
             return []
         return [Action(tuple(changes), lambda: self._undo(state))]
 
@@ -169,6 +174,12 @@ class OwnedFiles(Stage):
                     log.info("%s: removed (a DRA claim's CDI spec, never unprepared)", path)
             except (OSError, AgentError) as exc:
                 self._failures.append(f"cannot remove a DRA claim's CDI spec: {getattr(exc, 'strerror', None) or exc}")
+            if self.ledger.timeslices():
+                if self.mps is None or self.timeslices is None:
+                    self._failures.append("cannot put back the time-slices set for DRA claims: no NVML here")
+                else:
+                    self._failures += timeslice.put_back(self.ledger, self.mps[1], self.timeslices,
+                                                         timeslice.boot_id(self.root))
         for unit in state.restarts:
             try:
                 self.services.restart(unit)
@@ -187,6 +198,16 @@ class OwnedFiles(Stage):
         if self.uninstall:
             return f"nothing of gpu-agent's is left to undo{note}"
         return f"{state.kept} file{'s' if state.kept != 1 else ''} owned and wanted{note}"
+
+
+def _timeslices_back(recorded: dict[str, TimeSlice], boot: str) -> list[Change]:
+    """What putting back the time-slices set for DRA claims changes (nothing for one set in an earlier boot)."""
+    changes: list[Change] = []
+    for uuid, entry in sorted(recorded.items()):
+        if entry.boot == boot:
+            changes += [SetTimeSlice(uuid, 0)] if entry.level else []
+            changes += [SetComputeMode(uuid, entry.mode_before)] if entry.mode_before else []
+    return changes
 
 
 def _refused(state: OwnedState) -> list[str]:
