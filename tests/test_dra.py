@@ -26,7 +26,7 @@ from gpu_agent.dra.devices import MAX_ATTRIBUTES_AND_CAPACITIES, DraDevice, publ
 from gpu_agent.dra.params import ConfigError, MpsLimits, Sharing, sharing_of
 from gpu_agent.dra.service import DraManager
 from gpu_agent.dra.slices import SlicePublisher
-from gpu_agent.host.ledger import Ledger
+from gpu_agent.host.ledger import Ledger, TimeSlice
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.kube.budget import RequestBudget
@@ -36,6 +36,7 @@ from gpu_agent.nvml.model import (IDENTITY, LAST_READING, ComputeInstance, Gpu, 
 from gpu_agent.proto3 import BOOL, MESSAGE, MESSAGE_MAP, STRING, Message
 from gpu_agent.state import AgentState, ClaimMps
 from kube_emulator import KubeEmulator
+from test_dra_timeslice import Gpus
 
 NODE = "gpu-node-1"
 KUBECONFIG = "/etc/kubernetes/kubelet.conf"
@@ -569,7 +570,9 @@ def test_a_malformed_opaque_config_is_named(config: Any, error: str) -> None:
 def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on_its_own(
         tmp_path: Path, emulator: KubeEmulator) -> None:
     root = tmp_path / "root"
-    manager = DraManager(Root(root), agent_state(root), client_of(tmp_path), NODE)
+    first = "GPU-00000000-0000-0000-0000-000000000000"
+    gpus = Gpus({first: "EXCLUSIVE_PROCESS"})
+    manager = DraManager(Root(root), agent_state(root), client_of(tmp_path), NODE, gpus=(gpus, gpus))
     manager.sync_devices()
     allocated = [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-10", "request": "gpu"}]
     short = gpu_config("TimeSlicing", timeSlicingConfig={"interval": "Short"})
@@ -588,6 +591,9 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
                               10, now=clock)
     assert not answers["uid-ts"].error and [d.device_name for d in answers["uid-ts"].devices] == ["gpu-10"]
     assert manager.checkpoint.claims["uid-ts"].devices[0].sharing == Sharing("TimeSlicing", "Short")
+    # as NVIDIA's plugin sets it: compute mode DEFAULT, then the time-slice; what the mode was is kept
+    assert gpus.calls == [("mode", first, "DEFAULT"), ("timeslice", first, 1)]
+    assert Ledger(Root(root)).timeslices() == {first: TimeSlice("uid-ts", 1, manager.boot, "EXCLUSIVE_PROCESS")}
     resource = "k8s.gpu.nvidia.com/claim/uid-mps"
     assert manager.state.claim_mps == {resource: ClaimMps(("GPU-00000000-0000-0000-0000-000000000000",), 50, None)}
     assert wanted  # the daemon's MPS watch was told
@@ -624,6 +630,10 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     reread = Checkpoint(manager.checkpoint.path)
     reread.load()
     assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
+    assert len(gpus.calls) == 2  # the time-sliced claim asked again, and still prepared: nothing changed
+    assert manager.unprepare([api.Claim("default", "uid-ts", "sliced")])["uid-ts"].error == ""
+    assert gpus.calls[2:] == [("timeslice", first, 0), ("mode", first, "EXCLUSIVE_PROCESS")]
+    assert Ledger(Root(root)).timeslices() == {}
 
 
 @pytest.mark.parametrize(("settings", "api"), [({"dra": {"enabled": True}}, "dra"), ({"plugin": {"api": "dra"}}, "dra"),

@@ -774,7 +774,9 @@ class Daemon:
                             RequestBudget(per_minute=DRA_REQUESTS_PER_MINUTE))
         loop = asyncio.get_running_loop()
         self.dra, self._dra_key = DraManager(self.runtime.root, self.state, client, node,
-                                             mps_wanted=lambda: loop.call_soon_threadsafe(self.publish)), key
+                                             mps_wanted=lambda: loop.call_soon_threadsafe(self.publish),
+                                             gpus=(self.runtime.nvml.inventory, self.runtime.timeslices)
+                                             if self.runtime.timeslices else None), key
         self._dra_task = asyncio.create_task(self.dra.run(), name="dra")
         self._tasks.append(self._dra_task)
 

@@ -28,17 +28,19 @@ from grpclib.server import Server, Stream
 
 from gpu_agent.config.plugin import kubelet_dir
 from gpu_agent.dra import api
-from gpu_agent.dra import claim_cdi
+from gpu_agent.dra import claim_cdi, timeslice
 from gpu_agent.dra.claims import (CHECKPOINT, Checkpoint, ClaimError, PreparedClaim, claim_daemons, devices_for,
-                                    mps_resources)
+                                    mps_resources, timeslice_levels)
 from gpu_agent.dra.params import ConfigError
 from gpu_agent.dra.devices import DRIVER, DraDevice, published
 from gpu_agent.dra.slices import SlicePublisher
+from gpu_agent.dra.timeslice import TimeSlices
 from gpu_agent.errors import AgentError
 from gpu_agent.host import sandbox
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
+from gpu_agent.mps.control import ComputeModes
 from gpu_agent.nvml.model import Inventory
 from gpu_agent.plugin.server import CappedServer, request_of
 from gpu_agent.proto3 import Codec
@@ -58,10 +60,12 @@ def _describe(exc: BaseException) -> str:
 
 class DraManager:
     def __init__(self, root: Root, state: AgentState, client: Any, node: str,
-                 mps_wanted: Callable[[], Any] = lambda: None) -> None:
+                 mps_wanted: Callable[[], Any] = lambda: None,
+                 gpus: Optional[tuple[ComputeModes, TimeSlices]] = None) -> None:
         """`client`: a kube.client.KubeClient with the node's credentials; `node`: the Node's name (the pool's);
         `mps_wanted`: called (from any thread) when the claims ask for other MPS control daemons, so that the
-        daemon's MPS watch starts or looks again."""
+        daemon's MPS watch starts or looks again; `gpus`: what sets a GPU's compute mode and time-slice, for
+        claims shared by TimeSlicing (None: such a claim is not prepared)."""
         self.root = root
         self.state = state
         self.client = client
@@ -72,6 +76,8 @@ class DraManager:
         self.checkpoint = Checkpoint(root(CHECKPOINT))
         self.ledger = Ledger(root)
         self.mps_wanted = mps_wanted
+        self.gpus = gpus
+        self.boot = timeslice.boot_id(root)
         self.publisher = SlicePublisher(client, node)
         self.refused: Counter[str] = Counter()
         self.devices: tuple[DraDevice, ...] = ()
@@ -95,6 +101,7 @@ class DraManager:
         self._wake = wake = asyncio.Event()
         self.checkpoint.load()
         self._publish_claim_mps()
+        await asyncio.to_thread(self._put_back_timeslices)  # of claims unprepared while the agent was down
         try:
             while True:
                 wake.clear()
@@ -253,6 +260,9 @@ class DraManager:
                     error=f"claim {claim.namespace}/{claim.name}: its MPS control daemon does not run yet ({why}); "
                           "the kubelet asks again")
             time.sleep(MPS_POLL_S)
+        problem = self._apply_timeslices(claim.uid, prepared)
+        if problem:
+            return api.NodePrepareResourceResponse(error=f"claim {claim.namespace}/{claim.name}: {problem}")
         devices = mps_resources(claim.uid, prepared)
         if devices:
             try:
@@ -286,7 +296,33 @@ class DraManager:
             return api.NodeUnprepareResourceResponse(
                 error=f"claim {claim.namespace}/{claim.name}: the checkpoint cannot be written: {exc}")
         self._publish_claim_mps()
+        self._put_back_timeslices()
         return api.NodeUnprepareResourceResponse()
+
+    def _apply_timeslices(self, uid: str, prepared: PreparedClaim) -> Optional[str]:
+        """Why the claim's GPUs shared by TimeSlicing cannot have its interval; None when they have it."""
+        levels = timeslice_levels(prepared)
+        if not levels:
+            return None
+        if self.gpus is None:
+            return "its time-slice cannot be set here (no NVML)"
+        try:
+            timeslice.apply(self.ledger, *self.gpus, self.boot, uid, levels)
+        except AgentError as exc:
+            return str(exc)
+        return None
+
+    def _put_back_timeslices(self) -> None:
+        """The time-slices and compute modes set for claims no longer prepared put back; what fails stays in
+        the ledger, tried again at the next unprepare and at uninstall."""
+        if self.gpus is None:
+            return
+        try:
+            problems = timeslice.put_back(self.ledger, *self.gpus, self.boot, set(self.checkpoint.claims))
+        except AgentError as exc:  # the ledger's
+            problems = [str(exc)]
+        for problem in problems:
+            log.warning("DRA: %s", problem)
 
     def _publish_claim_mps(self) -> None:
         """The MPS control daemons the checkpoint's claims ask for (a checkpoint's claim whose limits no longer

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 NODE = "gpu-node"
 CRICTL = (f"{rig.BIN}/crictl", "--runtime-endpoint", "unix:///run/containerd/containerd.sock")
+SIM_MACHINE = "/var/lib/gpu-agent/sim/machine.json"  # the simulated GPUs' state, under the agent's --root
 ONE_SHOT = ("gpu-agent", "--root", "/node", "--simulate", "dgx-h100")  # as the unit runs it (rig.AGENT_DROP_IN)
 AGENT = "gpu-agent"  # the User-Agent of the agent's requests
 
@@ -298,16 +299,21 @@ def _pool_of(cluster: rig.Cluster, count: int) -> list[dict[str, Any]]:
             _pool(cluster)))  # type: ignore[no-any-return]
 
 
-def _claimed_pod(cluster: rig.Cluster, name: str, selector: str, device: dict[str, Any]) -> str:
-    """A ResourceClaim `name` for one device of class gpu.nvidia.com matching `selector`, and a pod of that
-    claim, bound to the node. There is no scheduler: the claim is allocated `device` (which the test chose
-    as the scheduler would) and reserved for the pod; the kubelet asks the agent to prepare it. Once the
-    pod succeeded, the kubelet unprepares the claim (the agent's checkpoint forgets it). The pod's log."""
+def _claimed_pod(cluster: rig.Cluster, name: str, selector: str, device: dict[str, Any],
+                 opaque: Optional[dict[str, Any]] = None, probe: str = PROBE,
+                 during: Callable[[], Any] = lambda: None) -> str:
+    """A ResourceClaim `name` for one device of class gpu.nvidia.com matching `selector` (with the `opaque`
+    config for driver gpu.nvidia.com, if any), and a pod of that claim running `probe`, bound to the node.
+    There is no scheduler: the claim is allocated `device` (which the test chose as the scheduler would) and
+    reserved for the pod; the kubelet asks the agent to prepare it; `during()` is called then. Once the pod
+    succeeded, the kubelet unprepares the claim (the agent's checkpoint forgets it). The pod's log."""
     assert cluster.api("POST", f"{DRA}/deviceclasses", DEVICE_CLASS).status in (201, 409)
+    configs = [{"requests": ["gpu"], "opaque": {"driver": "gpu.nvidia.com", "parameters": opaque}}] if opaque else []
     claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
              "metadata": {"name": name, "namespace": "default"},
              "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                 "deviceClassName": "gpu.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}}]}}}
+                 "deviceClassName": "gpu.nvidia.com", "selectors": [{"cel": {"expression": selector}}]}}],
+                 "config": configs}}}
     path = f"/api/v1/namespaces/default/pods/{name}"
     try:
         made = cluster.api("POST", f"{DRA}/namespaces/default/resourceclaims", claim)
@@ -317,19 +323,21 @@ def _claimed_pod(cluster: rig.Cluster, name: str, selector: str, device: dict[st
                         "restartPolicy": "Never", "tolerations": [{"operator": "Exists"}],
                         "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
                         "containers": [{"name": "gpu", "image": rig.IMAGE, "imagePullPolicy": "Never",
-                                        "command": ["/bin/sh", "-c", PROBE],
+                                        "command": ["/bin/sh", "-c", probe],
                                         "resources": {"claims": [{"name": "gpu"}]}}]}}
         created = cluster.api("POST", "/api/v1/namespaces/default/pods", pod)
         assert created.status == 201, created
         stored = made.body
         stored["status"] = {
             "allocation": {"devices": {"results": [{"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE,
-                                                    "device": device["name"]}]},
+                                                    "device": device["name"]}],
+                                       "config": [{"source": "FromClaim", **config} for config in configs]},
                            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
                                {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}},
             "reservedFor": [{"resource": "pods", "name": name, "uid": created.body["metadata"]["uid"]}]}
         allocated = cluster.api("PUT", f"{DRA}/namespaces/default/resourceclaims/{name}/status", stored)
         assert allocated.status == 200, allocated
+        during()
         done = cluster.wait(f"the pod {name} to finish", lambda: (
             lambda p: p if p["status"].get("phase") in ("Succeeded", "Failed") else None)(cluster.get(path)))
         log = cluster.api("GET", path + "/log")
@@ -399,6 +407,40 @@ def test_a_resource_claim_for_a_mig_device_is_prepared_and_its_pod_sees_it(clust
     finally:
         _mig_off_and_config_back(cluster, original)
     cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
+
+
+def test_a_claim_shared_by_time_slicing_sets_its_gpus_time_slice_until_it_is_unprepared(
+        cluster: rig.Cluster) -> None:
+    """plugin.api dra; a claim for one GPU whose opaque config shares it by TimeSlicing with interval Long:
+    at prepare the agent sets that GPU's compute time-slice to Long (nvidia-smi's level 3; on the simulated
+    GPU) and no other's, while its pod runs; the pod ended, the kubelet unprepares the claim and the
+    time-slice is Default again, the ledger holding nothing of it."""
+    c = cluster.container
+    original = c.exec("cat", AGENT_CONFIG, check=False).stdout
+    rig.import_images(c)
+
+    def timeslices() -> dict[str, int]:
+        machine = json.loads(c.exec("cat", f"/node{SIM_MACHINE}").stdout)
+        return {gpu["uuid"]: gpu["timeslice"] for gpu in machine["gpus"] if "timeslice" in gpu}
+
+    try:
+        c.sh(f"printf 'version: v1\\nplugin:\\n  api: dra\\n' > {AGENT_CONFIG}")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+        chosen = [d for s in _pool_of(cluster, 8) for d in s["spec"]["devices"]][5]
+        uuid = chosen["attributes"]["uuid"]["string"]
+        assert timeslices() == {}
+        long = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}
+        _claimed_pod(cluster, "sliced", f"device.attributes['gpu.nvidia.com'].uuid == '{uuid}'", chosen, long,
+                     probe=PROBE + "; sleep 20",
+                     during=lambda: cluster.wait("the GPU's time-slice Long", lambda: timeslices() == {uuid: 3}))
+        cluster.wait("the time-slice Default again", lambda: timeslices() == {})
+        ledger = json.loads(c.exec("cat", "/node/var/lib/gpu-agent/ledger.json").stdout)
+        assert "timeslices" not in ledger, ledger
+    finally:
+        c.sh(f"cat > {AGENT_CONFIG} <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait("nvidia.com/gpu: 8 with DRA off", lambda: _gpus(cluster) == ("8", "8"))
 
 
 # Each pod marks the daemon's pipe directory (shared through the claim's CDI spec) and waits for the other's
