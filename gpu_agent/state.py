@@ -77,6 +77,17 @@ class GpuProcess:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """plugin.api both: whether the cluster serves nvidia.com/gpu through DRA, as dra/extended.py read it."""
+
+    device_class: Optional[str]  # the DeviceClass serving nvidia.com/gpu through DRA; None: refused (`refused`)
+    refused: Optional[str] = None  # why both does not hold
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device_class": self.device_class, "refused": self.refused}
+
+
+@dataclass(frozen=True)
 class ClaimMps:
     """The MPS control daemon a prepared DRA claim asks for: its whole GPUs (UUIDs) and the limits of its
     mpsConfig (the default active thread percentage; each GPU's pinned memory in MiB, 0 for none)."""
@@ -140,6 +151,7 @@ class AgentState:
     dra: Optional[dict[str, Any]] = None  # the DRA kubelet plugin's /status section (dra/service.py)
     serving_api: Optional[str] = None  # the plugin.api this node serves now; None: the configured one, at start
     api_switch: Optional[str] = None  # why a change of plugin.api waits (pods hold GPUs of the API serving now)
+    both: Optional[Verdict] = None  # plugin.api both: whether the cluster serves nvidia.com/gpu through DRA (dra/)
     mps_down: dict[str, str] = field(default_factory=dict)  # by MPS resource: why its daemon does not run as asked
     mps_running: frozenset[str] = frozenset()  # the MPS resources whose daemon runs as asked: healthy only then
     claim_mps: dict[str, ClaimMps] = field(default_factory=dict)  # by MPS resource: the prepared claims' (dra/)
@@ -214,8 +226,16 @@ class AgentState:
 
     def serving(self) -> str:
         """The plugin.api this node serves its GPUs through now (a configured change may wait: api_switch)."""
+        return self.serving_api or self.wanted_api()
+
+    def wanted_api(self) -> str:
+        """plugin.api as configured, but `both` where the cluster is known not to serve nvidia.com/gpu through
+        DRA (dra/extended.py): device-plugin then."""
         config = self.config.config
-        return self.serving_api or configured_api(config.plugin, config.dra)
+        configured = configured_api(config.plugin, config.dra)
+        if configured == "both" and self.both is not None and self.both.device_class is None:
+            return "device-plugin"
+        return configured
 
     def publish_dra(self, section: dict[str, Any]) -> bool:
         """The DRA plugin's /status section, replaced whole; False when it is the one already published."""
@@ -439,7 +459,8 @@ class AgentState:
             "mps": self.mps,
             "dra": self.dra,
             "api": {"configured": configured_api(self.config.config.plugin, self.config.config.dra),
-                    "serving": self.serving(), "switch": self.api_switch},
+                    "serving": self.serving(), "switch": self.api_switch,
+                    "both": self.both.to_json() if self.both is not None else None},
             "kubernetes_api": self.kube_api,
             "device_path": self.device_path.to_json() if self.device_path is not None else None,
         }

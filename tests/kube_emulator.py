@@ -1102,6 +1102,7 @@ class KubeEmulator:
         self._pods: list[dict[str, Any]] = []
         self._slices: dict[str, dict[str, Any]] = {}  # resource.k8s.io/v1 ResourceSlices by name
         self._claims: dict[tuple[str, str], tuple[dict[str, Any], str]] = {}  # (ns, name): (claim, its pod's node)
+        self._device_classes: dict[str, dict[str, Any]] = {}  # resource.k8s.io/v1 DeviceClasses by name
         self._rv = 1000
         self._errors: list[str] = []
         self.tls_errors: list[str] = []
@@ -1802,7 +1803,8 @@ class KubeEmulator:
     # device, device names DNS labels, one value per attribute; quantities come back in canonical form. A
     # device's taints are dropped while DRADeviceTaints is off, unless the stored slice holds taints already
     # (the ResourceSlice strategy's dropDisabledDRADeviceTaintsFields); kept while it is on, a taint without
-    # timeAdded given the time of the write.
+    # timeAdded given the time of the write. DeviceClasses are listed by masters and by a grant only (the
+    # system:node role has none); the rig's test holds the 403 and the gate's dropped field to the real server.
 
     def add_resource_claim(self, namespace: str, name: str, uid: str, node: str,
                            results: Sequence[Mapping[str, str]] = (), config: Sequence[Any] = ()) -> None:
@@ -1819,6 +1821,16 @@ class KubeEmulator:
                 claim["status"]["allocation"]["devices"]["config"] = copy.deepcopy(list(config))
         with self._lock:
             self._claims[(namespace, name)] = (claim, node)
+
+    def add_device_class(self, name: str, extended_resource_name: Optional[str] = None) -> None:
+        """A DeviceClass of driver gpu.nvidia.com's devices, as the apiserver stores it (with DRAExtendedResource
+        on where `extended_resource_name` is given: off, the apiserver drops the field)."""
+        spec: dict[str, Any] = {"selectors": [{"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}]}
+        if extended_resource_name is not None:
+            spec["extendedResourceName"] = extended_resource_name
+        with self._lock:
+            self._device_classes[name] = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                                          "metadata": {"name": name, "resourceVersion": self._bump()}, "spec": spec}
 
     def resource_slices(self, node: Optional[str] = None) -> list[dict[str, Any]]:
         with self._lock:
@@ -1846,6 +1858,17 @@ class KubeEmulator:
                 raise ApiError(404, f'resourceclaims.resource.k8s.io "{parts[3]}" not found', "NotFound",
                                {"name": parts[3], "group": "resource.k8s.io", "kind": "resourceclaims"})
             return 200, copy.deepcopy(found[0]), {}
+        if parts == ["deviceclasses"] and method == "GET":
+            # RBAC: the system:node role grants no DeviceClasses; a grant(group, ["list"], ["deviceclasses"]) does
+            with self._lock:
+                granted = any(g.allows(user, "list", "deviceclasses") for g in self._grants)
+                items = [copy.deepcopy(item) for _, item in sorted(self._device_classes.items())]
+            if not masters and not granted:
+                raise ApiError(403, f'deviceclasses.resource.k8s.io is forbidden: User "{user.name}" cannot list '
+                                    'resource "deviceclasses" in API group "resource.k8s.io" at the cluster scope',
+                               "Forbidden", {"group": "resource.k8s.io", "kind": "deviceclasses"})
+            return 200, {"kind": "DeviceClassList", "apiVersion": "resource.k8s.io/v1",
+                         "metadata": {"resourceVersion": str(self._rv)}, "items": items}, {}
         if not parts or parts[0] != "resourceslices" or len(parts) > 2:
             raise ApiError(404, "the server could not find the requested resource", "NotFound", {})
         name = parts[1] if len(parts) == 2 else ""

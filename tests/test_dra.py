@@ -649,7 +649,7 @@ def test_while_the_node_serves_through_dra_the_device_plugin_advertises_nothing_
     asyncio.run(DevicePluginManager(Root(root), state).sync())
     assert state.plugin is not None and state.plugin["resources"] == []
     assert state.plugin["reason"].startswith(f"off: plugin.api is {api}: ")
-    assert state.to_json()["api"] == {"configured": api, "serving": api, "switch": None}
+    assert state.to_json()["api"] == {"configured": api, "serving": api, "switch": None, "both": None}
     assert not list((root / "var/lib/kubelet/device-plugins").iterdir())
     # the same inventory is what DRA publishes: a simulated DGX H100's eight GPUs under NVIDIA's names
     devices = published(state.inventory, state.health_of(state.inventory))
@@ -696,6 +696,15 @@ def test_a_switch_of_api_waits_for_the_pods_and_claims_holding_gpus(tmp_path: Pa
         asyncio.run(switch.holders(root, "dra"))
 
 
+async def api_until(state: AgentState, done: Any) -> None:
+    """Until done() is true (10 s at most); /status api shown if it never is."""
+    for _ in range(1000):
+        if done():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(state.to_json()["api"])
+
+
 def test_the_daemon_switches_api_only_once_no_pod_holds_a_gpu(root: Path, write_config: Any,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     from kubelet_api.podresources_pb2 import ListPodResourcesResponse
@@ -711,13 +720,6 @@ def test_the_daemon_switches_api_only_once_no_pod_holds_a_gpu(root: Path, write_
     kubelet = PodResources(root)
     kubelet.answer = response(("ml", "trainer", {"main": {"nvidia.com/gpu": ["GPU-1"]}}))
 
-    async def until(done: Any) -> None:
-        for _ in range(1000):
-            if done():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(state.to_json()["api"])
-
     async def scenario() -> None:
         daemon = app.Daemon(runtime, config, config_required=True)
         monkeypatch.setattr(daemon, "publish", lambda: None)
@@ -725,14 +727,14 @@ def test_the_daemon_switches_api_only_once_no_pod_holds_a_gpu(root: Path, write_
         assert state.serving() == "device-plugin" and state.api_switch is None
         state.config = load_config(write_config({"plugin": {"api": "dra"}}), required=True)
         daemon._ensure_api()
-        await until(lambda: state.api_switch and "pod ml/trainer" in state.api_switch)
+        await api_until(state, lambda: state.api_switch and "pod ml/trainer" in state.api_switch)
         assert state.serving() == "device-plugin" and state.to_json()["api"] == {
             "configured": "dra", "serving": "device-plugin",
-            "switch": "plugin.api dra waits: serving device-plugin until these end: pod ml/trainer"}
+            "switch": "plugin.api dra waits: serving device-plugin until these end: pod ml/trainer", "both": None}
         calls = kubelet.calls
-        await until(lambda: kubelet.calls > calls)  # asked again while it waits
+        await api_until(state, lambda: kubelet.calls > calls)  # asked again while it waits
         kubelet.answer = ListPodResourcesResponse()  # the pod ended
-        await until(lambda: state.serving_api == "dra")
+        await api_until(state, lambda: state.serving_api == "dra")
         assert state.api_switch is None
         state.config = load_config(write_config({"plugin": {"api": "both"}}), required=True)
         daemon._ensure_api()  # both serves through DRA as dra does: nothing changes hands

@@ -90,7 +90,8 @@ def test_every_label_and_selector_value_is_a_string() -> None:
             for i, item in enumerate(value):
                 walk(item, f"{path}[{i}]")
 
-    for name in ("gpu-agent-shim.yaml", "gpu-agent-podmonitor.yaml", "gpu-agent-alerts.yaml"):
+    for name in ("gpu-agent-shim.yaml", "gpu-agent-podmonitor.yaml", "gpu-agent-alerts.yaml",
+                 "gpu-agent-deviceclass-reader.yaml"):
         for doc in documents(name):
             walk(doc, name)
 

@@ -185,8 +185,9 @@ class PluginConfig(Section):
     api: Literal["device-plugin", "dra", "both"] = setting(
         "device-plugin", "Which API serves this node's GPUs (one at a time, never the same GPU twice): "
                          "device-plugin (nvidia.com/gpu), dra (driver gpu.nvidia.com, Kubernetes 1.34+) or both "
-                         "(DRA, with nvidia.com/gpu served through DRA's extended resource where the cluster "
-                         "has a DeviceClass for it); a switch waits until no pod holds a GPU (docs/dra.md).")
+                         "(DRA, with nvidia.com/gpu served through DRA's extended resource: only where the "
+                         "cluster has a DeviceClass for it, else device-plugin); a switch waits until no pod holds a "
+                         "GPU (docs/dra.md).")
     shared_devices_allocation_policy: Literal["distributed", "packed"] = setting(
         "distributed", "Which replicas and MIG devices GetPreferredAllocation offers, as NVIDIA's plugin v0.20: "
                        "distributed (those of the least loaded GPUs, counting what is allocated) or packed (the "

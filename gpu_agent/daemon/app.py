@@ -313,6 +313,7 @@ def _passed_through(root: Root) -> bool:
 
 SWITCH_RECHECK_S = 10.0  # how often a waiting change of plugin.api asks again which pods hold GPUs
 DRA_REQUESTS_PER_MINUTE = 120  # claims read and slices written: a node starting a few dozen pods at once
+BOTH_REQUESTS_PER_MINUTE = 6  # plugin.api both: the DeviceClasses, read once a minute
 
 
 def _simulated_nvml(machine: Any) -> Any:
@@ -396,6 +397,9 @@ class Daemon:
         self._dra_checkpoint: Optional[Any] = None  # its claims, for /status while it does not run
         self._dra_checkpoint_stamp: Optional[Stamp] = None
         self._switch_task: Optional[asyncio.Task[Any]] = None  # asks who holds GPUs before plugin.api changes
+        self._both_task: Optional[asyncio.Task[Any]] = None  # plugin.api both: reads the DeviceClasses (dra/extended)
+        self._both_key: Optional[tuple[Any, ...]] = None  # the settings it reads them with
+        self._both_asked = False  # whether they were looked at once (answered or not) since both was configured
         self._dra_task: Optional[asyncio.Task[Any]] = None
         self._dra_key: Optional[tuple[Any, ...]] = None  # the settings it was built with
         self.mps: Optional[Any] = None  # the MPS control daemons' watch, started once sharing.mps asks (mps/)
@@ -574,6 +578,7 @@ class Daemon:
         """Load the config file again and switch to it; any failure keeps the running config and is
         shown as the reload error in /status, never a crash of the loop. True when a new config runs."""
         self.notifier.reloading()
+        self._both_key = None  # plugin.api both: a reload looks at the DeviceClasses again, at once
         try:
             loaded = await asyncio.to_thread(reload_config, self.config_path, self.config_required, self.state.config)
             if loaded is None:
@@ -642,6 +647,7 @@ class Daemon:
     def publish(self) -> None:
         self.state.published += 1
         self._ensure_mps()
+        self._ensure_both_check()
         self._ensure_api()
         self._ensure_plugin()
         if self.plugin is not None:
@@ -709,7 +715,7 @@ class Daemon:
         from gpu_agent.dra import switch
 
         state = self.state
-        wanted = configured_api(self.config.plugin, self.config.dra)
+        wanted = state.wanted_api()
         serving = state.serving_api
         if serving is None or serving == wanted or switch.switch_now(serving, wanted):
             state.serving_api, state.api_switch = wanted, None
@@ -728,7 +734,7 @@ class Daemon:
         from gpu_agent.dra import switch
 
         state = self.state
-        while configured_api(self.config.plugin, self.config.dra) == wanted and state.serving_api == serving:
+        while state.wanted_api() == wanted and state.serving_api == serving:
             try:
                 held_by = await switch.holders(self.runtime.root, serving)
             except Exception as exc:  # the kubelet's silence or refusal, an unreadable checkpoint: keep serving
@@ -742,6 +748,49 @@ class Daemon:
             self.state.published += 1  # /status shows the wait
             await asyncio.sleep(SWITCH_RECHECK_S)
         self.publish()
+
+    def _ensure_both_check(self) -> None:
+        """While plugin.api is both, whether the cluster serves nvidia.com/gpu through DRA, read now and every
+        extended.RECHECK_S with the node's credentials (state.both; state.wanted_api decides from it)."""
+        kube = self.config.kubernetes
+        key = (kube.kubeconfig, kube.request_timeout_seconds)
+        wanted = configured_api(self.config.plugin, self.config.dra) == "both"
+        running = self._both_task is not None and not self._both_task.done()
+        if running and (not wanted or key != self._both_key):
+            assert self._both_task is not None
+            self._both_task.cancel()
+            self._both_task, running = None, False
+        if not wanted:
+            self.state.both, self._both_asked = None, False
+        if wanted and not running:
+            from gpu_agent.kube.client import KubeClient
+
+            client = KubeClient(self.runtime.root, kube.kubeconfig, kube.request_timeout_seconds,
+                                RequestBudget(per_minute=BOTH_REQUESTS_PER_MINUTE))
+            self._both_task, self._both_key = asyncio.create_task(self._check_both(client), name="api-both"), key
+            self._tasks.append(self._both_task)
+
+    async def _check_both(self, client: Any) -> None:
+        from gpu_agent.dra import extended
+
+        while True:
+            try:
+                verdict = await asyncio.to_thread(extended.check, client)
+            except AgentError as exc:  # the kubeconfig unreadable: no answer, as an unreachable apiserver
+                log.warning("plugin.api both: the DeviceClasses cannot be read: %s", exc)
+                verdict = None
+            changed = verdict is not None and verdict != self.state.both
+            if verdict is not None and changed:
+                if verdict.device_class is not None:
+                    log.info("plugin.api both: DeviceClass %s serves %s through DRA", verdict.device_class,
+                             extended.EXTENDED_RESOURCE)
+                else:
+                    log.warning("plugin.api both refused, serving device-plugin: %s", verdict.refused)
+                self.state.both = verdict
+            if changed or not self._both_asked:
+                self._both_asked = True  # the DRA plugin waited for this first look
+                self.publish()
+            await asyncio.sleep(extended.RECHECK_S)
 
     def _ensure_dra(self) -> None:
         """The DRA plugin while plugin.api serves through DRA, beside the device plugin (which then advertises
@@ -767,6 +816,8 @@ class Daemon:
         if not wanted:
             self._publish_dra_off(node)
             return
+        if self.state.serving() == "both" and self.state.both is None and not self._both_asked:
+            return  # the first look at the DeviceClasses decides whether both holds: nothing is served before it
         from gpu_agent.dra.service import DraManager  # grpclib: only when on
         from gpu_agent.kube.client import KubeClient
 

@@ -122,6 +122,14 @@ class KubeClient:
     def delete_resource_slice(self, name: str) -> dict[str, Any]:
         return self._request("DELETE", _named(f"{RESOURCE_API}/resourceslices", name))
 
+    def list_device_classes(self, limit: int) -> list[Any]:
+        """The cluster's DeviceClasses, at most `limit` (the node needs a grant: dra/extended.py)."""
+        listed = self._request("GET", f"{RESOURCE_API}/deviceclasses?limit={limit}")
+        items = listed.get("items")
+        if not isinstance(items, list):
+            raise ApiError(f"GET {RESOURCE_API}/deviceclasses: the answer is not a DeviceClassList")
+        return items
+
     def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
         """A ResourceClaim of a pod bound to this node (the Node authorizer allows a node no other)."""
         return self._request("GET", _named(_named(f"{RESOURCE_API}/namespaces", namespace) + "/resourceclaims", name))
