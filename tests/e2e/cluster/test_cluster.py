@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
+import yaml
 import rig
 from components import KUBERNETES, missing
 
@@ -535,17 +536,77 @@ def test_a_claim_shared_by_mps_runs_two_pods_on_one_gpu_with_its_limits(cluster:
 
 def _with_device_taints(cluster: rig.Cluster, on: bool) -> None:
     """kube-apiserver restarted with DRADeviceTaints on (a drop-in adding the gate), or as the rig made it."""
+    _with_feature_gate(cluster, "DRADeviceTaints" if on else None)
+
+
+def _with_feature_gate(cluster: rig.Cluster, gate: Optional[str]) -> None:
+    """kube-apiserver restarted with `gate` on (a drop-in adding it), or as the rig made it (None)."""
     c = cluster.container
-    dropin = "/etc/systemd/system/kube-apiserver.service.d/device-taints.conf"
-    if on:
+    dropin = "/etc/systemd/system/kube-apiserver.service.d/feature-gate.conf"
+    if gate is not None:
         start = next(line for line in rig._apiserver_unit().splitlines() if line.startswith("ExecStart="))
         c.sh(f"mkdir -p {Path(dropin).parent} && printf '%s\\n' '[Service]' 'ExecStart=' "
-             f"'{start} --feature-gates=DRADeviceTaints=true' > {dropin}")
+             f"'{start} --feature-gates={gate}=true' > {dropin}")
     else:
         c.exec("rm", "-f", dropin)
     c.exec("systemctl", "daemon-reload")
     c.exec("systemctl", "restart", "kube-apiserver", timeout=180)
     cluster.wait("the apiserver's /readyz", lambda: cluster.api("GET", "/readyz").status == 200, timeout=240)
+
+
+GRANT = Path(__file__).resolve().parents[3] / "packaging" / "kubernetes" / "gpu-agent-deviceclass-reader.yaml"
+RBAC = "/apis/rbac.authorization.k8s.io/v1"
+
+
+def test_plugin_api_both_holds_only_where_a_device_class_serves_nvidia_com_gpu(cluster: rig.Cluster) -> None:
+    """plugin.api both on the real apiserver: without the shipped grant the node may not list DeviceClasses,
+    and both is refused (device-plugin serves nvidia.com/gpu: 8); with it, a cluster without a class for
+    nvidia.com/gpu still refuses it. kube-apiserver 1.34 as built (DRAExtendedResource off) stores a class
+    without its spec.extendedResourceName; with the gate on it keeps it, and the node then serves both: the
+    pool of eight, the device plugin's nvidia.com/gpu gone. The config as it was: device-plugin again."""
+    c = cluster.container
+    original = c.exec("cat", AGENT_CONFIG, check=False).stdout
+    extended = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": "gpu-extended"},
+                "spec": {"selectors": [{"cel": {"expression": "device.driver == 'gpu.nvidia.com'"}}],
+                         "extendedResourceName": "nvidia.com/gpu"}}
+    role, binding = yaml.safe_load_all(GRANT.read_text())
+
+    def both() -> Any:
+        return _agent_status(cluster)["api"]
+
+    try:
+        made = cluster.api("POST", f"{DRA}/deviceclasses", extended)
+        assert made.status == 201 and "extendedResourceName" not in made.body["spec"], made  # the gate is off
+        assert cluster.api("DELETE", f"{DRA}/deviceclasses/gpu-extended").status == 200
+        c.sh(f"printf 'version: v1\\nplugin:\\n  api: both\\n' > {AGENT_CONFIG}")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+        refused = cluster.wait("both refused: no grant", lambda: (lambda a: a if a["both"] else None)(both()))
+        assert refused["serving"] == "device-plugin" and "may not list DeviceClasses" in refused["both"]["refused"] \
+            and "gpu-agent-deviceclass-reader.yaml" in refused["both"]["refused"], refused
+        cluster.wait("nvidia.com/gpu: 8 from the device plugin", lambda: _gpus(cluster) == ("8", "8"))
+        assert cluster.api("POST", f"{RBAC}/clusterroles", role).status == 201
+        assert cluster.api("POST", f"{RBAC}/clusterrolebindings", binding).status == 201
+        c.exec("systemctl", "reload", "gpu-agent")  # a reload looks again at once
+        refused = cluster.wait("both refused: no class", lambda: (
+            lambda a: a if (a["both"]["refused"] or "").startswith("no DeviceClass") else None)(both()))
+        assert refused["serving"] == "device-plugin", refused
+        _with_feature_gate(cluster, "DRAExtendedResource")
+        made = cluster.api("POST", f"{DRA}/deviceclasses", extended)
+        assert made.status == 201 and made.body["spec"]["extendedResourceName"] == "nvidia.com/gpu", made
+        c.exec("systemctl", "reload", "gpu-agent")
+        held = cluster.wait("both holds", lambda: (lambda a: a if a["serving"] == "both" else None)(both()))
+        assert held["both"] == {"device_class": "gpu-extended", "refused": None}, held
+        _pool_of(cluster, 8)
+        cluster.wait("the device plugin off", lambda: _agent_status(cluster)["plugin"]["resources"] == [])
+    finally:
+        cluster.api("DELETE", f"{DRA}/deviceclasses/gpu-extended")
+        cluster.api("DELETE", f"{RBAC}/clusterrolebindings/{binding['metadata']['name']}")
+        cluster.api("DELETE", f"{RBAC}/clusterroles/{role['metadata']['name']}")
+        _with_feature_gate(cluster, None)
+        c.sh(f"cat > {AGENT_CONFIG} <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait("nvidia.com/gpu: 8 with DRA off", lambda: _gpus(cluster) == ("8", "8"))
+    cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
 
 
 def test_an_xid_withdraws_or_taints_the_gpus_device_and_recovery_clears_it(cluster: rig.Cluster) -> None:
