@@ -338,10 +338,20 @@ async def stopped(task: asyncio.Task[None]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+NODE_SPEC_COMMON = {"env": ["NVIDIA_VISIBLE_DEVICES=void"], "deviceNodes": [{"path": "/dev/nvidiactl"}]}
+
+
 def agent_state(root: Path) -> AgentState:
+    """Two GPUs (minors 10 and 11), and the node CDI spec the cdi stage would have written for them."""
     state = AgentState(load_config(root / "missing.yaml", required=False))
     state.inventory = inventory(gpu(0), gpu(1))
     state.cdi_devices = frozenset(f"nvidia.com/gpu={g.uuid}" for g in state.inventory.gpus)
+    spec = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "containerEdits": NODE_SPEC_COMMON,
+            "devices": [{"name": g.uuid, "containerEdits": {"deviceNodes": [{"path": f"/dev/{g.device_node}"}]}}
+                        for g in state.inventory.gpus]}
+    path = root / state.config.config.toolkit.cdi.path.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))  # JSON is YAML
     return state
 
 
@@ -385,7 +395,11 @@ def test_registration_prepare_and_unprepare_over_grpc_across_a_restart(tmp_path:
             one = answer.claims["uid-1"]
             assert not one.error and [(d.device_name, d.pool_name, list(d.request_names), list(d.cdi_device_ids))
                                       for d in one.devices] == [
-                ("gpu-11", NODE, ["gpu"], ["nvidia.com/gpu=GPU-00000001-0000-0000-0000-000000000000"])]
+                ("gpu-11", NODE, ["gpu"], ["k8s.gpu.nvidia.com/claim=uid-1-gpu-11"])]
+            # the claim's own spec, as NVIDIA's driver writes one: the node spec's common edits and its GPU's
+            assert json.loads((root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-1.json").read_text()) == {
+                "cdiVersion": "0.3.0", "kind": "k8s.gpu.nvidia.com/claim", "containerEdits": NODE_SPEC_COMMON,
+                "devices": [{"name": "uid-1-gpu-11", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia11"}]}}]}
             assert "allocates no gpu.nvidia.com device" in answer.claims["uid-2"].error
             assert "gpu-99" in answer.claims["uid-3"].error and "not one this node publishes" in answer.claims[
                 "uid-3"].error
@@ -404,7 +418,8 @@ def test_registration_prepare_and_unprepare_over_grpc_across_a_restart(tmp_path:
             beta = dra_v1beta1_grpc.DRAPluginStub(kubelet.channel(manager.host_endpoint))
             again = await beta.NodePrepareResources(dra_v1beta1_pb2.NodePrepareResourcesRequest(claims=[
                 dra_v1beta1_pb2.Claim(namespace="default", uid="uid-1", name="one-gpu")]))
-            assert [d.device_name for d in again.claims["uid-1"].devices] == ["gpu-11"]
+            assert [(d.device_name, list(d.cdi_device_ids)) for d in again.claims["uid-1"].devices] == [
+                ("gpu-11", ["k8s.gpu.nvidia.com/claim=uid-1-gpu-11"])]
             assert len(emulator.requests_for(method="GET", path="*/resourceclaims/*")) == gets  # from the checkpoint
             dra = dra_v1_grpc.DRAPluginStub(kubelet.channel(manager.host_endpoint))
             for _ in range(2):  # idempotent: the second finds nothing to do and says so without error
@@ -415,8 +430,35 @@ def test_registration_prepare_and_unprepare_over_grpc_across_a_restart(tmp_path:
             await stopped(task)
             kubelet.close()
         assert json.loads((root / CHECKPOINT.lstrip("/")).read_text())["claims"] == {}
+        assert not (root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-1.json").exists()
+        assert Ledger(Root(root)).claim_specs() == {}
 
     asyncio.run(scenario())
+
+
+def test_a_claim_is_refused_while_the_node_spec_cannot_be_read_and_given_its_names_where_cdi_is_off(
+        tmp_path: Path, emulator: KubeEmulator, write_config: Any) -> None:
+    root = tmp_path / "root"
+    state = agent_state(root)
+    manager = DraManager(Root(root), state, client_of(tmp_path), NODE)
+    manager.sync_devices()
+    emulator.add_resource_claim("default", "one", "uid-1", NODE,
+                                [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-10", "request": "gpu"}])
+    node_spec = root / "var/run/cdi/nvidia.yaml"
+    node_spec.write_text("devices: [")
+    answer = manager.prepare([api.Claim("default", "uid-1", "one")], float("inf"))["uid-1"]
+    assert answer.error.startswith(f"claim default/one: {node_spec}: the node's CDI spec cannot be read (")
+    node_spec.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": []}))
+    answer = manager.prepare([api.Claim("default", "uid-1", "one")], float("inf"))["uid-1"]
+    assert answer.error == ("claim default/one: the node's CDI spec has no device "
+                            "GPU-00000000-0000-0000-0000-000000000000 now (see the cdi stage); the kubelet asks again")
+    assert not (root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-1.json").exists()
+    # toolkit.cdi off: no node spec of the agent's to copy; the claim is given the names another spec keeps
+    state.config = load_config(write_config({"toolkit": {"cdi": {"enabled": False}}}), required=True)
+    answer = manager.prepare([api.Claim("default", "uid-1", "one")], float("inf"))["uid-1"]
+    assert not answer.error and list(answer.devices[0].cdi_device_ids) == [
+        "nvidia.com/gpu=GPU-00000000-0000-0000-0000-000000000000"]
+    assert not (root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-1.json").exists()
 
 
 def test_every_claim_of_a_huge_request_gets_an_answer(tmp_path: Path, emulator: KubeEmulator) -> None:
@@ -446,12 +488,18 @@ def mig_node_state(tmp_path: Path) -> AgentState:
     node.make_device_nodes()
     state = AgentState(load_config(tmp_path / "missing.yaml", required=False))
     state.inventory = node.inventory()
-    state.cdi_devices = frozenset(device_names(cdi.build_spec(state.inventory, node.root,
-                                                              cdi.discover(node.root, VERSION))))
+    spec = cdi.build_spec(state.inventory, node.root, cdi.discover(node.root, VERSION))
+    state.cdi_devices = frozenset(device_names(spec))
+    path = tmp_path / "root" / state.config.config.toolkit.cdi.path.lstrip("/")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cdi.render(spec))  # as the cdi stage writes it
     return state
 
 
 def test_a_claim_for_a_mig_device_gets_that_mig_devices_cdi_device(tmp_path: Path, emulator: KubeEmulator) -> None:
+    import yaml
+    from test_cdi import schema_validator
+
     state = mig_node_state(tmp_path)
     manager = DraManager(Root(tmp_path / "root"), state, client_of(tmp_path), NODE)
     manager.sync_devices()
@@ -467,8 +515,16 @@ def test_a_claim_for_a_mig_device_gets_that_mig_devices_cdi_device(tmp_path: Pat
     answers = manager.prepare([api.Claim("default", "uid-mig", "mig"), api.Claim("default", "uid-parent", "parent")],
                               deadline=float("inf"))
     assert [(d.device_name, d.cdi_device_ids) for d in answers["uid-mig"].devices] == [
-        ("gpu-0-mig-3g40gb-9-4", [f"nvidia.com/gpu={second}"])]
+        ("gpu-0-mig-3g40gb-9-4", ["k8s.gpu.nvidia.com/claim=uid-mig-gpu-0-mig-3g40gb-9-4"])]
     assert f"nvidia.com/gpu={second}" in state.cdi_devices  # the device the agent's own spec defines
+    node_spec = yaml.safe_load((tmp_path / "root/var/run/cdi/nvidia.yaml").read_text())
+    claim_spec = json.loads((tmp_path / "root/var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mig.json").read_text())
+    [edits] = [d["containerEdits"] for d in node_spec["devices"] if d["name"] == second]
+    assert [node["path"] for node in edits["deviceNodes"]] == ["/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap21",
+                                                               "/dev/nvidia-caps/nvidia-cap22"]
+    assert claim_spec["containerEdits"] == node_spec["containerEdits"]  # the driver's libraries, its hooks
+    assert claim_spec["devices"] == [{"name": "uid-mig-gpu-0-mig-3g40gb-9-4", "containerEdits": edits}]
+    assert not list(schema_validator().iter_errors(claim_spec))
     # a GPU in MIG mode is published as its MIG devices only: the whole GPU is not a device to prepare
     assert "gpu-0" not in [device.name for device in manager.devices]
     assert "'gpu-0' is not one this node publishes" in answers["uid-parent"].error
@@ -603,19 +659,21 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     manager.state.publish_mps(None, {}, {resource})  # as the MPS watch publishes a daemon running as asked
     again = manager.prepare([api.Claim("default", "uid-mps", "mps")], float("inf"))
     assert not again["uid-mps"].error and [d.device_name for d in again["uid-mps"].devices] == ["gpu-10"]
-    assert list(again["uid-mps"].devices[0].cdi_device_ids) == [
-        "nvidia.com/gpu=GPU-00000000-0000-0000-0000-000000000000", "k8s.gpu.nvidia.com/claim=uid-mps-gpu-10"]
+    assert list(again["uid-mps"].devices[0].cdi_device_ids) == ["k8s.gpu.nvidia.com/claim=uid-mps-gpu-10"]
     spec_file = root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mps.json"
     pipe = "/run/nvidia/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe"
     assert json.loads(spec_file.read_text()) == {
         "cdiVersion": "0.3.0", "kind": "k8s.gpu.nvidia.com/claim",  # a uid that starts with a letter
-        "devices": [{"name": "uid-mps-gpu-10", "containerEdits": {
+        "containerEdits": NODE_SPEC_COMMON,
+        "devices": [{"name": "uid-mps-gpu-10", "containerEdits": {  # the GPU's edits, then its daemon's
+            "deviceNodes": [{"path": "/dev/nvidia10"}],
             "env": ["CUDA_MPS_PIPE_DIRECTORY=/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe"],
             "mounts": [{"hostPath": pipe, "containerPath": "/mps/k8s.gpu.nvidia.com/claim/uid-mps/pipe",
                         "options": ["rw", "nosuid", "nodev", "bind"]},
                        {"hostPath": "/run/nvidia/mps/shm", "containerPath": "/dev/shm",
                         "options": ["rw", "nosuid", "nodev", "bind"]}]}}]}
-    assert Ledger(Root(root)).claim_specs() == {"/var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mps.json": "uid-mps"}
+    assert Ledger(Root(root)).claim_specs() == {"/var/run/cdi/k8s.gpu.nvidia.com-claim_uid-mps.json": "uid-mps",
+                                                "/var/run/cdi/k8s.gpu.nvidia.com-claim_uid-ts.json": "uid-ts"}
     stamp = spec_file.stat().st_mtime_ns
     manager.prepare([api.Claim("default", "uid-mps", "mps")], float("inf"))
     assert spec_file.stat().st_mtime_ns == stamp  # as written: not written again
@@ -626,14 +684,14 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     assert sorted(manager.checkpoint.claims) == ["uid-mps", "uid-ts"]
     assert manager.unprepare([api.Claim("default", "uid-mps", "mps")])["uid-mps"].error == ""
     assert manager.state.claim_mps == {}
-    assert not spec_file.exists() and Ledger(Root(root)).claim_specs() == {}
+    assert not spec_file.exists() and list(Ledger(Root(root)).claim_specs().values()) == ["uid-ts"]
     reread = Checkpoint(manager.checkpoint.path)
     reread.load()
     assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
     assert len(gpus.calls) == 2  # the time-sliced claim asked again, and still prepared: nothing changed
     assert manager.unprepare([api.Claim("default", "uid-ts", "sliced")])["uid-ts"].error == ""
     assert gpus.calls[2:] == [("timeslice", first, 0), ("mode", first, "EXCLUSIVE_PROCESS")]
-    assert Ledger(Root(root)).timeslices() == {}
+    assert Ledger(Root(root)).timeslices() == {} and Ledger(Root(root)).claim_specs() == {}
 
 
 @pytest.mark.parametrize(("settings", "api"), [({"dra": {"enabled": True}}, "dra"), ({"plugin": {"api": "dra"}}, "dra"),
@@ -936,10 +994,13 @@ def test_a_claims_cdi_spec_is_valid_cdi_and_named_only_from_a_kubernetes_uid() -
     from gpu_agent.dra import claim_cdi
     from test_cdi import schema_validator
 
-    spec = claim_cdi.render("5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60", {"gpu-0": "k8s.gpu.nvidia.com/claim/x",
-                                                                    "gpu-1": "k8s.gpu.nvidia.com/claim/x"})
+    mps = claim_cdi.mps_edits("k8s.gpu.nvidia.com/claim/x")
+    gpu_1 = claim_cdi.merged({"deviceNodes": [{"path": "/dev/nvidia1"}], "additionalGids": [44]}, mps)
+    assert gpu_1["env"] == mps["env"] and gpu_1["deviceNodes"] == [{"path": "/dev/nvidia1"}]
+    spec = claim_cdi.render("5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60", {"gpu-0": mps, "gpu-1": gpu_1},
+                            {"env": ["NVIDIA_VISIBLE_DEVICES=void"]})
     assert not list(schema_validator().iter_errors(spec))
-    assert spec["cdiVersion"] == "0.5.0"  # a device name that starts with a digit (containerd refuses it in 0.3.0)
+    assert spec["cdiVersion"] == "0.7.0"  # additionalGids; a name that starts with a digit needs 0.5.0 at least
     assert [device["name"] for device in spec["devices"]] == ["5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60-gpu-0",
                                                               "5b3c2f6e-0d1a-4c1e-9f0a-1b2c3d4e5f60-gpu-1"]
     for uid in ("../etc", "A", "", "x" * 65, "uid/1"):

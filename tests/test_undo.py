@@ -231,7 +231,8 @@ def test_uninstall_removes_the_cdi_specs_of_dra_claims_never_unprepared_and_only
     node = SimNode(tmp_path / "root", "t4")
     node.sim("show")
     root = Root(node.root)
-    claim_cdi.write(root, Ledger(root), "9f0a1b2c-3d4e-4f60-8a1b-2c3d4e5f6071", {"gpu-0": "k8s.gpu.nvidia.com/claim/x"})
+    edits = {"gpu-0": claim_cdi.mps_edits("k8s.gpu.nvidia.com/claim/x")}
+    claim_cdi.write(root, Ledger(root), "9f0a1b2c-3d4e-4f60-8a1b-2c3d4e5f6071", edits)
     ours = root("/var/run/cdi/k8s.gpu.nvidia.com-claim_9f0a1b2c-3d4e-4f60-8a1b-2c3d4e5f6071.json")
     theirs = root("/var/run/cdi/k8s.gpu.nvidia.com-claim_0e1d2c3b-4a59-4687-9a0b-1c2d3e4f5a6b.json")
     theirs.write_text("{}\n")  # NVIDIA's DRA driver's, say: not in the ledger

@@ -1,12 +1,15 @@
-"""The transient CDI spec of a prepared claim whose devices are shared by MPS.
+"""The transient CDI spec of a prepared claim, as NVIDIA's DRA driver writes one for every claim
+(cmd/gpu-kubelet-plugin/cdi.go CreateClaimSpecFile of kubernetes-sigs/dra-driver-nvidia-gpu at
+95932046...): kind k8s.gpu.nvidia.com/claim, one device per device of the claim, `<claim uid>-<device name>`,
+self-contained: the node spec's common edits (the driver's libraries and binaries, its hooks) at the top,
+and each device's own edits (its device nodes) under its name. A device shared by MPS adds its daemon's:
+CUDA_MPS_PIPE_DIRECTORY, and bind mounts of the daemon's pipe directory and of the daemons' tmpfs as
+/dev/shm (mps/layout.py: the device plugin's MPS clients get the same). The kubelet is given only the
+claim's devices. The edits are the agent's node spec's (toolkit.cdi.path) as the cdi stage last wrote it.
 
-Kind k8s.gpu.nvidia.com/claim, one device per MPS device of the claim, `<claim uid>-<device name>`, whose
-edits give its containers the claim's MPS control daemon: CUDA_MPS_PIPE_DIRECTORY, and bind mounts of the
-daemon's pipe directory and of the daemons' tmpfs as /dev/shm (mps/layout.py: the device plugin's MPS
-clients get the same). The kubelet passes it beside the agent's own spec's device, which gives the GPU.
-NVIDIA's DRA driver writes a spec of this kind for every claim (cmd/gpu-kubelet-plugin/cdi.go and
-sharing.go of kubernetes-sigs/dra-driver-nvidia-gpu at 14fd2e64bad38879d01a798444bf6847e8a47198); the agent
-writes one only for a claim that needs edits its own spec does not hold.
+Where the agent writes no node spec (toolkit.cdi off), nothing can be copied: the claim is answered the node
+spec's own names (nvidia.com/gpu=<UUID>, a spec someone else keeps), and only a claim shared by MPS gets a
+spec of its own, with the MPS edits alone, given beside them.
 
 Each spec is recorded in the ledger (claim_specs) before it is written (temp + fsync + rename), and removed
 with its record at the claim's unprepare, or by `gpu-agent uninstall` when a claim was never unprepared.
@@ -15,7 +18,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import yaml
 
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
@@ -26,11 +33,59 @@ from gpu_agent.toolkit.cdi import minimum_version
 
 KIND = "k8s.gpu.nvidia.com/claim"
 MOUNT_OPTIONS = ("rw", "nosuid", "nodev", "bind")
+MAX_NODE_SPEC_BYTES = 16 << 20  # an 8-GPU node with 7 MIG devices each writes well under 1 MiB
 _UID = re.compile(r"[a-z0-9-]{1,64}")  # a Kubernetes UID (a UUID), and what a file name may be made of
+_LISTS = ("env", "deviceNodes", "mounts", "hooks")
 
 
 class ClaimSpecError(ValueError):
-    """A claim whose spec cannot be named (its uid is no Kubernetes UID)."""
+    """A claim whose spec cannot be named (its uid is no Kubernetes UID), or a node spec that cannot be read."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """The agent's node spec, as far as a claim's spec copies it."""
+
+    common: dict[str, Any]  # its containerEdits
+    devices: dict[str, dict[str, Any]]  # each device's containerEdits, by name (GPU-..., MIG-..., 0, 0:1, all)
+
+
+def read_node_spec(path: Path) -> NodeSpec:
+    """The node spec at `path`; ClaimSpecError naming the file and why it cannot be read."""
+    try:
+        data = read_bounded(path, MAX_NODE_SPEC_BYTES)
+        if data is None:
+            raise ClaimSpecError(f"{path}: the node's CDI spec is not there (see the cdi stage)")
+        document = yaml.load(data, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except (OSError, NotRegular, TooLarge, yaml.YAMLError) as exc:
+        raise ClaimSpecError(f"{path}: the node's CDI spec cannot be read ({exc})") from None
+    devices = document.get("devices") if isinstance(document, dict) else None
+    if not isinstance(devices, list) or not all(
+            isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("containerEdits"), dict)
+            for d in devices) or not isinstance(document.get("containerEdits") or {}, dict):
+        raise ClaimSpecError(f"{path}: not a CDI spec the agent wrote (devices, each with a name and containerEdits)")
+    return NodeSpec(dict(document.get("containerEdits") or {}), {d["name"]: d["containerEdits"] for d in devices})
+
+
+def mps_edits(resource: str) -> dict[str, Any]:
+    """What a container of an MPS device needs of the control daemon serving `resource`."""
+    return {"env": [f"{key}={value}" for key, value in sorted(client_envs(resource).items())],
+            "mounts": [{"hostPath": host, "containerPath": container, "options": list(MOUNT_OPTIONS)}
+                       for container, host in client_mounts(resource)]}
+
+
+def merged(*edits: Mapping[str, Any]) -> dict[str, Any]:
+    """Container edits one after the other: their lists joined, additionalGids as a set."""
+    out: dict[str, Any] = {}
+    for edit in edits:
+        for key, value in edit.items():
+            if key in _LISTS:
+                out[key] = [*out.get(key, []), *value]
+            elif key == "additionalGids":
+                out[key] = sorted({*out.get(key, []), *value})
+            else:
+                out[key] = value
+    return out
 
 
 def spec_path(uid: str) -> str:
@@ -44,24 +99,25 @@ def device_id(uid: str, device: str) -> str:
     return f"{KIND}={uid}-{device}"
 
 
-def render(uid: str, devices: Mapping[str, str]) -> dict[str, Any]:
-    """The spec for claim `uid`: `devices` are the claim's MPS devices by name, each with its daemon's resource."""
-    entries = []
-    for device, resource in sorted(devices.items()):
-        env = [f"{key}={value}" for key, value in sorted(client_envs(resource).items())]
-        mounts = [{"hostPath": host, "containerPath": container, "options": list(MOUNT_OPTIONS)}
-                  for container, host in client_mounts(resource)]
-        entries.append({"name": f"{uid}-{device}", "containerEdits": {"env": env, "mounts": mounts}})
-    spec = {"cdiVersion": "", "kind": KIND, "devices": entries}
+def render(uid: str, devices: Mapping[str, Mapping[str, Any]],
+           common: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The spec for claim `uid`: `devices` are the claim's devices by name, each with its container edits;
+    `common`: the edits every device of the claim gets (the node spec's)."""
+    spec: dict[str, Any] = {"cdiVersion": "", "kind": KIND,
+                            "devices": [{"name": f"{uid}-{device}", "containerEdits": dict(edits)}
+                                        for device, edits in sorted(devices.items())]}
+    if common:
+        spec["containerEdits"] = dict(common)
     spec["cdiVersion"] = minimum_version(spec)  # 0.5.0: its device names start with the uid, often a digit
     return spec
 
 
-def write(root: Root, ledger: Ledger, uid: str, devices: Mapping[str, str]) -> bool:
-    """The claim's spec as `devices` ask, recorded first; False when it holds that already. OSError, or the
+def write(root: Root, ledger: Ledger, uid: str, devices: Mapping[str, Mapping[str, Any]],
+          common: Optional[Mapping[str, Any]] = None) -> bool:
+    """The claim's spec (render()), recorded first; False when it holds that already. OSError, or the
     ledger's AgentError, as the write's."""
     path = spec_path(uid)
-    text = json.dumps(render(uid, devices), indent=1) + "\n"
+    text = json.dumps(render(uid, devices, common), indent=1) + "\n"
     try:
         found = read_bounded(root(path), 1 << 20, follow=False)
     except (NotRegular, TooLarge):

@@ -37,6 +37,7 @@ from gpu_agent.dra.slices import SlicePublisher
 from gpu_agent.dra.timeslice import TimeSlices
 from gpu_agent.errors import AgentError
 from gpu_agent.host import sandbox
+from gpu_agent.host.files import stamp_of
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.paths import Root
 from gpu_agent.host.sockets import socket_address
@@ -92,6 +93,7 @@ class DraManager:
         self._wake: Optional[asyncio.Event] = None
         self._publishing: Optional[asyncio.Task[None]] = None
         self._claims = threading.Lock()  # prepare and unprepare run on worker threads: one at a time
+        self._node_spec_read: Optional[tuple[Any, claim_cdi.NodeSpec]] = None  # (path and stamp, what it held)
 
     def wake(self) -> None:
         if self._wake is not None:
@@ -263,16 +265,20 @@ class DraManager:
         problem = self._apply_timeslices(claim.uid, prepared)
         if problem:
             return api.NodePrepareResourceResponse(error=f"claim {claim.namespace}/{claim.name}: {problem}")
-        devices = mps_resources(claim.uid, prepared)
-        if devices:
+        try:
+            node = self._node_spec()
+            edits = _claim_edits(claim.uid, prepared, node)
+        except claim_cdi.ClaimSpecError as exc:
+            return api.NodePrepareResourceResponse(error=f"claim {claim.namespace}/{claim.name}: {exc}")
+        if edits:
             try:
-                if claim_cdi.write(self.root, self.ledger, claim.uid, devices):
-                    log.info("DRA: claim %s/%s: its CDI spec written (MPS)", claim.namespace, claim.name)
+                if claim_cdi.write(self.root, self.ledger, claim.uid, edits, node.common if node else None):
+                    log.info("DRA: claim %s/%s: its CDI spec written", claim.namespace, claim.name)
             except (OSError, AgentError) as exc:
                 return api.NodePrepareResourceResponse(
                     error=f"claim {claim.namespace}/{claim.name}: its CDI spec cannot be written: "
                           f"{getattr(exc, 'strerror', None) or exc}")
-        return _answer(prepared)
+        return _answer(claim.uid, prepared, own_spec=node is not None)
 
     def unprepare(self, claims: list[api.Claim]) -> dict[str, api.NodeUnprepareResourceResponse]:
         answers: dict[str, api.NodeUnprepareResourceResponse] = {}
@@ -335,6 +341,17 @@ class DraManager:
         if self.state.publish_claim_mps(daemons):
             self.mps_wanted()
 
+    def _node_spec(self) -> Optional[claim_cdi.NodeSpec]:
+        """The agent's node CDI spec as the cdi stage last wrote it (read again when the file changed); None where
+        the agent writes none (toolkit.cdi off). ClaimSpecError when it cannot be read."""
+        if self._cdi_spec() is None:
+            return None
+        path = self.root(self.state.config.config.toolkit.cdi.path)
+        key = (path, stamp_of(path))
+        if self._node_spec_read is None or self._node_spec_read[0] != key:
+            self._node_spec_read = (key, claim_cdi.read_node_spec(path))
+        return self._node_spec_read[1]
+
     def _cdi_spec(self) -> Optional[frozenset[str]]:
         toolkit = self.state.config.config.toolkit
         if not (toolkit.enabled and toolkit.cdi.enabled):
@@ -357,10 +374,32 @@ class DraManager:
         })
 
 
-def _answer(claim: PreparedClaim) -> api.NodePrepareResourceResponse:
+def _claim_edits(uid: str, claim: PreparedClaim, node: Optional[claim_cdi.NodeSpec]) -> dict[str, dict[str, Any]]:
+    """The container edits of each device the claim's own spec holds: all of them, the node spec's edits of
+    its GPU or MIG device (and its MPS daemon's); without the agent's node spec, only its MPS devices', with
+    the MPS edits alone. ClaimSpecError for a device the node spec no longer has."""
+    mps = mps_resources(uid, claim)
+    if node is None:
+        return {device: claim_cdi.mps_edits(resource) for device, resource in mps.items()}
+    edits = {}
+    for device in claim.devices:
+        name = device.cdi_ids[0].split("=", 1)[1]
+        found = node.devices.get(name)
+        if found is None:
+            raise claim_cdi.ClaimSpecError(f"the node's CDI spec has no device {name} now (see the cdi stage); "
+                                           "the kubelet asks again")
+        extra = [claim_cdi.mps_edits(mps[device.device])] if device.device in mps else []
+        edits[device.device] = claim_cdi.merged(found, *extra)
+    return edits
+
+
+def _answer(uid: str, claim: PreparedClaim, own_spec: bool) -> api.NodePrepareResourceResponse:
+    """Each device's CDI devices: the claim's own where its spec holds them all (`own_spec`), else those the
+    checkpoint holds (the node spec's, and the claim's for an MPS device)."""
     return api.NodePrepareResourceResponse(devices=[
         api.Device(request_names=list(device.requests), pool_name=device.pool, device_name=device.device,
-                   cdi_device_ids=list(device.cdi_ids)) for device in claim.devices])
+                   cdi_device_ids=[claim_cdi.device_id(uid, device.device)] if own_spec else list(device.cdi_ids))
+        for device in claim.devices])
 
 
 class _Registration(api.RegistrationBase):

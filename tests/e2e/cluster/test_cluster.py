@@ -306,8 +306,9 @@ def _claimed_pod(cluster: rig.Cluster, name: str, selector: str, device: dict[st
     """A ResourceClaim `name` for one device of class gpu.nvidia.com matching `selector` (with the `opaque`
     config for driver gpu.nvidia.com, if any), and a pod of that claim running `probe`, bound to the node.
     There is no scheduler: the claim is allocated `device` (which the test chose as the scheduler would) and
-    reserved for the pod; the kubelet asks the agent to prepare it; `during()` is called then. Once the pod
-    succeeded, the kubelet unprepares the claim (the agent's checkpoint forgets it). The pod's log."""
+    reserved for the pod; the kubelet asks the agent to prepare it (the claim's own CDI spec written, which
+    gives the pod the device); `during()` is called then. Once the pod succeeded, the kubelet unprepares the
+    claim (the agent's checkpoint forgets it, the spec goes). The pod's log."""
     assert cluster.api("POST", f"{DRA}/deviceclasses", DEVICE_CLASS).status in (201, 409)
     configs = [{"requests": ["gpu"], "opaque": {"driver": "gpu.nvidia.com", "parameters": opaque}}] if opaque else []
     claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
@@ -344,9 +345,12 @@ def _claimed_pod(cluster: rig.Cluster, name: str, selector: str, device: dict[st
         log = cluster.api("GET", path + "/log")
         assert done["status"]["phase"] == "Succeeded", (done["status"], log)
         cluster.wait("the claim unprepared", lambda: _agent_status(cluster)["dra"]["prepared_claims"] == {})
+        cluster.wait("its CDI spec gone", lambda: "k8s.gpu.nvidia.com-claim_" not in cluster.container.exec(
+            "ls", "/var/run/cdi", check=False).stdout)
         journal = cluster.container.exec("journalctl", "--no-pager", "-o", "cat", "-u", "gpu-agent").stdout
         uid = made.body["metadata"]["uid"]
         assert f"DRA: prepared claim default/{name} ({uid}): {device['name']}" in journal, journal[-3000:]
+        assert f"DRA: claim default/{name}: its CDI spec written" in journal, journal[-3000:]  # given its devices
         return str(log.body)
     finally:
         cluster.api("DELETE", path + "?gracePeriodSeconds=0")
