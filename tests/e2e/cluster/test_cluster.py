@@ -387,6 +387,42 @@ def test_a_resource_claim_for_a_gpu_is_prepared_and_its_pod_sees_that_gpu(cluste
     cluster.wait("the pool withdrawn", lambda: _pool(cluster) == [], timeout=120)
 
 
+def test_a_restarted_kubelet_gets_the_pool_again_and_a_restarted_agent_unprepares_its_claims(
+        cluster: rig.Cluster) -> None:
+    """plugin.api dra on the real kubelet: a restarted kubelet deletes the node's slices when it starts and
+    registers the plugin again, and the agent publishes the pool again (a new slice). A claim prepared, the
+    agent restarted while its pod runs: the new agent still holds the claim (its checkpoint) and, once the
+    pod ended, the kubelet's unprepare reaches it and the claim and its CDI spec go."""
+    c = cluster.container
+    original = c.exec("cat", AGENT_CONFIG, check=False).stdout
+    rig.import_images(c)
+    try:
+        c.sh(f"printf 'version: v1\\nplugin:\\n  api: dra\\n' > {AGENT_CONFIG}")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+        before = _pool_of(cluster, 8)[0]["metadata"]["uid"]
+        c.exec("systemctl", "restart", "kubelet", timeout=180)
+        cluster.wait("the pool published again by the agent", lambda: (
+            lambda found: found if found and found[0]["metadata"]["uid"] != before
+            and len(found[0]["spec"]["devices"]) == 8 else None)(_pool(cluster)), timeout=240)
+        chosen = [d for s in _pool(cluster) for d in s["spec"]["devices"]][1]
+        uuid = chosen["attributes"]["uuid"]["string"]
+
+        def restart_while_it_runs() -> None:
+            cluster.wait("the claim prepared", lambda: _agent_status(cluster)["dra"]["prepared_claims"])
+            c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+            claims = cluster.wait("the restarted agent's /status", lambda: (_agent_status(cluster)["dra"] or {}).get(
+                "prepared_claims"))
+            assert [d["device"] for claim in claims.values() for d in claim["devices"]] == [chosen["name"]], claims
+
+        log = _claimed_pod(cluster, "kept", f"device.attributes['gpu.nvidia.com'].uuid == '{uuid}'", chosen,
+                           probe=PROBE + "; sleep 30", during=restart_while_it_runs)
+        assert re.findall(r"^char /dev/nvidia(\d+)$", log, re.M) == [chosen["name"].removeprefix("gpu-")], log
+    finally:
+        c.sh(f"cat > {AGENT_CONFIG} <<'EOF'\n{original}EOF")
+        c.exec("systemctl", "restart", "gpu-agent", timeout=300)
+    cluster.wait("nvidia.com/gpu: 8 with DRA off", lambda: _gpus(cluster) == ("8", "8"))
+
+
 def test_a_resource_claim_for_a_mig_device_is_prepared_and_its_pod_sees_it(cluster: rig.Cluster) -> None:
     """plugin.api dra with mig.config all-balanced: the pool holds the 32 MIG devices (no whole GPU), each
     with its profile; a claim selecting a 1g.10gb by profile is prepared, and its pod sees the parent GPU's
