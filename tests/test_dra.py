@@ -448,6 +448,12 @@ def test_a_claim_is_refused_while_the_node_spec_cannot_be_read_and_given_its_nam
     node_spec.write_text("devices: [")
     answer = manager.prepare([api.Claim("default", "uid-1", "one")], float("inf"))["uid-1"]
     assert answer.error.startswith(f"claim default/one: {node_spec}: the node's CDI spec cannot be read (")
+    for devices in ([{"name": "GPU-00000000-0000-0000-0000-000000000000", "containerEdits": {"env": None}}],
+                    [{"name": "x", "containerEdits": {"deviceNodes": ["/dev/nvidia0"]}}]):
+        node_spec.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices}))
+        answer = manager.prepare([api.Claim("default", "uid-1", "one")], float("inf"))["uid-1"]
+        assert answer.error == f"claim default/one: {node_spec}: not a CDI spec the agent wrote (devices, each with " \
+                               "a name and containerEdits of lists)"
     node_spec.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": []}))
     answer = manager.prepare([api.Claim("default", "uid-1", "one")], float("inf"))["uid-1"]
     assert answer.error == ("claim default/one: the node's CDI spec has no device "
@@ -459,6 +465,28 @@ def test_a_claim_is_refused_while_the_node_spec_cannot_be_read_and_given_its_nam
     assert not answer.error and list(answer.devices[0].cdi_device_ids) == [
         "nvidia.com/gpu=GPU-00000000-0000-0000-0000-000000000000"]
     assert not (root / "var/run/cdi/k8s.gpu.nvidia.com-claim_uid-1.json").exists()
+
+
+def test_a_uid_that_names_no_spec_is_that_claims_error_and_an_unreadable_checkpoint_puts_nothing_back(
+        tmp_path: Path, emulator: KubeEmulator) -> None:
+    root = tmp_path / "root"
+    gpus = Gpus()
+    manager = DraManager(Root(root), agent_state(root), client_of(tmp_path), NODE, gpus=(gpus, gpus))
+    manager.sync_devices()
+    for uid, name in (("UID-1", "upper"), ("uid-2", "fine")):
+        emulator.add_resource_claim("default", name, uid, NODE,
+                                    [{"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-10", "request": "g"}])
+    answers = manager.prepare([api.Claim("default", "UID-1", "upper"), api.Claim("default", "uid-2", "fine")],
+                              float("inf"))
+    assert answers["UID-1"].error == "claim default/upper: the claim's uid 'UID-1' is not a Kubernetes UID"
+    assert not answers["uid-2"].error and sorted(manager.checkpoint.claims) == ["uid-2"]
+    first = "GPU-00000000-0000-0000-0000-000000000000"
+    Ledger(Root(root)).save_timeslice(first, TimeSlice("uid-2", 3, manager.boot, None, True))
+    root.joinpath(CHECKPOINT.lstrip("/")).write_text("{")
+    restarted = DraManager(Root(root), agent_state(root), client_of(tmp_path), NODE, gpus=(gpus, gpus))
+    restarted.checkpoint.load()
+    restarted._put_back_timeslices()  # which claims hold GPUs cannot be told: the time-slice stays
+    assert restarted.checkpoint.error and gpus.calls == [] and first in Ledger(Root(root)).timeslices()
 
 
 def test_every_claim_of_a_huge_request_gets_an_answer(tmp_path: Path, emulator: KubeEmulator) -> None:
@@ -649,7 +677,7 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     assert manager.checkpoint.claims["uid-ts"].devices[0].sharing == Sharing("TimeSlicing", "Short")
     # as NVIDIA's plugin sets it: compute mode DEFAULT, then the time-slice; what the mode was is kept
     assert gpus.calls == [("mode", first, "DEFAULT"), ("timeslice", first, 1)]
-    assert Ledger(Root(root)).timeslices() == {first: TimeSlice("uid-ts", 1, manager.boot, "EXCLUSIVE_PROCESS")}
+    assert Ledger(Root(root)).timeslices() == {first: TimeSlice("uid-ts", 1, manager.boot, "EXCLUSIVE_PROCESS", True)}
     resource = "k8s.gpu.nvidia.com/claim/uid-mps"
     assert manager.state.claim_mps == {resource: ClaimMps(("GPU-00000000-0000-0000-0000-000000000000",), 50, None)}
     assert wanted  # the daemon's MPS watch was told
@@ -688,7 +716,8 @@ def test_claims_with_opaque_configs_are_prepared_shared_refused_or_named_each_on
     reread = Checkpoint(manager.checkpoint.path)
     reread.load()
     assert reread.claims == manager.checkpoint.claims  # the sharing survives a restart of the agent
-    assert len(gpus.calls) == 2  # the time-sliced claim asked again, and still prepared: nothing changed
+    manager.prepare([api.Claim("default", "uid-ts", "sliced")], float("inf"))
+    assert len(gpus.calls) == 2  # the time-sliced claim asked again, set already: nothing changed
     assert manager.unprepare([api.Claim("default", "uid-ts", "sliced")])["uid-ts"].error == ""
     assert gpus.calls[2:] == [("timeslice", first, 0), ("mode", first, "EXCLUSIVE_PROCESS")]
     assert Ledger(Root(root)).timeslices() == {} and Ledger(Root(root)).claim_specs() == {}

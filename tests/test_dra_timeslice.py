@@ -67,8 +67,8 @@ def test_a_claim_sets_the_mode_then_the_time_slice_once_and_puts_both_back(ledge
     gpus = Gpus({A: "PROHIBITED"})
     timeslice.apply(ledger, gpus, gpus, "boot-1", "uid-1", {A: 2, B: 1})
     assert gpus.calls == [("mode", A, "DEFAULT"), ("timeslice", A, 2), ("timeslice", B, 1)]
-    assert ledger.timeslices() == {A: TimeSlice("uid-1", 2, "boot-1", "PROHIBITED"),
-                                   B: TimeSlice("uid-1", 1, "boot-1", None)}
+    assert ledger.timeslices() == {A: TimeSlice("uid-1", 2, "boot-1", "PROHIBITED", applied=True),
+                                   B: TimeSlice("uid-1", 1, "boot-1", None, applied=True)}
     timeslice.apply(ledger, gpus, gpus, "boot-1", "uid-1", {A: 2, B: 1})
     assert len(gpus.calls) == 3  # prepared again in the same boot: nothing to change
     assert timeslice.put_back(ledger, gpus, gpus, "boot-1", {"uid-1"}) == [] and len(gpus.calls) == 3  # still held
@@ -90,7 +90,7 @@ def test_a_reboot_is_read_from_the_record_the_claim_is_applied_again_and_nothing
     gpus.modes = {}  # the reboot: DEFAULT and the driver's time-slice again
     timeslice.apply(ledger, gpus, gpus, "boot-2", "uid-1", {A: 3})  # the kubelet prepares the claim again
     assert gpus.calls[2:] == [("timeslice", A, 3)]
-    assert ledger.timeslices() == {A: TimeSlice("uid-1", 3, "boot-2", None)}  # PROHIBITED went with the boot
+    assert ledger.timeslices() == {A: TimeSlice("uid-1", 3, "boot-2", None, True)}  # PROHIBITED went with the boot
     timeslice.put_back(ledger, gpus, gpus, "boot-3", set())  # another reboot, then the claim is unprepared
     assert gpus.calls[3:] == [] and ledger.timeslices() == {}
 
@@ -108,16 +108,36 @@ def test_what_cannot_be_put_back_stays_recorded_and_is_named(ledger: Ledger) -> 
     gpus.fail = "Insufficient Permissions"
     with pytest.raises(AgentError, match=f"cannot give GPU {A} the time-slice asked for: Insufficient Permissions"):
         timeslice.apply(ledger, gpus, gpus, "boot-1", "uid-2", {A: 2})
-    assert ledger.timeslices() == {A: TimeSlice("uid-2", 2, "boot-1", None)}  # recorded before: put back later
+    assert ledger.timeslices() == {A: TimeSlice("uid-2", 2, "boot-1", None)}  # recorded before, not applied
+    gpus.fail = None
+    timeslice.apply(ledger, gpus, gpus, "boot-1", "uid-2", {A: 2})  # the kubelet asks again: set this time
+    assert gpus.calls[-1] == ("timeslice", A, 2) and ledger.timeslices()[A].applied
+
+
+def test_a_gpu_whose_mode_an_mps_daemon_holds_is_refused_until_it_stops_and_never_put_back_under_one(
+        ledger: Ledger) -> None:
+    gpus = Gpus({A: "EXCLUSIVE_PROCESS"})
+    ledger.save_compute_mode(A, "DEFAULT", "k8s.gpu.nvidia.com/claim/uid-mps")  # its daemon stops, not yet gone
+    with pytest.raises(AgentError, match="its compute mode is the MPS control daemon's of "
+                                         "k8s.gpu.nvidia.com/claim/uid-mps until that daemon stops"):
+        timeslice.apply(ledger, gpus, gpus, "boot-1", "uid-ts", {A: 1})
+    assert gpus.calls == [] and ledger.timeslices() == {}
+    ledger.clear_compute_mode(A)
+    gpus.modes = {A: "PROHIBITED"}
+    timeslice.apply(ledger, gpus, gpus, "boot-1", "uid-ts", {A: 1})
+    ledger.save_compute_mode(A, "DEFAULT", "nvidia.com/gpu")  # a daemon took the GPU since (a failed put back)
+    assert timeslice.put_back(ledger, gpus, gpus, "boot-1", set()) == []
+    assert gpus.calls[-1] == ("timeslice", A, 0) and gpus.modes[A] == "DEFAULT"  # its mode left to the daemon
 
 
 def test_a_malformed_record_is_named_by_its_section(tmp_path: Path, ledger: Ledger) -> None:
     path = tmp_path / PATH.lstrip("/")
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"version": 1, "timeslices": {A: {"claim": "u", "level": 9, "boot": "b",
-                                                                  "mode_before": None}}}))
-    with pytest.raises(LedgerError, match="timeslices: expected an object of GPU UUIDs.*a level 0 to 3"):
-        ledger.timeslices()
+    good = {"claim": "u", "level": 1, "boot": "b", "mode_before": None, "applied": True}
+    for key, entry in ((A, {**good, "level": 9}), ("0", good), (A, {**good, "applied": "yes"})):
+        path.write_text(json.dumps({"version": 1, "timeslices": {key: entry}}))
+        with pytest.raises(LedgerError, match="timeslices: expected an object of GPU UUIDs.*a level 0 to 3"):
+            ledger.timeslices()
 
 
 def test_nvidia_smi_is_asked_as_nvidias_plugin_asks_it_and_only_on_the_running_system(

@@ -759,6 +759,8 @@ class Daemon:
         if running and (not wanted or key != self._both_key):
             assert self._both_task is not None
             self._both_task.cancel()
+            if self._both_task in self._tasks:
+                self._tasks.remove(self._both_task)
             self._both_task, running = None, False
         if not wanted:
             self.state.both, self._both_asked = None, False

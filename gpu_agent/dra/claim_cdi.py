@@ -27,7 +27,7 @@ import yaml
 from gpu_agent.host.bounded import NotRegular, TooLarge, read_bounded
 from gpu_agent.host.files import atomic_write
 from gpu_agent.host.ledger import CLAIM_SPEC_DIR, Ledger
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, place
 from gpu_agent.mps.layout import client_envs, client_mounts
 from gpu_agent.toolkit.cdi import minimum_version
 
@@ -60,11 +60,30 @@ def read_node_spec(path: Path) -> NodeSpec:
     except (OSError, NotRegular, TooLarge, yaml.YAMLError) as exc:
         raise ClaimSpecError(f"{path}: the node's CDI spec cannot be read ({exc})") from None
     devices = document.get("devices") if isinstance(document, dict) else None
+    try:
+        json.dumps(document)
+    except (TypeError, ValueError):  # a YAML date, a non-string key: nothing the agent writes
+        devices = None
     if not isinstance(devices, list) or not all(
-            isinstance(d, dict) and isinstance(d.get("name"), str) and isinstance(d.get("containerEdits"), dict)
-            for d in devices) or not isinstance(document.get("containerEdits") or {}, dict):
-        raise ClaimSpecError(f"{path}: not a CDI spec the agent wrote (devices, each with a name and containerEdits)")
+            isinstance(d, dict) and isinstance(d.get("name"), str) and _edits(d.get("containerEdits"))
+            for d in devices) or not _edits(document.get("containerEdits") or {}):
+        raise ClaimSpecError(f"{path}: not a CDI spec the agent wrote (devices, each with a name and containerEdits "
+                             "of lists)")
     return NodeSpec(dict(document.get("containerEdits") or {}), {d["name"]: d["containerEdits"] for d in devices})
+
+
+def _edits(edits: Any) -> bool:
+    """Container edits whose lists are lists (env of strings, the others of objects), as merged() joins them."""
+    if not isinstance(edits, dict):
+        return False
+    for key in (*_LISTS, "additionalGids"):
+        value = edits.get(key, [])
+        if not isinstance(value, list):
+            return False
+        kind = str if key == "env" else int if key == "additionalGids" else dict
+        if not all(isinstance(item, kind) and not isinstance(item, bool) for item in value):
+            return False
+    return True
 
 
 def mps_edits(resource: str) -> dict[str, Any]:
@@ -118,15 +137,16 @@ def write(root: Root, ledger: Ledger, uid: str, devices: Mapping[str, Mapping[st
     ledger's AgentError, as the write's."""
     path = spec_path(uid)
     text = json.dumps(render(uid, devices, common), indent=1) + "\n"
+    ledger.own_claim_spec(path, uid)  # nothing written when recorded already
+    where = root(place(root, path))  # /var/run is often a link to /run: followed under the root
     try:
-        found = read_bounded(root(path), 1 << 20, follow=False)
+        found = read_bounded(where, 1 << 20, follow=False)
     except (NotRegular, TooLarge):
         found = None
     if found is not None and found.decode(errors="replace") == text:
         return False
-    ledger.own_claim_spec(path, uid)
-    root(CLAIM_SPEC_DIR).mkdir(parents=True, exist_ok=True)
-    atomic_write(root(path), text, 0o644)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(where, text, 0o644)
     return True
 
 
@@ -148,5 +168,5 @@ def remove_left(root: Root, ledger: Ledger) -> list[str]:
 
 
 def _remove(root: Root, ledger: Ledger, path: str) -> None:
-    root(path).unlink(missing_ok=True)
+    root(place(root, path)).unlink(missing_ok=True)
     ledger.disown_claim_spec(path)

@@ -69,6 +69,10 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
     device of the agent's spec that gives it. Raises ClaimError naming what is wrong: another claim under
     the name (its uid), no allocation, no device of this driver, another pool, a device the pool does not
     publish (now), a CDI device the spec lacks, an opaque config that cannot be read or applied (MPS)."""
+    try:
+        claim_cdi.spec_path(uid)  # the name of the claim's own CDI spec
+    except claim_cdi.ClaimSpecError as exc:
+        raise ClaimError(str(exc)) from None
     metadata = _mapping(claim.get("metadata"))
     if metadata.get("uid") != uid:
         raise ClaimError(f"the ResourceClaim of that name has uid {str(metadata.get('uid'))[:64]!r}, not {uid!r}: "
@@ -118,10 +122,6 @@ def devices_for(claim: Mapping[str, Any], uid: str, pool: str, published: Mappin
             raise ClaimError(f"the agent's CDI spec holds no {cdi} (see the cdi stage in `gpu-agent status`)")
         ids: tuple[str, ...] = (cdi,)
         if chosen is not None and chosen.strategy == MPS:
-            try:
-                claim_cdi.spec_path(uid)
-            except claim_cdi.ClaimSpecError as exc:
-                raise ClaimError(str(exc)) from None
             ids = (cdi, claim_cdi.device_id(uid, device))  # its MPS daemon's edits, in the claim's own spec
         prepared.append(PreparedDevice(tuple(requests), pool, device, ids, chosen))
     try:

@@ -39,7 +39,7 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host import sandbox
 from gpu_agent.host.files import stamp_of
 from gpu_agent.host.ledger import Ledger
-from gpu_agent.host.paths import Root
+from gpu_agent.host.paths import Root, followed
 from gpu_agent.host.sockets import socket_address
 from gpu_agent.mps.control import ComputeModes
 from gpu_agent.nvml.model import Inventory
@@ -274,7 +274,7 @@ class DraManager:
             try:
                 if claim_cdi.write(self.root, self.ledger, claim.uid, edits, node.common if node else None):
                     log.info("DRA: claim %s/%s: its CDI spec written", claim.namespace, claim.name)
-            except (OSError, AgentError) as exc:
+            except (OSError, AgentError, claim_cdi.ClaimSpecError) as exc:
                 return api.NodePrepareResourceResponse(
                     error=f"claim {claim.namespace}/{claim.name}: its CDI spec cannot be written: "
                           f"{getattr(exc, 'strerror', None) or exc}")
@@ -323,6 +323,9 @@ class DraManager:
         the ledger, tried again at the next unprepare and at uninstall."""
         if self.gpus is None:
             return
+        if self.checkpoint.error is not None:  # which claims are prepared cannot be told: nothing is put back
+            log.warning("DRA: the time-slices set for claims are left as they are: %s", self.checkpoint.error)
+            return
         try:
             problems = timeslice.put_back(self.ledger, *self.gpus, self.boot, set(self.checkpoint.claims))
         except AgentError as exc:  # the ledger's
@@ -346,7 +349,7 @@ class DraManager:
         the agent writes none (toolkit.cdi off). ClaimSpecError when it cannot be read."""
         if self._cdi_spec() is None:
             return None
-        path = self.root(self.state.config.config.toolkit.cdi.path)
+        path = self.root(followed(self.root, self.state.config.config.toolkit.cdi.path))
         key = (path, stamp_of(path))
         if self._node_spec_read is None or self._node_spec_read[0] != key:
             self._node_spec_read = (key, claim_cdi.read_node_spec(path))

@@ -63,23 +63,30 @@ def boot_id(root: Root) -> str:
 def apply(ledger: Ledger, modes: ComputeModes, slices: TimeSlices, boot: str, uid: str,
           wanted: Mapping[str, int]) -> None:
     """Each GPU in `wanted` (by UUID: the level its claim `uid` asks for) in compute mode DEFAULT with that
-    time-slice; nothing done for one that has it already in this boot. An AgentError names the GPU and why."""
+    time-slice; nothing done for one that has it already in this boot. An AgentError names the GPU and why
+    (the record stays, not applied: the next prepare sets both again)."""
     for uuid, level in sorted(wanted.items()):
         recorded = ledger.timeslices().get(uuid)
         if recorded is not None and recorded.boot != boot:
             ledger.clear_timeslice(uuid)  # a reboot put both back: the mode it had before is the one now
             recorded = None
-        if recorded is not None and (recorded.claim, recorded.level) == (uid, level):
+        if recorded is not None and (recorded.claim, recorded.level, recorded.applied) == (uid, level, True):
             continue
+        held = ledger.compute_modes().get(uuid)
+        if held is not None:
+            raise AgentError(f"cannot give GPU {uuid} the time-slice asked for: its compute mode is the MPS control "
+                             f"daemon's of {held[1]} until that daemon stops; the kubelet asks again")
         try:
             mode = modes.compute_mode(uuid)
             if recorded is None and mode == DEFAULT_MODE and level == 0:
                 continue  # nothing to change, nothing to put back
-            ledger.save_timeslice(uuid, TimeSlice(uid, level, boot, None if mode == DEFAULT_MODE else mode))
+            before = None if mode == DEFAULT_MODE else mode
+            ledger.save_timeslice(uuid, TimeSlice(uid, level, boot, before))  # an earlier record's mode is kept
             if mode != DEFAULT_MODE:
                 modes.set_compute_mode(uuid, DEFAULT_MODE)
             if level != 0 or recorded is not None:
                 slices.set_timeslice(uuid, level)
+            ledger.save_timeslice(uuid, TimeSlice(uid, level, boot, before, applied=True))
         except AgentError as exc:
             raise AgentError(f"cannot give GPU {uuid} the time-slice asked for: {exc}") from None
         log.info("DRA: GPU %s: compute mode %s, time-slice level %d (claim %s)", uuid, DEFAULT_MODE, level, uid)
@@ -97,7 +104,7 @@ def put_back(ledger: Ledger, modes: ComputeModes, slices: TimeSlices, boot: str,
             try:
                 if recorded.level != 0:
                     slices.set_timeslice(uuid, 0)
-                if recorded.mode_before is not None:
+                if recorded.mode_before is not None and uuid not in ledger.compute_modes():  # else an MPS daemon's
                     modes.set_compute_mode(uuid, recorded.mode_before)
             except AgentError as exc:
                 problems.append(f"cannot put GPU {uuid}'s time-slice and compute mode back (set for DRA claim "

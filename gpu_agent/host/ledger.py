@@ -69,6 +69,7 @@ PATH = "/var/lib/gpu-agent/ledger.json"
 _DROPPED_WHEN_EMPTY = ("mig_checkpoints", "mps_directories", "compute_modes", "mounts", "units", "vfio",
                        "claim_specs", "timeslices")
 CLAIM_SPEC_DIR = "/var/run/cdi"  # the transient CDI specs of DRA claims, and only there
+_GPU_UUID = re.compile(r"GPU-[0-9a-fA-F-]{1,64}")  # nvidia-smi -i takes an index too: only a UUID is recorded
 _CLAIM_SPEC = re.compile(r"k8s\.gpu\.nvidia\.com-claim_[a-z0-9-]{1,64}\.json")
 LOCK_PATH = "/var/lib/gpu-agent/ledger.lock"  # not a file the agent owns: the package's purge removes it
 LOCK_TIMEOUT_S = 10.0  # a change holds the lock for milliseconds: a holder this long is stuck
@@ -116,6 +117,7 @@ class TimeSlice:
     level: int  # the compute time-slice set: 0 Default, 1 Short, 2 Medium, 3 Long
     boot: str  # the boot it was set in (/proc/sys/kernel/random/boot_id): a reboot sets Default again
     mode_before: Optional[str]  # the compute mode to put back; None: it was DEFAULT, nothing was changed
+    applied: bool = False  # the mode and time-slice were set (False: recorded before, set next, or failed)
 
 
 class LedgerError(AgentError):
@@ -422,10 +424,11 @@ class Ledger:
             raise self._error(f'mps_directories: expected an object of directories under {MPS_DIRECTORY_ROOT}, such '
                               f'as {{"{MPS_DIRECTORY_ROOT}/nvidia.com/gpu": "nvidia.com/gpu"}}')
         slices = document.setdefault("timeslices", {})
-        if not isinstance(slices, dict) or not all(_timeslice_entry(v) for v in slices.values()):
+        if not isinstance(slices, dict) or not all(
+                _GPU_UUID.fullmatch(k) and _timeslice_entry(v) for k, v in slices.items()):
             raise self._error('timeslices: expected an object of GPU UUIDs, such as {"GPU-...": {"claim": "<uid>", '
-                              '"level": 1, "boot": "<boot id>", "mode_before": null}} (a level 0 to 3, a mode_before '
-                              f'null or one of {", ".join(COMPUTE_MODES)})')
+                              '"level": 1, "boot": "<boot id>", "mode_before": null, "applied": true}} (a level 0 to '
+                              f'3, a mode_before null or one of {", ".join(COMPUTE_MODES)})')
         specs = document.setdefault("claim_specs", {})
         if not isinstance(specs, dict) or not all(_claim_spec(k) and isinstance(v, str) for k, v in specs.items()):
             raise self._error(f'claim_specs: expected an object of CDI specs in {CLAIM_SPEC_DIR}, such as '
@@ -489,8 +492,9 @@ def _vfio_entry(address: Any, entry: Any) -> bool:
 
 
 def _timeslice_entry(entry: Any) -> bool:
-    return (isinstance(entry, dict) and set(entry) == {"claim", "level", "boot", "mode_before"}
+    return (isinstance(entry, dict) and set(entry) == {"claim", "level", "boot", "mode_before", "applied"}
             and isinstance(entry["claim"], str) and isinstance(entry["boot"], str)
+            and isinstance(entry["applied"], bool)
             and type(entry["level"]) is int and 0 <= entry["level"] <= 3
             and (entry["mode_before"] is None or entry["mode_before"] in COMPUTE_MODES))
 

@@ -174,12 +174,15 @@ class OwnedFiles(Stage):
                     log.info("%s: removed (a DRA claim's CDI spec, never unprepared)", path)
             except (OSError, AgentError) as exc:
                 self._failures.append(f"cannot remove a DRA claim's CDI spec: {getattr(exc, 'strerror', None) or exc}")
-            if self.ledger.timeslices():
-                if self.mps is None or self.timeslices is None:
+            try:
+                if self.ledger.timeslices() and (self.mps is None or self.timeslices is None):
                     self._failures.append("cannot put back the time-slices set for DRA claims: no NVML here")
-                else:
+                elif self.ledger.timeslices() and self.mps is not None and self.timeslices is not None:
                     self._failures += timeslice.put_back(self.ledger, self.mps[1], self.timeslices,
                                                          timeslice.boot_id(self.root))
+            except (OSError, AgentError) as exc:
+                self._failures.append(f"cannot put back the time-slices set for DRA claims: "
+                                      f"{getattr(exc, 'strerror', None) or exc}")
         for unit in state.restarts:
             try:
                 self.services.restart(unit)
