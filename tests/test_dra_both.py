@@ -70,6 +70,7 @@ def test_the_daemon_serves_device_plugin_while_both_is_refused_and_both_once_a_c
     from gpu_agent.daemon import app
 
     monkeypatch.setattr(extended, "RECHECK_S", 0.01)
+    monkeypatch.setattr(app, "BOTH_REQUESTS_PER_MINUTE", 100_000)  # looked at 100 times a second here
     root = tmp_path / "root"
     config = write_config({"plugin": {"api": "both"}, "kubernetes": {"node_name": NODE}})
     runtime = app.Runtime.build(Root(root), load_config(config, required=True), "dgx-h100")
@@ -83,8 +84,8 @@ def test_the_daemon_serves_device_plugin_while_both_is_refused_and_both_once_a_c
         daemon._ensure_dra()
         assert state.serving() == "both" and daemon.dra is None  # nothing is served before the first look
         daemon.publish()
-        await api_until(state, lambda: state.both is not None)
-        assert state.serving() == "device-plugin" and state.to_json()["api"]["both"]["refused"].startswith(
+        await api_until(state, lambda: state.serving() == "device-plugin")  # a switch: no claim held a GPU
+        assert state.both is not None and state.to_json()["api"]["both"]["refused"].startswith(
             "no DeviceClass has spec.extendedResourceName nvidia.com/gpu")
         assert state.to_json()["api"]["configured"] == "both"
         emulator.add_device_class("gpu-extended", "nvidia.com/gpu")
