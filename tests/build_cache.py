@@ -28,10 +28,11 @@ def _stat(path: str) -> str:
 
 
 def _digest(inputs: Iterable[Path], tools: Iterable[str]) -> str:
-    """Every input file's bytes, each tool's resolved path, size and mtime, and the package database's."""
+    """Every input file's name and bytes, each tool's resolved path, size and mtime, and the package database's.
+    Not where the clone is: a clone elsewhere of the same sources uses the same build."""
     digest = hashlib.sha256()
     for path in inputs:
-        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update("/".join(path.parts[-2:]).encode() + b"\0" + path.read_bytes() + b"\0")
     for tool in tools:
         found = shutil.which(tool)
         digest.update(f"{tool}={_stat(os.path.realpath(found)) if found else 'absent'}\0".encode())

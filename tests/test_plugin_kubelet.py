@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import threading
@@ -18,8 +17,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from build_cache import cached_build
 from conftest import AgentProcess, cli
+from kubelet_standin_build import standin_binary
 from gpu_agent.host.paths import Root
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.sim.fake import FakeNvml
@@ -43,21 +42,14 @@ MIG_CONFIGS = {"version": "v1", "mig-configs": {
 @pytest.fixture(scope="session")
 def standin() -> Path:
     """The stand-in, built from Debian's Go packages (.ci/run installs them) once per distinct source."""
-    if shutil.which("go") is None or shutil.which("protoc") is None:
+    binary = standin_binary()
+    if binary is None:
         if os.environ.get("CI"):
             pytest.fail("go or protoc is missing in CI: .ci/run installs golang-go, golang-google-grpc-dev, "
                         "golang-goprotobuf-dev and protobuf-compiler")
         pytest.skip("the Go kubelet stand-in needs go and protoc: apt-get install golang-go golang-google-grpc-dev "
                     "golang-goprotobuf-dev protobuf-compiler")
-
-    def build(binary: Path, work: Path) -> None:
-        built = subprocess.run([str(HERE / "kubelet_standin" / "build.sh"), str(binary), str(work / "gopath")],
-                               capture_output=True, text=True, timeout=300)
-        assert built.returncode == 0, f"building the kubelet stand-in failed:\n{built.stdout}\n{built.stderr}"
-
-    sources = [HERE / "kubelet_standin" / "build.sh", HERE / "kubelet_standin" / "main.go",
-               HERE / "kubelet_api/deviceplugin.proto"]
-    return cached_build("kubelet-standin", sources, ("go", "protoc", "protoc-gen-go"), build)
+    return binary
 
 
 class Kubelet:
