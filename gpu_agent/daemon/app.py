@@ -781,16 +781,16 @@ class Daemon:
             except AgentError as exc:  # the kubeconfig unreadable: no answer, as an unreachable apiserver
                 log.warning("plugin.api both: the DeviceClasses cannot be read: %s", exc)
                 verdict = None
-            changed = verdict is not None and verdict != self.state.both
-            if verdict is not None and changed:
+            publish = not self._both_asked  # the DRA plugin waited for this first look
+            if verdict is not None and verdict != self.state.both:
                 if verdict.device_class is not None:
                     log.info("plugin.api both: DeviceClass %s serves %s through DRA", verdict.device_class,
                              extended.EXTENDED_RESOURCE)
                 else:
                     log.warning("plugin.api both refused, serving device-plugin: %s", verdict.refused)
-                self.state.both = verdict
-            if changed or not self._both_asked:
-                self._both_asked = True  # the DRA plugin waited for this first look
+                self.state.both, publish = verdict, True
+            if publish:
+                self._both_asked = True
                 self.publish()
             await asyncio.sleep(extended.RECHECK_S)
 

@@ -41,6 +41,11 @@ class PreparedDevice:
     cdi_ids: tuple[str, ...]
     sharing: Optional[Sharing] = None  # from the claim's opaque config; None: the device is given whole
 
+    @property
+    def gpu(self) -> str:
+        """The GPU's or MIG device's UUID: the name of the node spec's CDI device that gives it."""
+        return self.cdi_ids[0].split("=", 1)[1]
+
     def to_json(self) -> dict[str, Any]:
         sharing: Optional[dict[str, Any]] = None
         if self.sharing is not None:
@@ -141,7 +146,7 @@ def claim_daemons(claims: Mapping[str, PreparedClaim]) -> dict[str, ClaimMps]:
     daemons: dict[str, ClaimMps] = {}
     for uid, claim in sorted(claims.items()):
         for resource, (limits, devices) in _mps_groups(uid, claim).items():
-            gpus = tuple(device.cdi_ids[0].split("=", 1)[1] for device in devices)
+            gpus = tuple(device.gpu for device in devices)
             daemons[resource] = ClaimMps(gpus, limits.threads if limits else None,
                                          limits.pinned_for(gpus) if limits else None)
     return daemons
@@ -156,7 +161,7 @@ def mps_resources(uid: str, claim: PreparedClaim) -> dict[str, str]:
 def timeslice_levels(claim: PreparedClaim) -> dict[str, int]:
     """The compute time-slice level each whole GPU of the claim shared by TimeSlicing asks for, by UUID (a MIG
     device's interval is its GPU's, never set per claim)."""
-    return {device.cdi_ids[0].split("=", 1)[1]: LEVELS[device.sharing.interval] for device in claim.devices
+    return {device.gpu: LEVELS[device.sharing.interval] for device in claim.devices
             if device.sharing is not None and device.sharing.strategy == TIME_SLICING and device.sharing.interval}
 
 

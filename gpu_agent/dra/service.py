@@ -386,10 +386,9 @@ def _claim_edits(uid: str, claim: PreparedClaim, node: Optional[claim_cdi.NodeSp
         return {device: claim_cdi.mps_edits(resource) for device, resource in mps.items()}
     edits = {}
     for device in claim.devices:
-        name = device.cdi_ids[0].split("=", 1)[1]
-        found = node.devices.get(name)
+        found = node.devices.get(device.gpu)
         if found is None:
-            raise claim_cdi.ClaimSpecError(f"the node's CDI spec has no device {name} now (see the cdi stage); "
+            raise claim_cdi.ClaimSpecError(f"the node's CDI spec has no device {device.gpu} now (see the cdi stage); "
                                            "the kubelet asks again")
         extra = [claim_cdi.mps_edits(mps[device.device])] if device.device in mps else []
         edits[device.device] = claim_cdi.merged(found, *extra)

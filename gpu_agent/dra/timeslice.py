@@ -24,13 +24,12 @@ from gpu_agent.errors import AgentError
 from gpu_agent.host import proc
 from gpu_agent.host.ledger import Ledger, TimeSlice
 from gpu_agent.host.paths import Root
-from gpu_agent.host.procfs import read
+from gpu_agent.host import procfs
 from gpu_agent.mps.control import ComputeModes
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODE = "DEFAULT"
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
 NVIDIA_SMI_TIMEOUT_S = 60.0  # nvidia-smi initialises every GPU without persistence mode: seconds on 8
 
 
@@ -56,8 +55,7 @@ class NvidiaSmiTimeSlices:
 
 
 def boot_id(root: Root) -> str:
-    text = read(root, BOOT_ID)
-    return (text or "").strip() or "unknown"
+    return procfs.boot_id(root) or "unknown"
 
 
 def apply(ledger: Ledger, modes: ComputeModes, slices: TimeSlices, boot: str, uid: str,
@@ -65,14 +63,15 @@ def apply(ledger: Ledger, modes: ComputeModes, slices: TimeSlices, boot: str, ui
     """Each GPU in `wanted` (by UUID: the level its claim `uid` asks for) in compute mode DEFAULT with that
     time-slice; nothing done for one that has it already in this boot. An AgentError names the GPU and why
     (the record stays, not applied: the next prepare sets both again)."""
+    records, mps_modes = ledger.timeslices(), ledger.compute_modes()
     for uuid, level in sorted(wanted.items()):
-        recorded = ledger.timeslices().get(uuid)
+        recorded = records.get(uuid)
         if recorded is not None and recorded.boot != boot:
             ledger.clear_timeslice(uuid)  # a reboot put both back: the mode it had before is the one now
             recorded = None
         if recorded is not None and (recorded.claim, recorded.level, recorded.applied) == (uid, level, True):
             continue
-        held = ledger.compute_modes().get(uuid)
+        held = mps_modes.get(uuid)
         if held is not None:
             raise AgentError(f"cannot give GPU {uuid} the time-slice asked for: its compute mode is the MPS control "
                              f"daemon's of {held[1]} until that daemon stops; the kubelet asks again")
@@ -96,7 +95,7 @@ def put_back(ledger: Ledger, modes: ComputeModes, slices: TimeSlices, boot: str,
              prepared: Optional[set[str]] = None) -> list[str]:
     """The time-slice Default again and the compute mode as it was, on each GPU the ledger holds for a claim
     not in `prepared` (None: every claim); each forgotten once done. Returns what failed (still recorded)."""
-    problems = []
+    problems, mps_modes = [], ledger.compute_modes()
     for uuid, recorded in sorted(ledger.timeslices().items()):
         if prepared is not None and recorded.claim in prepared:
             continue
@@ -104,7 +103,7 @@ def put_back(ledger: Ledger, modes: ComputeModes, slices: TimeSlices, boot: str,
             try:
                 if recorded.level != 0:
                     slices.set_timeslice(uuid, 0)
-                if recorded.mode_before is not None and uuid not in ledger.compute_modes():  # else an MPS daemon's
+                if recorded.mode_before is not None and uuid not in mps_modes:  # else an MPS daemon's
                     modes.set_compute_mode(uuid, recorded.mode_before)
             except AgentError as exc:
                 problems.append(f"cannot put GPU {uuid}'s time-slice and compute mode back (set for DRA claim "

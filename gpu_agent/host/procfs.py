@@ -25,6 +25,15 @@ def read(root: Root, host_path: str) -> Optional[str]:
                      why_limit=", not what the kernel writes there")
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id(root: Root) -> Optional[str]:
+    """This boot's id (a new one at every boot); None where the kernel does not say."""
+    text = read(root, BOOT_ID)
+    return text.strip() or None if text is not None else None
+
+
 # Linux's dev_t: 12 bits of major, 20 of minor (MINORBITS); values past them cannot name a device node.
 MAX_MAJOR = (1 << 12) - 1
 MAX_MINOR = (1 << 20) - 1

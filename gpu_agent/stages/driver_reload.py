@@ -29,7 +29,7 @@ from gpu_agent.host.display import ConsoleControl
 from gpu_agent.host.ledger import Ledger
 from gpu_agent.host.modules import KernelModules, ModuleLoader, ModuleUnloader, ModuleUnloadError
 from gpu_agent.host.paths import Root
-from gpu_agent.host.procfs import read
+from gpu_agent.host import procfs
 from gpu_agent.mig.hooks import UnitControl
 from gpu_agent.nvml.client import Nvml
 from gpu_agent.plan import DriverReloadStep
@@ -107,7 +107,6 @@ ENABLED_KEY = "nvidia.com/gpu-driver-upgrade-enabled"  # label or annotation: "f
 QUIET = (POD_DELETION, DRAIN)  # passed through within one step: not published as labels of their own
 VALIDATED = ("mig", "discovery", "cdi")  # stages whose outcome after the reload must be ok
 POD_RESOURCES = "/var/lib/kubelet/pod-resources/kubelet.sock"
-BOOT_ID = "/proc/sys/kernel/random/boot_id"
 AGENT = "gpu-agent"  # who ended a reload the node showed was no longer needed
 _MOVES_PER_PASS = 64  # each move changes the record or the node; more in one pass is a loop
 
@@ -222,8 +221,7 @@ class Reload:
             now=time.time(), validation=_validation(outcomes))
 
     def boot_id(self) -> Optional[str]:
-        text = read(self.root, BOOT_ID)
-        return text.strip() or None if text is not None else None
+        return procfs.boot_id(self.root)
 
     def _active_units(self, progress: Optional[Progress]) -> frozenset[str]:
         units = [*self.settings.reload_units, *(progress.stopped_units if progress else ())]

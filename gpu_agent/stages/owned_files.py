@@ -175,11 +175,11 @@ class OwnedFiles(Stage):
             except (OSError, AgentError) as exc:
                 self._failures.append(f"cannot remove a DRA claim's CDI spec: {getattr(exc, 'strerror', None) or exc}")
             try:
-                if self.ledger.timeslices() and (self.mps is None or self.timeslices is None):
-                    self._failures.append("cannot put back the time-slices set for DRA claims: no NVML here")
-                elif self.ledger.timeslices() and self.mps is not None and self.timeslices is not None:
+                if self.mps is not None and self.timeslices is not None:
                     self._failures += timeslice.put_back(self.ledger, self.mps[1], self.timeslices,
                                                          timeslice.boot_id(self.root))
+                elif self.ledger.timeslices():
+                    self._failures.append("cannot put back the time-slices set for DRA claims: no NVML here")
             except (OSError, AgentError) as exc:
                 self._failures.append(f"cannot put back the time-slices set for DRA claims: "
                                       f"{getattr(exc, 'strerror', None) or exc}")
